@@ -1,0 +1,31 @@
+"""ravnest-swarm: volunteers train one model together over a hivemind DHT.
+
+Importing this package installs a light entry for ``hivemind``: hivemind's own ``__init__`` eagerly
+imports every subsystem (MoE servers, optimizers, averaging), which costs about two seconds and a
+few hundred MB in every process. We import the hivemind submodules we use by their full names
+(``hivemind.dht.node``, ``hivemind.p2p``, ``hivemind.compression``), so the package object only
+needs its search path. This is what keeps a backbone process small (see ``bench backbone``).
+"""
+
+import importlib.util
+import sys
+import types
+
+__version__ = "0.1.0"
+PROTOCOL_VERSION = 1
+
+
+def _install_light_hivemind_package() -> None:
+    if "hivemind" in sys.modules:
+        return
+    spec = importlib.util.find_spec("hivemind")
+    if spec is None or spec.submodule_search_locations is None:
+        return  # not installed: the import that needs it will say so
+    package = types.ModuleType("hivemind")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    package.__file__ = spec.origin
+    sys.modules["hivemind"] = package
+
+
+_install_light_hivemind_package()

@@ -1,0 +1,3 @@
+from ravnest_swarm.cli import main
+
+main()

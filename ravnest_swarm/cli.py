@@ -1,0 +1,224 @@
+"""The ``ravnest-swarm`` command: a thin layer of flags over library code. Each verb calls one coroutine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import List, Optional
+
+import typer
+# typer 0.29 vendors click; its usage errors are caught in main() to print them as one line
+from typer._click import exceptions as click_exceptions
+from rich.console import Console
+from rich.live import Live
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
+
+app = typer.Typer(
+    help="Train one neural network together on volunteers' computers (Ravnest + DeDLOC over hivemind).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks: JSON figures, comparisons run side by side in one process.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+InitialPeers = typer.Option(..., "--initial-peers", help="Full multiaddr of a backbone (/ip4/.../tcp/PORT/p2p/ID); repeatable.")
+
+
+def _initial_peers(values: List[str]):
+    from ravnest_swarm.transport import parse_maddrs
+
+    return parse_maddrs(values)
+
+
+@app.command()
+def backbone(
+    host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/31337"], "--host-maddrs", help="Where to listen."),
+    announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Public addresses to announce."),
+    identity: Optional[str] = typer.Option(None, "--identity", help="Private key file; created on first run, reused after."),
+    initial_peers: Optional[List[str]] = typer.Option(None, "--initial-peers", help="Other backbones to join."),
+    run: Optional[List[str]] = typer.Option(None, "--run", help="Also validate this run's records in our storage; repeatable."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for p2pd and initial peers."),
+    verbose: bool = typer.Option(False, "--verbose"),
+):
+    """Run a backbone peer: a DHT node and relay with a stable identity. Prints its multiaddrs, one per line."""
+    configure_logging(verbose)
+
+    async def main():
+        from ravnest_swarm.membership.backbone import Backbone, run_backbone
+        from ravnest_swarm.transport import parse_maddrs
+
+        parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
+        parse_maddrs(announce_maddrs or [], what="--announce-maddrs", need_peer_id=False)
+        node = Backbone(host_maddrs, announce_maddrs, identity, _initial_peers(initial_peers or []), run or [], timeout)
+        await run_backbone(node)
+
+    sys.exit(run_async(main()))
+
+
+@app.command()
+def join(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run name."),
+    name: str = typer.Option(..., "--name", help="Name shown to others (<= 64 characters)."),
+    ram_gb: Optional[float] = typer.Option(None, "--ram-gb", min=0.0, help="Override measured RAM (GB)."),
+    max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Cap on RAM offered (GB)."),
+    gflops: Optional[float] = typer.Option(None, "--gflops", min=0.0, help="Override measured GFLOP/s."),
+    bandwidth_mbps: Optional[float] = typer.Option(None, "--bandwidth-mbps", min=0.0, help="Override measured Mbit/s."),
+    heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, help="Seconds between record renewals; records expire after two."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for initial peers."),
+    host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", help="Where to listen."),
+    announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain log lines instead of a live view."),
+    verbose: bool = typer.Option(False, "--verbose"),
+):
+    """Join a run as a volunteer: measure, advertise, stay until Ctrl-C/SIGTERM, then leave cleanly."""
+    configure_logging(verbose)
+
+    async def main():
+        from ravnest_swarm.membership.capabilities import check_override
+        from ravnest_swarm.membership.records import MAX_NAME_LEN, validate_run_name
+        from ravnest_swarm.membership.volunteer import JoinOptions, Membership
+        from ravnest_swarm.transport import parse_maddrs
+
+        validate_run_name(run)
+        for flag, value in (("ram-gb", ram_gb), ("max-ram-gb", max_ram_gb), ("gflops", gflops),
+                            ("bandwidth-mbps", bandwidth_mbps)):
+            check_override(flag, value)
+        if not 0 < len(name) <= MAX_NAME_LEN:
+            raise UserError(f"--name must be 1-{MAX_NAME_LEN} characters")
+        parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
+        options = JoinOptions(
+            initial_peers=_initial_peers(initial_peers), run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb,
+            gflops=gflops, bandwidth_mbps=bandwidth_mbps, heartbeat=heartbeat, timeout=timeout,
+            host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+        )
+        console = Console(stderr=True)
+        stop = install_stop_signals()
+        membership = Membership(options, console)
+        await membership.start()
+        try:
+            await _watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard, console=console,
+                               me=name)
+        finally:
+            await membership.leave()
+        console.print(f"{name} left run {run}")
+
+    sys.exit(run_async(main()))
+
+
+async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None):
+    """Show the run's peers until ``stop`` is set: a live table, or one log line per change."""
+    from ravnest_swarm.dashboard.peers_table import peers_table
+    from ravnest_swarm.membership.announcer import read_peers
+
+    last_names = None
+
+    async def wait():
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except asyncio.TimeoutError:
+            pass
+
+    if live:
+        with Live(console=console, auto_refresh=False) as view:
+            while not stop.is_set():
+                view.update(peers_table(run, await read_peers(node, run)), refresh=True)
+                await wait()
+        return
+    while not stop.is_set():
+        peers = await read_peers(node, run)
+        names = sorted(f"{p['name']}:{p['state']}" for p in peers)
+        if names != last_names:
+            console.print(f"{me or 'observer'} sees {len(peers)} peer(s): {', '.join(names)}", highlight=False)
+            last_names = names
+        await wait()
+
+
+@app.command()
+def status(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run name."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document and exit."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh live until Ctrl-C."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0),
+    verbose: bool = typer.Option(False, "--verbose"),
+):
+    """Observe a run (DHT client, trains nothing): a table of its peers, --json, or --watch."""
+    configure_logging(verbose)
+
+    async def main():
+        from ravnest_swarm.dashboard.peers_table import peers_table
+        from ravnest_swarm.membership.announcer import read_peers
+        from ravnest_swarm.membership.records import make_validators, validate_run_name
+        from ravnest_swarm.transport import start_node, stop_node
+
+        validate_run_name(run)
+        node = await start_node(_initial_peers(initial_peers), record_validators=make_validators(run),
+                                client_mode=True, timeout=timeout)
+        try:
+            if watch:
+                await _watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console())
+            elif as_json:
+                print(json.dumps({"run": run, "peers": await read_peers(node, run)}), flush=True)
+            else:
+                Console().print(peers_table(run, await read_peers(node, run)))
+        finally:
+            await stop_node(node)
+
+    sys.exit(run_async(main()))
+
+
+@app.command()
+def doctor(
+    initial_peers: List[str] = InitialPeers,
+    timeout: float = typer.Option(10.0, "--timeout", min=1.0),
+    verbose: bool = typer.Option(False, "--verbose"),
+):
+    """Preflight before joining: p2pd, initial peers, reachability, capabilities, and a verdict (exit 0/1)."""
+    configure_logging(verbose)
+
+    async def main():
+        from ravnest_swarm.membership.doctor import run_doctor
+
+        return await run_doctor(_initial_peers(initial_peers), timeout, Console())
+
+    sys.exit(run_async(main()))
+
+
+@bench_app.command("backbone")
+def bench_backbone(
+    seconds: float = typer.Option(5.0, "--seconds", min=1.0, help="Settle time before measuring."),
+    volunteers: int = typer.Option(3, "--volunteers", min=0, help="Volunteers joined to the backbone while measuring."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Backbone memory (PSS of all its processes, p2pd included) beside a plain hivemind.DHT, in one run."""
+    configure_logging(False)
+    from ravnest_swarm.membership.bench import bench_backbone as run
+
+    sys.exit(run_async(run(seconds, volunteers, as_json)))
+
+
+def main() -> None:
+    """Entry point: click's usage errors become one line too, like our own :class:`UserError`."""
+    try:
+        app(standalone_mode=False)
+    except click_exceptions.NoArgsIsHelpError:
+        sys.exit(0)
+    except click_exceptions.UsageError as e:
+        hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as e:
+        # a bug or an environment problem we did not foresee: still one line; RAVNEST_DEBUG=1 shows the traceback
+        if os.environ.get("RAVNEST_DEBUG"):
+            raise
+        print(f"error: unexpected {type(e).__name__}: {e} (set RAVNEST_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)

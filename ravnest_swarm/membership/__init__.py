@@ -1,0 +1,1 @@
+"""Membership: backbone peers, volunteers' signed records, observers and the preflight check."""

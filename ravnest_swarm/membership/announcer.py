@@ -1,0 +1,82 @@
+"""Publishing and reading peer records under ``{run}_peers``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Dict, List, Optional
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm import __version__
+from ravnest_swarm.membership.capabilities import Capabilities
+from ravnest_swarm.membership.records import PeerRecord, peers_key
+
+logger = logging.getLogger(__name__)
+
+
+class PeerAnnouncer:
+    """Keeps this peer's signed record alive in the DHT.
+
+    The record expires ``2 * heartbeat`` seconds after each renewal, so a peer that dies vanishes from
+    everyone's view within two heartbeats without anyone having to notice.
+
+    :param node: this peer's DHT node (its validators must include the run's)
+    :param run: run name
+    :param name: human-readable peer name
+    :param capabilities: measured or overridden capabilities
+    :param heartbeat: seconds between renewals
+    """
+
+    def __init__(self, node: DHTNode, run: str, name: str, capabilities: Capabilities, heartbeat: float = 5.0):
+        self.node, self.run, self.heartbeat = node, run, heartbeat
+        self.subkey = RSASignatureValidator().local_public_key
+        self.record: Dict = dict(
+            peer_id=node.peer_id.to_base58(),
+            name=name,
+            state="joining",
+            version=__version__,
+            maddrs=[],
+            **capabilities.as_dict(),
+        )
+
+    def update(self, **fields) -> None:
+        self.record.update(fields)
+
+    async def publish(self, lifetime: Optional[float] = None) -> bool:
+        """Store the record now; returns whether at least one DHT node accepted it."""
+        self.record["time"] = time.time()
+        # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
+        value = PeerRecord.parse_obj(self.record).dict()
+        expiration = get_dht_time() + (lifetime if lifetime is not None else 2 * self.heartbeat)
+        return bool(await self.node.store(peers_key(self.run), value, expiration, subkey=self.subkey))
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            try:
+                if not await self.publish():
+                    logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
+            except Exception as e:  # a transient DHT error must not stop the heartbeats
+                logger.warning(f"publishing the peer record failed: {e}")
+            await asyncio.sleep(self.heartbeat)
+
+    async def leave(self) -> None:
+        """Say ``leaving`` for one heartbeat so others see a graceful exit, not a disappearance."""
+        self.update(state="leaving")
+        await self.publish(lifetime=self.heartbeat)
+
+
+async def read_peers(node: DHTNode, run: str) -> List[Dict]:
+    """Every live peer record of ``run`` (already validated by the node), sorted by name."""
+    found = await node.get(peers_key(run), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    peers = []
+    for subkey, item in found.value.items():
+        record = dict(item.value)
+        record["expires_in"] = round(item.expiration_time - get_dht_time(), 1)
+        peers.append(record)
+    return sorted(peers, key=lambda record: (record["name"], record["peer_id"]))

@@ -1,0 +1,83 @@
+"""DHT records of a run: their keys, pydantic schemas and validators.
+
+Every key a run uses is a field of :class:`RunRecords`; hivemind's ``SchemaValidator`` with the run
+name as prefix spells the DHT key ``{run}_{field}`` (``demo_peers``). Per-peer values live under a
+subkey that embeds the writer's RSA public key (``[owner:ssh-rsa ...]``), so hivemind's
+``RSASignatureValidator`` rejects anyone else's write. Every node of a run installs both validators,
+which check records when they are stored on the node and when they are fetched from others, so a
+malformed or forged record never reaches the code that reads it.
+
+Values travel as msgpack (hivemind's ``MSGPackSerializer``): never pickle.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+
+from ravnest_swarm.errors import UserError
+
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
+PEER_STATES = ("joining", "standby", "training", "averaging", "leaving")
+REACHABILITY = ("direct", "relay", "unknown")
+MAX_NAME_LEN = 64
+
+
+def validate_run_name(run: str) -> str:
+    """Return ``run`` if it can prefix DHT keys, else raise a :class:`UserError` that says the rule."""
+    if not RUN_NAME_RE.match(run or ""):
+        raise UserError(
+            f"invalid run name {run!r}: use 1-48 letters, digits or '-', starting with a letter or digit"
+        )
+    return run
+
+
+def _bounded_float(lo: float, hi: float):
+    return pydantic.confloat(strict=True, ge=lo, le=hi, allow_inf_nan=False)
+
+
+class PeerRecord(pydantic.BaseModel):
+    """What a volunteer says about itself, renewed every heartbeat under ``{run}_peers``.
+
+    The subkey is the peer's signed public key; ``peer_id`` is its libp2p id, which others dial.
+    Bounds come from DESIGN.md: RAM 0-4096 GB, bandwidth 0-100,000 Mbit/s, compute 0-10^6 GFLOP/s.
+    """
+
+    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    name: pydantic.constr(strict=True, min_length=1, max_length=MAX_NAME_LEN)
+    state: pydantic.constr(strict=True, regex="^(" + "|".join(PEER_STATES) + ")$")
+    ram_gb: _bounded_float(0.0, 4096.0)
+    bandwidth_mbps: _bounded_float(0.0, 100_000.0)
+    gflops: _bounded_float(0.0, 1e6)
+    reachability: pydantic.constr(strict=True, regex="^(" + "|".join(REACHABILITY) + ")$")
+    maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16)
+    version: pydantic.constr(strict=True, max_length=32)
+    time: _bounded_float(0.0, 1e11)
+    cluster: Optional[pydantic.conint(strict=True, ge=-1, le=100_000)] = None
+    stage: Optional[pydantic.conint(strict=True, ge=-1, le=64)] = None
+    layers: Optional[pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)]
+    step: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    loss: Optional[_bounded_float(0.0, 1e6)] = None
+    samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
+    note: Optional[pydantic.constr(strict=True, max_length=200)] = None
+
+
+class RunRecords(pydantic.BaseModel):
+    """The run's DHT keys (fields) and the type of each value."""
+
+    peers: Dict[BytesWithPublicKey, PeerRecord]
+
+
+def make_validators(run: str) -> List:
+    """The record validators every node of ``run`` installs (signature first, then schema)."""
+    return [RSASignatureValidator(), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run)]
+
+
+def peers_key(run: str) -> str:
+    return f"{run}_peers"
+
+

@@ -1,0 +1,138 @@
+"""Small RPC services a backbone offers to volunteers: ping, a bandwidth probe and a reachability dial-back.
+
+They use raw protobuf fields only (no torch), so a backbone process stays light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, List
+
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
+
+from ravnest_swarm.transport import make_request, make_response, unpack_metadata
+
+PING = "ravnest.ping"
+BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
+DIAL_BACK = "ravnest.dial_back"
+
+PROBE_CHUNK_BYTES = 256 * 1024
+MAX_PROBE_BYTES = 16 * 1024 * 1024
+DIAL_BACK_TIMEOUT = 3.0
+MAX_DIAL_BACK_PORTS = 4
+
+
+class BackboneServices:
+    """Handlers a backbone serves; volunteers use them while measuring themselves and in ``doctor``.
+
+    :param p2p: the node's P2P instance to register handlers on
+    """
+
+    def __init__(self, p2p: P2P):
+        self.p2p = p2p
+
+    async def add_handlers(self) -> None:
+        await self.p2p.add_protobuf_handler(PING, self.rpc_ping, runtime_pb2.ExpertRequest)
+        await self.p2p.add_protobuf_handler(
+            BANDWIDTH_PROBE, self.rpc_bandwidth_probe, runtime_pb2.ExpertRequest, stream_input=True
+        )
+        await self.p2p.add_protobuf_handler(DIAL_BACK, self.rpc_dial_back, runtime_pb2.ExpertRequest)
+
+    async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return make_response({"time": time.time()})
+
+    async def rpc_bandwidth_probe(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Count the bytes a volunteer streams at us; stop reading past ``MAX_PROBE_BYTES``."""
+        received = 0
+        started = time.perf_counter()
+        async for request in requests:
+            received += sum(len(tensor.buffer) for tensor in request.tensors)
+            if received > MAX_PROBE_BYTES:
+                raise ValueError(f"bandwidth probe exceeds {MAX_PROBE_BYTES} bytes")
+        return make_response({"bytes": received, "seconds": time.perf_counter() - started})
+
+    async def rpc_dial_back(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Try to open a TCP connection to the caller, to tell it whether it is reachable from outside.
+
+        We dial only the IP address the caller is connected from (so the backbone cannot be used to
+        probe third parties), on the TCP ports the caller says it listens on.
+        """
+        metadata = unpack_metadata(request.metadata)
+        ports = metadata.get("ports", [])
+        if not isinstance(ports, list) or not all(isinstance(p, int) and 0 < p < 65536 for p in ports):
+            raise ValueError("dial_back needs 'ports': a list of TCP port numbers")
+        hosts = await self._observed_hosts(context.remote_id)
+        for host in hosts:
+            for port in ports[:MAX_DIAL_BACK_PORTS]:
+                if await _tcp_connects(host, port):
+                    return make_response({"reachable": True, "address": f"{host}:{port}"})
+        return make_response({"reachable": False, "tried": [f"{h}:{p}" for h in hosts for p in ports[:MAX_DIAL_BACK_PORTS]]})
+
+    async def _observed_hosts(self, peer_id: PeerID) -> List[str]:
+        hosts = []
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer_id:
+                for addr in info.addrs:
+                    for proto in ("ip4", "ip6"):
+                        if _has(addr, proto) and addr[proto] not in hosts:
+                            hosts.append(addr[proto])
+        return hosts
+
+
+def _has(addr: Multiaddr, proto: str) -> bool:
+    try:
+        addr[proto]
+        return True
+    except Exception:
+        return False
+
+
+async def _tcp_connects(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), DIAL_BACK_TIMEOUT)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> float:
+    """Round-trip time to a backbone in seconds."""
+    started = time.perf_counter()
+    await asyncio.wait_for(p2p.call_protobuf_handler(peer_id, PING, make_request({}), runtime_pb2.ExpertResponse), timeout)
+    return time.perf_counter() - started
+
+
+async def measure_bandwidth(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout: float, on_progress=None) -> float:
+    """Stream ``total_bytes`` to a backbone's probe handler and return the rate in Mbit/s."""
+    payload = runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES), dtype="uint8", size=[PROBE_CHUNK_BYTES])
+    chunks = max(1, total_bytes // PROBE_CHUNK_BYTES)
+
+    async def stream():
+        for index in range(chunks):
+            yield runtime_pb2.ExpertRequest(tensors=[payload])
+            if on_progress is not None:
+                on_progress(index + 1, chunks)
+
+    started = time.perf_counter()
+    response = await asyncio.wait_for(
+        p2p.call_protobuf_handler(peer_id, BANDWIDTH_PROBE, stream(), runtime_pb2.ExpertResponse), timeout
+    )
+    elapsed = time.perf_counter() - started
+    received = unpack_metadata(response.metadata).get("bytes", 0)
+    return 8 * received / 1e6 / max(elapsed, 1e-9)
+
+
+async def check_reachability(p2p: P2P, peer_id: PeerID, timeout: float) -> str:
+    """Ask a backbone to dial us back: ``"direct"`` if it can, ``"relay"`` if it cannot."""
+    ports = sorted({int(m["tcp"]) for m in await p2p.get_visible_maddrs() if _has(m, "tcp")})
+    response = await asyncio.wait_for(
+        p2p.call_protobuf_handler(peer_id, DIAL_BACK, make_request({"ports": ports}), runtime_pb2.ExpertResponse),
+        timeout,
+    )
+    return "direct" if unpack_metadata(response.metadata).get("reachable") else "relay"

@@ -1,0 +1,123 @@
+"""``join`` up to being a standby member: measure, start the node, advertise, heartbeat, leave on a signal.
+
+Later stages of the lifecycle (placement, training, averaging) build on :class:`Membership`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils.multiaddr import Multiaddr
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.services import check_reachability, measure_bandwidth
+from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class JoinOptions:
+    """Everything ``join`` was asked to do (CLI flags, validated)."""
+
+    initial_peers: List[Multiaddr]
+    run: str
+    name: str
+    ram_gb: Optional[float] = None
+    max_ram_gb: Optional[float] = None
+    gflops: Optional[float] = None
+    bandwidth_mbps: Optional[float] = None
+    heartbeat: float = 5.0
+    timeout: float = 15.0
+    host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: Optional[Sequence[str]] = None
+    probe_mb: float = 4.0
+    extra: dict = field(default_factory=dict)
+
+
+async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capabilities:
+    """Measure what is not overridden, with a progress display; reachability is always asked of a backbone."""
+    backbone = peer_id_of(options.initial_peers[0]) if options.initial_peers else None
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[result]}"),
+                  console=console, transient=False) as progress:
+        ram_task = progress.add_task("RAM", total=1, result="")
+        ram = options.ram_gb if options.ram_gb is not None else measure_ram_gb(options.max_ram_gb)
+        progress.update(ram_task, completed=1, result=f"{ram:.1f} GB")
+
+        compute_task = progress.add_task("compute", total=1, result="")
+        gflops = options.gflops
+        if gflops is None:
+            gflops = await asyncio.get_running_loop().run_in_executor(None, measure_gflops)
+        progress.update(compute_task, completed=1, result=f"{gflops:.1f} GFLOP/s")
+
+        bandwidth_task = progress.add_task("bandwidth", total=1, result="")
+        bandwidth = options.bandwidth_mbps
+        if bandwidth is None and backbone is not None:
+            bandwidth = await measure_bandwidth(
+                node.p2p, backbone, int(options.probe_mb * 2**20), options.timeout,
+                on_progress=lambda done, total: progress.update(bandwidth_task, completed=done, total=total),
+            )
+        bandwidth = bandwidth if bandwidth is not None else 0.0
+        progress.update(bandwidth_task, completed=progress.tasks[bandwidth_task].total, result=f"{bandwidth:.0f} Mbit/s")
+
+        reach_task = progress.add_task("reachability", total=1, result="")
+        reachability = "unknown"
+        if backbone is not None:
+            reachability = await check_reachability(node.p2p, backbone, options.timeout)
+        progress.update(reach_task, completed=1, result=reachability)
+    return Capabilities(ram_gb=float(ram), gflops=float(gflops), bandwidth_mbps=float(bandwidth), reachability=reachability)
+
+
+class Membership:
+    """A volunteer's node and its heartbeating record, from start until it leaves.
+
+    :param options: validated join options
+    :param console: where progress and logs go
+    """
+
+    def __init__(self, options: JoinOptions, console: Console):
+        self.options, self.console = options, console
+        self.node: Optional[DHTNode] = None
+        self.announcer: Optional[PeerAnnouncer] = None
+        self._heartbeat_task: Optional[asyncio.Task] = None
+
+    async def start(self) -> PeerAnnouncer:
+        self.node = await start_node(
+            self.options.initial_peers,
+            record_validators=make_validators(self.options.run),
+            host_maddrs=self.options.host_maddrs,
+            announce_maddrs=self.options.announce_maddrs,
+            timeout=self.options.timeout,
+        )
+        try:
+            capabilities = await measure(self.options, self.node, self.console)
+        except asyncio.TimeoutError:
+            await stop_node(self.node)
+            raise UserError(f"the backbone did not answer the measurement within {self.options.timeout:.0f}s", 1)
+        self.announcer = PeerAnnouncer(self.node, self.options.run, self.options.name, capabilities,
+                                       self.options.heartbeat)
+        maddrs = [str(m) for m in await self.node.p2p.get_visible_maddrs()]
+        self.announcer.update(state="standby", maddrs=maddrs[:16])
+        await self.announcer.publish()
+        self._heartbeat_task = asyncio.create_task(self.announcer.heartbeat_forever())
+        return self.announcer
+
+    async def leave(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        if self.announcer is not None:
+            try:
+                await asyncio.wait_for(self.announcer.leave(), self.options.timeout)
+            except Exception as e:
+                logger.warning(f"could not publish 'leaving': {e}")
+        if self.node is not None:
+            await stop_node(self.node)

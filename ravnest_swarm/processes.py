@@ -1,0 +1,124 @@
+"""Starting and stopping real ``ravnest-swarm`` processes (used by ``local``, the benchmarks and the tests).
+
+Each process starts in its own session, so its p2pd shares its process group: stopping the group by
+the leader's pid stops p2pd too, even when the peer itself was killed with SIGKILL and could not
+clean up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional, Sequence
+
+MADDR_RE = re.compile(r"^/ip[46]/\S+/p2p/\S+$")
+
+
+class PeerProcess:
+    """One ``ravnest-swarm`` subprocess whose output goes to files that can be read while it runs.
+
+    :param args: arguments after ``ravnest-swarm``
+    :param log_dir: where ``<name>.out`` and ``<name>.err`` are written
+    :param name: a label for the log files
+    :param env: extra environment variables
+    """
+
+    def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None):
+        self.args, self.name = list(args), name
+        self.stdout_path = os.path.join(log_dir, f"{name}.out")
+        self.stderr_path = os.path.join(log_dir, f"{name}.err")
+        environment = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="120", **(env or {}))
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "ravnest_swarm", *self.args],
+                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=environment, start_new_session=True,
+            )
+        self.pid = self.popen.pid
+
+    def stdout(self) -> str:
+        with open(self.stdout_path, errors="replace") as f:
+            return f.read()
+
+    def stderr(self) -> str:
+        with open(self.stderr_path, errors="replace") as f:
+            return f.read()
+
+    def wait_for_output(self, pattern: str, timeout: float, stream: str = "stdout") -> re.Match:
+        """Wait until ``pattern`` appears in the process's output; raise with its stderr if it exits first."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern, re.MULTILINE)
+        while time.monotonic() < deadline:
+            match = regex.search(self.stdout() if stream == "stdout" else self.stderr())
+            if match:
+                return match
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}: {self.stderr()[-2000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name}: no {pattern!r} within {timeout}s; stderr: {self.stderr()[-2000:]}")
+
+    def maddrs(self, timeout: float = 30.0) -> List[str]:
+        """The full multiaddrs a backbone prints on start, one per line."""
+        self.wait_for_output(r"^/ip[46]/\S+/p2p/\S+$", timeout)
+        return [line for line in self.stdout().splitlines() if MADDR_RE.match(line)]
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def kill_group(self) -> None:
+        """SIGKILL the whole process group (the peer and its p2pd), by the leader's pid."""
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, grace: float = 10.0) -> Optional[int]:
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL the group; return the exit code if it exited."""
+        code = None
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                code = self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            code = self.popen.returncode
+        self.kill_group()
+        return code
+
+
+class ProcessGroup:
+    """Every process a test, benchmark or ``local`` run starts; :meth:`stop_all` stops each by pid."""
+
+    def __init__(self, log_dir: Optional[str] = None):
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="ravnest-")
+        self.processes: List[PeerProcess] = []
+
+    def start(self, args: Sequence[str], name: str, env: Optional[dict] = None) -> PeerProcess:
+        process = PeerProcess(args, self.log_dir, name, env)
+        self.processes.append(process)
+        return process
+
+    def stop_all(self, grace: float = 10.0) -> None:
+        for process in self.processes:
+            if process.popen.poll() is None:
+                process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in self.processes:
+            try:
+                process.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            process.kill_group()

@@ -1,0 +1,162 @@
+"""Starting a DHT node on hivemind's p2pd, and the message envelope every project RPC uses.
+
+Every RPC handler of the project takes and returns hivemind's ``ExpertRequest``/``ExpertResponse``
+protobufs: ``metadata`` is a msgpack dict checked against a size limit and, by the handler, against a
+pydantic schema; ``tensors`` are hivemind ``serialize_torch_tensor`` protobufs. Nothing is pickled.
+Errors travel back as hivemind ``P2PHandlerError`` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+import msgpack
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
+
+from ravnest_swarm.errors import UserError
+
+MAX_METADATA_BYTES = 64 * 1024
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+
+
+def parse_maddrs(maddrs: Sequence[str], *, what: str = "initial peer", need_peer_id: bool = True) -> List[Multiaddr]:
+    """Parse user-given multiaddrs, or raise a :class:`UserError` naming the bad one and the expected form."""
+    parsed = []
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(text.strip())
+            if need_peer_id:
+                PeerID.from_base58(maddr["p2p"])
+        except Exception:
+            example = "/ip4/203.0.113.5/tcp/31337/p2p/QmPeerId..." if need_peer_id else "/ip4/0.0.0.0/tcp/31337"
+            raise UserError(f"malformed {what} multiaddr {text!r}: expected the form {example}")
+        parsed.append(maddr)
+    return parsed
+
+
+def peer_id_of(maddr: Multiaddr) -> PeerID:
+    return PeerID.from_base58(maddr["p2p"])
+
+
+def explain_daemon_error(error: Exception, initial_peers: Sequence[Multiaddr]) -> UserError:
+    """Turn p2pd's start-up failure into one line that says which address, what was tried, what to do."""
+    text = str(error).split(": ", 1)[-1]
+    tried = ", ".join(str(m) for m in initial_peers) or "no initial peers"
+    if "bootstrap" in text:
+        return UserError(
+            f"could not reach any initial peer (tried {tried}): check that the backbone is running and its "
+            f"port is open, or run `ravnest-swarm doctor --initial-peers ...`",
+            exit_code=1,
+        )
+    if "address already in use" in text or "bind" in text:
+        return UserError(f"p2pd could not listen: {text.strip()} (choose another --host-maddrs port)", exit_code=1)
+    return UserError(f"p2pd failed to start ({text.strip()}); tried initial peers: {tried}", exit_code=1)
+
+
+async def start_node(
+    initial_peers: Sequence[Multiaddr] = (),
+    *,
+    record_validators: Sequence = (),
+    client_mode: bool = False,
+    host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+    announce_maddrs: Optional[Sequence[str]] = None,
+    identity_path: Optional[str] = None,
+    timeout: float = 15.0,
+    **p2p_kwargs,
+) -> DHTNode:
+    """Start p2pd and a DHT node in this process's event loop.
+
+    :param initial_peers: full multiaddrs (with ``/p2p/ID``) of backbones or other peers
+    :param record_validators: validators for this node (see ``membership.records.make_validators``)
+    :param client_mode: a DHT client (observer) stores nothing for others and accepts no DHT requests
+    :param host_maddrs: where p2pd listens
+    :param announce_maddrs: addresses others should dial (a server's public address)
+    :param identity_path: private key file; created if missing, so the peer id stays the same
+    :param timeout: seconds to wait for p2pd and the initial peers
+    :param p2p_kwargs: passed to ``hivemind.P2P.create`` (relay and NAT options)
+    """
+    if identity_path is not None:
+        directory = os.path.dirname(os.path.abspath(identity_path))
+        if not os.path.isdir(directory):
+            raise UserError(f"identity directory {directory} does not exist: create it or pass another --identity")
+    try:
+        p2p = await asyncio.wait_for(
+            P2P.create(
+                initial_peers=list(initial_peers),
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+                identity_path=identity_path,
+                startup_timeout=timeout,
+                dht_mode="client" if client_mode else "server",
+                **p2p_kwargs,
+            ),
+            timeout=timeout + 5,
+        )
+    except asyncio.TimeoutError:
+        tried = ", ".join(str(m) for m in initial_peers)
+        raise UserError(
+            f"no answer from the initial peers within {timeout:.0f}s (tried {tried}): check the address and "
+            f"that the backbone's port is reachable from here, or raise --timeout",
+            exit_code=1,
+        )
+    except P2PDaemonError as e:
+        raise explain_daemon_error(e, initial_peers)
+    try:
+        return await asyncio.wait_for(
+            DHTNode.create(
+                p2p=p2p,
+                initial_peers=[str(m) for m in initial_peers],
+                client_mode=client_mode,
+                record_validator=_merge_validators(record_validators),
+                ensure_bootstrap_success=bool(initial_peers),
+            ),
+            timeout=timeout,
+        )
+    except (asyncio.TimeoutError, RuntimeError) as e:
+        await p2p.shutdown()
+        tried = ", ".join(str(m) for m in initial_peers)
+        raise UserError(f"the DHT did not answer through the initial peers (tried {tried}): {e or 'timeout'}", 1)
+
+
+async def stop_node(node: DHTNode) -> None:
+    """Stop the DHT node and its p2pd (a node created on a given P2P does not stop it itself)."""
+    await node.shutdown()
+    await node.p2p.shutdown()
+
+
+def _merge_validators(validators: Sequence):
+    if not validators:
+        return None
+    from hivemind.dht.validation import CompositeValidator
+
+    return CompositeValidator(list(validators))
+
+
+def pack_metadata(metadata: Dict[str, Any]) -> bytes:
+    return msgpack.packb(metadata, use_bin_type=True)
+
+
+def unpack_metadata(raw: bytes) -> Dict[str, Any]:
+    """Decode a message's msgpack metadata, refusing oversize or non-dict payloads with a clear reason."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata of {len(raw)} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ValueError(f"metadata is not valid msgpack ({type(e).__name__})")
+    if not isinstance(value, dict):
+        raise ValueError("metadata must be a msgpack map")
+    return value
+
+
+def make_request(metadata: Dict[str, Any], tensors=(), uid: str = "") -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(uid=uid, metadata=pack_metadata(metadata), tensors=list(tensors))
+
+
+def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
