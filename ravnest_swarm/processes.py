@@ -26,16 +26,18 @@ class PeerProcess:
     :param log_dir: where ``<name>.out`` and ``<name>.err`` are written
     :param name: a label for the log files
     :param env: extra environment variables
+    :param prefix: a command to run it under, e.g. ``NetLab.exec_prefix(host)`` to enter a namespace
     """
 
-    def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None):
+    def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None,
+                 prefix: Sequence[str] = ()):
         self.args, self.name = list(args), name
         self.stdout_path = os.path.join(log_dir, f"{name}.out")
         self.stderr_path = os.path.join(log_dir, f"{name}.err")
         environment = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="120", **(env or {}))
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "ravnest_swarm", *self.args],
+                [*prefix, sys.executable, "-m", "ravnest_swarm", *self.args],
                 stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=environment, start_new_session=True,
             )
         self.pid = self.popen.pid
@@ -106,8 +108,9 @@ class ProcessGroup:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="ravnest-")
         self.processes: List[PeerProcess] = []
 
-    def start(self, args: Sequence[str], name: str, env: Optional[dict] = None) -> PeerProcess:
-        process = PeerProcess(args, self.log_dir, name, env)
+    def start(self, args: Sequence[str], name: str, env: Optional[dict] = None,
+              prefix: Sequence[str] = ()) -> PeerProcess:
+        process = PeerProcess(args, self.log_dir, name, env, prefix)
         self.processes.append(process)
         return process
 

@@ -1,0 +1,254 @@
+"""A network lab on one machine: hosts in network namespaces with rate-limited, delayed links.
+
+Topology (root needed; addresses only inside 198.18.0.0/15)::
+
+    host i (netns)  eth0 198.18.i.2/24 ──veth── hub (netns) veth{i} 198.18.i.1/24
+                                                └── delay relay: 198.18.i.1:relay_port -> 198.18.i.2:port
+
+* Each host has one access link to the hub. ``tc tbf`` on both ends limits it to ``mbps`` in each
+  direction (like a home connection). The hub does not forward between hosts (``ip_forward`` stays 0),
+  so hosts reach each other only through the hub's delay relays.
+* The kernel here has no ``netem``, so latency comes from a userspace TCP relay in the hub: it holds
+  every chunk for ``delay_ms`` before passing it on, in each direction. A host announces the relay's
+  address (``announce_maddrs``), so every connection into it crosses the relay: ``delay_ms`` is the
+  one-way delay between two hosts, the round trip is twice that.
+* Without root (or without ``ip``), the lab runs on 127.0.0.1 with the same relays and no rate limit,
+  and :attr:`NetLab.mode` says ``"loopback"``.
+
+Everything is removed on exit, even after a failure; namespaces left by a killed earlier lab (its pid
+gone) are removed on the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import List, Optional, Sequence
+
+LAB_PREFIX = "rvlab"
+HUB_SUFFIX = "hub"
+LISTEN_PORT = 40000
+RELAY_PORT = 41000
+
+
+def namespaces_available() -> bool:
+    """Root and iproute2: the lab can create namespaces."""
+    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
+    return result
+
+
+def remove_stale_labs() -> None:
+    """Delete namespaces of labs whose owning process no longer exists."""
+    listing = _run("ip", "netns", "list", check=False).stdout
+    for name in re.findall(rf"^({LAB_PREFIX}(\d+)-\S+)", listing, re.MULTILINE):
+        namespace, pid = name
+        if not os.path.exists(f"/proc/{pid}"):
+            _run("ip", "netns", "del", namespace, check=False)
+
+
+class NetLab:
+    """Hosts on emulated links; use as a context manager.
+
+    :param hosts: number of hosts
+    :param mbps: access-link rate of every host in Mbit/s, each direction (None: unlimited)
+    :param delay_ms: one-way delay between any two hosts, added by the hub's relays
+    :param ports: the TCP ports each host listens on that others should reach (each gets a relay)
+    :param use_namespaces: None = namespaces when possible, else loopback; False forces loopback
+    """
+
+    def __init__(self, hosts: int, mbps: Optional[float] = None, delay_ms: float = 0.0,
+                 ports: Sequence[int] = (LISTEN_PORT, LISTEN_PORT + 1), use_namespaces: Optional[bool] = None):
+        if hosts < 1 or hosts > 250:
+            raise ValueError("a lab has 1-250 hosts")
+        self.hosts, self.mbps, self.delay_ms, self.ports = hosts, mbps, delay_ms, list(ports)
+        available = namespaces_available()
+        if use_namespaces and not available:
+            raise RuntimeError("network namespaces need root, iproute2 and tc")
+        self.mode = "netns" if (available if use_namespaces is None else use_namespaces) else "loopback"
+        self.tag = f"{LAB_PREFIX}{os.getpid()}-{random.randrange(16**4):04x}"
+        self._loopback_base = random.randrange(20000, 50000, 100)
+        self._relay: Optional[subprocess.Popen] = None
+        self._namespaces: List[str] = []
+
+    # addresses -------------------------------------------------------------------------------
+    @property
+    def hub(self) -> str:
+        return f"{self.tag}-{HUB_SUFFIX}"
+
+    def namespace(self, host: int) -> str:
+        return f"{self.tag}-h{host}"
+
+    def host_ip(self, host: int) -> str:
+        return f"198.18.{host + 1}.2" if self.mode == "netns" else "127.0.0.1"
+
+    def hub_ip(self, host: int) -> str:
+        return f"198.18.{host + 1}.1" if self.mode == "netns" else "127.0.0.1"
+
+    def listen_port(self, host: int, index: int = 0) -> int:
+        if self.mode == "netns":
+            return self.ports[index]
+        return self._loopback_base + 10 * host + index
+
+    def relay_port(self, host: int, index: int = 0) -> int:
+        if self.mode == "netns":
+            return RELAY_PORT + 10 * host + index
+        return self._loopback_base + 5000 + 10 * host + index
+
+    def host_maddr(self, host: int, index: int = 0) -> str:
+        """Where host's process should listen (``--host-maddrs``)."""
+        return f"/ip4/{self.host_ip(host)}/tcp/{self.listen_port(host, index)}"
+
+    def announce_maddr(self, host: int, index: int = 0) -> str:
+        """What host's process should announce (``--announce-maddrs``): its relay in the hub."""
+        return f"/ip4/{self.hub_ip(host)}/tcp/{self.relay_port(host, index)}"
+
+    def exec_prefix(self, host: int) -> List[str]:
+        """Prefix for a command that must run inside ``host`` (empty on loopback)."""
+        return ["ip", "netns", "exec", self.namespace(host)] if self.mode == "netns" else []
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "hosts": self.hosts, "mbps": self.mbps, "delay_ms": self.delay_ms,
+                "delay_is": "one-way, per host pair, userspace relay", "rate_is": "tc tbf, each direction"}
+
+    # lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> "NetLab":
+        try:
+            if self.mode == "netns":
+                self._create_namespaces()
+            self._start_relays()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _create_namespaces(self) -> None:
+        remove_stale_labs()
+        for namespace in [self.hub] + [self.namespace(h) for h in range(self.hosts)]:
+            _run("ip", "netns", "add", namespace)
+            self._namespaces.append(namespace)
+            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+        for host in range(self.hosts):
+            namespace, port = self.namespace(host), f"veth{host}"
+            _run("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            _run("ip", "-n", self.hub, "addr", "add", f"{self.hub_ip(host)}/24", "dev", port)
+            _run("ip", "-n", self.hub, "link", "set", port, "up")
+            _run("ip", "-n", namespace, "addr", "add", f"{self.host_ip(host)}/24", "dev", "eth0")
+            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
+            _run("ip", "-n", namespace, "route", "add", "default", "via", self.hub_ip(host))
+            if self.mbps:
+                for ns, dev in ((namespace, "eth0"), (self.hub, port)):
+                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf_args(self.mbps))
+
+    def _start_relays(self) -> None:
+        routes = []
+        for host in range(self.hosts):
+            for index in range(len(self.ports)):
+                # in the hub, listen on every address: a host's dial-back may arrive on any hub link
+                listen_ip = "0.0.0.0" if self.mode == "netns" else "127.0.0.1"
+                routes.append(f"{listen_ip}:{self.relay_port(host, index)}="
+                              f"{self.host_ip(host)}:{self.listen_port(host, index)}")
+        prefix = ["ip", "netns", "exec", self.hub] if self.mode == "netns" else []
+        self._relay = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "ravnest_swarm.netlab", "--delay-ms", str(self.delay_ms), *routes],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        line = self._relay.stdout.readline()
+        if not line.startswith("relays ready"):
+            raise RuntimeError(f"delay relays failed to start: {line}{self._relay.stderr.read()[-1000:]}")
+
+    def close(self) -> None:
+        if self._relay is not None and self._relay.poll() is None:
+            os.killpg(self._relay.pid, signal.SIGKILL)
+            self._relay.wait()
+        for namespace in reversed(self._namespaces):
+            _run("ip", "netns", "del", namespace, check=False)
+        self._namespaces.clear()
+
+
+def tbf_args(mbps: float) -> List[str]:
+    """``tc tbf`` for ``mbps``: a burst of at least one 4 ms slice and a queue deep enough for TCP."""
+    burst = max(32 * 1024, int(mbps * 1e6 / 8 / 250))
+    return ["tbf", "rate", f"{mbps}mbit", "burst", str(burst), "latency", "200ms"]
+
+
+# the delay relay process ---------------------------------------------------------------------
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+    """Forward bytes, each chunk held until ``delay`` seconds after it arrived (order preserved)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read():
+        while True:
+            data = await reader.read(1 << 16)
+            await queue.put((time.monotonic() + delay, data))
+            if not data:
+                return
+
+    async def write():
+        while True:
+            due, data = await queue.get()
+            wait = due - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:  # half-close: the other direction may still be sending
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    try:
+        await asyncio.gather(read(), write())
+    except (ConnectionError, OSError):
+        writer.close()  # a reset on one side resets the other
+
+
+async def _serve_relays(routes: List[str], delay: float) -> None:
+    servers = []
+    for route in routes:
+        listen, target = route.split("=")
+        listen_host, listen_port = listen.rsplit(":", 1)
+        target_host, target_port = target.rsplit(":", 1)
+
+        async def handle(client_reader, client_writer, target_host=target_host, target_port=int(target_port)):
+            try:
+                upstream_reader, upstream_writer = await asyncio.open_connection(target_host, target_port)
+            except OSError:
+                client_writer.close()
+                return
+            await asyncio.gather(_pump(client_reader, upstream_writer, delay),
+                                 _pump(upstream_reader, client_writer, delay))
+            client_writer.close()
+            upstream_writer.close()
+
+        servers.append(await asyncio.start_server(handle, listen_host, int(listen_port)))
+    print("relays ready", flush=True)
+    await asyncio.gather(*(server.serve_forever() for server in servers))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="TCP relays that add a fixed one-way delay (no netem here)")
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("routes", nargs="+", help="LISTEN_HOST:PORT=TARGET_HOST:PORT")
+    args = parser.parse_args()
+    asyncio.run(_serve_relays(args.routes, args.delay_ms / 1000))
+
+
+if __name__ == "__main__":
+    main()
