@@ -1,0 +1,241 @@
+"""A small model zoo built from code (no downloads): each model is a flat sequence of layers.
+
+A plan assigns a stage the layer range ``[a, b)``; :meth:`ModelSpec.build_stage` builds only those
+layers, each from its own seed, so a stage's weights equal the same layers of the whole model while a
+peer never allocates layers it does not own. Per-layer parameter bytes come from building the layer
+on the ``meta`` device (no memory), FLOPs per sample from the layer's shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ravnest_swarm.models.data import Dataset, digits_dataset, stdlib_text_dataset
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of a flat model.
+
+    :param name: a label (``block2``)
+    :param build: makes the layer's module (called under a per-layer seed)
+    :param input_shape: the shape of one sample's input to this layer
+    :param input_dtype: its dtype (``torch.long`` for token ids)
+    :param flops_per_sample: forward FLOPs for one sample (a multiply-add counts two)
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    input_shape: Tuple[int, ...]
+    input_dtype: torch.dtype
+    flops_per_sample: int
+
+    @property
+    def param_bytes(self) -> int:
+        with torch.device("meta"):
+            module = self.build()
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model of the zoo: its layers, its data and its loss.
+
+    :param name: zoo name (``mlp-digits``)
+    :param layers: the flat sequence of layers
+    :param dataset: makes the data set (samples addressed by id)
+    :param loss: ``loss(outputs, targets)``, a mean over the microbatch
+    :param seed: base seed; layer ``i`` is built under ``seed * 1000 + i``
+    """
+
+    name: str
+    layers: Tuple[LayerSpec, ...]
+    dataset: Callable[[], Dataset]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    seed: int = 0
+
+    def build_layer(self, index: int) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 1000 + index)
+            return self.layers[index].build()
+
+    def build_stage(self, start: int, end: int) -> nn.Sequential:
+        """Only the layers ``[start, end)``, with the same weights they have in the whole model."""
+        check_layer_range(self, start, end)
+        return nn.Sequential(*(self.build_layer(index) for index in range(start, end)))
+
+    def build_full(self) -> nn.Sequential:
+        return self.build_stage(0, len(self.layers))
+
+
+def check_layer_range(spec: ModelSpec, start: int, end: int) -> None:
+    if not 0 <= start < end <= len(spec.layers):
+        raise ValueError(f"layer range {start}:{end} is not inside 0:{len(spec.layers)} of {spec.name}")
+
+
+def balanced_split(spec: ModelSpec, stages: int) -> List[Tuple[int, int]]:
+    """Contiguous layer ranges for ``stages`` stages minimising the largest stage's FLOPs."""
+    flops = [layer.flops_per_sample for layer in spec.layers]
+    count = len(flops)
+    if not 1 <= stages <= count:
+        raise ValueError(f"{spec.name} has {count} layers: it splits into 1-{count} stages")
+    prefix = [0]
+    for value in flops:
+        prefix.append(prefix[-1] + value)
+    # best[k][i]: the smallest possible maximum when the first i layers form k stages
+    best = [[math.inf] * (count + 1) for _ in range(stages + 1)]
+    cut = [[0] * (count + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, count + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    ranges, end = [], count
+    for k in range(stages, 0, -1):
+        start = cut[k][end]
+        ranges.append((start, end))
+        end = start
+    return ranges[::-1]
+
+
+class Dense(nn.Module):
+    """``Linear`` followed by ReLU (left out on the classifier layer).
+
+    :param inputs: input features
+    :param outputs: output features
+    :param relu: apply ReLU after the linear map
+    """
+
+    def __init__(self, inputs: int, outputs: int, relu: bool = True):
+        super().__init__()
+        self.linear = nn.Linear(inputs, outputs)
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.linear(x)
+        return F.relu(x) if self.relu else x
+
+
+def mlp_digits(hidden: int = 128, depth: int = 4) -> ModelSpec:
+    """An MLP on scikit-learn's bundled 8x8 digits: ``depth`` dense layers, 64 -> hidden ... -> 10."""
+    widths = [64] + [hidden] * (depth - 1) + [10]
+    layers = tuple(
+        LayerSpec(
+            name=f"dense{i}",
+            build=lambda i=i: Dense(widths[i], widths[i + 1], relu=i < depth - 1),
+            input_shape=(widths[i],),
+            input_dtype=torch.float32,
+            flops_per_sample=2 * widths[i] * widths[i + 1],
+        )
+        for i in range(depth)
+    )
+    return ModelSpec("mlp-digits", layers, digits_dataset, F.cross_entropy)
+
+
+class TokenEmbedding(nn.Module):
+    """Token plus learned position embedding.
+
+    :param vocab: vocabulary size (256: bytes)
+    :param context: tokens per sample
+    :param width: model width
+    """
+
+    def __init__(self, vocab: int, context: int, width: int):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+
+class DecoderBlock(nn.Module):
+    """A pre-norm nanoGPT block: causal self-attention, then a 4x MLP, each with a residual.
+
+    :param width: model width
+    :param heads: attention heads
+    """
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, tokens, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, tokens, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class LanguageHead(nn.Module):
+    """Final LayerNorm and the projection to vocabulary logits.
+
+    :param width: model width
+    :param vocab: vocabulary size
+    """
+
+    def __init__(self, width: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt_tiny(width: int = 64, blocks: int = 4, heads: int = 4, context: int = 64, vocab: int = 256) -> ModelSpec:
+    """A byte-level nanoGPT-style decoder trained on the Python standard library's own source text."""
+    block_flops = context * (24 * width * width + 4 * context * width)
+    layers = [LayerSpec("embed", lambda: TokenEmbedding(vocab, context, width), (context,), torch.long,
+                        context * width)]
+    layers += [
+        LayerSpec(f"block{i}", lambda: DecoderBlock(width, heads), (context, width), torch.float32, block_flops)
+        for i in range(blocks)
+    ]
+    layers.append(LayerSpec("head", lambda: LanguageHead(width, vocab), (context, width), torch.float32,
+                            context * 2 * width * vocab))
+    return ModelSpec("gpt-tiny", tuple(layers), lambda: stdlib_text_dataset(context), _lm_loss)
+
+
+MODELS: Dict[str, Callable[[], ModelSpec]] = {"mlp-digits": mlp_digits, "gpt-tiny": gpt_tiny}
+
+
+def get_model(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    return MODELS[name]()
+
+
+def parse_layers(text: str, spec: ModelSpec) -> Tuple[int, int]:
+    """``"a:b"`` -> ``(a, b)``, checked against the model's layer count."""
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--layers must look like 0:2, got {text!r}")
+    check_layer_range(spec, start, end)
+    return start, end
+
+
+def layer_table(spec: ModelSpec) -> List[Dict]:
+    return [dict(index=i, name=layer.name, param_bytes=layer.param_bytes, flops_per_sample=layer.flops_per_sample)
+            for i, layer in enumerate(spec.layers)]
+
