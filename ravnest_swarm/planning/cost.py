@@ -1,0 +1,151 @@
+"""The cluster-formation objective as plain functions (units: GB, GFLOP, MB, Mbit/s, seconds).
+
+A cluster is a set of peers that holds one copy of the model as a pipeline. Peer ``i`` offers
+``ram_gb`` r_i, ``gflops`` f_i and ``bandwidth_mbps`` b_i; the model needs M GB, F GFLOP per sample
+(forward+backward) and sends A MB of activations per sample between neighbouring stages.
+
+- feasible: 1..D peers and sum r_i >= M;
+- fractions x_i (0 <= x_i <= r_i / M, sum x_i = 1) minimise max_i x_i F / f_i; the optimum is the
+  smallest t with sum_i min(r_i / M, t f_i / F) >= 1 (water-filling), and x_i = min(r_i / M, t f_i / F);
+- time per sample t_k = max(t, 8 A / min_i b_i), the second term only with two or more peers;
+- the swarm's throughput is K x min_k (1 / t_k) over its K feasible clusters.
+
+These functions are the reference: the genetic algorithm's vectorised evaluation must agree with them,
+and every plan the CLI prints is re-evaluated here before its figures are reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+# sums of fractions are compared with 1 with this slack, so a cluster whose RAM is exactly M stays feasible
+FEASIBILITY_SLACK = 1e-12
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the model asks of a cluster.
+
+    :param model_gb: memory the whole model needs, M (GB)
+    :param gflop_per_sample: forward+backward compute per sample, F (GFLOP)
+    :param activation_mb: activations sent between neighbouring stages per sample, A (MB)
+    :param max_stages: most peers (pipeline stages) in one cluster, D
+    """
+
+    model_gb: float
+    gflop_per_sample: float
+    activation_mb: float
+    max_stages: int = 8
+
+    def __post_init__(self):
+        for name in ("model_gb", "gflop_per_sample"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value}")
+        if not (math.isfinite(self.activation_mb) and self.activation_mb >= 0):
+            raise ValueError(f"activation_mb must be a non-negative finite number, got {self.activation_mb}")
+        if not 1 <= self.max_stages <= 64:
+            raise ValueError(f"max_stages must be 1..64, got {self.max_stages}")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One volunteer's capabilities.
+
+    :param peer_id: its libp2p id (or any unique label offline)
+    :param ram_gb: memory offered, GB
+    :param gflops: forward+backward throughput, GFLOP/s
+    :param bandwidth_mbps: upload rate, Mbit/s
+    """
+
+    peer_id: str
+    ram_gb: float
+    gflops: float
+    bandwidth_mbps: float
+
+
+def water_fill(peers: Sequence[Peer], workload: Workload) -> Tuple[float, List[float]]:
+    """The slowest stage's compute time per sample and the fractions that achieve it.
+
+    The fraction a peer takes at stage time t is min(r_i / M, t f_i / F): it fills up to its compute
+    share until its memory caps it. Sorting peers by the time at which their memory caps them
+    (r_i F / (M f_i)) makes the total a piecewise linear function of t whose root is found in one pass.
+    Returns ``(inf, [])`` for a cluster that cannot hold the model.
+    """
+    caps = [p.ram_gb / workload.model_gb for p in peers]
+    speeds = [p.gflops / workload.gflop_per_sample for p in peers]
+    if sum(c for c, s in zip(caps, speeds) if s > 0) < 1 - FEASIBILITY_SLACK:
+        return math.inf, []
+    order = sorted(range(len(peers)), key=lambda i: caps[i] / speeds[i] if speeds[i] > 0 else math.inf)
+    capped, remaining_speed = 0.0, sum(speeds)
+    # if no breakpoint is passed (only within FEASIBILITY_SLACK), every computing peer is memory-capped
+    stage_time = max(caps[i] / speeds[i] for i in order if speeds[i] > 0)
+    for i in order:
+        if remaining_speed <= 0:
+            break
+        # below peer i's breakpoint, every earlier peer is memory-capped and i and the later ones are not
+        candidate = (1 - capped) / remaining_speed
+        if candidate <= caps[i] / speeds[i]:
+            stage_time = max(candidate, 0.0)
+            break
+        capped += caps[i]
+        remaining_speed -= speeds[i]
+    fractions = [min(c, stage_time * s) for c, s in zip(caps, speeds)]
+    total = sum(fractions)
+    return stage_time, [x / total for x in fractions]
+
+
+def cluster_time(peers: Sequence[Peer], workload: Workload) -> float:
+    """Seconds per sample of a cluster (inf when infeasible): max(water-filled stage time, 8 A / min b)."""
+    if not 1 <= len(peers) <= workload.max_stages:
+        return math.inf
+    stage_time, _ = water_fill(peers, workload)
+    if len(peers) >= 2:
+        slowest_link = min(p.bandwidth_mbps for p in peers)
+        transfer = 8 * workload.activation_mb / slowest_link if slowest_link > 0 else math.inf
+        stage_time = max(stage_time, transfer)
+    return stage_time
+
+
+def cluster_throughput(peers: Sequence[Peer], workload: Workload) -> float:
+    """Samples per second of one cluster; 0 when it is infeasible."""
+    seconds = cluster_time(peers, workload)
+    return 0.0 if seconds == math.inf or seconds <= 0 else 1.0 / seconds
+
+
+def swarm_throughput(clusters: Sequence[Sequence[Peer]], workload: Workload) -> float:
+    """K x min_k T_k over the feasible clusters among ``clusters`` (infeasible ones count as standby)."""
+    throughputs = [t for t in (cluster_throughput(c, workload) for c in clusters) if t > 0]
+    return len(throughputs) * min(throughputs) if throughputs else 0.0
+
+
+def layer_ranges(fractions: Sequence[float], layer_memory_gb: Sequence[float],
+                 layer_gflop: Sequence[float]) -> List[Tuple[int, int]]:
+    """Contiguous half-open layer ranges, one per stage in order, that best match the fractions.
+
+    A layer's weight is the mean of its share of the model's memory and of its FLOPs, so a stage's
+    share of whole layers tracks both what it must hold and what it must compute. Stage j ends at the
+    layer boundary nearest the cumulative fraction x_1 + ... + x_j, and every stage keeps at least one
+    layer (needs as many layers as stages).
+    """
+    stages, layers = len(fractions), len(layer_memory_gb)
+    if layers < stages:
+        raise ValueError(f"{stages} stages need at least {stages} layers, the model has {layers}")
+    memory_total, flop_total = sum(layer_memory_gb) or 1.0, sum(layer_gflop) or 1.0
+    weights = [(m / memory_total + f / flop_total) / 2 for m, f in zip(layer_memory_gb, layer_gflop)]
+    cumulative = [0.0]
+    for w in weights:
+        cumulative.append(cumulative[-1] + w)
+    ranges, start, target = [], 0, 0.0
+    for stage, fraction in enumerate(fractions):
+        target += fraction
+        if stage == stages - 1:
+            end = layers
+        else:
+            lowest, highest = start + 1, layers - (stages - stage - 1)
+            end = min(range(lowest, highest + 1), key=lambda e: abs(cumulative[e] - target))
+        ranges.append((start, end))
+        start = end
+    return ranges

@@ -1,0 +1,198 @@
+"""Cluster planning: the GA against an exhaustive search, the reported objective, the CLI and its bad input.
+
+The objective is recomputed here from scratch (water-filling by bisection, not the planner's
+breakpoint pass), so these tests do not share code with what they check.
+"""
+
+import json
+import math
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, water_fill
+from ravnest_swarm.planning.ga import SwarmArrays
+from ravnest_swarm.planning.greedy import greedy_plan
+from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def independent_throughput(peers, model_gb, gflop, activation_mb, max_stages):
+    """Samples/s of one cluster by definition: bisection for the smallest t with sum min(r/M, t f/F) >= 1."""
+    if not 1 <= len(peers) <= max_stages or sum(p["ram_gb"] for p in peers) < model_gb * (1 - 1e-12):
+        return 0.0
+
+    def filled(t):
+        return sum(min(p["ram_gb"] / model_gb, t * p["gflops"] / gflop) for p in peers)
+
+    low, high = 0.0, 1.0
+    while filled(high) < 1 - 1e-12:
+        high *= 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        low, high = (middle, high) if filled(middle) < 1 else (low, middle)
+    seconds = high
+    if len(peers) >= 2:
+        seconds = max(seconds, 8 * activation_mb / min(p["bandwidth_mbps"] for p in peers))
+    return 1 / seconds
+
+
+def independent_objective(clusters, model_gb, gflop, activation_mb, max_stages):
+    throughputs = [independent_throughput(c, model_gb, gflop, activation_mb, max_stages) for c in clusters]
+    throughputs = [t for t in throughputs if t > 0]
+    return len(throughputs) * min(throughputs) if throughputs else 0.0
+
+
+def exhaustive_optimum(peers, workload):
+    """The best K x min T over every way to split the peers into clusters and standby.
+
+    Each cluster's throughput is computed once per subset (bitmask); partitions are enumerated by
+    placing each peer in standby, an open cluster, or a new cluster.
+    """
+    n = len(peers)
+    as_dicts = [dict(ram_gb=p.ram_gb, gflops=p.gflops, bandwidth_mbps=p.bandwidth_mbps) for p in peers]
+    throughput = {}
+    for mask in range(1, 2 ** n):
+        members = [as_dicts[i] for i in range(n) if mask >> i & 1]
+        throughput[mask] = independent_throughput(members, workload.model_gb, workload.gflop_per_sample,
+                                                  workload.activation_mb, workload.max_stages)
+    best = 0.0
+
+    def place(i, blocks):
+        nonlocal best
+        if i == n:
+            values = [throughput[b] for b in blocks]
+            if values and min(values) > 0:
+                best = max(best, len(values) * min(values))
+            return
+        place(i + 1, blocks)
+        for j, block in enumerate(blocks):
+            if bin(block).count("1") < workload.max_stages:
+                place(i + 1, blocks[:j] + [block | 1 << i] + blocks[j + 1:])
+        place(i + 1, blocks + [1 << i])
+
+    place(0, [])
+    return best
+
+
+def random_swarm(rng, n):
+    return [Peer(f"p{i}", ram_gb=rng.choice([2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0]),
+                 gflops=round(rng.uniform(5, 200), 2), bandwidth_mbps=round(rng.choice([10, 50, 100, 1000]) *
+                                                                          rng.uniform(0.5, 1.5), 1))
+            for i in range(n)]
+
+
+CASES = [(6, Workload(10.0, 20.0, 0.5, 8)), (7, Workload(16.0, 50.0, 2.0, 8)), (8, Workload(12.0, 5.0, 0.1, 3)),
+         (9, Workload(20.0, 100.0, 1.0, 8)), (8, Workload(8.0, 30.0, 4.0, 2)), (9, Workload(14.0, 10.0, 0.05, 4))]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_ga_reaches_exhaustive_optimum(case):
+    size, workload = CASES[case]
+    peers = random_swarm(random.Random(100 + case), size)
+    optimum = exhaustive_optimum(peers, workload)
+    assert optimum > 0, "the case must have a feasible cluster"
+    plan = plan_swarm(peers, workload, seed=case, time_limit=None)
+    assert plan.swarm_throughput == pytest.approx(optimum, rel=1e-9)
+    assert plan.swarm_throughput >= plan.details["greedy_throughput"] * (1 - 1e-12)
+
+
+def test_reported_throughput_is_the_objective_of_the_listed_clusters(tmp_path):
+    rng = random.Random(7)
+    peers = random_swarm(rng, 60)
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps([p.__dict__ for p in peers]))
+    out = subprocess.run([sys.executable, "-m", "ravnest_swarm", "plan", str(path), "--model-gb", "20",
+                          "--gflop-per-sample", "40", "--activation-mb", "0.5", "--time-limit", "3", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout.strip().splitlines()[-1])
+    by_id = {p.peer_id: dict(ram_gb=p.ram_gb, gflops=p.gflops, bandwidth_mbps=p.bandwidth_mbps) for p in peers}
+    clusters = [[by_id[s["peer_id"]] for s in c["peers"]] for c in document["clusters"]]
+    assert document["swarm_throughput"] == pytest.approx(independent_objective(clusters, 20, 40, 0.5, 8), rel=1e-9)
+    for cluster, listed in zip(clusters, document["clusters"]):
+        assert listed["throughput"] == pytest.approx(independent_throughput(cluster, 20, 40, 0.5, 8), rel=1e-9)
+        assert sum(s["fraction"] for s in listed["peers"]) == pytest.approx(1.0)
+        assert [s["stage"] for s in listed["peers"]] == list(range(len(listed["peers"])))
+        # each fraction within its peer's memory, layer ranges contiguous and covering the model
+        for stage in listed["peers"]:
+            assert stage["fraction"] <= by_id[stage["peer_id"]]["ram_gb"] / 20 + 1e-9
+        layers = [s["layers"] for s in listed["peers"]]
+        assert layers[0][0] == 0 and layers[-1][1] == 32
+        assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(layers, layers[1:]))
+    listed_ids = [s["peer_id"] for c in document["clusters"] for s in c["peers"]] + document["standby"]
+    assert sorted(listed_ids) == sorted(by_id)
+
+
+def test_water_fill_matches_definition():
+    rng = random.Random(3)
+    workload = Workload(10.0, 20.0, 0.0, 8)
+    for _ in range(50):
+        peers = random_swarm(rng, rng.randint(1, 8))
+        stage_time, fractions = water_fill(peers, workload)
+        if not fractions:
+            assert sum(p.ram_gb for p in peers) < 10.0
+            continue
+        assert sum(fractions) == pytest.approx(1.0)
+        assert max(x * 20.0 / p.gflops for x, p in zip(fractions, peers)) == pytest.approx(stage_time, rel=1e-9)
+        bisected = 1 / independent_throughput([p.__dict__ for p in peers], 10.0, 20.0, 0.0, 8)
+        assert stage_time == pytest.approx(bisected, rel=1e-9)
+
+
+def test_vectorised_evaluation_matches_reference_functions():
+    rng = random.Random(11)
+    peers = random_swarm(rng, 40)
+    workload = Workload(12.0, 30.0, 0.3, 5)
+    arrays = SwarmArrays(peers, workload)
+    population = np.random.default_rng(0).integers(-1, arrays.max_clusters, size=(64, arrays.size)).astype(np.int32)
+    fitness, _, _ = arrays.evaluate(population)
+    for row, value in zip(population, fitness):
+        clusters = [[peers[i] for i in members] for members in assignment_clusters(arrays, row)]
+        throughputs = [cluster_throughput(c, workload) for c in clusters]
+        assert all(t > 0 for t in throughputs) and all(len(c) <= 5 for c in clusters)
+        expected = len(throughputs) * min(throughputs) if throughputs else 0.0
+        assert value == pytest.approx(expected, rel=1e-9)
+
+
+def test_same_seed_same_plan_and_never_worse_than_greedy():
+    peers = random_swarm(random.Random(5), 200)
+    workload = Workload(16.0, 40.0, 1.0, 8)
+    first = plan_swarm(peers, workload, seed=4, time_limit=None).to_json()
+    again = plan_swarm(peers, workload, seed=4, time_limit=None).to_json()
+    assert first == again
+    arrays = SwarmArrays(peers, workload)
+    greedy = [[peers[i] for i in m] for m in assignment_clusters(arrays, greedy_plan(arrays))]
+    greedy_objective = independent_objective([[p.__dict__ for p in c] for c in greedy], 16.0, 40.0, 1.0, 8)
+    assert first["swarm_throughput"] >= greedy_objective * (1 - 1e-9)
+
+
+def run_plan(*args):
+    return subprocess.run([sys.executable, "-m", "ravnest_swarm", "plan", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+GOOD_PEER = {"peer_id": "a", "ram_gb": 8, "gflops": 10, "bandwidth_mbps": 100}
+
+
+@pytest.mark.parametrize("content, code, message", [
+    (None, 2, "does not exist"),
+    ("[{not json", 2, "not valid JSON"),
+    (json.dumps([{"peer_id": "a", "ram_gb": 8, "gflops": 10}]), 2, "lacks field(s) bandwidth_mbps"),
+    (json.dumps([dict(GOOD_PEER, ram_gb=-1)]), 2, "ram_gb=-1"),
+    ('[{"peer_id": "a", "ram_gb": 8, "gflops": NaN, "bandwidth_mbps": 100}]', 2, "gflops=nan"),
+    (json.dumps([GOOD_PEER, dict(GOOD_PEER, ram_gb=4)]), 2, "duplicate peer_id 'a'"),
+    (json.dumps([GOOD_PEER, dict(GOOD_PEER, peer_id="b", ram_gb=4)]), 1, "3.00 GB short of the model's 15.00 GB"),
+], ids=["missing", "not-json", "missing-field", "negative", "nan", "duplicate", "infeasible"])
+def test_bad_peers_file(tmp_path, content, code, message):
+    path = tmp_path / "peers.json"
+    if content is not None:
+        path.write_text(content)
+    out = run_plan(str(path), "--model-gb", "15", "--gflop-per-sample", "10", "--activation-mb", "1")
+    assert out.returncode == code
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+    assert out.stdout == ""
