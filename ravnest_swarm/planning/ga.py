@@ -295,13 +295,19 @@ class IslandGA:
         return np.where(standby[np.arange(len(index)), best], chosen, -1)
 
     def _boost_bottleneck(self, population: np.ndarray, rows: np.ndarray, clusters: np.ndarray) -> None:
-        """Add a fast standby peer to the slowest cluster (id K-1 after evaluation's renumbering)."""
+        """Add a fast standby peer to each of the slowest m clusters (ids K-1, K-2, ... after renumbering).
+
+        On a big swarm thousands of clusters sit just above the bottleneck, so lifting one at a time
+        would take as many generations; m is drawn per generation from powers of two.
+        """
         index = np.flatnonzero(rows)
         if not len(index):
             return
-        chosen = self._standby_candidates(population, index)
-        ok = chosen >= 0
-        population[index[ok], chosen[ok]] = clusters[index[ok]] - 1
+        for lift in range(int(self.rng.choice([1, 1, 2, 4, 8, 16, 32]))):
+            target = clusters[index] - 1 - lift
+            chosen = self._standby_candidates(population, index)
+            ok = (chosen >= 0) & (target >= 0)
+            population[index[ok], chosen[ok]] = target[ok]
 
     def _steal_for_bottleneck(self, population: np.ndarray, rows: np.ndarray, clusters: np.ndarray) -> None:
         """Move a random peer into the slowest cluster (its old cluster may dissolve in repair)."""
