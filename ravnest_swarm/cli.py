@@ -204,6 +204,49 @@ def bench_backbone(
     sys.exit(run_async(run(seconds, volunteers, as_json)))
 
 
+@app.command("averaging-peer", hidden=True)
+def averaging_peer(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run name."),
+    cluster: int = typer.Option(..., "--cluster", min=0, help="Our cluster index."),
+    stage: int = typer.Option(..., "--stage", min=0, help="Our stage index in the cluster."),
+    layer_sizes: str = typer.Option(..., "--layer-sizes", help="Elements per layer of the synthetic model, comma-separated."),
+    layers: str = typer.Option(..., "--layers", help="Our layer range FIRST,LAST (last excluded)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic parameters."),
+    step: int = typer.Option(1, "--step", min=0, help="The training step that names the round."),
+    timeout: float = typer.Option(30.0, "--timeout", min=0.1, help="Seconds one ring may take."),
+    compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit."),
+    poison: Optional[str] = typer.Option(None, "--poison", help="Put a nan or inf in our values (fault tests)."),
+    out: Optional[str] = typer.Option(None, "--out", help="Write our averaged range here (safetensors)."),
+    publish_plan: int = typer.Option(0, "--publish-plan", min=0, help="Stand in for the planner: publish the plan once N peers are placed."),
+    plan_timeout: float = typer.Option(60.0, "--plan-timeout", min=1.0, help="Seconds to wait for the plan."),
+    delay_start: float = typer.Option(0.0, "--delay-start", min=0.0, help="Seconds between adopting the plan and averaging (fault tests)."),
+    host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
+    announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
+    verbose: bool = typer.Option(False, "--verbose"),
+):
+    """Test and benchmark peer: a synthetic model range, one multi-ring averaging round, a JSON line."""
+    configure_logging(verbose)
+
+    async def main():
+        from ravnest_swarm.averaging.peer import AveragingPeerOptions, parse_ints, run_averaging_peer
+        from ravnest_swarm.membership.records import validate_run_name
+
+        validate_run_name(run)
+        layer_range = parse_ints(layers, "--layers")
+        if len(layer_range) != 2:
+            raise UserError("--layers must be FIRST,LAST")
+        options = AveragingPeerOptions(
+            initial_peers=_initial_peers(initial_peers), run=run, cluster=cluster, stage=stage,
+            layer_sizes=parse_ints(layer_sizes, "--layer-sizes"), layers=tuple(layer_range), seed=seed, step=step,
+            timeout=timeout, compression=compression, poison=poison, out=out, publish_plan=publish_plan,
+            plan_timeout=plan_timeout, delay_start=delay_start, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+        )
+        return await run_averaging_peer(options)
+
+    sys.exit(run_async(main()))
+
+
 def main() -> None:
     """Entry point: click's usage errors become one line too, like our own :class:`UserError`."""
     try:

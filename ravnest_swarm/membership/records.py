@@ -66,10 +66,30 @@ class PeerRecord(pydantic.BaseModel):
     note: Optional[pydantic.constr(strict=True, max_length=200)] = None
 
 
+class PlanStage(pydantic.BaseModel):
+    """One stage of a cluster in the adopted plan: the peer that serves it and its layers ``[first, last)``."""
+
+    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    layers: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)
+
+
+class PlanRecord(pydantic.BaseModel):
+    """The adopted plan under ``{run}_plan``, subkey = its round: clusters in order, each with its stages in layer order.
+
+    Averaging rings are built from it (``averaging.segments.build_rings``), so every peer that reads
+    the same round builds the same rings.
+    """
+
+    round: pydantic.conint(strict=True, ge=0, le=2**53)
+    clusters: pydantic.conlist(pydantic.conlist(PlanStage, min_items=1, max_items=64), min_items=1, max_items=1024)
+    time: _bounded_float(0.0, 1e11)
+
+
 class RunRecords(pydantic.BaseModel):
     """The run's DHT keys (fields) and the type of each value."""
 
     peers: Dict[BytesWithPublicKey, PeerRecord]
+    plan: Dict[pydantic.conint(strict=True, ge=0, le=2**53), PlanRecord]
 
 
 def make_validators(run: str) -> List:
@@ -79,5 +99,9 @@ def make_validators(run: str) -> List:
 
 def peers_key(run: str) -> str:
     return f"{run}_peers"
+
+
+def plan_key(run: str) -> str:
+    return f"{run}_plan"
 
 

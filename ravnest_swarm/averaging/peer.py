@@ -1,0 +1,188 @@
+"""One averaging peer as a real process (``ravnest-swarm averaging-peer``), for the tests and the benchmark.
+
+It holds a synthetic model: layers of given sizes whose values come from a seed, the cluster and the
+layer index (:func:`synthetic_layer`), so a test can compute the exact mean in its own process. It
+joins the DHT, announces its cluster, stage and layer range in its peer record, reads the adopted plan
+from ``{run}_plan`` (one peer, ``--publish-plan N``, stands in for the planner and writes it once it
+sees N placed peers), builds the rings, averages one round named by ``--step``, and prints the round's
+result as one JSON line. ``--out`` writes the averaged range as safetensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm import __version__
+from ravnest_swarm.averaging.averager import MultiRingAverager
+from ravnest_swarm.averaging.segments import Ring, build_rings, element_range, rings_of
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
+from ravnest_swarm.transport import start_node, stop_node
+
+logger = logging.getLogger(__name__)
+
+RECORD_LIFETIME = 300.0
+POLL_SECONDS = 0.2
+
+
+def compression_by_name(name: str):
+    """hivemind compression for ``--compression`` (none, fp16, 8bit)."""
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+    choices = {"none": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
+    if name not in choices:
+        raise UserError(f"--compression must be one of {', '.join(choices)}, not {name!r}")
+    return choices[name]()
+
+
+def synthetic_layer(seed: int, cluster: int, layer: int, size: int) -> torch.Tensor:
+    """The deterministic values of ``layer`` in ``cluster``: what a test averages and checks against."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + cluster * 10_007 + layer)
+    return torch.randn(size, generator=generator, dtype=torch.float32)
+
+
+def synthetic_range(seed: int, cluster: int, layer_sizes: Sequence[int], layers: Tuple[int, int]) -> torch.Tensor:
+    return torch.cat([synthetic_layer(seed, cluster, j, layer_sizes[j]) for j in range(*layers)])
+
+
+def parse_ints(text: str, what: str) -> List[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be comma-separated integers, got {text!r}")
+    if not values:
+        raise UserError(f"{what} is empty")
+    return values
+
+
+def plan_rings(plan: dict, layer_sizes: Sequence[int]) -> List[Ring]:
+    """The rings of an adopted plan record: element ranges from each stage's layer range."""
+    total = sum(layer_sizes)
+    clusters = [[(stage["peer_id"], *element_range(layer_sizes, tuple(stage["layers"]))) for stage in cluster]
+                for cluster in plan["clusters"]]
+    return build_rings(clusters, total)
+
+
+def single_ring_plan(plan: dict, layer_sizes: Sequence[int]) -> dict:
+    """The comparison plan: the first stage's peer of each cluster holds the whole vector (one ring)."""
+    return dict(plan, clusters=[[dict(peer_id=cluster[0]["peer_id"], layers=[0, len(layer_sizes)])]
+                                for cluster in plan["clusters"]])
+
+
+@dataclass
+class AveragingPeerOptions:
+    """Flags of ``averaging-peer``; see ``cli.averaging_peer`` for their help."""
+
+    initial_peers: list
+    run: str
+    cluster: int
+    stage: int
+    layer_sizes: List[int]
+    layers: Tuple[int, int]
+    seed: int = 0
+    step: int = 1
+    timeout: float = 30.0
+    compression: str = "none"
+    poison: Optional[str] = None
+    out: Optional[str] = None
+    publish_plan: int = 0
+    plan_timeout: float = 60.0
+    delay_start: float = 0.0
+    host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
+    announce_maddrs: Optional[Sequence[str]] = None
+
+
+async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: Optional[str] = None) -> None:
+    """Our signed peer record with cluster, stage and layers; ``note`` carries the last round's summary."""
+    record = dict(
+        peer_id=node.peer_id.to_base58(), name=f"avg-c{options.cluster}s{options.stage}", state="averaging",
+        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability="unknown", maddrs=[], version=__version__,
+        time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
+    )
+    await node.store(peers_key(options.run), PeerRecord.parse_obj(record).dict(),
+                     get_dht_time() + RECORD_LIFETIME, subkey=RSASignatureValidator().local_public_key)
+
+
+async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadline: float) -> dict:
+    """Planner stand-in: once ``expected`` peers are placed, store the plan they form as round 0."""
+    while True:
+        found = await node.get(peers_key(run), latest=True)
+        placed = [item.value for item in (found.value.values() if found and isinstance(found.value, dict) else [])
+                  if item.value.get("cluster") is not None and item.value.get("layers") is not None]
+        if len(placed) >= expected:
+            break
+        if time.monotonic() > deadline:
+            raise UserError(f"only {len(placed)} of {expected} peers announced a placement in time", exit_code=1)
+        await asyncio.sleep(POLL_SECONDS)
+    clusters: Dict[int, list] = {}
+    for record in placed:
+        clusters.setdefault(record["cluster"], []).append(record)
+    plan = PlanRecord(round=0, time=time.time(), clusters=[
+        [dict(peer_id=r["peer_id"], layers=r["layers"]) for r in sorted(clusters[k], key=lambda r: r["stage"])]
+        for k in sorted(clusters)
+    ]).dict()
+    if not await node.store(plan_key(run), plan, get_dht_time() + RECORD_LIFETIME, subkey=plan["round"]):
+        raise UserError("no DHT node accepted the plan record", exit_code=1)
+    return plan
+
+
+async def read_plan(node: DHTNode, run: str, deadline: float) -> dict:
+    while True:
+        found = await node.get(plan_key(run), latest=True)
+        if found is not None and isinstance(found.value, dict) and found.value:
+            return found.value[max(found.value)].value  # the newest round
+        if time.monotonic() > deadline:
+            raise UserError(f"no plan record {plan_key(run)} appeared in the DHT in time", exit_code=1)
+        await asyncio.sleep(POLL_SECONDS)
+
+
+def poison_(local: torch.Tensor, kind: str) -> None:
+    """Put one NaN or Inf in the middle of our range: a peer whose training diverged."""
+    local[local.numel() // 2] = {"nan": float("nan"), "inf": float("inf")}[kind]
+
+
+async def run_averaging_peer(options: AveragingPeerOptions) -> int:
+    if options.poison not in (None, "nan", "inf"):
+        raise UserError("--poison must be nan or inf")
+    compression = compression_by_name(options.compression)
+    start, end = element_range(options.layer_sizes, options.layers)
+    node = await start_node(options.initial_peers, record_validators=make_validators(options.run),
+                            host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
+    averager = MultiRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression)
+    try:
+        await averager.start()
+        await publish_placement(node, options)
+        deadline = time.monotonic() + options.plan_timeout
+        if options.publish_plan:
+            await publish_plan_when_placed(node, options.run, options.publish_plan, deadline)
+        plan = await read_plan(node, options.run, deadline)
+        me = node.peer_id.to_base58()
+        rings = rings_of(me, plan_rings(plan, options.layer_sizes))
+        local = synthetic_range(options.seed, options.cluster, options.layer_sizes, options.layers)
+        if options.poison:
+            poison_(local, options.poison)
+        print(f"plan adopted: {len(rings)} ring(s), elements {start}-{end}", flush=True)
+        await asyncio.sleep(options.delay_start)
+        print("round started", flush=True)
+        result = await averager.average(options.step, local, start, rings)
+        await publish_placement(node, options, note=f"averaging {result.summary()}"[:200])
+        if options.out:
+            from safetensors.torch import save_file
+
+            save_file({"values": local.contiguous()}, options.out, metadata={"start": str(start), "end": str(end)})
+        print(json.dumps(dict(peer_id=me, cluster=options.cluster, stage=options.stage, start=start, end=end,
+                              **result.as_dict())), flush=True)
+        return 0
+    finally:
+        await averager.shutdown()
+        await stop_node(node)

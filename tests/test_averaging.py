@@ -1,0 +1,135 @@
+"""Multi-ring all-reduce with real peer processes over real P2P on 127.0.0.1.
+
+Each cluster splits the same synthetic model at its own layer boundaries; every peer averages its range
+with its owners in the other clusters, and the test compares each peer's result with the exact mean
+computed here from the same seeds.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ravnest_swarm.averaging.peer import synthetic_layer
+
+LAYER_SIZES = [300, 500, 200, 700, 400, 600]
+SEED = 7
+
+
+def start_swarm(processes, backbone, layouts, run, tmp_path, timeout=20.0, extra=None):
+    """One peer per stage; ``layouts[k]`` are cluster k's layer boundaries, e.g. ``[0, 2, 6]``."""
+    peers = {}
+    expected = sum(len(cuts) - 1 for cuts in layouts)
+    for k, cuts in enumerate(layouts):
+        for s, (first, last) in enumerate(zip(cuts, cuts[1:])):
+            name = f"c{k}s{s}"
+            args = ["averaging-peer", "--initial-peers", backbone, "--run", run, "--cluster", str(k), "--stage", str(s),
+                    "--layer-sizes", ",".join(map(str, LAYER_SIZES)), "--layers", f"{first},{last}",
+                    "--seed", str(SEED), "--step", "3", "--timeout", str(timeout),
+                    "--out", str(tmp_path / f"{name}.safetensors")]
+            if not peers:
+                args += ["--publish-plan", str(expected)]
+            args += (extra or {}).get(name, [])
+            peers[name] = processes.start(args, name)
+    return peers
+
+
+def finish(peer, timeout=90.0):
+    assert peer.wait(timeout) == 0, peer.stderr()[-3000:]
+    return json.loads(peer.stdout().strip().splitlines()[-1])
+
+
+def exact_mean(clusters):
+    values = [torch.cat([synthetic_layer(SEED, k, j, n) for j, n in enumerate(LAYER_SIZES)]).double() for k in clusters]
+    return torch.stack(values).mean(0)
+
+
+def local_values(cluster, start, end):
+    return torch.cat([synthetic_layer(SEED, cluster, j, n) for j, n in enumerate(LAYER_SIZES)])[start:end]
+
+
+def averaged(tmp_path, name):
+    return load_file(str(tmp_path / f"{name}.safetensors"))["values"].double()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layouts", [
+    [[0, 2, 6], [0, 4, 6]],
+    [[0, 2, 6], [0, 3, 5, 6], [0, 1, 6]],
+    [[0, 3, 6], [0, 6], [0, 1, 4, 6], [0, 5, 6]],
+], ids=["2-clusters", "3-clusters", "4-clusters"])
+def test_every_peer_ends_with_the_exact_mean(processes, backbone, tmp_path, layouts):
+    peers = start_swarm(processes, backbone, layouts, f"avg{len(layouts)}", tmp_path)
+    mean = exact_mean(range(len(layouts)))
+    cuts = sorted({c for cuts in layouts for c in cuts})
+    for name, peer in peers.items():
+        result = finish(peer)
+        assert result["ok"], result
+        # a peer serves one ring per segment of its range: the union of every cluster's cuts inside it
+        assert len(result["segments"]) == sum(1 for c in cuts[:-1] if result["start"] <= sum(LAYER_SIZES[:c]) < result["end"])
+        assert all(segment["members"] == len(layouts) for segment in result["segments"])
+        error = (averaged(tmp_path, name) - mean[result["start"]:result["end"]]).abs().max().item()
+        assert error <= 1e-5, (name, error)
+
+
+@pytest.mark.timeout(120)
+def test_killed_peer_fails_only_its_rings_and_nothing_hangs(processes, backbone, tmp_path):
+    # c1s0 owns layers 0-3: the rings of segments 0-1 (c0s0) and 2 (c0s1) include it; segment 3 does not
+    layouts = [[0, 2, 6], [0, 3, 6], [0, 1, 6]]
+    ring_timeout = 6.0
+    peers = start_swarm(processes, backbone, layouts, "avgkill", tmp_path, timeout=ring_timeout,
+                        extra={"c1s0": ["--delay-start", "60"]})
+    victim = peers.pop("c1s0")
+    victim.wait_for_output("^plan adopted", 60)
+    for peer in peers.values():
+        peer.wait_for_output("^round started", 60)
+    victim.kill_group()  # mid-round: the others are already waiting on its rings
+    killed_at = time.monotonic()
+    mean = exact_mean(range(3))
+    boundary = sum(LAYER_SIZES[:3])  # end of the victim's range
+    for name, peer in peers.items():
+        result = finish(peer, timeout=ring_timeout + 30)
+        assert result["seconds"] <= ring_timeout + 3, result  # no ring outlives its timeout
+        values = averaged(tmp_path, name)
+        cluster = int(name[1])
+        local = local_values(cluster, result["start"], result["end"]).double()
+        for segment in result["segments"]:
+            lo, hi = segment["start"] - result["start"], segment["end"] - result["start"]
+            if segment["start"] < boundary:
+                assert segment["status"] in ("timeout", "failed"), (name, segment)
+                assert torch.equal(values[lo:hi], local[lo:hi]), (name, segment)  # kept its local value
+            else:
+                assert segment["status"] == "ok", (name, segment)
+                assert (values[lo:hi] - mean[segment["start"]:segment["end"]]).abs().max() <= 1e-5
+        if any(s["status"] != "ok" for s in result["segments"]):
+            assert result["failed_segments"] and not result["ok"]
+            assert "kept local" in peer.stderr()  # the failure is logged too
+    assert time.monotonic() - killed_at < ring_timeout + 30
+
+
+@pytest.mark.timeout(120)
+def test_nan_contribution_is_rejected_and_the_others_average(processes, backbone, tmp_path):
+    # c2s1 holds layers 1-6 and puts a NaN in the middle of them (element 1700, layer 3 = segment of c0s1/c1s1)
+    layouts = [[0, 2, 6], [0, 3, 6], [0, 1, 6]]
+    peers = start_swarm(processes, backbone, layouts, "avgnan", tmp_path, extra={"c2s1": ["--poison", "nan"]})
+    results = {name: finish(peer) for name, peer in peers.items()}
+    poisoned_at = sum(LAYER_SIZES[1:]) // 2 + LAYER_SIZES[0]
+    culprit = results["c2s1"]["peer_id"]
+    mean_all, mean_honest = exact_mean(range(3)), exact_mean([0, 1])
+    reports = [r for result in results.values() for r in result["rejected"]]
+    assert reports and all(r["peer"] == culprit for r in reports)
+    for name, result in results.items():
+        values = averaged(tmp_path, name)
+        assert torch.isfinite(values).all() or name == "c2s1", name
+        for segment in result["segments"]:
+            lo, hi = segment["start"] - result["start"], segment["end"] - result["start"]
+            hit = segment["start"] <= poisoned_at < segment["end"]
+            if name == "c2s1":
+                assert segment["status"] == ("excluded" if hit else "ok"), segment
+                continue
+            assert segment["status"] == "ok", (name, segment)
+            expected = (mean_honest if hit else mean_all)[segment["start"]:segment["end"]]
+            assert segment["members"] == (2 if hit else 3)
+            assert (values[lo:hi] - expected).abs().max() <= 1e-5, (name, segment)

@@ -1,0 +1,73 @@
+"""Segment/ring construction: pure functions, checked against a brute-force owner lookup."""
+
+import pytest
+import torch
+
+from ravnest_swarm.averaging.segments import (
+    build_rings, chunk_bounds, element_range, flatten, layer_offsets, ring_bytes_per_peer, rings_of, unflatten_into,
+)
+
+
+def owner_at(cluster, index):
+    return next(owner for owner, lo, hi in cluster if lo <= index < hi)
+
+
+def test_worked_example_from_docs():
+    # 6 layers; cluster A splits after layer 2, cluster B after layers 1 and 4 (see docs/averaging.md)
+    sizes = [100, 200, 300, 100, 200, 100]
+    assert layer_offsets(sizes) == [0, 100, 300, 600, 700, 900, 1000]
+    a = [("a0", *element_range(sizes, (0, 2))), ("a1", *element_range(sizes, (2, 6)))]
+    b = [("b0", *element_range(sizes, (0, 1))), ("b1", *element_range(sizes, (1, 4))), ("b2", *element_range(sizes, (4, 6)))]
+    rings = build_rings([a, b], 1000)
+    assert [(r.start, r.end, r.members) for r in rings] == [
+        (0, 100, ("a0", "b0")), (100, 300, ("a0", "b1")), (300, 700, ("a1", "b1")), (700, 1000, ("a1", "b2")),
+    ]
+    assert [r.index for r in rings_of("b1", rings)] == [1, 2]
+    assert ring_bytes_per_peer(rings) == {"a0": 1200, "b0": 400, "b1": 2400, "a1": 2800, "b2": 1200}
+
+
+@pytest.mark.parametrize("clusters_cuts", [
+    [[0, 5], [0, 3, 9], [0, 1, 2, 7]],
+    [[0], [0]],
+    [[0, 4, 8], [0, 4, 8], [0, 2, 6], [0, 9]],
+])
+def test_every_element_in_exactly_one_ring_with_its_owner_in_every_cluster(clusters_cuts):
+    total = 10
+    clusters = []
+    for k, cuts in enumerate(clusters_cuts):
+        bounds = cuts + [total]
+        clusters.append([(f"c{k}s{s}", lo, hi) for s, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+    rings = build_rings(clusters, total)
+    covered = [i for ring in rings for i in range(ring.start, ring.end)]
+    assert covered == list(range(total))
+    for ring in rings:
+        for index in range(ring.start, ring.end):
+            assert ring.members == tuple(owner_at(cluster, index) for cluster in clusters)
+    expected_cuts = sorted({c for cuts in clusters_cuts for c in cuts})
+    assert [ring.start for ring in rings] == expected_cuts
+
+
+def test_rejects_gaps_overlaps_and_shared_owners():
+    with pytest.raises(ValueError, match="tile"):
+        build_rings([[("a", 0, 4), ("b", 5, 10)]], 10)
+    with pytest.raises(ValueError, match="end at"):
+        build_rings([[("a", 0, 4), ("b", 4, 9)]], 10)
+    with pytest.raises(ValueError, match="only one range"):
+        build_rings([[("a", 0, 10)], [("a", 0, 10)]], 10)
+    with pytest.raises(ValueError):
+        element_range([3, 4], (1, 3))
+
+
+def test_chunks_cover_the_segment_evenly():
+    assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_flatten_roundtrip_in_canonical_order():
+    tensors = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 1, 2)]
+    flat = flatten(tensors)
+    assert flat.shape == (12,)
+    targets = [torch.zeros_like(t) for t in tensors]
+    unflatten_into(flat, targets)
+    for t, u in zip(tensors, targets):
+        assert torch.equal(t, u)
