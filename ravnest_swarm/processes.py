@@ -27,17 +27,18 @@ class PeerProcess:
     :param name: a label for the log files
     :param env: extra environment variables
     :param prefix: a command to run it under, e.g. ``NetLab.exec_prefix(host)`` to enter a namespace
+    :param python_args: what the interpreter runs; ``ravnest-swarm`` unless a script is given
     """
 
     def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None,
-                 prefix: Sequence[str] = ()):
+                 prefix: Sequence[str] = (), python_args: Sequence[str] = ("-m", "ravnest_swarm")):
         self.args, self.name = list(args), name
         self.stdout_path = os.path.join(log_dir, f"{name}.out")
         self.stderr_path = os.path.join(log_dir, f"{name}.err")
         environment = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="120", **(env or {}))
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "ravnest_swarm", *self.args],
+                [*prefix, sys.executable, *python_args, *self.args],
                 stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=environment, start_new_session=True,
             )
         self.pid = self.popen.pid
@@ -111,6 +112,12 @@ class ProcessGroup:
     def start(self, args: Sequence[str], name: str, env: Optional[dict] = None,
               prefix: Sequence[str] = ()) -> PeerProcess:
         process = PeerProcess(args, self.log_dir, name, env, prefix)
+        self.processes.append(process)
+        return process
+
+    def start_python(self, script: str, args: Sequence[str], name: str) -> PeerProcess:
+        """A process running a Python script given as text (e.g. a plain hivemind peer to compare with)."""
+        process = PeerProcess(args, self.log_dir, name, python_args=("-c", script))
         self.processes.append(process)
         return process
 

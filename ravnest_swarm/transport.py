@@ -53,6 +53,13 @@ def explain_daemon_error(error: Exception, initial_peers: Sequence[Multiaddr]) -
             f"port is open, or run `ravnest-swarm doctor --initial-peers ...`",
             exit_code=1,
         )
+    if "failed to start in" in text and initial_peers:
+        # p2pd reports ready only after bootstrapping, so a silent initial peer looks like a slow start
+        return UserError(
+            f"no answer from the initial peers within the timeout (tried {tried}): check the address and that "
+            f"the backbone's port is reachable from here, or raise --timeout",
+            exit_code=1,
+        )
     if "address already in use" in text or "bind" in text:
         return UserError(f"p2pd could not listen: {text.strip()} (choose another --host-maddrs port)", exit_code=1)
     return UserError(f"p2pd failed to start ({text.strip()}); tried initial peers: {tried}", exit_code=1)

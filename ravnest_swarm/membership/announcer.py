@@ -64,9 +64,13 @@ class PeerAnnouncer:
             await asyncio.sleep(self.heartbeat)
 
     async def leave(self) -> None:
-        """Say ``leaving`` for one heartbeat so others see a graceful exit, not a disappearance."""
+        """Say ``leaving`` so others see a graceful exit, not a disappearance.
+
+        A DHT value is only replaced by one that expires later, so this record must outlive the last
+        heartbeat's; it still vanishes two heartbeats after we go.
+        """
         self.update(state="leaving")
-        await self.publish(lifetime=self.heartbeat)
+        await self.publish(lifetime=2 * self.heartbeat + 0.5)
 
 
 async def read_peers(node: DHTNode, run: str) -> List[Dict]:

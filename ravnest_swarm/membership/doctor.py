@@ -21,7 +21,7 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
 
     def report(ok: bool, what: str, detail: str) -> None:
         mark = "[green]ok  [/]" if ok else "[red]FAIL[/]"
-        console.print(f"{mark} {what}: {detail}", highlight=False)
+        console.print(f"{mark} {what}: {detail}", highlight=False, soft_wrap=True)
 
     try:
         p2p = await P2P.create(startup_timeout=timeout)

@@ -66,6 +66,21 @@ class PeerRecord(pydantic.BaseModel):
     note: Optional[pydantic.constr(strict=True, max_length=200)] = None
 
 
+class StageEndpoint(pydantic.BaseModel):
+    """Where a pipeline stage serves, under ``{run}_stages`` with subkey ``b"{cluster}.{stage}" + owner key``.
+
+    Neighbours resolve a stage here and again whenever a send to it fails; a replacement stage is a
+    new owner, so readers take the record with the newest ``time``.
+    """
+
+    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16)
+    model: pydantic.constr(strict=True, min_length=1, max_length=64)
+    layers: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)
+    version: pydantic.conint(strict=True, ge=0, le=2**53)
+    time: _bounded_float(0.0, 1e11)
+
+
 class PlanStage(pydantic.BaseModel):
     """One stage of a cluster in the adopted plan: the peer that serves it and its layers ``[first, last)``."""
 
@@ -85,11 +100,35 @@ class PlanRecord(pydantic.BaseModel):
     time: _bounded_float(0.0, 1e11)
 
 
+MAX_ROUND_PEERS = 256  # a distributed planning round covers at most this many peers (one proposal stays small)
+
+
+class RoundProposal(pydantic.BaseModel):
+    """A peer's best plan in a planning round, under ``{run}_round`` with its signed public key as subkey.
+
+    Each peer keeps one proposal and overwrites it round after round, so ``round`` says which round it
+    belongs to; ``deadline`` (DHT time) is when the round closes, the earliest any proposal names.
+    ``clusters`` are peer ids per cluster; ``fitness`` is their K x min T as the proposer computed it
+    (adopters recompute it before trusting it).
+    """
+
+    round: pydantic.conint(strict=True, ge=1, le=2**53)
+    deadline: _bounded_float(0.0, 1e11)
+    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    fitness: _bounded_float(0.0, 1e12)
+    clusters: pydantic.conlist(
+        pydantic.conlist(pydantic.constr(strict=True, min_length=1, max_length=128), min_items=1, max_items=64),
+        max_items=MAX_ROUND_PEERS)
+    time: _bounded_float(0.0, 1e11)
+
+
 class RunRecords(pydantic.BaseModel):
     """The run's DHT keys (fields) and the type of each value."""
 
     peers: Dict[BytesWithPublicKey, PeerRecord]
     plan: Dict[pydantic.conint(strict=True, ge=0, le=2**53), PlanRecord]
+    stages: Dict[BytesWithPublicKey, StageEndpoint]
+    round: Dict[BytesWithPublicKey, RoundProposal]
 
 
 def make_validators(run: str) -> List:
@@ -105,3 +144,14 @@ def plan_key(run: str) -> str:
     return f"{run}_plan"
 
 
+def stages_key(run: str) -> str:
+    return f"{run}_stages"
+
+
+def stage_subkey_prefix(cluster: int, stage: int) -> bytes:
+    """Subkeys of one stage's endpoint start with this; the owner's public key follows."""
+    return f"{cluster}.{stage}".encode()
+
+
+def round_key(run: str) -> str:
+    return f"{run}_round"

@@ -1,0 +1,177 @@
+"""Membership on a real DHT: a backbone, volunteers and observers as real processes with real p2pd."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.records import make_validators, peers_key
+from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+
+RUN = "test-run"
+VOLUNTEERS = {
+    "alice": {"--ram-gb": "8", "--gflops": "50", "--bandwidth-mbps": "100"},
+    "bob": {"--ram-gb": "16", "--gflops": "120", "--bandwidth-mbps": "40"},
+    # carol measures its bandwidth for real, over P2P to the backbone's probe handler
+    "carol": {"--ram-gb": "2.5", "--gflops": "7"},
+}
+
+
+def join_args(maddr, name, overrides, heartbeat=1.0):
+    args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",
+            "--heartbeat", str(heartbeat), "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    for flag, value in overrides.items():
+        args += [flag, value]
+    return args
+
+
+def status_json(maddr, run=RUN):
+    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run", run,
+                             "--json"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class Observer:
+    """An in-process DHT client for the run, polled by the tests (faster than a status subprocess)."""
+
+    def __init__(self, maddr):
+        self.loop = asyncio.new_event_loop()
+        self.node = self.loop.run_until_complete(
+            start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN), client_mode=True))
+
+    def peers(self):
+        return self.loop.run_until_complete(read_peers(self.node, RUN))
+
+    def wait_for(self, predicate, timeout, period=0.25):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            peers = self.peers()
+            if predicate(peers):
+                return peers
+            time.sleep(period)
+        raise TimeoutError(f"condition not met within {timeout}s; last view: {[p['name'] for p in peers]}")
+
+    def close(self):
+        self.loop.run_until_complete(stop_node(self.node))
+        self.loop.close()
+
+
+@pytest.fixture
+def observer(backbone):
+    watcher = Observer(backbone)
+    try:
+        yield watcher
+    finally:
+        watcher.close()
+
+
+@pytest.mark.timeout(150)
+def test_three_volunteers_with_their_capabilities_are_read_back_by_status(processes, backbone):
+    for name, overrides in VOLUNTEERS.items():
+        processes.start(join_args(backbone, name, overrides), name)
+    for process in processes.processes[1:]:
+        process.wait_for_output(r"sees 3 peer", 90, stream="stderr")
+
+    document = status_json(backbone)
+    assert document["run"] == RUN
+    by_name = {peer["name"]: peer for peer in document["peers"]}
+    assert sorted(by_name) == ["alice", "bob", "carol"]
+    for name, overrides in VOLUNTEERS.items():
+        peer = by_name[name]
+        assert peer["state"] == "standby"
+        assert peer["ram_gb"] == float(overrides["--ram-gb"])
+        assert peer["gflops"] == float(overrides["--gflops"])
+        assert peer["reachability"] == "direct"  # the backbone dialled each of them back on 127.0.0.1
+        assert peer["peer_id"].startswith("12D3") or peer["peer_id"].startswith("Qm")
+    assert by_name["alice"]["bandwidth_mbps"] == 100.0 and by_name["bob"]["bandwidth_mbps"] == 40.0
+    assert by_name["carol"]["bandwidth_mbps"] > 1.0  # measured over P2P, not overridden
+
+
+@pytest.mark.timeout(120)
+def test_sigkilled_volunteer_vanishes_within_three_heartbeats(processes, backbone, observer):
+    heartbeat = 2.0
+    volunteer = processes.start(join_args(backbone, "doomed", VOLUNTEERS["alice"], heartbeat), "doomed")
+    observer.wait_for(lambda peers: any(p["name"] == "doomed" for p in peers), 60)
+    killed_at = time.monotonic()
+    volunteer.kill_group()
+    observer.wait_for(lambda peers: not any(p["name"] == "doomed" for p in peers), 3 * heartbeat + 2)
+    assert time.monotonic() - killed_at <= 3 * heartbeat + 2  # the poll itself takes part of the margin
+
+
+@pytest.mark.timeout(120)
+def test_graceful_stop_shows_leaving_then_exits_zero(processes, backbone, observer):
+    heartbeat = 2.0
+    volunteer = processes.start(join_args(backbone, "polite", VOLUNTEERS["bob"], heartbeat), "polite")
+    observer.wait_for(lambda peers: any(p["name"] == "polite" and p["state"] == "standby" for p in peers), 60)
+    volunteer.signal(signal.SIGTERM)
+    observer.wait_for(lambda peers: any(p["name"] == "polite" and p["state"] == "leaving" for p in peers), 10,
+                      period=0.1)
+    assert volunteer.wait(30) == 0
+    observer.wait_for(lambda peers: not any(p["name"] == "polite" for p in peers), 3 * heartbeat + 2)
+
+
+async def _attack(maddr, victim_subkey, honest_value):
+    """Write straight into the DHT as a non-project client: one forged record and several malformed ones.
+
+    The attacker signs with an RSA key of its own (so signatures are well formed) but has no schema.
+    Returns what each store call reported: True only if some node accepted the record.
+    """
+    attacker_signature = RSASignatureValidator(RSAPrivateKey())
+    attacker = await start_node(parse_maddrs([maddr]), record_validators=[attacker_signature], client_mode=True)
+    expiration = get_dht_time() + 30
+    key = peers_key(RUN)
+    outcomes = {
+        # another peer's subkey: the attacker cannot produce the owner's signature
+        "forged": await attacker.store(key, dict(honest_value, name="mallory", ram_gb=4000.0), expiration,
+                                       subkey=victim_subkey),
+    }
+    malformed = {
+        "wrong_type": dict(honest_value, ram_gb="lots"),
+        "out_of_range": dict(honest_value, ram_gb=-5.0),
+        "nan": dict(honest_value, gflops=float("nan")),
+        "huge_name": dict(honest_value, name="x" * 10_000),
+        "missing_field": {k: v for k, v in honest_value.items() if k != "peer_id"},
+        "not_a_dict": [1, 2, 3],
+        "raw_bytes": b"\x00\xff garbage",
+    }
+    for label, value in malformed.items():
+        outcomes[label] = await attacker.store(key, value, expiration, subkey=attacker_signature.local_public_key)
+    # a valid-looking record in a subkey without any public key: unsigned, so the schema refuses it
+    outcomes["unsigned_subkey"] = await attacker.store(key, dict(honest_value, name="anon"), expiration,
+                                                       subkey=b"anonymous")
+    await stop_node(attacker)
+    return outcomes
+
+
+@pytest.mark.timeout(150)
+def test_forged_and_malformed_records_are_refused_while_honest_records_stay(processes):
+    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+    maddr = backbone.maddrs()[0]
+    processes.start(join_args(maddr, "honest", VOLUNTEERS["alice"], heartbeat=2.0), "honest")
+    observer = Observer(maddr)
+    try:
+        observer.wait_for(lambda peers: any(p["name"] == "honest" for p in peers), 60)
+        found = observer.loop.run_until_complete(observer.node.get(peers_key(RUN), latest=True))
+        [(victim_subkey, item)] = list(found.value.items())
+        honest_value = dict(item.value)
+
+        outcomes = observer.loop.run_until_complete(_attack(maddr, victim_subkey, honest_value))
+        assert not any(outcomes.values()), f"an honest node accepted an attacker's record: {outcomes}"
+
+        time.sleep(1.0)
+        peers = observer.peers()
+        assert [p["name"] for p in peers] == ["honest"]
+        assert peers[0]["ram_gb"] == 8.0 and peers[0]["peer_id"] == honest_value["peer_id"]
+    finally:
+        observer.close()
+    document = status_json(maddr)
+    assert [(p["name"], p["ram_gb"]) for p in document["peers"]] == [("honest", 8.0)]
