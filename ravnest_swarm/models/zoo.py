@@ -117,6 +117,10 @@ class Dense(nn.Module):
     def __init__(self, inputs: int, outputs: int, relu: bool = True):
         super().__init__()
         self.linear = nn.Linear(inputs, outputs)
+        # He initialisation: torch's default shrinks the signal layer by layer, and the MLP then idles on a
+        # loss plateau for hundreds of steps; with it, a few hundred microbatches train the digits
+        nn.init.kaiming_normal_(self.linear.weight, nonlinearity="relu")
+        nn.init.zeros_(self.linear.bias)
         self.relu = relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,129 @@
+"""The pipeline's messages on the wire: framing, chunked tensors, and checks before anything is queued.
+
+A message is a stream of hivemind ``ExpertRequest`` frames in hivemind's own framing (one marker byte,
+an 8-byte big-endian length, the protobuf), ended by hivemind's end-of-stream marker, so a sender uses
+plain ``P2P.call_protobuf_handler``. The first frame carries the msgpack ``metadata``; the tensors are
+hivemind ``serialize_torch_tensor`` protobufs cut by ``split_for_streaming`` into chunks spread over the
+frames. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
+
+The receiver reads the frames itself (a binary stream handler rather than hivemind's protobuf
+wrapper) so that it can refuse an oversize frame from its length header before reading it, and answer
+garbage with a reason instead of closing the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Dict, List, Sequence, Tuple
+
+import torch
+from google.protobuf.message import DecodeError
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from ravnest_swarm.transport import make_request, unpack_metadata
+
+FORWARD = "ravnest.pipeline.forward"
+BACKWARD = "ravnest.pipeline.backward"
+STATUS = "ravnest.pipeline.status"
+
+CHUNK_BYTES = 512 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_TENSORS = 4
+MAX_SAMPLES = 4096
+
+
+class MessageError(ValueError):
+    """A message this stage refuses; its text goes back to the sender as the error."""
+
+
+def encode(metadata: Dict, tensors: Sequence[torch.Tensor]) -> List[runtime_pb2.ExpertRequest]:
+    """The frames of one message: metadata in the first, every tensor's chunks after it."""
+    parts = [part for tensor in tensors for part in split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES)]
+    frames = [make_request(metadata, parts[:1])]
+    frames += [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
+    return frames
+
+
+async def as_stream(frames: Sequence[runtime_pb2.ExpertRequest]) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    for frame in frames:
+        yield frame
+
+
+async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
+    """Read one message's frames up to the end-of-stream marker; refuse oversize or malformed input."""
+    frames, total = [], 0
+    while True:
+        marker = await reader.readexactly(1)
+        if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+            raise MessageError(f"not a pipeline message: frame marker {marker!r} is neither data nor end of stream")
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        total += length
+        if total > max_bytes:
+            raise MessageError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
+        data = await reader.readexactly(length)
+        if marker == P2P.ERROR_MARKER:
+            break
+        frame = runtime_pb2.ExpertRequest()
+        try:
+            frame.ParseFromString(data)
+        except DecodeError:
+            raise MessageError(f"frame {len(frames)} ({length} bytes) is not an ExpertRequest protobuf")
+        frames.append(frame)
+    if not frames:
+        raise MessageError("empty message: no frames before end of stream")
+    try:
+        metadata = unpack_metadata(frames[0].metadata)
+    except ValueError as e:
+        raise MessageError(str(e))
+    return metadata, combine_chunks([part for frame in frames for part in frame.tensors])
+
+
+def combine_chunks(parts: List[runtime_pb2.Tensor]) -> List[runtime_pb2.Tensor]:
+    """Regroup ``split_for_streaming`` chunks: each tensor's first chunk says how many chunks it has."""
+    tensors, index = [], 0
+    while index < len(parts):
+        count = parts[index].chunks
+        if count < 1 or index + count > len(parts):
+            raise MessageError(f"tensor {len(tensors)} announces {count} chunks but {len(parts) - index} arrived")
+        tensors.append(combine_from_streaming(parts[index:index + count]))
+        index += count
+        if len(tensors) > MAX_TENSORS:
+            raise MessageError(f"more than {MAX_TENSORS} tensors in one message")
+    return tensors
+
+
+def decode_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Deserialize and check the exact shape and dtype this stage expects."""
+    if list(serialized.size) != list(shape) or serialized.dtype != str(dtype).replace("torch.", ""):
+        raise MessageError(
+            f"{what} has shape {list(serialized.size)} and dtype {serialized.dtype or '?'}; "
+            f"expected {list(shape)} {str(dtype).replace('torch.', '')}"
+        )
+    try:
+        tensor = deserialize_torch_tensor(serialized)
+    except Exception as e:
+        raise MessageError(f"{what} could not be decoded ({type(e).__name__}: {e})")
+    if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
+        raise MessageError(f"{what} decodes to {list(tensor.shape)} {tensor.dtype}, expected {list(shape)} {dtype}")
+    return tensor
+
+
+def field(metadata: Dict, name: str, kind: type, lo: int = 0, hi: int = 2**53):
+    value = metadata.get(name)
+    if kind is int:
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise MessageError(f"metadata field {name!r} must be an integer in [{lo}, {hi}], got {value!r}")
+    elif not isinstance(value, kind):
+        raise MessageError(f"metadata field {name!r} must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def sample_ids_field(metadata: Dict) -> List[int]:
+    ids = metadata.get("sample_ids")
+    if (not isinstance(ids, list) or not 1 <= len(ids) <= MAX_SAMPLES
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**53 for i in ids)):
+        raise MessageError(f"'sample_ids' must be a list of 1-{MAX_SAMPLES} non-negative integers")
+    return ids
