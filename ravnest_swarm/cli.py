@@ -223,6 +223,7 @@ def averaging_peer(
     delay_start: float = typer.Option(0.0, "--delay-start", min=0.0, help="Seconds between adopting the plan and averaging (fault tests)."),
     host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
+    bench_config: Optional[str] = typer.Option(None, "--bench-config", help="Run the timed phases of `bench averaging` (config file it wrote)."),
     verbose: bool = typer.Option(False, "--verbose"),
 ):
     """Test and benchmark peer: a synthetic model range, one multi-ring averaging round, a JSON line."""
@@ -241,10 +242,29 @@ def averaging_peer(
             layer_sizes=parse_ints(layer_sizes, "--layer-sizes"), layers=tuple(layer_range), seed=seed, step=step,
             timeout=timeout, compression=compression, poison=poison, out=out, publish_plan=publish_plan,
             plan_timeout=plan_timeout, delay_start=delay_start, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+            bench_config=bench_config,
         )
         return await run_averaging_peer(options)
 
     sys.exit(run_async(main()))
+
+
+@bench_app.command("averaging")
+def bench_averaging(
+    clusters: int = typer.Option(3, "--clusters", min=2, max=16, help="Clusters (copies of the model)."),
+    stages: int = typer.Option(2, "--stages", min=1, max=8, help="Stages per cluster (cut at different layers per cluster)."),
+    mbps: float = typer.Option(100.0, "--mbps", min=1.0, help="Access-link rate of every peer, Mbit/s each way (tc tbf)."),
+    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between peers (userspace relay)."),
+    size_mb: float = typer.Option(64.0, "--size-mb", min=0.01, help="Size of the float32 parameter vector, MiB."),
+    compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit (hivemind compression)."),
+    timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds one ring may take."),
+    as_json: bool = typer.Option(False, "--json", help="Last line: one JSON object with the figures."),
+):
+    """Multi-ring all-reduce vs hivemind's DecentralizedAverager vs one ring, same peers and emulated links."""
+    configure_logging(False)
+    from ravnest_swarm.averaging.bench import bench_averaging as run
+
+    sys.exit(run_async(run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
 
 
 def main() -> None:

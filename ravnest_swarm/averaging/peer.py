@@ -20,6 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
@@ -100,13 +102,15 @@ class AveragingPeerOptions:
     delay_start: float = 0.0
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: Optional[Sequence[str]] = None
+    bench_config: Optional[str] = None
 
 
 async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: Optional[str] = None) -> None:
     """Our signed peer record with cluster, stage and layers; ``note`` carries the last round's summary."""
+    maddrs = [str(m) for m in await node.p2p.get_visible_maddrs()][:16]
     record = dict(
         peer_id=node.peer_id.to_base58(), name=f"avg-c{options.cluster}s{options.stage}", state="averaging",
-        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability="unknown", maddrs=[], version=__version__,
+        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability="unknown", maddrs=maddrs, version=__version__,
         time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
     )
     await node.store(peers_key(options.run), PeerRecord.parse_obj(record).dict(),
@@ -146,6 +150,27 @@ async def read_plan(node: DHTNode, run: str, deadline: float) -> dict:
         await asyncio.sleep(POLL_SECONDS)
 
 
+async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> None:
+    """Dial our ring partners at the addresses in their peer records.
+
+    p2pd's own routing cannot find peers whose addresses it treats as non-public (a LAN, the bench's
+    198.18.0.0/15 lab), so we connect explicitly, as the pipeline does for its neighbours.
+    """
+    me = node.peer_id.to_base58()
+    wanted = {member for ring in rings for member in ring.members if member != me}
+    found = await node.get(peers_key(run), latest=True)
+    records = [item.value for item in (found.value.values() if found and isinstance(found.value, dict) else [])]
+    for record in records:
+        if record.get("peer_id") in wanted and record.get("maddrs"):
+            peer_id = PeerID.from_base58(record["peer_id"])
+            suffix = f"/p2p/{record['peer_id']}"
+            maddrs = [Multiaddr(m[:-len(suffix)] if m.endswith(suffix) else m) for m in record["maddrs"]]
+            try:
+                await node.p2p._client.connect(peer_id, maddrs)
+            except Exception as e:  # the ring's own timeout reports a partner we cannot reach
+                logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")
+
+
 def poison_(local: torch.Tensor, kind: str) -> None:
     """Put one NaN or Inf in the middle of our range: a peer whose training diverged."""
     local[local.numel() // 2] = {"nan": float("nan"), "inf": float("inf")}[kind]
@@ -155,7 +180,10 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.poison not in (None, "nan", "inf"):
         raise UserError("--poison must be nan or inf")
     compression = compression_by_name(options.compression)
-    start, end = element_range(options.layer_sizes, options.layers)
+    try:
+        start, end = element_range(options.layer_sizes, options.layers)
+    except ValueError as e:
+        raise UserError(f"--layers: {e}")
     node = await start_node(options.initial_peers, record_validators=make_validators(options.run),
                             host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
     averager = MultiRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression)
@@ -168,10 +196,19 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         plan = await read_plan(node, options.run, deadline)
         me = node.peer_id.to_base58()
         rings = rings_of(me, plan_rings(plan, options.layer_sizes))
+        await connect_members(node, options.run, rings)
         local = synthetic_range(options.seed, options.cluster, options.layer_sizes, options.layers)
         if options.poison:
             poison_(local, options.poison)
         print(f"plan adopted: {len(rings)} ring(s), elements {start}-{end}", flush=True)
+        if options.bench_config:
+            from ravnest_swarm.averaging.bench import run_bench_phases
+
+            with open(options.bench_config) as f:
+                config = json.load(f)
+            report = await run_bench_phases(node, averager, options, plan, local, start, config)
+            print(json.dumps(dict(peer_id=me, cluster=options.cluster, stage=options.stage, bench=report)), flush=True)
+            return 0
         await asyncio.sleep(options.delay_start)
         print("round started", flush=True)
         result = await averager.average(options.step, local, start, rings)
