@@ -63,6 +63,9 @@ class PeerRecord(pydantic.BaseModel):
     step: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
+    plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     note: Optional[pydantic.constr(strict=True, max_length=200)] = None
 
 
@@ -109,12 +112,16 @@ class RoundProposal(pydantic.BaseModel):
     Each peer keeps one proposal and overwrites it round after round, so ``round`` says which round it
     belongs to; ``deadline`` (DHT time) is when the round closes, the earliest any proposal names.
     ``clusters`` are peer ids per cluster; ``fitness`` is their K x min T as the proposer computed it
-    (adopters recompute it before trusting it).
+    (adopters recompute it before trusting it). The proposer's own capabilities travel here, signed, so
+    every adopter evaluates every plan on the same figures, and a fresh ``time`` says it is still alive.
     """
 
     round: pydantic.conint(strict=True, ge=1, le=2**53)
     deadline: _bounded_float(0.0, 1e11)
     peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    ram_gb: _bounded_float(0.0, 4096.0)
+    gflops: _bounded_float(0.0, 1e6)
+    bandwidth_mbps: _bounded_float(0.0, 100_000.0)
     fitness: _bounded_float(0.0, 1e12)
     clusters: pydantic.conlist(
         pydantic.conlist(pydantic.constr(strict=True, min_length=1, max_length=128), min_items=1, max_items=64),
