@@ -1,0 +1,116 @@
+"""Stage checkpoints as safetensors: parameters, optimizer state, step and layer range, written atomically.
+
+A checkpoint is one ``.safetensors`` file. Tensors are the stage's parameters (``param.<name>``) and its
+optimizer's per-parameter state (``optim.<index>.<key>``); everything else (step, layer range, model,
+run, optimizer hyper-parameters and scalar state) is JSON in the safetensors metadata. Nothing is
+pickled, so a checkpoint from anywhere is safe to open.
+
+Writes go to a temporary file in the same directory, are fsynced, then renamed over the old file
+(and the directory fsynced), so a crash at any moment leaves either the old or the new checkpoint,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Dict, Tuple
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
+
+from ravnest_swarm.errors import UserError
+
+FORMAT = "ravnest-stage-checkpoint/1"
+
+
+def write_atomically(path: str, payload: bytes) -> None:
+    """Replace ``path`` with ``payload`` so that readers see the old or the new file, never a mix."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=directory)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(payload)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    directory_descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_descriptor)  # make the rename itself durable
+    finally:
+        os.close(directory_descriptor)
+
+
+def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, info: Dict) -> None:
+    """Write a stage checkpoint.
+
+    :param path: the ``.safetensors`` file to (re)write
+    :param module: the stage's layers
+    :param optimizer: its optimizer (per-parameter state is saved as tensors)
+    :param info: JSON-able facts to keep: at least ``step`` and ``layers``; usually ``run`` and ``model``
+    """
+    tensors = {f"param.{name}": tensor.detach().contiguous().clone() for name, tensor in module.state_dict().items()}
+    state = optimizer.state_dict()
+    scalars: Dict[str, Dict] = {}
+    for index, per_parameter in state["state"].items():
+        for key, value in per_parameter.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                tensors[f"optim.{index}.{key}"] = value.detach().contiguous().clone()
+            else:
+                scalars.setdefault(str(index), {})[key] = value.item() if torch.is_tensor(value) else value
+    metadata = {"format": FORMAT, "info": info, "param_groups": state["param_groups"], "optimizer_scalars": scalars}
+    write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))
+
+
+def read_stage(path: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
+    """Read a checkpoint's tensors and metadata; a missing, corrupt or foreign file is a :class:`UserError`."""
+    if not os.path.isfile(path):
+        raise UserError(f"no checkpoint at {path}", exit_code=1)
+    try:
+        tensors = load_file(path)
+        with open(path, "rb") as file:
+            header_size = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(header_size))
+        metadata = json.loads(header["__metadata__"]["ravnest"])
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"checkpoint {path} is corrupt or not a ravnest checkpoint ({type(e).__name__}); "
+                        f"move it away to start this stage fresh", exit_code=1)
+    if metadata.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path} has format {metadata.get('format')!r}, expected {FORMAT!r}", exit_code=1)
+    return tensors, metadata
+
+
+def load_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict:
+    """Restore ``module`` and ``optimizer`` from ``path`` and return the saved ``info``.
+
+    Shapes and names must match the stage exactly; a checkpoint of other layers is refused, not
+    partially applied.
+    """
+    tensors, metadata = read_stage(path)
+    parameters = {name[len("param."):]: t for name, t in tensors.items() if name.startswith("param.")}
+    expected = module.state_dict()
+    mismatched = sorted(set(parameters) ^ set(expected)) or [
+        name for name in expected if parameters[name].shape != expected[name].shape]
+    if mismatched:
+        raise UserError(f"checkpoint {path} holds other layers than this stage (first mismatch: {mismatched[0]})", 1)
+    module.load_state_dict(parameters)
+    state: Dict = {}
+    for name, tensor in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = tensor
+    for index, values in metadata["optimizer_scalars"].items():
+        for key, value in values.items():
+            state.setdefault(int(index), {})[key] = torch.tensor(value) if key == "step" else value
+    # JSON turned tuples (Adam's betas) into lists; "params" is the one list that must stay a list
+    groups = [{key: tuple(value) if isinstance(value, list) and key != "params" else value
+               for key, value in group.items()} for group in metadata["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return metadata["info"]
