@@ -1,0 +1,261 @@
+"""Rendering a :class:`SwarmState` as one rich renderable: title, totals, swarm map, spares, loss curve, events.
+
+Every line is laid out for the width it is given and never folded: cells and event lines are cut with
+an ellipsis instead, and clusters that do not fit side by side wrap into further rows of columns, so
+the dashboard stays readable from 80 columns up, with 30 peers or more.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Dict, List, Optional, Sequence
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from ravnest_swarm.dashboard.state import Event, SwarmState
+
+STATE_STYLES = {"training": "green", "averaging": "cyan", "standby": "yellow", "joining": "magenta",
+                "leaving": "red"}
+STATE_SHORT = {"training": "train", "averaging": "avg", "standby": "spare", "joining": "join", "leaving": "bye"}
+EVENT_STYLES = {"start": "dim", "joined": "green", "left": "red", "replaced": "yellow", "round": "bold cyan",
+                "avg-fail": "bold red"}
+BLOCKS = " ▁▂▃▄▅▆▇█"
+MIN_CELL, MAX_CELL = 17, 24  # a cell's third line ("#12.3k 123/s 2.31") needs 17 columns
+STAGE_LABEL = 3  # "s12"
+LOSS_ROWS = 3
+MIN_EVENT_LINES, MAX_EVENT_LINES = 3, 8
+
+
+def render(state: SwarmState, width: int, height: Optional[int] = None, me: Optional[str] = None) -> RenderableType:
+    """The whole dashboard for a terminal ``width`` columns wide.
+
+    :param state: the swarm to show
+    :param width: columns to lay out for (80 and up stays tidy)
+    :param height: terminal rows; when given, map cells drop to two lines and the event log shrinks as
+        far as needed to keep everything on screen
+    :param me: this volunteer's name, highlighted in the map
+    """
+    head = [_title(state, width), _totals(state, width)]
+    loss = _loss_curve(state, width)
+    parts = head + _swarm_map(state, width, me, compact=False) + loss
+    event_lines = MAX_EVENT_LINES
+    if height is not None:
+        rows = height - 1 - 1  # Live keeps the terminal's last row free; the event log has a rule
+        if _height(parts, width) + MIN_EVENT_LINES > rows:
+            parts = head + _swarm_map(state, width, me, compact=True) + loss
+        event_lines = max(MIN_EVENT_LINES, min(MAX_EVENT_LINES, rows - _height(parts, width)))
+    parts += _events(state, width, event_lines)
+    return Group(*parts)
+
+
+def render_text(state: SwarmState, width: int = 80, me: Optional[str] = None) -> str:
+    """The dashboard as plain text, ``width`` columns wide (for tests and logs)."""
+    console = Console(record=True, width=width, file=io.StringIO(), color_system=None, legacy_windows=False)
+    console.print(render(state, width, me=me))
+    return console.export_text()
+
+
+def _title(state: SwarmState, width: int) -> Text:
+    seen = "no snapshot yet" if state.at is None else time.strftime("%H:%M:%S", time.localtime(state.at))
+    title = Text(f"ravnest-swarm · run {state.run or '?'}", style="bold")
+    title.append(f" · {seen}", style="dim")
+    title.truncate(width, overflow="ellipsis")
+    return title
+
+
+def _totals(state: SwarmState, width: int) -> Text:
+    totals = state.totals()
+    running = f", {totals.averaging_running} averaging now" if totals.averaging_running else ""
+    items = [
+        f"peers {totals.peers}",
+        f"clusters {totals.clusters}",
+        f"spares {totals.standby}",
+        f"{_rate(totals.samples_per_s)} samples/s",
+        f"avg rounds {totals.averaging_done} done{running}",
+        f"avg failures {totals.averaging_failures}",
+        f"plan round {'-' if totals.plan_round is None else totals.plan_round}",
+    ]
+    return _pack(items, width, " │ ")
+
+
+def _pack(items: Sequence[str], width: int, separator: str) -> Text:
+    """Items on as few lines as fit ``width``, never splitting one."""
+    lines, line = [], ""
+    for item in items:
+        candidate = item if not line else line + separator + item
+        if line and len(candidate) > width:
+            lines.append(line)
+            candidate = item
+        line = candidate
+    lines.append(line)
+    text = Text("\n".join(lines), no_wrap=True, overflow="ellipsis")
+    return text
+
+
+def _swarm_map(state: SwarmState, width: int, me: Optional[str], compact: bool) -> List[RenderableType]:
+    clusters = state.clusters()
+    parts: List[RenderableType] = [Rule("swarm map: clusters → columns, stages ↓ rows", style="dim")]
+    if not clusters:
+        parts.append(Text("no cluster yet: waiting for a planning round", style="dim"))
+    for chunk, cell_width in _chunks(clusters, width):
+        parts.append(_cluster_table(state, {k: clusters[k] for k in chunk}, cell_width, me, compact))
+    parts += _spares(state, width)
+    return parts
+
+
+def _chunks(clusters: Dict[int, Dict[int, List[Dict]]], width: int):
+    """Groups of clusters shown side by side, as even as possible, and the cell width for each group."""
+    longest = max((len(p["name"]) for stages in clusters.values() for holders in stages.values() for p in holders),
+                  default=MIN_CELL)
+    wanted = min(MAX_CELL, max(MIN_CELL, longest))
+    # a column costs its cell, a divider and a column of padding, except that the table's last column has
+    # no padding; the stage label column comes first
+    per_row = max(1, (width - STAGE_LABEL + 1) // (wanted + 2))
+    keys = list(clusters)
+    rows = -(-len(keys) // per_row) if keys else 0
+    per_row = -(-len(keys) // rows) if rows else 0
+    for start in range(0, len(keys), per_row):
+        chunk = keys[start:start + per_row]
+        cell = min(MAX_CELL, max(MIN_CELL, (width - STAGE_LABEL + 1) // len(chunk) - 2))
+        yield chunk, cell
+
+
+def _cluster_table(state: SwarmState, clusters: Dict[int, Dict[int, List[Dict]]], cell_width: int,
+                   me: Optional[str], compact: bool) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), expand=False)
+    table.add_column("", width=STAGE_LABEL, no_wrap=True, style="dim")
+    for cluster, stages in clusters.items():
+        rate = state.cluster_samples_per_s(stages)
+        header = Text(f"cluster {cluster}", style="bold")
+        if rate is not None and len(f"cluster {cluster} {_rate(rate)}/s") <= cell_width:
+            header.append(f" {_rate(rate)}/s", style="dim")
+        table.add_column(header, width=cell_width, no_wrap=True, overflow="ellipsis")
+    depth = max(max(stages, default=0) for stages in clusters.values()) + 1
+    for stage in range(depth):
+        cells = [_cell(state, (cluster, stage), stages.get(stage), cell_width, me, compact)
+                 for cluster, stages in clusters.items()]
+        table.add_row(Text(f"s{stage}"), *cells)
+    return table
+
+
+def _cell(state: SwarmState, slot, holders: Optional[List[Dict]], width: int, me: Optional[str],
+          compact: bool) -> Text:
+    """A peer in three lines (name; state and layers; step, samples/s, loss).
+
+    Compact cells take two lines and drop step and samples/s: the stages of one pipeline run at about
+    the same rate, which the cluster's header shows.
+    """
+    if holders is None:
+        return Text("")
+    if not holders:
+        planned = state.planned_name(slot)
+        return _lines([("(vacant)", "red"), (f"plan: {planned}" if planned else "", "dim")], width)
+    peer = holders[0]
+    style = STATE_STYLES.get(peer["state"], "")
+    name_style = f"bold {style} reverse" if peer["name"] == me else f"bold {style}"
+    layers = "-" if peer.get("layers") is None else f"{peer['layers'][0]}-{peer['layers'][1]}"
+    step = "-" if peer.get("step") is None else _count(peer["step"])
+    rate = "-" if peer.get("samples_per_s") is None else _rate(peer["samples_per_s"])
+    loss = "" if peer.get("loss") is None else f" {_loss(peer['loss'])}"
+    short = STATE_SHORT.get(peer["state"], peer["state"])
+    if compact:
+        lines = [(peer["name"], name_style), (f"{short} L{layers}{loss}", style)]
+    else:
+        lines = [(peer["name"], name_style), (f"{short} L{layers}", style), (f"#{step} {rate}/s{loss}", "")]
+    if len(holders) > 1:
+        lines.append((f"+ {', '.join(p['name'] for p in holders[1:])}", "dim"))
+    return _lines(lines, width)
+
+
+def _lines(lines, width: int) -> Text:
+    """Lines of a cell, each cut to ``width`` with an ellipsis (a cell never folds)."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for index, (line, style) in enumerate(lines):
+        part = Text(line, style=style)
+        part.truncate(width, overflow="ellipsis")
+        if index:
+            text.append("\n")
+        text.append_text(part)
+    return text
+
+
+def _spares(state: SwarmState, width: int) -> List[RenderableType]:
+    unplaced = state.unplaced()
+    if not unplaced:
+        return []
+    items = [f"{p['name']} ({STATE_SHORT.get(p['state'], p['state'])})" for p in unplaced]
+    items[0] = f"outside clusters ({len(unplaced)}): {items[0]}"
+    return [_pack(items, width, ", ")]
+
+
+def _loss_curve(state: SwarmState, width: int) -> List[RenderableType]:
+    parts: List[RenderableType] = [Rule("loss (mean over training peers)", style="dim")]
+    values = [loss for _, loss in state.losses]
+    if not values:
+        return parts + [Text("no loss reported yet", style="dim")]
+    low, high = min(values), max(values)
+    label = max(len(_loss(high)), len(_loss(low)), 5)
+    columns = max(8, width - label - 1)
+    points = _resample(values, columns)
+    # a short history is stretched (up to 4 columns a point) so that its slope stays visible
+    points = [v for v in points for _ in range(max(1, min(4, columns // len(points))))]
+    span = (high - low) or 1.0
+    levels = [round((v - low) / span * (LOSS_ROWS * 8 - 1)) + 1 for v in points]  # 1..rows*8 eighths
+    lines = []
+    for row in range(LOSS_ROWS - 1, -1, -1):
+        bar = "".join(BLOCKS[min(8, max(0, level - row * 8))] for level in levels)
+        axis = _loss(high) if row == LOSS_ROWS - 1 else _loss(low) if row == 0 and high > low else ""
+        lines.append(Text(f"{axis:>{label}} ", style="dim") + Text(bar, style="green"))
+    caption = Text(f"{'':>{label}} last {_loss(values[-1])} over {len(values)} snapshot(s)", style="dim",
+                   no_wrap=True, overflow="ellipsis")
+    return parts + [Text("\n").join(lines), caption]
+
+
+def _resample(values: List[float], columns: int) -> List[float]:
+    """At most ``columns`` points: bucket means when there are more values than columns."""
+    if len(values) <= columns:
+        return values
+    buckets = [values[i * len(values) // columns:(i + 1) * len(values) // columns] for i in range(columns)]
+    return [sum(b) / len(b) for b in buckets if b]
+
+
+def _events(state: SwarmState, width: int, count: int) -> List[RenderableType]:
+    parts: List[RenderableType] = [Rule("events", style="dim")]
+    events: List[Event] = list(state.events)[-count:]
+    if not events:
+        return parts + [Text("none yet", style="dim")]
+    for event in events:
+        line = Text(time.strftime("%H:%M:%S ", time.localtime(event.at)), style="dim")
+        line.append(f"{event.kind:<8} ", style=EVENT_STYLES.get(event.kind, ""))
+        line.append(event.text)
+        line.truncate(width, overflow="ellipsis")
+        parts.append(line)
+    return parts
+
+
+def _height(renderables: List[RenderableType], width: int) -> int:
+    console = Console(width=width, file=io.StringIO(), color_system=None)
+    return len(console.render_lines(Group(*renderables), console.options.update(width=width), pad=False))
+
+
+def _count(value: int) -> str:
+    if value < 10_000:
+        return str(value)
+    if value < 10_000_000:
+        return f"{value / 1000:.1f}k" if value < 100_000 else f"{value // 1000}k"
+    return f"{value / 1_000_000:.1f}M"
+
+
+def _rate(value: float) -> str:
+    if value < 10:
+        return f"{value:.1f}"
+    return f"{value:.0f}" if value < 10_000 else f"{value / 1000:.0f}k"
+
+
+def _loss(value: float) -> str:
+    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
