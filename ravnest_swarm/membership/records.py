@@ -129,6 +129,19 @@ class RoundProposal(pydantic.BaseModel):
     time: _bounded_float(0.0, 1e11)
 
 
+class RunSpecRecord(pydantic.BaseModel):
+    """What the run trains, under ``{run}_spec`` (see ``swarm.spec.RunSpec``): names and numbers only."""
+
+    model: pydantic.constr(strict=True, min_length=1, max_length=64)
+    optimizer: pydantic.constr(strict=True, regex="^(sgd)$")
+    lr: _bounded_float(0.0, 10.0)
+    microbatch_size: pydantic.conint(strict=True, ge=1, le=4096)
+    max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)
+    averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
+    protocol: pydantic.conint(strict=True, ge=0, le=10**6)
+    created: _bounded_float(0.0, 1e11)
+
+
 class RunRecords(pydantic.BaseModel):
     """The run's DHT keys (fields) and the type of each value."""
 
@@ -136,11 +149,16 @@ class RunRecords(pydantic.BaseModel):
     plan: Dict[pydantic.conint(strict=True, ge=0, le=2**53), PlanRecord]
     stages: Dict[BytesWithPublicKey, StageEndpoint]
     round: Dict[BytesWithPublicKey, RoundProposal]
+    spec: RunSpecRecord
 
 
 def make_validators(run: str) -> List:
     """The record validators every node of ``run`` installs (signature first, then schema)."""
     return [RSASignatureValidator(), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run)]
+
+
+def spec_key(run: str) -> str:
+    return f"{run}_spec"
 
 
 def peers_key(run: str) -> str:

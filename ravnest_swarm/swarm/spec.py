@@ -1,0 +1,104 @@
+"""The run spec: what a swarm trains, published once under ``{run}_spec`` and read by every joiner.
+
+Only names and numbers travel: a joiner builds the named model from its own zoo, so no code or
+weights ever come from the network. A joiner that lacks the model, or asked for different settings,
+refuses with one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm import PROTOCOL_VERSION
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.records import RunSpecRecord, spec_key
+from ravnest_swarm.models import MODELS
+
+SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
+
+
+@dataclass
+class RunSpec:
+    """Hyper-parameters shared by the whole run.
+
+    :param model: zoo name (the data set comes with the model)
+    :param optimizer: optimizer name (``sgd``)
+    :param lr: learning rate
+    :param microbatch_size: samples per microbatch
+    :param max_in_flight: microbatches in flight per cluster (bounded staleness)
+    :param averaging_period: optimizer steps between averaging rounds (H)
+    :param protocol: wire protocol version; peers of other versions refuse to join
+    """
+
+    model: str
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    microbatch_size: int = 32
+    max_in_flight: int = 4
+    averaging_period: int = 25
+    protocol: int = PROTOCOL_VERSION
+
+    def record(self) -> dict:
+        return RunSpecRecord.parse_obj(dict(asdict(self), created=time.time())).dict()
+
+    @classmethod
+    def from_record(cls, value: dict) -> "RunSpec":
+        fields = {key: value[key] for key in cls.__dataclass_fields__}
+        return cls(**fields)
+
+    def check_usable(self) -> "RunSpec":
+        if self.protocol != PROTOCOL_VERSION:
+            raise UserError(f"the run uses protocol {self.protocol}, this ravnest-swarm speaks {PROTOCOL_VERSION}: "
+                            f"install the matching version", exit_code=1)
+        if self.model not in MODELS:
+            raise UserError(f"the run trains model {self.model!r}, which this version lacks "
+                            f"(it has {', '.join(MODELS)})", exit_code=1)
+        return self
+
+    def check_agrees(self, requested: Optional["RunSpec"]) -> "RunSpec":
+        """A joiner's own flags must match the run's spec: refuse rather than train something else."""
+        if requested is None:
+            return self
+        differences = [f"{name}={getattr(requested, name)!r} (run has {getattr(self, name)!r})"
+                       for name in self.__dataclass_fields__ if getattr(requested, name) != getattr(self, name)]
+        if differences:
+            raise UserError(f"this run's spec disagrees with your flags: {', '.join(differences)}; "
+                            f"drop the flags to follow the run, or choose another --run", exit_code=1)
+        return self
+
+
+async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:
+    found = await node.get(spec_key(run), latest=True)
+    if found is None:
+        return None
+    return RunSpec.from_record(found.value)
+
+
+async def ensure_spec(node: DHTNode, run: str, requested: Optional[RunSpec], wait: asyncio.Event,
+                      on_wait=None, poll: float = 2.0) -> RunSpec:
+    """The run's spec: publish ``requested`` if the run has none, else check it agrees with ours.
+
+    Without ``requested`` (no ``--model``), wait as a standby until someone starts the run, or until
+    ``wait`` is set (the user stopped us), then raise.
+    """
+    while True:
+        spec = await read_spec(node, run)
+        if spec is not None:
+            return spec.check_usable().check_agrees(requested)
+        if requested is not None:
+            requested.check_usable()
+            await node.store(spec_key(run), requested.record(), get_dht_time() + SPEC_LIFETIME)
+            continue  # read back: if two peers raced, both follow whichever the DHT kept
+        if on_wait is not None:
+            on_wait()
+        try:
+            await asyncio.wait_for(wait.wait(), poll)
+        except asyncio.TimeoutError:
+            continue
+        raise UserError(f"stopped while waiting for run {run!r} to be started (nobody has published its spec)", 1)

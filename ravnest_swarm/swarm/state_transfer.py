@@ -1,0 +1,146 @@
+"""Downloading the current parameters of a layer range from peers that hold them (as in DeDLOC).
+
+A late joiner, a standby that replaces a dead stage, and a peer whose layer range changed with a new
+plan all do the same thing: for every layer they now own, ask a peer whose record says it holds
+that layer (the one with the highest step) for that layer's tensors.
+
+Wire format: a server-streaming handler ``ravnest.layer_state``. The request's metadata names the
+run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts from
+hivemind's ``split_for_streaming`` of a ``serialize_torch_tensor`` protobuf, the first part carrying
+``{"layer", "name", "parts", "step"}``. The receiver checks every tensor's name, shape, dtype and
+finiteness against the layers it built itself, so a holder can serve only numbers, never structure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from ravnest_swarm.transport import make_request, make_response, unpack_metadata
+
+logger = logging.getLogger(__name__)
+
+LAYER_STATE = "ravnest.layer_state"
+PART_BYTES = 1 << 20
+MAX_LAYERS_PER_REQUEST = 4096
+
+# what a server offers: (first layer index, the stage's layers as one module, optimizer step) or None
+StateProvider = Callable[[], Optional[Tuple[int, torch.nn.Sequential, int]]]
+
+
+class StateTransferError(Exception):
+    """No holder could give a layer, or what it gave does not fit."""
+
+
+class LayerStateServer:
+    """Serves this peer's current layers to peers that need them.
+
+    :param p2p: the peer's P2P
+    :param run: run name; requests for other runs are refused
+    :param provider: returns what this peer holds right now
+    """
+
+    def __init__(self, p2p: P2P, run: str, provider: StateProvider):
+        self.p2p, self.run, self.provider = p2p, run, provider
+
+    async def start(self) -> None:
+        await self.p2p.add_protobuf_handler(LAYER_STATE, self.rpc_layer_state, runtime_pb2.ExpertRequest,
+                                            stream_output=True)
+
+    async def rpc_layer_state(self, request: runtime_pb2.ExpertRequest,
+                              context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        metadata = unpack_metadata(request.metadata)
+        layers = metadata.get("layers")
+        if metadata.get("run") != self.run:
+            raise ValueError(f"this peer serves run {self.run!r}")
+        if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS_PER_REQUEST \
+                or not all(isinstance(i, int) for i in layers):
+            raise ValueError("'layers' must be a non-empty list of layer indices")
+        held = self.provider()
+        if held is None:
+            raise ValueError("this peer holds no layers now")
+        start, module, step = held
+        missing = [i for i in layers if not 0 <= i - start < len(module)]
+        if missing:
+            raise ValueError(f"this peer does not hold layers {missing}")
+        # copy first: training may go on while the parts stream out
+        snapshot = [(i, {name: t.detach().clone() for name, t in module[i - start].state_dict().items()})
+                    for i in layers]
+        for layer, tensors in snapshot:
+            for name, tensor in tensors.items():
+                parts = list(split_for_streaming(serialize_torch_tensor(tensor), PART_BYTES))
+                for index, part in enumerate(parts):
+                    header = {"layer": layer, "name": name, "parts": len(parts), "step": step} if index == 0 else {}
+                    yield make_response(header, [part])
+
+
+async def fetch_layer(p2p: P2P, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
+                      timeout: float) -> Tuple[Dict[str, torch.Tensor], int]:
+    """One layer's tensors from ``holder``, checked against ``expected`` (the layer as built locally)."""
+
+    async def collect() -> Tuple[Dict[str, torch.Tensor], int]:
+        received: Dict[str, torch.Tensor] = {}
+        step = 0
+        stream = await p2p.iterate_protobuf_handler(holder, LAYER_STATE, make_request({"run": run, "layers": [layer]}),
+                                                    runtime_pb2.ExpertResponse)
+        header, parts = None, []
+        async for response in stream:
+            if not parts:
+                header = unpack_metadata(response.metadata)
+                if header.get("layer") != layer or header.get("name") not in expected:
+                    raise StateTransferError(f"{holder} sent an unexpected tensor {header}")
+                if not isinstance(header.get("parts"), int) or not 0 < header["parts"] <= 1 << 16:
+                    raise StateTransferError(f"{holder} sent a bad part count")
+            parts.extend(response.tensors)
+            if len(parts) == header["parts"]:
+                tensor = deserialize_torch_tensor(combine_from_streaming(parts))
+                reference = expected[header["name"]]
+                if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
+                    raise StateTransferError(f"{holder} sent {header['name']} of layer {layer} with shape "
+                                             f"{tuple(tensor.shape)} {tensor.dtype}, expected {tuple(reference.shape)}")
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise StateTransferError(f"{holder} sent non-finite values for layer {layer}")
+                received[header["name"]] = tensor
+                step = max(step, int(header.get("step", 0)))
+                parts = []
+        if set(received) != set(expected):
+            raise StateTransferError(f"{holder} sent {sorted(received)} of layer {layer}, expected {sorted(expected)}")
+        return received, step
+
+    return await asyncio.wait_for(collect(), timeout)
+
+
+async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start: int,
+                          holders: Dict[int, Sequence[PeerID]], timeout: float,
+                          on_progress: Optional[Callable[[int, int], None]] = None) -> int:
+    """Fill ``module`` (layers ``start..``) from the holders, trying each holder of a layer in turn.
+
+    Returns the highest step among the holders used. Raises :class:`StateTransferError` if a layer has
+    no holder left; layers already loaded stay loaded.
+    """
+    step = 0
+    layers = list(range(start, start + len(module)))
+    for done, layer in enumerate(layers):
+        expected = module[layer - start].state_dict()
+        errors: List[str] = []
+        for holder in holders.get(layer, ()):
+            try:
+                tensors, holder_step = await fetch_layer(p2p, run, holder, layer, expected, timeout)
+            except Exception as e:  # a holder that left or misbehaved: try the next one
+                errors.append(f"{holder}: {e}")
+                continue
+            module[layer - start].load_state_dict(tensors)
+            step = max(step, holder_step)
+            break
+        else:
+            raise StateTransferError(f"no holder could give layer {layer}: {'; '.join(errors) or 'nobody holds it'}")
+        if on_progress is not None:
+            on_progress(done + 1, len(layers))
+    return step
