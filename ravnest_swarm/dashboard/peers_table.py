@@ -1,16 +1,29 @@
-"""A rich table of the peers of a run, shared by ``status`` and ``join``."""
+"""A rich table of the peers of a run: what ``status`` prints once (the live views use the dashboard)."""
 
 from __future__ import annotations
 
 from typing import Dict, List
 
+from rich import box
 from rich.table import Table
+
+# (header, justify): short headers so that the table fits 80 columns with names up to ~16 characters
+COLUMNS = (("name", "left"), ("state", "left"), ("RAM", "right"), ("Mb/s", "right"), ("GF/s", "right"),
+           ("reach", "left"), ("c/s", "left"), ("step", "right"), ("loss", "right"), ("ttl", "right"))
 
 
 def peers_table(run: str, peers: List[Dict]) -> Table:
-    table = Table(title=f"run {run}: {len(peers)} peer(s)", expand=False)
-    for column in ("name", "state", "RAM GB", "Mbit/s", "GFLOP/s", "reach", "cluster/stage", "step", "loss", "seen"):
-        table.add_column(column, overflow="fold")
+    """One row per peer: capabilities, placement (cluster/stage), progress, and seconds until its record expires.
+
+    Only the name column may shrink (cut with an ellipsis, or wrapped at its spaces); every other cell
+    is a short word or number that rich must never fold into fragments.
+    """
+    table = Table(title=f"run {run}: {len(peers)} peer(s)", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1, 0, 0), expand=False)
+    for header, justify in COLUMNS:
+        shrinkable = header == "name"
+        table.add_column(header, justify=justify, no_wrap=not shrinkable, overflow="ellipsis",
+                         min_width=8 if shrinkable else None)
     for peer in peers:
         placement = "-" if peer.get("cluster") is None else f"{peer['cluster']}/{peer.get('stage')}"
         loss = "-" if peer.get("loss") is None else f"{peer['loss']:.3f}"
@@ -19,11 +32,11 @@ def peers_table(run: str, peers: List[Dict]) -> Table:
             peer["state"],
             f"{peer['ram_gb']:.1f}",
             f"{peer['bandwidth_mbps']:.0f}",
-            f"{peer['gflops']:.1f}",
+            f"{peer['gflops']:.0f}",
             peer["reachability"],
             placement,
             str(peer.get("step") if peer.get("step") is not None else "-"),
             loss,
-            f"{peer.get('expires_in', 0):.0f}s left",
+            f"{peer.get('expires_in', 0):.0f}s",
         )
     return table

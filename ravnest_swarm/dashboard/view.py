@@ -117,8 +117,10 @@ def _chunks(clusters: Dict[int, Dict[int, List[Dict]]], width: int):
     # no padding; the stage label column comes first
     per_row = max(1, (width - STAGE_LABEL + 1) // (wanted + 2))
     keys = list(clusters)
-    rows = -(-len(keys) // per_row) if keys else 0
-    per_row = -(-len(keys) // rows) if rows else 0
+    if not keys:
+        return
+    rows = -(-len(keys) // per_row)
+    per_row = -(-len(keys) // rows)  # balance the rows: 5 clusters at 3 a row go 3 + 2, 7 at 6 go 4 + 3
     for start in range(0, len(keys), per_row):
         chunk = keys[start:start + per_row]
         cell = min(MAX_CELL, max(MIN_CELL, (width - STAGE_LABEL + 1) // len(chunk) - 2))

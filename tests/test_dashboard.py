@@ -1,0 +1,206 @@
+"""The dashboard: events and totals derived from snapshots, and a readable rendering at 80 columns."""
+
+import io
+import json
+import os
+import re
+import sys
+
+import pytest
+from rich.console import Console
+
+from ravnest_swarm.dashboard.peers_table import peers_table
+from ravnest_swarm.dashboard.state import SwarmState, load_recording
+from ravnest_swarm.dashboard.view import render, render_text
+
+RECORDING = os.path.join(os.path.dirname(__file__), "data", "swarm_recording.json")
+
+
+def peer(name, state="training", cluster=None, stage=None, **fields):
+    record = dict(peer_id=f"id-{name}", name=name, state=state, ram_gb=8.0, bandwidth_mbps=100.0, gflops=500.0,
+                  reachability="direct", cluster=cluster, stage=stage, time=1.0,
+                  layers=None if stage is None else [stage * 4, stage * 4 + 4])
+    record.update(fields)
+    return record
+
+
+def kinds(events):
+    return [event.kind for event in events]
+
+
+def lines_of(text):
+    return text.rstrip("\n").splitlines()
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return SwarmState.replay(load_recording(RECORDING))
+
+
+def test_recorded_swarm_at_80_columns_names_every_peer_and_cluster(recorded):
+    text = render_text(recorded, 80)
+    assert max(len(line) for line in lines_of(text)) <= 80
+    last = load_recording(RECORDING)["snapshots"][-1]
+    assert len(last["peers"]) >= 29
+    for record in last["peers"]:
+        assert record["name"] in text, record["name"]
+    for cluster in range(len(last["plan"]["clusters"])):
+        assert f"cluster {cluster}" in text
+    assert "peers 29" in text and "clusters 4" in text and "plan round 4" in text
+    assert "samples/s" in text and "avg rounds 3 done, 26 averaging now" in text
+    assert re.search(r"[▁▂▃▄▅▆▇█]{8,}", text), "no loss curve"
+    for fragment in ("tokyo-rtx4090 joined", "kiev-gtx1660 is leaving", "porto-desktop replaced kiev-gtx1660",
+                     "averaging failed on sao-paulo-pc", "hanoi-laptop vanished", "planning round 4 adopted"):
+        assert fragment in text, fragment
+    assert "L24-32" in text  # a cell's layer range
+
+
+def test_short_terminal_compacts_the_map_but_keeps_every_peer(recorded):
+    console = Console(width=80, height=40, file=io.StringIO(), record=True, color_system=None)
+    console.print(render(recorded, 80, height=40))
+    text = console.export_text()
+    assert len(lines_of(text)) < len(lines_of(render_text(recorded, 80)))
+    assert max(len(line) for line in lines_of(text)) <= 80
+    for record in recorded.peers:
+        assert record["name"] in text
+
+
+def test_many_clusters_wrap_into_rows_without_folding_names():
+    peers = [peer(f"volunteer-{k}-{s}-abcdef", cluster=k, stage=s, step=123456, samples_per_s=1234.5,
+                  loss=2.5 if s == 3 else None) for k in range(8) for s in range(4)]
+    state = SwarmState("wide")
+    state.update(peers)
+    for width in (80, 100, 160):
+        text = render_text(state, width)
+        assert max(len(line) for line in lines_of(text)) <= width
+        for record in peers:
+            assert record["name"] in text
+        assert all(f"cluster {k}" in text for k in range(8))
+
+
+def test_empty_and_unplaced_swarms_render():
+    state = SwarmState("new")
+    assert "no snapshot yet" in render_text(state, 80)
+    state.update([peer("first", "joining"), peer("second", "standby")])
+    text = render_text(state, 80)
+    assert "no cluster yet" in text and "first (join)" in text and "second (spare)" in text
+    assert "no loss reported yet" in text
+
+
+def test_json_round_trip_renders_and_diffs_the_same(recorded):
+    restored = SwarmState.from_json(json.loads(json.dumps(recorded.to_json())))
+    assert render_text(restored, 80) == render_text(recorded, 80)
+    later = [p for p in recorded.peers if p["name"] != "oslo-rtx3060"]
+    copy = SwarmState.from_json(recorded.to_json())
+    assert copy.update(later, recorded.plan, recorded.at + 10) == \
+        SwarmState.from_json(restored.to_json()).update(later, recorded.plan, recorded.at + 10)
+
+
+def test_joined_and_left_events():
+    state = SwarmState()
+    assert kinds(state.update([peer("a")], at=1)) == ["start"]
+    assert kinds(state.update([peer("a"), peer("b", "joining")], at=2)) == ["joined"]
+    events = state.update([peer("a", "leaving"), peer("b", "standby")], at=3)
+    assert kinds(events) == ["left"] and "a is leaving" in events[0].text
+    assert state.update([peer("b", "standby")], at=4) == []  # its expiry after "leaving" is no news
+    events = state.update([], at=5)
+    assert kinds(events) == ["left"] and "b vanished" in events[0].text
+
+
+def test_replaced_even_after_the_slot_was_vacant():
+    state = SwarmState()
+    state.update([peer("a", cluster=0, stage=1), peer("spare", "standby")], at=1)
+    assert state.update([peer("spare", "standby")], at=2)[0].kind == "left"
+    events = state.update([peer("spare", cluster=0, stage=1)], at=3)
+    assert kinds(events) == ["replaced"] and "spare replaced a at cluster 0 stage 1" in events[0].text
+
+
+def test_new_round_is_one_event_not_a_flood_of_replacements():
+    state = SwarmState()
+    state.update([peer("a", cluster=0, stage=0, plan_round=1), peer("b", cluster=0, stage=1, plan_round=1)], at=1)
+    events = state.update([peer("a", cluster=0, stage=1, plan_round=2), peer("b", cluster=0, stage=0, plan_round=2)],
+                          at=2)
+    assert kinds(events) == ["round"] and "planning round 2 adopted" in events[0].text
+    plan = dict(round=3, time=0.0, clusters=[[dict(peer_id="id-a", layers=[0, 4])]])
+    assert kinds(state.update(state.peers, plan, at=3)) == ["round"]  # the plan record alone also counts
+    assert state.update(state.peers, plan, at=4) == []
+
+
+def test_averaging_failed_event():
+    state = SwarmState()
+    state.update([peer("a", averaging_failures=0), peer("b", averaging_failures=None)], at=1)
+    events = state.update([peer("a", averaging_failures=2), peer("b", averaging_failures=1)], at=2)
+    assert kinds(events) == ["avg-fail"]
+    assert "a (2 so far)" in events[0].text and "b (1 so far)" in events[0].text
+
+
+def test_totals_and_vacant_planned_slot():
+    plan = dict(round=5, time=0.0, clusters=[[dict(peer_id="id-a", layers=[0, 4]), dict(peer_id="id-gone", layers=[4, 8])],
+                                             [dict(peer_id="id-c", layers=[0, 8])]])
+    peers = [peer("a", "averaging", 0, 0, samples_per_s=50.0, averaging_rounds=7, loss=None),
+             peer("c", "training", 1, 0, samples_per_s=30.0, averaging_rounds=6, averaging_failures=1, loss=2.0),
+             peer("d", "standby")]
+    state = SwarmState("t")
+    state.update(peers, plan, at=1)
+    totals = state.totals()
+    # cluster 0's last live stage is stage 0 (stage 1 is vacant): its rate counts, as does cluster 1's
+    assert (totals.peers, totals.clusters, totals.standby, totals.samples_per_s) == (3, 2, 1, 80.0)
+    assert (totals.averaging_done, totals.averaging_running, totals.averaging_failures, totals.plan_round) == (7, 1, 1, 5)
+    assert list(state.losses) == [(1, 2.0)]
+    text = render_text(state, 80)
+    assert "(vacant)" in text and "plan: id-gone" in text
+
+
+def test_memory_is_bounded():
+    state = SwarmState(max_events=5, max_losses=3)
+    for i in range(20):
+        state.update([peer(f"p{i}", loss=float(i))], at=i)
+    assert len(state.events) == 5 and len(state.losses) == 3
+
+
+def test_peers_table_fits_80_columns_without_folding_words(recorded):
+    console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    console.print(peers_table("demo", recorded.peers))
+    text = console.export_text()
+    assert max(len(line) for line in lines_of(text)) <= 80
+    for record in recorded.peers:
+        assert record["name"] in text and re.search(rf"{re.escape(record['name'])}\s+{record['state']}\s", text)
+
+
+# runs its arguments on an 80x40 pseudo-terminal and forwards SIGTERM, so the watcher stops its DHT node
+# cleanly (the child is in a session of its own, out of reach of the process group's signals)
+PTY_WRAPPER = """
+import fcntl, os, pty, signal, struct, sys, termios
+pid, fd = pty.fork()
+if pid == 0:
+    os.environ.update(COLUMNS="80", LINES="40", TERM="xterm")
+    os.execvp(sys.argv[1], sys.argv[1:])
+fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 80, 0, 0))
+signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
+while True:
+    try:
+        data = os.read(fd, 65536)
+    except InterruptedError:
+        continue
+    except OSError:
+        break
+    if not data:
+        break
+    os.write(1, data)
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_status_watch_shows_a_joiner_live(processes, backbone):
+    joiner = processes.start(["join", "--initial-peers", backbone, "--run", "dash", "--name", "dash-joiner",
+                              "--no-dashboard", "--ram-gb", "4", "--gflops", "100", "--bandwidth-mbps", "100",
+                              "--heartbeat", "1", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "joiner")
+    joiner.wait_for_output(r"sees \d+ peer", 60, stream="stderr")
+    watcher = processes.start(["status", "--initial-peers", backbone, "--run", "dash", "--watch"], "watcher",
+                              prefix=[sys.executable, "-c", PTY_WRAPPER])
+    watcher.wait_for_output(r"dash-joiner", 60)
+    watcher.wait_for_output(r"peers 1 ", 30)
+    assert "spares 1" in watcher.stdout() or "outside clusters (1)" in watcher.stdout()
+    assert watcher.stop(grace=20) == 0
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", watcher.stdout())
+    assert max(len(line) for line in plain.replace("\r", "\n").splitlines()) <= 80
