@@ -120,9 +120,11 @@ def _chunks(clusters: Dict[int, Dict[int, List[Dict]]], width: int):
     if not keys:
         return
     rows = -(-len(keys) // per_row)
-    per_row = -(-len(keys) // rows)  # balance the rows: 5 clusters at 3 a row go 3 + 2, 7 at 6 go 4 + 3
-    for start in range(0, len(keys), per_row):
-        chunk = keys[start:start + per_row]
+    start = 0
+    for row in range(rows):
+        # balanced rows: 7 clusters at 3 a row go 3 + 2 + 2, not 3 + 3 + 1
+        size = len(keys) // rows + (row < len(keys) % rows)
+        chunk, start = keys[start:start + size], start + size
         cell = min(MAX_CELL, max(MIN_CELL, (width - STAGE_LABEL + 1) // len(chunk) - 2))
         yield chunk, cell
 
