@@ -12,7 +12,6 @@ import typer
 # typer 0.29 vendors click; its usage errors are caught in main() to print them as one line
 from typer._click import exceptions as click_exceptions
 from rich.console import Console
-from rich.live import Live
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
@@ -113,9 +112,14 @@ def join(
 
 
 async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None):
-    """Show the run's peers until ``stop`` is set: a live table, or one log line per change."""
-    from ravnest_swarm.dashboard.peers_table import peers_table
+    """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change."""
     from ravnest_swarm.membership.announcer import read_peers
+
+    if live:
+        from ravnest_swarm.dashboard.live import watch_swarm
+
+        await watch_swarm(node, run, stop, period, console, me)
+        return
 
     last_names = None
 
@@ -125,12 +129,6 @@ async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live:
         except asyncio.TimeoutError:
             pass
 
-    if live:
-        with Live(console=console, auto_refresh=False) as view:
-            while not stop.is_set():
-                view.update(peers_table(run, await read_peers(node, run)), refresh=True)
-                await wait()
-        return
     while not stop.is_set():
         peers = await read_peers(node, run)
         names = sorted(f"{p['name']}:{p['state']}" for p in peers)
@@ -145,7 +143,7 @@ def status(
     initial_peers: List[str] = InitialPeers,
     run: str = typer.Option(..., "--run", help="Run name."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document and exit."),
-    watch: bool = typer.Option(False, "--watch", help="Refresh live until Ctrl-C."),
+    watch: bool = typer.Option(False, "--watch", help="The live dashboard (docs/dashboard.md) until Ctrl-C."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     verbose: bool = typer.Option(False, "--verbose"),
 ):
