@@ -188,6 +188,7 @@ class IslandGA:
         for _ in range(max(1, size // 20)):
             self._reassign(population, perturbed)
         self.population = population
+        self.excluded = np.zeros(size, dtype=bool)
         self.fitness, self.margin, self.clusters = arrays.evaluate(population)
         self.best_fitness = -1.0
         self.best = population[0].copy()
@@ -209,7 +210,19 @@ class IslandGA:
             rows = slice(island * cfg.population, (island + 1) * cfg.population)
             worst = island * cfg.population + int(np.lexsort((self.margin[rows], self.fitness[rows]))[0])
             self.population[worst] = plan
+        self.population[:, self.excluded] = STANDBY
         self.fitness, self.margin, self.clusters = self.arrays.evaluate(self.population)
+        self._record_best()
+
+    def exclude(self, columns: Sequence[int]) -> None:
+        """Keep these peers (columns) on standby from now on, e.g. peers that died mid-round.
+
+        The best plan so far may have used them, so the best is re-chosen from the repaired population.
+        """
+        self.excluded[list(columns)] = True
+        self.population[:, self.excluded] = STANDBY
+        self.fitness, self.margin, self.clusters = self.arrays.evaluate(self.population)
+        self.best_fitness = -1.0
         self._record_best()
 
     def step(self) -> bool:
@@ -241,6 +254,7 @@ class IslandGA:
         offspring = np.ones(len(children), dtype=bool)
         offspring[np.arange(cfg.islands)[:, None] * pop + np.arange(cfg.elites)] = False
         self._mutate(children, offspring, child_clusters)
+        children[:, self.excluded] = STANDBY
         self.population = children
         self.fitness, self.margin, self.clusters = self.arrays.evaluate(children)
         self.generation += 1

@@ -1,0 +1,314 @@
+"""The distributed planning round: every volunteer runs a GA island and all adopt the same plan.
+
+No coordinator. Round r is 1 + the newest adopted plan's round. A peer opens it when it sees a
+trigger (no plan yet and ``min_peers`` live peers; ``min_peers`` peers it has not planned with; a
+member of the plan gone; or ``round_period`` elapsed) by publishing a proposal whose deadline is
+``round_seconds`` ahead; any peer that sees a proposal of round r joins it, and the round's deadline
+is the earliest deadline any proposal names. Until shortly before the deadline each participant
+evolves its own island (seed from run, round and peer id), republishes its best plan under
+``{run}_round`` and migrates the others' best plans into its population. Shortly after the deadline
+every peer reads all proposals of round r and adopts the best one whose clustered peers are all alive
+at the deadline (fitness recomputed from the peer records; ties by hash), writes it under
+``{run}_plan`` and updates its own peer record. A peer that dies mid-round only drops out: its
+record expires, the others exclude it from their islands, and proposals that still use it lose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.utils.timed_storage import get_dht_time
+from rich.console import Console
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.membership.records import (
+    MAX_ROUND_PEERS, PlanRecord, RoundProposal, peers_key, plan_key, round_key,
+)
+from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
+from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
+from ravnest_swarm.planning.greedy import greedy_plan
+from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_feasible, uniform_layers
+
+logger = logging.getLogger(__name__)
+
+ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=10**9)
+
+
+@dataclass
+class RoundOptions:
+    """How a volunteer takes part in planning rounds.
+
+    :param workload: the model's needs (M, F, A, D)
+    :param min_peers: open a round once this many live peers are not yet planned for
+    :param round_period: seconds after which a plan is revised anyway (0: never)
+    :param round_seconds: how long a round runs from its opening to its deadline
+    :param num_layers: identical layers the stages' layer ranges are cut from
+    :param poll: seconds between looks at the DHT
+    :param settle: seconds before the deadline after which proposals no longer change, and after it
+        before the final read, so every peer reads the same proposals
+    :param fresh_within: a participant counts as alive if its proposal was renewed this many seconds
+        before the proposals freeze (they renew about every half second); default half the round
+    """
+
+    workload: Workload
+    min_peers: int = 2
+    round_period: float = 600.0
+    round_seconds: float = 10.0
+    num_layers: int = 32
+    poll: float = 1.0
+    settle: float = 1.5
+    fresh_within: Optional[float] = None
+
+
+def plan_hash(clusters: Sequence[Sequence[str]]) -> str:
+    """Hash of a plan's canonical form (clusters as sorted id lists, sorted): the same plan, the same hash."""
+    canonical = sorted(sorted(c) for c in clusters)
+    return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()[:16]
+
+
+def canonical(clusters: Sequence[Sequence[str]]) -> List[List[str]]:
+    return sorted(sorted(c) for c in clusters)
+
+
+class PlanningRounds:
+    """Takes part in planning rounds for one volunteer until stopped.
+
+    :param node: this peer's DHT node (with the run's validators)
+    :param run: run name
+    :param announcer: this peer's record publisher; the adopted placement is written into its record
+    :param options: round options
+    :param console: where the one-line round events go
+    """
+
+    def __init__(self, node: DHTNode, run: str, announcer: PeerAnnouncer, options: RoundOptions, console: Console):
+        self.node, self.run, self.announcer, self.options, self.console = node, run, announcer, options, console
+        self.peer_id = node.peer_id.to_base58()
+        self.subkey = RSASignatureValidator().local_public_key
+        self.planned_with: set = set()  # peer ids in the snapshot of the last round we adopted
+        self._last_note: Optional[str] = None
+        self.fresh_within = options.fresh_within or options.round_seconds / 2
+        self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
+
+    def say(self, text: str) -> None:
+        self.console.print(text, highlight=False, soft_wrap=True)
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.poll_once()
+            except Exception as e:  # a DHT hiccup must not end the volunteer's membership
+                logger.warning(f"planning round step failed: {type(e).__name__}: {e}")
+            try:
+                await asyncio.wait_for(stop.wait(), self.options.poll)
+            except asyncio.TimeoutError:
+                pass
+
+    async def read_alive(self, at: float) -> Dict[str, Peer]:
+        """Peers whose records are still valid at DHT time ``at`` and not leaving, by peer id."""
+        found = await self.node.get(peers_key(self.run), latest=True)
+        alive = {}
+        if found is not None and isinstance(found.value, dict):
+            for item in found.value.values():
+                record = item.value
+                if item.expiration_time > at and record["state"] != "leaving":
+                    self.names[record["peer_id"]] = record["name"]
+                    alive[record["peer_id"]] = Peer(record["peer_id"], record["ram_gb"], record["gflops"],
+                                                    record["bandwidth_mbps"])
+        return alive
+
+    async def read_plan(self) -> Optional[dict]:
+        found = await self.node.get(plan_key(self.run), latest=True)
+        if found is None or not isinstance(found.value, dict) or not found.value:
+            return None
+        return found.value[max(found.value)].value
+
+    async def read_proposals(self, round_number: int, deadline_after: float = 0.0) -> List[dict]:
+        """Proposals of ``round_number`` whose deadline is after ``deadline_after`` (older attempts failed)."""
+        found = await self.node.get(round_key(self.run), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [item.value for item in found.value.values()
+                if item.value["round"] == round_number and item.value["deadline"] > deadline_after]
+
+    def trigger(self, plan: Optional[dict], alive: Dict[str, Peer]) -> Optional[str]:
+        """Why a new round should open now, or None."""
+        options = self.options
+        if plan is None:
+            return f"{len(alive)} live peers" if len(alive) >= options.min_peers else None
+        members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
+        if members - set(alive):
+            return f"{len(members - set(alive))} planned peer(s) gone"
+        new = set(alive) - self.planned_with - members
+        if len(new) >= options.min_peers:
+            return f"{len(new)} new standby peers"
+        if options.round_period > 0 and time.time() - plan["time"] >= options.round_period:
+            return "round period elapsed"
+        return None
+
+    async def poll_once(self) -> None:
+        plan = await self.read_plan()
+        round_number = plan["round"] + 1 if plan is not None else 1
+        now = get_dht_time()
+        proposals = await self.read_proposals(round_number, deadline_after=now - self.options.settle)
+        if proposals:
+            await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined")
+            return
+        alive = await self.read_alive(now)
+        reason = self.trigger(plan, alive)
+        if reason is not None:
+            await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})")
+
+    async def take_part(self, round_number: int, deadline: float, how: str) -> None:
+        """Run our island until shortly before the deadline, then adopt the round's plan."""
+        options = self.options
+        alive = await self.read_alive(get_dht_time())
+        snapshot = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
+        try:
+            check_feasible(snapshot, options.workload)
+        except UserError as e:
+            if str(e) != self._last_note:
+                self.say(f"round {round_number}: {e}")
+                self._last_note = str(e)
+            return
+        self.say(f"round {round_number} {how}: {len(snapshot)} peers, deadline in {deadline - get_dht_time():.1f}s")
+        arrays = SwarmArrays(snapshot, options.workload)
+        column_of = {snapshot[i].peer_id: column for column, i in enumerate(arrays.peer_index)}
+        joined = get_dht_time()
+        seed = zlib.crc32(f"{self.run}/{round_number}/{self.peer_id}".encode())
+        ga = IslandGA(arrays, greedy_plan(arrays), seed=seed, config=ROUND_GA)
+        loop = asyncio.get_running_loop()
+        state = {"deadline": deadline}
+        # proposals are renewed by their own task: a DHT call that waits on a dead peer's timeout must
+        # not keep our proposal from looking alive
+        publisher = asyncio.create_task(self._keep_publishing(round_number, state, snapshot, arrays, ga))
+        try:
+            while get_dht_time() < state["deadline"] - options.settle:
+                chunk = min(0.5, state["deadline"] - options.settle - get_dht_time())
+                await loop.run_in_executor(None, _evolve_for, ga, chunk)
+                now = get_dht_time()
+                others = await self.read_proposals(round_number, deadline_after=now)
+                state["deadline"] = min([state["deadline"]] + [p["deadline"] for p in others])
+                if now - joined > self.fresh_within:
+                    # a participant that stopped renewing its proposal has died or left: plan without it
+                    fresh = {p["peer_id"] for p in others if p["time"] >= time.time() - self.fresh_within}
+                    gone = [column_of[p.peer_id] for p in snapshot
+                            if p.peer_id not in fresh | {self.peer_id} and p.peer_id in column_of]
+                    if gone and not ga.excluded[gone].all():
+                        ga.exclude(gone)
+                migrants = [_as_assignment(p["clusters"], column_of, arrays.max_clusters, arrays.size)
+                            for p in others if p["peer_id"] != self.peer_id]
+                migrants = [m for m in migrants if m is not None]
+                if migrants:
+                    ga.inject(migrants)
+        finally:
+            publisher.cancel()
+        deadline = state["deadline"]
+        await asyncio.sleep(max(0.0, deadline - get_dht_time()) + options.settle)
+        await self.adopt(round_number, deadline, {p.peer_id for p in snapshot})
+
+    async def _keep_publishing(self, round_number: int, state: dict, snapshot: List[Peer], arrays: SwarmArrays,
+                               ga: IslandGA) -> None:
+        """Renew our best proposal about every half second until the proposals freeze."""
+        while get_dht_time() < state["deadline"] - self.options.settle:
+            await self.publish(round_number, state["deadline"], snapshot, arrays, ga.best)
+            await asyncio.sleep(0.5)
+
+    async def publish(self, round_number: int, deadline: float, snapshot: List[Peer], arrays: SwarmArrays,
+                      assignment: np.ndarray) -> None:
+        clusters = canonical([[snapshot[i].peer_id for i in members]
+                              for members in assignment_clusters(arrays, assignment)])
+        by_id = {p.peer_id: p for p in snapshot}
+        fitness = swarm_throughput([[by_id[i] for i in c] for c in clusters], self.options.workload)
+        me = self.announcer.record
+        value = RoundProposal(round=round_number, deadline=float(deadline), peer_id=self.peer_id,
+                              ram_gb=me["ram_gb"], gflops=me["gflops"], bandwidth_mbps=me["bandwidth_mbps"],
+                              fitness=float(fitness), clusters=clusters, time=time.time()).dict()
+        # the DHT replaces a subkey's value only by one that expires later, so each renewal must
+        await self.node.store(round_key(self.run), value, get_dht_time() + 2 * self.options.round_seconds + 60,
+                              subkey=self.subkey)
+
+    def choose(self, proposals: List[dict], alive: Dict[str, Peer]) -> Optional[Tuple[float, str, List[List[str]]]]:
+        """The best valid proposal as ``(fitness, hash, clusters)``: every peer given the same inputs picks the same."""
+        workload, best = self.options.workload, None
+        for proposal in proposals:
+            clusters = canonical(proposal["clusters"])
+            members = [i for c in clusters for i in c]
+            if not clusters or len(set(members)) != len(members) or not set(members) <= set(alive):
+                continue
+            groups = [[alive[i] for i in c] for c in clusters]
+            fitness = swarm_throughput(groups, workload)
+            if fitness <= 0 or any(len(c) > workload.max_stages for c in clusters):
+                continue
+            # claims are recomputed, never trusted; a round-off-sized disagreement is no tie-breaker
+            key = (float(f"{fitness:.9e}"), plan_hash(clusters))
+            if best is None or key[0] > best[0] or (key[0] == best[0] and key[1] < best[1]):
+                best = (key[0], key[1], clusters)
+        return best
+
+    async def adopt(self, round_number: int, deadline: float, snapshot_ids: set) -> None:
+        """Read the frozen proposals of this round and adopt the best valid one.
+
+        Liveness comes from the proposals themselves, not from peer records: they stop changing before
+        the deadline, so every peer decides on the same inputs. Alive means a proposal renewed within
+        ``fresh_within`` seconds of the freeze; capabilities are each participant's own signed claim.
+        """
+        frozen_at = deadline - self.options.settle
+        proposals = [p for p in await self.read_proposals(round_number) if p["deadline"] == deadline]
+        alive = {p["peer_id"]: Peer(p["peer_id"], p["ram_gb"], p["gflops"], p["bandwidth_mbps"])
+                 for p in proposals if p["time"] >= frozen_at - self.fresh_within}
+        chosen = self.choose(proposals, alive)
+        if chosen is None:
+            fresh = ",".join(sorted(self.names.get(i, i) for i in alive))
+            self.say(f"round {round_number}: none of {len(proposals)} proposal(s) is valid at the deadline "
+                     f"(live participants: {fresh or 'none'}); keeping the previous plan")
+            return
+        fitness, digest, clusters = chosen
+        peers = list(alive.values())
+        index = {p.peer_id: i for i, p in enumerate(peers)}
+        workload = self.options.workload
+        plan = build_plan(peers, [[index[i] for i in c] for c in clusters], workload,
+                          uniform_layers(max(self.options.num_layers, workload.max_stages), workload))
+        record = PlanRecord(round=round_number, time=time.time(), clusters=[
+            [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
+        ]).dict()
+        await self.node.store(plan_key(self.run), record, get_dht_time() + 3600, subkey=round_number)
+        placement = dict(cluster=-1, stage=None, layers=None)
+        for number, (_, stages) in enumerate(plan.clusters):
+            for stage in stages:
+                if stage.peer_id == self.peer_id:
+                    placement = dict(cluster=number, stage=stage.stage, layers=list(stage.layers))
+        self.announcer.update(**placement)
+        await self.announcer.publish()
+        self.planned_with = snapshot_ids | set(alive)
+        member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
+        self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "
+                 f"clusters {len(clusters)} members {member_names}")
+
+
+def _evolve_for(ga: IslandGA, seconds: float) -> None:
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        ga.step()
+
+
+def _as_assignment(clusters: Sequence[Sequence[str]], column_of: Dict[str, int], slots: int,
+                   size: int) -> Optional[np.ndarray]:
+    """Another peer's plan in our island's columns; its clusters with peers we do not plan for are dropped."""
+    assignment = np.full(size, STANDBY, dtype=np.int32)
+    kept = 0
+    for cluster in clusters:
+        if kept < slots and all(i in column_of for i in cluster):
+            assignment[[column_of[i] for i in cluster]] = kept
+            kept += 1
+    return assignment if kept else None
