@@ -74,6 +74,14 @@ def join(
     host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain log lines instead of a live view."),
+    model_gb: Optional[float] = typer.Option(None, "--model-gb", help="Take part in planning rounds for a model needing this many GB."),
+    gflop_per_sample: float = typer.Option(1.0, "--gflop-per-sample", help="Planning: forward+backward GFLOP per sample."),
+    activation_mb: float = typer.Option(0.0, "--activation-mb", help="Planning: activations between stages per sample, MB."),
+    max_stages: int = typer.Option(8, "--max-stages", min=1, max=64, help="Planning: most peers per cluster."),
+    min_peers: int = typer.Option(2, "--min-peers", min=1, help="Planning: open a round once this many unplanned peers are live."),
+    round_period: float = typer.Option(600.0, "--round-period", min=0.0, help="Planning: revise the plan after this many seconds (0: never)."),
+    round_seconds: float = typer.Option(10.0, "--round-seconds", min=3.0, help="Planning: seconds from a round's opening to its deadline."),
+    num_layers: int = typer.Option(32, "--num-layers", min=1, help="Planning: identical layers cut into stage ranges."),
     verbose: bool = typer.Option(False, "--verbose"),
 ):
     """Join a run as a volunteer: measure, advertise, stay until Ctrl-C/SIGTERM, then leave cleanly."""
@@ -97,14 +105,29 @@ def join(
             gflops=gflops, bandwidth_mbps=bandwidth_mbps, heartbeat=heartbeat, timeout=timeout,
             host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
         )
+        rounds_options = None
+        if model_gb is not None:
+            from ravnest_swarm.planning.plan import make_workload
+            from ravnest_swarm.planning.round import RoundOptions
+
+            rounds_options = RoundOptions(make_workload(model_gb, gflop_per_sample, activation_mb, max_stages),
+                                          min_peers, round_period, round_seconds, num_layers)
         console = Console(stderr=True)
         stop = install_stop_signals()
         membership = Membership(options, console)
         await membership.start()
+        rounds = None
+        if rounds_options is not None:
+            from ravnest_swarm.planning.round import PlanningRounds
+
+            planner = PlanningRounds(membership.node, run, membership.announcer, rounds_options, console)
+            rounds = asyncio.create_task(planner.run_forever(stop))
         try:
             await _watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard, console=console,
                                me=name)
         finally:
+            if rounds is not None:
+                rounds.cancel()
             await membership.leave()
         console.print(f"{name} left run {run}")
 
@@ -189,6 +212,50 @@ def doctor(
     sys.exit(run_async(main()))
 
 
+@app.command()
+def plan(
+    peers_file: str = typer.Argument(..., metavar="PEERS.json", help="List of {peer_id, ram_gb, gflops, bandwidth_mbps}."),
+    model_gb: float = typer.Option(..., "--model-gb", help="Memory the model needs, GB."),
+    gflop_per_sample: float = typer.Option(..., "--gflop-per-sample", help="Forward+backward GFLOP per sample."),
+    activation_mb: float = typer.Option(..., "--activation-mb", help="Activations sent between stages per sample, MB."),
+    seed: int = typer.Option(0, "--seed", help="GA seed: the same seed gives the same plan."),
+    max_stages: int = typer.Option(8, "--max-stages", min=1, max=64, help="Most peers per cluster."),
+    time_limit: float = typer.Option(10.0, "--time-limit", min=0.0, help="Seconds the GA may run."),
+    num_layers: int = typer.Option(32, "--num-layers", min=1, help="Identical layers to split into stages."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+):
+    """Plan clusters offline for a list of peers: greedy seed, island GA, fractions and layer ranges."""
+    configure_logging(False)
+
+    async def main():
+        from ravnest_swarm.planning.plan import load_peers, make_workload, plan_swarm
+        from ravnest_swarm.planning.report import print_plan, progress_bar
+
+        workload = make_workload(model_gb, gflop_per_sample, activation_mb, max_stages)
+        peers = load_peers(peers_file)
+        with progress_bar(time_limit) as on_generation:
+            result = plan_swarm(peers, workload, seed=seed, time_limit=time_limit, num_layers=num_layers,
+                                on_generation=on_generation)
+        if as_json:
+            print(json.dumps(result.to_json()), flush=True)
+        else:
+            print_plan(result, Console())
+
+    sys.exit(run_async(main()))
+
+
+@bench_app.command("plan")
+def bench_plan(
+    time_limit: float = typer.Option(15.0, "--time-limit", min=0.1, help="Seconds the GA may run per swarm."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Plan time and quality on generated swarms of 100, 1,000 and 10,000 peers: GA, greedy, random restarts."""
+    configure_logging(False)
+    from ravnest_swarm.planning.bench import run_bench_plan
+
+    sys.exit(run_bench_plan(time_limit, as_json))
+
+
 @bench_app.command("backbone")
 def bench_backbone(
     seconds: float = typer.Option(5.0, "--seconds", min=1.0, help="Settle time before measuring."),
@@ -200,6 +267,24 @@ def bench_backbone(
     from ravnest_swarm.membership.bench import bench_backbone as run
 
     sys.exit(run_async(run(seconds, volunteers, as_json)))
+
+
+@bench_app.command("averaging")
+def bench_averaging(
+    clusters: int = typer.Option(3, "--clusters", min=2, max=16, help="Clusters (copies of the model)."),
+    stages: int = typer.Option(2, "--stages", min=1, max=8, help="Stages per cluster (cut at different layers per cluster)."),
+    mbps: float = typer.Option(100.0, "--mbps", min=1.0, help="Access-link rate of every peer, Mbit/s each way (tc tbf)."),
+    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between peers (userspace relay)."),
+    size_mb: float = typer.Option(64.0, "--size-mb", min=0.01, help="Size of the float32 parameter vector, MiB."),
+    compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit (hivemind compression)."),
+    timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds one ring may take."),
+    as_json: bool = typer.Option(False, "--json", help="Last line: one JSON object with the figures."),
+):
+    """Multi-ring all-reduce vs hivemind's DecentralizedAverager vs one ring, same peers and emulated links."""
+    configure_logging(False)
+    from ravnest_swarm.averaging.bench import bench_averaging as run
+
+    sys.exit(run_async(run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
 
 
 @app.command("averaging-peer", hidden=True)
@@ -247,22 +332,62 @@ def averaging_peer(
     sys.exit(run_async(main()))
 
 
-@bench_app.command("averaging")
-def bench_averaging(
-    clusters: int = typer.Option(3, "--clusters", min=2, max=16, help="Clusters (copies of the model)."),
-    stages: int = typer.Option(2, "--stages", min=1, max=8, help="Stages per cluster (cut at different layers per cluster)."),
-    mbps: float = typer.Option(100.0, "--mbps", min=1.0, help="Access-link rate of every peer, Mbit/s each way (tc tbf)."),
-    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between peers (userspace relay)."),
-    size_mb: float = typer.Option(64.0, "--size-mb", min=0.01, help="Size of the float32 parameter vector, MiB."),
-    compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit (hivemind compression)."),
-    timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds one ring may take."),
-    as_json: bool = typer.Option(False, "--json", help="Last line: one JSON object with the figures."),
+@app.command("stage", hidden=True)
+def stage(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run name."),
+    stage_index: int = typer.Option(..., "--stage", min=0, help="Our stage index in the pipeline."),
+    stages: int = typer.Option(..., "--stages", min=1, help="Stages in the pipeline."),
+    model: str = typer.Option(..., "--model", help="Zoo model: mlp-digits or gpt-tiny."),
+    layers: str = typer.Option(..., "--layers", help="Our layer range a:b (b excluded)."),
+    cluster: int = typer.Option(0, "--cluster", min=0, help="Our cluster index."),
+    clusters: int = typer.Option(1, "--clusters", min=1, help="Clusters of the run (data sharding)."),
+    microbatch_size: int = typer.Option(16, "--microbatch-size", min=1, max=4096),
+    microbatches: int = typer.Option(0, "--microbatches", min=0, help="Stage 0: microbatches to inject, then finish."),
+    max_in_flight: int = typer.Option(4, "--max-in-flight", min=1, help="Microbatches in flight per cluster."),
+    schedule: str = typer.Option("async", "--schedule", help="async, or sync (GPipe-style flush each step)."),
+    microbatches_per_step: int = typer.Option(4, "--microbatches-per-step", min=1, help="Sync schedule only."),
+    lr: float = typer.Option(0.05, "--lr", min=0.0),
+    mode: str = typer.Option("stash", "--mode", help="stash (weight stashing) or recompute."),
+    seed: int = typer.Option(0, "--seed"),
+    microbatch_timeout: float = typer.Option(30.0, "--microbatch-timeout", min=0.1),
+    send_timeout: float = typer.Option(30.0, "--send-timeout", min=0.1),
+    max_message_mb: float = typer.Option(64.0, "--max-message-mb", min=0.001),
+    report: Optional[str] = typer.Option(None, "--report", help="Write counters, losses and busy time here (JSON)."),
+    save: Optional[str] = typer.Option(None, "--save", help="Write our parameters here at the end (safetensors)."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0),
+    host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
+    announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
+    verbose: bool = typer.Option(False, "--verbose"),
 ):
-    """Multi-ring all-reduce vs hivemind's DecentralizedAverager vs one ring, same peers and emulated links."""
-    configure_logging(False)
-    from ravnest_swarm.averaging.bench import bench_averaging as run
+    """One pipeline stage (the building block `join` runs after planning): serves its layers until the run ends."""
+    configure_logging(verbose)
 
-    sys.exit(run_async(run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
+    async def main():
+        from ravnest_swarm.membership.records import validate_run_name
+        from ravnest_swarm.models import get_model, parse_layers
+        from ravnest_swarm.pipeline.stage import MODES, SCHEDULES, StageConfig, serve_stage
+
+        validate_run_name(run)
+        if schedule not in SCHEDULES or mode not in MODES:
+            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)} and --mode one of {', '.join(MODES)}")
+        if stage_index >= stages or cluster >= clusters:
+            raise UserError("--stage must be below --stages and --cluster below --clusters")
+        try:
+            layer_range = parse_layers(layers, get_model(model))
+        except ValueError as e:
+            raise UserError(str(e))
+        config = StageConfig(
+            run=run, stage=stage_index, stages=stages, model=model, layers=layer_range, cluster=cluster,
+            clusters=clusters, microbatch_size=microbatch_size, microbatches=microbatches, max_in_flight=max_in_flight,
+            schedule=schedule, microbatches_per_step=microbatches_per_step, lr=lr, mode=mode, seed=seed,
+            microbatch_timeout=microbatch_timeout, send_timeout=send_timeout,
+            max_message_bytes=int(max_message_mb * 1024 * 1024),
+        )
+        return await serve_stage(config, _initial_peers(initial_peers), host_maddrs, announce_maddrs, timeout,
+                                 report, save)
+
+    sys.exit(run_async(main()))
 
 
 def main() -> None:
