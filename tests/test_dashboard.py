@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from ravnest_swarm.dashboard.peers_table import peers_table
-from ravnest_swarm.dashboard.state import SwarmState, load_recording
+from ravnest_swarm.dashboard.state import EVENT_KINDS, SwarmState, load_recording
 from ravnest_swarm.dashboard.view import render, render_text
 
 RECORDING = os.path.join(os.path.dirname(__file__), "data", "swarm_recording.json")
@@ -53,6 +53,7 @@ def test_recorded_swarm_at_80_columns_names_every_peer_and_cluster(recorded):
                      "averaging failed on sao-paulo-pc", "hanoi-laptop vanished", "planning round 4 adopted"):
         assert fragment in text, fragment
     assert "L24-32" in text  # a cell's layer range
+    assert {event.kind for event in recorded.events} == set(EVENT_KINDS)  # the fixture exercises every kind
 
 
 def test_short_terminal_compacts_the_map_but_keeps_every_peer(recorded):

@@ -93,8 +93,7 @@ def _pack(items: Sequence[str], width: int, separator: str) -> Text:
             candidate = item
         line = candidate
     lines.append(line)
-    text = Text("\n".join(lines), no_wrap=True, overflow="ellipsis")
-    return text
+    return Text("\n".join(lines), no_wrap=True, overflow="ellipsis")
 
 
 def _swarm_map(state: SwarmState, width: int, me: Optional[str], compact: bool) -> List[RenderableType]:
