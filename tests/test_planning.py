@@ -5,7 +5,6 @@ breakpoint pass), so these tests do not share code with what they check.
 """
 
 import json
-import math
 import random
 import subprocess
 import sys
