@@ -327,6 +327,11 @@ class MultiRingAverager:
                 logger.warning(f"ring {ring.index} (elements {ring.start}-{ring.end}) {status}: {reason}")
                 self._tell_ring(step, ring, members, failure=reason)
                 return SegmentResult(ring.index, ring.start, ring.end, status, len(members), reason[:300])
+            if not torch.isfinite(averaged).all():
+                # only our own contribution can be non-finite here (every received chunk was checked): the
+                # others refuse the chunk we finalized and go on without us, so we keep our local value
+                return SegmentResult(ring.index, ring.start, ring.end, "excluded", len(members),
+                                     "our own values are not finite")
             segment.copy_(averaged)
             return SegmentResult(ring.index, ring.start, ring.end, "ok", len(members))
 

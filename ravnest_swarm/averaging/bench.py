@@ -129,6 +129,8 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
             results = [json.loads(peer.stdout().strip().splitlines()[-1]) for peer in peers.values()]
             for peer in peers.values():
                 peer.wait(60)
+        except (RuntimeError, TimeoutError) as e:
+            raise UserError(f"a bench peer failed ({e}); logs in {workdir}", exit_code=1)
         finally:
             group.stop_all()
     multiring = times["multiring"]
@@ -220,13 +222,15 @@ async def _hivemind_phase(options, plan: dict, local: torch.Tensor, start: int, 
     dht = DHT(initial_peers=[str(m) for m in options.initial_peers], start=True,
               host_maddrs=[config["hivemind_host_maddr"]], announce_maddrs=[config["hivemind_announce_maddr"]])
     directory = config["dir"]
-    with open(os.path.join(directory, f"hivemind-c{options.cluster}s{options.stage}.json"), "w") as f:
+    path = os.path.join(directory, f"hivemind-c{options.cluster}s{options.stage}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(dict(peer_id=dht.peer_id.to_base58(), maddr=config["hivemind_announce_maddr"]), f)
+    os.rename(path + ".tmp", path)  # others list this directory: they must never read a half-written file
     # p2pd's routing cannot resolve lab (non-public) addresses: dial every other hivemind peer first,
     # through a client of this DHT's daemon, which the averagers share
     p2p = await dht.replicate_p2p()
     deadline = time.monotonic() + 120
-    while len([n for n in os.listdir(directory) if n.startswith("hivemind-")]) < config["peers"]:
+    while len([n for n in os.listdir(directory) if n.startswith("hivemind-") and n.endswith(".json")]) < config["peers"]:
         if time.monotonic() > deadline:
             raise UserError("not every bench peer started its hivemind DHT in time", exit_code=1)
         await asyncio.sleep(POLL_SECONDS)
