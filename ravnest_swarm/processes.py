@@ -35,7 +35,7 @@ class PeerProcess:
         self.args, self.name = list(args), name
         self.stdout_path = os.path.join(log_dir, f"{name}.out")
         self.stderr_path = os.path.join(log_dir, f"{name}.err")
-        environment = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="120", **(env or {}))
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", **(env or {})}
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
                 [*prefix, sys.executable, *python_args, *self.args],
