@@ -256,6 +256,21 @@ def bench_plan(
     sys.exit(run_bench_plan(time_limit, as_json))
 
 
+@bench_app.command("membership")
+def bench_membership(
+    peers: int = typer.Option(24, "--peers", min=2, max=200, help="Real volunteer processes."),
+    heartbeat: float = typer.Option(2.0, "--heartbeat", min=0.5),
+    churn_seconds: float = typer.Option(60.0, "--churn-seconds", min=0.0, help="0 skips the churn run."),
+    churn_period: float = typer.Option(3.0, "--churn-period", min=0.5, help="Seconds between kill+restart."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Load and churn: N volunteers on one backbone; convergence, DHT get latency, backbone memory."""
+    configure_logging(False)
+    from ravnest_swarm.membership.load_bench import bench_membership as run
+
+    sys.exit(run_async(run(peers, heartbeat, churn_seconds, churn_period, as_json)))
+
+
 @bench_app.command("backbone")
 def bench_backbone(
     seconds: float = typer.Option(5.0, "--seconds", min=1.0, help="Settle time before measuring."),

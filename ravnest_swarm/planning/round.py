@@ -22,7 +22,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from hivemind.dht.crypto import RSASignatureValidator
@@ -89,10 +89,13 @@ class PlanningRounds:
     :param announcer: this peer's record publisher; the adopted placement is written into its record
     :param options: round options
     :param console: where the one-line round events go
+    :param on_adopt: called with the plan record each time this peer adopts a plan
     """
 
-    def __init__(self, node: DHTNode, run: str, announcer: PeerAnnouncer, options: RoundOptions, console: Console):
+    def __init__(self, node: DHTNode, run: str, announcer: PeerAnnouncer, options: RoundOptions, console: Console,
+                 on_adopt: Optional[Callable[[dict], None]] = None):
         self.node, self.run, self.announcer, self.options, self.console = node, run, announcer, options, console
+        self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
         self.subkey = RSASignatureValidator().local_public_key
         self.planned_with: set = set()  # peer ids in the snapshot of the last round we adopted
@@ -277,8 +280,9 @@ class PlanningRounds:
         peers = list(alive.values())
         index = {p.peer_id: i for i, p in enumerate(peers)}
         workload = self.options.workload
-        plan = build_plan(peers, [[index[i] for i in c] for c in clusters], workload,
-                          uniform_layers(max(self.options.num_layers, workload.max_stages), workload))
+        profile = self.options.layer_profile or uniform_layers(max(self.options.num_layers, workload.max_stages),
+                                                               workload)
+        plan = build_plan(peers, [[index[i] for i in c] for c in clusters], workload, profile)
         record = PlanRecord(round=round_number, time=time.time(), clusters=[
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
         ]).dict()
@@ -288,8 +292,10 @@ class PlanningRounds:
             for stage in stages:
                 if stage.peer_id == self.peer_id:
                     placement = dict(cluster=number, stage=stage.stage, layers=list(stage.layers))
-        self.announcer.update(**placement)
+        self.announcer.update(plan_round=round_number, **placement)
         await self.announcer.publish()
+        if self.on_adopt is not None:
+            self.on_adopt(record)
         self.planned_with = snapshot_ids | set(alive)
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "
