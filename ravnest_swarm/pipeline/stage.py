@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 SCHEDULES = ("async", "sync")
 MODES = ("stash", "recompute")
+DISCARD_SECONDS = 2.0
 
 
 @dataclass
@@ -415,7 +416,12 @@ class StageWorker:
                     self.counters.rejected += 1
                     logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {e}")
                     reply = RPCError(message=str(e))
-                except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+                except asyncio.TimeoutError:
+                    self.counters.rejected += 1
+                    reason = f"message incomplete: no end of stream within {self.config.send_timeout:.0f}s"
+                    logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {reason}")
+                    reply = RPCError(message=reason)
+                except (asyncio.IncompleteReadError, ConnectionError):
                     logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
                     return
                 except Exception as e:  # a bug of ours: the sender still gets a reason, the stage keeps serving
@@ -423,8 +429,11 @@ class StageWorker:
                     reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
                 try:
                     await P2P.send_protobuf(reply, writer)
-                except ConnectionError:
-                    pass  # the sender went away; it will retry or drop and count
+                    if isinstance(reply, RPCError):
+                        # closing with unread input resets the stream before the sender reads our reason
+                        await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+                except (ConnectionError, asyncio.TimeoutError):
+                    pass  # the sender went away or keeps writing; it has our answer or will retry
 
         return serve
 
@@ -514,6 +523,11 @@ class StageWorker:
             local, rest = name.split(".", 1)
             tensors[f"{self.start_layer + int(local)}.{rest}"] = p.detach().contiguous()
         save_file(tensors, path)
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(2**16):
+        pass
 
 
 async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, report_path: Optional[str] = None,

@@ -1,0 +1,153 @@
+"""Bad input to a real stage's handlers, and a neighbour that disappears mid-run."""
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import P2P, P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from pipeline_helpers import read_report, start_stages, wait_all
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.endpoints import EndpointResolver
+from ravnest_swarm.transport import make_request, parse_maddrs, start_node, stop_node, unpack_metadata
+
+RUN = "faults"
+MLP_RANGES = [(0, 1), (1, 3), (3, 4)]
+
+
+async def call(node, peer_id, handler, metadata, tensors=()):
+    frames = wire.encode(metadata, list(tensors))
+    response = await node.p2p.call_protobuf_handler(peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse)
+    return unpack_metadata(response.metadata)
+
+
+async def raw_call(node, peer_id, handler, payload: bytes):
+    """Write raw bytes to the handler's stream and read its one reply frame."""
+    _, reader, writer = await node.p2p.call_binary_stream_handler(peer_id, handler)
+    writer.write(payload)
+    try:
+        await writer.drain()
+    except ConnectionError:
+        pass  # the stage may answer and close before our last byte is out; its answer is still there
+    response, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 20)
+    writer.close()
+    return error.message if error is not None else unpack_metadata(response.metadata)
+
+
+async def status(node, peer_id):
+    response = await node.p2p.call_protobuf_handler(peer_id, wire.STATUS, make_request({}), runtime_pb2.ExpertResponse)
+    return unpack_metadata(response.metadata)
+
+
+def forward_metadata(microbatch=1, count=4, stage=1, **overrides):
+    return dict(dict(run=RUN, cluster=0, stage=stage, microbatch=microbatch, sample_ids=list(range(count)),
+                     version=0), **overrides)
+
+
+@pytest.mark.timeout(200)
+def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, backbone, tmp_path):
+    # stage 1 of 3 alone: we play stage 0, and stage 2 never exists
+    stage = start_stages(processes, backbone, "mlp-digits", MLP_RANGES, str(tmp_path), run=RUN, skip=(0, 2),
+                         extra=["--max-message-mb", "1", "--send-timeout", "3"])[1]
+    stage.wait_for_output(r"serving layers", 120)
+
+    async def scenario():
+        node = await start_node(parse_maddrs([backbone]), record_validators=make_validators(RUN),
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            peer = await EndpointResolver(node, RUN, 0).resolve(1)
+            good_x, targets = torch.randn(4, 128), torch.zeros(4, dtype=torch.long)
+            errors = {}
+            for label, metadata, tensors in [
+                ("shape", forward_metadata(), [torch.randn(4, 7), targets]),
+                ("dtype", forward_metadata(), [good_x.double(), targets]),
+                ("address", forward_metadata(stage=2), [good_x, targets]),
+                ("ids", forward_metadata(sample_ids="nope"), [good_x, targets]),
+                ("size", forward_metadata(), [torch.randn(4, 100_000), targets]),
+                ("metadata size", forward_metadata(padding="x" * 70_000), [good_x, targets]),
+            ]:
+                with pytest.raises(P2PHandlerError) as caught:
+                    await call(node, peer, wire.FORWARD, metadata, tensors)
+                errors[label] = str(caught.value)
+            with pytest.raises(P2PHandlerError) as caught:
+                await call(node, peer, wire.BACKWARD, forward_metadata(microbatch=999), [torch.randn(4, 128)])
+            errors["unknown id"] = str(caught.value)
+            errors["garbage marker"] = await raw_call(node, peer, wire.FORWARD, b"\x07 this is not a frame at all")
+            errors["garbage frame"] = await raw_call(node, peer, wire.BACKWARD, b"\x00" + (9).to_bytes(8, "big") + b"\xff" * 9)
+            bad_msgpack = runtime_pb2.ExpertRequest(metadata=b"\xc1\xc1garbage").SerializeToString()
+            end_of_stream = P2P.ERROR_MARKER + (0).to_bytes(8, "big")
+            errors["garbage metadata"] = await raw_call(
+                node, peer, wire.FORWARD, b"\x00" + len(bad_msgpack).to_bytes(8, "big") + bad_msgpack + end_of_stream)
+            # a message that never ends is refused after the stage's timeout, not waited on forever
+            errors["no end"] = await raw_call(node, peer, wire.FORWARD, b"\x00" + len(bad_msgpack).to_bytes(8, "big") + bad_msgpack)
+
+            assert "activations has shape [4, 7]" in errors["shape"]
+            assert "float64" in errors["dtype"] and "expected [4, 128] float32" in errors["dtype"]
+            assert "this is run 'faults' cluster 0 stage 1" in errors["address"]
+            assert "sample_ids" in errors["ids"]
+            assert "exceeds the 1048576-byte limit" in errors["size"]
+            assert "exceeds the 65536-byte limit" in errors["metadata size"]
+            assert "unknown microbatch id 999" in errors["unknown id"]
+            assert "frame marker" in errors["garbage marker"]
+            assert "not an ExpertRequest protobuf" in errors["garbage frame"]
+            assert "not valid msgpack" in errors["garbage metadata"]
+            assert "no end of stream" in errors["no end"]
+
+            # still serving: a well-formed microbatch is accepted ...
+            assert (await call(node, peer, wire.FORWARD, forward_metadata(microbatch=5), [good_x, targets]))["ok"]
+            # ... and, with no stage 2 anywhere, explicitly dropped and counted once its send gives up
+            for _ in range(60):
+                counters = await status(node, peer)
+                if counters["dropped"]:
+                    break
+                await asyncio.sleep(0.5)
+            assert counters["rejected"] == len(errors) and counters["forwards"] == 1 and counters["dropped"] == 1
+        finally:
+            await stop_node(node)
+
+    asyncio.run(scenario())
+    log = stage.stderr()
+    assert log.count("rejected") >= 11 and "dropped microbatch 5" in log
+
+
+@pytest.mark.timeout(240)
+def test_a_replaced_neighbour_is_re_resolved_and_nothing_is_lost_silently(processes, backbone, tmp_path):
+    total = 150
+    ranges = [(0, 2), (2, 4)]
+    common = ["--microbatches", str(total), "--microbatch-size", "8", "--max-in-flight", "2",
+              "--microbatch-timeout", "4", "--send-timeout", "60"]
+    stages = start_stages(processes, backbone, "mlp-digits", ranges, str(tmp_path), run=RUN, extra=common)
+    first = stages[0]
+    for process in stages.values():
+        process.wait_for_output(r"serving layers", 120)
+
+    async def progress():
+        node = await start_node(parse_maddrs([backbone]), record_validators=make_validators(RUN),
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
+        try:
+            peer = await EndpointResolver(node, RUN, 0).resolve(0)
+            for _ in range(240):
+                counters = await status(node, peer)
+                if counters["completed"] >= 10:
+                    return counters
+                await asyncio.sleep(0.25)
+            raise AssertionError(f"stage 0 made no progress: {counters}")
+        finally:
+            await stop_node(node)
+
+    before = asyncio.run(progress())
+    stages[1].kill_group()  # the neighbour disappears without a word
+    replacement = start_stages(processes, backbone, "mlp-digits", ranges, str(tmp_path), run=RUN, skip=(0,),
+                               extra=common)
+    wait_all({0: first, 1: replacement[1]}, 120)
+    report = read_report(str(tmp_path), 0)
+    assert before["completed"] < total
+    # every microbatch is accounted for: it completed, or it was dropped with a count and a log line
+    assert report["completed"] + report["dropped"] == total
+    assert report["completed"] > before["completed"] and report["resends"] >= 1
+    assert read_report(str(tmp_path), 1)["forwards"] >= 1
+    log = first.stderr()
+    assert "re-resolving the endpoint" in log and "stage 1 moved to" in log
+    assert log.count("dropped microbatch") == report["dropped"]
