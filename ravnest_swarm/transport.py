@@ -9,18 +9,25 @@ Errors travel back as hivemind ``P2PHandlerError`` with a one-line reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence
+from contextlib import closing
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence
 
 import msgpack
+from google.protobuf.message import DecodeError
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.errors import UserError
 
+logger = logging.getLogger(__name__)
+
 MAX_METADATA_BYTES = 64 * 1024
+DISCARD_SECONDS = 2.0
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 
 
@@ -167,3 +174,77 @@ def make_request(metadata: Dict[str, Any], tensors=(), uid: str = "") -> runtime
 
 def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
+
+
+async def read_frames(reader: asyncio.StreamReader, max_bytes: int) -> List[runtime_pb2.ExpertRequest]:
+    """Read one streamed message's ``ExpertRequest`` frames up to hivemind's end-of-stream marker.
+
+    The frames use hivemind's own framing (a marker byte, an 8-byte length, the protobuf), so senders use
+    plain ``P2P.call_protobuf_handler``. Unlike hivemind's stream handlers, this refuses a message from
+    its length headers before reading past ``max_bytes``, and names what is wrong (``ValueError``).
+    """
+    frames, total = [], 0
+    while True:
+        marker = await reader.readexactly(1)
+        if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+            raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        total += length
+        if total > max_bytes:
+            raise ValueError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
+        data = await reader.readexactly(length)
+        if marker == P2P.ERROR_MARKER:
+            break
+        frame = runtime_pb2.ExpertRequest()
+        try:
+            frame.ParseFromString(data)
+        except DecodeError:
+            raise ValueError(f"frame {len(frames)} ({length} bytes) is not an ExpertRequest protobuf")
+        frames.append(frame)
+    if not frames:
+        raise ValueError("empty message: no frames before end of stream")
+    return frames
+
+
+FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable[runtime_pb2.ExpertResponse]]
+
+
+def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float):
+    """A binary stream handler that reads one message of at most ``max_bytes`` within ``timeout`` seconds.
+
+    ``handle`` gets the frames and returns the response; a ``ValueError`` from reading or handling goes
+    back to the sender as hivemind's error frame with its text, as does a stream that stays silent past
+    ``timeout`` (a slow peer cannot hold a handler open). Register it with ``P2P.add_binary_stream_handler``.
+    """
+
+    async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with closing(writer):
+            try:
+                frames = await asyncio.wait_for(read_frames(reader, max_bytes), timeout)
+                context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
+                reply = await handle(frames, context)
+            except ValueError as e:
+                logger.info(f"{name}: refused a message from {stream_info.peer_id}: {e}")
+                reply = RPCError(message=str(e))
+            except asyncio.TimeoutError:
+                logger.info(f"{name}: {stream_info.peer_id} sent no complete message within {timeout:.0f}s")
+                reply = RPCError(message=f"message incomplete: no end of stream within {timeout:.0f}s")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the sender went away mid-message: nobody to answer
+            except Exception as e:  # a bug of ours: the sender still gets a reason, the peer keeps serving
+                logger.exception(f"{name}: a message from {stream_info.peer_id} failed")
+                reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
+            try:
+                await P2P.send_protobuf(reply, writer)
+                if isinstance(reply, RPCError):
+                    # closing with unread input resets the stream before the sender reads our reason
+                    await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+            except (ConnectionError, asyncio.TimeoutError):
+                pass  # the sender went away or keeps writing; it has our answer or will retry
+
+    return serve
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(2**16):
+        pass

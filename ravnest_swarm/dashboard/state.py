@@ -18,7 +18,7 @@ from typing import Deque, Dict, Iterable, List, Optional, Tuple
 Slot = Tuple[int, int]  # (cluster, stage)
 
 ACTIVE_STATES = ("training", "averaging")
-EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail")
+EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected")
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,10 @@ class SwarmState:
                 failed.append(f"{peer['name']} ({peer['averaging_failures']} so far)")
         if failed:
             events.append(Event(at, "avg-fail", "averaging failed on " + ", ".join(failed)))
+        refusing = [f"{peer['name']} ({peer['rejected']} so far)" for peer_id, peer in current.items()
+                    if (peer.get("rejected") or 0) > (previous.get(peer_id, {}).get("rejected") or 0)]
+        if refusing:
+            events.append(Event(at, "rejected", "poisoned or malformed input refused by " + ", ".join(refusing)))
         return events
 
     # --- derived views ------------------------------------------------------------------------

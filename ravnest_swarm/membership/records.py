@@ -25,6 +25,7 @@ RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
+MAX_PLAN_STAGES = 4096
 
 
 def validate_run_name(run: str) -> str:
@@ -66,6 +67,7 @@ class PeerRecord(pydantic.BaseModel):
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    rejected: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # poisoned or malformed input refused
     note: Optional[pydantic.constr(strict=True, max_length=200)] = None
 
 
@@ -101,6 +103,13 @@ class PlanRecord(pydantic.BaseModel):
     round: pydantic.conint(strict=True, ge=0, le=2**53)
     clusters: pydantic.conlist(pydantic.conlist(PlanStage, min_items=1, max_items=64), min_items=1, max_items=1024)
     time: _bounded_float(0.0, 1e11)
+
+    @pydantic.validator("clusters")
+    def _bounded_size(cls, clusters):
+        # 1024 x 64 stages would be a 10 MB record every reader fetches; a plan covers one round's peers
+        if sum(len(cluster) for cluster in clusters) > MAX_PLAN_STAGES:
+            raise ValueError(f"a plan has at most {MAX_PLAN_STAGES} stages in all")
+        return clusters
 
 
 MAX_ROUND_PEERS = 256  # a distributed planning round covers at most this many peers (one proposal stays small)

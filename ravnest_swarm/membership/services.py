@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, List
+from typing import List
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from ravnest_swarm.transport import make_request, make_response, unpack_metadata
+from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
@@ -21,6 +21,7 @@ DIAL_BACK = "ravnest.dial_back"
 
 PROBE_CHUNK_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 16 * 1024 * 1024
+PROBE_TIMEOUT = 60.0  # a probe slower than 16 MiB a minute is not worth measuring; nor is a silent stream
 DIAL_BACK_TIMEOUT = 3.0
 MAX_DIAL_BACK_PORTS = 4
 
@@ -29,32 +30,28 @@ class BackboneServices:
     """Handlers a backbone serves; volunteers use them while measuring themselves and in ``doctor``.
 
     :param p2p: the node's P2P instance to register handlers on
+    :param probe_timeout: seconds a bandwidth probe may take before it is refused
     """
 
-    def __init__(self, p2p: P2P):
-        self.p2p = p2p
+    def __init__(self, p2p: P2P, probe_timeout: float = PROBE_TIMEOUT):
+        self.p2p, self.probe_timeout = p2p, probe_timeout
 
     async def add_handlers(self) -> None:
         await self.p2p.add_protobuf_handler(PING, self.rpc_ping, runtime_pb2.ExpertRequest)
-        await self.p2p.add_protobuf_handler(
-            BANDWIDTH_PROBE, self.rpc_bandwidth_probe, runtime_pb2.ExpertRequest, stream_input=True
-        )
+        # frame headers are checked before reading: a probe cannot make us buffer more than MAX_PROBE_BYTES
+        await self.p2p.add_binary_stream_handler(BANDWIDTH_PROBE, bounded_stream_handler(
+            BANDWIDTH_PROBE, self.p2p.peer_id, self.rpc_bandwidth_probe, MAX_PROBE_BYTES + 64 * 1024,
+            self.probe_timeout))
         await self.p2p.add_protobuf_handler(DIAL_BACK, self.rpc_dial_back, runtime_pb2.ExpertRequest)
 
     async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return make_response({"time": time.time()})
 
     async def rpc_bandwidth_probe(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+        self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        """Count the bytes a volunteer streams at us; stop reading past ``MAX_PROBE_BYTES``."""
-        received = 0
-        started = time.perf_counter()
-        async for request in requests:
-            received += sum(len(tensor.buffer) for tensor in request.tensors)
-            if received > MAX_PROBE_BYTES:
-                raise ValueError(f"bandwidth probe exceeds {MAX_PROBE_BYTES} bytes")
-        return make_response({"bytes": received, "seconds": time.perf_counter() - started})
+        """Count the bytes a volunteer streamed at us (the frames arrived within the size and time limits)."""
+        return make_response({"bytes": sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)})
 
     async def rpc_dial_back(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Try to open a TCP connection to the caller, to tell it whether it is reachable from outside.

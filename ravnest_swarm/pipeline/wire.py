@@ -17,13 +17,11 @@ import asyncio
 from typing import AsyncIterator, Dict, List, Sequence, Tuple
 
 import torch
-from google.protobuf.message import DecodeError
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from ravnest_swarm.transport import make_request, unpack_metadata
+from ravnest_swarm.transport import make_request, read_frames, unpack_metadata
 
 FORWARD = "ravnest.pipeline.forward"
 BACKWARD = "ravnest.pipeline.backward"
@@ -54,27 +52,8 @@ async def as_stream(frames: Sequence[runtime_pb2.ExpertRequest]) -> AsyncIterato
 
 async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
     """Read one message's frames up to the end-of-stream marker; refuse oversize or malformed input."""
-    frames, total = [], 0
-    while True:
-        marker = await reader.readexactly(1)
-        if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
-            raise MessageError(f"not a pipeline message: frame marker {marker!r} is neither data nor end of stream")
-        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-        total += length
-        if total > max_bytes:
-            raise MessageError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
-        data = await reader.readexactly(length)
-        if marker == P2P.ERROR_MARKER:
-            break
-        frame = runtime_pb2.ExpertRequest()
-        try:
-            frame.ParseFromString(data)
-        except DecodeError:
-            raise MessageError(f"frame {len(frames)} ({length} bytes) is not an ExpertRequest protobuf")
-        frames.append(frame)
-    if not frames:
-        raise MessageError("empty message: no frames before end of stream")
     try:
+        frames = await read_frames(reader, max_bytes)
         metadata = unpack_metadata(frames[0].metadata)
     except ValueError as e:
         raise MessageError(str(e))
@@ -108,6 +87,21 @@ def decode_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Sequence[int
         raise MessageError(f"{what} could not be decoded ({type(e).__name__}: {e})")
     if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
         raise MessageError(f"{what} decodes to {list(tensor.shape)} {tensor.dtype}, expected {list(shape)} {dtype}")
+    return tensor
+
+
+def check_values(tensor: torch.Tensor, what: str, max_abs: float) -> torch.Tensor:
+    """Refuse poisoned floats: NaN or Inf, or a magnitude no honest activation or gradient reaches.
+
+    Either would be applied to this stage's parameters by the next optimizer step (or passed on to the
+    next stage), so it is refused before it is queued.
+    """
+    if tensor.is_floating_point() and tensor.numel():
+        if not torch.isfinite(tensor).all():
+            raise MessageError(f"{what} holds NaN or Inf")
+        largest = tensor.abs().max().item()
+        if largest > max_abs:
+            raise MessageError(f"{what} has a value of magnitude {largest:.3g}, above the {max_abs:.3g} limit")
     return tensor
 
 

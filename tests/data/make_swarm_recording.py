@@ -55,7 +55,7 @@ def base_record(name: str, rng: random.Random) -> dict:
         bandwidth_mbps=round(rng.uniform(20, 900), 0), gflops=round(rng.uniform(150, 9000), 1),
         reachability=rng.choice(["direct", "direct", "relay"]), maddrs=[], version="0.1.0", time=START,
         cluster=None, stage=None, layers=None, step=None, loss=None, samples_per_s=None,
-        plan_round=None, averaging_rounds=0, averaging_failures=0, note=None,
+        plan_round=None, averaging_rounds=0, averaging_failures=0, rejected=0, note=None,
     )
 
 
@@ -109,6 +109,9 @@ def main() -> None:
             if i == 9 and name == "sao-paulo-pc":
                 record["averaging_failures"] += 1
                 record["note"] = "averaging: ring partner timed out"
+            if i == 12 and name == "sao-paulo-pc":
+                record["rejected"] += 1
+                record["note"] = "averaging step 12: 3/3 segments averaged; rejected 1 poisoned"
         plan = PlanRecord(round=plan_round, time=START, clusters=[
             [dict(peer_id=peer_id(name), layers=layers[k][s]) for s, name in enumerate(c)]
             for k, c in enumerate(clusters)]).dict()

@@ -1,0 +1,189 @@
+"""Hostile DHT clients: forged and malformed records for every key of a run, written straight into the DHT.
+
+The attacker is a plain hivemind client with a signature validator of its own (well-formed signatures,
+its own RSA key) and no schema, so nothing on its side stops what it writes. Honest nodes run the
+run's validators (``records.make_validators``); the readers the project uses (``status``, the
+planner's round reads, the pipeline's endpoint resolution, the run spec) must never see its values.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundProposal, RunSpecRecord, StageEndpoint,
+                                              make_validators, peers_key, plan_key, round_key, spec_key,
+                                              stage_subkey_prefix, stages_key)
+from ravnest_swarm.pipeline.endpoints import read_endpoints
+from ravnest_swarm.planning.round import PlanningRounds
+from ravnest_swarm.swarm.spec import read_spec
+from ravnest_swarm.transport import start_node, stop_node
+
+RUN = "hardening"
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+NOW = time.time()
+PEER = PeerRecord(peer_id="12D3KooWHonest", name="honest", state="training", ram_gb=8.0, bandwidth_mbps=100.0,
+                  gflops=50.0, reachability="direct", maddrs=[], version="0.1.0", time=NOW, cluster=0, stage=0,
+                  layers=[0, 2], step=10).dict()
+STAGE = StageEndpoint(peer_id="12D3KooWHonest", maddrs=[], model="mlp-digits", layers=[0, 2], version=3,
+                      time=NOW).dict()
+PROPOSAL = RoundProposal(round=1, deadline=get_dht_time() + 600, peer_id="12D3KooWHonest", ram_gb=8.0, gflops=50.0,
+                         bandwidth_mbps=100.0, fitness=2.0, clusters=[["12D3KooWHonest"]], time=NOW).dict()
+PLAN = PlanRecord(round=1, time=NOW, clusters=[[dict(peer_id="12D3KooWHonest", layers=[0, 2])]]).dict()
+SPEC = RunSpecRecord(model="mlp-digits", optimizer="sgd", lr=0.05, microbatch_size=16, max_in_flight=4,
+                     averaging_period=10, protocol=1, created=NOW).dict()
+HUGE = "x" * 100_000
+GARBAGE = b"\x00\xff raw bytes, not a record"
+
+
+OWN, OWN_STAGE, NO_SUBKEY = "own", "own stage", "none"  # the attacker's own signed subkeys, or a plain key
+
+
+def malformed_values():
+    """(key, subkey, value, label) for every key of the run; bytes and ints are literal subkeys."""
+    return [
+        (peers_key(RUN), OWN, dict(PEER, ram_gb="lots"), "peers: wrong type"),
+        (peers_key(RUN), OWN, dict(PEER, ram_gb=1e9), "peers: out of range"),
+        (peers_key(RUN), OWN, dict(PEER, gflops=float("nan")), "peers: NaN"),
+        (peers_key(RUN), OWN, dict(PEER, loss=float("inf")), "peers: Inf"),
+        (peers_key(RUN), OWN, dict(PEER, name=HUGE), "peers: huge string"),
+        (peers_key(RUN), OWN, dict(PEER, maddrs=["/ip4/1.2.3.4"] * 1000), "peers: huge list"),
+        (peers_key(RUN), OWN, dict(PEER, step=2**60), "peers: huge int"),
+        (peers_key(RUN), OWN, [1, 2, 3], "peers: not a dict"),
+        (peers_key(RUN), OWN, GARBAGE, "peers: raw bytes"),
+        (peers_key(RUN), b"anonymous", PEER, "peers: unsigned subkey"),
+        (stages_key(RUN), OWN_STAGE, dict(STAGE, layers=[0, 1, 2]), "stages: wrong shape"),
+        (stages_key(RUN), OWN_STAGE, dict(STAGE, time=float("nan")), "stages: NaN"),
+        (stages_key(RUN), OWN_STAGE, dict(STAGE, model=HUGE), "stages: huge string"),
+        (stages_key(RUN), OWN_STAGE, GARBAGE, "stages: raw bytes"),
+        (stages_key(RUN), b"0.0", STAGE, "stages: unsigned subkey"),
+        (round_key(RUN), OWN, dict(PROPOSAL, fitness=float("inf")), "round: Inf"),
+        (round_key(RUN), OWN, dict(PROPOSAL, fitness=-1.0), "round: out of range"),
+        (round_key(RUN), OWN, dict(PROPOSAL, clusters=[["p"]] * 1000), "round: huge list"),
+        (round_key(RUN), OWN, "a proposal", "round: not a dict"),
+        # plan and spec are unsigned keys (docs/security.md): the schema is their only guard
+        (plan_key(RUN), 2, dict(PLAN, round="2"), "plan: wrong type"),
+        (plan_key(RUN), 2, dict(PLAN, time=float("nan")), "plan: NaN"),
+        (plan_key(RUN), 2, dict(PLAN, clusters=[[dict(peer_id="p", layers=[0, 1])] * 64] * 100), "plan: oversize"),
+        (plan_key(RUN), 2, dict(PLAN, clusters=[[dict(peer_id="p", layers=[-1, 1])]]), "plan: negative layer"),
+        (plan_key(RUN), 2, GARBAGE, "plan: raw bytes"),
+        (spec_key(RUN), NO_SUBKEY, dict(SPEC, lr=float("nan")), "spec: NaN"),
+        (spec_key(RUN), NO_SUBKEY, dict(SPEC, optimizer="pickle"), "spec: unknown optimizer"),
+        (spec_key(RUN), NO_SUBKEY, dict(SPEC, model=HUGE), "spec: huge string"),
+        (spec_key(RUN), NO_SUBKEY, [SPEC], "spec: not a dict"),
+        (spec_key(RUN), NO_SUBKEY, GARBAGE, "spec: raw bytes"),
+    ]
+
+
+async def write_as_attacker(attacker, signature, victim_subkeys):
+    """Every malformed value, then a well-formed value under each honest writer's own signed subkey.
+
+    Returns label -> whether any node reported storing it.
+    """
+    expiration = get_dht_time() + 300  # later than the honest records': it would win if it were stored
+    own = signature.local_public_key
+    outcomes = {}
+    for key, subkey, value, label in malformed_values():
+        if subkey == NO_SUBKEY:
+            outcomes[label] = await attacker.store(key, value, expiration)
+            continue
+        subkey = {OWN: own, OWN_STAGE: stage_subkey_prefix(0, 0) + own}.get(subkey, subkey)
+        outcomes[label] = await attacker.store(key, value, expiration, subkey=subkey)
+    forged = {peers_key(RUN): dict(PEER, name="mallory", ram_gb=4000.0),
+              stages_key(RUN): dict(STAGE, peer_id="12D3KooWMallory"),
+              round_key(RUN): dict(PROPOSAL, peer_id="12D3KooWMallory", fitness=1e11)}
+    for key, value in forged.items():
+        outcomes[f"forged {key}"] = await attacker.store(key, value, expiration, subkey=victim_subkeys[key])
+    return outcomes
+
+
+async def honest_view(node):
+    """What each project reader makes of the run's records (the planner's reads need only node and run)."""
+    rounds = SimpleNamespace(node=node, run=RUN, names={})
+    spec = await read_spec(node, RUN)
+    return dict(
+        peers=await read_peers(node, RUN),
+        stages=await read_endpoints(node, RUN),
+        proposals=await PlanningRounds.read_proposals(rounds, 1),
+        alive=sorted(await PlanningRounds.read_alive(rounds, get_dht_time())),
+        plan=await PlanningRounds.read_plan(rounds),
+        spec=None if spec is None else spec.record(),
+    )
+
+
+def check_only_honest(view, spec):
+    assert [(p["name"], p["ram_gb"]) for p in view["peers"]] == [("honest", 8.0)]
+    assert view["stages"] == {(0, 0): STAGE}
+    assert view["proposals"] == [PROPOSAL]
+    assert view["alive"] == ["12D3KooWHonest"]
+    assert view["plan"] == PLAN
+    assert view["spec"] == spec
+
+
+async def status_json(maddr: str) -> dict:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run", RUN, "--json",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    return json.loads(stdout.decode().strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(150)
+def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
+    """Attack: a non-project client writes, for every key of the run (peers, stages, round, plan, spec),
+    values of the wrong type, huge strings and lists, NaN/Inf, out-of-range numbers, non-dicts, raw bytes,
+    unsigned subkeys, and well-formed values under another peer's signed subkey (with a later expiration,
+    so they would replace the honest ones). First the only storage node is honest: it must refuse every
+    write. Then a lax node that validates nothing (another run's backbone, other software) joins and
+    stores them anyway: honest readers (status, planner, endpoint resolution, spec) must still drop them
+    when they fetch, and see exactly the honest records.
+    """
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
+        maddrs = await server.get_visible_maddrs()
+        honest = await start_node(maddrs, record_validators=make_validators(RUN), host_maddrs=LOCAL, client_mode=True)
+        signature = RSASignatureValidator(RSAPrivateKey())
+        attacker = await start_node(maddrs, record_validators=[signature], host_maddrs=LOCAL, client_mode=True)
+        lax = None
+        try:
+            own = RSASignatureValidator().local_public_key  # this process's key: the honest writer's
+            expiration = get_dht_time() + 120
+            victim_subkeys = {peers_key(RUN): own, stages_key(RUN): stage_subkey_prefix(0, 0) + own,
+                              round_key(RUN): own}
+            for key, value in [(peers_key(RUN), PEER), (stages_key(RUN), STAGE), (round_key(RUN), PROPOSAL)]:
+                assert await honest.store(key, value, expiration, subkey=victim_subkeys[key])
+            assert await honest.store(plan_key(RUN), PLAN, expiration, subkey=1)
+            # hivemind's SchemaValidator refuses any dict stored without a subkey, so whether the spec is
+            # stored depends on how the project writes it; either way no attacker value may replace it
+            spec = SPEC if await honest.store(spec_key(RUN), SPEC, expiration) else None
+
+            outcomes = await write_as_attacker(attacker, signature, victim_subkeys)
+            assert not any(outcomes.values()), [label for label, stored in outcomes.items() if stored]
+            check_only_honest(await honest_view(honest), spec)
+
+            lax = await start_node(maddrs, host_maddrs=LOCAL)
+            outcomes = await write_as_attacker(attacker, signature, victim_subkeys)
+            assert any(outcomes.values())  # the lax node took them: now the readers are the guard
+            check_only_honest(await honest_view(honest), spec)
+            document = await status_json(str(maddrs[0]))
+            assert [(p["name"], p["ram_gb"]) for p in document["peers"]] == [("honest", 8.0)]
+        finally:
+            for node in (attacker, honest, lax, server):
+                if node is not None:
+                    await stop_node(node)
+
+    asyncio.run(scenario())
