@@ -347,6 +347,31 @@ def averaging_peer(
     sys.exit(run_async(main()))
 
 
+@bench_app.command("pipeline")
+def bench_pipeline(
+    stages: int = typer.Option(4, "--stages", min=2, help="Pipeline stages, one process and host each."),
+    model: str = typer.Option("gpt-tiny", "--model", help="Zoo model, split into balanced stages."),
+    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between hosts."),
+    mbps: float = typer.Option(100.0, "--mbps", min=0.1, help="Access-link rate of every host, each direction."),
+    microbatches: int = typer.Option(160, "--microbatches", min=2, help="Microbatches per schedule."),
+    microbatch_size: int = typer.Option(16, "--microbatch-size", min=1, max=4096),
+    max_in_flight: int = typer.Option(8, "--max-in-flight", min=1, help="Also the sync schedule's microbatches per step."),
+    transfer_mb: float = typer.Option(16.0, "--transfer-mb", min=0.1, help="Tensor size of the transfer probe."),
+    mode: str = typer.Option("stash", "--mode", help="stash or recompute."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Async pipeline vs a synchronous GPipe-style schedule on emulated links; busy time, throughput, P2P vs TCP."""
+    configure_logging(False)
+    from ravnest_swarm.pipeline.bench import bench_pipeline as run
+
+    if microbatches <= max_in_flight:
+        print("error: --microbatches must exceed --max-in-flight (the steady state starts after one window)",
+              file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_async(run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight, transfer_mb,
+                           mode, as_json)))
+
+
 @app.command("stage", hidden=True)
 def stage(
     initial_peers: List[str] = InitialPeers,

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SCHEDULES = ("async", "sync")
 MODES = ("stash", "recompute")
 DISCARD_SECONDS = 2.0
+PROGRESS_EVERY = 10
 
 
 @dataclass
@@ -146,6 +147,9 @@ class StageWorker:
         self.queued_forward: Set[int] = set()
         self.pending: Dict[int, Pending] = {}
         self.queued_backward: Set[int] = set()
+        # every microbatch id ever accepted, so a resend whose first copy arrived is acknowledged, not redone
+        self.seen_forward: Set[int] = set()
+        self.seen_backward: Set[int] = set()
         self.in_flight = 0
         self.step_open = True  # sync schedule: stage 0 may still inject into the current step
         self.finish_received = False
@@ -299,6 +303,8 @@ class StageWorker:
         self.counters.complete_times.append(time.time())
         # weight versions that passed between this microbatch's forward and its update: the staleness
         self.counters.max_staleness = max(self.counters.max_staleness, self.version - 1 - version_at_forward)
+        if self.counters.completed % PROGRESS_EVERY == 0:
+            print(f"progress {self.counters.completed}/{self.config.microbatches}", flush=True)
         self._release_slot()
 
     def _spawn_backward(self, microbatch: int, input_grad: torch.Tensor) -> None:
@@ -455,8 +461,9 @@ class StageWorker:
         microbatch = field(metadata, "microbatch", int)
         sample_ids = wire.sample_ids_field(metadata)
         field(metadata, "version", int)
-        if microbatch in self.queued_forward or microbatch in self.pending:
-            raise MessageError(f"microbatch {microbatch} is already being processed here")
+        if microbatch in self.seen_forward:
+            # a resend after our reply was lost: delivery is at-least-once, processing exactly once
+            return {"ok": True, "duplicate": True}
         if len(tensors) != 2:
             raise MessageError(f"a forward message carries 2 tensors (activations, targets), got {len(tensors)}")
         count = len(sample_ids)
@@ -464,6 +471,7 @@ class StageWorker:
                                     self.input_spec.input_dtype)
         targets = wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape], self.target_dtype)
         self.queued_forward.add(microbatch)
+        self.seen_forward.add(microbatch)
         self.forward_queue.append((microbatch, sample_ids, inputs, targets))
         self._wakeup.set()
         return {"ok": True, "queued": len(self.forward_queue)}
@@ -471,14 +479,17 @@ class StageWorker:
     async def _on_backward(self, metadata: Dict, tensors: List[runtime_pb2.Tensor]) -> Dict:
         microbatch = field(metadata, "microbatch", int)
         field(metadata, "version", int)
+        if microbatch in self.seen_backward:
+            return {"ok": True, "duplicate": True}
         pending = self.pending.get(microbatch)
-        if pending is None or microbatch in self.queued_backward:
+        if pending is None:
             raise MessageError(f"unknown microbatch id {microbatch}: this stage did not send it forward "
-                               f"(or already dropped it, or its gradient already arrived)")
+                               f"(or already dropped it)")
         if len(tensors) != 1:
             raise MessageError(f"a backward message carries 1 tensor (the gradient), got {len(tensors)}")
         grad = wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype)
         self.queued_backward.add(microbatch)
+        self.seen_backward.add(microbatch)
         self.backward_queue.append((microbatch, grad))
         self._wakeup.set()
         return {"ok": True, "queued": len(self.backward_queue)}

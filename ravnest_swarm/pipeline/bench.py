@@ -1,0 +1,191 @@
+"""``bench pipeline``: the asynchronous pipeline beside a synchronous GPipe-style schedule, same stages and links.
+
+Every stage runs as its own process (one torch thread) on its own host of a
+:class:`~ravnest_swarm.netlab.NetLab` (namespaces on a hub, ``tc tbf`` rate, userspace delay relay;
+loopback without root, which the output says). The same stages run twice: asynchronously (steps on
+every gradient, ``--max-in-flight`` microbatches in flight) and synchronously (the same number of
+microbatches per step, flushed every step). Before that, a bulk tensor is sent over the hivemind P2P
+transport and over a raw TCP socket, on the emulated link and on plain loopback.
+
+Steady state: from the moment stage 0 has completed its first ``max_in_flight`` microbatches (the
+pipeline is full) to its last injection (after it, the pipeline only drains). Busy fraction: the share
+of that window during which the stage had a forward, backward or send in progress. Throughput: samples
+completed after the window opens, divided by the time to the last completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Dict, List, Sequence, Tuple
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ravnest_swarm.errors import UserError
+
+STAGE_PORT, TRANSFER_P2P_PORT, TRANSFER_TCP_PORT = 0, 1, 2
+
+
+def busy_fraction(intervals: Sequence[Sequence[float]], start: float, end: float) -> float:
+    covered = sum(max(0.0, min(b, end) - max(a, start)) for a, b in intervals)
+    return covered / max(end - start, 1e-9)
+
+
+def steady_state(first: Dict, warmup: int) -> Tuple[float, float, float]:
+    """(window start, last injection, last completion) from stage 0's report."""
+    completes = first["complete_times"]
+    if len(completes) <= warmup:
+        raise UserError(f"only {len(completes)} microbatches completed: raise --microbatches above {warmup}", 1)
+    return completes[warmup - 1], first["inject_times"][-1], completes[-1]
+
+
+def summarise(reports: List[Dict], warmup: int, microbatch_size: int) -> Dict:
+    start, last_inject, last_complete = steady_state(reports[0], warmup)
+    completed_after = len(reports[0]["complete_times"]) - warmup
+    return dict(
+        samples_per_s=round(completed_after * microbatch_size / (last_complete - start), 2),
+        busy_fraction=[round(busy_fraction(r["busy"], start, last_inject), 3) for r in reports],
+        steady_state_s=round(last_inject - start, 3),
+        completed=reports[0]["completed"], dropped=sum(r["dropped"] for r in reports),
+        max_staleness=reports[0]["max_staleness"],
+        final_loss=round(sum(loss for _, loss in reports[-1]["losses"][-10:]) / 10, 4),
+    )
+
+
+def measure_transfer(group, lab, name: str, megabytes: float, emulated: bool) -> Dict:
+    """Receiver on host 1, sender on host 0; through the relay when ``emulated``, else plain 127.0.0.1."""
+    if emulated:
+        serve_args = ["serve", "--host-maddr", lab.host_maddr(1, TRANSFER_P2P_PORT),
+                      "--announce-maddr", lab.announce_maddr(1, TRANSFER_P2P_PORT),
+                      "--tcp", f"{lab.host_ip(1)}:{lab.listen_port(1, TRANSFER_TCP_PORT)}"]
+        dial_p2p = lab.announce_maddr(1, TRANSFER_P2P_PORT)
+        dial_tcp = f"{lab.hub_ip(1)}:{lab.relay_port(1, TRANSFER_TCP_PORT)}"
+        sender_maddr, prefixes = lab.host_maddr(0, TRANSFER_P2P_PORT), (lab.exec_prefix(1), lab.exec_prefix(0))
+    else:
+        port = lab.listen_port(1, TRANSFER_TCP_PORT) + 7
+        dial_p2p = f"/ip4/127.0.0.1/tcp/{port + 1}"
+        serve_args = ["serve", "--host-maddr", dial_p2p, "--tcp", f"127.0.0.1:{port}"]
+        dial_tcp, sender_maddr, prefixes = f"127.0.0.1:{port}", "/ip4/127.0.0.1/tcp/0", ([], [])
+    server = _start_module(group, serve_args, f"{name}-serve", prefixes[0])
+    try:
+        peer = server.wait_for_output(r"^ready (\S+)$", 120).group(1)
+        sender = _start_module(group, ["send", "--host-maddr", sender_maddr, "--peer", peer, "--p2p-maddr", dial_p2p,
+                                       "--tcp", dial_tcp, "--mb", str(megabytes)], f"{name}-send", prefixes[1])
+        sender.wait(300)
+        if sender.popen.returncode != 0:
+            raise UserError(f"transfer probe failed: {sender.stderr()[-500:]}", 1)
+        return json.loads(sender.stdout().strip().splitlines()[-1])
+    finally:
+        server.stop()
+
+
+def _start_module(group, args: Sequence[str], name: str, prefix: Sequence[str]):
+    from ravnest_swarm.processes import PeerProcess
+
+    process = PeerProcess(args, group.log_dir, name, prefix=prefix, python_args=("-m", "ravnest_swarm.pipeline.transfer"))
+    group.processes.append(process)  # so stop_all stops it by pid like every other process
+    return process
+
+
+async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microbatches: int,
+                         microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
+                         lr: float = 0.01) -> int:
+    from ravnest_swarm.models import balanced_split, get_model
+    from ravnest_swarm.netlab import NetLab
+    from ravnest_swarm.processes import ProcessGroup
+
+    try:
+        ranges = balanced_split(get_model(model), stages)
+    except ValueError as e:
+        raise UserError(str(e))
+    console = Console(stderr=True)
+    workdir = tempfile.mkdtemp(prefix="ravnest-bench-pipe-")
+    group = ProcessGroup(workdir)
+    results: Dict[str, Dict] = {}
+    with NetLab(stages + 1, mbps=mbps, delay_ms=delay_ms, ports=(40000, 40001, 40002)) as lab, Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=console, transient=not as_json,
+    ) as progress:
+        if lab.mode == "loopback":
+            console.print("[yellow]no root/namespaces: running on loopback, links NOT rate-limited[/]")
+        try:
+            transfers = progress.add_task("tensor transfer", total=2)
+            emulated = measure_transfer(group, lab, "link", transfer_mb, emulated=True)
+            progress.advance(transfers)
+            loopback = measure_transfer(group, lab, "loopback", transfer_mb * 4, emulated=False)
+            progress.advance(transfers)
+            backbone_host = stages
+            backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(backbone_host),
+                                    "--announce-maddrs", lab.announce_maddr(backbone_host)], "backbone",
+                                   prefix=lab.exec_prefix(backbone_host))
+            initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
+            for schedule in ("async", "sync"):
+                task = progress.add_task(f"{schedule} pipeline", total=microbatches)
+                results[schedule] = _run_schedule(group, lab, initial, model, ranges, schedule, microbatches,
+                                                  microbatch_size, max_in_flight, mode, lr, workdir,
+                                                  lambda done, task=task: progress.update(task, completed=done))
+        except (RuntimeError, TimeoutError) as e:
+            raise UserError(f"a bench process failed ({e}); logs in {workdir}", exit_code=1)
+        finally:
+            group.stop_all()
+    summary = {schedule: summarise(reports, max_in_flight, microbatch_size) for schedule, reports in results.items()}
+    report = dict(
+        busy_fraction=summary["async"]["busy_fraction"],
+        async_samples_per_s=summary["async"]["samples_per_s"],
+        sync_samples_per_s=summary["sync"]["samples_per_s"],
+        speedup=round(summary["async"]["samples_per_s"] / summary["sync"]["samples_per_s"], 3),
+        p2p_mb_per_s=emulated["p2p_mb_per_s"], tcp_mb_per_s=emulated["tcp_mb_per_s"],
+        p2p_vs_tcp=round(emulated["p2p_mb_per_s"] / emulated["tcp_mb_per_s"], 3),
+        loopback_p2p_mb_per_s=loopback["p2p_mb_per_s"], loopback_tcp_mb_per_s=loopback["tcp_mb_per_s"],
+        link=dict(lab.describe(), transfer_mb=transfer_mb, loopback_transfer_mb=transfer_mb * 4),
+        async_run=summary["async"], sync_run=summary["sync"],
+        model=model, stages=stages, layer_ranges=ranges, microbatches=microbatches, microbatch_size=microbatch_size,
+        max_in_flight=max_in_flight, microbatches_per_step=max_in_flight, mode=mode,
+        cpu_count=os.cpu_count(), load_avg=[round(x, 2) for x in os.getloadavg()],
+    )
+    if as_json:
+        print(json.dumps(report), flush=True)
+    else:
+        for key in ("busy_fraction", "async_samples_per_s", "sync_samples_per_s", "speedup", "p2p_mb_per_s",
+                    "tcp_mb_per_s", "p2p_vs_tcp", "loopback_p2p_mb_per_s", "loopback_tcp_mb_per_s"):
+            console.print(f"{key:>22}: {report[key]}")
+        console.print(f"{'link':>22}: {report['link']}")
+    return 0
+
+
+def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, microbatches: int,
+                  microbatch_size: int, max_in_flight: int, mode: str, lr: float, workdir: str, on_progress) -> List[Dict]:
+    """Start one stage process per host, wait for the run to finish, return the stages' reports."""
+    run = f"bench-{schedule}"
+    processes = []
+    for index, (start, end) in enumerate(ranges):
+        report = os.path.join(workdir, f"{schedule}-report{index}.json")
+        processes.append(group.start(
+            ["stage", "--initial-peers", initial, "--run", run, "--stage", str(index), "--stages", str(len(ranges)),
+             "--model", model, "--layers", f"{start}:{end}", "--microbatches", str(microbatches),
+             "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
+             "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr),
+             "--report", report, "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
+             lab.announce_maddr(index), "--microbatch-timeout", "120", "--send-timeout", "120"],
+            f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
+    first = processes[0]
+    deadline = time.monotonic() + 600
+    while any(p.popen.poll() is None for p in processes):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {schedule} pipeline did not finish within 600s")
+        failed = [p for p in processes if p.popen.poll() not in (None, 0)]
+        if failed:
+            raise RuntimeError(f"{failed[0].name} exited with {failed[0].popen.returncode}: {failed[0].stderr()[-500:]}")
+        lines = [line for line in first.stdout().splitlines() if line.startswith("progress ")]
+        if lines:
+            on_progress(int(lines[-1].split()[1].split("/")[0]))
+        time.sleep(0.5)
+    on_progress(microbatches)
+    reports = []
+    for index in range(len(ranges)):
+        with open(os.path.join(workdir, f"{schedule}-report{index}.json")) as f:
+            reports.append(json.load(f))
+    return reports

@@ -1,0 +1,109 @@
+"""Bulk tensor transfer over the hivemind P2P transport beside a raw TCP socket, on the same link.
+
+``python -m ravnest_swarm.pipeline.transfer serve ...`` runs on the receiving host (a P2P handler that
+reads a whole pipeline message, and a TCP server that reads the same number of raw bytes);
+``... send ...`` runs on the sending host, alternates the two transfers and prints one JSON line with
+the median MB/s of each (megabytes of tensor payload per second, until the receiver's reply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from contextlib import closing
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.multiaddr import Multiaddr
+
+from ravnest_swarm.pipeline import wire
+from ravnest_swarm.transport import make_response
+
+HANDLER = "ravnest.pipeline.transfer_probe"
+HEADER_BYTES = 8
+
+
+async def serve(host_maddr: str, announce_maddr: str, tcp_host: str, tcp_port: int) -> None:
+    p2p = await P2P.create(host_maddrs=[host_maddr], announce_maddrs=[announce_maddr] if announce_maddr else None)
+
+    async def on_message(stream_info, reader, writer):
+        with closing(writer):
+            _, tensors = await wire.read_message(reader, 2**31)
+            await P2P.send_protobuf(make_response({"bytes": sum(len(t.buffer) for t in tensors)}), writer)
+
+    async def on_tcp(reader, writer):
+        length = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
+        received = 0
+        while received < length:
+            received += len(await reader.read(1 << 20))
+        writer.write(b"\x01")
+        await writer.drain()
+        writer.close()
+
+    await p2p.add_binary_stream_handler(HANDLER, on_message)
+    server = await asyncio.start_server(on_tcp, tcp_host, tcp_port)
+    print(f"ready {p2p.peer_id.to_base58()}", flush=True)
+    try:
+        await server.serve_forever()
+    finally:
+        await p2p.shutdown()
+
+
+async def send(host_maddr: str, peer: str, p2p_maddr: str, tcp_host: str, tcp_port: int, megabytes: float,
+               repeats: int) -> dict:
+    p2p = await P2P.create(host_maddrs=[host_maddr])
+    try:
+        peer_id = PeerID.from_base58(peer)
+        await p2p._client.connect(peer_id, [Multiaddr(p2p_maddr)])
+        tensor = torch.randn(int(megabytes * 1e6 / 4))
+        frames = wire.encode({"probe": True}, [tensor])
+        payload = tensor.numpy().tobytes()
+        p2p_rates, tcp_rates = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            await p2p.call_protobuf_handler(peer_id, HANDLER, wire.as_stream(frames), runtime_pb2.ExpertResponse)
+            p2p_rates.append(len(payload) / 1e6 / (time.perf_counter() - started))
+            started = time.perf_counter()
+            reader, writer = await asyncio.open_connection(tcp_host, tcp_port)
+            writer.write(len(payload).to_bytes(HEADER_BYTES, "big"))
+            writer.write(payload)
+            await writer.drain()
+            await reader.readexactly(1)
+            writer.close()
+            tcp_rates.append(len(payload) / 1e6 / (time.perf_counter() - started))
+        return dict(p2p_mb_per_s=round(statistics.median(p2p_rates), 2),
+                    tcp_mb_per_s=round(statistics.median(tcp_rates), 2), megabytes=megabytes, repeats=repeats)
+    finally:
+        await p2p.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    server = commands.add_parser("serve")
+    server.add_argument("--host-maddr", required=True)
+    server.add_argument("--announce-maddr", default="")
+    server.add_argument("--tcp", required=True, help="HOST:PORT to listen on")
+    client = commands.add_parser("send")
+    client.add_argument("--host-maddr", required=True)
+    client.add_argument("--peer", required=True)
+    client.add_argument("--p2p-maddr", required=True, help="the receiver's address to dial (its relay)")
+    client.add_argument("--tcp", required=True, help="HOST:PORT to connect to (its relay)")
+    client.add_argument("--mb", type=float, default=16.0)
+    client.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    tcp_host, tcp_port = args.tcp.rsplit(":", 1)
+    if args.command == "serve":
+        asyncio.run(serve(args.host_maddr, args.announce_maddr, tcp_host, int(tcp_port)))
+    else:
+        result = asyncio.run(send(args.host_maddr, args.peer, args.p2p_maddr, tcp_host, int(tcp_port), args.mb,
+                                  args.repeats))
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
