@@ -10,9 +10,14 @@ for a step that is over here is refused, one for a later step waits in the mailb
 
 Faults. Each ring has its own deadline: a member that does not answer in time ends that ring only,
 the segment keeps its local value, and the other members are told to stop at once. A received chunk
-with NaN or Inf is refused: in a ring every forwarded partial sum was checked by its receiver, so a
-non-finite chunk can only come from the sender's own contribution. The receiver names that sender,
-tells the ring, and the remaining members run the ring again without it.
+with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times what that many
+contributions of our own size could sum to), is refused: in a ring every forwarded partial sum was
+checked by its receiver, so such a chunk can only come from the sender's own contribution. The
+receiver names that sender, tells the ring, and the remaining members run the ring again without it.
+
+Hostile input. The handler reads frames itself (``transport.bounded_stream_handler``): a message over
+``max_message_bytes``, a truncated protobuf or a silent stream gets an error with a reason, and the
+mailbox holds at most ``max_buffered_bytes`` and ``MAX_MAILBOX_ENTRIES`` early messages.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -31,13 +36,14 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
-from ravnest_swarm.transport import make_request, make_response, unpack_metadata
+from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
 RING_HANDLER = "ravnest.averaging.ring"
 PART_BYTES = 512 * 1024
 CONTROL_TIMEOUT = 2.0
+MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
 REDUCE, GATHER, ABORT = "reduce", "gather", "abort"
 
 
@@ -46,7 +52,7 @@ class RingAborted(Exception):
 
 
 class ContributionRejected(Exception):
-    """A chunk from ``peer`` held NaN or Inf."""
+    """A chunk from ``peer`` held NaN or Inf, was absurdly scaled, or had the wrong size."""
 
     def __init__(self, peer: str, reason: str):
         super().__init__(reason)
@@ -98,7 +104,7 @@ class RoundResult:
         if failed:
             text += "; kept local " + ",".join(failed)
         if self.rejected:
-            text += f"; rejected {len(self.rejected)} non-finite"
+            text += f"; rejected {len(self.rejected)} poisoned"
         return text
 
     def as_dict(self) -> dict:
@@ -126,12 +132,17 @@ class MultiRingAverager:
     :param part_bytes: size of the streamed parts of a serialized chunk
     :param max_buffered_bytes: cap on chunks held for rings that have not asked for them yet (early
         peers), so a stranger cannot make us hold unbounded memory
+    :param max_message_bytes: larger ring messages are refused before they are read
+    :param max_scale: a received chunk whose largest magnitude exceeds this many times the sum its
+        contributions could reach at our own values' scale (at least 1 per element) is refused as poisoned
     """
 
     def __init__(self, p2p: P2P, run: str, timeout: float = 30.0, compression: CompressionBase = NoCompression(),
-                 part_bytes: int = PART_BYTES, max_buffered_bytes: int = 2 * 1024**3):
+                 part_bytes: int = PART_BYTES, max_buffered_bytes: int = 2 * 1024**3,
+                 max_message_bytes: int = 512 * 1024**2, max_scale: float = 100.0):
         self.p2p, self.run, self.timeout, self.compression = p2p, run, timeout, compression
         self.part_bytes, self.max_buffered_bytes = part_bytes, max_buffered_bytes
+        self.max_message_bytes, self.max_scale = max_message_bytes, max_scale
         self.peer_id = p2p.peer_id.to_base58()
         self.last_finished_step = -1
         self.last_result: Optional[RoundResult] = None
@@ -141,7 +152,8 @@ class MultiRingAverager:
         self._control_tasks: Set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await self.p2p.add_protobuf_handler(RING_HANDLER, self.rpc_ring, runtime_pb2.ExpertRequest, stream_input=True)
+        await self.p2p.add_binary_stream_handler(RING_HANDLER, bounded_stream_handler(
+            RING_HANDLER, self.p2p.peer_id, self.rpc_ring, self.max_message_bytes, self.timeout))
 
     async def shutdown(self) -> None:
         """Give the last notes to other members a moment to arrive, then stop serving."""
@@ -150,32 +162,37 @@ class MultiRingAverager:
         for task in list(self._control_tasks):
             task.cancel()
         await asyncio.gather(*self._control_tasks, return_exceptions=True)
-        await self.p2p.remove_protobuf_handler(RING_HANDLER, stream_input=True)
+        await self.p2p.remove_binary_stream_handler(RING_HANDLER)
 
     # ---- receiving -------------------------------------------------------------------------------------
 
-    async def rpc_ring(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
-                       context: P2PContext) -> runtime_pb2.ExpertResponse:
-        metadata, parts, size = None, [], 0
-        async for request in requests:
-            if metadata is None:
-                metadata = self._check_metadata(unpack_metadata(request.metadata))
-            size += sum(len(part.buffer) for part in request.tensors)
-            if self._buffered_bytes + size > self.max_buffered_bytes:
-                raise ValueError("too much ring data buffered here; retry later")
-            parts.extend(request.tensors)
-        if metadata is None:
-            raise ValueError("empty ring message")
+    async def rpc_ring(self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """File one ring message (frames already read within the size limit) in the mailbox."""
+        metadata = self._check_metadata(unpack_metadata(frames[0].metadata))
+        parts = [part for frame in frames for part in frame.tensors]
+        size = sum(len(part.buffer) for part in parts)
+        if self._buffered_bytes + size > self.max_buffered_bytes:
+            raise ValueError("too much ring data buffered here; retry later")
         sender = context.remote_id.to_base58()
         step, ring = metadata["step"], metadata["ring"]
         if metadata["phase"] == ABORT:
+            if (step, ring) not in self._rings and len(self._rings) >= MAX_MAILBOX_ENTRIES:
+                raise ValueError("too many rings pending here; retry later")
             self._on_abort(step, ring, sender, metadata)
             return make_response({})
         key = (step, ring, tuple(metadata["attempt"]), metadata["phase"], metadata["position"], sender)
+        if key not in self._mailbox and len(self._mailbox) >= MAX_MAILBOX_ENTRIES:
+            raise ValueError("too many ring messages waiting here; retry later")
+        if not parts:
+            raise ValueError("ring message carries no tensor")
+        try:
+            tensor = deserialize_torch_tensor(combine_from_streaming(parts))
+        except Exception as e:
+            raise ValueError(f"ring chunk could not be decoded ({type(e).__name__})")
         slot = self._slot(key)
         if slot.done():
             raise ValueError("duplicate ring message")
-        slot.set_result((deserialize_torch_tensor(combine_from_streaming(parts)), size))
+        slot.set_result((tensor, size))
         self._buffered_bytes += size
         return make_response({})
 
@@ -190,6 +207,9 @@ class MultiRingAverager:
             raise ValueError(f"round {metadata['step']} is over here (last finished {self.last_finished_step})")
         if metadata["phase"] not in (REDUCE, GATHER, ABORT):
             raise ValueError(f"unknown ring phase {metadata['phase']!r}")
+        # the mailbox key is built from these: they must be hashable and small
+        if not all(isinstance(peer, str) and len(peer) <= 128 for peer in metadata["attempt"]):
+            raise ValueError("ring message 'attempt' must list peer ids")
         return metadata
 
     def _slot(self, key: tuple) -> asyncio.Future:
@@ -344,7 +364,8 @@ class MultiRingAverager:
         work = segment.clone()
         base = dict(step=step, ring=ring.index, attempt=sorted(set(ring.members) - set(members)))
 
-        async def exchange(phase: str, position: int, send_chunk: int) -> torch.Tensor:
+        async def exchange(phase: str, position: int, send_chunk: int, receive_chunk: int,
+                           contributions: int) -> torch.Tensor:
             key = (step, ring.index, tuple(base["attempt"]), phase, position, preceding)
             sending = asyncio.create_task(
                 self._send(following, dict(base, phase=phase, position=position), work[chunks[send_chunk]], deadline))
@@ -358,13 +379,20 @@ class MultiRingAverager:
                 received = received.float()
             if not torch.isfinite(received).all():
                 raise ContributionRejected(preceding, f"{phase} chunk {position} holds NaN or Inf")
+            if received.numel() != work[chunks[receive_chunk]].numel():
+                raise ContributionRejected(preceding, f"chunk of {received.numel()} elements, expected another size")
+            if received.numel():
+                # honest partial sums stay within `contributions` times values of our own scale
+                ours = max(segment[chunks[receive_chunk]].abs().max().item(), 1.0)
+                largest = received.abs().max().item()
+                if largest > self.max_scale * contributions * ours:
+                    raise ContributionRejected(preceding, f"{phase} chunk {position} is absurdly scaled "
+                                                          f"(magnitude {largest:.3g}, ours {ours:.3g})")
             return received
 
         for position in range(count - 1):
             receive_chunk = (me - position - 1) % count
-            received = await exchange(REDUCE, position, (me - position) % count)
-            if received.numel() != work[chunks[receive_chunk]].numel():
-                raise ContributionRejected(preceding, f"chunk of {received.numel()} elements, expected another size")
+            received = await exchange(REDUCE, position, (me - position) % count, receive_chunk, position + 1)
             work[chunks[receive_chunk]] += received
         owned = (me + 1) % count
         work[chunks[owned]] /= count
@@ -374,8 +402,6 @@ class MultiRingAverager:
                 serialize_torch_tensor(work[chunks[owned]], self.compression.compression_type)).float()
         for position in range(count - 1):
             receive_chunk = (me - position) % count
-            received = await exchange(GATHER, position, (me + 1 - position) % count)
-            if received.numel() != work[chunks[receive_chunk]].numel():
-                raise ContributionRejected(preceding, f"chunk of {received.numel()} elements, expected another size")
+            received = await exchange(GATHER, position, (me + 1 - position) % count, receive_chunk, 1)
             work[chunks[receive_chunk]] = received
         return work

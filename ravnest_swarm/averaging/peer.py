@@ -105,13 +105,16 @@ class AveragingPeerOptions:
     bench_config: Optional[str] = None
 
 
-async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: Optional[str] = None) -> None:
-    """Our signed peer record with cluster, stage and layers; ``note`` carries the last round's summary."""
+async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: Optional[str] = None,
+                            rejected: Optional[int] = None) -> None:
+    """Our signed peer record with cluster, stage and layers; ``note`` carries the last round's summary and
+    ``rejected`` how many contributions we refused as poisoned (both shown by ``status`` and the dashboard)."""
     maddrs = [str(m) for m in await node.p2p.get_visible_maddrs()][:16]
     record = dict(
         peer_id=node.peer_id.to_base58(), name=f"avg-c{options.cluster}s{options.stage}", state="averaging",
         ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability="unknown", maddrs=maddrs, version=__version__,
         time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
+        rejected=rejected,
     )
     await node.store(peers_key(options.run), PeerRecord.parse_obj(record).dict(),
                      get_dht_time() + RECORD_LIFETIME, subkey=RSASignatureValidator().local_public_key)
@@ -171,14 +174,21 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
                 logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")
 
 
+POISONS = ("nan", "inf", "scale")
+
+
 def poison_(local: torch.Tensor, kind: str) -> None:
-    """Put one NaN or Inf in the middle of our range: a peer whose training diverged."""
-    local[local.numel() // 2] = {"nan": float("nan"), "inf": float("inf")}[kind]
+    """``nan``/``inf``: one such value in the middle of our range (a peer whose training diverged);
+    ``scale``: every value times 1e6 (a peer trying to drag the average its way)."""
+    if kind == "scale":
+        local *= 1e6
+    else:
+        local[local.numel() // 2] = {"nan": float("nan"), "inf": float("inf")}[kind]
 
 
 async def run_averaging_peer(options: AveragingPeerOptions) -> int:
-    if options.poison not in (None, "nan", "inf"):
-        raise UserError("--poison must be nan or inf")
+    if options.poison not in (None, *POISONS):
+        raise UserError(f"--poison must be one of {', '.join(POISONS)}")
     compression = compression_by_name(options.compression)
     try:
         start, end = element_range(options.layer_sizes, options.layers)
@@ -212,7 +222,8 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         await asyncio.sleep(options.delay_start)
         print("round started", flush=True)
         result = await averager.average(options.step, local, start, rings)
-        await publish_placement(node, options, note=f"averaging {result.summary()}"[:200])
+        await publish_placement(node, options, note=f"averaging {result.summary()}"[:200],
+                                rejected=len(result.rejected))
         if options.out:
             from safetensors.torch import save_file
 
