@@ -59,6 +59,8 @@ class RoundOptions:
         before the final read, so every peer reads the same proposals
     :param fresh_within: a participant counts as alive if its proposal was renewed this many seconds
         before the proposals freeze (they renew about every half second); default half the round
+    :param layer_profile: the real model's per-layer memory (GB) and GFLOP, to cut stages at its layer
+        boundaries; None cuts ``num_layers`` identical layers
     """
 
     workload: Workload
@@ -69,6 +71,7 @@ class RoundOptions:
     poll: float = 1.0
     settle: float = 1.5
     fresh_within: Optional[float] = None
+    layer_profile: Optional[Tuple[Sequence[float], Sequence[float]]] = None
 
 
 def plan_hash(clusters: Sequence[Sequence[str]]) -> str:
