@@ -1,0 +1,338 @@
+"""Fuzzing every P2P handler of the project with random, mutated and hostile messages.
+
+One in-process peer serves them all on a real p2pd: the backbone's ping, bandwidth probe and
+dial-back, the averaging ring, the layer-state server and a pipeline stage (stage 1 of 3 of
+``mlp-digits``; stage 2 never exists, so its sends fail and are dropped). A second P2P plays the
+attacker. Each test states its attack; after each fuzz batch the peer must still answer a valid
+request, and the test process's memory must not have grown past a bound.
+"""
+
+import asyncio
+import math
+
+import msgpack
+import psutil
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from hivemind.p2p import P2P, P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from ravnest_swarm.averaging.averager import RING_HANDLER, MultiRingAverager
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, BackboneServices
+from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
+from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LayerStateServer
+from ravnest_swarm.transport import make_request, start_node, stop_node, unpack_metadata
+
+RUN = "fuzz"
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+LIMIT = 1024 * 1024  # every stream handler here refuses messages over 1 MiB
+TIMEOUT = 4.0  # ... and streams that stay silent this long
+MAX_RSS_GROWTH = 300 * 1024**2
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+END_OF_STREAM = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE)
+UNARY_HANDLERS = (PING, DIAL_BACK, wire.STATUS)
+
+
+class Peer:
+    """The victim peer (every handler) and an attacker P2P, on one event loop driven by the tests."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self._start())
+
+    async def _start(self):
+        self.node = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
+        p2p = self.node.p2p
+        await BackboneServices(p2p, probe_timeout=TIMEOUT).add_handlers()
+        self.averager = MultiRingAverager(p2p, RUN, timeout=TIMEOUT, max_message_bytes=LIMIT)
+        await self.averager.start()
+        config = StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(1, 3), max_in_flight=4,
+                             send_timeout=TIMEOUT, microbatch_timeout=60.0, max_message_bytes=LIMIT)
+        self.stage = StageWorker(config, self.node)
+        await self.stage.start()
+        await LayerStateServer(p2p, RUN, lambda: (1, self.stage.module, self.stage.version)).start()
+        self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
+        self.peer_id = p2p.peer_id
+
+    def run(self, coroutine, timeout=60.0):
+        return self.loop.run_until_complete(asyncio.wait_for(coroutine, timeout))
+
+    def parameters(self):
+        return [p.detach().clone() for p in self.stage.module.parameters()]
+
+    def close(self):
+        async def stop():
+            await self.attacker.shutdown()
+            await self.averager.shutdown()
+            await self.stage.shutdown()
+            await stop_node(self.node)
+
+        self.loop.run_until_complete(stop())
+        self.loop.close()
+
+    # ---- calls as the attacker --------------------------------------------------------------------
+
+    async def raw(self, handler: str, payload: bytes, read_timeout: float = TIMEOUT + 10) -> str:
+        """Write raw bytes to a stream handler; return its reply: ``ok`` or the error's text."""
+        _, reader, writer = await self.attacker.call_binary_stream_handler(self.peer_id, handler)
+        try:
+            writer.write(payload)
+            try:
+                await writer.drain()
+            except ConnectionError:
+                pass  # the peer may answer and close before our last byte is out; its answer is still there
+            response, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader),
+                                                     read_timeout)
+            return "ok" if error is None else error.message
+        finally:
+            writer.close()
+
+    async def unary(self, handler: str, request: runtime_pb2.ExpertRequest) -> str:
+        try:
+            await self.attacker.call_protobuf_handler(self.peer_id, handler, request, runtime_pb2.ExpertResponse)
+            return "ok"
+        except P2PHandlerError as e:
+            return str(e)
+
+    async def layer_state(self, request: runtime_pb2.ExpertRequest) -> str:
+        try:
+            stream = await self.attacker.iterate_protobuf_handler(self.peer_id, LAYER_STATE, request,
+                                                                  runtime_pb2.ExpertResponse)
+            async for _ in stream:
+                pass
+            return "ok"
+        except P2PHandlerError as e:
+            return str(e)
+
+    async def still_serving(self):
+        """Valid requests to every handler still get valid answers."""
+        assert await self.unary(PING, make_request({})) == "ok"
+        assert await self.unary(DIAL_BACK, make_request({"ports": []})) == "ok"
+        status = unpack_metadata((await self.attacker.call_protobuf_handler(
+            self.peer_id, wire.STATUS, make_request({}), runtime_pb2.ExpertResponse)).metadata)
+        assert status["stage"] == 1
+        assert await self.layer_state(make_request({"run": RUN, "layers": [1]})) == "ok"
+        probe = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(1000))])
+        assert await self.raw(BANDWIDTH_PROBE, frames_bytes([probe]) + END_OF_STREAM) == "ok"
+        abort = make_request(dict(run=RUN, step=10**6, ring=0, phase="abort", position=0, attempt=[]))
+        assert await self.raw(RING_HANDLER, frames_bytes([abort]) + END_OF_STREAM) == "ok"
+        return status
+
+
+@pytest.fixture
+def peer():
+    victim = Peer()
+    try:
+        yield victim
+    finally:
+        victim.close()
+
+
+def frames_bytes(frames) -> bytes:
+    """hivemind's framing of data frames (marker, 8-byte length, protobuf)."""
+    out = b""
+    for frame in frames:
+        data = frame if isinstance(frame, bytes) else frame.SerializeToString()
+        out += P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
+    return out
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+# ---- strategies ---------------------------------------------------------------------------------------
+
+FIELD_NAMES = ["run", "cluster", "stage", "microbatch", "sample_ids", "version", "op", "step", "ring", "phase",
+               "position", "attempt", "excluded", "failure", "layers", "ports"]
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=40),
+                    st.binary(max_size=40), st.sampled_from([RUN, "reduce", "gather", "abort", "finish", 0, 1]))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                            max_size=4), max_leaves=12)
+metadata = st.one_of(
+    st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=8).map(lambda d: msgpack.packb(d, use_bin_type=True)),
+    st.binary(max_size=300),  # not msgpack, or msgpack of something other than a map
+    st.builds(lambda d: msgpack.packb(d, use_bin_type=True), values),
+)
+tensors = st.builds(
+    lambda buffer, dtype, size, chunks, compression: runtime_pb2.Tensor(
+        buffer=buffer, dtype=dtype, size=size, chunks=chunks, compression=compression),
+    st.binary(max_size=2048), st.sampled_from(["float32", "float64", "int64", "uint8", "bfloat16", "bogus", ""]),
+    st.lists(st.integers(0, 2**31 - 1), max_size=4), st.integers(0, 2**31 - 1), st.integers(0, 12))
+requests = st.builds(lambda m, t: runtime_pb2.ExpertRequest(metadata=m, tensors=t), metadata, st.lists(tensors, max_size=3))
+
+
+@st.composite
+def streams(draw):
+    """Bytes of a stream message: well-framed random requests, truncated protobufs, bad markers, cut streams."""
+    frames = draw(st.lists(requests, min_size=0, max_size=4))
+    payload = frames_bytes(frames)
+    mutation = draw(st.sampled_from(["none", "truncate protobuf", "bad marker", "flip bytes", "lying length"]))
+    if mutation == "truncate protobuf" and frames:
+        data = frames[0].SerializeToString()
+        cut = data[:draw(st.integers(0, max(0, len(data) - 1)))] + b"\xff\xff"
+        payload = frames_bytes([cut])
+    elif mutation == "bad marker":
+        payload = draw(st.sampled_from([b"\x07", b"\xff", b"\x02"])) + payload
+    elif mutation == "flip bytes" and payload:
+        index = draw(st.integers(0, len(payload) - 1))
+        payload = payload[:index] + bytes([payload[index] ^ 0xFF]) + payload[index + 1:]
+    elif mutation == "lying length":
+        payload += P2P.MESSAGE_MARKER + draw(st.integers(LIMIT + 1, 2**63)).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    return payload + END_OF_STREAM
+
+
+# ---- tests --------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_random_and_mutated_stream_messages_get_an_answer_and_the_peer_keeps_serving(peer):
+    """Attack: random, mutated and malformed messages to every streaming handler (pipeline forward and
+    backward, averaging ring, bandwidth probe): garbage metadata, wrong shapes/dtypes/chunk counts,
+    truncated protobufs, bad frame markers, flipped bytes, frame headers announcing huge lengths.
+    Each must get an answer (a reply or an error with a reason), never a hang, and the peer keeps serving."""
+    before = rss()
+
+    @FUZZ
+    @given(handler=st.sampled_from(STREAM_HANDLERS), payload=streams())
+    def fuzz(handler, payload):
+        reply = peer.run(peer.raw(handler, payload))
+        assert reply == "ok" or len(reply) > 0
+
+    fuzz()
+    peer.run(peer.still_serving())
+    assert rss() - before < MAX_RSS_GROWTH
+
+
+@pytest.mark.timeout(240)
+def test_random_unary_requests_get_an_answer_and_the_peer_keeps_serving(peer):
+    """Attack: random requests (random metadata, tensors, raw bytes as metadata) to every unary handler
+    (ping, dial-back, stage status) and the layer-state server: each gets a response or an error."""
+    before = rss()
+
+    @FUZZ
+    @given(handler=st.sampled_from(UNARY_HANDLERS + (LAYER_STATE,)), request=requests)
+    def fuzz(handler, request):
+        call = peer.layer_state(request) if handler == LAYER_STATE else peer.unary(handler, request)
+        reply = peer.run(call)
+        assert reply == "ok" or len(reply) > 0
+
+    fuzz()
+    peer.run(peer.still_serving())
+    assert rss() - before < MAX_RSS_GROWTH
+
+
+def forward_metadata(microbatch, count=4, **overrides):
+    return dict(dict(run=RUN, cluster=0, stage=1, microbatch=microbatch, sample_ids=list(range(count)), version=0),
+                **overrides)
+
+
+async def send(peer, handler, metadata, tensors):
+    return await peer.raw(handler, frames_bytes(wire.encode(metadata, tensors)) + END_OF_STREAM)
+
+
+@pytest.mark.timeout(120)
+def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounded_memory(peer):
+    """Attack: oversize payloads (one huge tensor; a frame header announcing 2^40 bytes), replays of the
+    same forward microbatch and of the same ring message, gradients for unknown microbatch ids, and a flood
+    of distinct microbatches (more than the stage may ever hold). Each is refused with its reason (a
+    forward replay is acknowledged but not processed twice); memory stays bounded and the peer keeps serving."""
+    x, targets = torch.randn(4, 128), torch.zeros(4, dtype=torch.long)
+    before = rss()
+
+    async def attack():
+        replies = {}
+        replies["huge tensor"] = await send(peer, wire.FORWARD, forward_metadata(1), [torch.randn(4, 300_000), targets])
+        lying = P2P.MESSAGE_MARKER + (2**40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\x00" * 1000
+        for handler in STREAM_HANDLERS:
+            replies[f"lying header {handler}"] = await peer.raw(handler, lying)
+        replies["first"] = await send(peer, wire.FORWARD, forward_metadata(7), [x, targets])
+        replies["replay"] = await send(peer, wire.FORWARD, forward_metadata(7), [x, targets])
+        await asyncio.sleep(1.0)  # time enough for the compute thread to run a second forward, were one queued
+        replies["forwards after replay"] = peer.stage.counters.forwards
+        replies["unknown id"] = await send(peer, wire.BACKWARD, forward_metadata(999), [torch.randn(4, 64)])
+        ring = dict(run=RUN, step=5, ring=0, phase="reduce", position=0, attempt=[])
+        ring_frames = frames_bytes(wire.encode(ring, [torch.ones(10)])) + END_OF_STREAM
+        replies["ring first"] = await peer.raw(RING_HANDLER, ring_frames)
+        replies["ring replay"] = await peer.raw(RING_HANDLER, ring_frames)
+        flood = [await send(peer, wire.FORWARD, forward_metadata(100 + i), [x, targets]) for i in range(12)]
+        return replies, flood
+
+    replies, flood = peer.run(attack(), timeout=90)
+    assert "exceeds the 1048576-byte limit" in replies["huge tensor"]
+    for handler in STREAM_HANDLERS:
+        assert "-byte limit (at least 1099511627776 bytes)" in replies[f"lying header {handler}"], handler
+    # a replay is acknowledged (delivery is at-least-once) but processed once
+    assert replies["first"] == "ok" and replies["replay"] == "ok" and replies["forwards after replay"] == 1
+    assert "unknown microbatch id 999" in replies["unknown id"]
+    assert replies["ring first"] == "ok" and "duplicate ring message" in replies["ring replay"]
+    # stage 0 keeps at most max_in_flight=4 in the pipeline; this stage holds twice that, then refuses
+    assert flood.count("ok") <= 8 and all(r == "ok" or "too many microbatches" in r for r in flood)
+    assert any("too many microbatches" in r for r in flood)
+    peer.run(peer.still_serving())
+    assert rss() - before < MAX_RSS_GROWTH
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_peer_that_opens_a_stream_and_never_writes_is_timed_out(peer):
+    """Attack: a slowloris peer opens a stream to every streaming handler (and one that sends half a frame)
+    and then neither writes nor closes. Each handler answers with a timeout error after its limit instead of
+    holding the stream (and its memory) forever."""
+
+    async def attack():
+        started = asyncio.get_running_loop().time()
+        silent = [peer.raw(handler, b"") for handler in STREAM_HANDLERS]
+        half = P2P.MESSAGE_MARKER + (1000).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\x00" * 10
+        stalled = [peer.raw(handler, half) for handler in STREAM_HANDLERS]
+        replies = await asyncio.gather(*silent, *stalled)
+        return replies, asyncio.get_running_loop().time() - started
+
+    replies, seconds = peer.run(attack())
+    assert all("no end of stream" in reply for reply in replies), replies
+    assert seconds < TIMEOUT + 8
+    peer.run(peer.still_serving())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("poison", ["nan", "inf", "scale"])
+def test_poisoned_activations_and_gradients_are_refused_and_parameters_unaffected(peer, poison):
+    """Attack: a neighbour stage sends activations, then a gradient for a real pending microbatch, holding
+    NaN, Inf, or values scaled by 1e9. The stage refuses each with its reason and counts it in ``rejected``
+    (its status); its parameters are bit-for-bit unchanged, and an honest gradient afterwards still trains."""
+    x, targets = torch.randn(4, 128), torch.zeros(4, dtype=torch.long)
+
+    def poisoned(tensor):
+        tensor = tensor.clone()
+        if poison == "scale":
+            return tensor * 1e9
+        tensor[0, 0] = math.nan if poison == "nan" else math.inf
+        return tensor
+
+    async def attack():
+        replies = {"activations": await send(peer, wire.FORWARD, forward_metadata(1), [poisoned(x), targets])}
+        assert await send(peer, wire.FORWARD, forward_metadata(2), [x, targets]) == "ok"
+        for _ in range(100):  # the honest forward runs on the compute thread; then its gradient is awaited
+            if 2 in peer.stage.pending:
+                break
+            await asyncio.sleep(0.05)
+        before = peer.parameters()
+        shape = peer.stage.pending[2].output_shape
+        replies["gradient"] = await send(peer, wire.BACKWARD, forward_metadata(2), [poisoned(torch.randn(shape))])
+        after_poison = peer.parameters()
+        status = await peer.still_serving()
+        assert await send(peer, wire.BACKWARD, forward_metadata(2), [torch.randn(shape) * 0.1]) == "ok"
+        for _ in range(100):
+            if peer.stage.version > 0:
+                break
+            await asyncio.sleep(0.05)
+        return replies, before, after_poison, status
+
+    replies, before, after_poison, status = peer.run(attack())
+    expected = "above the 1e+06 limit" if poison == "scale" else "holds NaN or Inf"
+    assert expected in replies["activations"] and expected in replies["gradient"], replies
+    assert all(torch.equal(a, b) for a, b in zip(before, after_poison))
+    assert status["rejected"] == 2 and status["forwards"] == 1
+    assert peer.stage.version == 1 and not all(torch.equal(a, b) for a, b in zip(before, peer.parameters()))
