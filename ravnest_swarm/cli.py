@@ -82,9 +82,23 @@ def join(
     round_period: float = typer.Option(600.0, "--round-period", min=0.0, help="Planning: revise the plan after this many seconds (0: never)."),
     round_seconds: float = typer.Option(10.0, "--round-seconds", min=3.0, help="Planning: seconds from a round's opening to its deadline."),
     num_layers: int = typer.Option(32, "--num-layers", min=1, help="Planning: identical layers cut into stage ranges."),
+    model: Optional[str] = typer.Option(None, "--model", help="Start the run with this zoo model if it has no spec yet (mlp-digits, gpt-tiny)."),
+    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="Run spec: learning rate."),
+    microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
+    max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, max=1024, help="Run spec: microbatches in flight per cluster."),
+    averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
+    steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps each stage trains for."),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Write this peer's checkpoint here."),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
+    identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
     verbose: bool = typer.Option(False, "--verbose"),
 ):
-    """Join a run as a volunteer: measure, advertise, stay until Ctrl-C/SIGTERM, then leave cleanly."""
+    """Join a run as a volunteer: measure, advertise, get placed, train a stage, average, leave on Ctrl-C/SIGTERM.
+
+    Without --model the peer follows the run's spec, waiting as a standby until someone starts the run.
+    With --model-gb it only takes part in planning rounds (a planner test mode; it trains nothing).
+    """
     configure_logging(verbose)
 
     async def main():
@@ -100,11 +114,16 @@ def join(
         if not 0 < len(name) <= MAX_NAME_LEN:
             raise UserError(f"--name must be 1-{MAX_NAME_LEN} characters")
         parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
+        if resume and checkpoint_dir is None:
+            raise UserError("--resume needs --checkpoint-dir")
         options = JoinOptions(
             initial_peers=_initial_peers(initial_peers), run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb,
             gflops=gflops, bandwidth_mbps=bandwidth_mbps, heartbeat=heartbeat, timeout=timeout,
-            host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
+            host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity_path=identity,
         )
+        requested = {key: value for key, value in dict(model=model, lr=lr, microbatch_size=microbatch_size,
+                                                        max_in_flight=max_in_flight,
+                                                        averaging_period=averaging_period).items() if value is not None}
         rounds_options = None
         if model_gb is not None:
             from ravnest_swarm.planning.plan import make_workload
@@ -116,18 +135,30 @@ def join(
         stop = install_stop_signals()
         membership = Membership(options, console)
         await membership.start()
-        rounds = None
         if rounds_options is not None:
             from ravnest_swarm.planning.round import PlanningRounds
 
             planner = PlanningRounds(membership.node, run, membership.announcer, rounds_options, console)
-            rounds = asyncio.create_task(planner.run_forever(stop))
+            work = asyncio.create_task(planner.run_forever(stop))
+        else:
+            from ravnest_swarm.swarm.volunteer import VolunteerOptions, take_part
+
+            volunteer_options = VolunteerOptions(steps=steps, checkpoint_dir=checkpoint_dir,
+                                                 checkpoint_every=checkpoint_every, resume=resume, min_peers=min_peers,
+                                                 round_seconds=round_seconds, max_stages=max_stages)
+            work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console))
+        watch = asyncio.create_task(_watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard,
+                                                 console=console, me=name))
         try:
-            await _watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard, console=console,
-                               me=name)
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done() and work.exception() is not None:
+                raise work.exception()
+            stop.set()
+            await asyncio.gather(work, watch)
         finally:
-            if rounds is not None:
-                rounds.cancel()
+            stop.set()
+            for task in (work, watch):
+                task.cancel()
             await membership.leave()
         console.print(f"{name} left run {run}")
 
@@ -191,6 +222,36 @@ def status(
                 Console().print(peers_table(run, await read_peers(node, run)))
         finally:
             await stop_node(node)
+
+    sys.exit(run_async(main()))
+
+
+@app.command()
+def local(
+    peers: int = typer.Option(6, "--peers", min=2, max=30, help="Volunteers to start on this machine."),
+    steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps every stage trains for."),
+    model: str = typer.Option("mlp-digits", "--model", help="Zoo model (mlp-digits, gpt-tiny)."),
+    chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
+    averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
+    time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
+    no_dashboard: bool = typer.Option(False, "--no-dashboard", help="No live dashboard."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
+):
+    """Run a whole swarm here: a backbone and N volunteers on 127.0.0.1, with the dashboard; Ctrl-C stops all."""
+    configure_logging(False)
+
+    async def main():
+        from ravnest_swarm.models import MODELS
+        from ravnest_swarm.swarm.local import LocalOptions, run_local
+        from ravnest_swarm.swarm.spec import RunSpec
+
+        if model not in MODELS:
+            raise UserError(f"unknown model {model!r}: choose one of {', '.join(MODELS)}")
+        options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit,
+                               spec=RunSpec(model=model, averaging_period=averaging_period),
+                               dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir)
+        return await run_local(options, as_json)
 
     sys.exit(run_async(main()))
 
@@ -314,7 +375,7 @@ def averaging_peer(
     step: int = typer.Option(1, "--step", min=0, help="The training step that names the round."),
     timeout: float = typer.Option(30.0, "--timeout", min=0.1, help="Seconds one ring may take."),
     compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit."),
-    poison: Optional[str] = typer.Option(None, "--poison", help="Put a nan or inf in our values (fault tests)."),
+    poison: Optional[str] = typer.Option(None, "--poison", help="Poison our values: nan, inf, or scale (x1e6) (fault tests)."),
     out: Optional[str] = typer.Option(None, "--out", help="Write our averaged range here (safetensors)."),
     publish_plan: int = typer.Option(0, "--publish-plan", min=0, help="Stand in for the planner: publish the plan once N peers are placed."),
     plan_timeout: float = typer.Option(60.0, "--plan-timeout", min=1.0, help="Seconds to wait for the plan."),

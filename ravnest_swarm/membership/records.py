@@ -139,7 +139,11 @@ class RoundProposal(pydantic.BaseModel):
 
 
 class RunSpecRecord(pydantic.BaseModel):
-    """What the run trains, under ``{run}_spec`` (see ``swarm.spec.RunSpec``): names and numbers only."""
+    """What the run trains, under ``{run}_spec`` (see ``swarm.spec.RunSpec``): names and numbers only.
+
+    The subkey is the creator's signed public key (hivemind keeps no plain dict without a subkey); if
+    two peers started the run at once, everyone follows the earliest ``created``.
+    """
 
     model: pydantic.constr(strict=True, min_length=1, max_length=64)
     optimizer: pydantic.constr(strict=True, regex="^(sgd)$")
@@ -158,7 +162,7 @@ class RunRecords(pydantic.BaseModel):
     plan: Dict[pydantic.conint(strict=True, ge=0, le=2**53), PlanRecord]
     stages: Dict[BytesWithPublicKey, StageEndpoint]
     round: Dict[BytesWithPublicKey, RoundProposal]
-    spec: RunSpecRecord
+    spec: Dict[BytesWithPublicKey, RunSpecRecord]
 
 
 def make_validators(run: str) -> List:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from hivemind.dht.node import DHTNode
@@ -41,7 +41,7 @@ class JoinOptions:
     host_maddrs: Sequence[str] = ("/ip4/0.0.0.0/tcp/0",)
     announce_maddrs: Optional[Sequence[str]] = None
     probe_mb: float = 4.0
-    extra: dict = field(default_factory=dict)
+    identity_path: Optional[str] = None
 
 
 async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capabilities:
@@ -96,6 +96,7 @@ class Membership:
             record_validators=make_validators(self.options.run),
             host_maddrs=self.options.host_maddrs,
             announce_maddrs=self.options.announce_maddrs,
+            identity_path=self.options.identity_path,
             timeout=self.options.timeout,
         )
         try:

@@ -37,13 +37,20 @@ class Dataset:
         return self.inputs[index], self.targets[index]
 
 
+HELDOUT_EVERY = 6  # every 6th sample is held out for evaluation (300 of the 1,797 digits)
+
+
 @lru_cache(maxsize=None)
-def digits_dataset() -> Dataset:
+def digits_dataset(split: str = "train") -> Dataset:
+    """scikit-learn's bundled digits; ``train`` and ``heldout`` never share a sample."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     inputs = torch.as_tensor(digits.data / 16.0, dtype=torch.float32)
-    return Dataset(inputs, torch.as_tensor(digits.target, dtype=torch.long))
+    targets = torch.as_tensor(digits.target, dtype=torch.long)
+    held = torch.arange(len(targets)) % HELDOUT_EVERY == HELDOUT_EVERY - 1
+    keep = held if split == "heldout" else ~held
+    return Dataset(inputs[keep], targets[keep])
 
 
 def stdlib_source_files() -> List[str]:
@@ -52,8 +59,10 @@ def stdlib_source_files() -> List[str]:
 
 
 @lru_cache(maxsize=None)
-def stdlib_text_dataset(context: int) -> Dataset:
-    """Non-overlapping windows of ``context + 1`` bytes of stdlib source; targets are inputs shifted by one."""
+def stdlib_text_dataset(context: int, split: str = "train") -> Dataset:
+    """Non-overlapping windows of ``context + 1`` bytes of stdlib source; targets are inputs shifted by one.
+
+    ``heldout`` is every 6th window, ``train`` the rest."""
     chunks, total = [], 0
     for path in stdlib_source_files():
         with open(path, "rb") as f:
@@ -65,6 +74,8 @@ def stdlib_text_dataset(context: int) -> Dataset:
     text = np.frombuffer(b"".join(chunks)[:TEXT_BYTES], dtype=np.uint8).astype(np.int64)
     windows = len(text) // (context + 1)
     samples = torch.as_tensor(text[: windows * (context + 1)]).view(windows, context + 1)
+    held = torch.arange(windows) % HELDOUT_EVERY == HELDOUT_EVERY - 1
+    samples = samples[held] if split == "heldout" else samples[~held]
     return Dataset(samples[:, :-1].contiguous(), samples[:, 1:].contiguous())
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,7 @@ class ModelSpec:
     :param dataset: makes the data set (samples addressed by id)
     :param loss: ``loss(outputs, targets)``, a mean over the microbatch
     :param seed: base seed; layer ``i`` is built under ``seed * 1000 + i``
+    :param heldout: makes the held-out data set (never trained on) that :meth:`evaluate` uses
     """
 
     name: str
@@ -59,6 +60,7 @@ class ModelSpec:
     dataset: Callable[[], Dataset]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     seed: int = 0
+    heldout: Optional[Callable[[], Dataset]] = None
 
     def build_layer(self, index: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
@@ -72,6 +74,18 @@ class ModelSpec:
 
     def build_full(self) -> nn.Sequential:
         return self.build_stage(0, len(self.layers))
+
+    def evaluate(self, model: nn.Module, batch: int = 256) -> float:
+        """Accuracy (argmax against the targets, per sample or per token) on the held-out split."""
+        data = self.heldout()
+        correct = total = 0
+        with torch.no_grad():
+            for begin in range(0, data.size, batch):
+                inputs, targets = data.get(range(begin, min(begin + batch, data.size)))
+                predictions = model(inputs).argmax(dim=-1)
+                correct += int((predictions == targets).sum())
+                total += targets.numel()
+        return correct / total
 
 
 def check_layer_range(spec: ModelSpec, start: int, end: int) -> None:
@@ -141,7 +155,8 @@ def mlp_digits(hidden: int = 128, depth: int = 4) -> ModelSpec:
         )
         for i in range(depth)
     )
-    return ModelSpec("mlp-digits", layers, digits_dataset, F.cross_entropy)
+    return ModelSpec("mlp-digits", layers, digits_dataset, F.cross_entropy,
+                     heldout=lambda: digits_dataset("heldout"))
 
 
 class TokenEmbedding(nn.Module):
@@ -217,7 +232,8 @@ def gpt_tiny(width: int = 64, blocks: int = 4, heads: int = 4, context: int = 64
     ]
     layers.append(LayerSpec("head", lambda: LanguageHead(width, vocab), (context, width), torch.float32,
                             context * 2 * width * vocab))
-    return ModelSpec("gpt-tiny", tuple(layers), lambda: stdlib_text_dataset(context), _lm_loss)
+    return ModelSpec("gpt-tiny", tuple(layers), lambda: stdlib_text_dataset(context), _lm_loss,
+                     heldout=lambda: stdlib_text_dataset(context, "heldout"))
 
 
 MODELS: Dict[str, Callable[[], ModelSpec]] = {"mlp-digits": mlp_digits, "gpt-tiny": gpt_tiny}

@@ -19,7 +19,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field as dataclass_field
-from typing import Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -65,6 +65,7 @@ class StageConfig:
     :param send_timeout: seconds a send keeps retrying (re-resolving the neighbour) before dropping
     :param heartbeat: seconds between endpoint renewals
     :param max_message_bytes: larger incoming messages are refused
+    :param max_abs_value: activations or gradients with a larger magnitude (or NaN/Inf) are refused as poisoned
     """
 
     run: str
@@ -86,6 +87,7 @@ class StageConfig:
     send_timeout: float = 30.0
     heartbeat: float = 2.0
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    max_abs_value: float = 1e6
 
 
 @dataclass
@@ -141,6 +143,10 @@ class StageWorker:
         self.resolver = EndpointResolver(node, config.run, config.cluster)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self.version = 0
+        # awaited by the scheduler whenever the weights changed since its last call, while no compute runs:
+        # the volunteer averages and checkpoints here without a cluster-wide barrier
+        self.between_steps: Optional[Callable[[int], Awaitable[None]]] = None
+        self._hooked_version = 0
         self.counters = Counters()
         self.forward_queue: Deque[Tuple[int, List[int], torch.Tensor, torch.Tensor]] = deque()
         self.backward_queue: Deque[Tuple[int, torch.Tensor]] = deque()
@@ -168,6 +174,13 @@ class StageWorker:
         await self._publish()
         self._tasks = [asyncio.create_task(coroutine) for coroutine in
                        (self._heartbeat(), self._schedule(), self._watchdog())]
+
+    def resume_at(self, step: int) -> None:
+        """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
+        data stream where that step left it and injects only the microbatches still to train."""
+        self.version = self._hooked_version = step
+        if self.is_first:
+            self.counters.injected = min(step, self.config.microbatches)
 
     async def shutdown(self) -> None:
         for task in self._tasks + list(self._sends):
@@ -223,6 +236,9 @@ class StageWorker:
     async def _schedule(self) -> None:
         """Backward work first, then forward work, then (stage 0) a new microbatch if the bound allows."""
         while True:
+            if self.between_steps is not None and self.version != self._hooked_version:
+                self._hooked_version = self.version
+                await self.between_steps(self.version)
             if self.backward_queue:
                 await self._run_backward(*self.backward_queue.popleft())
             elif self.forward_queue:
@@ -464,11 +480,15 @@ class StageWorker:
         if microbatch in self.seen_forward:
             # a resend after our reply was lost: delivery is at-least-once, processing exactly once
             return {"ok": True, "duplicate": True}
+        # stage 0 keeps at most max_in_flight microbatches in the pipeline; twice that leaves room for ones
+        # a watchdog is about to drop, and anything beyond is a flood that would hold unbounded memory
+        if len(self.queued_forward) + len(self.pending) >= 2 * self.config.max_in_flight:
+            raise MessageError(f"too many microbatches in flight here ({2 * self.config.max_in_flight}); retry later")
         if len(tensors) != 2:
             raise MessageError(f"a forward message carries 2 tensors (activations, targets), got {len(tensors)}")
         count = len(sample_ids)
-        inputs = wire.decode_tensor(tensors[0], "activations", [count, *self.input_spec.input_shape],
-                                    self.input_spec.input_dtype)
+        inputs = wire.check_values(wire.decode_tensor(tensors[0], "activations", [count, *self.input_spec.input_shape],
+                                                      self.input_spec.input_dtype), "activations", self.config.max_abs_value)
         targets = wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape], self.target_dtype)
         self.queued_forward.add(microbatch)
         self.seen_forward.add(microbatch)
@@ -487,7 +507,8 @@ class StageWorker:
                                f"(or already dropped it)")
         if len(tensors) != 1:
             raise MessageError(f"a backward message carries 1 tensor (the gradient), got {len(tensors)}")
-        grad = wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype)
+        grad = wire.check_values(wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype),
+                                 "gradient", self.config.max_abs_value)
         self.queued_backward.add(microbatch)
         self.seen_backward.add(microbatch)
         self.backward_queue.append((microbatch, grad))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Dict, Optional
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -61,12 +62,10 @@ class RunSpec:
                             f"(it has {', '.join(MODELS)})", exit_code=1)
         return self
 
-    def check_agrees(self, requested: Optional["RunSpec"]) -> "RunSpec":
-        """A joiner's own flags must match the run's spec: refuse rather than train something else."""
-        if requested is None:
-            return self
-        differences = [f"{name}={getattr(requested, name)!r} (run has {getattr(self, name)!r})"
-                       for name in self.__dataclass_fields__ if getattr(requested, name) != getattr(self, name)]
+    def check_agrees(self, requested: Optional[Dict]) -> "RunSpec":
+        """The flags a joiner gave must match the run's spec: refuse rather than train something else."""
+        differences = [f"{name}={value!r} (run has {getattr(self, name)!r})"
+                       for name, value in (requested or {}).items() if value != getattr(self, name)]
         if differences:
             raise UserError(f"this run's spec disagrees with your flags: {', '.join(differences)}; "
                             f"drop the flags to follow the run, or choose another --run", exit_code=1)
@@ -74,27 +73,31 @@ class RunSpec:
 
 
 async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:
+    """The run's spec: the earliest-created of those published (ties by subkey), or None."""
     found = await node.get(spec_key(run), latest=True)
-    if found is None:
+    if found is None or not isinstance(found.value, dict) or not found.value:
         return None
-    return RunSpec.from_record(found.value)
+    _, first = min((item.value["created"], subkey) for subkey, item in found.value.items())
+    return RunSpec.from_record(found.value[first].value)
 
 
-async def ensure_spec(node: DHTNode, run: str, requested: Optional[RunSpec], wait: asyncio.Event,
+async def ensure_spec(node: DHTNode, run: str, requested: Dict, wait: asyncio.Event,
                       on_wait=None, poll: float = 2.0) -> RunSpec:
-    """The run's spec: publish ``requested`` if the run has none, else check it agrees with ours.
+    """The run's spec: create it from ``requested`` if the run has none, else check it agrees.
 
-    Without ``requested`` (no ``--model``), wait as a standby until someone starts the run, or until
-    ``wait`` is set (the user stopped us), then raise.
+    :param requested: the spec fields the joiner gave explicitly (``model`` among them to create a run)
+    :param wait: set when the user stops us; without ``model``, we wait as a standby for someone to
+        start the run until then
     """
     while True:
         spec = await read_spec(node, run)
         if spec is not None:
             return spec.check_usable().check_agrees(requested)
-        if requested is not None:
-            requested.check_usable()
-            await node.store(spec_key(run), requested.record(), get_dht_time() + SPEC_LIFETIME)
-            continue  # read back: if two peers raced, both follow whichever the DHT kept
+        if "model" in requested:
+            if not await node.store(spec_key(run), RunSpec(**requested).check_usable().record(),
+                                    get_dht_time() + SPEC_LIFETIME, subkey=RSASignatureValidator().local_public_key):
+                await asyncio.sleep(poll)  # no node took it (yet): try again, without spinning
+            continue  # read back: if two peers raced, both follow the earliest
         if on_wait is not None:
             on_wait()
         try:

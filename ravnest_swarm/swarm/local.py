@@ -1,0 +1,256 @@
+"""``ravnest-swarm local``: a whole swarm on this machine — a backbone and N real ``join`` processes.
+
+Peers get varied capability overrides (RAM below the model's needs, so clusters need several stages;
+different compute and bandwidth, so clusters differ). The dashboard shows the swarm live; at the end
+every process is stopped (SIGTERM, so each writes its checkpoint), the model is assembled from one
+cluster's checkpoints and evaluated on held-out data, and a summary is printed (``--json``: one JSON
+object on the last line). ``--chaos`` SIGKILLs a training stage partway and starts one more peer late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import psutil
+import torch
+from rich.console import Console
+from rich.live import Live
+
+from ravnest_swarm.checkpoint import read_stage
+from ravnest_swarm.dashboard.state import SwarmState
+from ravnest_swarm.dashboard.view import render
+from ravnest_swarm.lifecycle import install_stop_signals
+from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.records import make_validators, plan_key
+from ravnest_swarm.models import get_model
+from ravnest_swarm.processes import PeerProcess, ProcessGroup
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.volunteer import model_workload
+from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+
+RUN = "local"
+
+
+@dataclass
+class LocalOptions:
+    """What ``local`` runs.
+
+    :param peers: volunteers started at once
+    :param steps: optimizer steps every stage trains for
+    :param model: zoo model
+    :param chaos: SIGKILL one training stage partway and start one more peer late
+    :param time_limit: stop after this many seconds even if training is not done
+    :param spec: the run's hyper-parameters
+    :param seed: capability variation and chaos victim
+    :param dashboard: show the live dashboard (on stderr)
+    """
+
+    peers: int = 6
+    steps: int = 300
+    model: str = "mlp-digits"
+    chaos: bool = False
+    time_limit: float = 900.0
+    spec: Optional[RunSpec] = None
+    seed: int = 0
+    dashboard: bool = True
+    checkpoint_dir: Optional[str] = None
+
+
+def capability_overrides(index: int, model_gb: float) -> Dict[str, str]:
+    """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed speeds."""
+    ram = model_gb * (0.4 + 0.1 * (index % 4))
+    return {"--ram-gb": f"{ram:.9f}", "--gflops": str(20 + 15 * (index % 3)),
+            "--bandwidth-mbps": str(100 * (1 + index % 5))}
+
+
+class LocalSwarm:
+    """Runs and watches the local swarm; see the module docstring.
+
+    :param options: what to run
+    :param console: where the dashboard and messages go
+    """
+
+    def __init__(self, options: LocalOptions, console: Console):
+        self.options, self.console = options, console
+        self.spec = options.spec or RunSpec(model=options.model)
+        self.model = get_model(self.spec.model)
+        self.workload, _ = model_workload(self.model, self.spec, 8)
+        self.group = ProcessGroup()
+        self.checkpoint_dir = options.checkpoint_dir or tempfile.mkdtemp(prefix="ravnest-local-ckpt-")
+        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        self.state = SwarmState(RUN)
+        self.volunteers: Dict[str, PeerProcess] = {}
+        self.loss_history: List[float] = []
+        self.peak_memory_mb = 0.0
+        self.samples_per_s: List[float] = []
+        self.chaos_done = self.late_done = False
+        self.plans: Dict[int, dict] = {}  # round -> adopted plan, as seen
+
+    def _join(self, maddr: str, index: int) -> None:
+        name = f"peer{index}"
+        args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",
+                "--model", self.spec.model, "--steps", str(self.options.steps), "--lr", str(self.spec.lr),
+                "--microbatch-size", str(self.spec.microbatch_size), "--max-in-flight", str(self.spec.max_in_flight),
+                "--averaging-period", str(self.spec.averaging_period), "--heartbeat", "2",
+                "--min-peers", str(min(self.options.peers, 4)), "--checkpoint-dir", self.checkpoint_dir,
+                "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        for flag, value in capability_overrides(index, self.workload.model_gb).items():
+            args += [flag, value]
+        self.volunteers[name] = self.group.start(args, name)
+
+    async def run(self) -> dict:
+        stop = install_stop_signals()
+        started = time.monotonic()
+        observer = None
+        try:
+            backbone = self.group.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+            maddr = backbone.maddrs()[0]
+            for index in range(self.options.peers):
+                self._join(maddr, index)
+            observer = await start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN),
+                                        client_mode=True)
+            if self.options.dashboard:
+                with Live(console=self.console, auto_refresh=False, transient=False) as live:
+                    await self._watch(observer, maddr, stop, started, live)
+            else:
+                await self._watch(observer, maddr, stop, started, None)
+        finally:
+            if observer is not None:
+                await stop_node(observer)
+            self.group.stop_all(grace=20)
+        return self.summary(time.monotonic() - started)
+
+    async def _watch(self, observer, maddr: str, stop: asyncio.Event, started: float, live) -> None:
+        while not stop.is_set() and time.monotonic() - started < self.options.time_limit:
+            peers = await read_peers(observer, RUN)
+            found = await observer.get(plan_key(RUN), latest=True)
+            plan = found.value[max(found.value)].value if found is not None and found.value else None
+            self.state.update(peers, plan)
+            if plan is not None:
+                self.plans.setdefault(plan["round"], plan)
+            self._sample(peers)
+            if live is not None:
+                live.update(render(self.state, self.console.width), refresh=True)
+            await self._maybe_chaos(peers, maddr)
+            if self._finished(peers, plan):
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def _sample(self, peers: List[dict]) -> None:
+        training = [p for p in peers if p.get("loss") is not None and p.get("stage") is not None]
+        last = [p for p in training if p["stage"] == max(q["stage"] for q in training if q["cluster"] == p["cluster"])]
+        if last:
+            self.loss_history.append(sum(p["loss"] for p in last) / len(last))
+            self.samples_per_s.append(sum(p.get("samples_per_s") or 0.0 for p in last))
+        for process in self.volunteers.values():
+            try:
+                rss = sum(q.memory_info().rss for q in [psutil.Process(process.pid)]) / 2**20
+            except psutil.Error:
+                continue
+            self.peak_memory_mb = max(self.peak_memory_mb, rss)
+
+    async def _maybe_chaos(self, peers: List[dict], maddr: str) -> None:
+        if not self.options.chaos:
+            return
+        training = [p for p in peers if p["state"] in ("training", "averaging") and p.get("step") is not None]
+        progress = max((p["step"] for p in training), default=0)
+        if not self.chaos_done and progress >= self.options.steps // 3:
+            victim = random.Random(self.options.seed).choice(sorted(p["name"] for p in training))
+            self.console.print(f"chaos: SIGKILL {victim}", highlight=False)
+            self.volunteers[victim].kill_group()
+            self.chaos_done = True
+        if self.chaos_done and not self.late_done:
+            self._join(maddr, self.options.peers)
+            self.late_done = True
+
+    def _finished(self, peers: List[dict], plan: Optional[dict]) -> bool:
+        if plan is None:
+            return False
+        placed = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
+        steps = {p["peer_id"]: p.get("step") or 0 for p in peers}
+        return bool(placed) and all(steps.get(peer, 0) >= self.options.steps for peer in placed)
+
+    # ------------------------------------------------------------------ summary
+    def peers_replaced(self) -> int:
+        """Stages whose peer died and whose layers a peer that held no stage before took over.
+
+        Counted per pair of consecutive plans as min(placed peers gone, peers newly placed).
+        """
+        replaced = 0
+        rounds = sorted(self.plans)
+        for before, after in zip(rounds, rounds[1:]):
+            placed_before = {s["peer_id"] for c in self.plans[before]["clusters"] for s in c}
+            placed_after = {s["peer_id"] for c in self.plans[after]["clusters"] for s in c}
+            replaced += min(len(placed_before - placed_after), len(placed_after - placed_before))
+        return replaced
+
+    def summary(self, seconds: float) -> dict:
+        accuracy, memory = self.evaluate()
+        totals = self.state.totals()
+        result = {
+            "clusters": max((len(plan["clusters"]) for plan in self.plans.values()), default=0),
+            "averaging_rounds": totals.averaging_done,
+            "loss_start": round(self.loss_history[0], 4) if self.loss_history else None,
+            "loss_end": round(self.loss_history[-1], 4) if self.loss_history else None,
+            "metric_name": "heldout_accuracy",
+            "metric": accuracy,
+            "peers_replaced": self.peers_replaced(),
+            "plan_rounds": sorted(self.plans),
+            "samples_per_s": round(sum(self.samples_per_s) / len(self.samples_per_s), 2) if self.samples_per_s else 0.0,
+            "peak_peer_memory_mb": round(self.peak_memory_mb, 1),
+            "peer_tensor_bytes": memory,
+            "seconds": round(seconds, 1),
+            "peers": self.options.peers,
+            "steps": self.options.steps,
+            "chaos": self.options.chaos,
+        }
+        if self.options.checkpoint_dir is None:
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+        return result
+
+    def evaluate(self):
+        """Held-out accuracy of the model assembled from checkpoints covering every layer (freshest first)."""
+        layers: Dict[int, tuple] = {}
+        memory = {}
+        for file in sorted(os.listdir(self.checkpoint_dir)):
+            try:
+                tensors, metadata = read_stage(os.path.join(self.checkpoint_dir, file))
+            except Exception:
+                continue
+            info = metadata["info"]
+            memory[file.rsplit("-", 1)[-1].split(".")[0]] = sum(t.numel() * t.element_size() for t in tensors.values())
+            start, end = info["layers"]
+            for layer in range(start, end):
+                prefix = f"param.{layer - start}."
+                state = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+                if layer not in layers or layers[layer][0] < info["step"]:
+                    layers[layer] = (info["step"], state)
+        if len(layers) != len(self.model.layers):
+            return None, memory
+        full = self.model.build_full()
+        for layer, (_, state) in layers.items():
+            full[layer].load_state_dict(state)
+        return round(self.model.evaluate(full), 4), memory
+
+
+async def run_local(options: LocalOptions, as_json: bool) -> int:
+    console = Console(stderr=True)
+    swarm = LocalSwarm(options, console)
+    result = await swarm.run()
+    if as_json:
+        print(json.dumps(result), flush=True)
+    else:
+        console.print_json(json.dumps(result))
+    return 0

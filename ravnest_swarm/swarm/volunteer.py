@@ -1,0 +1,312 @@
+"""The volunteer's whole lifecycle: placed by a planning round, fetch state, train a stage, average, leave.
+
+``join`` = membership (measure, advertise, heartbeat) + this :class:`Volunteer`:
+
+1. It takes part in planning rounds (``planning.round``). Whenever an adopted plan gives it a new
+   placement (cluster, stage, layer range), it stops its old stage worker, keeps that worker's
+   layers in a local cache, and starts a new one.
+2. Before the new worker trains, every layer it owns is filled from the freshest source: a peer whose
+   record says it holds that layer (highest step first, over ``ravnest.layer_state``), else its own
+   cache or checkpoint, else the model's seeded initial weights (identical on every peer). The
+   worker starts counting optimizer steps from that source's step, so clusters stay aligned.
+3. Between optimizer steps, every ``averaging_period`` steps, the stage averages its layers with the
+   peers of other clusters that hold the same parameters (``averaging``, rings from the adopted plan,
+   the round named by the step); every ``checkpoint_every`` steps and on exit it writes a checkpoint.
+4. A stage that dies makes its neighbours' sends fail; its record expires; the next planning round
+   (triggered by "a planned peer gone") places a standby in its slot, or re-forms the clusters, and
+   the peers whose layers changed fetch them as in step 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from hivemind.p2p import PeerID
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+
+from ravnest_swarm.averaging.averager import MultiRingAverager
+from ravnest_swarm.averaging.peer import plan_rings
+from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
+from ravnest_swarm.checkpoint import read_stage, save_stage
+from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.volunteer import Membership
+from ravnest_swarm.models import ModelSpec, get_model
+from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
+from ravnest_swarm.planning.cost import Workload
+from ravnest_swarm.planning.round import PlanningRounds, RoundOptions
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers
+
+logger = logging.getLogger(__name__)
+
+Placement = Tuple[int, int, int, Tuple[int, int], int]  # cluster, stage, stages, layers, clusters
+
+
+def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
+    """The planner's view of a zoo model: memory M (parameters, gradients and a copy in flight), FLOPs F
+    (forward + backward = 3x forward) and activations A (the largest layer input), per layer and total."""
+    layer_memory_gb = [3 * layer.param_bytes / 1e9 for layer in spec.layers]
+    layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]
+    activation_mb = max(4 * int(torch.tensor(layer.input_shape).prod()) for layer in spec.layers) / 1e6
+    workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)))
+    return workload, (layer_memory_gb, layer_gflop)
+
+
+@dataclass
+class VolunteerOptions:
+    """How this volunteer trains (beyond the run's spec).
+
+    :param steps: optimizer steps each stage trains for (then it keeps serving its layers)
+    :param checkpoint_dir: where this peer's checkpoint lives (None: no checkpoints)
+    :param checkpoint_every: steps between checkpoints
+    :param resume: start from this peer's checkpoint
+    :param min_peers: open the first planning round once this many peers are live
+    :param round_seconds: a planning round's length
+    :param max_stages: most stages per cluster
+    :param averaging_timeout: seconds a ring waits for its members
+    :param transfer_timeout: seconds to fetch one layer from one holder
+    """
+
+    steps: int = 300
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 50
+    resume: bool = False
+    min_peers: int = 2
+    round_seconds: float = 8.0
+    max_stages: int = 8
+    averaging_timeout: float = 20.0
+    transfer_timeout: float = 30.0
+
+
+class Volunteer:
+    """Trains one stage at a time for the plan in force.
+
+    :param membership: a started :class:`Membership` (node, announcer, heartbeats)
+    :param run_spec: the run's spec
+    :param options: training options
+    :param console: where progress and events go
+    """
+
+    def __init__(self, membership: Membership, run_spec: RunSpec, options: VolunteerOptions, console: Console):
+        self.membership, self.spec, self.options, self.console = membership, run_spec, options, console
+        self.node, self.announcer = membership.node, membership.announcer
+        self.run = membership.options.run
+        self.name = membership.options.name
+        self.peer_id = self.node.peer_id.to_base58()
+        self.model = get_model(run_spec.model)
+        self.layer_sizes = [sum(p.numel() for p in self.model.build_layer(i).parameters())
+                            for i in range(len(self.model.layers))]
+        self.worker: Optional[StageWorker] = None
+        self.placement: Optional[Placement] = None
+        self.plan: Optional[dict] = None
+        self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
+        self.averaging_rounds = self.averaging_failures = 0
+        self.averager = MultiRingAverager(self.node.p2p, self.run, timeout=options.averaging_timeout)
+        self.state_server = LayerStateServer(self.node.p2p, self.run, self._held_layers)
+        self._adopted = asyncio.Event()
+        self._last_report = (time.monotonic(), 0)
+
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        if self.options.checkpoint_dir is None:
+            return None
+        return os.path.join(self.options.checkpoint_dir, f"{self.run}-{self.name}.safetensors")
+
+    # ------------------------------------------------------------------ main loop
+    async def run_until(self, stop: asyncio.Event) -> None:
+        await self.averager.start()
+        await self.state_server.start()
+        if self.options.resume:
+            self._load_checkpoint_into_cache()
+        workload, profile = model_workload(self.model, self.spec, self.options.max_stages)
+        rounds = PlanningRounds(self.node, self.run, self.announcer,
+                                RoundOptions(workload, self.options.min_peers, 0.0, self.options.round_seconds,
+                                             len(self.model.layers), layer_profile=profile),
+                                self.console, on_adopt=self._on_adopt)
+        planner = asyncio.create_task(rounds.run_forever(stop))
+        try:
+            while not stop.is_set():
+                waiter = asyncio.create_task(self._adopted.wait())
+                stopper = asyncio.create_task(stop.wait())
+                await asyncio.wait({waiter, stopper}, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel(), stopper.cancel()
+                if self._adopted.is_set():
+                    self._adopted.clear()
+                    await self._follow_plan(self.plan)
+                self._publish_progress()
+        finally:
+            planner.cancel()
+            await self._stop_worker(save=True)
+            await self.averager.shutdown()
+
+    def _on_adopt(self, plan: dict) -> None:
+        self.plan = plan
+        self._adopted.set()
+
+    async def _follow_plan(self, plan: dict) -> None:
+        placement = None
+        for cluster_index, cluster in enumerate(plan["clusters"]):
+            for stage_index, stage in enumerate(cluster):
+                if stage["peer_id"] == self.peer_id:
+                    placement = (cluster_index, stage_index, len(cluster), tuple(stage["layers"]), len(plan["clusters"]))
+        self.announcer.update(plan_round=plan["round"])
+        if placement == self.placement and self.worker is not None:
+            return  # same slot, same neighbours' positions: the worker goes on; endpoints re-resolve by themselves
+        await self._stop_worker(save=False)
+        self.placement = placement
+        if placement is None:
+            self.announcer.update(state="standby", cluster=-1, stage=None, layers=None, step=None, loss=None,
+                                  samples_per_s=None)
+            self.console.print(f"{self.name}: standby in plan round {plan['round']}", highlight=False)
+            return
+        await self._start_worker(placement)
+
+    # ------------------------------------------------------------------ stage workers
+    async def _start_worker(self, placement: Placement) -> None:
+        cluster, stage, stages, layers, clusters = placement
+        config = StageConfig(run=self.run, stage=stage, stages=stages, model=self.spec.model, layers=layers,
+                             cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
+                             microbatches=self.options.steps, max_in_flight=self.spec.max_in_flight,
+                             lr=self.spec.lr, heartbeat=self.membership.options.heartbeat)
+        worker = StageWorker(config, self.node)
+        step = await self._fill_layers(worker.module, layers)
+        worker.resume_at(step)
+        worker.between_steps = self._between_steps
+        self.worker = worker
+        await worker.start()
+        self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
+        await self.announcer.publish()
+        self.console.print(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
+                           f"{layers[0]}:{layers[1]} from step {step}", highlight=False)
+
+    async def _stop_worker(self, save: bool) -> None:
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        start = worker.start_layer
+        for offset, layer in enumerate(worker.module):
+            self.cache[start + offset] = ({k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
+        if save:
+            self._save_checkpoint(worker)
+        await worker.shutdown()
+
+    async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> int:
+        """Load every owned layer from the freshest source; return the step training continues from."""
+        start, end = layers
+        peers = [p for p in await read_peers(self.node, self.run)
+                 if p["peer_id"] != self.peer_id and p["state"] in ("training", "averaging")
+                 and p.get("layers") and p.get("step") is not None]
+        step = 0
+        remote: Dict[int, List[PeerID]] = {}
+        for layer in range(start, end):
+            holders = sorted((p for p in peers if p["layers"][0] <= layer < p["layers"][1]), key=lambda p: -p["step"])
+            cached = self.cache.get(layer)
+            if holders and (cached is None or holders[0]["step"] > cached[1]):
+                remote[layer] = [PeerID.from_base58(p["peer_id"]) for p in holders]
+            elif cached is not None:
+                module[layer - start].load_state_dict(cached[0])
+                step = max(step, cached[1])
+        if remote:
+            step = max(step, await self._download(module, start, remote))
+        return step
+
+    async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[PeerID]]) -> int:
+        """Fetch the layers in ``remote`` (each from the first holder that answers), with a progress bar."""
+        step = 0
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      console=self.console, transient=False) as progress:
+            task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
+            for layer, holders in sorted(remote.items()):
+                single = torch.nn.Sequential(module[layer - start])
+                try:
+                    step = max(step, await download_layers(self.node.p2p, self.run, single, layer, {layer: holders},
+                                                           self.options.transfer_timeout))
+                except StateTransferError as e:
+                    self.console.print(f"{self.name}: {e}; keeping this layer's local weights", highlight=False)
+                progress.advance(task)
+        return step
+
+    def _held_layers(self):
+        worker = self.worker
+        if worker is None:
+            return None
+        return worker.start_layer, worker.module, worker.version
+
+    # ------------------------------------------------------------------ between optimizer steps
+    async def _between_steps(self, step: int) -> None:
+        if self.spec.averaging_period and step % self.spec.averaging_period == 0 and self.plan is not None \
+                and len(self.plan["clusters"]) > 1:
+            await self._average(step)
+        if self.checkpoint_path and step % self.options.checkpoint_every == 0:
+            self._save_checkpoint(self.worker)
+
+    async def _average(self, step: int) -> None:
+        worker = self.worker
+        rings = rings_of(self.peer_id, plan_rings(self.plan, self.layer_sizes))
+        if not rings:
+            return
+        self.announcer.update(state="averaging")
+        parameters = list(worker.module.parameters())
+        local = flatten([p.detach() for p in parameters])
+        local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
+        result = await self.averager.average(step, local, local_start, rings)
+        with torch.no_grad():
+            unflatten_into(local, parameters)
+        self.averaging_rounds += 1
+        if not result.ok:
+            self.averaging_failures += 1
+            self.console.print(f"{self.name}: averaging at step {step}: {result.summary()}", highlight=False)
+        self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
+                              averaging_failures=self.averaging_failures)
+
+    # ------------------------------------------------------------------ progress and checkpoints
+    def _publish_progress(self) -> None:
+        worker = self.worker
+        if worker is None:
+            return
+        now, version = time.monotonic(), worker.version
+        last_time, last_version = self._last_report
+        rate = (version - last_version) * self.spec.microbatch_size / max(now - last_time, 1e-6)
+        self._last_report = (now, version)
+        losses = worker.counters.losses
+        self.announcer.update(step=version, samples_per_s=round(rate, 3),
+                              loss=round(losses[-1][1], 6) if losses else None)
+
+    def _save_checkpoint(self, worker: Optional[StageWorker]) -> None:
+        if worker is None or self.checkpoint_path is None:
+            return
+        save_stage(self.checkpoint_path, worker.module, worker.optimizer,
+                   {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
+                    "model": self.spec.model})
+
+    def _load_checkpoint_into_cache(self) -> None:
+        """A resumed peer offers its checkpoint's layers as a cache entry at the checkpoint's step."""
+        path = self.checkpoint_path
+        tensors, metadata = read_stage(path)  # a corrupt file is a one-line UserError
+        info = metadata["info"]
+        start, end = info["layers"]
+        for layer in range(start, end):
+            prefix = f"param.{layer - start}."
+            self.cache[layer] = ({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)},
+                                 int(info["step"]))
+        self.console.print(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})",
+                           highlight=False)
+
+
+async def take_part(membership: Membership, requested: Dict, options: VolunteerOptions, stop: asyncio.Event,
+                    console: Console) -> None:
+    """Follow the run's spec (creating it from ``requested`` if the run is new) and train until ``stop``."""
+    from ravnest_swarm.swarm.spec import ensure_spec
+
+    run = membership.options.run
+    spec = await ensure_spec(membership.node, run, requested, stop,
+                             on_wait=lambda: console.print(f"waiting as standby: run {run!r} has no spec yet "
+                                                           f"(start it with --model)", highlight=False))
+    await Volunteer(membership, spec, options, console).run_until(stop)
