@@ -15,8 +15,14 @@ contributions of our own size could sum to), is refused: in a ring every forward
 checked by its receiver, so such a chunk can only come from the sender's own contribution. The
 receiver names that sender, tells the ring, and the remaining members run the ring again without it.
 
-Hostile input. The handler reads frames itself (``transport.bounded_stream_handler``): a message over
-``max_message_bytes``, a truncated protobuf or a silent stream gets an error with a reason, and the
+Pipelining. A ring step's chunk travels as parts of ``part_bytes``, each its own serialized tensor in its
+own frame, and the handler files every part the moment it is read. The ring coroutine adds a part as soon
+as it arrives and the same part of the next step goes out at once (all of an attempt's streams are open
+from its start), so transfer, summing and (de)serialization of different parts overlap instead of each
+step waiting for a whole chunk. All-gather parts are forwarded as received, not serialized again.
+
+Hostile input. The handler reads frames itself (within ``max_message_bytes`` and the ring timeout): a
+message over the limit, a truncated protobuf or a silent stream gets an error with a reason, and the
 mailbox holds at most ``max_buffered_bytes`` and ``MAX_MAILBOX_ENTRIES`` early messages.
 """
 
@@ -25,18 +31,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
+from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import AsyncIterator, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
-from hivemind.p2p import P2P, P2PContext, PeerID
+from google.protobuf.message import DecodeError
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
-from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.transport import DISCARD_SECONDS, make_request, make_response, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +121,20 @@ class RoundResult:
                     failed_segments=self.failed_segments(), rejected=self.rejected)
 
 
+class _Inbox:
+    """One ring message as it arrives: the handler appends decoded parts, the ring coroutine takes them."""
+
+    def __init__(self):
+        self.parts: Deque[Tuple[torch.Tensor, runtime_pb2.Tensor, int]] = deque()  # (values, as sent, bytes)
+        self.claimed = False  # a stream has started filling it: another one is a duplicate
+        self.complete = False  # its end of stream was read
+        self.error: Optional[str] = None  # its stream broke off or was refused midway
+        self.changed = asyncio.Event()
+
+    def notify(self) -> None:
+        self.changed.set()
+
+
 class _RingState:
     """What the members of one ring in one round have told us: exclusions and whether it was ended."""
 
@@ -146,14 +169,13 @@ class MultiRingAverager:
         self.peer_id = p2p.peer_id.to_base58()
         self.last_finished_step = -1
         self.last_result: Optional[RoundResult] = None
-        self._mailbox: Dict[tuple, asyncio.Future] = {}
+        self._mailbox: Dict[tuple, _Inbox] = {}
         self._buffered_bytes = 0
         self._rings: Dict[Tuple[int, int], _RingState] = {}
         self._control_tasks: Set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(RING_HANDLER, bounded_stream_handler(
-            RING_HANDLER, self.p2p.peer_id, self.rpc_ring, self.max_message_bytes, self.timeout))
+        await self.p2p.add_binary_stream_handler(RING_HANDLER, self._serve)
 
     async def shutdown(self) -> None:
         """Give the last notes to other members a moment to arrive, then stop serving."""
@@ -166,35 +188,112 @@ class MultiRingAverager:
 
     # ---- receiving -------------------------------------------------------------------------------------
 
-    async def rpc_ring(self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """File one ring message (frames already read within the size limit) in the mailbox."""
-        metadata = self._check_metadata(unpack_metadata(frames[0].metadata))
-        parts = [part for frame in frames for part in frame.tensors]
-        size = sum(len(part.buffer) for part in parts)
-        if self._buffered_bytes + size > self.max_buffered_bytes:
-            raise ValueError("too much ring data buffered here; retry later")
-        sender = context.remote_id.to_base58()
-        step, ring = metadata["step"], metadata["ring"]
+    async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One ring message: read it within the size limit and the timeout, filing its parts as they come."""
+        sender = stream_info.peer_id.to_base58()
+        filing: List[_Inbox] = []  # the inbox this stream fills, once it has claimed one
+        with closing(writer):
+            try:
+                reply = await asyncio.wait_for(self._read_message(reader, sender, filing), self.timeout)
+            except ValueError as e:
+                logger.info(f"{RING_HANDLER}: refused a message from {sender}: {e}")
+                reply = RPCError(message=str(e))
+            except asyncio.TimeoutError:
+                logger.info(f"{RING_HANDLER}: {sender} sent no complete message within {self.timeout:.0f}s")
+                reply = RPCError(message=f"message incomplete: no end of stream within {self.timeout:.0f}s")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self._broken(filing, "its stream broke off")
+                return  # the sender went away mid-message: nobody to answer
+            except Exception as e:  # a bug of ours: the sender still gets a reason, the peer keeps serving
+                logger.exception(f"{RING_HANDLER}: a message from {sender} failed")
+                reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
+            if isinstance(reply, RPCError):
+                self._broken(filing, f"refused: {reply.message}")
+            try:
+                await P2P.send_protobuf(reply, writer)
+                if isinstance(reply, RPCError):
+                    # closing with unread input resets the stream before the sender reads our reason
+                    await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+            except (ConnectionError, asyncio.TimeoutError):
+                pass  # the sender went away or keeps writing; it has our answer or will retry
+
+    @staticmethod
+    def _broken(filing: List["_Inbox"], reason: str) -> None:
+        for inbox in filing:
+            if not inbox.complete and inbox.error is None:
+                inbox.error = reason
+                inbox.notify()
+
+    async def _read_message(self, reader: asyncio.StreamReader, sender: str, filing: List[_Inbox]):
+        """Read frames up to the end of stream; the first one's metadata says where the parts go."""
+        total, key, metadata, parts = 0, None, None, 0
+        while True:
+            marker = await reader.readexactly(1)
+            if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+                raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
+            length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+            total += length
+            if total > self.max_message_bytes:
+                raise ValueError(f"message exceeds the {self.max_message_bytes}-byte limit (at least {total} bytes)")
+            data = await reader.readexactly(length)
+            if marker == P2P.ERROR_MARKER:
+                break
+            frame = runtime_pb2.ExpertRequest()
+            try:
+                frame.ParseFromString(data)
+            except DecodeError:
+                raise ValueError(f"frame {parts} ({length} bytes) is not an ExpertRequest protobuf")
+            del data
+            if metadata is None:
+                metadata = self._check_metadata(unpack_metadata(frame.metadata))
+                step, ring = metadata["step"], metadata["ring"]
+                if metadata["phase"] != ABORT:
+                    key = (step, ring, tuple(metadata["attempt"]), metadata["phase"], metadata["position"], sender)
+            for part in frame.tensors:
+                if key is None:
+                    break  # an abort carries no tensor
+                self._file(key, part, filing)
+                parts += 1
+        if metadata is None:
+            raise ValueError("empty message: no frames before end of stream")
         if metadata["phase"] == ABORT:
+            step, ring = metadata["step"], metadata["ring"]
             if (step, ring) not in self._rings and len(self._rings) >= MAX_MAILBOX_ENTRIES:
                 raise ValueError("too many rings pending here; retry later")
             self._on_abort(step, ring, sender, metadata)
             return make_response({})
-        key = (step, ring, tuple(metadata["attempt"]), metadata["phase"], metadata["position"], sender)
-        if key not in self._mailbox and len(self._mailbox) >= MAX_MAILBOX_ENTRIES:
-            raise ValueError("too many ring messages waiting here; retry later")
         if not parts:
             raise ValueError("ring message carries no tensor")
+        inbox = filing[0]
+        inbox.complete = True
+        inbox.notify()
+        return make_response({})
+
+    def _file(self, key: tuple, part: runtime_pb2.Tensor, filing: List[_Inbox]) -> None:
+        """Decode one part and hand it to the ring coroutine that expects it (or keep it for later)."""
+        if key[0] <= self.last_finished_step:
+            raise ValueError(f"round {key[0]} is over here (last finished {self.last_finished_step})")
+        size = len(part.buffer)
+        if self._buffered_bytes + size > self.max_buffered_bytes:
+            raise ValueError("too much ring data buffered here; retry later")
+        if not filing:
+            if key not in self._mailbox and len(self._mailbox) >= MAX_MAILBOX_ENTRIES:
+                raise ValueError("too many ring messages waiting here; retry later")
+            inbox = self._slot(key)
+            if inbox.claimed:
+                raise ValueError("duplicate ring message")
+            inbox.claimed = True
+            filing.append(inbox)
+        inbox = filing[0]
+        if self._mailbox.get(key) is not inbox:
+            raise ValueError(f"ring message {key[3]} {key[4]} is no longer expected here")
         try:
-            tensor = deserialize_torch_tensor(combine_from_streaming(parts))
+            tensor = deserialize_torch_tensor(part)
         except Exception as e:
             raise ValueError(f"ring chunk could not be decoded ({type(e).__name__})")
-        slot = self._slot(key)
-        if slot.done():
-            raise ValueError("duplicate ring message")
-        slot.set_result((tensor, size))
+        inbox.parts.append((tensor, part, size))
         self._buffered_bytes += size
-        return make_response({})
+        inbox.notify()
 
     def _check_metadata(self, metadata: dict) -> dict:
         expected = dict(run=str, step=int, ring=int, phase=str, position=int, attempt=list)
@@ -212,9 +311,9 @@ class MultiRingAverager:
             raise ValueError("ring message 'attempt' must list peer ids")
         return metadata
 
-    def _slot(self, key: tuple) -> asyncio.Future:
+    def _slot(self, key: tuple) -> _Inbox:
         if key not in self._mailbox:
-            self._mailbox[key] = asyncio.get_running_loop().create_future()
+            self._mailbox[key] = _Inbox()
         return self._mailbox[key]
 
     def _ring_state(self, step: int, ring: int) -> _RingState:
@@ -230,27 +329,46 @@ class MultiRingAverager:
             state.failure = f"ended by {sender[-8:]}: {str(metadata['failure'])[:200]}"
             state.changed.set()
 
-    async def _receive(self, key: tuple, deadline: float) -> torch.Tensor:
-        slot = self._slot(key)
+    async def _receive(self, key: tuple, deadline: float) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
+        """The parts of one expected message, in order, as they arrive (values, and the part as sent)."""
+        inbox = self._slot(key)
         try:
-            tensor, size = await asyncio.wait_for(asyncio.shield(slot), max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            raise asyncio.TimeoutError(f"no chunk from {key[-1][-8:]} ({key[3]} step {key[4]}) within the ring timeout")
-        del self._mailbox[key]
-        self._buffered_bytes -= size
-        return tensor
+            while True:
+                if inbox.parts:
+                    tensor, part, size = inbox.parts.popleft()
+                    self._buffered_bytes -= size
+                    yield tensor, part
+                elif inbox.error is not None:
+                    raise ConnectionError(f"the {key[3]} step {key[4]} message from {key[-1][-8:]} {inbox.error}")
+                elif inbox.complete:
+                    return
+                else:
+                    inbox.changed.clear()
+                    try:
+                        await asyncio.wait_for(inbox.changed.wait(), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        raise asyncio.TimeoutError(
+                            f"no chunk from {key[-1][-8:]} ({key[3]} step {key[4]}) within the ring timeout")
+        finally:
+            if self._mailbox.get(key) is inbox:
+                del self._mailbox[key]
+                self._buffered_bytes -= sum(size for _, _, size in inbox.parts)
+                inbox.parts.clear()
 
     # ---- sending ---------------------------------------------------------------------------------------
 
-    async def _send(self, peer: str, metadata: dict, tensor: Optional[torch.Tensor], deadline: float) -> None:
+    async def _send(self, peer: str, metadata: dict, outbox: Optional["_Outbox"], deadline: float) -> None:
+        """One message: the metadata, then every part of ``outbox`` as soon as it is ready (None: no tensor)."""
         metadata = dict(metadata, run=self.run)
-        serialized = [] if tensor is None else list(split_for_streaming(
-            serialize_torch_tensor(tensor, self.compression.compression_type), self.part_bytes))
 
         async def stream():
-            yield make_request(metadata, serialized[:1])
-            for part in serialized[1:]:
-                yield runtime_pb2.ExpertRequest(tensors=[part])
+            if outbox is None:
+                yield make_request(metadata)
+                return
+            first = True
+            async for part in outbox:
+                yield make_request(metadata, [part]) if first else runtime_pb2.ExpertRequest(tensors=[part])
+                first = False
 
         await asyncio.wait_for(
             self.p2p.call_protobuf_handler(PeerID.from_base58(peer), RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
@@ -303,9 +421,11 @@ class MultiRingAverager:
     def _finish_round(self, step: int) -> None:
         self.last_finished_step = step
         for key in [key for key in self._mailbox if key[0] <= step]:
-            slot = self._mailbox.pop(key)
-            if slot.done():
-                self._buffered_bytes -= slot.result()[1]
+            inbox = self._mailbox.pop(key)
+            self._buffered_bytes -= sum(size for _, _, size in inbox.parts)
+            inbox.parts.clear()
+            inbox.error = inbox.error or "arrived after its round ended"
+            inbox.notify()
         for key in [key for key in self._rings if key[0] <= step]:
             del self._rings[key]
 
@@ -357,51 +477,154 @@ class MultiRingAverager:
 
     async def _ring_attempt(self, step: int, ring: Ring, members: List[str], segment: torch.Tensor,
                             deadline: float) -> torch.Tensor:
-        """Reduce-scatter then all-gather over ``members``: 2(n-1) steps, each moving one chunk of segment/n."""
+        """Reduce-scatter then all-gather over ``members``: 2(n-1) steps, each moving one chunk of segment/n.
+
+        Every step has its own sending stream and receiving coroutine, all started at once. A chunk moves
+        in parts: when step i has a part of its chunk (received and summed, or final), the same part
+        goes out in step i+1, so consecutive steps overlap. Step i handles a part only after step i-1
+        handled the same elements, which keeps every read and write of ``work`` in the order of the
+        unpipelined algorithm.
+        """
         count, me = len(members), members.index(self.peer_id)
         following, preceding = members[(me + 1) % count], members[(me - 1) % count]
         chunks = [slice(lo, hi) for lo, hi in chunk_bounds(segment.numel(), count)]
         work = segment.clone()
         base = dict(step=step, ring=ring.index, attempt=sorted(set(ring.members) - set(members)))
+        compressing = not isinstance(self.compression, NoCompression)
+        # honest partial sums stay within `contributions` times values of our own scale
+        ours = [max(segment[chunk].abs().max().item(), 1.0) if chunk.stop > chunk.start else 1.0 for chunk in chunks]
+        steps = [(REDUCE, t, (me - t) % count, (me - t - 1) % count) for t in range(count - 1)]
+        steps += [(GATHER, t, (me + 1 - t) % count, (me - t) % count) for t in range(count - 1)]
+        outboxes = [_Outbox() for _ in steps]
+        handled = [_Progress() for _ in steps]  # elements of its received chunk each step has handled
 
-        async def exchange(phase: str, position: int, send_chunk: int, receive_chunk: int,
-                           contributions: int) -> torch.Tensor:
+        def serialize(values: torch.Tensor) -> runtime_pb2.Tensor:
+            return serialize_torch_tensor(values, self.compression.compression_type)
+
+        # step 0 sends our own chunk: serialized now, before any received part can touch `work`
+        first = chunks[steps[0][2]]
+        part_elements = max(1, self.part_bytes // 4)
+        bounds = range(first.start, first.stop, part_elements) if first.stop > first.start else [first.start]
+        for lo in bounds:
+            outboxes[0].put(serialize(work[lo:min(lo + part_elements, first.stop)]))
+        outboxes[0].close()
+
+        async def receive(index: int) -> None:
+            phase, position, _, receive_chunk = steps[index]
+            chunk = chunks[receive_chunk]
+            length, offset = chunk.stop - chunk.start, 0
             key = (step, ring.index, tuple(base["attempt"]), phase, position, preceding)
-            sending = asyncio.create_task(
-                self._send(following, dict(base, phase=phase, position=position), work[chunks[send_chunk]], deadline))
-            receiving = asyncio.create_task(self._receive(key, deadline))
-            try:
-                _, received = await asyncio.gather(sending, receiving)
-            finally:
-                sending.cancel()
-                receiving.cancel()
-            if received.dtype != torch.float32:
-                received = received.float()
-            if not torch.isfinite(received).all():
-                raise ContributionRejected(preceding, f"{phase} chunk {position} holds NaN or Inf")
-            if received.numel() != work[chunks[receive_chunk]].numel():
-                raise ContributionRejected(preceding, f"chunk of {received.numel()} elements, expected another size")
-            if received.numel():
-                # honest partial sums stay within `contributions` times values of our own scale
-                ours = max(segment[chunks[receive_chunk]].abs().max().item(), 1.0)
-                largest = received.abs().max().item()
-                if largest > self.max_scale * contributions * ours:
-                    raise ContributionRejected(preceding, f"{phase} chunk {position} is absurdly scaled "
-                                                          f"(magnitude {largest:.3g}, ours {ours:.3g})")
-            return received
+            last_reduce = phase == REDUCE and position == count - 2
+            async for received, as_sent in self._receive(key, deadline):
+                n = received.numel()
+                if offset + n > length:
+                    raise ContributionRejected(preceding, f"chunk of more than {length} elements, expected {length}")
+                if received.dtype != torch.float32:
+                    received = received.float()
+                received = received.reshape(-1)
+                if not torch.isfinite(received).all():
+                    raise ContributionRejected(preceding, f"{phase} chunk {position} holds NaN or Inf")
+                if n:
+                    largest = received.abs().max().item()
+                    contributions = position + 1 if phase == REDUCE else 1
+                    if largest > self.max_scale * contributions * ours[receive_chunk]:
+                        raise ContributionRejected(preceding, f"{phase} chunk {position} is absurdly scaled "
+                                                              f"(magnitude {largest:.3g}, ours {ours[receive_chunk]:.3g})")
+                if index > 0:
+                    previous = chunks[steps[index - 1][3]]
+                    await handled[index - 1].reach(min(offset + n, previous.stop - previous.start))
+                values = work[chunk.start + offset:chunk.start + offset + n]
+                if phase == REDUCE:
+                    values += received
+                    if last_reduce:
+                        values /= count
+                else:
+                    values.copy_(received)
+                if index + 1 < len(steps):
+                    if phase == GATHER:
+                        outboxes[index + 1].put(as_sent)  # forwarded exactly as the owner compressed it
+                    else:
+                        part = serialize(values)
+                        if last_reduce and compressing:
+                            # the others get our chunk through the compression: keep the same value so all agree
+                            values.copy_(deserialize_torch_tensor(part).float().reshape(-1))
+                        outboxes[index + 1].put(part)
+                offset += n
+                handled[index].advance(offset)
+            if offset != length:
+                raise ContributionRejected(preceding, f"chunk of {offset} elements, expected {length}")
+            if index + 1 < len(steps):
+                outboxes[index + 1].close()
+            handled[index].advance(length, done=True)
 
-        for position in range(count - 1):
-            receive_chunk = (me - position - 1) % count
-            received = await exchange(REDUCE, position, (me - position) % count, receive_chunk, position + 1)
-            work[chunks[receive_chunk]] += received
-        owned = (me + 1) % count
-        work[chunks[owned]] /= count
-        if not isinstance(self.compression, NoCompression):
-            # the others get our chunk through the compression: keep the same value so all members agree
-            work[chunks[owned]] = deserialize_torch_tensor(
-                serialize_torch_tensor(work[chunks[owned]], self.compression.compression_type)).float()
-        for position in range(count - 1):
-            receive_chunk = (me - position) % count
-            received = await exchange(GATHER, position, (me + 1 - position) % count, receive_chunk, 1)
-            work[chunks[receive_chunk]] = received
+        async def send(index: int) -> None:
+            phase, position, _, _ = steps[index]
+            await self._send(following, dict(base, phase=phase, position=position), outboxes[index], deadline)
+
+        tasks = [asyncio.create_task(receive(i)) for i in range(len(steps))]
+        tasks += [asyncio.create_task(send(i)) for i in range(len(steps))]
+        try:
+            # the first failure (a refused contribution, a timeout, a failed send) ends the attempt
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for outbox in outboxes:
+                outbox.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return work
+
+
+class _Outbox:
+    """The serialized parts one step sends, in order, as they become ready; iterate to stream them."""
+
+    def __init__(self):
+        self.parts: Deque[runtime_pb2.Tensor] = deque()
+        self.closed = False
+        self.changed = asyncio.Event()
+
+    def put(self, part: runtime_pb2.Tensor) -> None:
+        self.parts.append(part)
+        self.changed.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.changed.set()
+
+    def __aiter__(self):
+        return self._parts()
+
+    async def _parts(self):
+        while True:
+            if self.parts:
+                yield self.parts.popleft()
+            elif self.closed:
+                return
+            else:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+class _Progress:
+    """How many elements of its chunk a step has handled; others wait for a mark."""
+
+    def __init__(self):
+        self.value, self.done = 0, False
+        self.changed = asyncio.Event()
+
+    def advance(self, value: int, done: bool = False) -> None:
+        self.value, self.done = value, self.done or done
+        self.changed.set()
+
+    async def reach(self, mark: int) -> None:
+        while self.value < mark and not self.done:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(2**16):
+        pass

@@ -126,9 +126,9 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
                     ends.append(json.loads(line.group(1)))
                     progress.advance(task)
                 times[phase] = dict(seconds=max(e["end"] for e in ends) - go, peers=ends)
-            results = [json.loads(peer.stdout().strip().splitlines()[-1]) for peer in peers.values()]
             for peer in peers.values():
-                peer.wait(60)
+                peer.wait(60)  # its result line comes after "done single_ring": read it once the peer exited
+            results = [json.loads(peer.stdout().strip().splitlines()[-1]) for peer in peers.values()]
         except (RuntimeError, TimeoutError) as e:
             raise UserError(f"a bench peer failed ({e}); logs in {workdir}", exit_code=1)
         finally:
