@@ -257,6 +257,35 @@ def local(
 
 
 @app.command()
+def probe(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run name."),
+    peer: str = typer.Option(..., "--peer", help="The peer to probe: its name or peer id in the run's records."),
+    mb: float = typer.Option(4.0, "--mb", min=0.25, max=64.0, help="MiB to send (one uint8 tensor)."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0),
+    host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", help="Where to listen."),
+    announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
+    verbose: bool = typer.Option(False, "--verbose"),
+):
+    """Send a tensor to a peer over the route a stage would use (direct, reversal, forwarding); one JSON line."""
+    configure_logging(verbose)
+
+    async def main():
+        from ravnest_swarm.membership.probe import run_probe
+        from ravnest_swarm.membership.records import validate_run_name
+        from ravnest_swarm.transport import parse_maddrs
+
+        validate_run_name(run)
+        parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
+        result = await run_probe(_initial_peers(initial_peers), run, peer, int(mb * 2**20), host_maddrs,
+                                 announce_maddrs, timeout)
+        print(json.dumps(result), flush=True)
+        return 0
+
+    sys.exit(run_async(main()))
+
+
+@app.command()
 def doctor(
     initial_peers: List[str] = InitialPeers,
     timeout: float = typer.Option(10.0, "--timeout", min=1.0),
@@ -315,6 +344,20 @@ def bench_plan(
     from ravnest_swarm.planning.bench import run_bench_plan
 
     sys.exit(run_bench_plan(time_limit, as_json))
+
+
+@bench_app.command("quality")
+def bench_quality(
+    peers: int = typer.Option(6, "--peers", min=2, max=30),
+    steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps per stage."),
+    model: str = typer.Option("mlp-digits", "--model"),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Swarm held-out accuracy beside a single process trained on as many samples; per-peer memory share."""
+    configure_logging(False)
+    from ravnest_swarm.swarm.quality_bench import bench_quality as run
+
+    sys.exit(run_async(run(peers, steps, model, as_json)))
 
 
 @bench_app.command("membership")

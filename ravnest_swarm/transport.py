@@ -120,6 +120,10 @@ async def start_node(
         )
     except P2PDaemonError as e:
         raise explain_daemon_error(e, initial_peers)
+    from ravnest_swarm.reversal import install_links  # it builds on this module's envelope helpers
+
+    # our initial peers are our backbones: they reverse connections to us and forward streams if we are NATed
+    await install_links(p2p, [peer_id_of(m) for m in initial_peers])
     try:
         return await asyncio.wait_for(
             DHTNode.create(

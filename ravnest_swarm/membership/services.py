@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import List
+from typing import List, Optional
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from ravnest_swarm.reversal import RelayServices, links_of
 from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 PING = "ravnest.ping"
@@ -31,10 +32,12 @@ class BackboneServices:
 
     :param p2p: the node's P2P instance to register handlers on
     :param probe_timeout: seconds a bandwidth probe may take before it is refused
+    :param relay: connection reversal and capped stream forwarding for volunteers behind NAT
     """
 
-    def __init__(self, p2p: P2P, probe_timeout: float = PROBE_TIMEOUT):
+    def __init__(self, p2p: P2P, probe_timeout: float = PROBE_TIMEOUT, relay: Optional[RelayServices] = None):
         self.p2p, self.probe_timeout = p2p, probe_timeout
+        self.relay = relay or RelayServices(p2p)
 
     async def add_handlers(self) -> None:
         await self.p2p.add_protobuf_handler(PING, self.rpc_ping, runtime_pb2.ExpertRequest)
@@ -43,9 +46,11 @@ class BackboneServices:
             BANDWIDTH_PROBE, self.p2p.peer_id, self.rpc_bandwidth_probe, MAX_PROBE_BYTES + 64 * 1024,
             self.probe_timeout))
         await self.p2p.add_protobuf_handler(DIAL_BACK, self.rpc_dial_back, runtime_pb2.ExpertRequest)
+        await self.relay.add_handlers()
 
     async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        return make_response({"time": time.time()})
+        # the relay counters let operators (and tests) see what NAT traversal costs this backbone
+        return make_response({"time": time.time(), "relay": dict(self.relay.stats)})
 
     async def rpc_bandwidth_probe(
         self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext
@@ -132,4 +137,13 @@ async def check_reachability(p2p: P2P, peer_id: PeerID, timeout: float) -> str:
         p2p.call_protobuf_handler(peer_id, DIAL_BACK, make_request({"ports": ports}), runtime_pb2.ExpertResponse),
         timeout,
     )
-    return "direct" if unpack_metadata(response.metadata).get("reachable") else "relay"
+    verdict = "direct" if unpack_metadata(response.metadata).get("reachable") else "relay"
+    links_of(p2p).reachability = verdict  # a peer that cannot be dialled asks for forwarding, not reversal
+    return verdict
+
+
+async def relay_stats(p2p: P2P, peer_id: PeerID, timeout: float) -> dict:
+    """A backbone's NAT-traversal counters: reversals passed, streams and bytes forwarded, refusals."""
+    response = await asyncio.wait_for(
+        p2p.call_protobuf_handler(peer_id, PING, make_request({}), runtime_pb2.ExpertResponse), timeout)
+    return dict(unpack_metadata(response.metadata).get("relay", {}))

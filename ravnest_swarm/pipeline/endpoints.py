@@ -13,6 +13,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.membership.records import StageEndpoint, stage_subkey_prefix, stages_key
+from ravnest_swarm.reversal import links_of
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,12 @@ class EndpointResolver:
         if endpoint is None:
             raise LookupError(f"no endpoint for stage {stage} of cluster {self.cluster} under {stages_key(self.run)}")
         peer_id = PeerID.from_base58(endpoint["peer_id"])
-        # dial the announced addresses explicitly: they may be relays that p2pd's own routing does not know
-        await self.node.p2p._client.connect(peer_id, _without_peer_id(endpoint["maddrs"], peer_id))
+        # dial the announced addresses explicitly (p2pd's own routing does not know them); a stage behind NAT
+        # is reached through a backbone instead (reversal or forwarding, see reversal.py)
+        links = links_of(self.node.p2p)
+        if refresh:
+            links.forget(peer_id)
+        await links.connect(peer_id, _without_peer_id(endpoint["maddrs"], peer_id))
         if self._cache.get(stage) not in (None, peer_id):
             logger.info(f"stage {stage} moved to {peer_id}")
         self._cache[stage] = peer_id

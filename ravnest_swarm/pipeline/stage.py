@@ -32,6 +32,7 @@ from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, publish_endpoint
 from ravnest_swarm.pipeline.wire import MessageError, field
+from ravnest_swarm.reversal import links_of
 from ravnest_swarm.transport import make_response
 
 logger = logging.getLogger(__name__)
@@ -168,8 +169,10 @@ class StageWorker:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(wire.FORWARD, self._stream_handler(wire.FORWARD, self._on_forward))
-        await self.p2p.add_binary_stream_handler(wire.BACKWARD, self._stream_handler(wire.BACKWARD, self._on_backward))
+        # forwardable: a neighbour behind another NAT reaches these through a backbone (reversal.py)
+        links = links_of(self.p2p)
+        await links.add_forwardable_handler(wire.FORWARD, self._stream_handler(wire.FORWARD, self._on_forward))
+        await links.add_forwardable_handler(wire.BACKWARD, self._stream_handler(wire.BACKWARD, self._on_backward))
         await self.p2p.add_protobuf_handler(wire.STATUS, self._on_status, runtime_pb2.ExpertRequest)
         await self._publish()
         self._tasks = [asyncio.create_task(coroutine) for coroutine in
@@ -186,6 +189,10 @@ class StageWorker:
         for task in self._tasks + list(self._sends):
             task.cancel()
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
+        # a volunteer moved to another slot starts a new worker on the same P2P: free the handler names
+        for name in (wire.FORWARD, wire.BACKWARD):
+            await self.p2p.remove_binary_stream_handler(name)
+        await self.p2p.remove_protobuf_handler(wire.STATUS)
         self.executor.shutdown(wait=True)
 
     async def _publish(self) -> None:
@@ -403,7 +410,7 @@ class StageWorker:
             while True:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
-                    await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                    await asyncio.wait_for(links_of(self.p2p).call(
                         peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse),
                         max(1.0, deadline - time.monotonic()))
                     return True

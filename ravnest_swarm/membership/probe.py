@@ -1,0 +1,57 @@
+"""``probe``: send a tensor to another peer of a run over the route a stage would use, and time the reply.
+
+It resolves the peer's record (name or peer id) in ``{run}_peers``, connects the way the pipeline and
+the averager do (:meth:`~ravnest_swarm.reversal.PeerLinks.connect`: direct, connection reversal or
+forwarding through a backbone), streams ``bytes`` to the peer's ``ravnest.probe`` handler, and reports
+the route, the bytes the peer counted, the rate, and the backbones' NAT-traversal counters afterwards.
+``bench nat`` and the NAT lab tests run it inside network namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Dict, Optional, Sequence
+
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.services import check_reachability, relay_stats
+from ravnest_swarm.reversal import links_of, probe_peer
+from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+
+
+async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, total_bytes: int,
+                    host_maddrs: Sequence[str], announce_maddrs: Optional[Sequence[str]], timeout: float,
+                    record_timeout: float = 30.0) -> Dict:
+    """Probe ``peer`` (a record's name or peer id) and return the figures as a dict."""
+    node = await start_node(initial_peers, record_validators=make_validators(run), host_maddrs=host_maddrs,
+                            announce_maddrs=announce_maddrs, timeout=timeout)
+    try:
+        backbones = [peer_id_of(m) for m in initial_peers]
+        # our own verdict decides whether a NATed target is asked to dial us or the backbone forwards
+        reachability = await check_reachability(node.p2p, backbones[0], timeout) if backbones else "unknown"
+        deadline = time.monotonic() + record_timeout
+        record = None
+        while record is None:
+            record = next((r for r in await read_peers(node, run) if peer in (r["name"], r["peer_id"])), None)
+            if record is None:
+                if time.monotonic() > deadline:
+                    raise UserError(f"no peer {peer!r} in run {run!r} within {record_timeout:.0f}s", exit_code=1)
+                await asyncio.sleep(0.5)
+        peer_id = PeerID.from_base58(record["peer_id"])
+        maddrs = [Multiaddr(m.split("/p2p/", 1)[0]) for m in record["maddrs"]]
+        links = links_of(node.p2p)
+        started = time.perf_counter()
+        route = await links.connect(peer_id, maddrs, record.get("reachability"))
+        connect_seconds = time.perf_counter() - started
+        received, seconds = await probe_peer(node.p2p, peer_id, total_bytes, timeout=max(timeout, 120.0))
+        return dict(peer=record["name"], peer_id=record["peer_id"], peer_reachability=record["reachability"],
+                    our_reachability=reachability, route=route, connect_seconds=round(connect_seconds, 4),
+                    bytes=received, seconds=round(seconds, 4), mbytes_per_s=round(received / 2**20 / seconds, 1),
+                    backbones={str(b): await relay_stats(node.p2p, b, timeout) for b in backbones})
+    finally:
+        await stop_node(node)

@@ -1,0 +1,419 @@
+"""Reaching peers behind NAT through a backbone: connection reversal, and forwarding as the fallback.
+
+Measured on hivemind 1.1.12's p2pd (see docs/nat.md): the libp2p relay resets every relayed connection
+after 128 KiB, so tensors never go through it. What works is the connection a NATed volunteer keeps
+open to its backbone (its initial peer): over it the backbone can call the volunteer's handlers.
+
+* **Direct**: if we can dial the target (or are already connected, e.g. because it dialled us), we use
+  that connection. A peer whose record says ``reachability: "relay"`` is not dialled at all.
+* **Reversal**: a target behind NAT is asked, through a backbone (``ravnest.reverse_connect`` ->
+  ``ravnest.dial_me`` over the target's own connection), to dial us at our announced addresses. The
+  bulk streams then run on that direct connection, opened from inside the target's NAT.
+* **Forwarding**: when neither side can dial the other (two NATs), the sender streams to the backbone's
+  ``ravnest.forward`` handler, which pipes the bytes into the target's ``ravnest.forwarded`` handler over
+  the target's connection, and the reply back. The target trusts only its own backbones to say who the
+  original sender was. The backbone caps each stream and the number of streams, and counts the bytes.
+
+Every node started by :func:`ravnest_swarm.transport.start_node` gets a :class:`PeerLinks` (see
+:func:`links_of`) whose backbones are its initial peers. Handlers that others may reach through a
+forwarding backbone are registered with :meth:`PeerLinks.add_forwardable_handler`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections import Counter
+from contextlib import closing
+from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+from hivemind.utils.multiaddr import Multiaddr
+
+from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+
+logger = logging.getLogger(__name__)
+
+DIAL_ME = "ravnest.dial_me"
+REVERSE_CONNECT = "ravnest.reverse_connect"
+FORWARD = "ravnest.forward"
+FORWARDED = "ravnest.forwarded"
+PROBE = "ravnest.probe"
+
+DIRECT_DIAL_TIMEOUT = 3.0  # a NAT drops our SYN silently: give up on the direct path after this
+REVERSE_TIMEOUT = 10.0
+HEADER_TIMEOUT = 10.0
+MAX_HEADER_BYTES = 16 * 1024
+MAX_DIAL_MADDRS = 8
+PROBE_CHUNK_BYTES = 256 * 1024
+MAX_PROBE_BYTES = 64 * 1024 * 1024 + 1024 * 1024  # 64 MiB of payload plus framing
+PROBE_TIMEOUT = 120.0
+
+StreamHandler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+_links: "weakref.WeakKeyDictionary[P2P, PeerLinks]" = weakref.WeakKeyDictionary()
+
+
+def links_of(p2p: P2P) -> "PeerLinks":
+    """The :class:`PeerLinks` of a node (one without backbones, i.e. direct only, if none was installed)."""
+    if p2p not in _links:
+        _links[p2p] = PeerLinks(p2p, [])
+    return _links[p2p]
+
+
+async def install_links(p2p: P2P, backbones: Sequence[PeerID]) -> "PeerLinks":
+    """Create the node's :class:`PeerLinks` and register the handlers a volunteer serves to its backbones."""
+    links = PeerLinks(p2p, backbones)
+    _links[p2p] = links
+    await links.start()
+    return links
+
+
+async def _read_header(reader: asyncio.StreamReader) -> dict:
+    """One hivemind frame holding an ``ExpertRequest`` whose metadata is the header, read exactly (the
+    bytes after it stay in ``reader`` for whoever handles the rest of the stream)."""
+    marker = await reader.readexactly(1)
+    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if marker != P2P.MESSAGE_MARKER or length > MAX_HEADER_BYTES:
+        raise ValueError("a forwarded stream must start with one small header frame")
+    frame = runtime_pb2.ExpertRequest()
+    frame.ParseFromString(await reader.readexactly(length))
+    return unpack_metadata(frame.metadata)
+
+
+async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+    try:
+        await P2P.send_protobuf(RPCError(message=reason), writer)
+    except ConnectionError:
+        pass
+
+
+def _maddrs_of(text: Sequence[str]) -> List[Multiaddr]:
+    return [Multiaddr(m) for m in text[:MAX_DIAL_MADDRS]]
+
+
+def _strip_peer_id(maddrs: Sequence[Multiaddr]) -> List[str]:
+    return [str(m).split("/p2p/", 1)[0] for m in maddrs]
+
+
+class PeerLinks:
+    """How this node reaches other peers: direct, by connection reversal, or forwarded by a backbone.
+
+    :param p2p: the node's P2P instance
+    :param backbones: peer ids of the backbones we keep a connection to (our initial peers): the only
+        peers whose ``dial_me`` and ``forwarded`` requests we accept, and the ones we ask for help
+    :param direct_timeout: seconds a direct dial may take before we try a backbone
+    :param reverse_timeout: seconds a reversal (backbone round trip plus the target's dial) may take
+    """
+
+    def __init__(self, p2p: P2P, backbones: Sequence[PeerID], direct_timeout: float = DIRECT_DIAL_TIMEOUT,
+                 reverse_timeout: float = REVERSE_TIMEOUT):
+        self.p2p, self.backbones = p2p, list(backbones)
+        self.direct_timeout, self.reverse_timeout = direct_timeout, reverse_timeout
+        self.reachability = "unknown"  # ours, as a backbone's dial-back found it (check_reachability sets it)
+        self.routes: Dict[PeerID, Tuple[str, Optional[PeerID]]] = {}  # peer -> (direct|reversed|forward, backbone)
+        self.counts: Counter = Counter()  # routes established, by kind, and calls made over them
+        self._forwardable: Dict[str, StreamHandler] = {}
+        self._locks: Dict[PeerID, asyncio.Lock] = {}
+
+    async def start(self) -> None:
+        await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
+        await self.p2p.add_binary_stream_handler(FORWARDED, self._serve_forwarded)
+        await self.add_forwardable_handler(PROBE, bounded_stream_handler(
+            PROBE, self.p2p.peer_id, _count_probe, MAX_PROBE_BYTES, PROBE_TIMEOUT))
+
+    async def add_forwardable_handler(self, name: str, serve: StreamHandler) -> None:
+        """Register a binary stream handler that peers may also reach through a forwarding backbone."""
+        self._forwardable[name] = serve
+        await self.p2p.add_binary_stream_handler(name, serve)
+
+    # ---- choosing a route ----------------------------------------------------------------------
+
+    async def connect(self, peer_id: PeerID, maddrs: Sequence[Multiaddr], reachability: Optional[str] = None) -> str:
+        """Make ``peer_id`` callable and return the route: ``direct``, ``reversed`` or ``forward``.
+
+        :param maddrs: its announced addresses (without ``/p2p/``)
+        :param reachability: its record's verdict, if known; ``relay`` skips the direct dial
+        """
+        lock = self._locks.setdefault(peer_id, asyncio.Lock())
+        async with lock:
+            route = self.routes.get(peer_id)
+            if route is not None and route[0] == "forward":
+                return "forward"
+            if await self._connected(peer_id):
+                # a connection it opened to us counts as direct too: either side dialling is enough
+                self.routes[peer_id] = route or ("direct", None)
+                return self.routes[peer_id][0]
+            problems = []
+            if reachability != "relay" and maddrs:
+                try:
+                    await asyncio.wait_for(self.p2p._client.connect(peer_id, list(maddrs)), self.direct_timeout)
+                    return self._use(peer_id, "direct", None)
+                except Exception as e:
+                    problems.append(f"direct dial: {type(e).__name__}: {e}")
+            for backbone in self.backbones:
+                if backbone == peer_id:
+                    continue
+                try:
+                    answer = await self._ask_reversal(backbone, peer_id, dial=self.reachability != "relay")
+                except Exception as e:
+                    problems.append(f"backbone {backbone}: {type(e).__name__}: {e}")
+                    continue
+                if not answer.get("connected"):
+                    problems.append(f"backbone {backbone} has no connection to it")
+                    continue
+                if answer.get("dialed") and await self._wait_connected(peer_id):
+                    return self._use(peer_id, "reversed", backbone)
+                problems.append(f"reversal through {backbone}: {answer.get('error', 'not asked')}")
+                return self._use(peer_id, "forward", backbone)
+            raise ConnectionError(f"cannot reach {peer_id}: " + "; ".join(problems or ["no backbone to ask"]))
+
+    def forget(self, peer_id: PeerID) -> None:
+        """Drop the route after a failed call, so the next :meth:`connect` chooses again."""
+        self.routes.pop(peer_id, None)
+
+    def route(self, peer_id: PeerID) -> Optional[str]:
+        return self.routes.get(peer_id, (None, None))[0]
+
+    def _use(self, peer_id: PeerID, kind: str, backbone: Optional[PeerID]) -> str:
+        self.routes[peer_id] = (kind, backbone)
+        self.counts[kind] += 1
+        logger.info(f"route to {peer_id}: {kind}" + (f" via backbone {backbone}" if backbone else ""))
+        return kind
+
+    async def _connected(self, peer_id: PeerID) -> bool:
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer_id:
+                return not all("p2p-circuit" in str(addr) for addr in info.addrs)
+        return False
+
+    async def _wait_connected(self, peer_id: PeerID, seconds: float = 2.0) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if await self._connected(peer_id):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def _ask_reversal(self, backbone: PeerID, peer_id: PeerID, dial: bool) -> dict:
+        ours = _strip_peer_id(await self.p2p.get_visible_maddrs()) if dial else []
+        request = make_request({"peer": peer_id.to_base58(), "maddrs": ours[:MAX_DIAL_MADDRS]})
+        response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+            backbone, REVERSE_CONNECT, request, runtime_pb2.ExpertResponse), self.reverse_timeout)
+        return unpack_metadata(response.metadata)
+
+    # ---- calling -------------------------------------------------------------------------------
+
+    async def call(self, peer_id: PeerID, name: str, requests, output_type=runtime_pb2.ExpertResponse):
+        """``P2P.call_protobuf_handler`` with a stream of requests, over the route :meth:`connect` chose."""
+        kind, backbone = self.routes.get(peer_id, ("direct", None))
+        self.counts[f"calls_{kind}"] += 1
+        try:
+            if kind == "forward":
+                return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
+            return await self.p2p.call_protobuf_handler(peer_id, name, requests, output_type)
+        except P2PHandlerError:
+            raise  # the peer answered: the route works
+        except BaseException:
+            self.forget(peer_id)
+            raise
+
+    async def _call_forwarded(self, backbone: PeerID, peer_id: PeerID, name: str, requests, output_type):
+        _, reader, writer = await self.p2p.call_binary_stream_handler(backbone, FORWARD)
+        with closing(writer):
+            await P2P.send_protobuf(make_request({"to": peer_id.to_base58(), "handler": name}), writer)
+
+            async def write() -> None:
+                async for request in requests:
+                    await P2P.send_protobuf(request, writer)
+                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+            writing = asyncio.create_task(write())
+            try:
+                response, error = await P2P.receive_protobuf(output_type, reader)
+            except asyncio.IncompleteReadError:
+                raise ConnectionError(f"backbone {backbone} closed the forwarded stream to {peer_id} without a reply")
+            finally:
+                if not writing.done():
+                    writing.cancel()
+                await asyncio.gather(writing, return_exceptions=True)
+            if error is not None:
+                raise P2PHandlerError(f"Failed to call handler `{name}` at {peer_id} via {backbone}: {error.message}")
+            return response
+
+    # ---- serving our backbones -----------------------------------------------------------------
+
+    async def _rpc_dial_me(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A backbone passes on a peer's request that we dial it (we are the one behind NAT)."""
+        if context.remote_id not in self.backbones:
+            raise ValueError("dial_me is accepted from our backbones only")
+        metadata = unpack_metadata(request.metadata)
+        peer_id = PeerID.from_base58(str(metadata.get("peer")))
+        maddrs = _maddrs_of([str(m) for m in metadata.get("maddrs", [])])
+        # p2pd would reuse a relayed connection (reset after 128 KiB) instead of dialling: drop it first
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer_id and any("p2p-circuit" in str(a) for a in info.addrs):
+                await self.p2p._client.disconnect(peer_id)
+        try:
+            await asyncio.wait_for(self.p2p._client.connect(peer_id, maddrs), self.direct_timeout)
+        except Exception as e:
+            return make_response({"dialed": False, "error": f"{type(e).__name__}: {e}"[:300]})
+        return make_response({"dialed": True})
+
+    async def _serve_forwarded(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A backbone pipes another peer's stream to us: hand it to the named handler as if it came directly."""
+        if info.peer_id not in self.backbones:
+            logger.info(f"refused a forwarded stream from {info.peer_id}: not one of our backbones")
+            with closing(writer):
+                await _refuse(writer, "forwarded streams are accepted from our backbones only")
+            return
+        try:
+            header = await asyncio.wait_for(_read_header(reader), HEADER_TIMEOUT)
+            sender, name = PeerID.from_base58(str(header.get("from"))), str(header.get("handler"))
+        except Exception as e:
+            with closing(writer):
+                await _refuse(writer, f"bad forwarded stream header: {type(e).__name__}: {e}")
+            return
+        serve = self._forwardable.get(name)
+        if serve is None:
+            with closing(writer):
+                await _refuse(writer, f"handler {name!r} does not take forwarded streams here")
+            return
+        self.counts["forwarded_in"] += 1
+        await serve(StreamInfo(sender, info.addr, name), reader, writer)
+
+
+async def _count_probe(frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
+    return make_response({"bytes": sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)})
+
+
+async def probe_peer(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout: float = PROBE_TIMEOUT) -> Tuple[int, float]:
+    """Stream ``total_bytes`` (one uint8 tensor in 256 KiB parts) to a peer's probe handler over its route;
+    return the bytes it counted and the seconds from the first byte to its reply."""
+    payload = runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES), dtype="uint8", size=[PROBE_CHUNK_BYTES])
+
+    async def stream():
+        for _ in range(max(1, total_bytes // PROBE_CHUNK_BYTES)):
+            yield runtime_pb2.ExpertRequest(tensors=[payload])
+
+    started = time.perf_counter()
+    response = await asyncio.wait_for(links_of(p2p).call(peer_id, PROBE, stream()), timeout)
+    return int(unpack_metadata(response.metadata).get("bytes", 0)), time.perf_counter() - started
+
+
+class RelayServices:
+    """A backbone's side of NAT traversal: passing reversal requests and forwarding streams, capped.
+
+    :param p2p: the backbone's P2P instance
+    :param max_forward_bytes: a forwarded stream that sends more than this towards the target is cut off
+    :param max_forward_streams: forwarded streams served at once; more are refused (the backbone carries
+        every forwarded byte twice, in and out)
+    :param forward_timeout: seconds a forwarded stream may stay open
+    """
+
+    def __init__(self, p2p: P2P, max_forward_bytes: int = 256 * 1024**2, max_forward_streams: int = 16,
+                 forward_timeout: float = 300.0):
+        self.p2p = p2p
+        self.max_forward_bytes, self.max_forward_streams = max_forward_bytes, max_forward_streams
+        self.forward_timeout = forward_timeout
+        self.stats: Counter = Counter()  # reversals, forwarded_streams, forwarded_bytes, refused
+        self._active = 0
+
+    async def add_handlers(self) -> None:
+        await self.p2p.add_protobuf_handler(REVERSE_CONNECT, self.rpc_reverse_connect, runtime_pb2.ExpertRequest)
+        await self.p2p.add_binary_stream_handler(FORWARD, self.serve_forward)
+
+    async def _observed_hosts(self, peer_id: PeerID) -> List[str]:
+        hosts = []
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer_id:
+                hosts += [str(addr).split("/")[2] for addr in info.addrs if str(addr).startswith("/ip")]
+        return hosts
+
+    async def rpc_reverse_connect(self, request: runtime_pb2.ExpertRequest,
+                                  context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Ask a connected peer to dial the caller back; say whether it is connected here and whether it dialled.
+
+        Only the caller's addresses on the IPs it is connected from are passed on, so nobody can make a
+        volunteer dial third parties through us.
+        """
+        metadata = unpack_metadata(request.metadata)
+        target = PeerID.from_base58(str(metadata.get("peer")))
+        if not await self._observed_hosts(target):
+            return make_response({"connected": False})
+        hosts = set(await self._observed_hosts(context.remote_id))
+        maddrs = [str(m) for m in metadata.get("maddrs", [])[:MAX_DIAL_MADDRS]
+                  if isinstance(m, str) and m.startswith("/ip") and m.split("/")[2] in hosts]
+        if not maddrs:
+            return make_response({"connected": True, "dialed": False,
+                                  "error": "no announced address of the caller on an IP it connects from"})
+        self.stats["reversals"] += 1
+        try:
+            response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                target, DIAL_ME, make_request({"peer": context.remote_id.to_base58(), "maddrs": maddrs}),
+                runtime_pb2.ExpertResponse), REVERSE_TIMEOUT)
+        except Exception as e:
+            return make_response({"connected": True, "dialed": False, "error": f"{type(e).__name__}: {e}"[:300]})
+        return make_response(dict(unpack_metadata(response.metadata), connected=True))
+
+    async def serve_forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Pipe the caller's stream into the target's ``forwarded`` handler and its reply back, within the caps."""
+        with closing(writer):
+            if self._active >= self.max_forward_streams:
+                self.stats["refused"] += 1
+                await _refuse(writer, f"this backbone forwards at most {self.max_forward_streams} streams at once")
+                return
+            self._active += 1
+            try:
+                await self._forward(info, reader, writer)
+            finally:
+                self._active -= 1
+
+    async def _forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header = await asyncio.wait_for(_read_header(reader), HEADER_TIMEOUT)
+            target, name = PeerID.from_base58(str(header.get("to"))), str(header.get("handler"))
+            if not await self._observed_hosts(target):
+                raise ValueError(f"{target} is not connected to this backbone")
+            _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(target, FORWARDED)
+        except Exception as e:
+            self.stats["refused"] += 1
+            await _refuse(writer, f"cannot forward: {type(e).__name__}: {e}")
+            return
+        self.stats["forwarded_streams"] += 1
+        with closing(target_writer):
+            await P2P.send_protobuf(make_request({"from": info.peer_id.to_base58(), "handler": name}), target_writer)
+            upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
+            downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
+            try:
+                # the reply ends the exchange: the target closes its side once it has answered
+                done, _ = await asyncio.wait({upstream, downstream}, timeout=self.forward_timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if upstream in done and upstream.exception() is not None:
+                    self.stats["refused"] += 1
+                    await _refuse(writer, str(upstream.exception()))
+                elif upstream in done:
+                    await asyncio.wait_for(downstream, self.forward_timeout)
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+            finally:
+                for task in (upstream, downstream):
+                    task.cancel()
+                await asyncio.gather(upstream, downstream, return_exceptions=True)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, cap: Optional[int]) -> None:
+        passed = 0
+        while True:
+            data = await source.read(1 << 16)
+            if not data:
+                return
+            passed += len(data)
+            if cap is not None and passed > cap:
+                raise ValueError(f"forwarded stream exceeds this backbone's {cap}-byte cap")
+            self.stats["forwarded_bytes"] += len(data)
+            sink.write(data)
+            await sink.drain()
