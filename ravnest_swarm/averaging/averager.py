@@ -45,6 +45,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
+from ravnest_swarm.reversal import links_of
 from ravnest_swarm.transport import DISCARD_SECONDS, make_request, make_response, unpack_metadata
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,8 @@ class MultiRingAverager:
         self._control_tasks: Set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(RING_HANDLER, self._serve)
+        # forwardable: a ring partner behind another NAT reaches us through a backbone (reversal.py)
+        await links_of(self.p2p).add_forwardable_handler(RING_HANDLER, self._serve)
 
     async def shutdown(self) -> None:
         """Give the last notes to other members a moment to arrive, then stop serving."""
@@ -371,7 +373,7 @@ class MultiRingAverager:
                 first = False
 
         await asyncio.wait_for(
-            self.p2p.call_protobuf_handler(PeerID.from_base58(peer), RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
+            links_of(self.p2p).call(PeerID.from_base58(peer), RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
             max(0.0, deadline - time.monotonic()),
         )
 

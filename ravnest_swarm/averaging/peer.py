@@ -29,7 +29,9 @@ from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.segments import Ring, build_rings, element_range, rings_of
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
-from ravnest_swarm.transport import start_node, stop_node
+from ravnest_swarm.membership.services import check_reachability
+from ravnest_swarm.reversal import links_of
+from ravnest_swarm.transport import peer_id_of, start_node, stop_node
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +114,8 @@ async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: 
     maddrs = [str(m) for m in await node.p2p.get_visible_maddrs()][:16]
     record = dict(
         peer_id=node.peer_id.to_base58(), name=f"avg-c{options.cluster}s{options.stage}", state="averaging",
-        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability="unknown", maddrs=maddrs, version=__version__,
+        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability=links_of(node.p2p).reachability, maddrs=maddrs,
+        version=__version__,
         time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
         rejected=rejected,
     )
@@ -157,7 +160,8 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
     """Dial our ring partners at the addresses in their peer records.
 
     p2pd's own routing cannot find peers whose addresses it treats as non-public (a LAN, the bench's
-    198.18.0.0/15 lab), so we connect explicitly, as the pipeline does for its neighbours.
+    198.18.0.0/15 lab), so we connect explicitly, as the pipeline does for its neighbours; a partner
+    behind NAT is reached through a backbone (reversal or forwarding, see reversal.py).
     """
     me = node.peer_id.to_base58()
     wanted = {member for ring in rings for member in ring.members if member != me}
@@ -169,7 +173,7 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
             suffix = f"/p2p/{record['peer_id']}"
             maddrs = [Multiaddr(m[:-len(suffix)] if m.endswith(suffix) else m) for m in record["maddrs"]]
             try:
-                await node.p2p._client.connect(peer_id, maddrs)
+                await links_of(node.p2p).connect(peer_id, maddrs, record.get("reachability"))
             except Exception as e:  # the ring's own timeout reports a partner we cannot reach
                 logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")
 
@@ -196,6 +200,9 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         raise UserError(f"--layers: {e}")
     node = await start_node(options.initial_peers, record_validators=make_validators(options.run),
                             host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
+    if options.initial_peers:
+        # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone
+        await check_reachability(node.p2p, peer_id_of(options.initial_peers[0]), options.timeout)
     averager = MultiRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression)
     try:
         await averager.start()
@@ -229,6 +236,7 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
 
             save_file({"values": local.contiguous()}, options.out, metadata={"start": str(start), "end": str(end)})
         print(json.dumps(dict(peer_id=me, cluster=options.cluster, stage=options.stage, start=start, end=end,
+                              reachability=links_of(node.p2p).reachability, routes=dict(links_of(node.p2p).counts),
                               **result.as_dict())), flush=True)
         return 0
     finally:

@@ -53,7 +53,13 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
             return 1
         backbone = peer_id_of(answering[0])
         reachability = await check_reachability(node.p2p, backbone, timeout)
-        relay_note = "others can dial this peer" if reachability == "direct" else f"reached through backbone {backbone}"
+        if reachability == "direct":
+            relay_note = "others can dial this peer; no relay is used"
+        else:
+            # the relay is the backbone this peer stays connected to: see reversal.py for both paths
+            relay_note = (f"a backbone could not dial this peer back; relay: backbone {backbone} at {answering[0]} "
+                          f"(through it this peer is asked to dial senders that can be dialled; a sender behind "
+                          f"NAT too has its streams forwarded by it)")
         report(True, "reachability", f"{reachability} ({relay_note})")
         ram = measure_ram_gb()
         gflops = await asyncio.get_running_loop().run_in_executor(None, measure_gflops)

@@ -551,6 +551,7 @@ class StageWorker:
         c = self.counters
         return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
+                    routes=dict(links_of(self.p2p).counts),
                     inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy)
 
     def save(self, path: str) -> None:

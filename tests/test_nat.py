@@ -1,0 +1,181 @@
+"""NAT traversal behind real NAT: network namespaces, iptables MASQUERADE routers, real p2pd processes.
+
+Public hosts (backbone, observer, public peers) share a switch; each home host sits behind its own
+router that drops unsolicited inbound traffic (``ravnest_swarm.natlab``). Every process a test starts
+is stopped, and every namespace removed, even when it fails.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline_helpers import losses, read_report
+from ravnest_swarm.averaging.peer import synthetic_layer
+from ravnest_swarm.natlab import NatLab, nat_lab_available
+from ravnest_swarm.netlab import LAB_PREFIX
+
+REASON = nat_lab_available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"NAT lab unavailable: {REASON}")
+RUN = "nat"
+
+
+@pytest.fixture
+def make_lab(processes):
+    """Build a :class:`NatLab`; at teardown stop the test's processes first, then remove the namespaces."""
+    labs = []
+
+    def make(public, homes):
+        lab = NatLab(public, homes).__enter__()
+        labs.append(lab)
+        return lab
+
+    try:
+        yield make
+    finally:
+        processes.stop_all()
+        for lab in labs:
+            lab.close()
+
+
+def start_backbone(processes, lab):
+    return processes.start(["backbone", "--host-maddrs", lab.public_maddr(0)], "backbone",
+                           prefix=lab.public_prefix(0)).maddrs()[0]
+
+
+def start_volunteer(processes, backbone, name, host_maddr, prefix):
+    """A real ``join`` (planning-only mode, measurements overridden except reachability, which it asks the
+    backbone for); it idles as a standby and serves its probe handler."""
+    return processes.start(["join", "--initial-peers", backbone, "--run", RUN, "--name", name, "--host-maddrs",
+                            host_maddr, "--model-gb", "1", "--min-peers", "50", "--no-dashboard", "--ram-gb", "4",
+                            "--gflops", "10", "--bandwidth-mbps", "100", "--heartbeat", "2"], name, prefix=prefix)
+
+
+def run_json(processes, args, name, prefix, timeout=90):
+    process = processes.start(args, name, prefix=prefix)
+    assert process.wait(timeout) == 0, process.stderr()[-3000:]
+    return json.loads(process.stdout().strip().splitlines()[-1])
+
+
+def observe(processes, backbone, lab, name, reachability, timeout=45.0):
+    """Poll ``status --json`` from the observer host until ``name`` shows ``reachability``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        peers = run_json(processes, ["status", "--json", "--run", RUN, "--initial-peers", backbone],
+                         f"status{len(processes.processes)}", lab.public_prefix(1))["peers"]
+        record = next((p for p in peers if p["name"] == name), None)
+        if record is not None and record["reachability"] == reachability:
+            return record
+        assert time.monotonic() < deadline, f"observer never saw {name} as {reachability}: {peers}"
+        time.sleep(1.0)
+
+
+def connects(prefix, ip, port, timeout=2.0) -> bool:
+    """Whether a TCP connection from inside a namespace to ``ip:port`` succeeds."""
+    code = f"import socket; socket.create_connection(({ip!r}, {port}), {timeout})"
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@pytest.mark.timeout(60)
+def test_lab_nat_lets_home_out_and_nothing_in(processes):
+    listeners = []
+    with NatLab(1, 1) as lab:
+        try:
+            for prefix in (lab.public_prefix(0), lab.home_prefix(0)):
+                listeners.append(subprocess.Popen([*prefix, sys.executable, "-c",
+                    "import socket,time; s=socket.create_server(('0.0.0.0', 40000)); time.sleep(60)"]))
+            time.sleep(1.0)
+            assert connects(lab.home_prefix(0), lab.public_ip(0), 40000), "home host cannot reach the public side"
+            # the router's public address answers nothing unsolicited, and home LANs are not routed publicly
+            assert not connects(lab.public_prefix(0), lab.router_ip(0), 40000)
+            assert not connects(lab.public_prefix(0), lab.home_ip(0), 40000)
+            names = lab.namespaces()
+        finally:
+            for listener in listeners:
+                listener.kill()
+                listener.wait()
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listing for name in names) and all(n.startswith(LAB_PREFIX) for n in names)
+
+
+@pytest.mark.timeout(180)
+def test_volunteer_behind_nat_is_relay_and_answers_a_public_peer(processes, make_lab):
+    lab = make_lab(3, 1)
+    backbone = start_backbone(processes, lab)
+    start_volunteer(processes, backbone, "home", lab.home_maddr(0), lab.home_prefix(0))
+    doctor = processes.start(["doctor", "--initial-peers", backbone], "doctor", prefix=lab.home_prefix(0))
+    observe(processes, backbone, lab, "home", "relay")
+    result = run_json(processes, ["probe", "--initial-peers", backbone, "--run", RUN, "--peer", "home", "--mb", "1",
+                                  "--host-maddrs", lab.public_maddr(2)], "probe", lab.public_prefix(2))
+    # the public peer's tensor reached the NATed volunteer, which counted every byte in its reply
+    assert result["bytes"] == 2**20 and result["route"] == "reversed"
+    assert next(iter(result["backbones"].values())).get("reversals", 0) >= 1
+    assert doctor.wait(90) == 0, doctor.stderr()[-2000:]
+    backbone_id = backbone.rsplit("/", 1)[-1]
+    assert "reachability: relay" in doctor.stdout() and f"relay: backbone {backbone_id}" in doctor.stdout()
+
+
+@pytest.mark.timeout(150)
+def test_public_volunteer_is_direct_and_uses_no_relay(processes, make_lab):
+    lab = make_lab(3, 0)
+    backbone = start_backbone(processes, lab)
+    start_volunteer(processes, backbone, "public", lab.public_maddr(2), lab.public_prefix(2))
+    observe(processes, backbone, lab, "public", "direct")
+    result = run_json(processes, ["probe", "--initial-peers", backbone, "--run", RUN, "--peer", "public", "--mb", "1",
+                                  "--host-maddrs", lab.public_maddr(1)], "probe", lab.public_prefix(1))
+    assert result["bytes"] == 2**20 and result["route"] == "direct"
+    # the backbone passed no reversal and forwarded nothing
+    stats = next(iter(result["backbones"].values()))
+    assert stats.get("reversals", 0) == 0 and stats.get("forwarded_bytes", 0) == 0
+
+
+@pytest.mark.timeout(240)
+def test_two_stage_pipeline_with_a_stage_behind_nat_trains(processes, make_lab, tmp_path):
+    lab = make_lab(2, 1)
+    backbone = start_backbone(processes, lab)
+    common = ["--initial-peers", backbone, "--run", RUN, "--stages", "2", "--model", "mlp-digits",
+              "--microbatches", "60", "--microbatch-size", "32", "--max-in-flight", "4", "--lr", "0.1"]
+    places = [(lab.public_maddr(1), lab.public_prefix(1)), (lab.home_maddr(0), lab.home_prefix(0))]
+    stages = []
+    for index, (layers, (maddr, prefix)) in enumerate(zip(("0:2", "2:4"), places)):
+        stages.append(processes.start(
+            ["stage", *common, "--stage", str(index), "--layers", layers, "--host-maddrs", maddr,
+             "--report", str(tmp_path / f"report{index}.json")], f"stage{index}", prefix=prefix))
+    for index, stage in enumerate(stages):
+        assert stage.wait(200) == 0, f"stage {index}: {stage.stderr()[-3000:]}"
+    first, last = read_report(str(tmp_path), 0), read_report(str(tmp_path), 1)
+    curve = losses(last)
+    start, end = sum(curve[:8]) / 8, sum(curve[-8:]) / 8
+    assert end < 0.75 * start, f"loss went from {start:.3f} to {end:.3f}"
+    assert first["completed"] == 60 and first["dropped"] == 0
+    # the public stage reached the NATed one by connection reversal, never through the relay
+    assert first["routes"].get("reversed", 0) >= 1 and first["routes"].get("forward", 0) == 0
+
+
+@pytest.mark.timeout(180)
+def test_two_volunteers_behind_two_nats_average_through_the_backbone(processes, make_lab, tmp_path):
+    lab = make_lab(1, 2)
+    backbone = start_backbone(processes, lab)
+    sizes, seed = [3000, 5000], 11
+    peers = []
+    for cluster in range(2):
+        args = ["averaging-peer", "--initial-peers", backbone, "--run", RUN, "--cluster", str(cluster), "--stage", "0",
+                "--layer-sizes", ",".join(map(str, sizes)), "--layers", "0,2", "--seed", str(seed), "--step", "1",
+                "--host-maddrs", lab.home_maddr(cluster), "--out", str(tmp_path / f"c{cluster}.safetensors")]
+        if cluster == 0:
+            args += ["--publish-plan", "2"]
+        peers.append(processes.start(args, f"c{cluster}", prefix=lab.home_prefix(cluster)))
+    expected = torch.stack([torch.cat([synthetic_layer(seed, k, j, n) for j, n in enumerate(sizes)])
+                            for k in range(2)]).mean(0)
+    for cluster, peer in enumerate(peers):
+        assert peer.wait(120) == 0, peer.stderr()[-3000:]
+        result = json.loads(peer.stdout().strip().splitlines()[-1])
+        assert result["reachability"] == "relay" and result["failed_segments"] == []
+        # neither could dial the other: the ring's chunks went through the backbone's forwarding
+        assert result["routes"].get("forward", 0) >= 1 and result["routes"].get("calls_forward", 0) >= 1
+        values = load_file(str(tmp_path / f"c{cluster}.safetensors"))["values"]
+        assert torch.allclose(values, expected, atol=1e-5)
