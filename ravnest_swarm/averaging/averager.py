@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from contextlib import closing
@@ -524,10 +525,11 @@ class MultiRingAverager:
                 if received.dtype != torch.float32:
                     received = received.float()
                 received = received.reshape(-1)
-                if not torch.isfinite(received).all():
+                # one pass per part: the largest magnitude, NaN if any element is NaN, Inf if any is infinite
+                largest = torch.linalg.vector_norm(received, float("inf")).item() if n else 0.0
+                if not math.isfinite(largest):
                     raise ContributionRejected(preceding, f"{phase} chunk {position} holds NaN or Inf")
                 if n:
-                    largest = received.abs().max().item()
                     contributions = position + 1 if phase == REDUCE else 1
                     if largest > self.max_scale * contributions * ours[receive_chunk]:
                         raise ContributionRejected(preceding, f"{phase} chunk {position} is absurdly scaled "

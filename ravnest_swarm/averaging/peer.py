@@ -194,6 +194,9 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.poison not in (None, *POISONS):
         raise UserError(f"--poison must be one of {', '.join(POISONS)}")
     compression = compression_by_name(options.compression)
+    # one torch thread, as in a volunteer's stage process: the ring sums 512 KiB parts as they arrive, and
+    # on shared cores intra-op threads cost more in synchronisation than such small operations gain
+    torch.set_num_threads(1)
     try:
         start, end = element_range(options.layer_sizes, options.layers)
     except ValueError as e:
