@@ -451,6 +451,20 @@ def averaging_peer(
     sys.exit(run_async(main()))
 
 
+@bench_app.command("nat")
+def bench_nat(
+    size_mb: float = typer.Option(32.0, "--size-mb", min=0.25, max=64.0, help="MiB sent over each path."),
+    repeats: int = typer.Option(2, "--repeats", min=1, max=10, help="Probes per path."),
+    mbps: Optional[float] = typer.Option(None, "--mbps", min=0.1, help="Shape every access link (default unshaped)."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Direct vs connection reversal vs backbone forwarding, behind real NAT in namespaces (root)."""
+    configure_logging(False)
+    from ravnest_swarm.natbench import bench_nat as run
+
+    sys.exit(run_async(run(size_mb, repeats, mbps, as_json)))
+
+
 @bench_app.command("pipeline")
 def bench_pipeline(
     stages: int = typer.Option(4, "--stages", min=2, help="Pipeline stages, one process and host each."),
