@@ -17,7 +17,7 @@ from typing import Deque, Dict, Iterable, List, Optional, Tuple
 
 Slot = Tuple[int, int]  # (cluster, stage)
 
-ACTIVE_STATES = ("training", "averaging")
+ACTIVE_STATES = ("training", "averaging", "done")
 EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected")
 
 

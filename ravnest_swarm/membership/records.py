@@ -22,7 +22,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from ravnest_swarm.errors import UserError
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
-PEER_STATES = ("joining", "standby", "training", "averaging", "leaving")
+PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
 MAX_PLAN_STAGES = 4096

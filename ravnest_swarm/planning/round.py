@@ -42,6 +42,7 @@ from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_f
 
 logger = logging.getLogger(__name__)
 
+GONE_POLLS = 3
 ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=10**9)
 
 
@@ -105,6 +106,7 @@ class PlanningRounds:
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
+        self.missing: Dict[str, int] = {}  # planned peer id -> consecutive polls without its record
 
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
@@ -153,8 +155,11 @@ class PlanningRounds:
         if plan is None:
             return f"{len(alive)} live peers" if len(alive) >= options.min_peers else None
         members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
-        if members - set(alive):
-            return f"{len(members - set(alive))} planned peer(s) gone"
+        # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
+        self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
+        gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
+        if gone:
+            return f"{len(gone)} planned peer(s) gone"
         new = set(alive) - self.planned_with - members
         if len(new) >= options.min_peers:
             return f"{len(new)} new standby peers"

@@ -66,10 +66,11 @@ class LocalOptions:
 
 
 def capability_overrides(index: int, model_gb: float) -> Dict[str, str]:
-    """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed speeds."""
+    """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed compute,
+    and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace."""
     ram = model_gb * (0.4 + 0.1 * (index % 4))
-    return {"--ram-gb": f"{ram:.9f}", "--gflops": str(20 + 15 * (index % 3)),
-            "--bandwidth-mbps": str(100 * (1 + index % 5))}
+    return {"--ram-gb": f"{ram:.9f}", "--gflops": str(20 + 10 * (index % 3)),
+            "--bandwidth-mbps": str(1000 + 100 * (index % 5))}
 
 
 class LocalSwarm:
@@ -94,14 +95,15 @@ class LocalSwarm:
         self.samples_per_s: List[float] = []
         self.chaos_done = self.late_done = False
         self.plans: Dict[int, dict] = {}  # round -> adopted plan, as seen
+        self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
         args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",
                 "--model", self.spec.model, "--steps", str(self.options.steps), "--lr", str(self.spec.lr),
                 "--microbatch-size", str(self.spec.microbatch_size), "--max-in-flight", str(self.spec.max_in_flight),
-                "--averaging-period", str(self.spec.averaging_period), "--heartbeat", "2",
-                "--min-peers", str(min(self.options.peers, 4)), "--checkpoint-dir", self.checkpoint_dir,
+                "--averaging-period", str(self.spec.averaging_period), "--heartbeat", "4",
+                "--min-peers", str(self.options.peers), "--checkpoint-dir", self.checkpoint_dir,
                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
         for flag, value in capability_overrides(index, self.workload.model_gb).items():
             args += [flag, value]
@@ -135,6 +137,7 @@ class LocalSwarm:
             found = await observer.get(plan_key(RUN), latest=True)
             plan = found.value[max(found.value)].value if found is not None and found.value else None
             self.state.update(peers, plan)
+            self.peer_ids.update({p["name"]: p["peer_id"] for p in peers})
             if plan is not None:
                 self.plans.setdefault(plan["round"], plan)
             self._sample(peers)
@@ -162,25 +165,30 @@ class LocalSwarm:
             self.peak_memory_mb = max(self.peak_memory_mb, rss)
 
     async def _maybe_chaos(self, peers: List[dict], maddr: str) -> None:
-        if not self.options.chaos:
+        """A third of the way in, one more peer joins; once it is a standby, a training stage is SIGKILLed,
+        so the next planning round can hand the dead stage's layers to it."""
+        if not self.options.chaos or self.chaos_done:
             return
         training = [p for p in peers if p["state"] in ("training", "averaging") and p.get("step") is not None]
-        progress = max((p["step"] for p in training), default=0)
-        if not self.chaos_done and progress >= self.options.steps // 3:
+        if not self.late_done:
+            if max((p["step"] for p in training), default=0) >= self.options.steps // 3:
+                self._join(maddr, self.options.peers)
+                self.late_done = True
+            return
+        late = f"peer{self.options.peers}"
+        if any(p["name"] == late and p["state"] == "standby" for p in peers) and training:
             victim = random.Random(self.options.seed).choice(sorted(p["name"] for p in training))
             self.console.print(f"chaos: SIGKILL {victim}", highlight=False)
             self.volunteers[victim].kill_group()
             self.chaos_done = True
-        if self.chaos_done and not self.late_done:
-            self._join(maddr, self.options.peers)
-            self.late_done = True
 
     def _finished(self, peers: List[dict], plan: Optional[dict]) -> bool:
+        """Every peer of the plan in force has trained its steps (its stage worker finished)."""
         if plan is None:
             return False
         placed = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
-        steps = {p["peer_id"]: p.get("step") or 0 for p in peers}
-        return bool(placed) and all(steps.get(peer, 0) >= self.options.steps for peer in placed)
+        states = {p["peer_id"]: p["state"] for p in peers}
+        return bool(placed) and all(states.get(peer) == "done" for peer in placed)
 
     # ------------------------------------------------------------------ summary
     def peers_replaced(self) -> int:
@@ -196,8 +204,19 @@ class LocalSwarm:
             replaced += min(len(placed_before - placed_after), len(placed_after - placed_before))
         return replaced
 
+    def memory_fractions(self, memory: Dict[str, int]) -> Dict[str, float]:
+        """Per peer: tensor bytes it holds / (the whole model's bytes / stages in its cluster), in the last plan."""
+        if not self.plans:
+            return {}
+        model_bytes = sum(layer.param_bytes for layer in self.model.layers)  # SGD keeps no per-parameter state
+        stages = {stage["peer_id"]: len(cluster) for cluster in self.plans[max(self.plans)]["clusters"]
+                  for stage in cluster}
+        return {name: round(held / (model_bytes / stages[self.peer_ids[name]]), 3)
+                for name, held in memory.items() if self.peer_ids.get(name) in stages}
+
     def summary(self, seconds: float) -> dict:
         accuracy, memory = self.evaluate()
+        fractions = self.memory_fractions(memory)
         totals = self.state.totals()
         result = {
             "clusters": max((len(plan["clusters"]) for plan in self.plans.values()), default=0),
@@ -211,6 +230,8 @@ class LocalSwarm:
             "samples_per_s": round(sum(self.samples_per_s) / len(self.samples_per_s), 2) if self.samples_per_s else 0.0,
             "peak_peer_memory_mb": round(self.peak_memory_mb, 1),
             "peer_tensor_bytes": memory,
+            "peer_memory_fraction": fractions,
+            "max_peer_memory_fraction": max(fractions.values(), default=None),
             "seconds": round(seconds, 1),
             "peers": self.options.peers,
             "steps": self.options.steps,

@@ -104,6 +104,7 @@ class Volunteer:
         self.layer_sizes = [sum(p.numel() for p in self.model.build_layer(i).parameters())
                             for i in range(len(self.model.layers))]
         self.worker: Optional[StageWorker] = None
+        self.held: Optional[Tuple[int, torch.nn.Sequential, int]] = None  # layers of the last stopped worker
         self.placement: Optional[Placement] = None
         self.plan: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
@@ -143,7 +144,7 @@ class Volunteer:
                 self._publish_progress()
         finally:
             planner.cancel()
-            await self._stop_worker(save=True)
+            await self._stop_worker()
             await self.averager.shutdown()
 
     def _on_adopt(self, plan: dict) -> None:
@@ -159,11 +160,11 @@ class Volunteer:
         self.announcer.update(plan_round=plan["round"])
         if placement == self.placement and self.worker is not None:
             return  # same slot, same neighbours' positions: the worker goes on; endpoints re-resolve by themselves
-        await self._stop_worker(save=False)
+        await self._stop_worker()
         self.placement = placement
         if placement is None:
-            self.announcer.update(state="standby", cluster=-1, stage=None, layers=None, step=None, loss=None,
-                                  samples_per_s=None)
+            # a standby keeps offering the layers it last trained, so others can still fetch them
+            self.announcer.update(state="standby", cluster=-1, stage=None, loss=None, samples_per_s=None)
             self.console.print(f"{self.name}: standby in plan round {plan['round']}", highlight=False)
             return
         await self._start_worker(placement)
@@ -186,22 +187,23 @@ class Volunteer:
         self.console.print(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
                            f"{layers[0]}:{layers[1]} from step {step}", highlight=False)
 
-    async def _stop_worker(self, save: bool) -> None:
+    async def _stop_worker(self) -> None:
+        """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
         worker, self.worker = self.worker, None
         if worker is None:
             return
+        await worker.shutdown()
         start = worker.start_layer
         for offset, layer in enumerate(worker.module):
             self.cache[start + offset] = ({k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
-        if save:
-            self._save_checkpoint(worker)
-        await worker.shutdown()
+        self.held = (start, worker.module, worker.version)
+        self._save_checkpoint(worker)
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> int:
         """Load every owned layer from the freshest source; return the step training continues from."""
         start, end = layers
         peers = [p for p in await read_peers(self.node, self.run)
-                 if p["peer_id"] != self.peer_id and p["state"] in ("training", "averaging")
+                 if p["peer_id"] != self.peer_id and p["state"] != "leaving"
                  and p.get("layers") and p.get("step") is not None]
         step = 0
         remote: Dict[int, List[PeerID]] = {}
@@ -236,7 +238,7 @@ class Volunteer:
     def _held_layers(self):
         worker = self.worker
         if worker is None:
-            return None
+            return self.held
         return worker.start_layer, worker.module, worker.version
 
     # ------------------------------------------------------------------ between optimizer steps
@@ -250,13 +252,19 @@ class Volunteer:
     async def _average(self, step: int) -> None:
         worker = self.worker
         rings = rings_of(self.peer_id, plan_rings(self.plan, self.layer_sizes))
-        if not rings:
-            return
+        if not rings or step <= self.averager.last_finished_step:
+            return  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state="averaging")
         parameters = list(worker.module.parameters())
         local = flatten([p.detach() for p in parameters])
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
-        result = await self.averager.average(step, local, local_start, rings)
+        try:
+            result = await self.averager.average(step, local, local_start, rings)
+        except Exception as e:  # averaging must never stop training: keep the local values, say why
+            self.averaging_failures += 1
+            self.console.print(f"{self.name}: averaging at step {step} failed: {type(e).__name__}: {e}", highlight=False)
+            self.announcer.update(state="training", averaging_failures=self.averaging_failures)
+            return
         with torch.no_grad():
             unflatten_into(local, parameters)
         self.averaging_rounds += 1
@@ -278,6 +286,8 @@ class Volunteer:
         losses = worker.counters.losses
         self.announcer.update(step=version, samples_per_s=round(rate, 3),
                               loss=round(losses[-1][1], 6) if losses else None)
+        if worker.finished.is_set():
+            self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
     def _save_checkpoint(self, worker: Optional[StageWorker]) -> None:
         if worker is None or self.checkpoint_path is None:
@@ -309,4 +319,5 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
     spec = await ensure_spec(membership.node, run, requested, stop,
                              on_wait=lambda: console.print(f"waiting as standby: run {run!r} has no spec yet "
                                                            f"(start it with --model)", highlight=False))
-    await Volunteer(membership, spec, options, console).run_until(stop)
+    if spec is not None:
+        await Volunteer(membership, spec, options, console).run_until(stop)

@@ -1,0 +1,78 @@
+"""``ravnest-swarm local``: the README's first command, seen in a real terminal and by its JSON summary."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+
+
+def descendants(pid):
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def kill_pids(pids):
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@needs_tmux
+@pytest.mark.timeout(300)
+def test_dashboard_of_a_real_local_run_in_a_terminal():
+    session = f"ravnest-test-{os.getpid()}"
+    command = f"{sys.executable} -m ravnest_swarm local --peers 4 --steps 80 --averaging-period 20 --time-limit 200"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "60", command], check=True)
+    pane_pid = int(subprocess.check_output(["tmux", "list-panes", "-t", session, "-F", "#{pane_pid}"], text=True))
+    started = set()
+    screen = ""
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            started |= descendants(pane_pid)
+            screen = subprocess.check_output(["tmux", "capture-pane", "-p", "-t", session], text=True)
+            if "cluster 1" in screen and all(f"peer{i}" in screen for i in range(4)) and "step" in screen:
+                break
+            time.sleep(2)
+        else:
+            raise AssertionError(f"the dashboard never showed both clusters and every peer:\n{screen}")
+        assert all(len(line) <= 80 for line in screen.splitlines())
+        assert "cluster 0" in screen
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(psutil.pid_exists(pid) for pid in descendants(pane_pid)):
+            time.sleep(1)
+        assert not descendants(pane_pid) - {pid for pid in started if not psutil.pid_exists(pid)}
+    finally:
+        kill_pids(started | descendants(pane_pid))
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+@pytest.mark.timeout(420)
+def test_local_swarm_forms_clusters_averages_and_halves_the_loss(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "local", "--peers", "6", "--steps", "300",
+                             "--json", "--no-dashboard", "--time-limit", "360"],
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["clusters"] >= 2, summary
+    assert summary["averaging_rounds"] >= 2, summary
+    assert summary["loss_end"] <= summary["loss_start"] / 2, summary
+    assert summary["metric_name"] == "heldout_accuracy" and summary["metric"] > 0.8, summary
+    assert summary["max_peer_memory_fraction"] is not None

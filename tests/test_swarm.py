@@ -1,0 +1,171 @@
+"""The swarm end to end with real processes: clusters form, train and average; failures heal; state moves."""
+
+import asyncio
+import os
+import re
+import time
+
+import pytest
+import torch
+
+from ravnest_swarm.checkpoint import read_stage
+from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.models import get_model
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.volunteer import model_workload
+from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+
+RUN = "swarm-test"
+MODEL_GB = model_workload(get_model("mlp-digits"), RunSpec("mlp-digits"), 8)[0].model_gb
+
+
+class Watcher:
+    """An in-process observer of the run's peer records."""
+
+    def __init__(self, maddr):
+        self.loop = asyncio.new_event_loop()
+        self.node = self.loop.run_until_complete(
+            start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN), client_mode=True))
+
+    def peers(self):
+        return {p["name"]: p for p in self.loop.run_until_complete(read_peers(self.node, RUN))}
+
+    def wait_for(self, predicate, timeout, what):
+        deadline, peers = time.monotonic() + timeout, {}
+        while time.monotonic() < deadline:
+            peers = self.peers()
+            if predicate(peers):
+                return peers
+            time.sleep(1.0)
+        summary = {n: (p["state"], p.get("cluster"), p.get("stage"), p.get("step")) for n, p in peers.items()}
+        raise TimeoutError(f"{what}: not within {timeout}s; last view {summary}")
+
+    def close(self):
+        self.loop.run_until_complete(stop_node(self.node))
+        self.loop.close()
+
+
+@pytest.fixture
+def swarm(processes, tmp_path):
+    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+    maddr = backbone.maddrs()[0]
+    watcher = Watcher(maddr)
+
+    def join(name, ram_fraction=0.6, gflops=20.0, steps=120, extra=()):
+        args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",
+                "--model", "mlp-digits", "--steps", str(steps), "--averaging-period", "20", "--heartbeat", "2",
+                "--round-seconds", "6", "--ram-gb", f"{MODEL_GB * ram_fraction:.9f}", "--gflops", str(gflops),
+                "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                "--checkpoint-dir", str(tmp_path / "checkpoints"), "--identity", str(tmp_path / f"{name}.key"),
+                *extra]
+        return processes.start(args, name)
+
+    join.watcher, join.maddr, join.checkpoints = watcher, maddr, tmp_path / "checkpoints"
+    try:
+        yield join
+    finally:
+        watcher.close()
+
+
+def placed(peers):
+    return {n: p for n, p in peers.items() if p.get("cluster") is not None and p["cluster"] >= 0}
+
+
+def checkpoint_layers(path):
+    """{layer index: {name: tensor}} and the step of one peer's checkpoint."""
+    tensors, metadata = read_stage(str(path))
+    start, end = metadata["info"]["layers"]
+    layers = {}
+    for layer in range(start, end):
+        prefix = f"param.{layer - start}."
+        layers[layer] = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+    return layers, metadata["info"]["step"]
+
+
+@pytest.mark.timeout(300)
+def test_five_peers_form_clusters_train_and_average(swarm):
+    for index in range(5):
+        swarm(f"p{index}", extra=("--min-peers", "5"), gflops=20 + 5 * index)
+    peers = swarm.watcher.wait_for(
+        lambda peers: len(placed(peers)) >= 4 and all(p.get("step") == 120 for p in placed(peers).values()),
+        240, "every placed peer trained 120 steps")
+    clusters = {p["cluster"] for p in placed(peers).values()}
+    assert len(clusters) >= 2, peers
+    assert all(p["state"] == "standby" for n, p in peers.items() if n not in placed(peers))
+    assert min(p.get("averaging_rounds") or 0 for p in placed(peers).values()) >= 2
+    last_losses = [p["loss"] for p in placed(peers).values() if p.get("loss") is not None]
+    assert last_losses and max(last_losses) < 1.0  # cross-entropy starts near ln(10) = 2.3
+
+
+@pytest.mark.timeout(360)
+def test_sigkilled_stage_is_replaced_by_a_standby_and_training_goes_on(swarm):
+    volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=("--min-peers", "5"), gflops=20 + 5 * i)
+                  for i in range(5)}
+    peers = swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
+                                   all((p.get("step") or 0) >= 30 for p in placed(peers).values()),
+                                   200, "4 placed peers past step 30")
+    [standby] = [n for n in peers if n not in placed(peers)]
+    victim = sorted(placed(peers))[0]
+    victim_step = peers[victim]["step"]
+    volunteers[victim].kill_group()
+
+    peers = swarm.watcher.wait_for(
+        lambda peers: victim not in peers and standby in placed(peers) and (peers[standby].get("step") or 0) > 0,
+        150, f"standby {standby} takes a slot after {victim} was killed")
+    # it started from the state of the layers it took over (downloaded), not from scratch
+    assert re.search(rf"{standby}: training cluster \d+ stage \d+/\d+ layers \d+:\d+ from step [1-9]\d*",
+                     volunteers[standby].stderr())
+    before = {n: p["step"] for n, p in placed(peers).items()}
+    peers = swarm.watcher.wait_for(lambda peers: all((peers.get(n, {}).get("step") or 0) > before[n] + 20
+                                                     for n in before), 120, "training goes on after the repair")
+    assert max(p["step"] for p in placed(peers).values()) > victim_step
+
+
+@pytest.mark.timeout(300)
+def test_late_joiner_downloads_the_current_parameters_bit_for_bit(swarm):
+    holders = {f"p{i}": swarm(f"p{i}", steps=40, extra=("--min-peers", "2")) for i in range(2)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
+                           all(p.get("step") == 40 for p in placed(peers).values()), 150, "two peers trained 40 steps")
+    # a strong late joiner: it can hold the whole model, so the next plan gives it a cluster of its own
+    late = swarm("late", ram_fraction=1.5, gflops=200, steps=40, extra=("--min-peers", "1"))
+    swarm.watcher.wait_for(lambda peers: "late" in placed(peers) and peers["late"].get("step") == 40, 150,
+                           "the late joiner placed with the holders' step")
+    assert re.search(r"late: downloading layers \[0, 1, 2, 3\]", late.stderr()), late.stderr()[-2000:]
+    for process in [late, *holders.values()]:
+        assert process.stop() == 0  # SIGTERM: each writes its checkpoint on the way out
+    late_layers, late_step = checkpoint_layers(swarm.checkpoints / f"{RUN}-late.safetensors")
+    assert late_step == 40
+    compared = 0
+    for name in holders:
+        layers, _ = checkpoint_layers(swarm.checkpoints / f"{RUN}-{name}.safetensors")
+        for layer, tensors in layers.items():
+            for key, tensor in tensors.items():
+                assert torch.equal(tensor, late_layers[layer][key]), (name, layer, key)
+                compared += 1
+    assert compared == 8  # 4 layers x (weight, bias), each held by one of the two holders
+
+
+@pytest.mark.timeout(360)
+def test_kill_everything_then_resume_continues_from_the_checkpoints(swarm):
+    names = [f"p{i}" for i in range(4)]
+    common = ("--min-peers", "4", "--checkpoint-every", "10")
+    first = {n: swarm(n, steps=100_000, extra=common, gflops=20 + 5 * i) for i, n in enumerate(names)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
+                           all((p.get("step") or 0) >= 35 for p in placed(peers).values()), 200, "past step 35")
+    for process in first.values():
+        process.kill_group()  # kill -9 every peer mid-training: no chance to write anything more
+    leftovers = [f for f in os.listdir(swarm.checkpoints) if not f.endswith(".safetensors")]
+    assert leftovers == []  # written atomically: no temporary or half-written file survives
+    saved = {n: checkpoint_layers(swarm.checkpoints / f"{RUN}-{n}.safetensors")[1] for n in names}
+    assert all(step >= 10 for step in saved.values()), saved
+
+    second = {n: swarm(n, steps=100_000, extra=(*common, "--resume"), gflops=20 + 5 * i)
+              for i, n in enumerate(names)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
+                           all(n in peers and (peers[n].get("step") or 0) > 0 for n in names), 200, "resumed")
+    for name, process in second.items():
+        log = process.stderr()
+        assert f"resuming layers" in log and f"from step {saved[name]}" in log, log[-1500:]
+        started = int(re.search(rf"{name}: training cluster \d+ stage .* from step (\d+)", log).group(1))
+        assert started >= saved[name] > 0, (name, started, saved[name])
