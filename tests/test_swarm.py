@@ -57,8 +57,7 @@ def swarm(processes, tmp_path):
                 "--model", "mlp-digits", "--steps", str(steps), "--averaging-period", "20", "--heartbeat", "2",
                 "--round-seconds", "6", "--ram-gb", f"{MODEL_GB * ram_fraction:.9f}", "--gflops", str(gflops),
                 "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-                "--checkpoint-dir", str(tmp_path / "checkpoints"), "--identity", str(tmp_path / f"{name}.key"),
-                *extra]
+                "--checkpoint-dir", str(tmp_path / "checkpoints"), *extra]
         return processes.start(args, name)
 
     join.watcher, join.maddr, join.checkpoints = watcher, maddr, tmp_path / "checkpoints"
@@ -102,20 +101,21 @@ def test_five_peers_form_clusters_train_and_average(swarm):
 def test_sigkilled_stage_is_replaced_by_a_standby_and_training_goes_on(swarm):
     volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=("--min-peers", "5"), gflops=20 + 5 * i)
                   for i in range(5)}
-    peers = swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
+    peers = swarm.watcher.wait_for(lambda peers: len(peers) == 5 and 2 <= len(placed(peers)) < 5 and
                                    all((p.get("step") or 0) >= 30 for p in placed(peers).values()),
-                                   200, "4 placed peers past step 30")
-    [standby] = [n for n in peers if n not in placed(peers)]
+                                   200, "placed peers past step 30 and a standby")
+    standbys = [n for n in peers if n not in placed(peers)]
     victim = sorted(placed(peers))[0]
     victim_step = peers[victim]["step"]
     volunteers[victim].kill_group()
 
     peers = swarm.watcher.wait_for(
-        lambda peers: victim not in peers and standby in placed(peers) and (peers[standby].get("step") or 0) > 0,
-        150, f"standby {standby} takes a slot after {victim} was killed")
+        lambda peers: victim not in peers and any(n in placed(peers) and (peers[n].get("step") or 0) > 0
+                                                  for n in standbys),
+        150, f"a standby of {standbys} takes a slot after {victim} was killed")
     # it started from the state of the layers it took over (downloaded), not from scratch
-    assert re.search(rf"{standby}: training cluster \d+ stage \d+/\d+ layers \d+:\d+ from step [1-9]\d*",
-                     volunteers[standby].stderr())
+    assert any(re.search(rf"{n}: training cluster \d+ stage \d+/\d+ layers \d+:\d+ from step [1-9]\d*",
+                         volunteers[n].stderr()) for n in standbys)
     before = {n: p["step"] for n, p in placed(peers).items()}
     peers = swarm.watcher.wait_for(lambda peers: all((peers.get(n, {}).get("step") or 0) > before[n] + 20
                                                      for n in before), 120, "training goes on after the repair")
@@ -151,21 +151,32 @@ def test_kill_everything_then_resume_continues_from_the_checkpoints(swarm):
     names = [f"p{i}" for i in range(4)]
     common = ("--min-peers", "4", "--checkpoint-every", "10")
     first = {n: swarm(n, steps=100_000, extra=common, gflops=20 + 5 * i) for i, n in enumerate(names)}
-    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) >= 2 and
                            all((p.get("step") or 0) >= 35 for p in placed(peers).values()), 200, "past step 35")
     for process in first.values():
         process.kill_group()  # kill -9 every peer mid-training: no chance to write anything more
     leftovers = [f for f in os.listdir(swarm.checkpoints) if not f.endswith(".safetensors")]
     assert leftovers == []  # written atomically: no temporary or half-written file survives
-    saved = {n: checkpoint_layers(swarm.checkpoints / f"{RUN}-{n}.safetensors")[1] for n in names}
-    assert all(step >= 10 for step in saved.values()), saved
+    saved = {n: checkpoint_layers(swarm.checkpoints / f"{RUN}-{n}.safetensors")[1] for n in names
+             if (swarm.checkpoints / f"{RUN}-{n}.safetensors").exists()}  # peers left standby never trained
+    assert len(saved) >= 2 and all(step >= 10 for step in saved.values()), saved
 
-    second = {n: swarm(n, steps=100_000, extra=(*common, "--resume"), gflops=20 + 5 * i)
+    time.sleep(5)  # let the killed peers' records expire (2 heartbeats) so the restart plans afresh
+    second = {n: swarm(n, steps=100_000, extra=(*common, "--resume") if n in saved else common, gflops=20 + 5 * i)
               for i, n in enumerate(names)}
-    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
-                           all(n in peers and (peers[n].get("step") or 0) > 0 for n in names), 200, "resumed")
-    for name, process in second.items():
-        log = process.stderr()
-        assert f"resuming layers" in log and f"from step {saved[name]}" in log, log[-1500:]
-        started = int(re.search(rf"{name}: training cluster \d+ stage .* from step (\d+)", log).group(1))
-        assert started >= saved[name] > 0, (name, started, saved[name])
+    for name in saved:
+        second[name].wait_for_output(rf"{name}: resuming layers \d+:\d+ from step {saved[name]}\b", 120,
+                                     stream="stderr")
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:
+        training = {n: re.search(rf"{n}: training cluster \d+ stage .* from step (\d+)", p.stderr())
+                    for n, p in second.items()}
+        training = {n: int(match.group(1)) for n, match in training.items() if match}
+        if len(training) >= 2:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError("no cluster formed again after the restart")
+    # nothing trained is lost: every resumed stage starts at least where the checkpoints left off
+    for name, started in training.items():
+        assert started >= min(saved.values()) > 0, (name, started, saved)

@@ -300,10 +300,11 @@ class PlanningRounds:
             for stage in stages:
                 if stage.peer_id == self.peer_id:
                     placement = dict(cluster=number, stage=stage.stage, layers=list(stage.layers))
-        self.announcer.update(plan_round=round_number, **placement)
-        await self.announcer.publish()
         if self.on_adopt is not None:
-            self.on_adopt(record)
+            self.on_adopt(record)  # a training volunteer places itself: it knows what layers it still holds
+        else:
+            self.announcer.update(plan_round=round_number, **placement)
+            await self.announcer.publish()
         self.planned_with = snapshot_ids | set(alive)
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "

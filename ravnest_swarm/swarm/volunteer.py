@@ -47,6 +47,7 @@ from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferEr
 logger = logging.getLogger(__name__)
 
 Placement = Tuple[int, int, int, Tuple[int, int], int]  # cluster, stage, stages, layers, clusters
+HOLDER_LOOKUPS = 5
 
 
 def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
@@ -159,12 +160,16 @@ class Volunteer:
                     placement = (cluster_index, stage_index, len(cluster), tuple(stage["layers"]), len(plan["clusters"]))
         self.announcer.update(plan_round=plan["round"])
         if placement == self.placement and self.worker is not None:
+            await self.announcer.publish()
             return  # same slot, same neighbours' positions: the worker goes on; endpoints re-resolve by themselves
         await self._stop_worker()
         self.placement = placement
         if placement is None:
             # a standby keeps offering the layers it last trained, so others can still fetch them
-            self.announcer.update(state="standby", cluster=-1, stage=None, loss=None, samples_per_s=None)
+            held = dict(layers=[self.held[0], self.held[0] + len(self.held[1])], step=self.held[2]) if self.held \
+                else dict(layers=None, step=None)
+            self.announcer.update(state="standby", cluster=-1, stage=None, loss=None, samples_per_s=None, **held)
+            await self.announcer.publish()
             self.console.print(f"{self.name}: standby in plan round {plan['round']}", highlight=False)
             return
         await self._start_worker(placement)
@@ -202,9 +207,15 @@ class Volunteer:
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> int:
         """Load every owned layer from the freshest source; return the step training continues from."""
         start, end = layers
-        peers = [p for p in await read_peers(self.node, self.run)
-                 if p["peer_id"] != self.peer_id and p["state"] != "leaving"
-                 and p.get("layers") and p.get("step") is not None]
+        for attempt in range(HOLDER_LOOKUPS):
+            peers = [p for p in await read_peers(self.node, self.run)
+                     if p["peer_id"] != self.peer_id and p["state"] != "leaving"
+                     and p.get("layers") and p.get("step") is not None]
+            covered = all(layer in self.cache or any(p["layers"][0] <= layer < p["layers"][1] for p in peers)
+                          for layer in range(start, end))
+            if covered or self.plan is None or self.plan["round"] == 1:
+                break  # in the first plan nobody has trained yet: the seeded weights are the state
+            await asyncio.sleep(1.0)  # holders re-publish what they hold right after adopting a plan
         step = 0
         remote: Dict[int, List[PeerID]] = {}
         for layer in range(start, end):
@@ -302,10 +313,15 @@ class Volunteer:
         tensors, metadata = read_stage(path)  # a corrupt file is a one-line UserError
         info = metadata["info"]
         start, end = info["layers"]
+        module = self.model.build_stage(start, end)
         for layer in range(start, end):
             prefix = f"param.{layer - start}."
-            self.cache[layer] = ({name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)},
-                                 int(info["step"]))
+            state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
+            module[layer - start].load_state_dict(state)  # a checkpoint of other shapes is refused here
+            self.cache[layer] = (state, int(info["step"]))
+        # offer them at once: after a restart of the whole swarm, the checkpoints are the only state left
+        self.held = (start, module, int(info["step"]))
+        self.announcer.update(layers=[start, end], step=int(info["step"]))
         self.console.print(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})",
                            highlight=False)
 
