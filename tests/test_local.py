@@ -37,7 +37,7 @@ def kill_pids(pids):
 @pytest.mark.timeout(300)
 def test_dashboard_of_a_real_local_run_in_a_terminal():
     session = f"ravnest-test-{os.getpid()}"
-    command = f"{sys.executable} -m ravnest_swarm local --peers 4 --steps 80 --averaging-period 20 --time-limit 200"
+    command = f"{sys.executable} -m ravnest_swarm local --peers 4 --steps 300 --averaging-period 20 --time-limit 200"
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "60", command], check=True)
     pane_pid = int(subprocess.check_output(["tmux", "list-panes", "-t", session, "-F", "#{pane_pid}"], text=True))
     started = set()
@@ -46,8 +46,11 @@ def test_dashboard_of_a_real_local_run_in_a_terminal():
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:
             started |= descendants(pane_pid)
-            screen = subprocess.check_output(["tmux", "capture-pane", "-p", "-t", session], text=True)
-            if "cluster 1" in screen and all(f"peer{i}" in screen for i in range(4)) and "step" in screen:
+            capture = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True)
+            if capture.returncode != 0:
+                raise AssertionError(f"local exited before its dashboard showed the swarm; last screen:\n{screen}")
+            screen = capture.stdout
+            if "swarm map" in screen and "cluster 1" in screen and all(f"peer{i}" in screen for i in range(4)):
                 break
             time.sleep(2)
         else:

@@ -194,14 +194,15 @@ class Volunteer:
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
-        worker, self.worker = self.worker, None
+        worker = self.worker
         if worker is None:
             return
+        # hand the layers to the state server first: others may be fetching them while the worker stops
+        self.held, self.worker = (worker.start_layer, worker.module, worker.version), None
         await worker.shutdown()
-        start = worker.start_layer
         for offset, layer in enumerate(worker.module):
-            self.cache[start + offset] = ({k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
-        self.held = (start, worker.module, worker.version)
+            self.cache[worker.start_layer + offset] = (
+                {k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
         self._save_checkpoint(worker)
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> int:
