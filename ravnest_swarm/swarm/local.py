@@ -94,6 +94,7 @@ class LocalSwarm:
         self.peak_memory_mb = 0.0
         self.samples_per_s: List[float] = []
         self.chaos_done = self.late_done = False
+        self.chaos_victim: Optional[str] = None  # None with --chaos: training ended before the late peer waited
         self.plans: Dict[int, dict] = {}  # round -> adopted plan, as seen
         self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
 
@@ -143,7 +144,7 @@ class LocalSwarm:
             self._sample(peers)
             if live is not None:
                 live.update(render(self.state, self.console.width), refresh=True)
-            await self._maybe_chaos(peers, maddr)
+            await self._maybe_chaos(peers, plan, maddr)
             if self._finished(peers, plan):
                 break
             try:
@@ -164,23 +165,26 @@ class LocalSwarm:
                 continue
             self.peak_memory_mb = max(self.peak_memory_mb, rss)
 
-    async def _maybe_chaos(self, peers: List[dict], maddr: str) -> None:
-        """A third of the way in, one more peer joins; once it is a standby, a training stage is SIGKILLed,
-        so the next planning round can hand the dead stage's layers to it."""
-        if not self.options.chaos or self.chaos_done:
+    async def _maybe_chaos(self, peers: List[dict], plan: Optional[dict], maddr: str) -> None:
+        """One more peer joins as soon as the first plan is adopted (so it is late); once it waits as a
+        standby and training is a third done, a training stage is SIGKILLed, so the next planning round
+        hands the dead stage's layers to it."""
+        if not self.options.chaos or self.chaos_done or plan is None:
+            return
+        if not self.late_done:
+            self._join(maddr, self.options.peers)
+            self.late_done = True
             return
         training = [p for p in peers if p["state"] in ("training", "averaging") and p.get("step") is not None]
-        if not self.late_done:
-            if max((p["step"] for p in training), default=0) >= self.options.steps // 3:
-                self._join(maddr, self.options.peers)
-                self.late_done = True
-            return
         late = f"peer{self.options.peers}"
-        if any(p["name"] == late and p["state"] == "standby" for p in peers) and training:
+        progress = max((p["step"] for p in training), default=0)
+        if training and progress >= self.options.steps // 3 and \
+                any(p["name"] == late and p["state"] == "standby" for p in peers):
             victim = random.Random(self.options.seed).choice(sorted(p["name"] for p in training))
-            self.console.print(f"chaos: SIGKILL {victim}", highlight=False)
+            self.console.print(f"chaos: SIGKILL {victim} at step {progress}", highlight=False)
             self.volunteers[victim].kill_group()
             self.chaos_done = True
+            self.chaos_victim = victim
 
     def _finished(self, peers: List[dict], plan: Optional[dict]) -> bool:
         """Every peer of the plan in force has trained its steps (its stage worker finished)."""
@@ -236,6 +240,7 @@ class LocalSwarm:
             "peers": self.options.peers,
             "steps": self.options.steps,
             "chaos": self.options.chaos,
+            "chaos_victim": self.chaos_victim,
         }
         if self.options.checkpoint_dir is None:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
