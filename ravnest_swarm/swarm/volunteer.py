@@ -298,7 +298,8 @@ class Volunteer:
         losses = worker.counters.losses
         self.announcer.update(step=version, samples_per_s=round(rate, 3),
                               loss=round(losses[-1][1], 6) if losses else None)
-        if worker.finished.is_set():
+        if worker.finished.is_set() or version >= self.options.steps:
+            # a stage placed after its cluster already trained its steps has nothing left to do
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
     def _save_checkpoint(self, worker: Optional[StageWorker]) -> None:
