@@ -87,8 +87,8 @@ def test_five_peers_form_clusters_train_and_average(swarm):
     for index in range(5):
         swarm(f"p{index}", extra=("--min-peers", "5"), gflops=20 + 5 * index)
     peers = swarm.watcher.wait_for(
-        lambda peers: len(placed(peers)) >= 4 and all(p.get("step") == 120 for p in placed(peers).values()),
-        240, "every placed peer trained 120 steps")
+        lambda peers: len(placed(peers)) >= 4 and all(p["state"] == "done" for p in placed(peers).values()),
+        240, "every placed peer trained its 120 steps")
     clusters = {p["cluster"] for p in placed(peers).values()}
     assert len(clusters) >= 2, peers
     assert all(p["state"] == "standby" for n, p in peers.items() if n not in placed(peers))

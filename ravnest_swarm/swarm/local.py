@@ -94,6 +94,7 @@ class LocalSwarm:
         self.peak_memory_mb = 0.0
         self.samples_per_s: List[float] = []
         self.chaos_done = self.late_done = False
+        self.final_loss: Optional[float] = None
         self.chaos_victim: Optional[str] = None  # None with --chaos: training ended before the late peer waited
         self.plans: Dict[int, dict] = {}  # round -> adopted plan, as seen
         self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
@@ -225,8 +226,11 @@ class LocalSwarm:
         result = {
             "clusters": max((len(plan["clusters"]) for plan in self.plans.values()), default=0),
             "averaging_rounds": totals.averaging_done,
-            "loss_start": round(self.loss_history[0], 4) if self.loss_history else None,
-            "loss_end": round(self.loss_history[-1], 4) if self.loss_history else None,
+            # the seeded initial model (every peer starts from it) and the model assembled from the checkpoints
+            "loss_start": self.training_loss(self.model.build_full()),
+            "loss_end": self.final_loss,
+            "observed_loss_first": round(self.loss_history[0], 4) if self.loss_history else None,
+            "observed_loss_last": round(self.loss_history[-1], 4) if self.loss_history else None,
             "metric_name": "heldout_accuracy",
             "metric": accuracy,
             "peers_replaced": self.peers_replaced(),
@@ -268,7 +272,15 @@ class LocalSwarm:
         full = self.model.build_full()
         for layer, (_, state) in layers.items():
             full[layer].load_state_dict(state)
+        self.final_loss = self.training_loss(full)
         return round(self.model.evaluate(full), 4), memory
+
+    def training_loss(self, model: torch.nn.Module) -> float:
+        """Mean loss over the training set: the same yardstick for the seeded start and the trained end."""
+        data = self.model.dataset()
+        with torch.no_grad():
+            inputs, targets = data.get(range(min(data.size, 2048)))
+            return round(float(self.model.loss(model(inputs), targets)), 4)
 
 
 async def run_local(options: LocalOptions, as_json: bool) -> int:
