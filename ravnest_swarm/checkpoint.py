@@ -7,7 +7,8 @@ pickled, so a checkpoint from anywhere is safe to open.
 
 Writes go to a temporary file in the same directory, are fsynced, then renamed over the old file
 (and the directory fsynced), so a crash at any moment leaves either the old or the new checkpoint,
-never half of one.
+never half of one. A writer killed mid-write leaves at most its hidden ``.tmp-*.part`` file, which is
+never read as a checkpoint (:func:`remove_unfinished_writes` clears them).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from safetensors import SafetensorError
@@ -24,13 +25,14 @@ from safetensors.torch import load_file, save
 from ravnest_swarm.errors import UserError
 
 FORMAT = "ravnest-stage-checkpoint/1"
+TEMPORARY_PREFIX, TEMPORARY_SUFFIX = ".tmp-", ".part"
 
 
 def write_atomically(path: str, payload: bytes) -> None:
     """Replace ``path`` with ``payload`` so that readers see the old or the new file, never a mix."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=directory)
+    descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=directory)
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(payload)
@@ -46,6 +48,18 @@ def write_atomically(path: str, payload: bytes) -> None:
         os.fsync(directory_descriptor)  # make the rename itself durable
     finally:
         os.close(directory_descriptor)
+
+
+def remove_unfinished_writes(directory: str) -> List[str]:
+    """Delete the temporary files of writes that never finished (their writer was killed); return their names.
+
+    Only safe while nothing writes into ``directory``: a live writer's temporary file would go too.
+    """
+    unfinished = [name for name in os.listdir(directory)
+                  if name.startswith(TEMPORARY_PREFIX) and name.endswith(TEMPORARY_SUFFIX)]
+    for name in unfinished:
+        os.unlink(os.path.join(directory, name))
+    return unfinished
 
 
 def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, info: Dict) -> None:

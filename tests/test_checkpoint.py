@@ -1,11 +1,15 @@
 """Stage checkpoints: exact round trip, atomic replacement, and clear errors for bad files."""
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from ravnest_swarm.checkpoint import load_stage, read_stage, save_stage, write_atomically
+from ravnest_swarm.checkpoint import (TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_stage, read_stage,
+                                      remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.errors import UserError
 
 
@@ -91,3 +95,32 @@ def test_failed_write_leaves_the_old_file_and_no_partial_file(tmp_path, monkeypa
         write_atomically(path, b"new contents that never land")
     assert open(path, "rb").read() == b"old contents"
     assert os.listdir(tmp_path) == ["stage.safetensors"]
+
+
+@pytest.mark.timeout(60)
+def test_writer_killed_mid_write_leaves_a_whole_file_and_only_a_temporary(tmp_path):
+    """SIGKILL a process that rewrites a 16 MiB file in a loop: the file is always one whole version, and
+    what the kill interrupted is only a hidden temporary file, which remove_unfinished_writes clears."""
+    path = tmp_path / "stage.safetensors"
+    size = 16 * 2**20
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "from ravnest_swarm.checkpoint import write_atomically\n"
+        f"for i in range(10**6):\n    write_atomically({str(path)!r}, bytes([65 + i % 26]) * {size})\n")],
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.7)
+        writer.kill()
+        writer.wait(10)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait(10)
+    data = path.read_bytes()
+    assert len(data) == size and data == data[:1] * size
+    others = sorted(set(os.listdir(tmp_path)) - {path.name})
+    assert all(name.startswith(TEMPORARY_PREFIX) and name.endswith(TEMPORARY_SUFFIX) for name in others), others
+    assert sorted(remove_unfinished_writes(str(tmp_path))) == others
+    assert os.listdir(tmp_path) == [path.name]
