@@ -235,6 +235,8 @@ def local(
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
+    checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
+    resume: bool = typer.Option(False, "--resume", help="Restart every peer from its checkpoint in --checkpoint-dir."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="No live dashboard."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
 ):
@@ -250,7 +252,8 @@ def local(
             raise UserError(f"unknown model {model!r}: choose one of {', '.join(MODELS)}")
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit,
                                spec=RunSpec(model=model, averaging_period=averaging_period),
-                               dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir)
+                               dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir,
+                               checkpoint_every=checkpoint_every, resume=resume)
         return await run_local(options, as_json)
 
     sys.exit(run_async(main()))

@@ -5,6 +5,8 @@ different compute and bandwidth, so clusters differ). The dashboard shows the sw
 every process is stopped (SIGTERM, so each writes its checkpoint), the model is assembled from one
 cluster's checkpoints and evaluated on held-out data, and a summary is printed (``--json``: one JSON
 object on the last line). ``--chaos`` SIGKILLs a training stage partway and starts one more peer late.
+``--resume`` restarts the same named peers, each from its checkpoint in ``--checkpoint-dir``, with the same
+peer id (an identity file beside the checkpoints), so the same plan is likely.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -25,9 +28,10 @@ import torch
 from rich.console import Console
 from rich.live import Live
 
-from ravnest_swarm.checkpoint import read_stage
+from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes
 from ravnest_swarm.dashboard.state import SwarmState
 from ravnest_swarm.dashboard.view import render
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.records import make_validators, plan_key
@@ -38,6 +42,7 @@ from ravnest_swarm.swarm.volunteer import model_workload
 from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
 
 RUN = "local"
+CHECKPOINT_NAME = re.compile(rf"^{RUN}-(peer\d+)\.safetensors$")
 
 
 @dataclass
@@ -52,6 +57,9 @@ class LocalOptions:
     :param spec: the run's hyper-parameters
     :param seed: capability variation and chaos victim
     :param dashboard: show the live dashboard (on stderr)
+    :param checkpoint_dir: where the peers write their checkpoints (None: a temporary directory, removed after)
+    :param checkpoint_every: steps between a stage's checkpoints
+    :param resume: restart every peer that left a checkpoint in ``checkpoint_dir`` from it
     """
 
     peers: int = 6
@@ -63,6 +71,28 @@ class LocalOptions:
     seed: int = 0
     dashboard: bool = True
     checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 50
+    resume: bool = False
+
+
+def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
+    """The step of each checkpoint a ``local`` run's peers left in ``directory``, by peer name.
+
+    Every file is read in full, so a corrupt one, or one of another model, is a one-line
+    :class:`UserError` before any process starts rather than a peer dying later.
+    """
+    steps = {}
+    for file in sorted(os.listdir(directory)):
+        match = CHECKPOINT_NAME.match(file)
+        if match is None:
+            continue
+        path = os.path.join(directory, file)
+        info = read_stage(path)[1]["info"]
+        if info.get("model") != model:
+            raise UserError(f"checkpoint {path} is of model {info.get('model')!r}, not {model!r}: "
+                            f"pass --model {info.get('model')} to continue it", exit_code=1)
+        steps[match.group(1)] = int(info["step"])
+    return steps
 
 
 def capability_overrides(index: int, model_gb: float) -> Dict[str, str]:
@@ -85,6 +115,24 @@ class LocalSwarm:
         self.spec = options.spec or RunSpec(model=options.model)
         self.model = get_model(self.spec.model)
         self.workload, _ = model_workload(self.model, self.spec, 8)
+        self.checkpoint_steps: Dict[str, int] = {}  # peer name -> step of the checkpoint it resumes from
+        if options.resume:
+            if options.checkpoint_dir is None:
+                raise UserError("--resume needs --checkpoint-dir: the directory of the run to continue")
+            if not os.path.isdir(options.checkpoint_dir):
+                raise UserError(f"--checkpoint-dir {options.checkpoint_dir} does not exist: nothing to resume", 1)
+            self.checkpoint_steps = checkpoint_steps(options.checkpoint_dir, self.spec.model)
+            if not self.checkpoint_steps:
+                raise UserError(f"{options.checkpoint_dir} holds no checkpoints of a local run "
+                                f"({RUN}-peerN.safetensors): nothing to resume", exit_code=1)
+            started = options.peers + int(options.chaos)  # --chaos starts one more peer late
+            left_out = sorted(set(self.checkpoint_steps) - {f"peer{i}" for i in range(started)})
+            if left_out:  # their layers' progress would be silently dropped
+                raise UserError(f"{options.checkpoint_dir} holds checkpoints of {', '.join(left_out)}, which "
+                                f"--peers {options.peers} does not start: pass a --peers that does", exit_code=1)
+            unfinished = remove_unfinished_writes(options.checkpoint_dir)  # no peer writes there yet
+            console.print(f"resuming {', '.join(f'{n} from step {s}' for n, s in self.checkpoint_steps.items())}"
+                          + (f"; removed {len(unfinished)} unfinished write(s)" if unfinished else ""), highlight=False)
         self.group = ProcessGroup()
         self.checkpoint_dir = options.checkpoint_dir or tempfile.mkdtemp(prefix="ravnest-local-ckpt-")
         os.makedirs(self.checkpoint_dir, exist_ok=True)
@@ -98,6 +146,7 @@ class LocalSwarm:
         self.chaos_victim: Optional[str] = None  # None with --chaos: training ended before the late peer waited
         self.plans: Dict[int, dict] = {}  # round -> adopted plan, as seen
         self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
+        self.finished = False  # every placed peer trained its steps before the time limit or a stop
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
@@ -106,7 +155,11 @@ class LocalSwarm:
                 "--microbatch-size", str(self.spec.microbatch_size), "--max-in-flight", str(self.spec.max_in_flight),
                 "--averaging-period", str(self.spec.averaging_period), "--heartbeat", "4",
                 "--min-peers", str(self.options.peers), "--checkpoint-dir", self.checkpoint_dir,
+                "--checkpoint-every", str(self.options.checkpoint_every),
+                "--identity", os.path.join(self.checkpoint_dir, f"{RUN}-{name}.key"),
                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        if name in self.checkpoint_steps:
+            args.append("--resume")  # a peer that never trained (a standby) has no checkpoint and starts fresh
         for flag, value in capability_overrides(index, self.workload.model_gb).items():
             args += [flag, value]
         self.volunteers[name] = self.group.start(args, name)
@@ -147,6 +200,7 @@ class LocalSwarm:
                 live.update(render(self.state, self.console.width), refresh=True)
             await self._maybe_chaos(peers, plan, maddr)
             if self._finished(peers, plan):
+                self.finished = True
                 break
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -245,22 +299,38 @@ class LocalSwarm:
             "steps": self.options.steps,
             "chaos": self.options.chaos,
             "chaos_victim": self.chaos_victim,
+            "finished": self.finished,
+            "resumed_from": self.resumed_from(),
         }
         if self.options.checkpoint_dir is None:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         return result
+
+    def resumed_from(self) -> Dict[str, int]:
+        """Per peer started with ``--resume``: the step it says it loaded ("resuming layers a:b from step N")."""
+        steps = {}
+        for name in self.checkpoint_steps:
+            process = self.volunteers.get(name)  # None: --chaos's late peer, when training ended before it joined
+            found = process and re.search(rf"^{name}: resuming layers \d+:\d+ from step (\d+)", process.stderr(),
+                                          re.MULTILINE)
+            if found:
+                steps[name] = int(found.group(1))
+        return steps
 
     def evaluate(self):
         """Held-out accuracy of the model assembled from checkpoints covering every layer (freshest first)."""
         layers: Dict[int, tuple] = {}
         memory = {}
         for file in sorted(os.listdir(self.checkpoint_dir)):
+            match = CHECKPOINT_NAME.match(file)
+            if match is None:
+                continue  # identity keys, a killed writer's temporary file
             try:
                 tensors, metadata = read_stage(os.path.join(self.checkpoint_dir, file))
             except Exception:
                 continue
             info = metadata["info"]
-            memory[file.rsplit("-", 1)[-1].split(".")[0]] = sum(t.numel() * t.element_size() for t in tensors.values())
+            memory[match.group(1)] = sum(t.numel() * t.element_size() for t in tensors.values())
             start, end = info["layers"]
             for layer in range(start, end):
                 prefix = f"param.{layer - start}."
