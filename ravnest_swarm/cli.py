@@ -426,6 +426,9 @@ def averaging_peer(
     publish_plan: int = typer.Option(0, "--publish-plan", min=0, help="Stand in for the planner: publish the plan once N peers are placed."),
     plan_timeout: float = typer.Option(60.0, "--plan-timeout", min=1.0, help="Seconds to wait for the plan."),
     delay_start: float = typer.Option(0.0, "--delay-start", min=0.0, help="Seconds between adopting the plan and averaging (fault tests)."),
+    part_bytes: int = typer.Option(512 * 1024, "--part-bytes", min=64, help="Bytes per streamed part of a ring message."),
+    lose_replies: int = typer.Option(0, "--lose-replies", min=0, help="Close the first N ring streams without a reply (fault tests)."),
+    cut_streams: int = typer.Option(0, "--cut-streams", min=0, help="Break the first N multi-part ring streams midway (fault tests)."),
     host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
     bench_config: Optional[str] = typer.Option(None, "--bench-config", help="Run the timed phases of `bench averaging` (config file it wrote)."),
@@ -446,8 +449,8 @@ def averaging_peer(
             initial_peers=_initial_peers(initial_peers), run=run, cluster=cluster, stage=stage,
             layer_sizes=parse_ints(layer_sizes, "--layer-sizes"), layers=tuple(layer_range), seed=seed, step=step,
             timeout=timeout, compression=compression, poison=poison, out=out, publish_plan=publish_plan,
-            plan_timeout=plan_timeout, delay_start=delay_start, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs,
-            bench_config=bench_config,
+            plan_timeout=plan_timeout, delay_start=delay_start, part_bytes=part_bytes, lose_replies=lose_replies,
+            cut_streams=cut_streams, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bench_config=bench_config,
         )
         return await run_averaging_peer(options)
 

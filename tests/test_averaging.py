@@ -133,3 +133,22 @@ def test_nan_contribution_is_rejected_and_the_others_average(processes, backbone
             expected = (mean_honest if hit else mean_all)[segment["start"]:segment["end"]]
             assert segment["members"] == (2 if hit else 3)
             assert (values[lo:hi] - expected).abs().max() <= 1e-5, (name, segment)
+
+
+@pytest.mark.timeout(120)
+def test_lost_replies_and_broken_streams_are_resent_and_counted_once(processes, backbone, tmp_path):
+    # small parts so every ring message is several parts: c1s1 closes its first two ring streams after reading
+    # them in full without replying; c2s1 breaks its first two longer streams partway through their second part
+    layouts = [[0, 2, 6], [0, 3, 5, 6], [0, 1, 6]]
+    small = ["--part-bytes", "256"]
+    peers = start_swarm(processes, backbone, layouts, "avglossy", tmp_path, extra={
+        **{f"c{k}s{s}": small for k, cuts in enumerate(layouts) for s in range(len(cuts) - 1)},
+        "c1s1": small + ["--lose-replies", "2"], "c2s1": small + ["--cut-streams", "2"]})
+    mean = exact_mean(range(3))
+    results = {name: finish(peer) for name, peer in peers.items()}
+    # each of the four lost messages went out again at least once, and its first copy of every part counted once
+    assert sum(result["resends"] for result in results.values()) >= 4, results
+    for name, result in results.items():
+        assert result["ok"], result
+        error = (averaged(tmp_path, name) - mean[result["start"]:result["end"]]).abs().max().item()
+        assert error <= 1e-5, (name, error)

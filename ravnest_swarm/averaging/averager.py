@@ -8,7 +8,10 @@ once; the ring coroutine that expects it takes it from there. So a peer that sta
 never waits for a late one to be listening, and every round is named by its training step: a message
 for a step that is over here is refused, one for a later step waits in the mailbox.
 
-Faults. Each ring has its own deadline: a member that does not answer in time ends that ring only,
+Faults. A message whose stream fails on the transport (closed or reset, reply lost) is sent again from
+its first part, a bounded number of times within the ring's deadline; the receiver numbers the parts of
+each message by their order in the stream and keeps each part once, so a resend never counts twice.
+Each ring has its own deadline: a member that does not answer in time ends that ring only,
 the segment keeps its local value, and the other members are told to stop at once. A received chunk
 with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times what that many
 contributions of our own size could sum to), is refused: in a ring every forwarded partial sum was
@@ -41,7 +44,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
 from google.protobuf.message import DecodeError
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
@@ -56,6 +59,9 @@ PART_BYTES = 512 * 1024
 CONTROL_TIMEOUT = 2.0
 MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
 REDUCE, GATHER, ABORT = "reduce", "gather", "abort"
+MAX_RESENDS = 3  # per message; each waits RESEND_BACKOFF x its number first
+RESEND_BACKOFF = 0.1
+# hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
 EMPTY_REPLY = "got an empty iterable"
 
 
@@ -94,12 +100,14 @@ class SegmentResult:
 
 @dataclass
 class RoundResult:
-    """One averaging round of this peer: a result per ring, and every refused contribution."""
+    """One averaging round of this peer: a result per ring, every refused contribution, and how many ring
+    messages it sent again after a transport failure."""
 
     step: int
     seconds: float
     segments: List[SegmentResult]
     rejected: List[dict] = field(default_factory=list)
+    resends: int = 0
 
     @property
     def ok(self) -> bool:
@@ -117,21 +125,28 @@ class RoundResult:
             text += "; kept local " + ",".join(failed)
         if self.rejected:
             text += f"; rejected {len(self.rejected)} poisoned"
+        if self.resends:
+            text += f"; {self.resends} messages resent"
         return text
 
     def as_dict(self) -> dict:
         return dict(step=self.step, seconds=self.seconds, ok=self.ok, segments=[s.as_dict() for s in self.segments],
-                    failed_segments=self.failed_segments(), rejected=self.rejected)
+                    failed_segments=self.failed_segments(), rejected=self.rejected, resends=self.resends)
 
 
 class _Inbox:
-    """One ring message as it arrives: the handler appends decoded parts, the ring coroutine takes them."""
+    """One ring message as it arrives: the handler appends decoded parts, the ring coroutine takes them.
+
+    It stays in the mailbox until its round ends, so a resent stream finds what arrived before: part k of
+    every stream of the message is the same part, and only the first copy of each is kept.
+    """
 
     def __init__(self):
         self.parts: Deque[Tuple[torch.Tensor, runtime_pb2.Tensor, int]] = deque()  # (values, as sent, bytes)
-        self.claimed = False  # a stream has started filling it: another one is a duplicate
-        self.complete = False  # its end of stream was read
-        self.error: Optional[str] = None  # its stream broke off or was refused midway
+        self.accepted = 0  # parts kept so far, whichever stream brought them
+        self.complete = False  # a stream reached its end of stream: every part is here
+        self.taken = False  # the ring coroutine is done with it (finished, or its attempt was abandoned)
+        self.error: Optional[str] = None  # refused midway: the ring that expects it fails
         self.changed = asyncio.Event()
 
     def notify(self) -> None:
@@ -173,6 +188,7 @@ class MultiRingAverager:
         self.last_finished_step = -1
         self.last_result: Optional[RoundResult] = None
         self._mailbox: Dict[tuple, _Inbox] = {}
+        self._delivered: Set[tuple] = set()  # messages complete when the last round ended: their resends are acked
         self._buffered_bytes = 0
         self._rings: Dict[Tuple[int, int], _RingState] = {}
         self._control_tasks: Set[asyncio.Task] = set()
@@ -195,10 +211,10 @@ class MultiRingAverager:
     async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One ring message: read it within the size limit and the timeout, filing its parts as they come."""
         sender = stream_info.peer_id.to_base58()
-        filing: List[_Inbox] = []  # the inbox this stream fills, once it has claimed one
+        filling: List[_Inbox] = []  # the inbox this stream fills, once its metadata named one
         with closing(writer):
             try:
-                reply = await asyncio.wait_for(self._read_message(reader, sender, filing), self.timeout)
+                reply = await asyncio.wait_for(self._read_message(reader, sender, filling), self.timeout)
             except ValueError as e:
                 logger.info(f"{RING_HANDLER}: refused a message from {sender}: {e}")
                 reply = RPCError(message=str(e))
@@ -206,13 +222,17 @@ class MultiRingAverager:
                 logger.info(f"{RING_HANDLER}: {sender} sent no complete message within {self.timeout:.0f}s")
                 reply = RPCError(message=f"message incomplete: no end of stream within {self.timeout:.0f}s")
             except (asyncio.IncompleteReadError, ConnectionError):
-                self._broken(filing, "its stream broke off")
-                return  # the sender went away mid-message: nobody to answer
+                # the stream broke off: the sender sends the message again, or the ring's deadline ends it
+                logger.debug(f"{RING_HANDLER}: a message from {sender[-8:]} broke off")
+                return
             except Exception as e:  # a bug of ours: the sender still gets a reason, the peer keeps serving
                 logger.exception(f"{RING_HANDLER}: a message from {sender} failed")
                 reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
             if isinstance(reply, RPCError):
-                self._broken(filing, f"refused: {reply.message}")
+                for inbox in filling:
+                    if not inbox.complete and inbox.error is None:
+                        inbox.error = f"refused: {reply.message}"
+                        inbox.notify()
             try:
                 await P2P.send_protobuf(reply, writer)
                 if isinstance(reply, RPCError):
@@ -221,16 +241,9 @@ class MultiRingAverager:
             except (ConnectionError, asyncio.TimeoutError):
                 pass  # the sender went away or keeps writing; it has our answer or will retry
 
-    @staticmethod
-    def _broken(filing: List["_Inbox"], reason: str) -> None:
-        for inbox in filing:
-            if not inbox.complete and inbox.error is None:
-                inbox.error = reason
-                inbox.notify()
-
-    async def _read_message(self, reader: asyncio.StreamReader, sender: str, filing: List[_Inbox]):
+    async def _read_message(self, reader: asyncio.StreamReader, sender: str, filling: List[_Inbox]):
         """Read frames up to the end of stream; the first one's metadata says where the parts go."""
-        total, key, metadata, parts = 0, None, None, 0
+        total, metadata, inbox, index = 0, None, None, 0
         while True:
             marker = await reader.readexactly(1)
             if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
@@ -246,18 +259,19 @@ class MultiRingAverager:
             try:
                 frame.ParseFromString(data)
             except DecodeError:
-                raise ValueError(f"frame {parts} ({length} bytes) is not an ExpertRequest protobuf")
+                raise ValueError(f"frame {index} ({length} bytes) is not an ExpertRequest protobuf")
             del data
             if metadata is None:
                 metadata = self._check_metadata(unpack_metadata(frame.metadata))
-                step, ring = metadata["step"], metadata["ring"]
                 if metadata["phase"] != ABORT:
-                    key = (step, ring, tuple(metadata["attempt"]), metadata["phase"], metadata["position"], sender)
+                    inbox = self._inbox_for(metadata, sender)
+                    filling.extend([inbox] if inbox is not None else [])
+            if metadata["phase"] == ABORT:
+                continue  # an abort carries no tensor
             for part in frame.tensors:
-                if key is None:
-                    break  # an abort carries no tensor
-                self._file(key, part, filing)
-                parts += 1
+                if inbox is not None:
+                    self._file(inbox, index, part)
+                index += 1
         if metadata is None:
             raise ValueError("empty message: no frames before end of stream")
         if metadata["phase"] == ABORT:
@@ -266,36 +280,45 @@ class MultiRingAverager:
                 raise ValueError("too many rings pending here; retry later")
             self._on_abort(step, ring, sender, metadata)
             return make_response({})
-        if not parts:
+        if not index:
             raise ValueError("ring message carries no tensor")
-        inbox = filing[0]
-        inbox.complete = True
-        inbox.notify()
+        if inbox is not None and not inbox.taken:
+            if index != inbox.accepted:
+                raise ValueError(f"ring message ended after {index} parts, but {inbox.accepted} arrived before")
+            inbox.complete = True
+            inbox.notify()
         return make_response({})
 
-    def _file(self, key: tuple, part: runtime_pb2.Tensor, filing: List[_Inbox]) -> None:
-        """Decode one part and hand it to the ring coroutine that expects it (or keep it for later)."""
+    def _inbox_for(self, metadata: dict, sender: str) -> Optional[_Inbox]:
+        """The inbox a message fills; None for a resend of one that was complete when its round ended."""
+        key = (metadata["step"], metadata["ring"], tuple(metadata["attempt"]), metadata["phase"],
+               metadata["position"], sender)
         if key[0] <= self.last_finished_step:
+            if key in self._delivered:
+                return None  # the sender lost our reply: acknowledge again, keep nothing
             raise ValueError(f"round {key[0]} is over here (last finished {self.last_finished_step})")
+        if key not in self._mailbox and len(self._mailbox) >= MAX_MAILBOX_ENTRIES:
+            raise ValueError("too many ring messages waiting here; retry later")
+        return self._slot(key)
+
+    def _file(self, inbox: _Inbox, index: int, part: runtime_pb2.Tensor) -> None:
+        """Decode part ``index`` of a message and hand it to the ring coroutine (or keep it for later)."""
+        if index < inbox.accepted or inbox.taken:
+            # a resend repeats the parts that arrived before: the first copy counts. Once the ring is done with
+            # the message (or gave up that attempt, and told its members), the rest is acknowledged and dropped:
+            # refusing it would fail the sender's ring over a message nobody needs any more.
+            return
+        if index > inbox.accepted:
+            raise ValueError(f"ring message part {index} arrived before part {inbox.accepted}")
         size = len(part.buffer)
         if self._buffered_bytes + size > self.max_buffered_bytes:
             raise ValueError("too much ring data buffered here; retry later")
-        if not filing:
-            if key not in self._mailbox and len(self._mailbox) >= MAX_MAILBOX_ENTRIES:
-                raise ValueError("too many ring messages waiting here; retry later")
-            inbox = self._slot(key)
-            if inbox.claimed:
-                raise ValueError("duplicate ring message")
-            inbox.claimed = True
-            filing.append(inbox)
-        inbox = filing[0]
-        if self._mailbox.get(key) is not inbox:
-            raise ValueError(f"ring message {key[3]} {key[4]} is no longer expected here")
         try:
             tensor = deserialize_torch_tensor(part)
         except Exception as e:
             raise ValueError(f"ring chunk could not be decoded ({type(e).__name__})")
         inbox.parts.append((tensor, part, size))
+        inbox.accepted += 1
         self._buffered_bytes += size
         inbox.notify()
 
@@ -306,7 +329,7 @@ class MultiRingAverager:
                 raise ValueError(f"ring message needs '{name}' ({kind.__name__})")
         if metadata["run"] != self.run:
             raise ValueError(f"this peer averages run {self.run!r}, not {metadata['run']!r}")
-        if metadata["step"] <= self.last_finished_step:
+        if metadata["phase"] == ABORT and metadata["step"] <= self.last_finished_step:
             raise ValueError(f"round {metadata['step']} is over here (last finished {self.last_finished_step})")
         if metadata["phase"] not in (REDUCE, GATHER, ABORT):
             raise ValueError(f"unknown ring phase {metadata['phase']!r}")
@@ -354,16 +377,23 @@ class MultiRingAverager:
                         raise asyncio.TimeoutError(
                             f"no chunk from {key[-1][-8:]} ({key[3]} step {key[4]}) within the ring timeout")
         finally:
-            if self._mailbox.get(key) is inbox:
-                del self._mailbox[key]
-                self._buffered_bytes -= sum(size for _, _, size in inbox.parts)
-                inbox.parts.clear()
+            # it stays in the mailbox until the round ends, so a resend of it is recognised
+            inbox.taken = True
+            self._buffered_bytes -= sum(size for _, _, size in inbox.parts)
+            inbox.parts.clear()
 
     # ---- sending ---------------------------------------------------------------------------------------
 
-    async def _send(self, peer: str, metadata: dict, outbox: Optional["_Outbox"], deadline: float) -> None:
-        """One message: the metadata, then every part of ``outbox`` as soon as it is ready (None: no tensor)."""
+    async def _send(self, peer: str, metadata: dict, outbox: Optional["_Outbox"], deadline: float) -> int:
+        """One message: the metadata, then every part of ``outbox`` as soon as it is ready (None: no tensor).
+
+        A transport failure (the stream closed or reset, the reply lost) sends the whole message again, up to
+        ``MAX_RESENDS`` times within ``deadline``; the receiver keeps each part once. A refusal from the
+        receiver is final. Returns how many times the message was sent again.
+        """
         metadata = dict(metadata, run=self.run)
+        links, peer_id = links_of(self.p2p), PeerID.from_base58(peer)
+        route = links.routes.get(peer_id)
 
         async def stream():
             if outbox is None:
@@ -374,18 +404,29 @@ class MultiRingAverager:
                 yield make_request(metadata, [part]) if first else runtime_pb2.ExpertRequest(tensors=[part])
                 first = False
 
-        try:
-            await asyncio.wait_for(
-                links_of(self.p2p).call(PeerID.from_base58(peer), RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
-                max(0.0, deadline - time.monotonic()),
-            )
-        except ValueError as e:
-            # p2pd sometimes closes a stream after the whole message went out but before the one-line reply
-            # came back (hivemind's asingle then sees no reply). The message is in the receiver's mailbox; if
-            # it is not, the receiver's own deadline ends that ring, as for any lost message.
-            if EMPTY_REPLY not in str(e):
+        resends = 0
+        while True:
+            try:
+                await asyncio.wait_for(links.call(peer_id, RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
+                                       max(0.0, deadline - time.monotonic()))
+                if outbox is not None:
+                    outbox.delivered()
+                return resends
+            except (P2PHandlerError, asyncio.TimeoutError):
                 raise
-            logger.debug(f"ring message to {peer[-8:]}: reply lost after sending ({e})")
+            except Exception as e:
+                lost = isinstance(e, (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError)) or (
+                    isinstance(e, ValueError) and EMPTY_REPLY in str(e))
+                backoff = RESEND_BACKOFF * (resends + 1)
+                if not lost or resends == MAX_RESENDS or time.monotonic() + backoff >= deadline:
+                    raise
+                resends += 1
+                what = f"{metadata['phase']} {metadata['position']} of ring {metadata['ring']}"
+                logger.warning(f"ring message {what} to {peer[-8:]} was lost ({type(e).__name__}: {e}); "
+                               f"sending it again ({resends}/{MAX_RESENDS})")
+                if route is not None:
+                    links.routes.setdefault(peer_id, route)  # PeerLinks forgets a route after a failed call
+                await asyncio.sleep(backoff)
 
     def _tell_ring(self, step: int, ring: Ring, members: Sequence[str], **fields) -> None:
         """Best effort, in the background: the ring's result does not wait for these notes to arrive."""
@@ -418,20 +459,20 @@ class MultiRingAverager:
             if not (local_start <= ring.start and ring.end <= local_start + local.numel()):
                 raise ValueError(f"ring {ring.index} [{ring.start}, {ring.end}) is not inside this peer's range")
         started = time.monotonic()
-        rejected: List[dict] = []
+        log = _RoundLog()
         results = await asyncio.gather(*(
-            self._run_ring(step, ring, local[ring.start - local_start:ring.end - local_start], started, rejected)
+            self._run_ring(step, ring, local[ring.start - local_start:ring.end - local_start], started, log)
             for ring in rings
         ))
         self._finish_round(step)
-        result = RoundResult(step, time.monotonic() - started, list(results), rejected)
+        result = RoundResult(step, time.monotonic() - started, list(results), log.rejected, log.resends)
         self.last_result = result
-        log = logger.info if result.ok else logger.warning
-        log(f"averaging {result.summary()}")
+        (logger.info if result.ok else logger.warning)(f"averaging {result.summary()}")
         return result
 
     def _finish_round(self, step: int) -> None:
         self.last_finished_step = step
+        self._delivered = {key for key, inbox in self._mailbox.items() if key[0] == step and inbox.complete}
         for key in [key for key in self._mailbox if key[0] <= step]:
             inbox = self._mailbox.pop(key)
             self._buffered_bytes -= sum(size for _, _, size in inbox.parts)
@@ -442,7 +483,7 @@ class MultiRingAverager:
             del self._rings[key]
 
     async def _run_ring(self, step: int, ring: Ring, segment: torch.Tensor, started: float,
-                        rejected: List[dict]) -> SegmentResult:
+                        log: "_RoundLog") -> SegmentResult:
         state = self._ring_state(step, ring.index)
         deadline = started + self.timeout
         while True:
@@ -455,7 +496,7 @@ class MultiRingAverager:
             if len(members) < 2:
                 return SegmentResult(ring.index, ring.start, ring.end, "alone", 1, "every other member was excluded")
             state.changed.clear()
-            attempt = asyncio.create_task(self._ring_attempt(step, ring, members, segment, deadline))
+            attempt = asyncio.create_task(self._ring_attempt(step, ring, members, segment, deadline, log))
             interrupted = asyncio.create_task(state.changed.wait())
             try:
                 await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
@@ -468,7 +509,7 @@ class MultiRingAverager:
             try:
                 averaged = attempt.result()
             except ContributionRejected as e:
-                rejected.append(dict(peer=e.peer, ring=ring.index, reason=str(e)))
+                log.rejected.append(dict(peer=e.peer, ring=ring.index, reason=str(e)))
                 logger.warning(f"ring {ring.index}: refused the contribution of {e.peer[-8:]}: {e}")
                 state.excluded.add(e.peer)
                 self._tell_ring(step, ring, members, excluded=sorted(state.excluded))
@@ -488,7 +529,7 @@ class MultiRingAverager:
             return SegmentResult(ring.index, ring.start, ring.end, "ok", len(members))
 
     async def _ring_attempt(self, step: int, ring: Ring, members: List[str], segment: torch.Tensor,
-                            deadline: float) -> torch.Tensor:
+                            deadline: float, log: "_RoundLog") -> torch.Tensor:
         """Reduce-scatter then all-gather over ``members``: 2(n-1) steps, each moving one chunk of segment/n.
 
         Every step has its own sending stream and receiving coroutine, all started at once. A chunk moves
@@ -572,7 +613,8 @@ class MultiRingAverager:
 
         async def send(index: int) -> None:
             phase, position, _, _ = steps[index]
-            await self._send(following, dict(base, phase=phase, position=position), outboxes[index], deadline)
+            resent = await self._send(following, dict(base, phase=phase, position=position), outboxes[index], deadline)
+            log.resends += resent  # not `+= await`: that would read the count before the other sends added theirs
 
         tasks = [asyncio.create_task(receive(i)) for i in range(len(steps))]
         tasks += [asyncio.create_task(send(i)) for i in range(len(steps))]
@@ -591,11 +633,23 @@ class MultiRingAverager:
         return work
 
 
+@dataclass
+class _RoundLog:
+    """What a round's rings note as they go: refused contributions and messages sent again."""
+
+    rejected: List[dict] = field(default_factory=list)
+    resends: int = 0
+
+
 class _Outbox:
-    """The serialized parts one step sends, in order, as they become ready; iterate to stream them."""
+    """The serialized parts one step sends, in order, as they become ready; iterate to stream them.
+
+    Every iteration starts at the first part, so a resend repeats the whole message; the parts are kept
+    until the message is delivered.
+    """
 
     def __init__(self):
-        self.parts: Deque[runtime_pb2.Tensor] = deque()
+        self.parts: List[runtime_pb2.Tensor] = []
         self.closed = False
         self.changed = asyncio.Event()
 
@@ -607,13 +661,18 @@ class _Outbox:
         self.closed = True
         self.changed.set()
 
+    def delivered(self) -> None:
+        self.parts.clear()
+
     def __aiter__(self):
         return self._parts()
 
     async def _parts(self):
+        index = 0
         while True:
-            if self.parts:
-                yield self.parts.popleft()
+            if index < len(self.parts):
+                index += 1
+                yield self.parts[index - 1]
             elif self.closed:
                 return
             else:

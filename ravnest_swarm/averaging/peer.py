@@ -25,7 +25,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
-from ravnest_swarm.averaging.averager import MultiRingAverager
+from ravnest_swarm.averaging.averager import PART_BYTES, MultiRingAverager
 from ravnest_swarm.averaging.segments import Ring, build_rings, element_range, rings_of
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
@@ -102,6 +102,9 @@ class AveragingPeerOptions:
     publish_plan: int = 0
     plan_timeout: float = 60.0
     delay_start: float = 0.0
+    part_bytes: int = PART_BYTES
+    lose_replies: int = 0
+    cut_streams: int = 0
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: Optional[Sequence[str]] = None
     bench_config: Optional[str] = None
@@ -178,6 +181,63 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
                 logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")
 
 
+class LossyRingAverager(MultiRingAverager):
+    """Fault injection for the tests, on the receiving side of real streams: the first ``lose_replies``
+    ring messages are read and filed in full, then their stream closes with no reply (what p2pd did under
+    load in the benchmark); the first ``cut_streams`` messages longer than two parts have their stream
+    closed partway through the second part. Both senders must send again."""
+
+    def __init__(self, *args, lose_replies: int = 0, cut_streams: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.replies_to_lose, self.streams_to_cut = lose_replies, cut_streams
+
+    async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.streams_to_cut:
+            reader = _CuttingReader(reader, 2 * self.part_bytes, self._cut)
+        if self.replies_to_lose:
+            self.replies_to_lose -= 1
+            writer = _ReplyLosingWriter(writer)
+        await super()._serve(stream_info, reader, writer)
+
+    def _cut(self) -> bool:
+        if self.streams_to_cut:
+            self.streams_to_cut -= 1
+            return True
+        return False
+
+
+class _CuttingReader:
+    """Reads a stream until ``limit`` bytes, then reports it broken off if ``cut()`` still agrees."""
+
+    def __init__(self, reader: asyncio.StreamReader, limit: int, cut):
+        self.reader, self.limit, self.cut, self.count = reader, limit, cut, 0
+
+    async def readexactly(self, n: int) -> bytes:
+        if self.count <= self.limit < self.count + n and self.cut():
+            raise asyncio.IncompleteReadError(b"", n)
+        self.count += n
+        return await self.reader.readexactly(n)
+
+    async def read(self, n: int = -1) -> bytes:
+        return await self.reader.read(n)
+
+
+class _ReplyLosingWriter:
+    """Drops what the handler writes; closing it still closes the real stream."""
+
+    def __init__(self, writer: asyncio.StreamWriter):
+        self.writer = writer
+
+    def write(self, data) -> None:
+        pass
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 POISONS = ("nan", "inf", "scale")
 
 
@@ -206,7 +266,13 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.initial_peers:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone
         await check_reachability(node.p2p, peer_id_of(options.initial_peers[0]), options.timeout)
-    averager = MultiRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression)
+    if options.lose_replies or options.cut_streams:
+        averager = LossyRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression,
+                                     part_bytes=options.part_bytes, lose_replies=options.lose_replies,
+                                     cut_streams=options.cut_streams)
+    else:
+        averager = MultiRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression,
+                                     part_bytes=options.part_bytes)
     try:
         await averager.start()
         await publish_placement(node, options)
