@@ -163,6 +163,9 @@ def test_kill_every_process_of_a_local_run_then_resume_loses_nothing(tmp_path):
         summary = json.loads(resumed.stdout().strip().splitlines()[-1])
         print(f"killed at {saved}; resumed run took {time.monotonic() - started:.0f}s; summary {summary}")
         assert summary["resumed_from"] == saved, (summary["resumed_from"], saved)
+        # nothing trained before the last checkpoints is trained again: no stage starts below them
+        training_from = summary["training_from"]
+        assert len(training_from) >= 2 and min(training_from.values()) >= min(saved.values()), (training_from, saved)
         assert summary["finished"], summary
         freshest = freshest_step_per_layer(checkpoints)
         assert sorted(freshest) == list(range(len(freshest))) and min(freshest.values()) > max(saved.values()), freshest

@@ -301,6 +301,7 @@ class LocalSwarm:
             "chaos_victim": self.chaos_victim,
             "finished": self.finished,
             "resumed_from": self.resumed_from(),
+            "training_from": self.training_from(),
         }
         if self.options.checkpoint_dir is None:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
@@ -313,6 +314,17 @@ class LocalSwarm:
             process = self.volunteers.get(name)  # None: --chaos's late peer, when training ended before it joined
             found = process and re.search(rf"^{name}: resuming layers \d+:\d+ from step (\d+)", process.stderr(),
                                           re.MULTILINE)
+            if found:
+                steps[name] = int(found.group(1))
+        return steps
+
+    def training_from(self) -> Dict[str, int]:
+        """Per peer placed on a stage: the step its first stage worker started at, as its
+        "training cluster c stage s/S layers a:b from step N" line says."""
+        steps = {}
+        for name, process in self.volunteers.items():
+            found = re.search(rf"^{name}: training cluster \d+ stage .* from step (\d+)", process.stderr(),
+                              re.MULTILINE)
             if found:
                 steps[name] = int(found.group(1))
         return steps
