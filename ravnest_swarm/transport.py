@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 from contextlib import closing
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
 import msgpack
 from google.protobuf.message import DecodeError
@@ -180,14 +180,14 @@ def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertRes
     return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
 
 
-async def read_frames(reader: asyncio.StreamReader, max_bytes: int) -> List[runtime_pb2.ExpertRequest]:
-    """Read one streamed message's ``ExpertRequest`` frames up to hivemind's end-of-stream marker.
+async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    """Yield one streamed message's ``ExpertRequest`` frames as they are read, up to hivemind's end-of-stream marker.
 
     The frames use hivemind's own framing (a marker byte, an 8-byte length, the protobuf), so senders use
     plain ``P2P.call_protobuf_handler``. Unlike hivemind's stream handlers, this refuses a message from
     its length headers before reading past ``max_bytes``, and names what is wrong (``ValueError``).
     """
-    frames, total = [], 0
+    total, count = 0, 0
     while True:
         marker = await reader.readexactly(1)
         if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
@@ -198,16 +198,68 @@ async def read_frames(reader: asyncio.StreamReader, max_bytes: int) -> List[runt
             raise ValueError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
         data = await reader.readexactly(length)
         if marker == P2P.ERROR_MARKER:
-            break
+            return
         frame = runtime_pb2.ExpertRequest()
         try:
             frame.ParseFromString(data)
         except DecodeError:
-            raise ValueError(f"frame {len(frames)} ({length} bytes) is not an ExpertRequest protobuf")
-        frames.append(frame)
+            raise ValueError(f"frame {count} ({length} bytes) is not an ExpertRequest protobuf")
+        del data  # a large frame's bytes need not live while the caller handles it
+        count += 1
+        yield frame
+
+
+async def read_frames(reader: asyncio.StreamReader, max_bytes: int) -> List[runtime_pb2.ExpertRequest]:
+    """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused."""
+    frames = [frame async for frame in iterate_frames(reader, max_bytes)]
     if not frames:
         raise ValueError("empty message: no frames before end of stream")
     return frames
+
+
+Reply = Union[runtime_pb2.ExpertResponse, RPCError]
+
+
+async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaitable[runtime_pb2.ExpertResponse]],
+                        timeout: float, on_refused: Optional[Callable[[str], None]] = None,
+                        on_broken: Optional[Callable[[], None]] = None) -> Optional[Reply]:
+    """What a stream handler sends back for one message: ``respond()`` reads and handles it within ``timeout``.
+
+    Its response, or hivemind's error frame with a one-line reason: the message was refused (a
+    ``ValueError`` from reading or handling), the stream stayed silent past ``timeout`` (a slow peer cannot
+    hold a handler open), or a bug of ours raised (logged; the sender still gets a reason). ``on_refused``
+    gets the reason of a refusal or timeout (by default it is logged). ``None`` when the sender went away
+    mid-message (``on_broken`` is told): nobody is left to answer.
+    """
+    try:
+        return await asyncio.wait_for(respond(), timeout)
+    except ValueError as e:
+        reason = str(e)
+    except asyncio.TimeoutError:
+        reason = f"message incomplete: no end of stream within {timeout:.0f}s"
+    except (asyncio.IncompleteReadError, ConnectionError):
+        if on_broken is not None:
+            on_broken()
+        return None
+    except Exception as e:
+        logger.exception(f"{name}: a message from {peer_id} failed")
+        return RPCError(message=f"internal error: {type(e).__name__}: {e}")
+    if on_refused is not None:
+        on_refused(reason)
+    else:
+        logger.info(f"{name}: refused a message from {peer_id}: {reason}")
+    return RPCError(message=reason)
+
+
+async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Send a handler's reply; after an error, drop what the sender still writes for a moment, since closing
+    with unread input resets the stream before the sender reads our reason."""
+    try:
+        await P2P.send_protobuf(reply, writer)
+        if isinstance(reply, RPCError):
+            await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass  # the sender went away or keeps writing; it has our answer or will retry
 
 
 FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable[runtime_pb2.ExpertResponse]]
@@ -216,35 +268,20 @@ FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable
 def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float):
     """A binary stream handler that reads one message of at most ``max_bytes`` within ``timeout`` seconds.
 
-    ``handle`` gets the frames and returns the response; a ``ValueError`` from reading or handling goes
-    back to the sender as hivemind's error frame with its text, as does a stream that stays silent past
-    ``timeout`` (a slow peer cannot hold a handler open). Register it with ``P2P.add_binary_stream_handler``.
+    ``handle`` gets the frames and returns the response; what goes back otherwise is :func:`message_reply`'s.
+    Register it with ``P2P.add_binary_stream_handler``.
     """
 
     async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
+
+        async def respond() -> runtime_pb2.ExpertResponse:
+            return await handle(await read_frames(reader, max_bytes), context)
+
         with closing(writer):
-            try:
-                frames = await asyncio.wait_for(read_frames(reader, max_bytes), timeout)
-                context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
-                reply = await handle(frames, context)
-            except ValueError as e:
-                logger.info(f"{name}: refused a message from {stream_info.peer_id}: {e}")
-                reply = RPCError(message=str(e))
-            except asyncio.TimeoutError:
-                logger.info(f"{name}: {stream_info.peer_id} sent no complete message within {timeout:.0f}s")
-                reply = RPCError(message=f"message incomplete: no end of stream within {timeout:.0f}s")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                return  # the sender went away mid-message: nobody to answer
-            except Exception as e:  # a bug of ours: the sender still gets a reason, the peer keeps serving
-                logger.exception(f"{name}: a message from {stream_info.peer_id} failed")
-                reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
-            try:
-                await P2P.send_protobuf(reply, writer)
-                if isinstance(reply, RPCError):
-                    # closing with unread input resets the stream before the sender reads our reason
-                    await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-            except (ConnectionError, asyncio.TimeoutError):
-                pass  # the sender went away or keeps writing; it has our answer or will retry
+            reply = await message_reply(name, stream_info.peer_id, respond, timeout)
+            if reply is not None:
+                await send_reply(reply, reader, writer)
 
     return serve
 

@@ -43,14 +43,15 @@ from typing import AsyncIterator, Deque, Dict, List, Optional, Sequence, Set, Tu
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
-from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import DISCARD_SECONDS, make_request, make_response, unpack_metadata
+from ravnest_swarm.transport import (
+    iterate_frames, make_request, make_response, message_reply, send_reply, unpack_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -212,55 +213,29 @@ class MultiRingAverager:
         """One ring message: read it within the size limit and the timeout, filing its parts as they come."""
         sender = stream_info.peer_id.to_base58()
         filling: List[_Inbox] = []  # the inbox this stream fills, once its metadata named one
+
+        def broken() -> None:
+            # not an error here: the sender sends the message again, or the ring's deadline ends it
+            logger.debug(f"{RING_HANDLER}: a message from {sender[-8:]} broke off")
+
         with closing(writer):
-            try:
-                reply = await asyncio.wait_for(self._read_message(reader, sender, filling), self.timeout)
-            except ValueError as e:
-                logger.info(f"{RING_HANDLER}: refused a message from {sender}: {e}")
-                reply = RPCError(message=str(e))
-            except asyncio.TimeoutError:
-                logger.info(f"{RING_HANDLER}: {sender} sent no complete message within {self.timeout:.0f}s")
-                reply = RPCError(message=f"message incomplete: no end of stream within {self.timeout:.0f}s")
-            except (asyncio.IncompleteReadError, ConnectionError):
-                # the stream broke off: the sender sends the message again, or the ring's deadline ends it
-                logger.debug(f"{RING_HANDLER}: a message from {sender[-8:]} broke off")
+            reply = await message_reply(RING_HANDLER, stream_info.peer_id,
+                                        lambda: self._read_message(reader, sender, filling), self.timeout,
+                                        on_broken=broken)
+            if reply is None:
                 return
-            except Exception as e:  # a bug of ours: the sender still gets a reason, the peer keeps serving
-                logger.exception(f"{RING_HANDLER}: a message from {sender} failed")
-                reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
             if isinstance(reply, RPCError):
                 for inbox in filling:
                     if not inbox.complete and inbox.error is None:
                         inbox.error = f"refused: {reply.message}"
                         inbox.notify()
-            try:
-                await P2P.send_protobuf(reply, writer)
-                if isinstance(reply, RPCError):
-                    # closing with unread input resets the stream before the sender reads our reason
-                    await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-            except (ConnectionError, asyncio.TimeoutError):
-                pass  # the sender went away or keeps writing; it has our answer or will retry
+            await send_reply(reply, reader, writer)
 
-    async def _read_message(self, reader: asyncio.StreamReader, sender: str, filling: List[_Inbox]):
+    async def _read_message(self, reader: asyncio.StreamReader, sender: str,
+                            filling: List[_Inbox]) -> runtime_pb2.ExpertResponse:
         """Read frames up to the end of stream; the first one's metadata says where the parts go."""
-        total, metadata, inbox, index = 0, None, None, 0
-        while True:
-            marker = await reader.readexactly(1)
-            if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
-                raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
-            length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-            total += length
-            if total > self.max_message_bytes:
-                raise ValueError(f"message exceeds the {self.max_message_bytes}-byte limit (at least {total} bytes)")
-            data = await reader.readexactly(length)
-            if marker == P2P.ERROR_MARKER:
-                break
-            frame = runtime_pb2.ExpertRequest()
-            try:
-                frame.ParseFromString(data)
-            except DecodeError:
-                raise ValueError(f"frame {index} ({length} bytes) is not an ExpertRequest protobuf")
-            del data
+        metadata, inbox, index = None, None, 0
+        async for frame in iterate_frames(reader, self.max_message_bytes):
             if metadata is None:
                 metadata = self._check_metadata(unpack_metadata(frame.metadata))
                 if metadata["phase"] != ABORT:
@@ -695,8 +670,3 @@ class _Progress:
         while self.value < mark and not self.done:
             self.changed.clear()
             await self.changed.wait()
-
-
-async def _discard(reader: asyncio.StreamReader) -> None:
-    while await reader.read(2**16):
-        pass

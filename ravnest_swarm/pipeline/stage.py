@@ -23,9 +23,8 @@ from typing import Awaitable, Callable, Deque, Dict, Iterator, List, Optional, S
 
 import torch
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, P2PContext, P2PHandlerError
+from hivemind.p2p import P2PContext, P2PHandlerError
 from hivemind.proto import runtime_pb2
-from hivemind.proto.p2pd_pb2 import RPCError
 from torch.func import functional_call
 
 from ravnest_swarm.models import ShardedSampler, get_model
@@ -33,13 +32,12 @@ from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, publish_endpoint
 from ravnest_swarm.pipeline.wire import MessageError, field
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import make_response
+from ravnest_swarm.transport import make_response, message_reply, send_reply
 
 logger = logging.getLogger(__name__)
 
 SCHEDULES = ("async", "sync")
 MODES = ("stash", "recompute")
-DISCARD_SECONDS = 2.0
 PROGRESS_EVERY = 10
 
 
@@ -435,34 +433,22 @@ class StageWorker:
 
     def _stream_handler(self, name: str, handle):
         async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            async def respond() -> runtime_pb2.ExpertResponse:
+                metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes)
+                self._check_address(metadata)
+                return make_response(await handle(metadata, tensors))
+
+            def refused(reason: str) -> None:
+                self.counters.rejected += 1
+                logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {reason}")
+
+            def broken() -> None:
+                logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
+
             with closing(writer):
-                try:
-                    metadata, tensors = await asyncio.wait_for(
-                        wire.read_message(reader, self.config.max_message_bytes), self.config.send_timeout)
-                    self._check_address(metadata)
-                    reply = make_response(await handle(metadata, tensors))
-                except MessageError as e:
-                    self.counters.rejected += 1
-                    logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {e}")
-                    reply = RPCError(message=str(e))
-                except asyncio.TimeoutError:
-                    self.counters.rejected += 1
-                    reason = f"message incomplete: no end of stream within {self.config.send_timeout:.0f}s"
-                    logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {reason}")
-                    reply = RPCError(message=reason)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
-                    return
-                except Exception as e:  # a bug of ours: the sender still gets a reason, the stage keeps serving
-                    logger.exception(f"stage {self.config.stage}: {name} from {stream_info.peer_id} failed")
-                    reply = RPCError(message=f"internal error: {type(e).__name__}: {e}")
-                try:
-                    await P2P.send_protobuf(reply, writer)
-                    if isinstance(reply, RPCError):
-                        # closing with unread input resets the stream before the sender reads our reason
-                        await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-                except (ConnectionError, asyncio.TimeoutError):
-                    pass  # the sender went away or keeps writing; it has our answer or will retry
+                reply = await message_reply(name, stream_info.peer_id, respond, self.config.send_timeout, refused, broken)
+                if reply is not None:
+                    await send_reply(reply, reader, writer)
 
         return serve
 
@@ -564,10 +550,6 @@ class StageWorker:
             tensors[f"{self.start_layer + int(local)}.{rest}"] = p.detach().contiguous()
         save_file(tensors, path)
 
-
-async def _discard(reader: asyncio.StreamReader) -> None:
-    while await reader.read(2**16):
-        pass
 
 
 async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, report_path: Optional[str] = None,
