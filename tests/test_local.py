@@ -33,11 +33,21 @@ def kill_pids(pids):
             pass
 
 
+def planning_lines(log_root):
+    lines = []
+    for path in sorted(log_root.glob("ravnest-*/peer*.err")):
+        lines += [f"{path.stem}: {line}" for line in path.read_text(errors="replace").splitlines()
+                  if "round" in line or "adopted" in line]
+    return "\n".join(lines)
+
+
 @needs_tmux
 @pytest.mark.timeout(300)
-def test_dashboard_of_a_real_local_run_in_a_terminal():
+def test_dashboard_of_a_real_local_run_in_a_terminal(tmp_path):
     session = f"ravnest-test-{os.getpid()}"
-    command = f"{sys.executable} -m ravnest_swarm local --peers 4 --steps 300 --averaging-period 20 --time-limit 200"
+    # the peers' logs land under tmp_path, so a failure can say what the planning rounds did
+    command = (f"TMPDIR={tmp_path} {sys.executable} -m ravnest_swarm local --peers 4 --steps 300 "
+               f"--averaging-period 20 --time-limit 200")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "60", command], check=True)
     pane_pid = int(subprocess.check_output(["tmux", "list-panes", "-t", session, "-F", "#{pane_pid}"], text=True))
     started = set()
@@ -48,13 +58,15 @@ def test_dashboard_of_a_real_local_run_in_a_terminal():
             started |= descendants(pane_pid)
             capture = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True)
             if capture.returncode != 0:
-                raise AssertionError(f"local exited before its dashboard showed the swarm; last screen:\n{screen}")
+                raise AssertionError(f"local exited before its dashboard showed the swarm; last screen:\n{screen}"
+                                     f"\nthe peers' planning lines:\n{planning_lines(tmp_path)}")
             screen = capture.stdout
             if "swarm map" in screen and "cluster 1" in screen and all(f"peer{i}" in screen for i in range(4)):
                 break
             time.sleep(2)
         else:
-            raise AssertionError(f"the dashboard never showed both clusters and every peer:\n{screen}")
+            raise AssertionError(f"the dashboard never showed both clusters and every peer:\n{screen}"
+                                 f"\nthe peers' planning lines:\n{planning_lines(tmp_path)}")
         assert all(len(line) <= 80 for line in screen.splitlines())
         assert "cluster 0" in screen
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)

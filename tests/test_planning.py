@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, water_fill
-from ravnest_swarm.planning.ga import SwarmArrays
+from ravnest_swarm.planning.ga import IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
+from ravnest_swarm.planning.round import ROUND_GA
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -195,3 +196,22 @@ def test_bad_peers_file(tmp_path, content, code, message):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
     assert out.stdout == ""
+
+
+@pytest.mark.parametrize("size", [4, 7])
+def test_a_round_budget_reaches_a_plan_with_one_more_cluster(size):
+    """The `local` swarm's peers (RAM 0.4-0.7 of the model each): the best plan puts every pair of a
+    fast and a slow peer in its own cluster, which a plan of one fast cluster plus standby peers
+    reaches only by founding a cluster from standby peers and trading a member in one move. Every
+    peer's island must get there within 1000 generations (a round of 8 s runs about 5000 here),
+    whatever its seed."""
+    workload = Workload(0.000511608, 0.00025344, 0.000512, 4)
+    peers = [Peer(f"p{i}", workload.model_gb * (0.4 + 0.1 * (i % 4)), 20.0 + 10 * (i % 3), 1000.0 + 100 * (i % 5))
+             for i in range(size)]
+    optimum = exhaustive_optimum(peers, workload)
+    arrays = SwarmArrays(peers, workload)
+    for seed in range(8):
+        ga = IslandGA(arrays, greedy_plan(arrays), seed=seed, config=ROUND_GA)
+        for _ in range(1000):
+            ga.step()
+        assert ga.best_fitness == pytest.approx(optimum, rel=1e-9), seed

@@ -10,6 +10,7 @@ import pytest
 
 from ravnest_swarm.planning.cost import Peer, Workload
 from ravnest_swarm.planning.plan import plan_swarm
+from ravnest_swarm.planning.round import GONE_POLLS, RoundTriggers
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -85,3 +86,28 @@ def test_peer_killed_mid_round_does_not_block_it(processes, backbone):
     assert "v4" not in members.split(",")
     assert float(fitness) == pytest.approx(offline_optimum(survivors).swarm_throughput, rel=1e-9)
     assert float(fitness) == pytest.approx(9.0, rel=1e-9)
+
+
+def test_a_peer_that_missed_a_round_gets_one_more_round_of_its_own():
+    """A peer seen when round 1 opened whose proposal was not live at the deadline (a slow start under
+    load) must not stay standby for good: its return opens one more round, and only one."""
+    triggers = RoundTriggers(min_peers=4, round_period=0.0)
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    assert triggers.reason(None, alive) == "4 live peers"
+    triggers.adopted(snapshot_ids=set(alive), participants={"v1", "v2"})
+    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": "v1"}, {"peer_id": "v2"}]]}
+    assert triggers.reason(plan, alive) == "2 peer(s) missed round 1"
+    assert triggers.reason(plan, alive) is None  # the retry was its one more round
+    triggers.adopted(snapshot_ids=set(alive), participants=set(alive))
+    assert triggers.reason(plan, alive) is None
+
+
+def test_a_planned_peer_is_called_gone_only_after_several_looks():
+    triggers = RoundTriggers(min_peers=2, round_period=0.0)
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1")}
+    triggers.adopted(snapshot_ids=set(alive), participants=set(alive))
+    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": "v0"}, {"peer_id": "v1"}]]}
+    without_v1 = {"v0": alive["v0"]}
+    looks = [triggers.reason(plan, without_v1) for _ in range(GONE_POLLS)]
+    assert looks[:-1] == [None] * (GONE_POLLS - 1) and looks[-1] == "1 planned peer(s) gone"
+    assert triggers.reason(plan, alive) is None

@@ -269,15 +269,16 @@ class IslandGA:
         return np.where(from_parent, parents, np.where(mates >= cut, mates, STANDBY)).astype(parents.dtype)
 
     def _mutate(self, population: np.ndarray, rows: np.ndarray, clusters: np.ndarray) -> None:
-        """One operator per offspring: reassign, swap, boost the bottleneck, or move a peer into it.
+        """One operator per offspring: reassign, swap, boost the bottleneck, move a peer into it, or found a cluster.
 
         ``clusters`` is each row's parent's cluster count K, so id K-1 is the parent's bottleneck.
         """
-        choice = self.rng.integers(0, 4, size=len(population))
+        choice = self.rng.integers(0, 5, size=len(population))
         self._reassign(population, rows & (choice == 0))
         self._swap(population, rows & (choice == 1))
         self._boost_bottleneck(population, rows & (choice == 2) & (clusters > 0), clusters)
         self._steal_for_bottleneck(population, rows & (choice == 3) & (clusters > 0), clusters)
+        self._found_cluster(population, rows & (choice == 4) & (clusters < self.arrays.max_clusters), clusters)
 
     def _reassign(self, population: np.ndarray, rows: np.ndarray) -> None:
         """Give one peer per chosen row another peer's cluster, standby, or a fresh cluster id."""
@@ -330,6 +331,31 @@ class IslandGA:
             return
         peer = self.rng.integers(0, self.arrays.size, len(index))
         population[index, peer] = clusters[index] - 1
+
+    def _found_cluster(self, population: np.ndarray, rows: np.ndarray, clusters: np.ndarray) -> None:
+        """Put 2..D fast standby peers together under the unused id K, then swap one of them with a random peer.
+
+        A lone peer rarely holds the model, and repair dissolves a cluster short of RAM, so a new cluster
+        can only appear when several standby peers join it in one move. Standby peers are the slow
+        ones, and repair drops a new cluster slower than the cut, so the swap lets a faster peer into
+        it in the same move: without both, 4 peers planned as one cluster + 2 standby never reach the
+        better 2 x 2.
+        """
+        index = np.flatnonzero(rows)
+        if not len(index):
+            return
+        founders = []
+        for _ in range(int(self.rng.integers(2, self.arrays.workload.max_stages + 1))):
+            chosen = self._standby_candidates(population, index)
+            ok = chosen >= 0
+            population[index[ok], chosen[ok]] = clusters[index[ok]]
+            founders.append(chosen)
+        founder = founders[0]
+        ok = founder >= 0
+        rows_ok, founder = index[ok], founder[ok]
+        other = self.rng.integers(0, self.arrays.size, len(rows_ok))
+        population[rows_ok, founder], population[rows_ok, other] = \
+            population[rows_ok, other], population[rows_ok, founder].copy()
 
     def _migrate(self) -> None:
         """Ring migration: each island's best replaces the next island's worst."""

@@ -1,10 +1,9 @@
 """The distributed planning round: every volunteer runs a GA island and all adopt the same plan.
 
 No coordinator. Round r is 1 + the newest adopted plan's round. A peer opens it when it sees a
-trigger (no plan yet and ``min_peers`` live peers; ``min_peers`` peers it has not planned with; a
-member of the plan gone; or ``round_period`` elapsed) by publishing a proposal whose deadline is
-``round_seconds`` ahead; any peer that sees a proposal of round r joins it, and the round's deadline
-is the earliest deadline any proposal names. Until shortly before the deadline each participant
+trigger (see :class:`RoundTriggers`) by publishing a proposal whose deadline is ``round_seconds``
+ahead; any peer that sees a proposal of round r joins it, and the round's deadline is the earliest
+deadline any proposal names. Until shortly before the deadline each participant
 evolves its own island (seed from run, round and peer id), republishes its best plan under
 ``{run}_round`` and migrates the others' best plans into its population. Shortly after the deadline
 every peer reads all proposals of round r and adopts the best one whose clustered peers are all alive
@@ -85,6 +84,50 @@ def canonical(clusters: Sequence[Sequence[str]]) -> List[List[str]]:
     return sorted(sorted(c) for c in clusters)
 
 
+class RoundTriggers:
+    """Decides, from the adopted plan and the live peers, whether a new round should open.
+
+    :param min_peers: open the first round once this many peers are live, and a later one once this
+        many live peers are neither planned for nor took part in the last round
+    :param round_period: seconds after which a plan is revised anyway (0: never)
+    """
+
+    def __init__(self, min_peers: int, round_period: float):
+        self.min_peers, self.round_period = min_peers, round_period
+        self.planned_with: set = set()  # peer ids that took part in the last round adopted
+        # peers seen when a round opened whose proposals were not live at its deadline (slow start, a lost
+        # renewal): each gets one more round of its own, so a hiccup does not leave it standby for good
+        self.missed: set = set()
+        self.retried: set = set()
+        self.missing: Dict[str, int] = {}  # planned peer id -> consecutive polls without its record
+
+    def adopted(self, snapshot_ids: set, participants: set) -> None:
+        """A round was adopted: ``snapshot_ids`` were seen when it opened, ``participants`` were live at its end."""
+        self.planned_with = set(participants)
+        self.missed = set(snapshot_ids) - set(participants)
+
+    def reason(self, plan: Optional[dict], alive: Dict[str, Peer]) -> Optional[str]:
+        """Why a new round should open now, or None."""
+        if plan is None:
+            return f"{len(alive)} live peers" if len(alive) >= self.min_peers else None
+        members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
+        # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
+        self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
+        gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
+        if gone:
+            return f"{len(gone)} planned peer(s) gone"
+        new = set(alive) - self.planned_with - members
+        if len(new) >= self.min_peers:
+            return f"{len(new)} new standby peers"
+        missed = (self.missed & set(alive)) - members - self.retried
+        if missed:
+            self.retried |= missed
+            return f"{len(missed)} peer(s) missed round {plan['round']}"
+        if self.round_period > 0 and time.time() - plan["time"] >= self.round_period:
+            return "round period elapsed"
+        return None
+
+
 class PlanningRounds:
     """Takes part in planning rounds for one volunteer until stopped.
 
@@ -102,11 +145,10 @@ class PlanningRounds:
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
         self.subkey = RSASignatureValidator().local_public_key
-        self.planned_with: set = set()  # peer ids in the snapshot of the last round we adopted
+        self.triggers = RoundTriggers(options.min_peers, options.round_period)
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
-        self.missing: Dict[str, int] = {}  # planned peer id -> consecutive polls without its record
 
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
@@ -149,24 +191,6 @@ class PlanningRounds:
         return [item.value for item in found.value.values()
                 if item.value["round"] == round_number and item.value["deadline"] > deadline_after]
 
-    def trigger(self, plan: Optional[dict], alive: Dict[str, Peer]) -> Optional[str]:
-        """Why a new round should open now, or None."""
-        options = self.options
-        if plan is None:
-            return f"{len(alive)} live peers" if len(alive) >= options.min_peers else None
-        members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
-        # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
-        self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
-        gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
-        if gone:
-            return f"{len(gone)} planned peer(s) gone"
-        new = set(alive) - self.planned_with - members
-        if len(new) >= options.min_peers:
-            return f"{len(new)} new standby peers"
-        if options.round_period > 0 and time.time() - plan["time"] >= options.round_period:
-            return "round period elapsed"
-        return None
-
     async def poll_once(self) -> None:
         plan = await self.read_plan()
         round_number = plan["round"] + 1 if plan is not None else 1
@@ -176,7 +200,7 @@ class PlanningRounds:
             await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined")
             return
         alive = await self.read_alive(now)
-        reason = self.trigger(plan, alive)
+        reason = self.triggers.reason(plan, alive)
         if reason is not None:
             await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})")
 
@@ -245,9 +269,11 @@ class PlanningRounds:
         value = RoundProposal(round=round_number, deadline=float(deadline), peer_id=self.peer_id,
                               ram_gb=me["ram_gb"], gflops=me["gflops"], bandwidth_mbps=me["bandwidth_mbps"],
                               fitness=float(fitness), clusters=clusters, time=time.time()).dict()
-        # the DHT replaces a subkey's value only by one that expires later, so each renewal must
+        # the DHT replaces a subkey's value only by one that expires later, so each renewal must; the
+        # first replica's ack is enough: waiting for a slow replica would space our renewals out until
+        # the others call our proposal stale and plan without us
         await self.node.store(round_key(self.run), value, get_dht_time() + 2 * self.options.round_seconds + 60,
-                              subkey=self.subkey)
+                              subkey=self.subkey, await_all_replicas=False)
 
     def choose(self, proposals: List[dict], alive: Dict[str, Peer]) -> Optional[Tuple[float, str, List[List[str]]]]:
         """The best valid proposal as ``(fitness, hash, clusters)``: every peer given the same inputs picks the same."""
@@ -305,7 +331,7 @@ class PlanningRounds:
         else:
             self.announcer.update(plan_round=round_number, **placement)
             await self.announcer.publish()
-        self.planned_with = snapshot_ids | set(alive)
+        self.triggers.adopted(snapshot_ids, set(alive))
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "
                  f"clusters {len(clusters)} members {member_names}")

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 import psutil
 import torch
+from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
 from rich.live import Live
 
@@ -34,7 +35,7 @@ from ravnest_swarm.dashboard.view import render
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.announcer import read_peers
-from ravnest_swarm.membership.records import make_validators, plan_key
+from ravnest_swarm.membership.records import make_validators, plan_key, round_key
 from ravnest_swarm.models import get_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.spec import RunSpec
@@ -195,11 +196,12 @@ class LocalSwarm:
             self.peer_ids.update({p["name"]: p["peer_id"] for p in peers})
             if plan is not None:
                 self.plans.setdefault(plan["round"], plan)
+            round_open = await self._round_open(observer, plan)
             self._sample(peers)
             if live is not None:
                 live.update(render(self.state, self.console.width), refresh=True)
             await self._maybe_chaos(peers, plan, maddr)
-            if self._finished(peers, plan):
+            if not round_open and self._finished(peers, plan):
                 self.finished = True
                 break
             try:
@@ -240,6 +242,17 @@ class LocalSwarm:
             self.volunteers[victim].kill_group()
             self.chaos_done = True
             self.chaos_victim = victim
+
+    @staticmethod
+    async def _round_open(observer, plan: Optional[dict]) -> bool:
+        """Whether a planning round after ``plan`` is under way: its plan may still put standby peers to work."""
+        found = await observer.get(round_key(RUN), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return False
+        after = plan["round"] if plan is not None else 0
+        # a round's adoption reads the proposals a little after their deadline
+        return any(item.value["round"] > after and item.value["deadline"] > get_dht_time() - 5
+                   for item in found.value.values())
 
     def _finished(self, peers: List[dict], plan: Optional[dict]) -> bool:
         """Every peer of the plan in force has trained its steps (its stage worker finished)."""
