@@ -1,16 +1,27 @@
-"""Poisoned averaging with real peer processes: an absurdly scaled contribution is refused and reported.
+"""Poisoning with real peer processes: an absurdly scaled averaging contribution, and poisoned
+activations sent to a training volunteer, are refused and reported in the peer record and ``status``.
 
 (NaN contributions: ``test_averaging.test_nan_contribution_is_rejected_and_the_others_average``;
-poisoned activations and gradients: ``test_hardening_handlers``.)
+poisoned activations and gradients against a bare stage worker: ``test_hardening_handlers``.)
 """
 
+import asyncio
 import json
+import math
+import os
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 
+from ravnest_swarm.models import get_model
+from ravnest_swarm.pipeline import wire
 from test_averaging import averaged, exact_mean, finish, start_swarm
+from test_hardening_handlers import END_OF_STREAM, frames_bytes
 
 
 @pytest.mark.timeout(150)
@@ -48,3 +59,68 @@ def test_scaled_contribution_is_rejected_reported_in_status_and_honest_values_un
         assert record["rejected"] == len(result["rejected"]), name
         if result["rejected"]:
             assert "poisoned" in record["note"], record
+
+
+def swarm_status(backbone, run):
+    out = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run", run,
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["peers"]
+
+
+@pytest.mark.timeout(240)
+def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_record_and_status(processes, backbone):
+    """Attack: an outsider opens the forward handler of a real volunteer training stage 1 of a run and
+    sends it activations of the right shape holding NaN, then ones scaled by 1e9. The volunteer refuses
+    both, keeps training, and its signed peer record counts them (``rejected``), which ``status --json``
+    and ``status``'s table caption show."""
+    run, model_gb = "pipepoison", 0.000511608  # mlp-digits; each peer holds 0.6 of it: one cluster of two
+    for name in ("v0", "v1"):
+        processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name, "--model", "mlp-digits",
+                         "--steps", "100000", "--min-peers", "2", "--heartbeat", "2", "--no-dashboard",
+                         "--ram-gb", f"{model_gb * 0.6:.9f}", "--gflops", "20", "--bandwidth-mbps", "1000",
+                         "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], name)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        victims = [p for p in swarm_status(backbone, run) if p.get("stage") == 1 and p["state"] == "training"
+                   and (p.get("step") or 0) > 0]
+        if victims:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError("no volunteer started training stage 1")
+    victim = victims[0]
+    start_layer = victim["layers"][0]
+    width = get_model("mlp-digits").build_stage(start_layer, start_layer + 1)[0].linear.in_features
+
+    async def attack():
+        attacker = await P2P.create(initial_peers=victim["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        replies = []
+        try:
+            for microbatch, values in ((10**6, torch.full((4, width), math.nan)), (10**6 + 1, torch.ones(4, width) * 1e9)):
+                metadata = dict(run=run, cluster=victim["cluster"], stage=1, microbatch=microbatch,
+                                sample_ids=list(range(4)), version=victim["step"])
+                _, reader, writer = await attacker.call_binary_stream_handler(PeerID.from_base58(victim["peer_id"]),
+                                                                              wire.FORWARD)
+                writer.write(frames_bytes(wire.encode(metadata, [values, torch.zeros(4, dtype=torch.long)]))
+                             + END_OF_STREAM)
+                await writer.drain()
+                _, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
+                replies.append(error.message if error is not None else "ok")
+                writer.close()
+        finally:
+            await attacker.shutdown()
+        return replies
+
+    replies = asyncio.run(attack())
+    assert "holds NaN or Inf" in replies[0] and "above the 1e+06 limit" in replies[1], replies
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        record = {p["peer_id"]: p for p in swarm_status(backbone, run)}[victim["peer_id"]]
+        if (record.get("rejected") or 0) >= 2:
+            break
+        time.sleep(2)
+    assert record["rejected"] == 2 and record["step"] > victim["step"], record  # and it kept training
+    table = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run", run],
+                           capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="120"))
+    assert f"refused poisoned or malformed input: {victim['name']} 2" in table.stdout, table.stdout

@@ -15,10 +15,13 @@ COLUMNS = (("name", "left"), ("state", "left"), ("RAM", "right"), ("Mb/s", "righ
 def peers_table(run: str, peers: List[Dict]) -> Table:
     """One row per peer: capabilities, placement (cluster/stage), progress, and seconds until its record expires.
 
-    Only the name column may shrink (cut with an ellipsis, or wrapped at its spaces); every other cell
+    The caption names every peer that refused poisoned or malformed input, with its count. Only the
+    name column may shrink (cut with an ellipsis, or wrapped at its spaces); every other cell
     is a short word or number that rich must never fold into fragments.
     """
-    table = Table(title=f"run {run}: {len(peers)} peer(s)", box=box.SIMPLE_HEAD, pad_edge=False,
+    refusing = [f"{peer['name']} {peer['rejected']}" for peer in peers if peer.get("rejected")]
+    caption = f"refused poisoned or malformed input: {', '.join(refusing)}" if refusing else None
+    table = Table(title=f"run {run}: {len(peers)} peer(s)", caption=caption, box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1, 0, 0), expand=False)
     for header, justify in COLUMNS:
         shrinkable = header == "name"

@@ -110,6 +110,8 @@ class Volunteer:
         self.plan: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
         self.averaging_rounds = self.averaging_failures = 0
+        # poisoned or malformed input refused: by averaging, and by stage workers already stopped
+        self.rejected_before = 0
         self.averager = MultiRingAverager(self.node.p2p, self.run, timeout=options.averaging_timeout)
         self.state_server = LayerStateServer(self.node.p2p, self.run, self._held_layers)
         self._adopted = asyncio.Event()
@@ -200,6 +202,7 @@ class Volunteer:
         # hand the layers to the state server first: others may be fetching them while the worker stops
         self.held, self.worker = (worker.start_layer, worker.module, worker.version), None
         await worker.shutdown()
+        self.rejected_before += worker.counters.rejected
         for offset, layer in enumerate(worker.module):
             self.cache[worker.start_layer + offset] = (
                 {k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
@@ -280,6 +283,7 @@ class Volunteer:
         with torch.no_grad():
             unflatten_into(local, parameters)
         self.averaging_rounds += 1
+        self.rejected_before += len(result.rejected)
         if not result.ok:
             self.averaging_failures += 1
             self.console.print(f"{self.name}: averaging at step {step}: {result.summary()}", highlight=False)
@@ -297,7 +301,8 @@ class Volunteer:
         self._last_report = (now, version)
         losses = worker.counters.losses
         self.announcer.update(step=version, samples_per_s=round(rate, 3),
-                              loss=round(losses[-1][1], 6) if losses else None)
+                              loss=round(losses[-1][1], 6) if losses else None,
+                              rejected=self.rejected_before + worker.counters.rejected)
         if worker.finished.is_set() or version >= self.options.steps:
             # a stage placed after its cluster already trained its steps has nothing left to do
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
