@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, water_fill
+from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, layer_ranges, water_fill
 from ravnest_swarm.planning.ga import IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
@@ -215,3 +215,14 @@ def test_a_round_budget_reaches_a_plan_with_one_more_cluster(size):
         for _ in range(1000):
             ga.step()
         assert ga.best_fitness == pytest.approx(optimum, rel=1e-9), seed
+
+
+def test_layer_cuts_keep_each_stage_within_its_peers_ram_when_whole_layers_allow():
+    """Fractions respect RAM, whole layers need not: 0.47 of 10 equal layers rounds to 5 layers, over a
+    peer that holds 4.7. The cut must move to a layer boundary that fits, or keep the nearest if none does."""
+    memory, flops = [1.0] * 10, [1.0] * 10
+    assert layer_ranges([0.47, 0.53], memory, flops) == [(0, 5), (5, 10)]
+    assert layer_ranges([0.47, 0.53], memory, flops, stage_ram_gb=[4.7, 6.0]) == [(0, 4), (4, 10)]
+    assert layer_ranges([0.2, 0.3, 0.5], memory, flops, stage_ram_gb=[3, 3, 5]) == [(0, 2), (2, 5), (5, 10)]
+    # no cut fits (the two peers hold 9 of 10 layers): the nearest cut all the same
+    assert layer_ranges([0.47, 0.53], memory, flops, stage_ram_gb=[4.5, 4.5]) == [(0, 5), (5, 10)]

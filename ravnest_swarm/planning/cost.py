@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 # sums of fractions are compared with 1 with this slack, so a cluster whose RAM is exactly M stays feasible
 FEASIBILITY_SLACK = 1e-12
@@ -121,31 +121,55 @@ def swarm_throughput(clusters: Sequence[Sequence[Peer]], workload: Workload) -> 
     return len(throughputs) * min(throughputs) if throughputs else 0.0
 
 
-def layer_ranges(fractions: Sequence[float], layer_memory_gb: Sequence[float],
-                 layer_gflop: Sequence[float]) -> List[Tuple[int, int]]:
+def layer_ranges(fractions: Sequence[float], layer_memory_gb: Sequence[float], layer_gflop: Sequence[float],
+                 stage_ram_gb: Optional[Sequence[float]] = None) -> List[Tuple[int, int]]:
     """Contiguous half-open layer ranges, one per stage in order, that best match the fractions.
 
     A layer's weight is the mean of its share of the model's memory and of its FLOPs, so a stage's
-    share of whole layers tracks both what it must hold and what it must compute. Stage j ends at the
-    layer boundary nearest the cumulative fraction x_1 + ... + x_j, and every stage keeps at least one
-    layer (needs as many layers as stages).
+    share of whole layers tracks both what it must hold and what it must compute. The cuts minimise
+    the summed distance of each stage's end from the cumulative fraction x_1 + ... + x_j; every stage
+    keeps at least one layer (needs as many layers as stages). With ``stage_ram_gb``, only cuts that
+    keep every stage's layers within its peer's RAM are considered, when there are any: the fractions
+    respect RAM, but whole layers can overshoot them (by up to one layer); if no cut fits, the
+    closest cut is used all the same.
     """
     stages, layers = len(fractions), len(layer_memory_gb)
     if layers < stages:
         raise ValueError(f"{stages} stages need at least {stages} layers, the model has {layers}")
     memory_total, flop_total = sum(layer_memory_gb) or 1.0, sum(layer_gflop) or 1.0
     weights = [(m / memory_total + f / flop_total) / 2 for m, f in zip(layer_memory_gb, layer_gflop)]
-    cumulative = [0.0]
-    for w in weights:
+    cumulative, memory = [0.0], [0.0]
+    for w, m in zip(weights, layer_memory_gb):
         cumulative.append(cumulative[-1] + w)
-    ranges, start, target = [], 0, 0.0
-    for stage, fraction in enumerate(fractions):
-        target += fraction
-        if stage == stages - 1:
-            end = layers
-        else:
-            lowest, highest = start + 1, layers - (stages - stage - 1)
-            end = min(range(lowest, highest + 1), key=lambda e: abs(cumulative[e] - target))
+        memory.append(memory[-1] + m)
+    targets = [sum(fractions[:j + 1]) for j in range(stages)]
+    fitting = _cuts(stages, layers, cumulative, targets, memory, stage_ram_gb) if stage_ram_gb is not None else None
+    return fitting or _cuts(stages, layers, cumulative, targets, memory, None)
+
+
+def _cuts(stages: int, layers: int, cumulative: Sequence[float], targets: Sequence[float], memory: Sequence[float],
+          ram: Optional[Sequence[float]]) -> Optional[List[Tuple[int, int]]]:
+    """Dynamic programme over cut positions: best[j][e] is the least distance of stages 0..j ending at e."""
+    def fits(stage: int, start: int, end: int) -> bool:
+        return ram is None or memory[end] - memory[start] <= ram[stage] * (1 + FEASIBILITY_SLACK)
+
+    best = [[math.inf] * (layers + 1) for _ in range(stages)]
+    previous = [[0] * (layers + 1) for _ in range(stages)]
+    for end in range(1, layers - stages + 2):
+        if fits(0, 0, end):
+            best[0][end] = abs(cumulative[end] - targets[0])
+    for stage in range(1, stages):
+        for end in range(stage + 1, layers - (stages - stage - 1) + 1):
+            distance = 0.0 if stage == stages - 1 else abs(cumulative[end] - targets[stage])
+            for start in range(stage, end):
+                cost = best[stage - 1][start] + distance
+                if cost < best[stage][end] and fits(stage, start, end):
+                    best[stage][end], previous[stage][end] = cost, start
+    if best[stages - 1][layers] == math.inf:
+        return None
+    ranges, end = [], layers
+    for stage in range(stages - 1, -1, -1):
+        start = previous[stage][end] if stage > 0 else 0
         ranges.append((start, end))
-        start = end
-    return ranges
+        end = start
+    return ranges[::-1]

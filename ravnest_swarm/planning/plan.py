@@ -132,14 +132,16 @@ def build_plan(peers: Sequence[Peer], clusters: Sequence[Sequence[int]], workloa
     """A :class:`Plan` from clusters given as lists of indices into ``peers``, its figures recomputed.
 
     Stages are ordered by falling fraction (ties by peer id), so the largest share comes first and the
-    order is the same wherever the plan is rebuilt.
+    order is the same wherever the plan is rebuilt. Layer cuts keep each stage within its peer's RAM
+    where whole layers allow it (:func:`layer_ranges`).
     """
     placed, clustered = [], set()
     for members in clusters:
         group = [peers[i] for i in members]
         _, fractions = water_fill(group, workload)
         order = sorted(range(len(group)), key=lambda j: (-fractions[j], group[j].peer_id))
-        ranges = layer_ranges([fractions[j] for j in order], *layer_profile)
+        ranges = layer_ranges([fractions[j] for j in order], *layer_profile,
+                              stage_ram_gb=[group[j].ram_gb for j in order])
         stages = [PlacedPeer(group[j].peer_id, fractions[j], stage, ranges[stage]) for stage, j in enumerate(order)]
         placed.append((cluster_throughput(group, workload), stages))
         clustered.update(members)
