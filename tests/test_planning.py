@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, layer_ranges, water_fill
+from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, layer_ranges, stage_split, water_fill
 from ravnest_swarm.planning.ga import IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
@@ -226,3 +226,17 @@ def test_layer_cuts_keep_each_stage_within_its_peers_ram_when_whole_layers_allow
     assert layer_ranges([0.2, 0.3, 0.5], memory, flops, stage_ram_gb=[3, 3, 5]) == [(0, 2), (2, 5), (5, 10)]
     # no cut fits (the two peers hold 9 of 10 layers): the nearest cut all the same
     assert layer_ranges([0.47, 0.53], memory, flops, stage_ram_gb=[4.5, 4.5]) == [(0, 5), (5, 10)]
+
+
+def test_a_cluster_of_unequal_layers_puts_its_smallest_peer_where_the_small_layers_are():
+    """mlp-digits' layers hold 0.20, 0.39, 0.39 and 0.03 of the model. Peers offering 0.6, 0.5 and 0.4 of
+    it in falling order fit only as 0.58 / 0.39 / 0.03 (far from their fractions 0.40 / 0.33 / 0.27);
+    the reverse order fits as 0.20 / 0.39 / 0.42, close to them, and is the one chosen."""
+    memory = [8.32, 16.51, 16.51, 1.29]
+    total = sum(memory)
+    order, ranges = stage_split([0, 1, 2], [0.40, 0.33, 0.27], [0.6 * total, 0.5 * total, 0.4 * total], memory, memory)
+    assert order == [2, 1, 0] and ranges == [(0, 1), (1, 2), (2, 4)]
+    ram = {0: 0.6 * total, 1: 0.5 * total, 2: 0.4 * total}
+    assert all(sum(memory[a:b]) <= ram[peer] for peer, (a, b) in zip(order, ranges))
+    # equal layers: the preferred order's cut is as close as whole layers allow and is kept
+    assert stage_split([0, 1], [0.5, 0.5], [20.0, 20.0], [1.0] * 32, [1.0] * 32) == ([0, 1], [(0, 16), (16, 32)])

@@ -16,6 +16,7 @@ and every plan the CLI prints is re-evaluated here before its figures are report
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -133,43 +134,85 @@ def layer_ranges(fractions: Sequence[float], layer_memory_gb: Sequence[float], l
     respect RAM, but whole layers can overshoot them (by up to one layer); if no cut fits, the
     closest cut is used all the same.
     """
-    stages, layers = len(fractions), len(layer_memory_gb)
-    if layers < stages:
-        raise ValueError(f"{stages} stages need at least {stages} layers, the model has {layers}")
-    memory_total, flop_total = sum(layer_memory_gb) or 1.0, sum(layer_gflop) or 1.0
-    weights = [(m / memory_total + f / flop_total) / 2 for m, f in zip(layer_memory_gb, layer_gflop)]
-    cumulative, memory = [0.0], [0.0]
-    for w, m in zip(weights, layer_memory_gb):
-        cumulative.append(cumulative[-1] + w)
-        memory.append(memory[-1] + m)
-    targets = [sum(fractions[:j + 1]) for j in range(stages)]
-    fitting = _cuts(stages, layers, cumulative, targets, memory, stage_ram_gb) if stage_ram_gb is not None else None
-    return fitting or _cuts(stages, layers, cumulative, targets, memory, None)
+    profile = _LayerProfile(layer_memory_gb, layer_gflop, len(fractions))
+    fitting = profile.cuts(fractions, stage_ram_gb) if stage_ram_gb is not None else None
+    return (fitting or profile.cuts(fractions, None))[1]
 
 
-def _cuts(stages: int, layers: int, cumulative: Sequence[float], targets: Sequence[float], memory: Sequence[float],
-          ram: Optional[Sequence[float]]) -> Optional[List[Tuple[int, int]]]:
-    """Dynamic programme over cut positions: best[j][e] is the least distance of stages 0..j ending at e."""
-    def fits(stage: int, start: int, end: int) -> bool:
-        return ram is None or memory[end] - memory[start] <= ram[stage] * (1 + FEASIBILITY_SLACK)
+def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequence[float],
+                layer_memory_gb: Sequence[float], layer_gflop: Sequence[float]) -> Tuple[List[int], List[Tuple[int, int]]]:
+    """A cluster's stage order (indices into its peers) and each stage's layer range.
 
-    best = [[math.inf] * (layers + 1) for _ in range(stages)]
-    previous = [[0] * (layers + 1) for _ in range(stages)]
-    for end in range(1, layers - stages + 2):
-        if fits(0, 0, end):
-            best[0][end] = abs(cumulative[end] - targets[0])
-    for stage in range(1, stages):
-        for end in range(stage + 1, layers - (stages - stage - 1) + 1):
-            distance = 0.0 if stage == stages - 1 else abs(cumulative[end] - targets[stage])
-            for start in range(stage, end):
-                cost = best[stage - 1][start] + distance
-                if cost < best[stage][end] and fits(stage, start, end):
-                    best[stage][end], previous[stage][end] = cost, start
-    if best[stages - 1][layers] == math.inf:
-        return None
-    ranges, end = [], layers
-    for stage in range(stages - 1, -1, -1):
-        start = previous[stage][end] if stage > 0 else 0
-        ranges.append((start, end))
-        end = start
-    return ranges[::-1]
+    ``order`` is the preferred order (e.g. by falling fraction). Its cut is kept if it fits every peer's
+    RAM and each cut lies within half the largest layer of its target, as close as whole layers
+    allow. Otherwise (unequal layers: a small peer is best placed where the small layers are),
+    clusters of up to :data:`REORDERED_STAGES` peers try every order and take the fitting one closest
+    to the fractions, ``order`` first among equals; failing that, ``order`` with its nearest cut.
+    """
+    profile = _LayerProfile(layer_memory_gb, layer_gflop, len(order))
+
+    def fit(candidate):
+        return profile.cuts([fractions[j] for j in candidate], [ram_gb[j] for j in candidate])
+
+    found = fit(order)
+    if found is not None and found[0] <= (len(order) - 1) * profile.largest_weight / 2:
+        return list(order), found[1]
+    if len(order) <= REORDERED_STAGES:
+        fitting = [(result[0], rank, candidate, result[1])
+                   for rank, candidate in enumerate(itertools.permutations(order))
+                   if (result := fit(candidate)) is not None]
+        if fitting:
+            _, _, candidate, ranges = min(fitting)
+            return list(candidate), ranges
+    return list(order), profile.cuts([fractions[j] for j in order], None)[1]
+
+
+REORDERED_STAGES = 4  # 4! orders at most: a cluster split is rebuilt by every peer at every adoption
+
+
+class _LayerProfile:
+    """Prefix sums of a model's layer weights and memory, for choosing cuts for ``stages`` stages."""
+
+    def __init__(self, layer_memory_gb: Sequence[float], layer_gflop: Sequence[float], stages: int):
+        layers = len(layer_memory_gb)
+        if layers < stages:
+            raise ValueError(f"{stages} stages need at least {stages} layers, the model has {layers}")
+        memory_total, flop_total = sum(layer_memory_gb) or 1.0, sum(layer_gflop) or 1.0
+        self.cumulative, self.memory = [0.0], [0.0]
+        for m, f in zip(layer_memory_gb, layer_gflop):
+            self.cumulative.append(self.cumulative[-1] + (m / memory_total + f / flop_total) / 2)
+            self.memory.append(self.memory[-1] + m)
+        self.largest_weight = max(b - a for a, b in zip(self.cumulative, self.cumulative[1:]))
+        self.stages, self.layers = stages, layers
+
+    def cuts(self, fractions: Sequence[float], ram: Optional[Sequence[float]]) -> Optional[Tuple[float, List[Tuple[int, int]]]]:
+        """``(distance, ranges)`` of the best cuts, each stage within ``ram`` (None: no limit), or None if none fit.
+
+        Dynamic programme over cut positions: best[j][e] is the least distance of stages 0..j ending at e.
+        """
+        stages, layers, cumulative, memory = self.stages, self.layers, self.cumulative, self.memory
+        targets = [sum(fractions[:j + 1]) for j in range(stages)]
+
+        def fits(stage: int, start: int, end: int) -> bool:
+            return ram is None or memory[end] - memory[start] <= ram[stage] * (1 + FEASIBILITY_SLACK)
+
+        best = [[math.inf] * (layers + 1) for _ in range(stages)]
+        previous = [[0] * (layers + 1) for _ in range(stages)]
+        for end in range(1, layers - stages + 2):
+            if fits(0, 0, end):
+                best[0][end] = abs(cumulative[end] - targets[0])
+        for stage in range(1, stages):
+            for end in range(stage + 1, layers - (stages - stage - 1) + 1):
+                distance = 0.0 if stage == stages - 1 else abs(cumulative[end] - targets[stage])
+                for start in range(stage, end):
+                    cost = best[stage - 1][start] + distance
+                    if cost < best[stage][end] and fits(stage, start, end):
+                        best[stage][end], previous[stage][end] = cost, start
+        if best[stages - 1][layers] == math.inf:
+            return None
+        ranges, end = [], layers
+        for stage in range(stages - 1, -1, -1):
+            start = previous[stage][end] if stage > 0 else 0
+            ranges.append((start, end))
+            end = start
+        return best[stages - 1][layers], ranges[::-1]

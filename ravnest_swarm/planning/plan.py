@@ -16,7 +16,7 @@ import numpy as np
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.planning.cost import (
-    Peer, Workload, cluster_throughput, layer_ranges, swarm_throughput, water_fill,
+    Peer, Workload, cluster_throughput, stage_split, swarm_throughput, water_fill,
 )
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
@@ -132,16 +132,15 @@ def build_plan(peers: Sequence[Peer], clusters: Sequence[Sequence[int]], workloa
     """A :class:`Plan` from clusters given as lists of indices into ``peers``, its figures recomputed.
 
     Stages are ordered by falling fraction (ties by peer id), so the largest share comes first and the
-    order is the same wherever the plan is rebuilt. Layer cuts keep each stage within its peer's RAM
-    where whole layers allow it (:func:`layer_ranges`).
+    order is the same wherever the plan is rebuilt, unless only another order lets whole layers keep
+    every peer within its RAM (:func:`stage_split`).
     """
     placed, clustered = [], set()
     for members in clusters:
         group = [peers[i] for i in members]
         _, fractions = water_fill(group, workload)
-        order = sorted(range(len(group)), key=lambda j: (-fractions[j], group[j].peer_id))
-        ranges = layer_ranges([fractions[j] for j in order], *layer_profile,
-                              stage_ram_gb=[group[j].ram_gb for j in order])
+        falling = sorted(range(len(group)), key=lambda j: (-fractions[j], group[j].peer_id))
+        order, ranges = stage_split(falling, fractions, [p.ram_gb for p in group], *layer_profile)
         stages = [PlacedPeer(group[j].peer_id, fractions[j], stage, ranges[stage]) for stage, j in enumerate(order)]
         placed.append((cluster_throughput(group, workload), stages))
         clustered.update(members)
