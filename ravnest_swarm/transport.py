@@ -180,16 +180,20 @@ def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertRes
     return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
 
 
-async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int,
+                         first_marker: Optional[bytes] = None) -> AsyncIterator[runtime_pb2.ExpertRequest]:
     """Yield one streamed message's ``ExpertRequest`` frames as they are read, up to hivemind's end-of-stream marker.
 
     The frames use hivemind's own framing (a marker byte, an 8-byte length, the protobuf), so senders use
     plain ``P2P.call_protobuf_handler``. Unlike hivemind's stream handlers, this refuses a message from
     its length headers before reading past ``max_bytes``, and names what is wrong (``ValueError``).
+    ``first_marker``: the message's first byte when the caller already read it (a stream that carries
+    many messages waits for the next one's first byte without the deadline of a message in progress).
     """
     total, count = 0, 0
     while True:
-        marker = await reader.readexactly(1)
+        marker = first_marker or await reader.readexactly(1)
+        first_marker = None
         if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
             raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
         length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
@@ -209,9 +213,10 @@ async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int) -> AsyncI
         yield frame
 
 
-async def read_frames(reader: asyncio.StreamReader, max_bytes: int) -> List[runtime_pb2.ExpertRequest]:
+async def read_frames(reader: asyncio.StreamReader, max_bytes: int,
+                      first_marker: Optional[bytes] = None) -> List[runtime_pb2.ExpertRequest]:
     """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused."""
-    frames = [frame async for frame in iterate_frames(reader, max_bytes)]
+    frames = [frame async for frame in iterate_frames(reader, max_bytes, first_marker)]
     if not frames:
         raise ValueError("empty message: no frames before end of stream")
     return frames

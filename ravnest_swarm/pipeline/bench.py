@@ -9,7 +9,8 @@ transport and over a raw TCP socket, on the emulated link and on plain loopback.
 
 Steady state: from the moment stage 0 has completed its first ``max_in_flight`` microbatches (the
 pipeline is full) to its last injection (after it, the pipeline only drains). Busy fraction: the share
-of that window during which the stage had a forward, backward or send in progress. Throughput: samples
+of that window during which the stage had a forward, backward or send in progress (``compute_fraction``:
+forward or backward only, wall time, so it includes waiting for a core). Throughput: samples
 completed after the window opens, divided by the time to the last completion.
 """
 
@@ -48,6 +49,7 @@ def summarise(reports: List[Dict], warmup: int, microbatch_size: int) -> Dict:
     return dict(
         samples_per_s=round(completed_after * microbatch_size / (last_complete - start), 2),
         busy_fraction=[round(busy_fraction(r["busy"], start, last_inject), 3) for r in reports],
+        compute_fraction=[round(busy_fraction(r["compute"], start, last_inject), 3) for r in reports],
         steady_state_s=round(last_inject - start, 3),
         completed=reports[0]["completed"], dropped=sum(r["dropped"] for r in reports),
         max_staleness=reports[0]["max_staleness"],

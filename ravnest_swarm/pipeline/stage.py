@@ -25,10 +25,12 @@ import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2PContext, P2PHandlerError
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from torch.func import functional_call
 
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.channel import MessageChannel
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, publish_endpoint
 from ravnest_swarm.pipeline.wire import MessageError, field
 from ravnest_swarm.reversal import links_of
@@ -115,6 +117,7 @@ class Counters:
     inject_times: List[float] = dataclass_field(default_factory=list)
     complete_times: List[float] = dataclass_field(default_factory=list)
     busy: List[Tuple[float, float]] = dataclass_field(default_factory=list)
+    compute: List[Tuple[float, float]] = dataclass_field(default_factory=list)  # forwards and backwards only
 
 
 class StageWorker:
@@ -161,6 +164,7 @@ class StageWorker:
         self.finished = asyncio.Event()
         self._wakeup = asyncio.Event()
         self._sends: Set[asyncio.Task] = set()
+        self._channels: Dict[Tuple[str, int], MessageChannel] = {}  # (handler, stage) -> its long-lived stream
         self._tasks: List[asyncio.Task] = []
         self._active, self._busy_since = 0, 0.0
 
@@ -187,6 +191,7 @@ class StageWorker:
         for task in self._tasks + list(self._sends):
             task.cancel()
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
+        await asyncio.gather(*(channel.aclose() for channel in self._channels.values()))
         # a volunteer moved to another slot starts a new worker on the same P2P: free the handler names
         for name in (wire.FORWARD, wire.BACKWARD):
             await self.p2p.remove_binary_stream_handler(name)
@@ -287,7 +292,7 @@ class StageWorker:
                            targets: torch.Tensor) -> None:
         self.queued_forward.discard(microbatch)
         loop = asyncio.get_running_loop()
-        with self._busy():
+        with self._busy(), self._computing():
             if self.is_last:
                 loss, input_grad = await loop.run_in_executor(self.executor, self._forward_backward_last, inputs, targets)
             else:
@@ -311,7 +316,7 @@ class StageWorker:
         pending = self.pending.pop(microbatch, None)
         if pending is None:
             return  # dropped by the watchdog while queued
-        with self._busy():
+        with self._busy(), self._computing():
             input_grad = await asyncio.get_running_loop().run_in_executor(self.executor, self._backward, pending, grad)
         self.counters.backwards += 1
         if self.is_first:
@@ -408,15 +413,15 @@ class StageWorker:
             while True:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
-                    await asyncio.wait_for(links_of(self.p2p).call(
-                        peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse),
-                        max(1.0, deadline - time.monotonic()))
+                    await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
+                                           max(1.0, deadline - time.monotonic()))
                     return True
                 except P2PHandlerError as e:
                     # the neighbour read the message and refused it: sending it again cannot help
                     reason = f"refused: {str(e).rsplit(': ', 1)[-1]}"
                 except Exception as e:
                     reason = f"{type(e).__name__}: {e}"
+                    self._close_channel(handler, stage)
                     if time.monotonic() < deadline:
                         attempt += 1
                         self.counters.resends += 1
@@ -429,12 +434,32 @@ class StageWorker:
                     logger.warning(f"send {what} {reason}")
                 return False
 
+    async def _deliver(self, handler: str, stage: int, peer_id, frames: List[runtime_pb2.ExpertRequest]):
+        """One message to ``stage``: on our long-lived stream to it, or on a stream of its own when a backbone
+        forwards our traffic (a forwarding backbone caps the bytes of every stream it pipes)."""
+        links = links_of(self.p2p)
+        if links.route(peer_id) == "forward":
+            return await links.call(peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse)
+        channel = self._channels.get((handler, stage))
+        if channel is None or channel.closed or channel.peer_id != peer_id:
+            self._close_channel(handler, stage)
+            channel = self._channels[(handler, stage)] = MessageChannel(self.p2p, peer_id, handler)
+        return await channel.call(frames)
+
+    def _close_channel(self, handler: str, stage: int) -> None:
+        channel = self._channels.pop((handler, stage), None)
+        if channel is not None:
+            channel.close()
+
     # ---------------------------------------------------------------- receiving
 
     def _stream_handler(self, name: str, handle):
         async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            """Answer message after message on one stream (see channel.py), each within the send timeout."""
+            first_marker: Optional[bytes] = None
+
             async def respond() -> runtime_pb2.ExpertResponse:
-                metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes)
+                metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes, first_marker)
                 self._check_address(metadata)
                 return make_response(await handle(metadata, tensors))
 
@@ -446,9 +471,20 @@ class StageWorker:
                 logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
 
             with closing(writer):
-                reply = await message_reply(name, stream_info.peer_id, respond, self.config.send_timeout, refused, broken)
-                if reply is not None:
+                while True:
+                    reply = await message_reply(name, stream_info.peer_id, respond, self.config.send_timeout,
+                                                refused, broken)
+                    if reply is None:
+                        return
                     await send_reply(reply, reader, writer)
+                    if isinstance(reply, RPCError):
+                        return  # a refused message may have been cut short: what follows cannot be framed
+                    try:
+                        # between messages the stream may idle (no deadline runs); one idle for a whole send
+                        # timeout is closed, and its sender opens a new one for its next message
+                        first_marker = await asyncio.wait_for(reader.readexactly(1), self.config.send_timeout)
+                    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+                        return  # the sender closed the stream, or left it idle
 
         return serve
 
@@ -533,12 +569,22 @@ class StageWorker:
             if self._active == 0:
                 self.counters.busy.append((self._busy_since, time.time()))
 
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Record a forward's or backward's wall time (the compute thread runs one at a time)."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.counters.compute.append((started, time.time()))
+
     def report(self) -> Dict:
         c = self.counters
         return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
                     routes=dict(links_of(self.p2p).counts),
-                    inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy)
+                    inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
+                    compute=c.compute)
 
     def save(self, path: str) -> None:
         """The stage's parameters as safetensors, named by their layer index in the whole model."""

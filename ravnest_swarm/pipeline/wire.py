@@ -14,7 +14,7 @@ garbage with a reason instead of closing the stream.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Dict, List, Sequence, Tuple
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -50,10 +50,12 @@ async def as_stream(frames: Sequence[runtime_pb2.ExpertRequest]) -> AsyncIterato
         yield frame
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
-    """Read one message's frames up to the end-of-stream marker; refuse oversize or malformed input."""
+async def read_message(reader: asyncio.StreamReader, max_bytes: int,
+                       first_marker: Optional[bytes] = None) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
+    """Read one message's frames up to the end-of-stream marker; refuse oversize or malformed input.
+    ``first_marker``: its first byte, if the caller already read it (see ``transport.iterate_frames``)."""
     try:
-        frames = await read_frames(reader, max_bytes)
+        frames = await read_frames(reader, max_bytes, first_marker)
         metadata = unpack_metadata(frames[0].metadata)
     except ValueError as e:
         raise MessageError(str(e))
