@@ -354,13 +354,14 @@ def bench_quality(
     peers: int = typer.Option(6, "--peers", min=2, max=30),
     steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps per stage."),
     model: str = typer.Option("mlp-digits", "--model"),
+    repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Swarm runs (and baseline seeds) averaged."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Swarm held-out accuracy beside a single process trained on as many samples; per-peer memory share."""
     configure_logging(False)
     from ravnest_swarm.swarm.quality_bench import bench_quality as run
 
-    sys.exit(run_async(run(peers, steps, model, as_json)))
+    sys.exit(run_async(run(peers, steps, model, as_json, repeats)))
 
 
 @bench_app.command("membership")

@@ -179,10 +179,12 @@ class Volunteer:
     # ------------------------------------------------------------------ stage workers
     async def _start_worker(self, placement: Placement) -> None:
         cluster, stage, stages, layers, clusters = placement
+        # linear scaling: averaging C replicas keeps the mean of their moves, a C-th of one process's
+        # move on the same samples (docs/swarm.md, Train)
         config = StageConfig(run=self.run, stage=stage, stages=stages, model=self.spec.model, layers=layers,
                              cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
                              microbatches=self.options.steps, max_in_flight=self.spec.max_in_flight,
-                             lr=self.spec.lr, heartbeat=self.membership.options.heartbeat)
+                             lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
         worker = StageWorker(config, self.node)
         step = await self._fill_layers(worker.module, layers)
         worker.resume_at(step)
