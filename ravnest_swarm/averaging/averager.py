@@ -285,7 +285,7 @@ class MultiRingAverager:
             return
         if index > inbox.accepted:
             raise ValueError(f"ring message part {index} arrived before part {inbox.accepted}")
-        size = len(part.buffer)
+        size = part.ByteSize()  # reading .buffer would copy the bytes out of the protobuf just to count them
         if self._buffered_bytes + size > self.max_buffered_bytes:
             raise ValueError("too much ring data buffered here; retry later")
         try:
@@ -495,7 +495,7 @@ class MultiRingAverager:
                 logger.warning(f"ring {ring.index} (elements {ring.start}-{ring.end}) {status}: {reason}")
                 self._tell_ring(step, ring, members, failure=reason)
                 return SegmentResult(ring.index, ring.start, ring.end, status, len(members), reason[:300])
-            if not torch.isfinite(averaged).all():
+            if not math.isfinite(_largest(averaged)):
                 # only our own contribution can be non-finite here (every received chunk was checked): the
                 # others refuse the chunk we finalized and go on without us, so we keep our local value
                 return SegmentResult(ring.index, ring.start, ring.end, "excluded", len(members),
@@ -519,8 +519,9 @@ class MultiRingAverager:
         work = segment.clone()
         base = dict(step=step, ring=ring.index, attempt=sorted(set(ring.members) - set(members)))
         compressing = not isinstance(self.compression, NoCompression)
-        # honest partial sums stay within `contributions` times values of our own scale
-        ours = [max(segment[chunk].abs().max().item(), 1.0) if chunk.stop > chunk.start else 1.0 for chunk in chunks]
+        # honest partial sums stay within `contributions` times values of our own scale (the infinity norm:
+        # one pass, no temporary the size of the chunk)
+        ours = [max(_largest(segment[chunk]), 1.0) for chunk in chunks]
         steps = [(REDUCE, t, (me - t) % count, (me - t - 1) % count) for t in range(count - 1)]
         steps += [(GATHER, t, (me + 1 - t) % count, (me - t) % count) for t in range(count - 1)]
         outboxes = [_Outbox() for _ in steps]
@@ -550,8 +551,7 @@ class MultiRingAverager:
                 if received.dtype != torch.float32:
                     received = received.float()
                 received = received.reshape(-1)
-                # one pass per part: the largest magnitude, NaN if any element is NaN, Inf if any is infinite
-                largest = torch.linalg.vector_norm(received, float("inf")).item() if n else 0.0
+                largest = _largest(received)
                 if not math.isfinite(largest):
                     raise ContributionRejected(preceding, f"{phase} chunk {position} holds NaN or Inf")
                 if n:
@@ -606,6 +606,11 @@ class MultiRingAverager:
                 outbox.close()
             await asyncio.gather(*tasks, return_exceptions=True)
         return work
+
+
+def _largest(values: torch.Tensor) -> float:
+    """The largest magnitude in one pass without temporaries; NaN if any element is NaN, Inf if any is infinite."""
+    return torch.linalg.vector_norm(values, float("inf")).item() if values.numel() else 0.0
 
 
 @dataclass

@@ -117,15 +117,14 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
                         progress.advance(started)
                 task = progress.add_task(phase, total=len(peers))
                 go = time.time() + GO_LEAD_SECONDS
-                with open(os.path.join(workdir, f"go-{phase}.tmp"), "w") as f:
-                    f.write(json.dumps({"time": go}))
-                os.rename(os.path.join(workdir, f"go-{phase}.tmp"), os.path.join(workdir, f"go-{phase}"))
+                signal_peers(workdir, f"go-{phase}", go)
                 ends = []
                 for peer in peers.values():
                     line = peer.wait_for_output(f"^done {phase} (.*)$", timeout + 120)
                     ends.append(json.loads(line.group(1)))
                     progress.advance(task)
                 times[phase] = dict(seconds=max(e["end"] for e in ends) - go, peers=ends)
+                signal_peers(workdir, f"over-{phase}", time.time())
             for peer in peers.values():
                 peer.wait(60)  # its result line comes after "done single_ring": read it once the peer exited
             results = [json.loads(peer.stdout().strip().splitlines()[-1]) for peer in peers.values()]
@@ -134,7 +133,7 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
         finally:
             group.stop_all()
     multiring = times["multiring"]
-    errors = [p["max_abs_error"] for p in multiring["peers"] if p.get("max_abs_error") is not None]
+    errors = [r["bench"]["multiring"]["max_abs_error"] for r in results]
     report = dict(
         multiring_s=round(multiring["seconds"], 3),
         hivemind_s=round(times["hivemind"]["seconds"], 3),
@@ -144,6 +143,7 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
         ratio_vs_bound=round(multiring["seconds"] / bound, 3),
         max_abs_error=max(errors) if errors else None,
         failed_segments=sorted({i for p in multiring["peers"] for i in p.get("failed_segments", [])}),
+        resends=sum(p.get("resends", 0) for p in multiring["peers"]),
         hivemind_ok=all(p.get("ok", False) for p in times["hivemind"]["peers"]),
         single_ring_ok=all(p.get("ok", True) for p in times["single_ring"]["peers"]),
         clusters=clusters, stages=stages, size_mb=size_mb, largest_peer_bytes=largest, layer_cuts=layouts,
@@ -161,9 +161,16 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
 
 # ---- the peer side: run inside ``averaging-peer --bench-config`` -------------------------------------------
 
-def wait_for_go(directory: str, phase: str) -> float:
-    """Block until the bench writes ``go-{phase}``, then until its time; return that time."""
-    path = os.path.join(directory, f"go-{phase}")
+def signal_peers(directory: str, name: str, at: float) -> None:
+    """Tell every peer to go on at ``at`` (a file they poll for, written whole)."""
+    with open(os.path.join(directory, f"{name}.tmp"), "w") as f:
+        f.write(json.dumps({"time": at}))
+    os.rename(os.path.join(directory, f"{name}.tmp"), os.path.join(directory, name))
+
+
+def wait_for_signal(directory: str, name: str) -> float:
+    """Block until the bench writes the file ``name``, then until its time; return that time."""
+    path = os.path.join(directory, name)
     while not os.path.exists(path):
         time.sleep(POLL_SECONDS)
     with open(path) as f:
@@ -173,7 +180,12 @@ def wait_for_go(directory: str, phase: str) -> float:
 
 
 async def run_bench_phases(node, averager, options, plan: dict, local: torch.Tensor, start: int, config: dict) -> dict:
-    """The three timed phases of one bench peer; prints ``ready``/``done`` lines the bench waits on."""
+    """The three timed phases of one bench peer; prints ``ready``/``done`` lines the bench waits on.
+
+    After its ``done`` line a peer waits until every peer is done (``over-{phase}``) before it does anything
+    else, so no peer's checking, teardown or set-up of the next phase (hivemind's DHT process, forked from
+    this one) runs on the shared cores while another peer is still in a timed phase.
+    """
     from ravnest_swarm.averaging.peer import connect_members, plan_rings, single_ring_plan, synthetic_range
     from ravnest_swarm.averaging.segments import rings_of
 
@@ -185,11 +197,13 @@ async def run_bench_phases(node, averager, options, plan: dict, local: torch.Ten
 
     rings = rings_of(me, plan_rings(plan, options.layer_sizes))
     print("ready multiring", flush=True)
-    await asyncio.to_thread(wait_for_go, directory, "multiring")
+    await asyncio.to_thread(wait_for_signal, directory, "go-multiring")
     result = await averager.average(1, local, start, rings)
     report["multiring"] = dict(end=time.time(), ok=result.ok, failed_segments=result.failed_segments(),
-                               max_abs_error=(local.double() - exact).abs().max().item(), seconds=result.seconds)
+                               seconds=result.seconds, resends=result.resends)
     print(f"done multiring {json.dumps(report['multiring'])}", flush=True)
+    await asyncio.to_thread(wait_for_signal, directory, "over-multiring")
+    report["multiring"]["max_abs_error"] = (local.double() - exact).abs().max().item()
 
     report["hivemind"] = await _hivemind_phase(options, plan, original.clone(), start, config)
 
@@ -198,13 +212,14 @@ async def run_bench_phases(node, averager, options, plan: dict, local: torch.Ten
         if single else None
     await connect_members(node, options.run, single)
     print("ready single_ring", flush=True)
-    await asyncio.to_thread(wait_for_go, directory, "single_ring")
+    await asyncio.to_thread(wait_for_signal, directory, "go-single_ring")
     if single:
         result = await averager.average(2, whole, 0, single)
         report["single_ring"] = dict(end=time.time(), ok=result.ok, seconds=result.seconds)
     else:
         report["single_ring"] = dict(end=time.time(), ok=True, idle=True)
     print(f"done single_ring {json.dumps(report['single_ring'])}", flush=True)
+    await asyncio.to_thread(wait_for_signal, directory, "over-single_ring")
     return report
 
 
@@ -260,7 +275,7 @@ async def _hivemind_phase(options, plan: dict, local: torch.Tensor, start: int, 
         await asyncio.sleep(POLL_SECONDS)
     matched = all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls)
     print("ready hivemind", flush=True)
-    await asyncio.to_thread(wait_for_go, directory, "hivemind")
+    await asyncio.to_thread(wait_for_signal, directory, "go-hivemind")
 
     def run() -> bool:
         for control in controls:
@@ -276,6 +291,7 @@ async def _hivemind_phase(options, plan: dict, local: torch.Tensor, start: int, 
     ok = await asyncio.to_thread(run) if matched else False
     report = dict(end=time.time(), ok=ok and matched, matched=matched, segments=len(controls))
     print(f"done hivemind {json.dumps(report)}", flush=True)
+    await asyncio.to_thread(wait_for_signal, directory, "over-hivemind")
     for averager in averagers:
         averager.shutdown()
     await p2p.shutdown()
