@@ -1,8 +1,8 @@
 """The pipeline's messages on the wire: framing, chunked tensors, and checks before anything is queued.
 
 A message is a stream of hivemind ``ExpertRequest`` frames in hivemind's own framing (one marker byte,
-an 8-byte big-endian length, the protobuf), ended by hivemind's end-of-stream marker, so a sender uses
-plain ``P2P.call_protobuf_handler``. The first frame carries the msgpack ``metadata``; the tensors are
+an 8-byte big-endian length, the protobuf), ended by hivemind's end-of-stream marker, so one message is
+also a plain ``P2P.call_protobuf_handler`` call; stages send many on one stream (``channel.py``). The first frame carries the msgpack ``metadata``; the tensors are
 hivemind ``serialize_torch_tensor`` protobufs cut by ``split_for_streaming`` into chunks spread over the
 frames. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
 
