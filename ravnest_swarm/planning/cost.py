@@ -143,11 +143,12 @@ def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequen
                 layer_memory_gb: Sequence[float], layer_gflop: Sequence[float]) -> Tuple[List[int], List[Tuple[int, int]]]:
     """A cluster's stage order (indices into its peers) and each stage's layer range.
 
-    ``order`` is the preferred order (e.g. by falling fraction). Its cut is kept if it fits every peer's
-    RAM and each cut lies within half the largest layer of its target, as close as whole layers
-    allow. Otherwise (unequal layers: a small peer is best placed where the small layers are),
-    clusters of up to :data:`REORDERED_STAGES` peers try every order and take the fitting one closest
-    to the fractions, ``order`` first among equals; failing that, ``order`` with its nearest cut.
+    ``order`` is the preferred order (e.g. by falling fraction). With coarse layers (a model of at most
+    :data:`COARSE_LAYERS` layers, where one layer can be a third of the model) the order decides how
+    close whole layers come to the fractions and whether they fit each peer's RAM, so clusters of up to
+    :data:`REORDERED_STAGES` peers try every order and take the fitting one closest to the fractions,
+    ``order`` first among equals. With fine layers, ``order`` is kept unless it does not fit, then the
+    same search. If no order fits, ``order`` with its nearest cut.
     """
     profile = _LayerProfile(layer_memory_gb, layer_gflop, len(order))
 
@@ -155,7 +156,7 @@ def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequen
         return profile.cuts([fractions[j] for j in candidate], [ram_gb[j] for j in candidate])
 
     found = fit(order)
-    if found is not None and found[0] <= (len(order) - 1) * profile.largest_weight / 2:
+    if found is not None and profile.layers > COARSE_LAYERS:
         return list(order), found[1]
     if len(order) <= REORDERED_STAGES:
         fitting = [(result[0], rank, candidate, result[1])
@@ -164,10 +165,13 @@ def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequen
         if fitting:
             _, _, candidate, ranges = min(fitting)
             return list(candidate), ranges
+    if found is not None:
+        return list(order), found[1]
     return list(order), profile.cuts([fractions[j] for j in order], None)[1]
 
 
 REORDERED_STAGES = 4  # 4! orders at most: a cluster split is rebuilt by every peer at every adoption
+COARSE_LAYERS = 16
 
 
 class _LayerProfile:
@@ -182,7 +186,6 @@ class _LayerProfile:
         for m, f in zip(layer_memory_gb, layer_gflop):
             self.cumulative.append(self.cumulative[-1] + (m / memory_total + f / flop_total) / 2)
             self.memory.append(self.memory[-1] + m)
-        self.largest_weight = max(b - a for a, b in zip(self.cumulative, self.cumulative[1:]))
         self.stages, self.layers = stages, layers
 
     def cuts(self, fractions: Sequence[float], ram: Optional[Sequence[float]]) -> Optional[Tuple[float, List[Tuple[int, int]]]]:
