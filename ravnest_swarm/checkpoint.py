@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError
@@ -32,7 +32,9 @@ def write_atomically(path: str, payload: bytes) -> None:
     """Replace ``path`` with ``payload`` so that readers see the old or the new file, never a mix."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, suffix=TEMPORARY_SUFFIX, dir=directory)
+    # the temporary file names its target, so a writer can clear its own leftovers in a shared directory
+    descriptor, temporary = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{os.path.basename(path)}.",
+                                             suffix=TEMPORARY_SUFFIX, dir=directory)
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(payload)
@@ -50,13 +52,15 @@ def write_atomically(path: str, payload: bytes) -> None:
         os.close(directory_descriptor)
 
 
-def remove_unfinished_writes(directory: str) -> List[str]:
+def remove_unfinished_writes(directory: str, target: Optional[str] = None) -> List[str]:
     """Delete the temporary files of writes that never finished (their writer was killed); return their names.
 
-    Only safe while nothing writes into ``directory``: a live writer's temporary file would go too.
+    :param target: only those of writes to this file name (its writer, about to write again, may clear
+        them while others write beside it); None: all of them, only safe while nothing writes there
     """
+    prefix = TEMPORARY_PREFIX if target is None else f"{TEMPORARY_PREFIX}{target}."
     unfinished = [name for name in os.listdir(directory)
-                  if name.startswith(TEMPORARY_PREFIX) and name.endswith(TEMPORARY_SUFFIX)]
+                  if name.startswith(prefix) and name.endswith(TEMPORARY_SUFFIX)]
     for name in unfinished:
         os.unlink(os.path.join(directory, name))
     return unfinished

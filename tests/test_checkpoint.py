@@ -124,3 +124,14 @@ def test_writer_killed_mid_write_leaves_a_whole_file_and_only_a_temporary(tmp_pa
     assert all(name.startswith(TEMPORARY_PREFIX) and name.endswith(TEMPORARY_SUFFIX) for name in others), others
     assert sorted(remove_unfinished_writes(str(tmp_path))) == others
     assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_writer_clears_only_its_own_unfinished_writes(tmp_path):
+    """Peers of a `local` run share one checkpoint directory: a restarted peer clearing what its killed
+    predecessor left must not delete the temporary file another peer is writing right now."""
+    mine = tmp_path / f"{TEMPORARY_PREFIX}run-peer0.safetensors.abc{TEMPORARY_SUFFIX}"
+    theirs = tmp_path / f"{TEMPORARY_PREFIX}run-peer1.safetensors.def{TEMPORARY_SUFFIX}"
+    mine.write_bytes(b"cut short")
+    theirs.write_bytes(b"being written")
+    assert remove_unfinished_writes(str(tmp_path), "run-peer0.safetensors") == [mine.name]
+    assert sorted(os.listdir(tmp_path)) == [theirs.name]

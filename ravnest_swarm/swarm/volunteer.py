@@ -34,7 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.peer import plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
-from ravnest_swarm.checkpoint import read_stage, save_stage
+from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec, get_model
@@ -127,6 +127,9 @@ class Volunteer:
     async def run_until(self, stop: asyncio.Event) -> None:
         await self.averager.start()
         await self.state_server.start()
+        if self.checkpoint_path is not None and os.path.isdir(self.options.checkpoint_dir):
+            # a write of ours that a kill cut short; other peers may share the directory and write now
+            remove_unfinished_writes(self.options.checkpoint_dir, os.path.basename(self.checkpoint_path))
         if self.options.resume:
             self._load_checkpoint_into_cache()
         workload, profile = model_workload(self.model, self.spec, self.options.max_stages)
