@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, layer_ranges, stage_split, water_fill
+from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, stage_split, water_fill
 from ravnest_swarm.planning.ga import IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
@@ -218,14 +218,14 @@ def test_a_round_budget_reaches_a_plan_with_one_more_cluster(size):
 
 
 def test_layer_cuts_keep_each_stage_within_its_peers_ram_when_whole_layers_allow():
-    """Fractions respect RAM, whole layers need not: 0.47 of 10 equal layers rounds to 5 layers, over a
-    peer that holds 4.7. The cut must move to a layer boundary that fits, or keep the nearest if none does."""
-    memory, flops = [1.0] * 10, [1.0] * 10
-    assert layer_ranges([0.47, 0.53], memory, flops) == [(0, 5), (5, 10)]
-    assert layer_ranges([0.47, 0.53], memory, flops, stage_ram_gb=[4.7, 6.0]) == [(0, 4), (4, 10)]
-    assert layer_ranges([0.2, 0.3, 0.5], memory, flops, stage_ram_gb=[3, 3, 5]) == [(0, 2), (2, 5), (5, 10)]
-    # no cut fits (the two peers hold 9 of 10 layers): the nearest cut all the same
-    assert layer_ranges([0.47, 0.53], memory, flops, stage_ram_gb=[4.5, 4.5]) == [(0, 5), (5, 10)]
+    """Fractions respect RAM, whole layers need not: 0.47 of 20 equal layers rounds to 9, over a peer that
+    holds 8.6. The cut must move to a layer boundary that fits, or keep the nearest if none does."""
+    memory, flops = [1.0] * 20, [1.0] * 20
+    assert stage_split([0, 1], [0.47, 0.53], [20.0, 20.0], memory, flops) == ([0, 1], [(0, 9), (9, 20)])
+    assert stage_split([0, 1], [0.47, 0.53], [8.6, 12.0], memory, flops) == ([0, 1], [(0, 8), (8, 20)])
+    assert stage_split([0, 1, 2], [0.2, 0.3, 0.5], [4, 6, 10], memory, flops) == ([0, 1, 2], [(0, 4), (4, 10), (10, 20)])
+    # no cut fits (the two peers hold 18 of 20 layers): the nearest cut all the same
+    assert stage_split([0, 1], [0.47, 0.53], [9.0, 9.0], memory, flops) == ([0, 1], [(0, 9), (9, 20)])
 
 
 def test_a_cluster_of_unequal_layers_puts_its_smallest_peer_where_the_small_layers_are():

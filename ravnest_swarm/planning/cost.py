@@ -122,33 +122,22 @@ def swarm_throughput(clusters: Sequence[Sequence[Peer]], workload: Workload) -> 
     return len(throughputs) * min(throughputs) if throughputs else 0.0
 
 
-def layer_ranges(fractions: Sequence[float], layer_memory_gb: Sequence[float], layer_gflop: Sequence[float],
-                 stage_ram_gb: Optional[Sequence[float]] = None) -> List[Tuple[int, int]]:
-    """Contiguous half-open layer ranges, one per stage in order, that best match the fractions.
+def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequence[float],
+                layer_memory_gb: Sequence[float], layer_gflop: Sequence[float]) -> Tuple[List[int], List[Tuple[int, int]]]:
+    """A cluster's stage order (indices into its peers) and each stage's contiguous half-open layer range.
 
     A layer's weight is the mean of its share of the model's memory and of its FLOPs, so a stage's
     share of whole layers tracks both what it must hold and what it must compute. The cuts minimise
-    the summed distance of each stage's end from the cumulative fraction x_1 + ... + x_j; every stage
-    keeps at least one layer (needs as many layers as stages). With ``stage_ram_gb``, only cuts that
-    keep every stage's layers within its peer's RAM are considered, when there are any: the fractions
-    respect RAM, but whole layers can overshoot them (by up to one layer); if no cut fits, the
-    closest cut is used all the same.
-    """
-    profile = _LayerProfile(layer_memory_gb, layer_gflop, len(fractions))
-    fitting = profile.cuts(fractions, stage_ram_gb) if stage_ram_gb is not None else None
-    return (fitting or profile.cuts(fractions, None))[1]
-
-
-def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequence[float],
-                layer_memory_gb: Sequence[float], layer_gflop: Sequence[float]) -> Tuple[List[int], List[Tuple[int, int]]]:
-    """A cluster's stage order (indices into its peers) and each stage's layer range.
+    the summed distance of each stage's end from the cumulative fraction x_1 + ... + x_j, among cuts
+    that keep every stage's layers within its peer's RAM (the fractions respect RAM, but whole layers
+    can overshoot them by up to one layer); every stage keeps at least one layer.
 
     ``order`` is the preferred order (e.g. by falling fraction). With coarse layers (a model of at most
     :data:`COARSE_LAYERS` layers, where one layer can be a third of the model) the order decides how
     close whole layers come to the fractions and whether they fit each peer's RAM, so clusters of up to
     :data:`REORDERED_STAGES` peers try every order and take the fitting one closest to the fractions,
     ``order`` first among equals. With fine layers, ``order`` is kept unless it does not fit, then the
-    same search. If no order fits, ``order`` with its nearest cut.
+    same search. If no order fits, ``order`` with its nearest cut all the same.
     """
     profile = _LayerProfile(layer_memory_gb, layer_gflop, len(order))
 
