@@ -4,11 +4,12 @@ No coordinator. Round r is 1 + the newest adopted plan's round. A peer opens it 
 trigger (see :class:`RoundTriggers`) by publishing a proposal whose deadline is ``round_seconds``
 ahead; any peer that sees a proposal of round r joins it, and the round's deadline is the earliest
 deadline any proposal names. Until shortly before the deadline each participant evolves its own
-island (seed from run, round and peer id), republishes its best plan under ``{run}_round`` and migrates the others' best plans into its population. Shortly after the deadline
-every peer reads all proposals of round r and adopts the best one whose clustered peers are all alive
-at the deadline (fitness recomputed from the peer records; ties by hash), writes it under
-``{run}_plan`` and updates its own peer record. A peer that dies mid-round only drops out: its
-record expires, the others exclude it from their islands, and proposals that still use it lose.
+island (seed from run, round and peer id), republishes its best plan under ``{run}_round`` and
+migrates the others' best plans into its population. Shortly after the deadline every peer reads all
+proposals of round r and adopts the best one whose clustered peers are all alive at the deadline
+(fitness recomputed from the peer records; ties by hash), writes it under ``{run}_plan`` and updates
+its own peer record. A peer that dies mid-round only drops out: its record expires, the others
+exclude it from their islands, and proposals that still use it lose.
 """
 
 from __future__ import annotations
