@@ -23,7 +23,7 @@ from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, BackboneServices
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
-from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LayerStateServer
+from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LayerStateServer, offered_layers
 from ravnest_swarm.transport import make_request, start_node, stop_node, unpack_metadata
 
 RUN = "fuzz"
@@ -54,7 +54,7 @@ class Peer:
                              send_timeout=TIMEOUT, microbatch_timeout=60.0, max_message_bytes=LIMIT)
         self.stage = StageWorker(config, self.node)
         await self.stage.start()
-        await LayerStateServer(p2p, RUN, lambda: (1, self.stage.module, self.stage.version)).start()
+        await LayerStateServer(p2p, RUN, lambda: offered_layers(1, self.stage.module, self.stage.version)).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id
 

@@ -31,8 +31,13 @@ LAYER_STATE = "ravnest.layer_state"
 PART_BYTES = 1 << 20
 MAX_LAYERS_PER_REQUEST = 4096
 
-# what a server offers: (first layer index, the stage's layers as one module, optimizer step) or None
-StateProvider = Callable[[], Optional[Tuple[int, torch.nn.Sequential, int]]]
+# what a server offers right now: layer index -> (that layer's state dict, the optimizer step it is at)
+StateProvider = Callable[[], Dict[int, Tuple[Dict[str, torch.Tensor], int]]]
+
+
+def offered_layers(start: int, module: torch.nn.Sequential, step: int) -> Dict[int, Tuple[Dict[str, torch.Tensor], int]]:
+    """A stage's layers (``start`` onwards) in the form a :data:`StateProvider` returns."""
+    return {start + offset: (layer.state_dict(), step) for offset, layer in enumerate(module)}
 
 
 class StateTransferError(Exception):
@@ -44,7 +49,7 @@ class LayerStateServer:
 
     :param p2p: the peer's P2P
     :param run: run name; requests for other runs are refused
-    :param provider: returns what this peer holds right now
+    :param provider: returns what this peer holds right now, by layer
     """
 
     def __init__(self, p2p: P2P, run: str, provider: StateProvider):
@@ -63,17 +68,14 @@ class LayerStateServer:
         if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS_PER_REQUEST \
                 or not all(isinstance(i, int) for i in layers):
             raise ValueError("'layers' must be a non-empty list of layer indices")
-        held = self.provider()
-        if held is None:
-            raise ValueError("this peer holds no layers now")
-        start, module, step = held
-        missing = [i for i in layers if not 0 <= i - start < len(module)]
+        offered = self.provider()
+        missing = [i for i in layers if i not in offered]
         if missing:
             raise ValueError(f"this peer does not hold layers {missing}")
         # copy first: training may go on while the parts stream out
-        snapshot = [(i, {name: t.detach().clone() for name, t in module[i - start].state_dict().items()})
+        snapshot = [(i, {name: t.detach().clone() for name, t in offered[i][0].items()}, offered[i][1])
                     for i in layers]
-        for layer, tensors in snapshot:
+        for layer, tensors, step in snapshot:
             for name, tensor in tensors.items():
                 parts = list(split_for_streaming(serialize_torch_tensor(tensor), PART_BYTES))
                 for index, part in enumerate(parts):

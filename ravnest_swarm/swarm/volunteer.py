@@ -42,7 +42,7 @@ from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions
 from ravnest_swarm.swarm.spec import RunSpec
-from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers
+from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class Volunteer:
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
         self.averager = MultiRingAverager(self.node.p2p, self.run, timeout=options.averaging_timeout)
-        self.state_server = LayerStateServer(self.node.p2p, self.run, self._held_layers)
+        self.state_server = LayerStateServer(self.node.p2p, self.run, self._offered_layers)
         self._adopted = asyncio.Event()
         self._last_report = (time.monotonic(), 0)
 
@@ -227,20 +227,28 @@ class Volunteer:
             await asyncio.sleep(1.0)  # holders re-publish what they hold right after adopting a plan
         step = 0
         remote: Dict[int, List[PeerID]] = {}
+        advertised: Dict[int, int] = {}  # layer -> the step its freshest holder's record names
         for layer in range(start, end):
             holders = sorted((p for p in peers if p["layers"][0] <= layer < p["layers"][1]), key=lambda p: -p["step"])
             cached = self.cache.get(layer)
             if holders and (cached is None or holders[0]["step"] > cached[1]):
                 remote[layer] = [PeerID.from_base58(p["peer_id"]) for p in holders]
+                advertised[layer] = holders[0]["step"]
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
         if remote:
-            step = max(step, await self._download(module, start, remote))
+            step = max(step, await self._download(module, start, remote, advertised))
         return step
 
-    async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[PeerID]]) -> int:
-        """Fetch the layers in ``remote`` (each from the first holder that answers), with a progress bar."""
+    async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[PeerID]],
+                        advertised: Dict[int, int]) -> int:
+        """Fetch the layers in ``remote`` (each from the first holder that answers), with a progress bar.
+
+        A layer no holder gives keeps its local weights, but the step still follows ``advertised``: the
+        rest of the cluster is there, and a stage that restarted its count at 0 would wait for
+        microbatches its neighbours, done with their steps, never send.
+        """
         step = 0
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       console=self.console, transient=False) as progress:
@@ -252,14 +260,21 @@ class Volunteer:
                                                            self.options.transfer_timeout))
                 except StateTransferError as e:
                     self.console.print(f"{self.name}: {e}; keeping this layer's local weights", highlight=False)
+                    step = max(step, advertised[layer])
                 progress.advance(task)
         return step
 
-    def _held_layers(self):
+    def _offered_layers(self) -> Dict[int, Tuple[Dict[str, torch.Tensor], int]]:
+        """Every layer this peer can give, freshest copy of each: the cache (stopped workers, checkpoint),
+        then the last stopped worker's, then the running worker's. A peer that just moved to other layers
+        still answers for its old ones, which others may be fetching on the strength of its older record."""
+        offered = dict(self.cache)
+        if self.held is not None:
+            offered.update(offered_layers(*self.held))
         worker = self.worker
-        if worker is None:
-            return self.held
-        return worker.start_layer, worker.module, worker.version
+        if worker is not None:
+            offered.update(offered_layers(worker.start_layer, worker.module, worker.version))
+        return offered
 
     # ------------------------------------------------------------------ between optimizer steps
     async def _between_steps(self, step: int) -> None:
