@@ -183,9 +183,9 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
 
 class LossyRingAverager(MultiRingAverager):
     """Fault injection for the tests, on the receiving side of real streams: the first ``lose_replies``
-    ring messages are read and filed in full, then their stream closes with no reply (what p2pd did under
-    load in the benchmark); the first ``cut_streams`` messages longer than two parts have their stream
-    closed partway through the second part. Both senders must send again."""
+    ring streams (a message's stripes) are read and filed in full, then close with no reply (what p2pd did
+    under load in the benchmark); the first ``cut_streams`` streams longer than two parts are closed partway
+    through the second part. Both senders must send that stripe again."""
 
     def __init__(self, *args, lose_replies: int = 0, cut_streams: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
