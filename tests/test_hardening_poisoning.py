@@ -6,7 +6,6 @@ poisoned activations and gradients against a bare stage worker: ``test_hardening
 """
 
 import asyncio
-import json
 import math
 import os
 import subprocess
@@ -22,6 +21,7 @@ from ravnest_swarm.models import get_model
 from ravnest_swarm.pipeline import wire
 from test_averaging import averaged, exact_mean, finish, start_swarm
 from test_hardening_handlers import END_OF_STREAM, frames_bytes
+from test_membership import status_json
 
 
 @pytest.mark.timeout(150)
@@ -50,22 +50,12 @@ def test_scaled_contribution_is_rejected_reported_in_status_and_honest_values_un
             expected = (mean_honest if hit else mean_all)[segment["start"]:segment["end"]]
             assert (values[lo:hi] - expected).abs().max() <= 1e-5, (name, segment)
 
-    status = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run",
-                             "avgscale", "--json"], capture_output=True, text=True, timeout=60)
-    assert status.returncode == 0, status.stderr
-    records = {p["peer_id"]: p for p in json.loads(status.stdout.strip().splitlines()[-1])["peers"]}
+    records = {p["peer_id"]: p for p in status_json(backbone, "avgscale")["peers"]}
     for name, result in results.items():
         record = records[result["peer_id"]]
         assert record["rejected"] == len(result["rejected"]), name
         if result["rejected"]:
             assert "poisoned" in record["note"], record
-
-
-def swarm_status(backbone, run):
-    out = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run", run,
-                          "--json"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])["peers"]
 
 
 @pytest.mark.timeout(240)
@@ -82,7 +72,7 @@ def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_re
                          "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], name)
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
-        victims = [p for p in swarm_status(backbone, run) if p.get("stage") == 1 and p["state"] == "training"
+        victims = [p for p in status_json(backbone, run)["peers"] if p.get("stage") == 1 and p["state"] == "training"
                    and (p.get("step") or 0) > 0]
         if victims:
             break
@@ -116,7 +106,7 @@ def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_re
     assert "holds NaN or Inf" in replies[0] and "above the 1e+06 limit" in replies[1], replies
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        record = {p["peer_id"]: p for p in swarm_status(backbone, run)}[victim["peer_id"]]
+        record = {p["peer_id"]: p for p in status_json(backbone, run)["peers"]}[victim["peer_id"]]
         if (record.get("rejected") or 0) >= 2:
             break
         time.sleep(2)
