@@ -114,6 +114,11 @@ class SwarmArrays:
         return fitness, margin, clusters
 
 
+def _exchange(population: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """In each of ``rows``, swap the cluster ids of columns ``a`` and ``b`` (one pair per row)."""
+    population[rows, a], population[rows, b] = population[rows, b], population[rows, a].copy()
+
+
 def _segment_stage_times(caps, speeds, starts, segment_of):
     """Water-filled stage time and total RAM share of every segment (cluster) of sorted members.
 
@@ -298,7 +303,7 @@ class IslandGA:
             return
         a = self.rng.integers(0, self.arrays.size, len(index))
         b = self.rng.integers(0, self.arrays.size, len(index))
-        population[index, a], population[index, b] = population[index, b], population[index, a].copy()
+        _exchange(population, index, a, b)
 
     def _standby_candidates(self, population: np.ndarray, index: np.ndarray, samples: int = 6):
         """Per row, the fastest standby peer among a few sampled ones (or -1 if none was standby)."""
@@ -344,18 +349,15 @@ class IslandGA:
         index = np.flatnonzero(rows)
         if not len(index):
             return
-        founders = []
+        first = None
         for _ in range(int(self.rng.integers(2, self.arrays.workload.max_stages + 1))):
             chosen = self._standby_candidates(population, index)
             ok = chosen >= 0
             population[index[ok], chosen[ok]] = clusters[index[ok]]
-            founders.append(chosen)
-        founder = founders[0]
-        ok = founder >= 0
-        rows_ok, founder = index[ok], founder[ok]
-        other = self.rng.integers(0, self.arrays.size, len(rows_ok))
-        population[rows_ok, founder], population[rows_ok, other] = \
-            population[rows_ok, other], population[rows_ok, founder].copy()
+            first = chosen if first is None else first
+        ok = first >= 0
+        rows_ok = index[ok]
+        _exchange(population, rows_ok, first[ok], self.rng.integers(0, self.arrays.size, len(rows_ok)))
 
     def _migrate(self) -> None:
         """Ring migration: each island's best replaces the next island's worst."""
