@@ -52,8 +52,9 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
         console.print(f"training the swarm ({repeat + 1}/{repeats}): {peers} peers, {steps} steps per stage",
                       highlight=False)
         swarm_result = await swarm.run()
-        microbatches = steps * (swarm_result["clusters"] or 1)
-        scaled = RunSpec(model=model, lr=spec.lr * (swarm_result["clusters"] or 1))
+        clusters = swarm_result["clusters"] or 1
+        microbatches = steps * clusters
+        scaled = RunSpec(model=model, lr=spec.lr * clusters)
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"single-process baselines, seed {repeat}", total=2 * microbatches)
             baselines.append(train_single_process(spec, microbatches, seed=repeat,
@@ -76,7 +77,7 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
         "baseline_accuracies": [round(b, 4) for b in baselines],
         # the swarm's stages run at lr x clusters (linear scaling): the single process at that lr too
         "baseline_scaled_lr_accuracy": round(statistics.fmean(scaled_baselines), 4),
-        "samples": steps * (swarm_results[-1]["clusters"] or 1) * spec.microbatch_size,
+        "samples": microbatches * spec.microbatch_size,
         "clusters": [r["clusters"] for r in swarm_results],
         "averaging_rounds": [r["averaging_rounds"] for r in swarm_results],
         "max_peer_memory_fraction": memory["max_peer_memory_fraction"],
