@@ -240,7 +240,7 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
     same forward microbatch and of the same ring message, gradients for unknown microbatch ids, and a flood
     of distinct microbatches (more than the stage may ever hold). Each is refused with its reason (a
     replay is acknowledged but not processed or kept twice); memory stays bounded and the peer keeps serving."""
-    x, targets = torch.randn(4, 128), torch.zeros(4, dtype=torch.long)
+    x, targets = torch.randn(4, 64), torch.zeros(4, dtype=torch.long)
     before = rss()
 
     async def attack():
@@ -304,7 +304,7 @@ def test_poisoned_activations_and_gradients_are_refused_and_parameters_unaffecte
     """Attack: a neighbour stage sends activations, then a gradient for a real pending microbatch, holding
     NaN, Inf, or values scaled by 1e9. The stage refuses each with its reason and counts it in ``rejected``
     (its status); its parameters are bit-for-bit unchanged, and an honest gradient afterwards still trains."""
-    x, targets = torch.randn(4, 128), torch.zeros(4, dtype=torch.long)
+    x, targets = torch.randn(4, 64), torch.zeros(4, dtype=torch.long)
 
     def poisoned(tensor):
         tensor = tensor.clone()

@@ -22,6 +22,7 @@ from ravnest_swarm.pipeline import wire
 from test_averaging import averaged, exact_mean, finish, start_swarm
 from test_hardening_handlers import END_OF_STREAM, frames_bytes
 from test_membership import status_json
+from test_swarm import MODEL_GB
 
 
 @pytest.mark.timeout(150)
@@ -64,7 +65,7 @@ def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_re
     sends it activations of the right shape holding NaN, then ones scaled by 1e9. The volunteer refuses
     both, keeps training, and its signed peer record counts them (``rejected``), which ``status --json``
     and ``status``'s table caption show."""
-    run, model_gb = "pipepoison", 0.000511608  # mlp-digits; each peer holds 0.6 of it: one cluster of two
+    run, model_gb = "pipepoison", MODEL_GB  # each peer holds 0.6 of it: one cluster of two
     for name in ("v0", "v1"):
         processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name, "--model", "mlp-digits",
                          "--steps", "100000", "--min-peers", "2", "--heartbeat", "2", "--no-dashboard",
@@ -81,7 +82,7 @@ def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_re
         raise AssertionError("no volunteer started training stage 1")
     victim = victims[0]
     start_layer = victim["layers"][0]
-    width = get_model("mlp-digits").build_stage(start_layer, start_layer + 1)[0].linear.in_features
+    (width,) = get_model("mlp-digits").layers[start_layer].input_shape
 
     async def attack():
         attacker = await P2P.create(initial_peers=victim["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"])

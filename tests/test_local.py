@@ -46,7 +46,7 @@ def planning_lines(log_root):
 def test_dashboard_of_a_real_local_run_in_a_terminal(tmp_path):
     session = f"ravnest-test-{os.getpid()}"
     # the peers' logs land under tmp_path, so a failure can say what the planning rounds did
-    command = (f"TMPDIR={tmp_path} {sys.executable} -m ravnest_swarm local --peers 4 --steps 300 "
+    command = (f"TMPDIR={tmp_path} {sys.executable} -m ravnest_swarm local --peers 5 --steps 300 "
                f"--averaging-period 20 --time-limit 200")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "60", command], check=True)
     pane_pid = int(subprocess.check_output(["tmux", "list-panes", "-t", session, "-F", "#{pane_pid}"], text=True))
@@ -61,7 +61,7 @@ def test_dashboard_of_a_real_local_run_in_a_terminal(tmp_path):
                 raise AssertionError(f"local exited before its dashboard showed the swarm; last screen:\n{screen}"
                                      f"\nthe peers' planning lines:\n{planning_lines(tmp_path)}")
             screen = capture.stdout
-            if "swarm map" in screen and "cluster 1" in screen and all(f"peer{i}" in screen for i in range(4)):
+            if "swarm map" in screen and "cluster 1" in screen and all(f"peer{i}" in screen for i in range(5)):
                 break
             time.sleep(2)
         else:

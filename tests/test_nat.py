@@ -141,7 +141,7 @@ def test_two_stage_pipeline_with_a_stage_behind_nat_trains(processes, make_lab, 
               "--microbatches", "60", "--microbatch-size", "32", "--max-in-flight", "4", "--lr", "0.1"]
     places = [(lab.public_maddr(1), lab.public_prefix(1)), (lab.home_maddr(0), lab.home_prefix(0))]
     stages = []
-    for index, (layers, (maddr, prefix)) in enumerate(zip(("0:2", "2:4"), places)):
+    for index, (layers, (maddr, prefix)) in enumerate(zip(("0:5", "5:9"), places)):
         stages.append(processes.start(
             ["stage", *common, "--stage", str(index), "--layers", layers, "--host-maddrs", maddr,
              "--report", str(tmp_path / f"report{index}.json")], f"stage{index}", prefix=prefix))

@@ -29,7 +29,7 @@ def reference_weights(model: str) -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("model, ranges, mode", [
-    ("mlp-digits", [(0, 1), (1, 3), (3, 4)], "stash"),
+    ("mlp-digits", [(0, 3), (3, 6), (6, 9)], "stash"),
     ("gpt-tiny", [(0, 3), (3, 6)], "recompute"),
 ])
 def test_one_in_flight_equals_single_process_training(processes, backbone, tmp_path, model, ranges, mode):
@@ -52,7 +52,7 @@ def test_one_in_flight_equals_single_process_training(processes, backbone, tmp_p
 
 @pytest.mark.timeout(240)
 def test_three_stages_with_many_in_flight_halve_the_loss(processes, backbone, tmp_path):
-    ranges = [(0, 1), (1, 3), (3, 4)]
+    ranges = [(0, 3), (3, 6), (6, 9)]
     stages = start_stages(processes, backbone, "mlp-digits", ranges, str(tmp_path), extra=[
         "--microbatches", "160", "--microbatch-size", "32", "--max-in-flight", "6", "--lr", "0.1"])
     wait_all(stages, 200)

@@ -14,7 +14,7 @@ from ravnest_swarm.pipeline.endpoints import EndpointResolver
 from ravnest_swarm.transport import make_request, parse_maddrs, start_node, stop_node, unpack_metadata
 
 RUN = "faults"
-MLP_RANGES = [(0, 1), (1, 3), (3, 4)]
+MLP_RANGES = [(0, 3), (3, 6), (6, 9)]
 
 
 async def call(node, peer_id, handler, metadata, tensors=()):
@@ -58,7 +58,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
                                 host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
             peer = await EndpointResolver(node, RUN, 0).resolve(1)
-            good_x, targets = torch.randn(4, 128), torch.zeros(4, dtype=torch.long)
+            good_x, targets = torch.randn(4, 64), torch.zeros(4, dtype=torch.long)
             errors = {}
             for label, metadata, tensors in [
                 ("shape", forward_metadata(), [torch.randn(4, 7), targets]),
@@ -72,7 +72,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
                     await call(node, peer, wire.FORWARD, metadata, tensors)
                 errors[label] = str(caught.value)
             with pytest.raises(P2PHandlerError) as caught:
-                await call(node, peer, wire.BACKWARD, forward_metadata(microbatch=999), [torch.randn(4, 128)])
+                await call(node, peer, wire.BACKWARD, forward_metadata(microbatch=999), [torch.randn(4, 64)])
             errors["unknown id"] = str(caught.value)
             errors["garbage marker"] = await raw_call(node, peer, wire.FORWARD, b"\x07 this is not a frame at all")
             errors["garbage frame"] = await raw_call(node, peer, wire.BACKWARD, b"\x00" + (9).to_bytes(8, "big") + b"\xff" * 9)
@@ -84,7 +84,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
             errors["no end"] = await raw_call(node, peer, wire.FORWARD, b"\x00" + len(bad_msgpack).to_bytes(8, "big") + bad_msgpack)
 
             assert "activations has shape [4, 7]" in errors["shape"]
-            assert "float64" in errors["dtype"] and "expected [4, 128] float32" in errors["dtype"]
+            assert "float64" in errors["dtype"] and "expected [4, 64] float32" in errors["dtype"]
             assert "this is run 'faults' cluster 0 stage 1" in errors["address"]
             assert "sample_ids" in errors["ids"]
             assert "exceeds the 1048576-byte limit" in errors["size"]
@@ -115,7 +115,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
 @pytest.mark.timeout(240)
 def test_a_replaced_neighbour_is_re_resolved_and_nothing_is_lost_silently(processes, backbone, tmp_path):
     total = 150
-    ranges = [(0, 2), (2, 4)]
+    ranges = [(0, 5), (5, 9)]
     common = ["--microbatches", str(total), "--microbatch-size", "8", "--max-in-flight", "2",
               "--microbatch-timeout", "4", "--send-timeout", "60"]
     stages = start_stages(processes, backbone, "mlp-digits", ranges, str(tmp_path), run=RUN, extra=common)

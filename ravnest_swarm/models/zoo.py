@@ -142,20 +142,39 @@ class Dense(nn.Module):
         return F.relu(x) if self.relu else x
 
 
-def mlp_digits(hidden: int = 128, depth: int = 4) -> ModelSpec:
-    """An MLP on scikit-learn's bundled 8x8 digits: ``depth`` dense layers, 64 -> hidden ... -> 10."""
-    widths = [64] + [hidden] * (depth - 1) + [10]
-    layers = tuple(
-        LayerSpec(
-            name=f"dense{i}",
-            build=lambda i=i: Dense(widths[i], widths[i + 1], relu=i < depth - 1),
-            input_shape=(widths[i],),
-            input_dtype=torch.float32,
-            flops_per_sample=2 * widths[i] * widths[i + 1],
-        )
-        for i in range(depth)
-    )
-    return ModelSpec("mlp-digits", layers, digits_dataset, F.cross_entropy,
+class ResidualDense(nn.Module):
+    """``x + Dense(x)``: a residual layer of one width.
+
+    :param width: input and output features
+    :param scale: factor on the He-initialised weights; 1/sqrt(number of residual layers) keeps the
+        sum of the branches from growing the signal layer by layer
+    """
+
+    def __init__(self, width: int, scale: float):
+        super().__init__()
+        self.dense = Dense(width, width)
+        with torch.no_grad():
+            self.dense.linear.weight.mul_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.dense(x)
+
+
+def mlp_digits(width: int = 64, residual: int = 7) -> ModelSpec:
+    """An MLP on scikit-learn's bundled 8x8 digits: 64 -> width, ``residual`` residual layers, width -> 10.
+
+    With width 64 every layer but the small classifier holds the same bytes, so whole layers split the
+    model evenly into 2, 3 or 4 stages (within 10 % of an even split); residual connections keep a model
+    this deep as easy to train as a shallow one.
+    """
+    def layer(name: str, build: Callable[[], nn.Module], inputs: int, outputs: int) -> LayerSpec:
+        return LayerSpec(name, build, (inputs,), torch.float32, 2 * inputs * outputs)
+
+    layers = [layer("dense0", lambda: Dense(64, width), 64, width)]
+    layers += [layer(f"residual{i}", lambda: ResidualDense(width, residual ** -0.5), width, width)
+               for i in range(1, residual + 1)]
+    layers.append(layer("classifier", lambda: Dense(width, 10, relu=False), width, 10))
+    return ModelSpec("mlp-digits", tuple(layers), digits_dataset, F.cross_entropy,
                      heldout=lambda: digits_dataset("heldout"))
 
 
