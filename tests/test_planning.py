@@ -5,6 +5,7 @@ breakpoint pass), so these tests do not share code with what they check.
 """
 
 import json
+import math
 import random
 import subprocess
 import sys
@@ -12,22 +13,28 @@ import sys
 import numpy as np
 import pytest
 
+from ravnest_swarm.models import get_model
 from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, stage_split, water_fill
 from ravnest_swarm.planning.ga import IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
 from ravnest_swarm.planning.round import ROUND_GA
+from ravnest_swarm.swarm.local import capability_overrides
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.volunteer import model_workload
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def independent_throughput(peers, model_gb, gflop, activation_mb, max_stages):
-    """Samples/s of one cluster by definition: bisection for the smallest t with sum min(r/M, t f/F) >= 1."""
-    if not 1 <= len(peers) <= max_stages or sum(p["ram_gb"] for p in peers) < model_gb * (1 - 1e-12):
+def independent_throughput(peers, model_gb, gflop, activation_mb, max_stages, share=None):
+    """Samples/s of one cluster by definition: bisection for the smallest t with sum min(c, t f/F) >= 1,
+    c = r/M, and at most share/S with a stage share limit."""
+    caps = [min(p["ram_gb"] / model_gb, share / len(peers) if share else math.inf) for p in peers]
+    if not 1 <= len(peers) <= max_stages or sum(caps) < 1 - 1e-12:
         return 0.0
 
     def filled(t):
-        return sum(min(p["ram_gb"] / model_gb, t * p["gflops"] / gflop) for p in peers)
+        return sum(min(cap, t * p["gflops"] / gflop) for cap, p in zip(caps, peers))
 
     low, high = 0.0, 1.0
     while filled(high) < 1 - 1e-12:
@@ -41,8 +48,8 @@ def independent_throughput(peers, model_gb, gflop, activation_mb, max_stages):
     return 1 / seconds
 
 
-def independent_objective(clusters, model_gb, gflop, activation_mb, max_stages):
-    throughputs = [independent_throughput(c, model_gb, gflop, activation_mb, max_stages) for c in clusters]
+def independent_objective(clusters, model_gb, gflop, activation_mb, max_stages, share=None):
+    throughputs = [independent_throughput(c, model_gb, gflop, activation_mb, max_stages, share) for c in clusters]
     throughputs = [t for t in throughputs if t > 0]
     return len(throughputs) * min(throughputs) if throughputs else 0.0
 
@@ -59,7 +66,8 @@ def exhaustive_optimum(peers, workload):
     for mask in range(1, 2 ** n):
         members = [as_dicts[i] for i in range(n) if mask >> i & 1]
         throughput[mask] = independent_throughput(members, workload.model_gb, workload.gflop_per_sample,
-                                                  workload.activation_mb, workload.max_stages)
+                                                  workload.activation_mb, workload.max_stages,
+                                                  workload.max_stage_share)
     best = 0.0
 
     def place(i, blocks):
@@ -87,7 +95,10 @@ def random_swarm(rng, n):
 
 
 CASES = [(6, Workload(10.0, 20.0, 0.5, 8)), (7, Workload(16.0, 50.0, 2.0, 8)), (8, Workload(12.0, 5.0, 0.1, 3)),
-         (9, Workload(20.0, 100.0, 1.0, 8)), (8, Workload(8.0, 30.0, 4.0, 2)), (9, Workload(14.0, 10.0, 0.05, 4))]
+         (9, Workload(20.0, 100.0, 1.0, 8)), (8, Workload(8.0, 30.0, 4.0, 2)), (9, Workload(14.0, 10.0, 0.05, 4)),
+         # with the stage share limit the volunteers' swarms use
+         (8, Workload(10.0, 20.0, 0.5, 8, 1.2)), (9, Workload(16.0, 50.0, 0.05, 4, 1.2)),
+         (8, Workload(12.0, 5.0, 0.1, 3, 1.2))]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -128,25 +139,29 @@ def test_reported_throughput_is_the_objective_of_the_listed_clusters(tmp_path):
     assert sorted(listed_ids) == sorted(by_id)
 
 
-def test_water_fill_matches_definition():
+@pytest.mark.parametrize("share", [None, 1.2])
+def test_water_fill_matches_definition(share):
     rng = random.Random(3)
-    workload = Workload(10.0, 20.0, 0.0, 8)
+    workload = Workload(10.0, 20.0, 0.0, 8, share)
     for _ in range(50):
         peers = random_swarm(rng, rng.randint(1, 8))
         stage_time, fractions = water_fill(peers, workload)
+        bisected = independent_throughput([p.__dict__ for p in peers], 10.0, 20.0, 0.0, 8, share)
         if not fractions:
-            assert sum(p.ram_gb for p in peers) < 10.0
+            assert bisected == 0.0
             continue
         assert sum(fractions) == pytest.approx(1.0)
         assert max(x * 20.0 / p.gflops for x, p in zip(fractions, peers)) == pytest.approx(stage_time, rel=1e-9)
-        bisected = 1 / independent_throughput([p.__dict__ for p in peers], 10.0, 20.0, 0.0, 8)
-        assert stage_time == pytest.approx(bisected, rel=1e-9)
+        assert stage_time == pytest.approx(1 / bisected, rel=1e-9)
+        if share is not None:
+            assert max(fractions) <= share / len(peers) + 1e-12
 
 
-def test_vectorised_evaluation_matches_reference_functions():
+@pytest.mark.parametrize("share", [None, 1.2])
+def test_vectorised_evaluation_matches_reference_functions(share):
     rng = random.Random(11)
     peers = random_swarm(rng, 40)
-    workload = Workload(12.0, 30.0, 0.3, 5)
+    workload = Workload(12.0, 30.0, 0.3, 5, share)
     arrays = SwarmArrays(peers, workload)
     population = np.random.default_rng(0).integers(-1, arrays.max_clusters, size=(64, arrays.size)).astype(np.int32)
     fitness, _, _ = arrays.evaluate(population)
@@ -240,3 +255,26 @@ def test_a_cluster_of_unequal_layers_puts_its_smallest_peer_where_the_small_laye
     assert all(sum(memory[a:b]) <= ram[peer] for peer, (a, b) in zip(order, ranges))
     # equal layers: the preferred order's cut is as close as whole layers allow and is kept
     assert stage_split([0, 1], [0.5, 0.5], [20.0, 20.0], [1.0] * 32, [1.0] * 32) == ([0, 1], [(0, 16), (16, 32)])
+
+
+def test_local_swarms_keep_every_stage_within_the_share_limit_of_whole_layers():
+    """The memory target of issue 6: in the plans of ``local``'s swarms of 3-12 peers (mixed RAM 0.4-0.7 of
+    mlp-digits and mixed compute), every stage's whole layers hold at most 1.2 x an even split, and at
+    most its peer's RAM."""
+    spec = get_model("mlp-digits")
+    workload, profile = model_workload(spec, RunSpec("mlp-digits"), 8)
+    memory = profile[0]
+    for size in range(3, 13):
+        peers = []
+        for index in range(size):
+            offered = capability_overrides(index, workload.model_gb)
+            peers.append(Peer(f"p{index}", float(offered["--ram-gb"]), float(offered["--gflops"]),
+                              float(offered["--bandwidth-mbps"])))
+        ram = {p.peer_id: p.ram_gb for p in peers}
+        plan = plan_swarm(peers, workload, seed=size, time_limit=2, layer_profile=profile)
+        assert plan.clusters, size
+        for _, stages in plan.clusters:
+            for stage in stages:
+                held = sum(memory[stage.layers[0]:stage.layers[1]])
+                assert held <= 1.2 * workload.model_gb / len(stages) * (1 + 1e-9), (size, stages)
+                assert held <= ram[stage.peer_id] * (1 + 1e-9), (size, stages)

@@ -4,9 +4,11 @@ A cluster is a set of peers that holds one copy of the model as a pipeline. Peer
 ``ram_gb`` r_i, ``gflops`` f_i and ``bandwidth_mbps`` b_i; the model needs M GB, F GFLOP per sample
 (forward+backward) and sends A MB of activations per sample between neighbouring stages.
 
-- feasible: 1..D peers and sum r_i >= M;
-- fractions x_i (0 <= x_i <= r_i / M, sum x_i = 1) minimise max_i x_i F / f_i; the optimum is the
-  smallest t with sum_i min(r_i / M, t f_i / F) >= 1 (water-filling), and x_i = min(r_i / M, t f_i / F);
+- a peer's cap c_i is r_i / M, and with a stage share limit q also at most q / S in a cluster of S peers
+  (so no stage holds more than q times an even split of the model);
+- feasible: 1..D peers and sum c_i >= 1;
+- fractions x_i (0 <= x_i <= c_i, sum x_i = 1) minimise max_i x_i F / f_i; the optimum is the
+  smallest t with sum_i min(c_i, t f_i / F) >= 1 (water-filling), and x_i = min(c_i, t f_i / F);
 - time per sample t_k = max(t, 8 A / min_i b_i), the second term only with two or more peers;
 - the swarm's throughput is K x min_k (1 / t_k) over its K feasible clusters.
 
@@ -33,12 +35,15 @@ class Workload:
     :param gflop_per_sample: forward+backward compute per sample, F (GFLOP)
     :param activation_mb: activations sent between neighbouring stages per sample, A (MB)
     :param max_stages: most peers (pipeline stages) in one cluster, D
+    :param max_stage_share: q, the most a stage may hold relative to an even split (1.2: 20 % over
+        1 / stages); None for no limit beyond RAM
     """
 
     model_gb: float
     gflop_per_sample: float
     activation_mb: float
     max_stages: int = 8
+    max_stage_share: Optional[float] = None
 
     def __post_init__(self):
         for name in ("model_gb", "gflop_per_sample"):
@@ -49,6 +54,12 @@ class Workload:
             raise ValueError(f"activation_mb must be a non-negative finite number, got {self.activation_mb}")
         if not 1 <= self.max_stages <= 64:
             raise ValueError(f"max_stages must be 1..64, got {self.max_stages}")
+        if self.max_stage_share is not None and not (math.isfinite(self.max_stage_share) and self.max_stage_share >= 1):
+            raise ValueError(f"max_stage_share must be a finite number >= 1, got {self.max_stage_share}")
+
+    def stage_cap(self, stages: int) -> float:
+        """The largest fraction of the model one stage of a ``stages``-peer cluster may hold (RAM aside)."""
+        return math.inf if self.max_stage_share is None else self.max_stage_share / stages
 
 
 @dataclass(frozen=True)
@@ -70,12 +81,13 @@ class Peer:
 def water_fill(peers: Sequence[Peer], workload: Workload) -> Tuple[float, List[float]]:
     """The slowest stage's compute time per sample and the fractions that achieve it.
 
-    The fraction a peer takes at stage time t is min(r_i / M, t f_i / F): it fills up to its compute
-    share until its memory caps it. Sorting peers by the time at which their memory caps them
-    (r_i F / (M f_i)) makes the total a piecewise linear function of t whose root is found in one pass.
+    The fraction a peer takes at stage time t is min(c_i, t f_i / F): it fills up to its compute
+    share until its cap (memory, or the stage share limit) stops it. Sorting peers by the time at which
+    their cap stops them (c_i F / f_i) makes the total a piecewise linear function of t whose root is found in one pass.
     Returns ``(inf, [])`` for a cluster that cannot hold the model.
     """
-    caps = [p.ram_gb / workload.model_gb for p in peers]
+    limit = workload.stage_cap(len(peers))
+    caps = [min(p.ram_gb / workload.model_gb, limit) for p in peers]
     speeds = [p.gflops / workload.gflop_per_sample for p in peers]
     if sum(c for c, s in zip(caps, speeds) if s > 0) < 1 - FEASIBILITY_SLACK:
         return math.inf, []

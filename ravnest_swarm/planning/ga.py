@@ -80,9 +80,11 @@ class SwarmArrays:
         speeds = np.where(member, self.speeds[peer], 0.0)
         links = np.where(member, self.bandwidth[peer], np.inf)
 
-        stage_time, ram = _segment_stage_times(caps, speeds, starts, segment_of)
-        slowest_link = np.minimum.reduceat(links, starts)
         count = np.minimum(np.diff(np.append(starts, len(group))), workload.max_stages)
+        with np.errstate(divide="ignore"):
+            limit = workload.stage_cap(1) / np.maximum(count, 1)
+        stage_time, ram = _segment_stage_times(caps, speeds, starts, segment_of, limit[segment_of])
+        slowest_link = np.minimum.reduceat(links, starts)
         with np.errstate(divide="ignore"):
             transfer = np.where(count >= 2, 8 * workload.activation_mb / slowest_link, 0.0)
             seconds = np.maximum(stage_time, transfer)
@@ -119,13 +121,34 @@ def _exchange(population: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.nda
     population[rows, a], population[rows, b] = population[rows, b], population[rows, a].copy()
 
 
-def _segment_stage_times(caps, speeds, starts, segment_of):
-    """Water-filled stage time and total RAM share of every segment (cluster) of sorted members.
+def _segment_stage_times(caps, speeds, starts, segment_of, limit):
+    """Water-filled stage time and total capped share of every segment (cluster) of sorted members.
+
+    ``limit`` is each member's stage share limit (inf for none). Members that reach it are pinned at
+    it and the rest filled again: the level only rises, so the pinned set only grows, and it ends within
+    as many passes as a cluster has members (one pass without a limit).
+    """
+    ram = np.add.reduceat(np.minimum(caps, limit), starts)
+    pinned = np.zeros(len(caps), dtype=bool)
+    while True:
+        target = 1 - np.add.reduceat(np.where(pinned, limit, 0.0), starts)
+        stage_time = _water_level(np.where(pinned, 0.0, caps), np.where(pinned, 0.0, speeds), starts, segment_of,
+                                  target)
+        with np.errstate(invalid="ignore"):
+            reached = ~pinned & (np.minimum(caps, stage_time[segment_of] * speeds) > limit * (1 + FEASIBILITY_SLACK))
+        if not reached.any():
+            return stage_time, ram
+        pinned |= reached
+
+
+def _water_level(caps, speeds, starts, segment_of, target):
+    """The smallest stage time t at which each segment's sum of min(cap, t speed) reaches ``target``.
 
     With members in breakpoint order, the total fraction at stage time t below member j's breakpoint
     is at most C_j + t S_j, C_j being the caps of the members before j and S_j the speeds of j and
     after; equality holds on j's segment of the piecewise linear total. So the optimum is the
-    largest root (1 - C_j) / S_j over the members: one segmented maximum, no search.
+    largest root (target - C_j) / S_j over the members: one segmented maximum, no search. Pinned
+    members (cap and speed 0) add nothing and leave the others' order intact.
     """
     cap_before = np.cumsum(caps) - caps
     cap_before -= cap_before[starts][segment_of]
@@ -134,10 +157,8 @@ def _segment_stage_times(caps, speeds, starts, segment_of):
     speed_total = np.add.reduceat(speeds, starts)
     speed_rest = speed_total[segment_of] - speed_before
     with np.errstate(divide="ignore", invalid="ignore"):
-        roots = np.where(speed_rest > 0, (1 - cap_before) / speed_rest, -np.inf)
-    stage_time = np.maximum.reduceat(roots, starts)
-    ram = np.add.reduceat(caps, starts)
-    return stage_time, ram
+        roots = np.where(speed_rest > 0, (target[segment_of] - cap_before) / speed_rest, -np.inf)
+    return np.maximum.reduceat(roots, starts)
 
 
 @dataclass

@@ -9,7 +9,7 @@ from ravnest_swarm.planning.ga import STANDBY, SwarmArrays
 
 
 def greedy_plan(arrays: SwarmArrays) -> np.ndarray:
-    """Fastest peers first, each cluster closed as soon as its RAM holds the model.
+    """Fastest peers first, each cluster closed as soon as its capped RAM holds the model.
 
     Walking peers by falling GFLOP/s keeps fast peers together, so the clusters come out roughly by
     falling throughput. A cluster that reaches D peers short of RAM sends its smallest-RAM member to
@@ -17,19 +17,17 @@ def greedy_plan(arrays: SwarmArrays) -> np.ndarray:
     Returns an assignment per column of ``arrays``.
     """
     assignment = np.full(arrays.size, STANDBY, dtype=np.int32)
-    members, ram, cluster = [], 0.0, 0
+    members, cluster = [], 0
     for column in np.argsort(-arrays.speeds, kind="stable"):
         members.append(int(column))
-        ram += arrays.caps[column]
-        if ram >= 1 - FEASIBILITY_SLACK:
+        limit = arrays.workload.stage_cap(len(members))
+        if sum(min(arrays.caps[c], limit) for c in members) >= 1 - FEASIBILITY_SLACK:
             assignment[members] = cluster
-            cluster, members, ram = cluster + 1, [], 0.0
+            cluster, members = cluster + 1, []
             if cluster == arrays.max_clusters:
                 break
         elif len(members) == arrays.workload.max_stages:
-            smallest = min(members, key=lambda c: arrays.caps[c])
-            members.remove(smallest)
-            ram -= arrays.caps[smallest]
+            members.remove(min(members, key=lambda c: arrays.caps[c]))
     population = assignment[None, :].copy()
     arrays.evaluate(population)
     return population[0]

@@ -16,7 +16,7 @@ import numpy as np
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.planning.cost import (
-    Peer, Workload, cluster_throughput, stage_split, swarm_throughput, water_fill,
+    FEASIBILITY_SLACK, Peer, Workload, cluster_throughput, stage_split, swarm_throughput, water_fill,
 )
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
@@ -120,6 +120,14 @@ def check_feasible(peers: Sequence[Peer], workload: Workload) -> None:
             f"(at most {workload.max_stages} stages per cluster)",
             exit_code=1,
         )
+    shares = [ram / workload.model_gb for ram in usable]
+    if not any(sum(min(share, workload.stage_cap(stages)) for share in shares[:stages]) >= 1 - FEASIBILITY_SLACK
+               for stages in range(1, len(shares) + 1)):
+        raise UserError(
+            f"no feasible cluster: the {len(usable)} computing peer(s) with the most RAM hold the model only if a "
+            f"stage takes more than {workload.max_stage_share} x an even split, the limit",
+            exit_code=1,
+        )
 
 
 def uniform_layers(num_layers: int, workload: Workload) -> Tuple[List[float], List[float]]:
@@ -133,14 +141,15 @@ def build_plan(peers: Sequence[Peer], clusters: Sequence[Sequence[int]], workloa
 
     Stages are ordered by falling fraction (ties by peer id), so the largest share comes first and the
     order is the same wherever the plan is rebuilt, unless only another order lets whole layers keep
-    every peer within its RAM (:func:`stage_split`).
+    every peer within its RAM and the stage share limit (:func:`stage_split`).
     """
     placed, clustered = [], set()
     for members in clusters:
         group = [peers[i] for i in members]
         _, fractions = water_fill(group, workload)
         falling = sorted(range(len(group)), key=lambda j: (-fractions[j], group[j].peer_id))
-        order, ranges = stage_split(falling, fractions, [p.ram_gb for p in group], *layer_profile)
+        limit_gb = workload.stage_cap(len(group)) * workload.model_gb
+        order, ranges = stage_split(falling, fractions, [min(p.ram_gb, limit_gb) for p in group], *layer_profile)
         stages = [PlacedPeer(group[j].peer_id, fractions[j], stage, ranges[stage]) for stage, j in enumerate(order)]
         placed.append((cluster_throughput(group, workload), stages))
         clustered.update(members)

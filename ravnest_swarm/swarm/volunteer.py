@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 Placement = Tuple[int, int, int, Tuple[int, int], int]  # cluster, stage, stages, layers, clusters
 HOLDER_LOOKUPS = 5
+# a stage holds at most 20 % more than an even split of the model: a volunteer's footprint stays
+# predictable, and losing one peer never costs a cluster much more than its share of the model
+MAX_STAGE_SHARE = 1.2
 
 
 def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
@@ -56,7 +59,8 @@ def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple
     layer_memory_gb = [3 * layer.param_bytes / 1e9 for layer in spec.layers]
     layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]
     activation_mb = max(4 * int(torch.tensor(layer.input_shape).prod()) for layer in spec.layers) / 1e6
-    workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)))
+    workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)),
+                        max_stage_share=MAX_STAGE_SHARE)
     return workload, (layer_memory_gb, layer_gflop)
 
 
