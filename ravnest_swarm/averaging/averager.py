@@ -231,15 +231,23 @@ class MultiRingAverager:
         self._buffered_bytes = 0
         self._rings: Dict[Tuple[int, int], _RingState] = {}
         self._control_tasks: Set[asyncio.Task] = set()
+        self._serving: Set[asyncio.Task] = set()  # handler calls still reading a message or sending its reply
 
     async def start(self) -> None:
         # forwardable: a ring partner behind another NAT reaches us through a backbone (reversal.py)
         await links_of(self.p2p).add_forwardable_handler(RING_HANDLER, self._serve)
 
     async def shutdown(self) -> None:
-        """Give the last notes to other members a moment to arrive, then stop serving."""
-        if self._control_tasks:
-            await asyncio.wait(set(self._control_tasks), timeout=CONTROL_TIMEOUT)
+        """Give the last notes to other members, and our replies to their last messages, a moment to arrive,
+        then stop serving.
+
+        A round ends here once every part of the last message was read, which can be before the handler's
+        reply has left: a peer that stopped then would make the sender of that message, which sees no reply,
+        send it again to a peer that is gone and fail a ring every member had completed.
+        """
+        pending = self._control_tasks | self._serving
+        if pending:
+            await asyncio.wait(pending, timeout=CONTROL_TIMEOUT)
         for task in list(self._control_tasks):
             task.cancel()
         await asyncio.gather(*self._control_tasks, return_exceptions=True)
@@ -250,6 +258,14 @@ class MultiRingAverager:
     async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One stripe of a ring message: read it within the size limit and the timeout, filing its parts as they
         come."""
+        serving = asyncio.current_task()
+        self._serving.add(serving)
+        try:
+            await self._serve_stream(stream_info, reader, writer)
+        finally:
+            self._serving.discard(serving)
+
+    async def _serve_stream(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = stream_info.peer_id.to_base58()
         filling: List[_Inbox] = []  # the inbox this stream fills, once its metadata named one
 
