@@ -13,11 +13,12 @@ import sys
 import numpy as np
 import pytest
 
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
 from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, stage_split, water_fill
 from ravnest_swarm.planning.ga import IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
-from ravnest_swarm.planning.plan import assignment_clusters, plan_swarm
+from ravnest_swarm.planning.plan import assignment_clusters, check_feasible, plan_swarm
 from ravnest_swarm.planning.round import ROUND_GA
 from ravnest_swarm.swarm.local import capability_overrides
 from ravnest_swarm.swarm.spec import RunSpec
@@ -278,3 +279,11 @@ def test_local_swarms_keep_every_stage_within_the_share_limit_of_whole_layers():
                 held = sum(memory[stage.layers[0]:stage.layers[1]])
                 assert held <= 1.2 * workload.model_gb / len(stages) * (1 + 1e-9), (size, stages)
                 assert held <= ram[stage.peer_id] * (1 + 1e-9), (size, stages)
+
+
+def test_a_swarm_that_holds_the_model_only_beyond_the_share_limit_is_one_clear_error():
+    peers = [Peer("big", 7.0, 10.0, 100.0), Peer("small", 3.0, 10.0, 100.0)]
+    check_feasible(peers, Workload(10.0, 1.0, 0.1, 8))  # 7 + 3 GB hold the 10 GB model
+    # but with the limit 1.2 a 2-stage cluster's stages hold at most 6 GB each: 6 + 3 < 10
+    with pytest.raises(UserError, match=r"only if a stage takes more than 1.2 x an even split"):
+        check_feasible(peers, Workload(10.0, 1.0, 0.1, 8, 1.2))

@@ -165,7 +165,8 @@ def mlp_digits(width: int = 64, residual: int = 7) -> ModelSpec:
 
     With width 64 every layer but the small classifier holds the same bytes, so whole layers split the
     model evenly into 2, 3 or 4 stages (within 10 % of an even split); residual connections keep a model
-    this deep as easy to train as a shallow one.
+    this deep as easy to train in one process as a shallow one. Being deep, it suffers more from pipeline
+    staleness, which is why the run spec keeps 2 microbatches in flight (``swarm/spec.py``).
     """
     def layer(name: str, build: Callable[[], nn.Module], inputs: int, outputs: int) -> LayerSpec:
         return LayerSpec(name, build, (inputs,), torch.float32, 2 * inputs * outputs)
