@@ -261,11 +261,8 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         start, end = element_range(options.layer_sizes, options.layers)
     except ValueError as e:
         raise UserError(f"--layers: {e}")
-    # a DHT client: this process exits after one round, and records it held for others (the peer records
-    # that status reads afterwards) would leave with it; the backbone keeps them instead
     node = await start_node(options.initial_peers, record_validators=make_validators(options.run),
-                            client_mode=bool(options.initial_peers), host_maddrs=options.host_maddrs,
-                            announce_maddrs=options.announce_maddrs)
+                            host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
     if options.initial_peers:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone
         await check_reachability(node.p2p, peer_id_of(options.initial_peers[0]), options.timeout)
