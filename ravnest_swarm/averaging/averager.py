@@ -69,6 +69,9 @@ MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds n
 REDUCE, GATHER, ABORT = "reduce", "gather", "abort"
 MAX_RESENDS = 3  # per message; each waits RESEND_BACKOFF x its number first
 RESEND_BACKOFF = 0.1
+# a stopping peer stays this long after the last ring stream it was sent: a sender whose reply was lost sends
+# the stripe again after RESEND_BACKOFF plus a dial, and a peer that had gone would fail its complete ring
+RESEND_QUIET = 0.5
 # hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
 EMPTY_REPLY = "got an empty iterable"
 
@@ -232,22 +235,31 @@ class MultiRingAverager:
         self._rings: Dict[Tuple[int, int], _RingState] = {}
         self._control_tasks: Set[asyncio.Task] = set()
         self._serving: Set[asyncio.Task] = set()  # handler calls still reading a message or sending its reply
+        self._last_stream = -math.inf  # time.monotonic() when the last ring stream reached us
 
     async def start(self) -> None:
         # forwardable: a ring partner behind another NAT reaches us through a backbone (reversal.py)
         await links_of(self.p2p).add_forwardable_handler(RING_HANDLER, self._serve)
 
     async def shutdown(self) -> None:
-        """Give the last notes to other members, and our replies to their last messages, a moment to arrive,
-        then stop serving.
+        """Give the last notes to other members, our replies to their last messages, and their resends of
+        messages whose reply was lost a moment to arrive (at most ``CONTROL_TIMEOUT``), then stop serving.
 
         A round ends here once every part of the last message was read, which can be before the handler's
-        reply has left: a peer that stopped then would make the sender of that message, which sees no reply,
-        send it again to a peer that is gone and fail a ring every member had completed.
+        reply has left, and a reply can be lost on the way: a peer that stopped then would make the sender of
+        that message, which sees no reply, send it again to a peer that is gone and fail a ring every member
+        had completed. So it waits for handler calls in flight and for ``RESEND_QUIET`` without a new stream.
         """
-        pending = self._control_tasks | self._serving
-        if pending:
-            await asyncio.wait(pending, timeout=CONTROL_TIMEOUT)
+        deadline = time.monotonic() + CONTROL_TIMEOUT
+        while (left := deadline - time.monotonic()) > 0:
+            pending = self._control_tasks | self._serving
+            quiet = self._last_stream + RESEND_QUIET - time.monotonic()
+            if pending:
+                await asyncio.wait(pending, timeout=left)
+            elif quiet > 0:
+                await asyncio.sleep(min(quiet, left))
+            else:
+                break
         for task in list(self._control_tasks):
             task.cancel()
         await asyncio.gather(*self._control_tasks, return_exceptions=True)
@@ -260,6 +272,7 @@ class MultiRingAverager:
         come."""
         serving = asyncio.current_task()
         self._serving.add(serving)
+        self._last_stream = time.monotonic()
         try:
             await self._serve_stream(stream_info, reader, writer)
         finally:
