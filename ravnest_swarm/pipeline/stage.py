@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 SCHEDULES = ("async", "sync")
 MODES = ("stash", "recompute")
 PROGRESS_EVERY = 10
+# how a stage's refusal of a message meant for another stage reads: the sender's endpoint for it is stale
+MISADDRESSED = ", but this is run"
 
 
 @dataclass
@@ -417,17 +419,22 @@ class StageWorker:
                                            max(1.0, deadline - time.monotonic()))
                     return True
                 except P2PHandlerError as e:
-                    # the neighbour read the message and refused it: sending it again cannot help
+                    # the neighbour read the message and refused it: sending it again cannot help, unless it
+                    # refused it for not serving that stage any more (it moved in a new plan while we kept its
+                    # endpoint): then the stage's current peer is found as after a failed send
                     reason = f"refused: {str(e).rsplit(': ', 1)[-1]}"
+                    retry = MISADDRESSED in str(e)
                 except Exception as e:
                     reason = f"{type(e).__name__}: {e}"
+                    retry = True
+                if retry:
                     self._close_channel(handler, stage)
-                    if time.monotonic() < deadline:
-                        attempt += 1
-                        self.counters.resends += 1
-                        logger.warning(f"send {what} failed ({reason}); re-resolving the endpoint and retrying")
-                        await asyncio.sleep(min(0.2 * attempt, 1.0))
-                        continue
+                if retry and time.monotonic() < deadline:
+                    attempt += 1
+                    self.counters.resends += 1
+                    logger.warning(f"send {what} failed ({reason}); re-resolving the endpoint and retrying")
+                    await asyncio.sleep(min(0.2 * attempt, 1.0))
+                    continue
                 if microbatch is not None:
                     self._drop(microbatch, f"{what} {reason}")
                 else:
@@ -494,7 +501,7 @@ class StageWorker:
                 or metadata.get("stage") != config.stage:
             raise MessageError(
                 f"addressed to run {metadata.get('run')!r} cluster {metadata.get('cluster')!r} stage "
-                f"{metadata.get('stage')!r}, but this is run {config.run!r} cluster {config.cluster} stage {config.stage}")
+                f"{metadata.get('stage')!r}{MISADDRESSED} {config.run!r} cluster {config.cluster} stage {config.stage}")
 
     async def _on_forward(self, metadata: Dict, tensors: List[runtime_pb2.Tensor]) -> Dict:
         if metadata.get("op") == "finish":
