@@ -81,9 +81,9 @@ class SwarmArrays:
         links = np.where(member, self.bandwidth[peer], np.inf)
 
         count = np.minimum(np.diff(np.append(starts, len(group))), workload.max_stages)
-        with np.errstate(divide="ignore"):
-            limit = workload.stage_cap(1) / np.maximum(count, 1)
-        stage_time, ram = _segment_stage_times(caps, speeds, starts, segment_of, limit[segment_of])
+        share = workload.max_stage_share
+        limit = None if share is None else (share / count)[segment_of]  # q / S, per member
+        stage_time, ram = _segment_stage_times(caps, speeds, starts, segment_of, limit)
         slowest_link = np.minimum.reduceat(links, starts)
         with np.errstate(divide="ignore"):
             transfer = np.where(count >= 2, 8 * workload.activation_mb / slowest_link, 0.0)
@@ -124,10 +124,12 @@ def _exchange(population: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.nda
 def _segment_stage_times(caps, speeds, starts, segment_of, limit):
     """Water-filled stage time and total capped share of every segment (cluster) of sorted members.
 
-    ``limit`` is each member's stage share limit (inf for none). Members that reach it are pinned at
-    it and the rest filled again: the level only rises, so the pinned set only grows, and it ends within
-    as many passes as a cluster has members (one pass without a limit).
+    ``limit`` is each member's stage share limit (None: no limit, one pass). Members that reach it are
+    pinned at it and the rest filled again: the level only rises, so the pinned set only grows, and it
+    ends within as many passes as a cluster has members.
     """
+    if limit is None:
+        return _water_level(caps, speeds, starts, segment_of, np.ones(len(starts))), np.add.reduceat(caps, starts)
     ram = np.add.reduceat(np.minimum(caps, limit), starts)
     pinned = np.zeros(len(caps), dtype=bool)
     while True:
