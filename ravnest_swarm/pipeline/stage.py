@@ -429,12 +429,12 @@ class StageWorker:
                     retry = True
                 if retry:
                     self._close_channel(handler, stage)
-                if retry and time.monotonic() < deadline:
-                    attempt += 1
-                    self.counters.resends += 1
-                    logger.warning(f"send {what} failed ({reason}); re-resolving the endpoint and retrying")
-                    await asyncio.sleep(min(0.2 * attempt, 1.0))
-                    continue
+                    if time.monotonic() < deadline:
+                        attempt += 1
+                        self.counters.resends += 1
+                        logger.warning(f"send {what} failed ({reason}); re-resolving the endpoint and retrying")
+                        await asyncio.sleep(min(0.2 * attempt, 1.0))
+                        continue
                 if microbatch is not None:
                     self._drop(microbatch, f"{what} {reason}")
                 else:
