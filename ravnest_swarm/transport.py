@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 import msgpack
 from google.protobuf.message import DecodeError
-from hivemind.dht.node import DHTNode
+from hivemind.dht.node import DHTID, DHTNode
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
@@ -145,6 +146,28 @@ async def stop_node(node: DHTNode) -> None:
     """Stop the DHT node and its p2pd (a node created on a given P2P does not stop it itself)."""
     await node.shutdown()
     await node.p2p.shutdown()
+
+
+async def store_record(node: DHTNode, key: str, value: Any, expiration: float, subkey: Any = None) -> bool:
+    """``node.store``, and the same signed record stored on each of our backbones (initial peers) as well.
+
+    hivemind stores a record on the few nodes nearest its key and never copies it again, so once those
+    volunteers leave, the record is gone before it expires: a peer's final report (how many poisoned
+    contributions it refused, that it is leaving) vanished with them. Backbones are the swarm's
+    long-lived nodes, so a record they also hold lasts its whole lifetime. Returns whether any node took it.
+    """
+    from ravnest_swarm.reversal import links_of
+
+    protocol = node.protocol
+    key_id = DHTID.generate(source=key)
+    record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
+                       expiration)
+    signed = protocol.record_validator.sign_value(record) if protocol.record_validator is not None else record.value
+    backbones = [peer for peer in links_of(node.p2p).backbones if peer != node.peer_id]
+    stored, *replies = await asyncio.gather(
+        node.store(key, value, expiration, subkey=subkey),
+        *(protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[subkey]) for peer in backbones))
+    return bool(stored) or any(reply and reply[0] for reply in replies)
 
 
 def _merge_validators(validators: Sequence):

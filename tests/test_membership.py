@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -9,12 +10,16 @@ import time
 
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTID, DHTNode
+from hivemind.dht.validation import CompositeValidator
+from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.announcer import PeerAnnouncer, read_peers
+from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import make_validators, peers_key
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+from ravnest_swarm.transport import parse_maddrs, peer_id_of, start_node, stop_node
 
 RUN = "test-run"
 VOLUNTEERS = {
@@ -175,3 +180,38 @@ def test_forged_and_malformed_records_are_refused_while_honest_records_stay(proc
         observer.close()
     document = status_json(maddr)
     assert [(p["name"], p["ram_gb"]) for p in document["peers"]] == [("honest", 8.0)]
+
+
+@pytest.mark.timeout(120)
+def test_a_record_outlives_every_volunteer_nearest_its_key(backbone):
+    """hivemind keeps a record only on the nodes nearest its key. Six DHT nodes are placed nearer to
+    ``{run}_peers`` than the backbone, a volunteer publishes its record, then all of them leave: the
+    backbone, which got a copy of its own, still serves the record until it expires."""
+    key_id = DHTID.generate(source=peers_key(RUN))
+
+    async def publish_then_leave():
+        volunteer = await start_node(parse_maddrs([backbone]), record_validators=make_validators(RUN),
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        holders = []
+        try:
+            backbone_id = volunteer.protocol.routing_table.get(peer_id=peer_id_of(parse_maddrs([backbone])[0]))
+            backbone_distance = key_id.xor_distance(backbone_id)
+            for offset in {random.randrange(backbone_distance) for _ in range(6)}:
+                p2p = await P2P.create(initial_peers=[backbone], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                holders.append(await DHTNode.create(p2p=p2p, node_id=DHTID(key_id ^ offset), initial_peers=[backbone],
+                                                    record_validator=CompositeValidator(make_validators(RUN))))
+            announcer = PeerAnnouncer(volunteer, RUN, "lasting", Capabilities(ram_gb=3.0, gflops=9.0,
+                                                                            bandwidth_mbps=50.0))
+            assert await announcer.publish(lifetime=60)
+            # the record went to the nearest nodes, none of which is the backbone
+            assert sum(bool(holder.protocol.storage.get(key_id)) for holder in holders) >= 4
+        finally:
+            for node in [*holders, volunteer]:
+                await stop_node(node)
+
+    asyncio.run(publish_then_leave())
+    reader = Observer(backbone)
+    try:
+        assert [p["name"] for p in reader.peers()] == ["lasting"]
+    finally:
+        reader.close()

@@ -31,7 +31,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
 from ravnest_swarm.membership.services import check_reachability
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+from ravnest_swarm.transport import peer_id_of, start_node, stop_node, store_record
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,8 @@ async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: 
         time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
         rejected=rejected,
     )
-    await node.store(peers_key(options.run), PeerRecord.parse_obj(record).dict(),
-                     get_dht_time() + RECORD_LIFETIME, subkey=RSASignatureValidator().local_public_key)
+    await store_record(node, peers_key(options.run), PeerRecord.parse_obj(record).dict(),
+                       get_dht_time() + RECORD_LIFETIME, subkey=RSASignatureValidator().local_public_key)
 
 
 async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadline: float) -> dict:

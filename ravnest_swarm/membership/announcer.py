@@ -14,6 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm import __version__
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import PeerRecord, peers_key
+from ravnest_swarm.transport import store_record
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class PeerAnnouncer:
         # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
         value = PeerRecord.parse_obj(self.record).dict()
         expiration = get_dht_time() + (lifetime if lifetime is not None else 2 * self.heartbeat)
-        return bool(await self.node.store(peers_key(self.run), value, expiration, subkey=self.subkey))
+        return await store_record(self.node, peers_key(self.run), value, expiration, subkey=self.subkey)
 
     async def heartbeat_forever(self) -> None:
         while True:
