@@ -1,6 +1,8 @@
 """Bad input to a real stage's handlers, and a neighbour that disappears mid-run."""
 
 import asyncio
+import logging
+import time
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from pipeline_helpers import read_report, start_stages, wait_all
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.endpoints import EndpointResolver
+from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.transport import make_request, parse_maddrs, start_node, stop_node, unpack_metadata
 
 RUN = "faults"
@@ -151,3 +154,61 @@ def test_a_replaced_neighbour_is_re_resolved_and_nothing_is_lost_silently(proces
     log = first.stderr()
     assert "re-resolving the endpoint" in log and "stage 1 moved to" in log
     assert log.count("dropped microbatch") == report["dropped"]
+
+
+@pytest.mark.timeout(180)
+def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_its_successor(backbone, caplog):
+    """A volunteer moved to another slot by a new plan keeps its peer id but refuses messages meant for
+    its old stage. Its former neighbour, still holding the old endpoint, re-resolves on that refusal and
+    resends instead of dropping the microbatch; once the stage's new peer publishes, traffic goes there.
+    Only the microbatches the moved worker held when it stopped are lost (dropped and counted)."""
+    run, total, in_flight = "moved", 120, 2
+    ranges = [(0, 5), (5, 9)]
+
+    def config(cluster, stage):
+        return StageConfig(run=run, cluster=cluster, clusters=2, stage=stage, stages=2, model="mlp-digits",
+                           layers=ranges[stage], microbatches=total, microbatch_size=8, max_in_flight=in_flight,
+                           microbatch_timeout=4, send_timeout=60, heartbeat=5)
+
+    async def until(condition, timeout, what):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.1)
+
+    async def scenario():
+        nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
+        workers = []
+        try:
+            first, moving = StageWorker(config(0, 0), nodes[0]), StageWorker(config(0, 1), nodes[1])
+            workers += [first, moving]
+            for worker in workers:
+                await worker.start()
+            await until(lambda: first.counters.completed >= 10, 60, "no progress before the move")
+            # a new plan moves peer 1 to stage 1 of cluster 1; a third peer takes cluster 0's stage 1 later
+            await moving.shutdown()
+            workers.remove(moving)
+            moved = StageWorker(config(1, 1), nodes[1])
+            workers.append(moved)
+            await moved.start()
+            await until(lambda: moved.counters.rejected >= 1, 30, "the moved stage refused nothing")
+            successor = StageWorker(config(0, 1), nodes[2])
+            workers.append(successor)
+            await successor.start()
+            await asyncio.wait_for(first.finished.wait(), 120)
+            return first.counters, moved.counters, successor.counters
+        finally:
+            for worker in workers:
+                await worker.shutdown()
+            for node in nodes:
+                await stop_node(node)
+
+    torch.set_num_threads(1)
+    with caplog.at_level(logging.WARNING, logger="ravnest_swarm.pipeline.stage"):
+        first, moved, successor = asyncio.run(scenario())
+    assert first.completed + first.dropped == total and successor.forwards >= 1
+    assert first.dropped <= in_flight  # the misaddressed messages were resent, not dropped
+    assert first.completed >= total - in_flight and first.resends >= moved.rejected >= 1
+    assert any("but this is run 'moved' cluster 1 stage 1" in r.message and "re-resolving the endpoint" in r.message
+               for r in caplog.records)

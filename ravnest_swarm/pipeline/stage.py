@@ -41,8 +41,10 @@ logger = logging.getLogger(__name__)
 SCHEDULES = ("async", "sync")
 MODES = ("stash", "recompute")
 PROGRESS_EVERY = 10
-# how a stage's refusal of a message meant for another stage reads: the sender's endpoint for it is stale
+# refusals a sender answers by sending again: a message meant for another stage (the sender's endpoint for
+# it is stale: re-resolve), and one a stage has no room for yet (its stale microbatches are about to be dropped)
 MISADDRESSED = ", but this is run"
+BUSY = "; retry later"
 
 
 @dataclass
@@ -101,7 +103,7 @@ class Pending:
     output: torch.Tensor  # with its autograd graph when stashing
     output_shape: List[int]
     params: Optional[Dict[str, torch.Tensor]]  # the stashed weights (stash mode)
-    since: float
+    since: Optional[float]  # when the forward message was delivered; None while its send is still retrying
     version: int
 
 
@@ -168,6 +170,8 @@ class StageWorker:
         self._sends: Set[asyncio.Task] = set()
         self._channels: Dict[Tuple[str, int], MessageChannel] = {}  # (handler, stage) -> its long-lived stream
         self._tasks: List[asyncio.Task] = []
+        self._serving: Set[asyncio.Task] = set()  # one per inbound stream we answer on
+        self._stopped = False
         self._active, self._busy_since = 0, 0.0
 
     # ---------------------------------------------------------------- lifecycle
@@ -190,9 +194,14 @@ class StageWorker:
             self.counters.injected = min(step, self.config.microbatches)
 
     async def shutdown(self) -> None:
-        for task in self._tasks + list(self._sends):
+        # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go
+        # on delivering into this stopped worker (the volunteer starts another worker on the same peer when a
+        # plan moves it); closed, the sender re-resolves the stage and resends
+        self._stopped = True
+        tasks = self._tasks + list(self._sends) + list(self._serving)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(channel.aclose() for channel in self._channels.values()))
         # a volunteer moved to another slot starts a new worker on the same P2P: free the handler names
         for name in (wire.FORWARD, wire.BACKWARD):
@@ -219,7 +228,9 @@ class StageWorker:
         while True:
             await asyncio.sleep(min(1.0, self.config.microbatch_timeout / 4))
             deadline = time.time() - self.config.microbatch_timeout
-            for microbatch in [m for m, p in self.pending.items() if p.since < deadline and m not in self.queued_backward]:
+            # a send still retrying has its own deadline: the wait for a gradient starts at delivery
+            for microbatch in [m for m, p in self.pending.items()
+                               if p.since is not None and p.since < deadline and m not in self.queued_backward]:
                 self._drop(microbatch, f"no gradient within {self.config.microbatch_timeout:.0f}s")
 
     def _drop(self, microbatch: int, reason: str) -> None:
@@ -353,7 +364,7 @@ class StageWorker:
             params = None
             with torch.no_grad():
                 output = self.module(x)
-        return Pending(x, output, list(output.shape), params, time.time(), self.version)
+        return Pending(x, output, list(output.shape), params, None, self.version)
 
     def _backward(self, pending: Pending, grad: torch.Tensor) -> Optional[torch.Tensor]:
         if pending.params is not None:
@@ -417,13 +428,15 @@ class StageWorker:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
                     await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
                                            max(1.0, deadline - time.monotonic()))
+                    if handler == wire.FORWARD and microbatch in self.pending:
+                        self.pending[microbatch].since = time.time()
                     return True
                 except P2PHandlerError as e:
                     # the neighbour read the message and refused it: sending it again cannot help, unless it
                     # refused it for not serving that stage any more (it moved in a new plan while we kept its
-                    # endpoint): then the stage's current peer is found as after a failed send
+                    # endpoint: the stage's current peer is found as after a failed send) or for lack of room
                     reason = f"refused: {str(e).rsplit(': ', 1)[-1]}"
-                    retry = MISADDRESSED in str(e)
+                    retry = MISADDRESSED in str(e) or BUSY in str(e)
                 except Exception as e:
                     reason = f"{type(e).__name__}: {e}"
                     retry = True
@@ -467,6 +480,8 @@ class StageWorker:
 
             async def respond() -> runtime_pb2.ExpertResponse:
                 metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes, first_marker)
+                if self._stopped:  # shutdown's cancel can be lost (asyncio.wait_for returns a result it raced)
+                    raise ConnectionError("this stage worker stopped")  # no reply: the sender resends elsewhere
                 self._check_address(metadata)
                 return make_response(await handle(metadata, tensors))
 
@@ -475,10 +490,17 @@ class StageWorker:
                 logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {reason}")
 
             def broken() -> None:
-                logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
+                if not self._stopped:
+                    logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
 
+            if self._stopped:  # reached through a forwarding backbone after we stopped
+                writer.close()
+                return
+            task = asyncio.current_task()  # this stream's own: p2pd hands each stream to a new task
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
             with closing(writer):
-                while True:
+                while not self._stopped:
                     reply = await message_reply(name, stream_info.peer_id, respond, self.config.send_timeout,
                                                 refused, broken)
                     if reply is None:
@@ -519,7 +541,7 @@ class StageWorker:
         # stage 0 keeps at most max_in_flight microbatches in the pipeline; twice that leaves room for ones
         # a watchdog is about to drop, and anything beyond is a flood that would hold unbounded memory
         if len(self.queued_forward) + len(self.pending) >= 2 * self.config.max_in_flight:
-            raise MessageError(f"too many microbatches in flight here ({2 * self.config.max_in_flight}); retry later")
+            raise MessageError(f"too many microbatches in flight here ({2 * self.config.max_in_flight}){BUSY}")
         if len(tensors) != 2:
             raise MessageError(f"a forward message carries 2 tensors (activations, targets), got {len(tensors)}")
         count = len(sample_ids)
