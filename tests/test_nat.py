@@ -15,7 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_helpers import losses, read_report
+from test_swarm import MODEL_GB, checkpoint_layers
 from ravnest_swarm.averaging.peer import synthetic_layer
+from ravnest_swarm.models import get_model
 from ravnest_swarm.natlab import NatLab, nat_lab_available
 from ravnest_swarm.netlab import LAB_PREFIX
 
@@ -63,14 +65,20 @@ def run_json(processes, args, name, prefix, timeout=90):
 
 def observe(processes, backbone, lab, name, reachability, timeout=45.0):
     """Poll ``status --json`` from the observer host until ``name`` shows ``reachability``."""
+    return observe_until(processes, backbone, lab, name, lambda record: record["reachability"] == reachability,
+                         f"as {reachability}", timeout)
+
+
+def observe_until(processes, backbone, lab, name, check, what, timeout):
+    """Poll ``status --json`` from the observer host until ``name``'s record passes ``check``."""
     deadline = time.monotonic() + timeout
     while True:
         peers = run_json(processes, ["status", "--json", "--run", RUN, "--initial-peers", backbone],
                          f"status{len(processes.processes)}", lab.public_prefix(1))["peers"]
         record = next((p for p in peers if p["name"] == name), None)
-        if record is not None and record["reachability"] == reachability:
+        if record is not None and check(record):
             return record
-        assert time.monotonic() < deadline, f"observer never saw {name} as {reachability}: {peers}"
+        assert time.monotonic() < deadline, f"observer never saw {name} {what}: {peers}"
         time.sleep(1.0)
 
 
@@ -179,3 +187,39 @@ def test_two_volunteers_behind_two_nats_average_through_the_backbone(processes, 
         assert result["routes"].get("forward", 0) >= 1 and result["routes"].get("calls_forward", 0) >= 1
         values = load_file(str(tmp_path / f"c{cluster}.safetensors"))["values"]
         assert torch.allclose(values, expected, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes, make_lab, tmp_path):
+    """The only holder of the trained layers is behind NAT (no inbound connection reaches it): a public
+    late joiner has the backbone ask it to dial back (connection reversal) and downloads every layer,
+    bit for bit, then continues at the holder's step."""
+    lab = make_lab(3, 1)
+    backbone = start_backbone(processes, lab)
+    steps = 40
+
+    def join(name, maddr, prefix):
+        # each can hold the whole model: a cluster of its own
+        return processes.start(["join", "--initial-peers", backbone, "--run", RUN, "--name", name, "--no-dashboard",
+                                "--model", "mlp-digits", "--steps", str(steps), "--min-peers", "1", "--heartbeat", "2",
+                                "--round-seconds", "6", "--ram-gb", f"{MODEL_GB * 1.5:.9f}", "--gflops", "20",
+                                "--bandwidth-mbps", "100", "--host-maddrs", maddr, "--checkpoint-dir", str(tmp_path)],
+                               name, prefix=prefix)
+
+    home = join("home", lab.home_maddr(0), lab.home_prefix(0))
+    observe_until(processes, backbone, lab, "home", lambda r: r["reachability"] == "relay" and r.get("step") == steps,
+                  f"behind NAT at step {steps}", 150)
+    late = join("late", lab.public_maddr(2), lab.public_prefix(2))
+    observe_until(processes, backbone, lab, "late", lambda r: r.get("cluster") not in (None, -1) and r.get("step") == steps,
+                  f"placed at step {steps}", 150)
+    every_layer = list(range(len(get_model("mlp-digits").layers)))
+    log = late.stderr()
+    assert f"late: downloading layers {every_layer}" in log and "keeping this layer's local weights" not in log, log[-3000:]
+    for process in (late, home):
+        assert process.stop() == 0  # SIGTERM: each writes its checkpoint on the way out
+    late_layers, late_step = checkpoint_layers(tmp_path / f"{RUN}-late.safetensors")
+    home_layers, _ = checkpoint_layers(tmp_path / f"{RUN}-home.safetensors")
+    assert late_step == steps and sorted(late_layers) == every_layer == sorted(home_layers)
+    for layer, tensors in home_layers.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(tensor, late_layers[layer][key]), (layer, key)

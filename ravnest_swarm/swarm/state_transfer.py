@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -121,9 +121,13 @@ async def fetch_layer(p2p: P2P, run: str, holder: PeerID, layer: int, expected: 
 
 async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start: int,
                           holders: Dict[int, Sequence[PeerID]], timeout: float,
-                          on_progress: Optional[Callable[[int, int], None]] = None) -> int:
+                          on_progress: Optional[Callable[[int, int], None]] = None,
+                          reach: Optional[Callable[[PeerID], Awaitable[str]]] = None) -> int:
     """Fill ``module`` (layers ``start..``) from the holders, trying each holder of a layer in turn.
 
+    ``reach`` connects to a holder before it is asked and returns the route (``PeerLinks.connect``): a
+    holder behind NAT dials us back at a backbone's request. One reachable only through a backbone's
+    forwarding is skipped: forwarded calls carry one reply message, and a layer's state is a stream.
     Returns the highest step among the holders used. Raises :class:`StateTransferError` if a layer has
     no holder left; layers already loaded stay loaded.
     """
@@ -134,6 +138,9 @@ async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start
         errors: List[str] = []
         for holder in holders.get(layer, ()):
             try:
+                if reach is not None and await reach(holder) == "forward":
+                    raise StateTransferError("reachable only through a backbone's forwarding, which carries no "
+                                             "layer downloads")
                 tensors, holder_step = await fetch_layer(p2p, run, holder, layer, expected, timeout)
             except Exception as e:  # a holder that left or misbehaved: try the next one
                 errors.append(f"{holder}: {e}")

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
@@ -41,6 +42,7 @@ from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions
+from ravnest_swarm.reversal import links_of
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 
@@ -242,17 +244,26 @@ class Volunteer:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
         if remote:
-            step = max(step, await self._download(module, start, remote, advertised))
+            step = max(step, await self._download(module, start, remote, advertised,
+                                                  {p["peer_id"]: p for p in peers}))
         return step
 
     async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[PeerID]],
-                        advertised: Dict[int, int]) -> int:
+                        advertised: Dict[int, int], records: Dict[str, Dict]) -> int:
         """Fetch the layers in ``remote`` (each from the first holder that answers), with a progress bar.
 
         A layer no holder gives keeps its local weights, but the step still follows ``advertised``: the
         rest of the cluster is there, and a stage that restarted its count at 0 would wait for
-        microbatches its neighbours, done with their steps, never send.
+        microbatches its neighbours, done with their steps, never send. ``records``: the holders' peer
+        records, whose addresses and reachability choose the route (a holder behind NAT dials us back).
         """
+        links = links_of(self.node.p2p)
+
+        async def reach(holder: PeerID) -> str:
+            record = records[holder.to_base58()]
+            maddrs = [Multiaddr(m.split("/p2p/", 1)[0]) for m in record["maddrs"]]
+            return await links.connect(holder, maddrs, record.get("reachability"))
+
         step = 0
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       console=self.console, transient=False) as progress:
@@ -261,7 +272,7 @@ class Volunteer:
                 single = torch.nn.Sequential(module[layer - start])
                 try:
                     step = max(step, await download_layers(self.node.p2p, self.run, single, layer, {layer: holders},
-                                                           self.options.transfer_timeout))
+                                                           self.options.transfer_timeout, reach=reach))
                 except StateTransferError as e:
                     self.console.print(f"{self.name}: {e}; keeping this layer's local weights", highlight=False)
                     step = max(step, advertised[layer])
