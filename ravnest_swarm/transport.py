@@ -51,6 +51,12 @@ def peer_id_of(maddr: Multiaddr) -> PeerID:
     return PeerID.from_base58(maddr["p2p"])
 
 
+def maddrs_without_peer_id(maddrs: Sequence[str], peer_id: PeerID) -> List[Multiaddr]:
+    """A record's announced addresses as ``connect`` takes them: without their ``/p2p/<peer_id>`` suffix."""
+    suffix = Multiaddr(f"/p2p/{peer_id.to_base58()}")
+    return [Multiaddr(text).decapsulate(suffix) if text.endswith(str(suffix)) else Multiaddr(text) for text in maddrs]
+
+
 def explain_daemon_error(error: Exception, initial_peers: Sequence[Multiaddr]) -> UserError:
     """Turn p2pd's start-up failure into one line that says which address, what was tried, what to do."""
     text = str(error).split(": ", 1)[-1]

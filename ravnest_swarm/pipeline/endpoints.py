@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Tuple
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.membership.records import StageEndpoint, stage_subkey_prefix, stages_key
 from ravnest_swarm.reversal import links_of
+from ravnest_swarm.transport import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +72,9 @@ class EndpointResolver:
         links = links_of(self.node.p2p)
         if refresh:
             links.forget(peer_id)
-        await links.connect(peer_id, _without_peer_id(endpoint["maddrs"], peer_id))
+        await links.connect(peer_id, maddrs_without_peer_id(endpoint["maddrs"], peer_id))
         if self._cache.get(stage) not in (None, peer_id):
             logger.info(f"stage {stage} moved to {peer_id}")
         self._cache[stage] = peer_id
         return peer_id
 
-
-def _without_peer_id(maddrs: List[str], peer_id: PeerID) -> List[Multiaddr]:
-    suffix: Optional[Multiaddr] = Multiaddr(f"/p2p/{peer_id.to_base58()}")
-    result = []
-    for text in maddrs:
-        maddr = Multiaddr(text)
-        result.append(maddr.decapsulate(suffix) if text.endswith(str(suffix)) else maddr)
-    return result

@@ -493,14 +493,11 @@ class StageWorker:
                 if not self._stopped:
                     logger.warning(f"stage {self.config.stage}: {name} from {stream_info.peer_id} ended early")
 
-            if self._stopped:  # reached through a forwarding backbone after we stopped
-                writer.close()
-                return
             task = asyncio.current_task()  # this stream's own: p2pd hands each stream to a new task
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
             with closing(writer):
-                while not self._stopped:
+                while not self._stopped:  # a stream opened after shutdown (through a backbone) is just closed
                     reply = await message_reply(name, stream_info.peer_id, respond, self.config.send_timeout,
                                                 refused, broken)
                     if reply is None:

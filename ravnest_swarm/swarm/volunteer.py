@@ -28,7 +28,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
@@ -45,6 +44,7 @@ from ravnest_swarm.planning.round import PlanningRounds, RoundOptions
 from ravnest_swarm.reversal import links_of
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
+from ravnest_swarm.transport import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -261,8 +261,8 @@ class Volunteer:
 
         async def reach(holder: PeerID) -> str:
             record = records[holder.to_base58()]
-            maddrs = [Multiaddr(m.split("/p2p/", 1)[0]) for m in record["maddrs"]]
-            return await links.connect(holder, maddrs, record.get("reachability"))
+            return await links.connect(holder, maddrs_without_peer_id(record["maddrs"], holder),
+                                       record.get("reachability"))
 
         step = 0
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
