@@ -162,13 +162,6 @@ async def store_record(node: DHTNode, key: str, value: Any, expiration: float, s
     contributions it refused, that it is leaving) vanished with them. Backbones are the swarm's
     long-lived nodes, so a record they also hold lasts its whole lifetime. Returns whether any node took it.
     """
-    stored, copied = await asyncio.gather(node.store(key, value, expiration, subkey=subkey),
-                                          store_on_backbones(node, key, value, expiration, subkey))
-    return bool(stored) or copied
-
-
-async def store_on_backbones(node: DHTNode, key: str, value: Any, expiration: float, subkey: Any = None) -> bool:
-    """Store a signed record directly on each of our backbones; returns whether any of them took it."""
     from ravnest_swarm.reversal import links_of
 
     protocol = node.protocol
@@ -177,9 +170,10 @@ async def store_on_backbones(node: DHTNode, key: str, value: Any, expiration: fl
                        expiration)
     signed = protocol.record_validator.sign_value(record) if protocol.record_validator is not None else record.value
     backbones = [peer for peer in links_of(node.p2p).backbones if peer != node.peer_id]
-    replies = await asyncio.gather(
+    stored, *replies = await asyncio.gather(
+        node.store(key, value, expiration, subkey=subkey),
         *(protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[subkey]) for peer in backbones))
-    return any(reply and reply[0] for reply in replies)
+    return bool(stored) or any(reply and reply[0] for reply in replies)
 
 
 def _merge_validators(validators: Sequence):

@@ -14,7 +14,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm import __version__
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import PeerRecord, peers_key
-from ravnest_swarm.transport import store_on_backbones, store_record
+from ravnest_swarm.transport import store_record
 
 logger = logging.getLogger(__name__)
 
@@ -43,35 +43,22 @@ class PeerAnnouncer:
             maddrs=[],
             **capabilities.as_dict(),
         )
-        self._backbone_copy: Optional[asyncio.Task] = None
 
     def update(self, **fields) -> None:
         self.record.update(fields)
 
-    async def publish(self, lifetime: Optional[float] = None, wait_for_backbones: bool = True) -> bool:
-        """Store the record now; returns whether at least one DHT node accepted it.
-
-        :param wait_for_backbones: wait for the copy on our backbones too (see ``store_record``); a heartbeat
-          does not: its record lives two heartbeats, less than a loaded backbone may take to answer
-        """
+    async def publish(self, lifetime: Optional[float] = None) -> bool:
+        """Store the record now; returns whether at least one DHT node accepted it."""
         self.record["time"] = time.time()
         # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
         value = PeerRecord.parse_obj(self.record).dict()
         expiration = get_dht_time() + (lifetime if lifetime is not None else 2 * self.heartbeat)
-        if self._backbone_copy is not None:
-            self._backbone_copy.cancel()  # an older copy still under way: this record supersedes it
-            self._backbone_copy = None
-        key = peers_key(self.run)
-        if wait_for_backbones:
-            return await store_record(self.node, key, value, expiration, subkey=self.subkey)
-        self._backbone_copy = asyncio.create_task(store_on_backbones(self.node, key, value, expiration, self.subkey))
-        self._backbone_copy.add_done_callback(_log_failed_copy)
-        return bool(await self.node.store(key, value, expiration, subkey=self.subkey))
+        return await store_record(self.node, peers_key(self.run), value, expiration, subkey=self.subkey)
 
     async def heartbeat_forever(self) -> None:
         while True:
             try:
-                if not await self.publish(wait_for_backbones=False):
+                if not await self.publish():
                     logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
             except Exception as e:  # a transient DHT error must not stop the heartbeats
                 logger.warning(f"publishing the peer record failed: {e}")
@@ -85,11 +72,6 @@ class PeerAnnouncer:
         """
         self.update(state="leaving")
         await self.publish(lifetime=2 * self.heartbeat + 0.5)
-
-
-def _log_failed_copy(copy: asyncio.Task) -> None:
-    if not copy.cancelled() and copy.exception() is not None:
-        logger.debug(f"copying our peer record to a backbone failed: {copy.exception()}")
 
 
 async def read_peers(node: DHTNode, run: str) -> List[Dict]:

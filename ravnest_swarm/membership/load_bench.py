@@ -24,6 +24,7 @@ from typing import Dict, List
 from rich.console import Console
 from rich.progress import Progress
 
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.bench import tree_memory_mb
 from ravnest_swarm.membership.records import make_validators
@@ -42,6 +43,16 @@ def _join_args(maddr: str, name: str, heartbeat: float) -> List[str]:
 
 def _sees_all(process: PeerProcess, count: int) -> bool:
     return re.search(rf"sees {count} peer\(s\)", process.stderr()) is not None
+
+
+def _view_sizes(processes, count: int) -> str:
+    """How far the volunteers' views got: ``"20 of 24 see all; the others last saw 21, 23, 23, 0"``."""
+    last = []
+    for process in processes:
+        seen = re.findall(r"sees (\d+) peer\(s\)", process.stderr())
+        last.append(int(seen[-1]) if seen else 0)
+    behind = sorted(size for size in last if size != count)
+    return f"{len(last) - len(behind)} of {len(last)} see all; the others last saw {', '.join(map(str, behind))}"
 
 
 async def _observed_names(node) -> set:
@@ -67,7 +78,8 @@ async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, c
             while sum(_sees_all(p, peers) for p in live.values()) < peers:
                 progress.update(task, completed=sum(_sees_all(p, peers) for p in live.values()))
                 if time.monotonic() - started > 60 + 10 * peers:
-                    raise TimeoutError("views did not converge")
+                    raise UserError(f"views did not converge within {60 + 10 * peers} s: "
+                                       f"{_view_sizes(live.values(), peers)} (logs in {group.log_dir})", 1)
                 await asyncio.sleep(0.2)
             converge_s = time.monotonic() - started
 
@@ -95,7 +107,8 @@ async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, c
             churn_stopped = time.monotonic()
             while await _observed_names(observer) != set(live):
                 if time.monotonic() - churn_stopped > 120:
-                    raise TimeoutError(f"after churn the view never matched the {len(live)} live volunteers")
+                    raise UserError(f"after churn the view never matched the {len(live)} live volunteers within 120 s "
+                                    f"(logs in {group.log_dir})", 1)
                 await asyncio.sleep(0.25)
             churn_converge_s = time.monotonic() - churn_stopped
         errors = sum(len(ERROR_RE.findall(p.stderr())) for p in group.processes)
