@@ -519,6 +519,7 @@ def stage(
     send_timeout: float = typer.Option(30.0, "--send-timeout", min=0.1),
     max_message_mb: float = typer.Option(64.0, "--max-message-mb", min=0.001),
     report: Optional[str] = typer.Option(None, "--report", help="Write counters, losses and busy time here (JSON)."),
+    trace: bool = typer.Option(False, "--trace", help="Add each microbatch's arrival, compute and send times to --report."),
     save: Optional[str] = typer.Option(None, "--save", help="Write our parameters here at the end (safetensors)."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
@@ -547,7 +548,7 @@ def stage(
             clusters=clusters, microbatch_size=microbatch_size, microbatches=microbatches, max_in_flight=max_in_flight,
             schedule=schedule, microbatches_per_step=microbatches_per_step, lr=lr, mode=mode, seed=seed,
             microbatch_timeout=microbatch_timeout, send_timeout=send_timeout,
-            max_message_bytes=int(max_message_mb * 1024 * 1024),
+            max_message_bytes=int(max_message_mb * 1024 * 1024), trace=trace,
         )
         return await serve_stage(config, _initial_peers(initial_peers), host_maddrs, announce_maddrs, timeout,
                                  report, save)

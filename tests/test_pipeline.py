@@ -5,6 +5,7 @@ import torch
 
 from pipeline_helpers import losses, read_report, read_weights, start_stages, wait_all
 from ravnest_swarm.models import ShardedSampler, get_model
+from ravnest_swarm.pipeline.bench import round_trip_breakdown
 
 STEPS = 8
 MICROBATCH = 8
@@ -35,7 +36,7 @@ def reference_weights(model: str) -> dict:
 def test_one_in_flight_equals_single_process_training(processes, backbone, tmp_path, model, ranges, mode):
     stages = start_stages(processes, backbone, model, ranges, str(tmp_path), extra=[
         "--microbatches", str(STEPS), "--microbatch-size", str(MICROBATCH), "--max-in-flight", "1",
-        "--lr", str(LR), "--mode", mode])
+        "--lr", str(LR), "--mode", mode, "--trace"])
     wait_all(stages, 200)
     pipelined = read_weights(str(tmp_path), len(ranges))
     expected = reference_weights(model)
@@ -45,6 +46,11 @@ def test_one_in_flight_equals_single_process_training(processes, backbone, tmp_p
     first, last = read_report(str(tmp_path), 0), read_report(str(tmp_path), len(ranges) - 1)
     assert first["completed"] == STEPS and first["dropped"] == 0 and first["max_staleness"] == 0
     assert len(last["losses"]) == STEPS and all(r["version"] == STEPS for r in (first, last))
+    # every stage traced every microbatch: the bench's round-trip breakdown has each part of each one
+    breakdown = round_trip_breakdown([read_report(str(tmp_path), i) for i in range(len(ranges))], 0, float("inf"))
+    parts = [value for name, values in breakdown.items() if isinstance(values, list) for value in values]
+    assert breakdown["microbatches"] == STEPS and len(parts) == 6 * len(ranges) - 4
+    assert all(value is not None and 0 <= value <= breakdown["round_trip"] for value in parts)
     # the weights did move: the test would pass trivially if nothing trained
     initial = {name: p.detach() for name, p in get_model(model).build_full().named_parameters()}
     assert max((expected[name] - initial[name]).abs().max().item() for name in expected) > 1e-3

@@ -43,10 +43,45 @@ def steady_state(first: Dict, warmup: int) -> Tuple[float, float, float]:
     return completes[warmup - 1], first["inject_times"][-1], completes[-1]
 
 
+def round_trip_breakdown(reports: List[Dict], start: float, end: float) -> Dict:
+    """Median milliseconds of each part of a microbatch's round trip, over those injected in [start, end].
+
+    Per stage: queueing (arrival to compute start) and compute, forward and backward; per hop: transit (the
+    sender's compute end to the receiver's arrival: serialization, the sender's channel queue, p2pd, the link
+    and reading). The last stage's forward holds its loss and backward. Medians, so the parts add up to the
+    median round trip only roughly.
+    """
+    def median(values: List[float]) -> float:
+        values = sorted(values)
+        return round(1000 * values[len(values) // 2], 1) if values else None
+
+    events = [{(event, microbatch): t for t, event, microbatch in report["trace"]} for report in reports]
+    last = len(reports) - 1
+    chosen = [m for (event, m), t in events[0].items() if event == "forward_arrived" and start <= t <= end]
+
+    def part(stage_a: int, event_a: str, stage_b: int, event_b: str) -> float:
+        return median([events[stage_b][(event_b, m)] - events[stage_a][(event_a, m)] for m in chosen
+                       if (event_a, m) in events[stage_a] and (event_b, m) in events[stage_b]])
+
+    done_at_end = "forward_done"  # the last stage's forward includes its backward
+    return dict(
+        round_trip=part(0, "forward_arrived", 0, "backward_done" if last else done_at_end),
+        microbatches=len(chosen),
+        forward_queue=[part(s, "forward_arrived", s, "forward_started") for s in range(last + 1)],
+        forward_compute=[part(s, "forward_started", s, "forward_done") for s in range(last + 1)],
+        forward_hop=[part(s, "forward_done", s + 1, "forward_arrived") for s in range(last)],
+        backward_hop=[part(s + 1, done_at_end if s + 1 == last else "backward_done", s, "backward_arrived")
+                      for s in range(last)],
+        backward_queue=[part(s, "backward_arrived", s, "backward_started") for s in range(last)],
+        backward_compute=[part(s, "backward_started", s, "backward_done") for s in range(last)],
+    )
+
+
 def summarise(reports: List[Dict], warmup: int, microbatch_size: int) -> Dict:
     start, last_inject, last_complete = steady_state(reports[0], warmup)
     completed_after = len(reports[0]["complete_times"]) - warmup
     return dict(
+        round_trip_ms=round_trip_breakdown(reports, start, last_inject),
         samples_per_s=round(completed_after * microbatch_size / (last_complete - start), 2),
         busy_fraction=[round(busy_fraction(r["busy"], start, last_inject), 3) for r in reports],
         compute_fraction=[round(busy_fraction(r["compute"], start, last_inject), 3) for r in reports],
@@ -170,7 +205,7 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
              "--model", model, "--layers", f"{start}:{end}", "--microbatches", str(microbatches),
              "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
              "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr),
-             "--report", report, "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
+             "--report", report, "--trace", "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
              lab.announce_maddr(index), "--microbatch-timeout", "120", "--send-timeout", "120"],
             f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
     first = processes[0]

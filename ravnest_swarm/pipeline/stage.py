@@ -71,6 +71,8 @@ class StageConfig:
     :param heartbeat: seconds between endpoint renewals
     :param max_message_bytes: larger incoming messages are refused
     :param max_abs_value: activations or gradients with a larger magnitude (or NaN/Inf) are refused as poisoned
+    :param trace: record when each microbatch arrives, starts and ends compute and is sent (``bench pipeline``
+      reads it to split a round trip into queueing, compute and transit; off otherwise, as it grows with the run)
     """
 
     run: str
@@ -93,6 +95,7 @@ class StageConfig:
     heartbeat: float = 2.0
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     max_abs_value: float = 1e6
+    trace: bool = False
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Counters:
     complete_times: List[float] = dataclass_field(default_factory=list)
     busy: List[Tuple[float, float]] = dataclass_field(default_factory=list)
     compute: List[Tuple[float, float]] = dataclass_field(default_factory=list)  # forwards and backwards only
+    trace: List[Tuple[float, str, int]] = dataclass_field(default_factory=list)  # (time, event, microbatch)
 
 
 class StageWorker:
@@ -281,6 +285,7 @@ class StageWorker:
         inputs, targets = self.dataset.get(sample_ids)
         self.counters.injected += 1
         self.counters.inject_times.append(time.time())
+        self._trace("forward_arrived", microbatch)
         self.in_flight += 1
         if self.config.schedule == "sync" and self.counters.injected % self.config.microbatches_per_step == 0:
             self.step_open = False
@@ -305,12 +310,14 @@ class StageWorker:
                            targets: torch.Tensor) -> None:
         self.queued_forward.discard(microbatch)
         loop = asyncio.get_running_loop()
+        self._trace("forward_started", microbatch)
         with self._busy(), self._computing():
             if self.is_last:
                 loss, input_grad = await loop.run_in_executor(self.executor, self._forward_backward_last, inputs, targets)
             else:
                 pending = await loop.run_in_executor(self.executor, self._forward, inputs)
         self.counters.forwards += 1
+        self._trace("forward_done", microbatch)
         if self.is_last:
             self.counters.backwards += 1
             self.counters.losses.append((microbatch, loss))
@@ -329,9 +336,11 @@ class StageWorker:
         pending = self.pending.pop(microbatch, None)
         if pending is None:
             return  # dropped by the watchdog while queued
+        self._trace("backward_started", microbatch)
         with self._busy(), self._computing():
             input_grad = await asyncio.get_running_loop().run_in_executor(self.executor, self._backward, pending, grad)
         self.counters.backwards += 1
+        self._trace("backward_done", microbatch)
         if self.is_first:
             self._complete(microbatch, pending.version)
         else:
@@ -404,6 +413,10 @@ class StageWorker:
         self.version += 1
 
     # ---------------------------------------------------------------- sending
+
+    def _trace(self, event: str, microbatch: int) -> None:
+        if self.config.trace:
+            self.counters.trace.append((time.time(), event, microbatch))
 
     def _spawn(self, handler: str, stage: int, metadata: Dict, tensors: List[torch.Tensor], microbatch: int) -> None:
         task = asyncio.create_task(self._send(handler, stage, metadata, tensors, microbatch))
@@ -548,6 +561,7 @@ class StageWorker:
         self.queued_forward.add(microbatch)
         self.seen_forward.add(microbatch)
         self.forward_queue.append((microbatch, sample_ids, inputs, targets))
+        self._trace("forward_arrived", microbatch)
         self._wakeup.set()
         return {"ok": True, "queued": len(self.forward_queue)}
 
@@ -567,6 +581,7 @@ class StageWorker:
         self.queued_backward.add(microbatch)
         self.seen_backward.add(microbatch)
         self.backward_queue.append((microbatch, grad))
+        self._trace("backward_arrived", microbatch)
         self._wakeup.set()
         return {"ok": True, "queued": len(self.backward_queue)}
 
@@ -610,7 +625,7 @@ class StageWorker:
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
                     routes=dict(links_of(self.p2p).counts),
                     inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
-                    compute=c.compute)
+                    compute=c.compute, trace=c.trace)
 
     def save(self, path: str) -> None:
         """The stage's parameters as safetensors, named by their layer index in the whole model."""

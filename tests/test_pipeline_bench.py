@@ -1,0 +1,40 @@
+"""The arithmetic of ``bench pipeline``'s figures, on traces whose answers are known."""
+
+import pytest
+
+from ravnest_swarm.pipeline.bench import busy_fraction, round_trip_breakdown
+
+
+def two_stage_trace(start: float, microbatch: int):
+    """Stage 0: inject, 10 ms forward, 30 ms hop, stage 1: 5 ms queue, 20 ms forward+backward, 40 ms hop back,
+    stage 0: 15 ms queue, 12 ms backward: a 132 ms round trip."""
+    t = start
+    stage0 = [(t, "forward_arrived", microbatch), (t, "forward_started", microbatch),
+              (t + 0.010, "forward_done", microbatch)]
+    stage1 = [(t + 0.040, "forward_arrived", microbatch), (t + 0.045, "forward_started", microbatch),
+              (t + 0.065, "forward_done", microbatch)]
+    stage0 += [(t + 0.105, "backward_arrived", microbatch), (t + 0.120, "backward_started", microbatch),
+               (t + 0.132, "backward_done", microbatch)]
+    return stage0, stage1
+
+
+def test_round_trip_breakdown_splits_a_known_trace_into_its_parts():
+    reports = [{"trace": []}, {"trace": []}]
+    for microbatch in range(5):
+        stage0, stage1 = two_stage_trace(10.0 + microbatch, microbatch)
+        reports[0]["trace"] += stage0
+        reports[1]["trace"] += stage1
+    # only the microbatches injected inside the window count: 1, 2 and 3
+    breakdown = round_trip_breakdown(reports, 11.0, 13.5)
+    assert breakdown["microbatches"] == 3
+    assert breakdown["round_trip"] == pytest.approx(132.0)
+    assert breakdown["forward_queue"] == pytest.approx([0.0, 5.0])
+    assert breakdown["forward_compute"] == pytest.approx([10.0, 20.0])
+    assert breakdown["forward_hop"] == pytest.approx([30.0])
+    assert breakdown["backward_hop"] == pytest.approx([40.0])
+    assert breakdown["backward_queue"] == pytest.approx([15.0])
+    assert breakdown["backward_compute"] == pytest.approx([12.0])
+
+
+def test_busy_fraction_counts_only_the_window():
+    assert busy_fraction([(0.0, 2.0), (3.0, 4.0), (9.0, 12.0)], 1.0, 11.0) == pytest.approx(0.4)
