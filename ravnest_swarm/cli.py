@@ -483,18 +483,24 @@ def bench_pipeline(
     max_in_flight: int = typer.Option(8, "--max-in-flight", min=1, help="Also the sync schedule's microbatches per step."),
     transfer_mb: float = typer.Option(16.0, "--transfer-mb", min=0.1, help="Tensor size of the transfer probe."),
     mode: str = typer.Option("stash", "--mode", help="stash or recompute."),
+    compression: str = typer.Option("none", "--compression", help="Activations and gradients on the wire: none, "
+                                    "float16 or meanstd16."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Async pipeline vs a synchronous GPipe-style schedule on emulated links; busy time, throughput, P2P vs TCP."""
     configure_logging(False)
     from ravnest_swarm.pipeline.bench import bench_pipeline as run
+    from ravnest_swarm.pipeline.wire import COMPRESSIONS
 
     if microbatches <= max_in_flight:
         print("error: --microbatches must exceed --max-in-flight (the steady state starts after one window)",
               file=sys.stderr)
         sys.exit(2)
+    if compression not in COMPRESSIONS:
+        print(f"error: --compression must be one of {', '.join(COMPRESSIONS)}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(run_async(run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight, transfer_mb,
-                           mode, as_json)))
+                           mode, as_json, compression=compression)))
 
 
 @app.command("stage", hidden=True)
@@ -518,6 +524,8 @@ def stage(
     microbatch_timeout: float = typer.Option(30.0, "--microbatch-timeout", min=0.1),
     send_timeout: float = typer.Option(30.0, "--send-timeout", min=0.1),
     max_message_mb: float = typer.Option(64.0, "--max-message-mb", min=0.001),
+    compression: str = typer.Option("none", "--compression", help="Our activations or gradients on the wire: none, "
+                                    "float16 or meanstd16."),
     report: Optional[str] = typer.Option(None, "--report", help="Write counters, losses and busy time here (JSON)."),
     trace: bool = typer.Option(False, "--trace", help="Add each microbatch's arrival, compute and send times to --report."),
     save: Optional[str] = typer.Option(None, "--save", help="Write our parameters here at the end (safetensors)."),
@@ -533,10 +541,12 @@ def stage(
         from ravnest_swarm.membership.records import validate_run_name
         from ravnest_swarm.models import get_model, parse_layers
         from ravnest_swarm.pipeline.stage import MODES, SCHEDULES, StageConfig, serve_stage
+        from ravnest_swarm.pipeline.wire import COMPRESSIONS
 
         validate_run_name(run)
-        if schedule not in SCHEDULES or mode not in MODES:
-            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)} and --mode one of {', '.join(MODES)}")
+        if schedule not in SCHEDULES or mode not in MODES or compression not in COMPRESSIONS:
+            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, --mode one of {', '.join(MODES)} "
+                            f"and --compression one of {', '.join(COMPRESSIONS)}")
         if stage_index >= stages or cluster >= clusters:
             raise UserError("--stage must be below --stages and --cluster below --clusters")
         try:
@@ -548,7 +558,7 @@ def stage(
             clusters=clusters, microbatch_size=microbatch_size, microbatches=microbatches, max_in_flight=max_in_flight,
             schedule=schedule, microbatches_per_step=microbatches_per_step, lr=lr, mode=mode, seed=seed,
             microbatch_timeout=microbatch_timeout, send_timeout=send_timeout,
-            max_message_bytes=int(max_message_mb * 1024 * 1024), trace=trace,
+            max_message_bytes=int(max_message_mb * 1024 * 1024), compression=compression, trace=trace,
         )
         return await serve_stage(config, _initial_peers(initial_peers), host_maddrs, announce_maddrs, timeout,
                                  report, save)

@@ -59,8 +59,10 @@ def test_one_in_flight_equals_single_process_training(processes, backbone, tmp_p
 @pytest.mark.timeout(240)
 def test_three_stages_with_many_in_flight_halve_the_loss(processes, backbone, tmp_path):
     ranges = [(0, 3), (3, 6), (6, 9)]
+    # stage 0 sends plain floats, stage 1 float16, stage 2 meanstd16 gradients: each receiver takes all three
     stages = start_stages(processes, backbone, "mlp-digits", ranges, str(tmp_path), extra=[
-        "--microbatches", "160", "--microbatch-size", "32", "--max-in-flight", "6", "--lr", "0.1"])
+        "--microbatches", "160", "--microbatch-size", "32", "--max-in-flight", "6", "--lr", "0.1"],
+        stage_extra={1: ["--compression", "float16"], 2: ["--compression", "meanstd16"]})
     wait_all(stages, 200)
     first, last = read_report(str(tmp_path), 0), read_report(str(tmp_path), 2)
     curve = losses(last)

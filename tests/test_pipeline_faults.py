@@ -7,7 +7,10 @@ import time
 import pytest
 import torch
 from hivemind.p2p import P2P, P2PHandlerError
+from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import CompressionType
+from hivemind.utils.streaming import split_for_streaming
 
 from pipeline_helpers import read_report, start_stages, wait_all
 from ravnest_swarm.membership.records import make_validators
@@ -20,8 +23,8 @@ RUN = "faults"
 MLP_RANGES = [(0, 3), (3, 6), (6, 9)]
 
 
-async def call(node, peer_id, handler, metadata, tensors=()):
-    frames = wire.encode(metadata, list(tensors))
+async def call(node, peer_id, handler, metadata, tensors=(), frames=None):
+    frames = frames or wire.encode(metadata, list(tensors))
     response = await node.p2p.call_protobuf_handler(peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse)
     return unpack_metadata(response.metadata)
 
@@ -77,6 +80,15 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
             with pytest.raises(P2PHandlerError) as caught:
                 await call(node, peer, wire.BACKWARD, forward_metadata(microbatch=999), [torch.randn(4, 64)])
             errors["unknown id"] = str(caught.value)
+            # an 8-bit codec's lookup table is the sender's to choose: refused, as is a codec on the integer targets
+            for label, x_codec, targets_codec in [("8-bit", CompressionType.UNIFORM_8BIT, CompressionType.NONE),
+                                                  ("int codec", CompressionType.NONE, CompressionType.FLOAT16)]:
+                tensors = [serialize_torch_tensor(good_x, x_codec), serialize_torch_tensor(targets)]
+                tensors[1].compression = targets_codec  # hivemind itself would not compress integers
+                parts = [part for tensor in tensors for part in split_for_streaming(tensor, wire.CHUNK_BYTES)]
+                with pytest.raises(P2PHandlerError) as caught:
+                    await call(node, peer, wire.FORWARD, None, frames=[make_request(forward_metadata(), parts)])
+                errors[label] = str(caught.value)
             errors["garbage marker"] = await raw_call(node, peer, wire.FORWARD, b"\x07 this is not a frame at all")
             errors["garbage frame"] = await raw_call(node, peer, wire.BACKWARD, b"\x00" + (9).to_bytes(8, "big") + b"\xff" * 9)
             bad_msgpack = runtime_pb2.ExpertRequest(metadata=b"\xc1\xc1garbage").SerializeToString()
@@ -93,6 +105,8 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
             assert "exceeds the 1048576-byte limit" in errors["size"]
             assert "exceeds the 65536-byte limit" in errors["metadata size"]
             assert "unknown microbatch id 999" in errors["unknown id"]
+            assert "activations is compressed as UNIFORM_8BIT; this stage accepts none, float16, meanstd16" in errors["8-bit"]
+            assert "targets is compressed as FLOAT16; this stage accepts none" in errors["int codec"]
             assert "frame marker" in errors["garbage marker"]
             assert "not an ExpertRequest protobuf" in errors["garbage frame"]
             assert "not valid msgpack" in errors["garbage metadata"]
@@ -112,7 +126,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
 
     asyncio.run(scenario())
     log = stage.stderr()
-    assert log.count("rejected") >= 11 and "dropped microbatch 5" in log
+    assert log.count("rejected") >= 13 and "dropped microbatch 5" in log
 
 
 @pytest.mark.timeout(240)

@@ -129,7 +129,7 @@ def _start_module(group, args: Sequence[str], name: str, prefix: Sequence[str]):
 
 async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microbatches: int,
                          microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
-                         lr: float = 0.01) -> int:
+                         lr: float = 0.01, compression: str = "none") -> int:
     from ravnest_swarm.models import balanced_split, get_model
     from ravnest_swarm.netlab import NetLab
     from ravnest_swarm.processes import ProcessGroup
@@ -162,7 +162,7 @@ async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, 
             for schedule in ("async", "sync"):
                 task = progress.add_task(f"{schedule} pipeline", total=microbatches)
                 results[schedule] = _run_schedule(group, lab, initial, model, ranges, schedule, microbatches,
-                                                  microbatch_size, max_in_flight, mode, lr, workdir,
+                                                  microbatch_size, max_in_flight, mode, lr, compression, workdir,
                                                   lambda done, task=task: progress.update(task, completed=done))
         except (RuntimeError, TimeoutError) as e:
             raise UserError(f"a bench process failed ({e}); logs in {workdir}", exit_code=1)
@@ -180,7 +180,7 @@ async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, 
         link=dict(lab.describe(), transfer_mb=transfer_mb, loopback_transfer_mb=transfer_mb * 4),
         async_run=summary["async"], sync_run=summary["sync"],
         model=model, stages=stages, layer_ranges=ranges, microbatches=microbatches, microbatch_size=microbatch_size,
-        max_in_flight=max_in_flight, microbatches_per_step=max_in_flight, mode=mode,
+        max_in_flight=max_in_flight, microbatches_per_step=max_in_flight, mode=mode, compression=compression,
         cpu_count=os.cpu_count(), load_avg=[round(x, 2) for x in os.getloadavg()],
     )
     if as_json:
@@ -194,7 +194,8 @@ async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, 
 
 
 def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, microbatches: int,
-                  microbatch_size: int, max_in_flight: int, mode: str, lr: float, workdir: str, on_progress) -> List[Dict]:
+                  microbatch_size: int, max_in_flight: int, mode: str, lr: float, compression: str, workdir: str,
+                  on_progress) -> List[Dict]:
     """Start one stage process per host, wait for the run to finish, return the stages' reports."""
     run = f"bench-{schedule}"
     processes = []
@@ -204,7 +205,7 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
             ["stage", "--initial-peers", initial, "--run", run, "--stage", str(index), "--stages", str(len(ranges)),
              "--model", model, "--layers", f"{start}:{end}", "--microbatches", str(microbatches),
              "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
-             "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr),
+             "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr), "--compression", compression,
              "--report", report, "--trace", "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
              lab.announce_maddr(index), "--microbatch-timeout", "120", "--send-timeout", "120"],
             f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))

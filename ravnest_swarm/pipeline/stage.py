@@ -71,6 +71,9 @@ class StageConfig:
     :param heartbeat: seconds between endpoint renewals
     :param max_message_bytes: larger incoming messages are refused
     :param max_abs_value: activations or gradients with a larger magnitude (or NaN/Inf) are refused as poisoned
+    :param compression: how this stage sends activations and gradients: ``none``, or rounded to 16 bits for
+      half the bytes, as ``float16`` or ``meanstd16`` (scaled by the tensor's mean and std first, so small
+      gradients keep their precision); receivers accept all three
     :param trace: record when each microbatch arrives, starts and ends compute and is sent (``bench pipeline``
       reads it to split a round trip into queueing, compute and transit; off otherwise, as it grows with the run)
     """
@@ -95,6 +98,7 @@ class StageConfig:
     heartbeat: float = 2.0
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     max_abs_value: float = 1e6
+    compression: str = "none"
     trace: bool = False
 
 
@@ -136,8 +140,9 @@ class StageWorker:
     """
 
     def __init__(self, config: StageConfig, node: DHTNode):
-        if config.schedule not in SCHEDULES or config.mode not in MODES:
-            raise ValueError(f"schedule must be one of {SCHEDULES} and mode one of {MODES}")
+        if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in wire.COMPRESSIONS:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, mode one of {MODES} and compression one of "
+                             f"{tuple(wire.COMPRESSIONS)}")
         self.config, self.node, self.p2p = config, node, node.p2p
         self.spec = get_model(config.model)
         self.start_layer, self.end_layer = config.layers
@@ -431,7 +436,7 @@ class StageWorker:
     async def _send(self, handler: str, stage: int, metadata: Dict, tensors: List[torch.Tensor],
                     microbatch: Optional[int]) -> bool:
         """Deliver one message; on failure re-resolve the neighbour and retry, then drop and count it."""
-        frames = wire.encode(metadata, tensors)
+        frames = wire.encode(metadata, tensors, self.config.compression)
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{metadata.get('op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
         attempt = 0

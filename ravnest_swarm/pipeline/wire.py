@@ -4,7 +4,8 @@ A message is a stream of hivemind ``ExpertRequest`` frames in hivemind's own fra
 an 8-byte big-endian length, the protobuf), ended by hivemind's end-of-stream marker, so one message is
 also a plain ``P2P.call_protobuf_handler`` call; stages send many on one stream (``channel.py``). The first frame carries the msgpack ``metadata``; the tensors are
 hivemind ``serialize_torch_tensor`` protobufs cut by ``split_for_streaming`` into chunks spread over the
-frames. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
+frames; floating-point tensors (activations, gradients) may go compressed to 16 bits (``COMPRESSIONS``),
+integer ones (targets) never. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
 
 The receiver reads the frames itself (a binary stream handler rather than hivemind's protobuf
 wrapper) so that it can refuse an oversize frame from its length header before reading it, and answer
@@ -19,6 +20,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import CompressionType
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from ravnest_swarm.transport import make_request, read_frames, unpack_metadata
@@ -31,15 +33,21 @@ CHUNK_BYTES = 512 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 4
 MAX_SAMPLES = 4096
+# what a stage may send, and all it accepts: hivemind's 8-bit codecs carry lookup tables a sender chooses
+COMPRESSIONS = {"none": CompressionType.NONE, "float16": CompressionType.FLOAT16,
+                "meanstd16": CompressionType.MEANSTD_16BIT}
 
 
 class MessageError(ValueError):
     """A message this stage refuses; its text goes back to the sender as the error."""
 
 
-def encode(metadata: Dict, tensors: Sequence[torch.Tensor]) -> List[runtime_pb2.ExpertRequest]:
-    """The frames of one message: metadata in the first, every tensor's chunks after it."""
-    parts = [part for tensor in tensors for part in split_for_streaming(serialize_torch_tensor(tensor), CHUNK_BYTES)]
+def encode(metadata: Dict, tensors: Sequence[torch.Tensor], compression: str = "none") -> List[runtime_pb2.ExpertRequest]:
+    """The frames of one message: metadata in the first, every tensor's chunks after it; ``compression``
+    (a key of ``COMPRESSIONS``) applies to floating-point tensors only."""
+    parts = [part for tensor in tensors for part in split_for_streaming(
+        serialize_torch_tensor(tensor, COMPRESSIONS[compression] if tensor.is_floating_point() else CompressionType.NONE),
+        CHUNK_BYTES)]
     frames = [make_request(metadata, parts[:1])]
     frames += [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
     return frames
@@ -77,12 +85,17 @@ def combine_chunks(parts: List[runtime_pb2.Tensor]) -> List[runtime_pb2.Tensor]:
 
 
 def decode_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Deserialize and check the exact shape and dtype this stage expects."""
+    """Deserialize and check the exact shape and dtype this stage expects (and a compression it accepts)."""
     if list(serialized.size) != list(shape) or serialized.dtype != str(dtype).replace("torch.", ""):
         raise MessageError(
             f"{what} has shape {list(serialized.size)} and dtype {serialized.dtype or '?'}; "
             f"expected {list(shape)} {str(dtype).replace('torch.', '')}"
         )
+    accepted = list(COMPRESSIONS.values()) if dtype.is_floating_point else [CompressionType.NONE]
+    if serialized.compression not in accepted:
+        names = [name for name, kind in COMPRESSIONS.items() if kind in accepted]
+        raise MessageError(f"{what} is compressed as {CompressionType.Name(serialized.compression)}; "
+                           f"this stage accepts {', '.join(names)}")
     try:
         tensor = deserialize_torch_tensor(serialized)
     except Exception as e:
