@@ -485,6 +485,8 @@ def bench_pipeline(
     mode: str = typer.Option("stash", "--mode", help="stash or recompute."),
     compression: str = typer.Option("none", "--compression", help="Activations and gradients on the wire: none, "
                                     "float16 or meanstd16."),
+    cpus_per_stage: Optional[float] = typer.Option(None, "--cpus-per-stage", min=0.0, help="CPU cores each stage's "
+                                                   "host may use (default: the machine's cores / stages; 0: no limit)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Async pipeline vs a synchronous GPipe-style schedule on emulated links; busy time, throughput, P2P vs TCP."""
@@ -500,7 +502,7 @@ def bench_pipeline(
         print(f"error: --compression must be one of {', '.join(COMPRESSIONS)}", file=sys.stderr)
         sys.exit(2)
     sys.exit(run_async(run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight, transfer_mb,
-                           mode, as_json, compression=compression)))
+                           mode, as_json, compression=compression, cpus_per_stage=cpus_per_stage)))
 
 
 @app.command("stage", hidden=True)

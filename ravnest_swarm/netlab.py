@@ -14,6 +14,10 @@ Topology (root needed; addresses only inside 198.18.0.0/15)::
   one-way delay between two hosts, the round trip is twice that.
 * Without root (or without ``ip``), the lab runs on 127.0.0.1 with the same relays and no rate limit,
   and :attr:`NetLab.mode` says ``"loopback"``.
+* Optionally each host also gets its own CPU (``cpus``): a cgroup with a CFS quota of that many cores,
+  which every process started with :meth:`NetLab.exec_prefix` (and its children, such as p2pd) joins.
+  Hosts on one machine otherwise share its cores, so a host that idles lends its CPU to the others,
+  which separate computers cannot do. The relays stay outside: they are the network.
 
 Everything is removed on exit, even after a failure; namespaces left by a killed earlier lab (its pid
 gone) are removed on the next start.
@@ -38,6 +42,8 @@ LAB_PREFIX = "rvlab"
 HUB_SUFFIX = "hub"
 LISTEN_PORT = 40000
 RELAY_PORT = 41000
+CPU_CGROUP = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller, as mounted here
+CPU_PERIOD_US = 10_000  # a short period: a host over its quota waits at most one period minus its share
 
 
 def namespaces_available() -> bool:
@@ -52,13 +58,30 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
+def cpu_quota_available() -> bool:
+    """Root and a writable cgroup v1 cpu controller: hosts can get a CPU quota each."""
+    return os.geteuid() == 0 and os.access(os.path.join(CPU_CGROUP, "cpu.cfs_quota_us"), os.W_OK)
+
+
 def remove_stale_labs() -> None:
-    """Delete namespaces of labs whose owning process no longer exists."""
+    """Delete namespaces and CPU cgroups of labs whose owning process no longer exists."""
     listing = _run("ip", "netns", "list", check=False).stdout
     for name in re.findall(rf"^({LAB_PREFIX}(\d+)-\S+)", listing, re.MULTILINE):
         namespace, pid = name
         if not os.path.exists(f"/proc/{pid}"):
             _run("ip", "netns", "del", namespace, check=False)
+    if os.path.isdir(CPU_CGROUP):
+        for name in os.listdir(CPU_CGROUP):
+            found = re.match(rf"{LAB_PREFIX}(\d+)-", name)
+            if found and not os.path.exists(f"/proc/{found.group(1)}"):
+                _remove_cgroup(os.path.join(CPU_CGROUP, name))
+
+
+def _remove_cgroup(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:  # processes still in it (a test that failed to stop them): leave it to the next start
+        pass
 
 
 class NetLab:
@@ -69,13 +92,17 @@ class NetLab:
     :param delay_ms: one-way delay between any two hosts, added by the hub's relays
     :param ports: the TCP ports each host listens on that others should reach (each gets a relay)
     :param use_namespaces: None = namespaces when possible, else loopback; False forces loopback
+    :param cpus: CPU cores each host may use (a cgroup quota; needs root), or None for no limit
     """
 
     def __init__(self, hosts: int, mbps: Optional[float] = None, delay_ms: float = 0.0,
-                 ports: Sequence[int] = (LISTEN_PORT, LISTEN_PORT + 1), use_namespaces: Optional[bool] = None):
+                 ports: Sequence[int] = (LISTEN_PORT, LISTEN_PORT + 1), use_namespaces: Optional[bool] = None,
+                 cpus: Optional[float] = None):
         if hosts < 1 or hosts > 250:
             raise ValueError("a lab has 1-250 hosts")
-        self.hosts, self.mbps, self.delay_ms, self.ports = hosts, mbps, delay_ms, list(ports)
+        if cpus is not None and not cpu_quota_available():
+            raise RuntimeError(f"a CPU quota per host needs root and a writable {CPU_CGROUP}")
+        self.hosts, self.mbps, self.delay_ms, self.ports, self.cpus = hosts, mbps, delay_ms, list(ports), cpus
         available = namespaces_available()
         if use_namespaces and not available:
             raise RuntimeError("network namespaces need root, iproute2 and tc")
@@ -84,6 +111,7 @@ class NetLab:
         self._loopback_base = random.randrange(20000, 50000, 100)
         self._relay: Optional[subprocess.Popen] = None
         self._namespaces: List[str] = []
+        self._cgroups: List[str] = []
 
     # addresses -------------------------------------------------------------------------------
     @property
@@ -117,19 +145,32 @@ class NetLab:
         """What host's process should announce (``--announce-maddrs``): its relay in the hub."""
         return f"/ip4/{self.hub_ip(host)}/tcp/{self.relay_port(host, index)}"
 
+    def cgroup(self, host: int) -> str:
+        return os.path.join(CPU_CGROUP, f"{self.tag}-{host}")
+
     def exec_prefix(self, host: int) -> List[str]:
-        """Prefix for a command that must run inside ``host`` (empty on loopback)."""
-        return ["ip", "netns", "exec", self.namespace(host)] if self.mode == "netns" else []
+        """Prefix for a command that must run inside ``host`` (empty on loopback without a CPU quota)."""
+        prefix = ["ip", "netns", "exec", self.namespace(host)] if self.mode == "netns" else []
+        if self.cpus is not None:
+            # a shell joins the host's cgroup, then becomes the command, whose children stay in the cgroup; it
+            # goes first because `ip netns exec` mounts a /sys of the namespace's own, without the cgroups
+            prefix = ["sh", "-c", f'echo $$ > {self.cgroup(host)}/cgroup.procs && exec "$@"', "sh"] + prefix
+        return prefix
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "hosts": self.hosts, "mbps": self.mbps, "delay_ms": self.delay_ms,
-                "delay_is": "one-way, per host pair, userspace relay", "rate_is": "tc tbf, each direction"}
+        description = {"mode": self.mode, "hosts": self.hosts, "mbps": self.mbps, "delay_ms": self.delay_ms,
+                       "delay_is": "one-way, per host pair, userspace relay", "rate_is": "tc tbf, each direction"}
+        if self.cpus is not None:
+            description.update(cpus_per_host=self.cpus, cpu_is=f"cgroup CFS quota, {CPU_PERIOD_US} us period")
+        return description
 
     # lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "NetLab":
         try:
             if self.mode == "netns":
                 self._create_namespaces()
+            if self.cpus is not None:
+                self._create_cgroups()
             self._start_relays()
         except BaseException:
             self.close()
@@ -157,6 +198,17 @@ class NetLab:
                 for ns, dev in ((namespace, "eth0"), (self.hub, port)):
                     _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf_args(self.mbps))
 
+    def _create_cgroups(self) -> None:
+        if self.mode != "netns":
+            remove_stale_labs()
+        for host in range(self.hosts):
+            path = self.cgroup(host)
+            os.mkdir(path)
+            self._cgroups.append(path)
+            for name, value in (("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", int(self.cpus * CPU_PERIOD_US))):
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(str(value))
+
     def _start_relays(self) -> None:
         routes = []
         for host in range(self.hosts):
@@ -181,6 +233,9 @@ class NetLab:
         for namespace in reversed(self._namespaces):
             _run("ip", "netns", "del", namespace, check=False)
         self._namespaces.clear()
+        for path in self._cgroups:
+            _remove_cgroup(path)
+        self._cgroups.clear()
 
 
 # the largest packet the kernel hands a qdisc with segmentation offload (GSO) is 64 KiB

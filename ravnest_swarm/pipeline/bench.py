@@ -7,6 +7,11 @@ every gradient, ``--max-in-flight`` microbatches in flight) and synchronously (t
 microbatches per step, flushed every step). Before that, a bulk tensor is sent over the hivemind P2P
 transport and over a raw TCP socket, on the emulated link and on plain loopback.
 
+Each host also gets its own share of the CPU (``--cpus-per-stage``, by default the machine's cores divided
+by the stages; a cgroup quota, root only): stages are meant to be different peers' computers, and on
+shared cores a stage that idles through a synchronous flush would lend its CPU to the others, which
+hides the very bubbles the comparison is about. ``--cpus-per-stage 0`` shares the cores as before.
+
 Steady state: from the moment stage 0 has completed its first ``max_in_flight`` microbatches (the
 pipeline is full) to its last injection (after it, the pipeline only drains). Busy fraction: the share
 of that window during which the stage had a forward, backward or send in progress (``compute_fraction``:
@@ -20,7 +25,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -129,9 +134,9 @@ def _start_module(group, args: Sequence[str], name: str, prefix: Sequence[str]):
 
 async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microbatches: int,
                          microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
-                         lr: float = 0.01, compression: str = "none") -> int:
+                         lr: float = 0.01, compression: str = "none", cpus_per_stage: Optional[float] = None) -> int:
     from ravnest_swarm.models import balanced_split, get_model
-    from ravnest_swarm.netlab import NetLab
+    from ravnest_swarm.netlab import NetLab, cpu_quota_available
     from ravnest_swarm.processes import ProcessGroup
 
     try:
@@ -142,7 +147,14 @@ async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, 
     workdir = tempfile.mkdtemp(prefix="ravnest-bench-pipe-")
     group = ProcessGroup(workdir)
     results: Dict[str, Dict] = {}
-    with NetLab(stages + 1, mbps=mbps, delay_ms=delay_ms, ports=(40000, 40001, 40002)) as lab, Progress(
+    if cpus_per_stage is None:
+        cpus_per_stage = (os.cpu_count() or 1) / stages if cpu_quota_available() else 0.0
+        if not cpus_per_stage:
+            console.print("[yellow]no root or no cgroup cpu controller: the stages share the machine's cores[/]")
+    elif cpus_per_stage and not cpu_quota_available():
+        raise UserError("--cpus-per-stage needs root and a writable /sys/fs/cgroup/cpu; pass 0 to share the cores")
+    with NetLab(stages + 1, mbps=mbps, delay_ms=delay_ms, ports=(40000, 40001, 40002),
+                cpus=cpus_per_stage or None) as lab, Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=not as_json,
     ) as progress:
