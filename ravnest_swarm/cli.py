@@ -87,6 +87,8 @@ def join(
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
     max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, max=1024, help="Run spec: microbatches in flight per cluster."),
     averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
+    pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: activations and "
+                                                       "gradients between stages as none, float16 or meanstd16."),
     steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps each stage trains for."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Write this peer's checkpoint here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
@@ -122,8 +124,10 @@ def join(
             host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity_path=identity,
         )
         requested = {key: value for key, value in dict(model=model, lr=lr, microbatch_size=microbatch_size,
-                                                        max_in_flight=max_in_flight,
-                                                        averaging_period=averaging_period).items() if value is not None}
+                                                        max_in_flight=max_in_flight, averaging_period=averaging_period,
+                                                        pipeline_compression=pipeline_compression).items()
+                     if value is not None}
+        _check_pipeline_compression(pipeline_compression or "none")
         rounds_options = None
         if model_gb is not None:
             from ravnest_swarm.planning.plan import make_workload
@@ -233,6 +237,8 @@ def local(
     model: str = typer.Option("mlp-digits", "--model", help="Zoo model (mlp-digits, gpt-tiny)."),
     chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
+    pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="Activations and gradients "
+                                             "between stages: none, float16 or meanstd16."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
@@ -250,8 +256,10 @@ def local(
 
         if model not in MODELS:
             raise UserError(f"unknown model {model!r}: choose one of {', '.join(MODELS)}")
+        _check_pipeline_compression(pipeline_compression)
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit,
-                               spec=RunSpec(model=model, averaging_period=averaging_period),
+                               spec=RunSpec(model=model, averaging_period=averaging_period,
+                                            pipeline_compression=pipeline_compression),
                                dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir,
                                checkpoint_every=checkpoint_every, resume=resume)
         return await run_local(options, as_json)
@@ -566,6 +574,13 @@ def stage(
                                  report, save)
 
     sys.exit(run_async(main()))
+
+
+def _check_pipeline_compression(name: str) -> None:
+    from ravnest_swarm.pipeline.wire import COMPRESSIONS
+
+    if name not in COMPRESSIONS:
+        raise UserError(f"--pipeline-compression must be one of {', '.join(COMPRESSIONS)}, not {name!r}")
 
 
 def main() -> None:

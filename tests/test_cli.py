@@ -61,6 +61,13 @@ def test_negative_or_nan_override(flag, value):
     assert_one_line_error(result, flag, code=2)
 
 
+@pytest.mark.parametrize("verb", ["join", "local"])
+def test_unknown_pipeline_compression(verb):
+    peer_flags = ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a"] if verb == "join" else []
+    result = cli(verb, *peer_flags, "--pipeline-compression", "zip")
+    assert_one_line_error(result, "--pipeline-compression must be one of none, float16, meanstd16", code=2)
+
+
 def test_initial_peer_refusing_connections():
     maddr = DEAD_PEER.format(port=free_port())
     result = cli("join", "--initial-peers", maddr, "--run", "r", "--name", "a", "--timeout", "5")

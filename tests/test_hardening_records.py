@@ -77,6 +77,7 @@ def malformed_values():
         (plan_key(RUN), 2, GARBAGE, "plan: raw bytes"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, lr=float("nan")), "spec: NaN"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, optimizer="pickle"), "spec: unknown optimizer"),
+        (spec_key(RUN), NO_SUBKEY, dict(SPEC, pipeline_compression="quantile8"), "spec: unknown compression"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, model=HUGE), "spec: huge string"),
         (spec_key(RUN), NO_SUBKEY, [SPEC], "spec: not a dict"),
         (spec_key(RUN), NO_SUBKEY, GARBAGE, "spec: raw bytes"),

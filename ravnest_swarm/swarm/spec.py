@@ -34,6 +34,8 @@ class RunSpec:
     :param microbatch_size: samples per microbatch
     :param max_in_flight: microbatches in flight per cluster (bounded staleness)
     :param averaging_period: optimizer steps between averaging rounds (H)
+    :param pipeline_compression: how stages send activations and gradients (``pipeline.wire.COMPRESSIONS``):
+      ``none``, or 16 bits for half the bytes on slow home links (docs/pipeline.md)
     :param protocol: wire protocol version; peers of other versions refuse to join
     """
 
@@ -45,6 +47,7 @@ class RunSpec:
     # layers lost 1.5 points of held-out accuracy to it in `bench quality`; at 2, 0.3 (docs/benchmarks.md)
     max_in_flight: int = 2
     averaging_period: int = 25
+    pipeline_compression: str = "none"
     protocol: int = PROTOCOL_VERSION
 
     def record(self) -> dict:

@@ -193,6 +193,7 @@ class Volunteer:
         config = StageConfig(run=self.run, stage=stage, stages=stages, model=self.spec.model, layers=layers,
                              cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
                              microbatches=self.options.steps, max_in_flight=self.spec.max_in_flight,
+                             compression=self.spec.pipeline_compression,
                              lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
         worker = StageWorker(config, self.node)
         step = await self._fill_layers(worker.module, layers)
