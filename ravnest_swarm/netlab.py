@@ -205,7 +205,8 @@ class NetLab:
             path = self.cgroup(host)
             os.mkdir(path)
             self._cgroups.append(path)
-            for name, value in (("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", int(self.cpus * CPU_PERIOD_US))):
+            quota_us = int(self.cpus * CPU_PERIOD_US)  # above the period for more than one core
+            for name, value in (("cpu.cfs_period_us", CPU_PERIOD_US), ("cpu.cfs_quota_us", quota_us)):
                 with open(os.path.join(path, name), "w") as f:
                     f.write(str(value))
 

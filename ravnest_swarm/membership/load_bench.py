@@ -79,7 +79,7 @@ async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, c
                 progress.update(task, completed=sum(_sees_all(p, peers) for p in live.values()))
                 if time.monotonic() - started > 60 + 10 * peers:
                     raise UserError(f"views did not converge within {60 + 10 * peers} s: "
-                                       f"{_view_sizes(live.values(), peers)} (logs in {group.log_dir})", 1)
+                                    f"{_view_sizes(live.values(), peers)} (logs in {group.log_dir})", 1)
                 await asyncio.sleep(0.2)
             converge_s = time.monotonic() - started
 

@@ -56,7 +56,7 @@ def round_trip_breakdown(reports: List[Dict], start: float, end: float) -> Dict:
     and reading). The last stage's forward holds its loss and backward. Medians, so the parts add up to the
     median round trip only roughly.
     """
-    def median(values: List[float]) -> float:
+    def median(values: List[float]) -> Optional[float]:
         values = sorted(values)
         return round(1000 * values[len(values) // 2], 1) if values else None
 
@@ -64,7 +64,7 @@ def round_trip_breakdown(reports: List[Dict], start: float, end: float) -> Dict:
     last = len(reports) - 1
     chosen = [m for (event, m), t in events[0].items() if event == "forward_arrived" and start <= t <= end]
 
-    def part(stage_a: int, event_a: str, stage_b: int, event_b: str) -> float:
+    def part(stage_a: int, event_a: str, stage_b: int, event_b: str) -> Optional[float]:
         return median([events[stage_b][(event_b, m)] - events[stage_a][(event_a, m)] for m in chosen
                        if (event_a, m) in events[stage_a] and (event_b, m) in events[stage_b]])
 
@@ -217,8 +217,8 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
             ["stage", "--initial-peers", initial, "--run", run, "--stage", str(index), "--stages", str(len(ranges)),
              "--model", model, "--layers", f"{start}:{end}", "--microbatches", str(microbatches),
              "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
-             "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr), "--compression", compression,
-             "--report", report, "--trace", "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
+             "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr),
+             "--compression", compression, "--report", report, "--trace", "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
              lab.announce_maddr(index), "--microbatch-timeout", "120", "--send-timeout", "120"],
             f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
     first = processes[0]

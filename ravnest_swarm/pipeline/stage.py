@@ -74,8 +74,9 @@ class StageConfig:
     :param compression: how this stage sends activations and gradients: ``none``, or rounded to 16 bits for
       half the bytes, as ``float16`` or ``meanstd16`` (scaled by the tensor's mean and std first, so small
       gradients keep their precision); receivers accept all three
-    :param trace: record when each microbatch arrives, starts and ends compute and is sent (``bench pipeline``
-      reads it to split a round trip into queueing, compute and transit; off otherwise, as it grows with the run)
+    :param trace: record when each microbatch arrives and when its forward and backward start and end
+      (``bench pipeline`` splits a round trip into queueing, compute and transit with it; off otherwise, as it
+      grows with the run)
     """
 
     run: str
