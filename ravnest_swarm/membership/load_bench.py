@@ -46,13 +46,13 @@ def _sees_all(process: PeerProcess, count: int) -> bool:
 
 
 def _view_sizes(processes, count: int) -> str:
-    """How far the volunteers' views got: ``"20 of 24 see all; the others last saw 21, 23, 23, 0"``."""
-    last = []
+    """How far the views got: ``"20 of 24 have seen all 24; the others at most 21, 23, 23, 23"``."""
+    best = []
     for process in processes:
-        seen = re.findall(r"sees (\d+) peer\(s\)", process.stderr())
-        last.append(int(seen[-1]) if seen else 0)
-    behind = sorted(size for size in last if size != count)
-    return f"{len(last) - len(behind)} of {len(last)} see all; the others last saw {', '.join(map(str, behind))}"
+        best.append(max(map(int, re.findall(r"sees (\d+) peer\(s\)", process.stderr())), default=0))
+    behind = sorted(size for size in best if size < count)
+    return (f"{len(best) - len(behind)} of {len(best)} have seen all {count}; "
+            f"the others at most {', '.join(map(str, behind))}")
 
 
 async def _observed_names(node) -> set:
