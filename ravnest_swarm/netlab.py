@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from typing import List, Optional, Sequence
@@ -110,6 +111,7 @@ class NetLab:
         self.tag = f"{LAB_PREFIX}{os.getpid()}-{random.randrange(16**4):04x}"
         self._loopback_base = random.randrange(20000, 50000, 100)
         self._relay: Optional[subprocess.Popen] = None
+        self._relay_log = None  # the relay's stderr: a file, since a pipe nobody reads would stall it when full
         self._namespaces: List[str] = []
         self._cgroups: List[str] = []
 
@@ -219,18 +221,25 @@ class NetLab:
                 routes.append(f"{listen_ip}:{self.relay_port(host, index)}="
                               f"{self.host_ip(host)}:{self.listen_port(host, index)}")
         prefix = ["ip", "netns", "exec", self.hub] if self.mode == "netns" else []
+        self._relay_log = tempfile.TemporaryFile("w+")
         self._relay = subprocess.Popen(
             [*prefix, sys.executable, "-m", "ravnest_swarm.netlab", "--delay-ms", str(self.delay_ms), *routes],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=self._relay_log, text=True, start_new_session=True,
         )
         line = self._relay.stdout.readline()
         if not line.startswith("relays ready"):
-            raise RuntimeError(f"delay relays failed to start: {line}{self._relay.stderr.read()[-1000:]}")
+            self._relay.wait()
+            self._relay_log.seek(0)
+            last_line = (self._relay_log.read().strip().splitlines() or [line or "no output"])[-1]
+            raise RuntimeError(f"delay relays failed to start: {last_line}")
 
     def close(self) -> None:
         if self._relay is not None and self._relay.poll() is None:
             os.killpg(self._relay.pid, signal.SIGKILL)
             self._relay.wait()
+        if self._relay_log is not None:
+            self._relay_log.close()
+            self._relay_log = None
         for namespace in reversed(self._namespaces):
             _run("ip", "netns", "del", namespace, check=False)
         self._namespaces.clear()

@@ -1,8 +1,11 @@
 """The network lab's hosts: their own namespace and, when asked, their own share of the CPU."""
 
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -33,3 +36,45 @@ def test_a_host_with_a_cpu_quota_gets_that_share_and_nothing_is_left_behind():
     assert 0.02 < float(share) < 0.32, share
     assert lab.host_ip(1) in addresses
     assert not os.path.exists(cgroup)
+
+
+@pytest.mark.timeout(60)
+def test_the_delay_relay_holds_each_direction_for_the_delay_and_keeps_every_byte():
+    delay_ms, payload = 100, os.urandom(4 << 20)
+    with NetLab(1, delay_ms=delay_ms, ports=[0], use_namespaces=False) as lab:
+        with socket.create_server(("127.0.0.1", lab.listen_port(0))) as server:
+            echo = threading.Thread(target=_echo_once, args=(server, len(payload)), daemon=True)
+            echo.start()
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", lab.relay_port(0)), timeout=30) as client:
+                client.sendall(payload)
+                received = _receive(client, len(payload))
+            elapsed = time.monotonic() - started
+        relay = lab._relay
+    assert received == payload
+    assert elapsed >= 2 * delay_ms / 1000, elapsed  # there and back, each held the full delay
+    assert relay.poll() is not None  # closing the lab stopped the relay
+
+
+def test_a_relay_that_cannot_listen_says_why():
+    lab = NetLab(1, delay_ms=10, ports=[0], use_namespaces=False)
+    with socket.create_server(("127.0.0.1", lab.relay_port(0))):  # the relay's port, taken
+        with pytest.raises(RuntimeError, match=r"delay relays failed to start: OSError: \[Errno 98\].*in use"):
+            lab.__enter__()
+    assert lab._relay.poll() is not None
+
+
+def _echo_once(server: socket.socket, size: int) -> None:
+    connection, _ = server.accept()
+    with connection:
+        connection.sendall(_receive(connection, size))
+
+
+def _receive(connection: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = connection.recv(min(left, 1 << 20))
+        assert chunk, "connection closed early"
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
