@@ -23,7 +23,7 @@ from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, BackboneServices
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
-from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LayerStateServer, offered_layers
+from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
 from ravnest_swarm.transport import make_request, start_node, stop_node, unpack_metadata
 
 RUN = "fuzz"
@@ -33,7 +33,7 @@ TIMEOUT = 4.0  # ... and streams that stay silent this long
 MAX_RSS_GROWTH = 300 * 1024**2
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 END_OF_STREAM = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
-STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE)
+STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE, LAYER_STATE_MESSAGE)
 UNARY_HANDLERS = (PING, DIAL_BACK, wire.STATUS)
 
 
@@ -116,6 +116,8 @@ class Peer:
             self.peer_id, wire.STATUS, make_request({}), runtime_pb2.ExpertResponse)).metadata)
         assert status["stage"] == 1
         assert await self.layer_state(make_request({"run": RUN, "layers": [1]})) == "ok"
+        layer_request = make_request({"run": RUN, "layers": [1]})
+        assert await self.raw(LAYER_STATE_MESSAGE, frames_bytes([layer_request]) + END_OF_STREAM) == "ok"
         probe = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(1000))])
         assert await self.raw(BANDWIDTH_PROBE, frames_bytes([probe]) + END_OF_STREAM) == "ok"
         abort = make_request(dict(run=RUN, step=10**6, ring=0, phase="abort", position=0, attempt=[]))
@@ -191,9 +193,10 @@ def streams(draw):
 @pytest.mark.timeout(240)
 def test_random_and_mutated_stream_messages_get_an_answer_and_the_peer_keeps_serving(peer):
     """Attack: random, mutated and malformed messages to every streaming handler (pipeline forward and
-    backward, averaging ring, bandwidth probe): garbage metadata, wrong shapes/dtypes/chunk counts,
-    truncated protobufs, bad frame markers, flipped bytes, frame headers announcing huge lengths.
-    Each must get an answer (a reply or an error with a reason), never a hang, and the peer keeps serving."""
+    backward, averaging ring, bandwidth probe, one-message layer state): garbage metadata, wrong
+    shapes/dtypes/chunk counts, truncated protobufs, bad frame markers, flipped bytes, frame headers
+    announcing huge lengths. Each must get an answer (a reply or an error with a reason), never a hang,
+    and the peer keeps serving."""
     before = rss()
 
     @FUZZ

@@ -190,11 +190,14 @@ def test_two_volunteers_behind_two_nats_average_through_the_backbone(processes, 
 
 
 @pytest.mark.timeout(300)
-def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes, make_lab, tmp_path):
-    """The only holder of the trained layers is behind NAT (no inbound connection reaches it): a public
-    late joiner has the backbone ask it to dial back (connection reversal) and downloads every layer,
-    bit for bit, then continues at the holder's step."""
-    lab = make_lab(3, 1)
+@pytest.mark.parametrize("joiner", ["public", "behind-nat"])
+def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes, make_lab, tmp_path, joiner):
+    """The only holder of the trained layers is behind NAT (no inbound connection reaches it). A public
+    late joiner has the backbone ask it to dial back (connection reversal); a joiner behind another NAT,
+    which the holder cannot dial either, gets each layer in one message through the backbone's
+    forwarding. Either downloads every layer, bit for bit, then continues at the holder's step."""
+    behind_nat = joiner == "behind-nat"
+    lab = make_lab(2, 2) if behind_nat else make_lab(3, 1)
     backbone = start_backbone(processes, lab)
     steps = 40
 
@@ -209,12 +212,14 @@ def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes,
     home = join("home", lab.home_maddr(0), lab.home_prefix(0))
     observe_until(processes, backbone, lab, "home", lambda r: r["reachability"] == "relay" and r.get("step") == steps,
                   f"behind NAT at step {steps}", 150)
-    late = join("late", lab.public_maddr(2), lab.public_prefix(2))
+    late = join("late", *((lab.home_maddr(1), lab.home_prefix(1)) if behind_nat else
+                          (lab.public_maddr(2), lab.public_prefix(2))))
     observe_until(processes, backbone, lab, "late", lambda r: r.get("cluster") not in (None, -1) and r.get("step") == steps,
                   f"placed at step {steps}", 150)
     every_layer = list(range(len(get_model("mlp-digits").layers)))
     log = late.stderr()
     assert f"late: downloading layers {every_layer}" in log and "keeping this layer's local weights" not in log, log[-3000:]
+    assert (": forward via backbone" if behind_nat else ": reversed via backbone") in log, log[-3000:]
     for process in (late, home):
         assert process.stop() == 0  # SIGTERM: each writes its checkpoint on the way out
     late_layers, late_step = checkpoint_layers(tmp_path / f"{RUN}-late.safetensors")

@@ -9,6 +9,11 @@ run and the layers; the answer is a stream of ``ExpertResponse``: for each tenso
 hivemind's ``split_for_streaming`` of a ``serialize_torch_tensor`` protobuf, the first part carrying
 ``{"layer", "name", "parts", "step"}``. The receiver checks every tensor's name, shape, dtype and
 finiteness against the layers it built itself, so a holder can serve only numbers, never structure.
+
+A holder that we can reach only through a backbone's forwarding (both of us behind NAT) is asked with
+``ravnest.layer_state_message`` instead: forwarded calls carry one reply message, so the request names
+one layer and the reply holds all its tensors, ``{"layer", "names", "step"}`` with the tensors in the
+order of ``names``, bounded by the backbone's per-stream byte cap.
 """
 
 from __future__ import annotations
@@ -23,13 +28,17 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from ravnest_swarm.transport import make_request, make_response, unpack_metadata
+from ravnest_swarm.reversal import links_of
+from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
 LAYER_STATE = "ravnest.layer_state"
+LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, for forwarded calls
 PART_BYTES = 1 << 20
 MAX_LAYERS_PER_REQUEST = 4096
+MAX_REQUEST_BYTES = 64 * 1024
+MESSAGE_TIMEOUT = 60.0
 
 # what a server offers right now: layer index -> (that layer's state dict, the optimizer step it is at)
 StateProvider = Callable[[], Dict[int, Tuple[Dict[str, torch.Tensor], int]]]
@@ -58,9 +67,11 @@ class LayerStateServer:
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(LAYER_STATE, self.rpc_layer_state, runtime_pb2.ExpertRequest,
                                             stream_output=True)
+        await links_of(self.p2p).add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
+            LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES, MESSAGE_TIMEOUT))
 
-    async def rpc_layer_state(self, request: runtime_pb2.ExpertRequest,
-                              context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    def _snapshot(self, request: runtime_pb2.ExpertRequest) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
+        """The requested layers' tensors, copied (training may go on while they are sent), and steps."""
         metadata = unpack_metadata(request.metadata)
         layers = metadata.get("layers")
         if metadata.get("run") != self.run:
@@ -72,10 +83,23 @@ class LayerStateServer:
         missing = [i for i in layers if i not in offered]
         if missing:
             raise ValueError(f"this peer does not hold layers {missing}")
-        # copy first: training may go on while the parts stream out
-        snapshot = [(i, {name: t.detach().clone() for name, t in offered[i][0].items()}, offered[i][1])
-                    for i in layers]
-        for layer, tensors, step in snapshot:
+        return [(i, {name: t.detach().clone() for name, t in offered[i][0].items()}, offered[i][1]) for i in layers]
+
+    async def _rpc_layer_state_message(self, frames: List[runtime_pb2.ExpertRequest],
+                                       context: P2PContext) -> runtime_pb2.ExpertResponse:
+        if len(frames) != 1:
+            raise ValueError(f"{LAYER_STATE_MESSAGE} takes one request frame, got {len(frames)}")
+        snapshot = self._snapshot(frames[0])
+        if len(snapshot) != 1:
+            raise ValueError(f"{LAYER_STATE_MESSAGE} gives one layer per request")
+        (layer, tensors, step), = snapshot
+        names = list(tensors)
+        return make_response({"layer": layer, "names": names, "step": step},
+                             [serialize_torch_tensor(tensors[name]) for name in names])
+
+    async def rpc_layer_state(self, request: runtime_pb2.ExpertRequest,
+                              context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for layer, tensors, step in self._snapshot(request):
             for name, tensor in tensors.items():
                 parts = list(split_for_streaming(serialize_torch_tensor(tensor), PART_BYTES))
                 for index, part in enumerate(parts):
@@ -103,20 +127,51 @@ async def fetch_layer(p2p: P2P, run: str, holder: PeerID, layer: int, expected: 
             parts.extend(response.tensors)
             if len(parts) == header["parts"]:
                 tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-                reference = expected[header["name"]]
-                if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
-                    raise StateTransferError(f"{holder} sent {header['name']} of layer {layer} with shape "
-                                             f"{tuple(tensor.shape)} {tensor.dtype}, expected {tuple(reference.shape)}")
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise StateTransferError(f"{holder} sent non-finite values for layer {layer}")
-                received[header["name"]] = tensor
+                received[header["name"]] = _checked(holder, layer, header["name"], tensor, expected)
                 step = max(step, int(header.get("step", 0)))
                 parts = []
-        if set(received) != set(expected):
-            raise StateTransferError(f"{holder} sent {sorted(received)} of layer {layer}, expected {sorted(expected)}")
-        return received, step
+        return _complete(holder, layer, received, expected), step
 
     return await asyncio.wait_for(collect(), timeout)
+
+
+async def fetch_layer_message(p2p: P2P, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
+                              timeout: float) -> Tuple[Dict[str, torch.Tensor], int]:
+    """:func:`fetch_layer` in one reply message, over the route ``PeerLinks`` chose (forwarding included)."""
+
+    async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        yield make_request({"run": run, "layers": [layer]})
+
+    response = await asyncio.wait_for(links_of(p2p).call(holder, LAYER_STATE_MESSAGE, request()), timeout)
+    header = unpack_metadata(response.metadata)
+    names = header.get("names")
+    if header.get("layer") != layer or not isinstance(names, list) or len(names) != len(response.tensors):
+        raise StateTransferError(f"{holder} sent a malformed reply for layer {layer}")
+    received = {}
+    for name, serialized in zip(names, response.tensors):
+        if name not in expected:
+            raise StateTransferError(f"{holder} sent an unexpected tensor {name!r} of layer {layer}")
+        received[name] = _checked(holder, layer, name, deserialize_torch_tensor(serialized), expected)
+    return _complete(holder, layer, received, expected), int(header.get("step", 0))
+
+
+def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor,
+             expected: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """``tensor`` if it fits ``expected[name]`` in shape and dtype and holds only finite numbers."""
+    reference = expected[name]
+    if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
+        raise StateTransferError(f"{holder} sent {name} of layer {layer} with shape "
+                                 f"{tuple(tensor.shape)} {tensor.dtype}, expected {tuple(reference.shape)}")
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise StateTransferError(f"{holder} sent non-finite values for layer {layer}")
+    return tensor
+
+
+def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor],
+              expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    if set(received) != set(expected):
+        raise StateTransferError(f"{holder} sent {sorted(received)} of layer {layer}, expected {sorted(expected)}")
+    return received
 
 
 async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start: int,
@@ -126,8 +181,8 @@ async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start
     """Fill ``module`` (layers ``start..``) from the holders, trying each holder of a layer in turn.
 
     ``reach`` connects to a holder before it is asked and returns the route (``PeerLinks.connect``): a
-    holder behind NAT dials us back at a backbone's request. One reachable only through a backbone's
-    forwarding is skipped: forwarded calls carry one reply message, and a layer's state is a stream.
+    holder behind NAT dials us back at a backbone's request; one reachable only through a backbone's
+    forwarding (both behind NAT) gives the layer in one message (:func:`fetch_layer_message`).
     Returns the highest step among the holders used. Raises :class:`StateTransferError` if a layer has
     no holder left; layers already loaded stay loaded.
     """
@@ -138,10 +193,9 @@ async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start
         errors: List[str] = []
         for holder in holders.get(layer, ()):
             try:
-                if reach is not None and await reach(holder) == "forward":
-                    raise StateTransferError("reachable only through a backbone's forwarding, which carries no "
-                                             "layer downloads")
-                tensors, holder_step = await fetch_layer(p2p, run, holder, layer, expected, timeout)
+                forwarded = reach is not None and await reach(holder) == "forward"
+                fetch = fetch_layer_message if forwarded else fetch_layer
+                tensors, holder_step = await fetch(p2p, run, holder, layer, expected, timeout)
             except Exception as e:  # a holder that left or misbehaved: try the next one
                 errors.append(f"{holder}: {e}")
                 continue
