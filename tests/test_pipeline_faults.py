@@ -226,3 +226,41 @@ def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_it
     assert first.completed >= total - in_flight and first.resends >= moved.rejected >= 1
     assert any("but this is run 'moved' cluster 1 stage 1" in r.message and "re-resolving the endpoint" in r.message
                for r in caplog.records)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage1_step", [10, 40], ids=["behind", "ahead"])
+def test_a_stage_resumed_at_another_step_counts_steps_as_stage_0_and_ends_with_it(backbone, stage1_step):
+    """Stages checkpoint separately, so a resumed cluster's stages can start from different steps. Stage 0
+    resumes at step 30 of 50, stage 1 at ``stage1_step``: stage 1 takes stage 0's count from its first
+    microbatch, so both train the same 20 steps and end at step 50 (before, stage 1 ended at 50 + the
+    difference, or short of 50)."""
+    run, total, resumed_at = "resumed", 50, 30
+
+    def config(stage):
+        return StageConfig(run=run, stage=stage, stages=2, model="mlp-digits", layers=[(0, 5), (5, 9)][stage],
+                           microbatches=total, microbatch_size=8, max_in_flight=2, send_timeout=30, heartbeat=5)
+
+    async def scenario():
+        nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+        workers = [StageWorker(config(0), nodes[0]), StageWorker(config(1), nodes[1])]
+        try:
+            workers[0].resume_at(resumed_at)
+            workers[1].resume_at(stage1_step)
+            for worker in workers:
+                await worker.start()
+            await asyncio.wait_for(workers[0].finished.wait(), 90)
+            await asyncio.wait_for(workers[1].finished.wait(), 30)
+            return [(worker.version, worker.counters) for worker in workers]
+        finally:
+            for worker in workers:
+                await worker.shutdown()
+            for node in nodes:
+                await stop_node(node)
+
+    torch.set_num_threads(1)
+    (first_version, first), (second_version, second) = asyncio.run(scenario())
+    assert first.injected == total and first.completed == total - resumed_at and first.dropped == 0
+    assert second.backwards == total - resumed_at
+    assert first_version == second_version == total

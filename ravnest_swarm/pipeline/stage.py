@@ -550,7 +550,7 @@ class StageWorker:
             raise MessageError("stage 0 takes no forward messages: it draws its own microbatches")
         microbatch = field(metadata, "microbatch", int)
         sample_ids = wire.sample_ids_field(metadata)
-        field(metadata, "version", int)
+        version = field(metadata, "version", int)
         if microbatch in self.seen_forward:
             # a resend after our reply was lost: delivery is at-least-once, processing exactly once
             return {"ok": True, "duplicate": True}
@@ -564,12 +564,27 @@ class StageWorker:
         inputs = wire.check_values(wire.decode_tensor(tensors[0], "activations", [count, *self.input_spec.input_shape],
                                                       self.input_spec.input_dtype), "activations", self.config.max_abs_value)
         targets = wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape], self.target_dtype)
+        if not self.seen_forward:
+            self._follow_sender_steps(version)
         self.queued_forward.add(microbatch)
         self.seen_forward.add(microbatch)
         self.forward_queue.append((microbatch, sample_ids, inputs, targets))
         self._trace("forward_arrived", microbatch)
         self._wakeup.set()
         return {"ok": True, "queued": len(self.forward_queue)}
+
+    def _follow_sender_steps(self, version: int) -> None:
+        """Count optimizer steps from the step of the stage before us, as its first microbatch names it.
+
+        Stages checkpoint separately, so after a resume (or when this stage replaces one) our own step can
+        differ from the rest of the cluster's; stage 0 injects microbatches until its count reaches the
+        run's steps, so a stage counting from elsewhere would end short of them (or past them), and
+        checkpoint and average under step numbers its cluster does not use. Runs before our first compute.
+        """
+        if version != self.version:
+            logger.info(f"stage {self.config.stage}: counting steps from {version}, as stage "
+                        f"{self.config.stage - 1} does (this stage's weights came from step {self.version})")
+            self.version = self._hooked_version = version
 
     async def _on_backward(self, metadata: Dict, tensors: List[runtime_pb2.Tensor]) -> Dict:
         microbatch = field(metadata, "microbatch", int)
