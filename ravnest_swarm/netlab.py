@@ -47,9 +47,18 @@ CPU_CGROUP = "/sys/fs/cgroup/cpu"  # cgroup v1's cpu controller, as mounted here
 CPU_PERIOD_US = 10_000  # a short period: a host over its quota waits at most one period minus its share
 
 
+def namespaces_unavailable() -> Optional[str]:
+    """None if the lab can create namespaces (root, iproute2's ``ip`` and ``tc``), else why it cannot."""
+    if os.geteuid() != 0:
+        return "not root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (apt-get install iproute2)"
+    return None
+
+
 def namespaces_available() -> bool:
-    """Root and iproute2: the lab can create namespaces."""
-    return os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+    return namespaces_unavailable() is None
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -59,9 +68,18 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
+def cpu_quota_unavailable() -> Optional[str]:
+    """None if hosts can get a CPU quota each (root, a writable cgroup v1 cpu controller), else why not."""
+    if os.geteuid() != 0:
+        return "not root"
+    if not os.access(os.path.join(CPU_CGROUP, "cpu.cfs_quota_us"), os.W_OK):
+        only_v2 = os.path.exists("/sys/fs/cgroup/cgroup.controllers")  # the unified hierarchy's root file
+        return f"no cgroup v1 cpu controller at {CPU_CGROUP}" + (", only cgroup v2" if only_v2 else "")
+    return None
+
+
 def cpu_quota_available() -> bool:
-    """Root and a writable cgroup v1 cpu controller: hosts can get a CPU quota each."""
-    return os.geteuid() == 0 and os.access(os.path.join(CPU_CGROUP, "cpu.cfs_quota_us"), os.W_OK)
+    return cpu_quota_unavailable() is None
 
 
 def remove_stale_labs() -> None:
@@ -101,13 +119,14 @@ class NetLab:
                  cpus: Optional[float] = None):
         if hosts < 1 or hosts > 250:
             raise ValueError("a lab has 1-250 hosts")
-        if cpus is not None and not cpu_quota_available():
-            raise RuntimeError(f"a CPU quota per host needs root and a writable {CPU_CGROUP}")
+        if cpus is not None and cpu_quota_unavailable():
+            raise RuntimeError(f"a CPU quota per host is not possible here: {cpu_quota_unavailable()}")
         self.hosts, self.mbps, self.delay_ms, self.ports, self.cpus = hosts, mbps, delay_ms, list(ports), cpus
-        available = namespaces_available()
-        if use_namespaces and not available:
-            raise RuntimeError("network namespaces need root, iproute2 and tc")
-        self.mode = "netns" if (available if use_namespaces is None else use_namespaces) else "loopback"
+        #: why the lab runs on loopback (None when it has namespaces)
+        self.loopback_reason = namespaces_unavailable() if use_namespaces is not False else "asked for loopback"
+        if use_namespaces and self.loopback_reason:
+            raise RuntimeError(f"network namespaces are not possible here: {self.loopback_reason}")
+        self.mode = "loopback" if self.loopback_reason else "netns"
         self.tag = f"{LAB_PREFIX}{os.getpid()}-{random.randrange(16**4):04x}"
         self._loopback_base = random.randrange(20000, 50000, 100)
         self._relay: Optional[subprocess.Popen] = None

@@ -1,6 +1,7 @@
 """The network lab's hosts: their own namespace and, when asked, their own share of the CPU."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 
 import pytest
 
-from ravnest_swarm.netlab import NetLab, cpu_quota_available, namespaces_available
+from ravnest_swarm.netlab import NetLab, cpu_quota_available, namespaces_available, namespaces_unavailable
 
 # burns half a second of CPU, then prints the share of a core it got and its addresses
 BURN = """
@@ -62,6 +63,16 @@ def test_a_relay_that_cannot_listen_says_why():
         with pytest.raises(RuntimeError, match=r"delay relays failed to start: OSError: \[Errno 98\].*in use"):
             lab.__enter__()
     assert lab._relay.poll() is not None
+
+
+def test_without_iproute2_the_lab_says_why_and_runs_on_loopback(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
+    reason = namespaces_unavailable()
+    assert reason == ("ip and tc not found (apt-get install iproute2)" if os.geteuid() == 0 else "not root")
+    lab = NetLab(1, ports=[0])  # nothing starts before the lab is entered
+    assert lab.mode == "loopback" and lab.loopback_reason == reason
+    with pytest.raises(RuntimeError, match=f"network namespaces are not possible here: {re.escape(reason)}"):
+        NetLab(1, ports=[0], use_namespaces=True)
 
 
 def _echo_once(server: socket.socket, size: int) -> None:

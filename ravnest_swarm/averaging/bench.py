@@ -85,7 +85,8 @@ async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: flo
         TimeElapsedColumn(), console=console, transient=not as_json,
     ) as progress:
         if lab.mode == "loopback":
-            console.print("[yellow]no root/namespaces: running on loopback, links NOT rate-limited or delayed[/]")
+            console.print(f"[yellow]no network namespaces ({lab.loopback_reason}): running on loopback, links NOT "
+                          f"rate-limited or delayed[/]")
         try:
             started = progress.add_task("starting peers", total=clusters * stages)
             backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(0),

@@ -136,7 +136,7 @@ async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, 
                          microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
                          lr: float = 0.01, compression: str = "none", cpus_per_stage: Optional[float] = None) -> int:
     from ravnest_swarm.models import balanced_split, get_model
-    from ravnest_swarm.netlab import NetLab, cpu_quota_available
+    from ravnest_swarm.netlab import NetLab, cpu_quota_unavailable
     from ravnest_swarm.processes import ProcessGroup
 
     try:
@@ -148,18 +148,20 @@ async def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, 
     group = ProcessGroup(workdir)
     results: Dict[str, Dict] = {}
     if cpus_per_stage is None:
-        cpus_per_stage = (os.cpu_count() or 1) / stages if cpu_quota_available() else 0.0
-        if not cpus_per_stage:
-            console.print("[yellow]no root or no cgroup cpu controller: the stages share the machine's cores[/]")
-    elif cpus_per_stage and not cpu_quota_available():
-        raise UserError("--cpus-per-stage needs root and a writable /sys/fs/cgroup/cpu; pass 0 to share the cores")
+        no_quota = cpu_quota_unavailable()
+        cpus_per_stage = 0.0 if no_quota else (os.cpu_count() or 1) / stages
+        if no_quota:
+            console.print(f"[yellow]no CPU quota per stage ({no_quota}): the stages share the machine's cores[/]")
+    elif cpus_per_stage and cpu_quota_unavailable():
+        raise UserError(f"--cpus-per-stage is not possible here: {cpu_quota_unavailable()}; pass 0 to share the cores")
     with NetLab(stages + 1, mbps=mbps, delay_ms=delay_ms, ports=(40000, 40001, 40002),
                 cpus=cpus_per_stage or None) as lab, Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=console, transient=not as_json,
     ) as progress:
         if lab.mode == "loopback":
-            console.print("[yellow]no root/namespaces: running on loopback, links NOT rate-limited[/]")
+            console.print(f"[yellow]no network namespaces ({lab.loopback_reason}): running on loopback, links NOT "
+                          f"rate-limited[/]")
         try:
             transfers = progress.add_task("tensor transfer", total=2)
             emulated = measure_transfer(group, lab, "link", transfer_mb, emulated=True)
