@@ -54,7 +54,8 @@ class Peer:
                              send_timeout=TIMEOUT, microbatch_timeout=60.0, max_message_bytes=LIMIT)
         self.stage = StageWorker(config, self.node)
         await self.stage.start()
-        await LayerStateServer(p2p, RUN, lambda: offered_layers(1, self.stage.module, self.stage.version)).start()
+        await LayerStateServer(p2p, RUN, lambda: offered_layers(1, self.stage.module, self.stage.version),
+                               request_timeout=TIMEOUT).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id
 

@@ -38,7 +38,6 @@ LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, f
 PART_BYTES = 1 << 20
 MAX_LAYERS_PER_REQUEST = 4096
 MAX_REQUEST_BYTES = 64 * 1024
-MESSAGE_TIMEOUT = 60.0
 
 # what a server offers right now: layer index -> (that layer's state dict, the optimizer step it is at)
 StateProvider = Callable[[], Dict[int, Tuple[Dict[str, torch.Tensor], int]]]
@@ -59,16 +58,18 @@ class LayerStateServer:
     :param p2p: the peer's P2P
     :param run: run name; requests for other runs are refused
     :param provider: returns what this peer holds right now, by layer
+    :param request_timeout: seconds a caller of the one-message handler may take to send its request
     """
 
-    def __init__(self, p2p: P2P, run: str, provider: StateProvider):
-        self.p2p, self.run, self.provider = p2p, run, provider
+    def __init__(self, p2p: P2P, run: str, provider: StateProvider, request_timeout: float = 60.0):
+        self.p2p, self.run, self.provider, self.request_timeout = p2p, run, provider, request_timeout
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(LAYER_STATE, self.rpc_layer_state, runtime_pb2.ExpertRequest,
                                             stream_output=True)
         await links_of(self.p2p).add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
-            LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES, MESSAGE_TIMEOUT))
+            LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES,
+            self.request_timeout))
 
     def _snapshot(self, request: runtime_pb2.ExpertRequest) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
         """The requested layers' tensors, copied (training may go on while they are sent), and steps."""
