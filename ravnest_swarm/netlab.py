@@ -35,7 +35,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections import deque
 from typing import List, Optional, Sequence
 

@@ -16,7 +16,8 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.announcer import PeerAnnouncer, read_peers
+from run_observer import RunObserver
+from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import make_validators, peers_key
 from ravnest_swarm.transport import parse_maddrs, peer_id_of, start_node, stop_node
@@ -45,34 +46,9 @@ def status_json(maddr, run=RUN):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-class Observer:
-    """An in-process DHT client for the run, polled by the tests (faster than a status subprocess)."""
-
-    def __init__(self, maddr):
-        self.loop = asyncio.new_event_loop()
-        self.node = self.loop.run_until_complete(
-            start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN), client_mode=True))
-
-    def peers(self):
-        return self.loop.run_until_complete(read_peers(self.node, RUN))
-
-    def wait_for(self, predicate, timeout, period=0.25):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            peers = self.peers()
-            if predicate(peers):
-                return peers
-            time.sleep(period)
-        raise TimeoutError(f"condition not met within {timeout}s; last view: {[p['name'] for p in peers]}")
-
-    def close(self):
-        self.loop.run_until_complete(stop_node(self.node))
-        self.loop.close()
-
-
 @pytest.fixture
 def observer(backbone):
-    watcher = Observer(backbone)
+    watcher = RunObserver(backbone, RUN)
     try:
         yield watcher
     finally:
@@ -105,10 +81,10 @@ def test_three_volunteers_with_their_capabilities_are_read_back_by_status(proces
 def test_sigkilled_volunteer_vanishes_within_three_heartbeats(processes, backbone, observer):
     heartbeat = 2.0
     volunteer = processes.start(join_args(backbone, "doomed", VOLUNTEERS["alice"], heartbeat), "doomed")
-    observer.wait_for(lambda peers: any(p["name"] == "doomed" for p in peers), 60)
+    observer.wait_for(lambda peers: "doomed" in peers, 60)
     killed_at = time.monotonic()
     volunteer.kill_group()
-    observer.wait_for(lambda peers: not any(p["name"] == "doomed" for p in peers), 3 * heartbeat + 2)
+    observer.wait_for(lambda peers: "doomed" not in peers, 3 * heartbeat + 2)
     assert time.monotonic() - killed_at <= 3 * heartbeat + 2  # the poll itself takes part of the margin
 
 
@@ -116,12 +92,11 @@ def test_sigkilled_volunteer_vanishes_within_three_heartbeats(processes, backbon
 def test_graceful_stop_shows_leaving_then_exits_zero(processes, backbone, observer):
     heartbeat = 2.0
     volunteer = processes.start(join_args(backbone, "polite", VOLUNTEERS["bob"], heartbeat), "polite")
-    observer.wait_for(lambda peers: any(p["name"] == "polite" and p["state"] == "standby" for p in peers), 60)
+    observer.wait_for(lambda peers: peers.get("polite", {}).get("state") == "standby", 60)
     volunteer.signal(signal.SIGTERM)
-    observer.wait_for(lambda peers: any(p["name"] == "polite" and p["state"] == "leaving" for p in peers), 10,
-                      period=0.1)
+    observer.wait_for(lambda peers: peers.get("polite", {}).get("state") == "leaving", 10, period=0.1)
     assert volunteer.wait(30) == 0
-    observer.wait_for(lambda peers: not any(p["name"] == "polite" for p in peers), 3 * heartbeat + 2)
+    observer.wait_for(lambda peers: "polite" not in peers, 3 * heartbeat + 2)
 
 
 async def _attack(maddr, victim_subkey, honest_value):
@@ -162,20 +137,20 @@ def test_forged_and_malformed_records_are_refused_while_honest_records_stay(proc
     backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
     maddr = backbone.maddrs()[0]
     processes.start(join_args(maddr, "honest", VOLUNTEERS["alice"], heartbeat=2.0), "honest")
-    observer = Observer(maddr)
+    observer = RunObserver(maddr, RUN)
     try:
-        observer.wait_for(lambda peers: any(p["name"] == "honest" for p in peers), 60)
-        found = observer.loop.run_until_complete(observer.node.get(peers_key(RUN), latest=True))
+        observer.wait_for(lambda peers: "honest" in peers, 60)
+        found = observer.call(observer.node.get(peers_key(RUN), latest=True))
         [(victim_subkey, item)] = list(found.value.items())
         honest_value = dict(item.value)
 
-        outcomes = observer.loop.run_until_complete(_attack(maddr, victim_subkey, honest_value))
+        outcomes = observer.call(_attack(maddr, victim_subkey, honest_value))
         assert not any(outcomes.values()), f"an honest node accepted an attacker's record: {outcomes}"
 
         time.sleep(1.0)
         peers = observer.peers()
-        assert [p["name"] for p in peers] == ["honest"]
-        assert peers[0]["ram_gb"] == 8.0 and peers[0]["peer_id"] == honest_value["peer_id"]
+        assert list(peers) == ["honest"]
+        assert peers["honest"]["ram_gb"] == 8.0 and peers["honest"]["peer_id"] == honest_value["peer_id"]
     finally:
         observer.close()
     document = status_json(maddr)
@@ -210,8 +185,8 @@ def test_a_record_outlives_every_volunteer_nearest_its_key(backbone):
                 await stop_node(node)
 
     asyncio.run(publish_then_leave())
-    reader = Observer(backbone)
+    reader = RunObserver(backbone, RUN)
     try:
-        assert [p["name"] for p in reader.peers()] == ["lasting"]
+        assert list(reader.peers()) == ["lasting"]
     finally:
         reader.close()

@@ -1,6 +1,5 @@
 """The swarm end to end with real processes: clusters form, train and average; failures heal; state moves."""
 
-import asyncio
 import os
 import re
 import time
@@ -8,49 +7,21 @@ import time
 import pytest
 import torch
 
+from run_observer import RunObserver
 from ravnest_swarm.checkpoint import TEMPORARY_PREFIX, TEMPORARY_SUFFIX, read_stage
-from ravnest_swarm.membership.announcer import read_peers
-from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.models import get_model
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.volunteer import model_workload
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
 
 RUN = "swarm-test"
 MODEL_GB = model_workload(get_model("mlp-digits"), RunSpec("mlp-digits"), 8)[0].model_gb
-
-
-class Watcher:
-    """An in-process observer of the run's peer records."""
-
-    def __init__(self, maddr):
-        self.loop = asyncio.new_event_loop()
-        self.node = self.loop.run_until_complete(
-            start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN), client_mode=True))
-
-    def peers(self):
-        return {p["name"]: p for p in self.loop.run_until_complete(read_peers(self.node, RUN))}
-
-    def wait_for(self, predicate, timeout, what):
-        deadline, peers = time.monotonic() + timeout, {}
-        while time.monotonic() < deadline:
-            peers = self.peers()
-            if predicate(peers):
-                return peers
-            time.sleep(1.0)
-        summary = {n: (p["state"], p.get("cluster"), p.get("stage"), p.get("step")) for n, p in peers.items()}
-        raise TimeoutError(f"{what}: not within {timeout}s; last view {summary}")
-
-    def close(self):
-        self.loop.run_until_complete(stop_node(self.node))
-        self.loop.close()
 
 
 @pytest.fixture
 def swarm(processes, tmp_path):
     backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
     maddr = backbone.maddrs()[0]
-    watcher = Watcher(maddr)
+    watcher = RunObserver(maddr, RUN, period=1.0)
 
     def join(name, ram_fraction=0.6, gflops=20.0, steps=120, extra=()):
         args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 from rich.console import Console

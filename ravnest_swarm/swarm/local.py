@@ -17,7 +17,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
