@@ -213,10 +213,7 @@ def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_it
             await asyncio.wait_for(first.finished.wait(), 120)
             return first.counters, moved.counters, successor.counters
         finally:
-            for worker in workers:
-                await worker.shutdown()
-            for node in nodes:
-                await stop_node(node)
+            await shutdown(workers, nodes)
 
     torch.set_num_threads(1)
     with caplog.at_level(logging.WARNING, logger="ravnest_swarm.pipeline.stage"):
@@ -254,13 +251,18 @@ def test_a_stage_resumed_at_another_step_counts_steps_as_stage_0_and_ends_with_i
             await asyncio.wait_for(workers[1].finished.wait(), 30)
             return [(worker.version, worker.counters) for worker in workers]
         finally:
-            for worker in workers:
-                await worker.shutdown()
-            for node in nodes:
-                await stop_node(node)
+            await shutdown(workers, nodes)
 
     torch.set_num_threads(1)
     (first_version, first), (second_version, second) = asyncio.run(scenario())
     assert first.injected == total and first.completed == total - resumed_at and first.dropped == 0
     assert second.backwards == total - resumed_at
     assert first_version == second_version == total
+
+
+async def shutdown(workers, nodes):
+    """Stop in-process stage workers, then their DHT nodes (and p2pd)."""
+    for worker in workers:
+        await worker.shutdown()
+    for node in nodes:
+        await stop_node(node)
