@@ -14,7 +14,7 @@ from typer._click import exceptions as click_exceptions
 from rich.console import Console
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
+from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async, run_blocking
 
 app = typer.Typer(
     help="Train one neural network together on volunteers' computers (Ravnest + DeDLOC over hivemind).",
@@ -477,7 +477,7 @@ def bench_nat(
     configure_logging(False)
     from ravnest_swarm.natbench import bench_nat as run
 
-    sys.exit(run_async(run(size_mb, repeats, mbps, as_json)))
+    sys.exit(run_blocking(lambda: run(size_mb, repeats, mbps, as_json)))
 
 
 @bench_app.command("pipeline")
@@ -509,8 +509,8 @@ def bench_pipeline(
     if compression not in COMPRESSIONS:
         print(f"error: --compression must be one of {', '.join(COMPRESSIONS)}", file=sys.stderr)
         sys.exit(2)
-    sys.exit(run_async(run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight, transfer_mb,
-                           mode, as_json, compression=compression, cpus_per_stage=cpus_per_stage)))
+    sys.exit(run_blocking(lambda: run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight,
+                                      transfer_mb, mode, as_json, compression=compression, cpus_per_stage=cpus_per_stage)))
 
 
 @app.command("stage", hidden=True)

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Awaitable
+from typing import Awaitable, Callable, Optional
 
 from ravnest_swarm.errors import UserError
 
@@ -30,8 +30,32 @@ def configure_logging(verbose: bool = False) -> None:
 
 def run_async(coroutine: Awaitable) -> int:
     """Run a verb's coroutine; a :class:`UserError` becomes ``error: ...`` on stderr and its exit code."""
+    return _exit_code(lambda: asyncio.run(coroutine))
+
+
+def run_blocking(verb: Callable[[], Optional[int]]) -> int:
+    """Run a verb that blocks instead of awaiting (the benches that start processes and wait for them).
+
+    Not under ``asyncio.run``, whose Ctrl-C only cancels the main task at its next await: a verb that never
+    awaits would ignore Ctrl-C until done. Here Ctrl-C, and SIGTERM too, interrupt it wherever it waits, its
+    cleanup (``finally``, context managers: the processes it started, the lab's namespaces) runs, and the
+    exit code is 130. Python's default SIGTERM would end the process at once and orphan all of that.
+    """
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = asyncio.run(coroutine)
+        return _exit_code(verb)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise KeyboardInterrupt
+
+
+def _exit_code(verb: Callable[[], Optional[int]]) -> int:
+    try:
+        result = verb()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -18,7 +18,7 @@ from ravnest_swarm.processes import ProcessGroup
 RUN = "natbench"
 
 
-async def bench_nat(size_mb: float, repeats: int, mbps: Optional[float], as_json: bool) -> int:
+def bench_nat(size_mb: float, repeats: int, mbps: Optional[float], as_json: bool) -> int:
     from ravnest_swarm.natlab import NatLab
 
     group = ProcessGroup()

@@ -1,7 +1,13 @@
 """The arithmetic of ``bench pipeline``'s figures, on traces whose answers are known."""
 
+import signal
+import subprocess
+import time
+
+import psutil
 import pytest
 
+from ravnest_swarm.netlab import LAB_PREFIX, namespaces_available
 from ravnest_swarm.pipeline.bench import busy_fraction, round_trip_breakdown
 
 
@@ -38,3 +44,40 @@ def test_round_trip_breakdown_splits_a_known_trace_into_its_parts():
 
 def test_busy_fraction_counts_only_the_window():
     assert busy_fraction([(0.0, 2.0), (3.0, 4.0), (9.0, 12.0)], 1.0, 11.0) == pytest.approx(0.4)
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab(processes):
+    """SIGTERM (or Ctrl-C) while the stages run: the bench stops its stages, their p2pd, the backbone and
+    the delay relay, removes its namespaces, and exits 130. Before, SIGTERM orphaned all of them and
+    Ctrl-C waited for the whole run to end."""
+    bench = processes.start(["bench", "pipeline", "--json", "--microbatches", "400", "--transfer-mb", "1"], "bench")
+    started = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("stage" in child.cmdline() for child in started):
+            assert time.monotonic() < deadline and bench.popen.poll() is None, bench.stderr()[-2000:]
+            time.sleep(0.5)
+            started = _descendants(bench.pid)
+        time.sleep(3)  # the stages are training
+        started = _descendants(bench.pid)
+        bench.signal(signal.SIGTERM)
+        assert bench.wait(60) == 130, bench.stderr()[-2000:]
+        left = [child for child in started if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+        assert left == [], [child.cmdline()[:4] for child in left]
+        if namespaces_available():
+            namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert f"{LAB_PREFIX}{bench.pid}-" not in namespaces
+    finally:
+        for child in started:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _descendants(pid: int):
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
