@@ -415,7 +415,7 @@ def bench_averaging(
     configure_logging(False)
     from ravnest_swarm.averaging.bench import bench_averaging as run
 
-    sys.exit(run_async(run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
+    sys.exit(run_blocking(lambda: run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
 
 
 @app.command("averaging-peer", hidden=True)

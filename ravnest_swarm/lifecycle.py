@@ -29,8 +29,19 @@ def configure_logging(verbose: bool = False) -> None:
 
 
 def run_async(coroutine: Awaitable) -> int:
-    """Run a verb's coroutine; a :class:`UserError` becomes ``error: ...`` on stderr and its exit code."""
-    return _exit_code(lambda: asyncio.run(coroutine))
+    """Run a verb's coroutine; a :class:`UserError` becomes ``error: ...`` on stderr and its exit code.
+
+    SIGTERM cancels it as Ctrl-C does (its ``finally`` blocks stop what it started; exit code 130), unless
+    the verb handles SIGTERM itself (:func:`install_stop_signals`). Python's default would end the process
+    at once and orphan every process and namespace it started.
+    """
+    return _exit_code(lambda: asyncio.run(_cancelled_by_sigterm(coroutine)))
+
+
+async def _cancelled_by_sigterm(coroutine: Awaitable):
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    return await coroutine
 
 
 def run_blocking(verb: Callable[[], Optional[int]]) -> int:
@@ -59,6 +70,6 @@ def _exit_code(verb: Callable[[], Optional[int]]) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
     return int(result or 0)

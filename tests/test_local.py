@@ -11,26 +11,9 @@ import time
 import psutil
 import pytest
 
+from process_tree import alive, descendants, kill_pids
+
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
-
-
-def descendants(pid):
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def kill_pids(pids):
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def planning_lines(log_root):
@@ -91,3 +74,26 @@ def test_local_swarm_forms_clusters_averages_and_halves_the_loss(tmp_path):
     assert summary["loss_end"] <= summary["loss_start"] / 2, summary
     assert summary["metric_name"] == "heldout_accuracy" and summary["metric"] > 0.8, summary
     assert summary["max_peer_memory_fraction"] is not None
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_quality_bench_reports_nothing_and_leaves_nothing_running(processes):
+    """SIGTERM while the swarm trains: the swarm stops, and the bench says in one line that a stopped swarm
+    does not compare with its baseline instead of printing figures from a cut-short run."""
+    bench = processes.start(["bench", "quality", "--peers", "2", "--steps", "5000", "--json"], "quality")
+    started = set()
+    try:
+        bench.wait_for_output("training the swarm", 60, stream="stderr")
+        deadline = time.monotonic() + 90
+        while len(started) < 4:  # two volunteers and their p2pd, at least
+            assert time.monotonic() < deadline and bench.popen.poll() is None, bench.stderr()[-2000:]
+            time.sleep(0.5)
+            started = descendants(bench.pid)
+        time.sleep(5)
+        started |= descendants(bench.pid)
+        bench.signal(signal.SIGTERM)
+        assert bench.wait(90) == 1, bench.stderr()[-2000:]
+        assert "error: the swarm stopped before its 5000 steps" in bench.stderr() and bench.stdout() == ""
+        assert alive(started) == set()
+    finally:
+        kill_pids(alive(started))

@@ -7,6 +7,7 @@ import time
 import psutil
 import pytest
 
+from process_tree import alive, descendants, kill_pids
 from ravnest_swarm.netlab import LAB_PREFIX, namespaces_available
 from ravnest_swarm.pipeline.bench import busy_fraction, round_trip_breakdown
 
@@ -52,32 +53,27 @@ def test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab(proc
     the delay relay, removes its namespaces, and exits 130. Before, SIGTERM orphaned all of them and
     Ctrl-C waited for the whole run to end."""
     bench = processes.start(["bench", "pipeline", "--json", "--microbatches", "400", "--transfer-mb", "1"], "bench")
-    started = []
+    started = set()
     try:
         deadline = time.monotonic() + 120
-        while not any("stage" in child.cmdline() for child in started):
+        while not any(_is_stage(pid) for pid in started):
             assert time.monotonic() < deadline and bench.popen.poll() is None, bench.stderr()[-2000:]
             time.sleep(0.5)
-            started = _descendants(bench.pid)
+            started = descendants(bench.pid)
         time.sleep(3)  # the stages are training
-        started = _descendants(bench.pid)
+        started |= descendants(bench.pid)
         bench.signal(signal.SIGTERM)
         assert bench.wait(60) == 130, bench.stderr()[-2000:]
-        left = [child for child in started if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
-        assert left == [], [child.cmdline()[:4] for child in left]
+        assert alive(started) == set()
         if namespaces_available():
             namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
             assert f"{LAB_PREFIX}{bench.pid}-" not in namespaces
     finally:
-        for child in started:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_pids(alive(started))
 
 
-def _descendants(pid: int):
+def _is_stage(pid: int) -> bool:
     try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+        return "stage" in psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False

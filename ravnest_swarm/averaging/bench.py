@@ -66,7 +66,7 @@ def bound_seconds(sizes: List[int], layouts: List[List[int]], mbps: float) -> tu
     return 2 * (count - 1) / count * largest * 8 / (mbps * 1e6), largest
 
 
-async def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, size_mb: float, as_json: bool,
+def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, size_mb: float, as_json: bool,
                           compression: str = "none", timeout: float = 300.0) -> int:
     from ravnest_swarm.netlab import NetLab
     from ravnest_swarm.processes import ProcessGroup

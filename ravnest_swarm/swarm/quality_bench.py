@@ -21,6 +21,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.swarm.local import LocalOptions, LocalSwarm
 from ravnest_swarm.swarm.spec import RunSpec
@@ -52,6 +53,9 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
         console.print(f"training the swarm ({repeat + 1}/{repeats}): {peers} peers, {steps} steps per stage",
                       highlight=False)
         swarm_result = await swarm.run()
+        if not swarm_result["finished"]:
+            raise UserError(f"the swarm stopped before its {steps} steps (a stop signal, or its time limit): its "
+                            f"accuracy would not compare with the baseline's, so nothing is reported", exit_code=1)
         clusters = swarm_result["clusters"] or 1
         microbatches = steps * clusters
         scaled = RunSpec(model=model, lr=spec.lr * clusters)

@@ -1,0 +1,39 @@
+"""The processes a command started (their own sessions included), for tests that check nothing is left."""
+
+import os
+import signal
+
+import psutil
+
+
+def descendants(pid):
+    """Pids of every live descendant of ``pid``."""
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def alive(pids):
+    """The pids still running (zombies excluded)."""
+    running = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def kill_pids(pids):
+    """SIGKILL each pid's process group and the pid itself (teardown after a failed test)."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
