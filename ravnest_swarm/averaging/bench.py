@@ -67,7 +67,7 @@ def bound_seconds(sizes: List[int], layouts: List[List[int]], mbps: float) -> tu
 
 
 def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, size_mb: float, as_json: bool,
-                          compression: str = "none", timeout: float = 300.0) -> int:
+                    compression: str = "none", timeout: float = 300.0) -> int:
     from ravnest_swarm.netlab import NetLab
     from ravnest_swarm.processes import ProcessGroup
 

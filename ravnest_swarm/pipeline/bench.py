@@ -133,8 +133,8 @@ def _start_module(group, args: Sequence[str], name: str, prefix: Sequence[str]):
 
 
 def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microbatches: int,
-                         microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
-                         lr: float = 0.01, compression: str = "none", cpus_per_stage: Optional[float] = None) -> int:
+                   microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
+                   lr: float = 0.01, compression: str = "none", cpus_per_stage: Optional[float] = None) -> int:
     from ravnest_swarm.models import balanced_split, get_model
     from ravnest_swarm.netlab import NetLab, cpu_quota_unavailable
     from ravnest_swarm.processes import ProcessGroup
