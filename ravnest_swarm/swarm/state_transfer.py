@@ -38,6 +38,7 @@ LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, f
 PART_BYTES = 1 << 20
 MAX_LAYERS_PER_REQUEST = 4096
 MAX_REQUEST_BYTES = 64 * 1024
+ATTEMPTS_PER_HOLDER = 2
 
 # what a server offers right now: layer index -> (that layer's state dict, the optimizer step it is at)
 StateProvider = Callable[[], Dict[int, Tuple[Dict[str, torch.Tensor], int]]]
@@ -192,12 +193,14 @@ async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start
     for done, layer in enumerate(layers):
         expected = module[layer - start].state_dict()
         errors: List[str] = []
-        for holder in holders.get(layer, ()):
+        # each holder twice: a stream that ran on a relayed connection ends when the relay resets it (after
+        # 128 KiB, docs/nat.md), and the next one runs on the direct connection the reversal opened
+        for holder in [holder for holder in holders.get(layer, ()) for _ in range(ATTEMPTS_PER_HOLDER)]:
             try:
                 forwarded = reach is not None and await reach(holder) == "forward"
                 fetch = fetch_layer_message if forwarded else fetch_layer
                 tensors, holder_step = await fetch(p2p, run, holder, layer, expected, timeout)
-            except Exception as e:  # a holder that left or misbehaved: try the next one
+            except Exception as e:  # a holder that left or misbehaved: try again, then the next one
                 errors.append(f"{holder}: {e}")
                 continue
             module[layer - start].load_state_dict(tensors)
