@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import List, Sequence
+from typing import Awaitable, Callable, List, Sequence, TypeVar
 
 from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
@@ -13,6 +13,8 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.capabilities import measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.services import check_reachability, measure_bandwidth, ping
 from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+
+T = TypeVar("T")
 
 
 async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console: Console) -> int:
@@ -52,19 +54,29 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
             console.print("verdict: cannot join (no initial peer answers)")
             return 1
         backbone = peer_id_of(answering[0])
-        reachability = await check_reachability(node.p2p, backbone, timeout)
-        if reachability == "direct":
-            relay_note = "others can dial this peer; no relay is used"
+        try:
+            reachability = await _twice(lambda: check_reachability(node.p2p, backbone, timeout))
+        except Exception as e:
+            problems.append("reachability unknown")
+            report(False, "reachability", f"the backbone's dial-back check failed twice ({_reason(e)})")
         else:
-            # the relay is the backbone this peer stays connected to: see reversal.py for both paths
-            relay_note = (f"a backbone could not dial this peer back; relay: backbone {backbone} at {answering[0]} "
-                          f"(through it this peer is asked to dial senders that can be dialled; a sender behind "
-                          f"NAT too has its streams forwarded by it)")
-        report(True, "reachability", f"{reachability} ({relay_note})")
+            if reachability == "direct":
+                relay_note = "others can dial this peer; no relay is used"
+            else:
+                # the relay is the backbone this peer stays connected to: see reversal.py for both paths
+                relay_note = (f"a backbone could not dial this peer back; relay: backbone {backbone} at "
+                              f"{answering[0]} (through it this peer is asked to dial senders that can be dialled; "
+                              f"a sender behind NAT too has its streams forwarded by it)")
+            report(True, "reachability", f"{reachability} ({relay_note})")
         ram = measure_ram_gb()
         gflops = await asyncio.get_running_loop().run_in_executor(None, measure_gflops)
-        mbps = await measure_bandwidth(node.p2p, backbone, 4 * 2**20, timeout)
-        report(True, "capabilities", f"{ram:.1f} GB RAM, {gflops:.1f} GFLOP/s, {mbps:.0f} Mbit/s to the backbone")
+        try:
+            mbps = await _twice(lambda: measure_bandwidth(node.p2p, backbone, 4 * 2**20, timeout))
+            bandwidth = f"{mbps:.0f} Mbit/s to the backbone"
+        except Exception as e:
+            problems.append("bandwidth not measured")
+            bandwidth = f"bandwidth not measured: the probe to the backbone failed twice ({_reason(e)})"
+        report(True, "capabilities", f"{ram:.1f} GB RAM, {gflops:.1f} GFLOP/s, {bandwidth}")
     finally:
         await stop_node(node)
     if problems:
@@ -72,3 +84,17 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
     else:
         console.print("verdict: can join")
     return 0
+
+
+async def _twice(call: Callable[[], Awaitable[T]]) -> T:
+    """A call that a stream closed without a reply can fail once (a connection reset under it): retry it."""
+    try:
+        return await call()
+    except Exception:
+        return await call()
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, ValueError) and "asingle()" in str(error):
+        return "the stream closed without a reply"  # what hivemind reports as an empty response iterable
+    return f"{type(error).__name__}: {error}"
