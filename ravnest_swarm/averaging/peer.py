@@ -21,7 +21,6 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
-from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
@@ -31,7 +30,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
 from ravnest_swarm.membership.services import check_reachability
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import peer_id_of, start_node, stop_node, store_record
+from ravnest_swarm.transport import maddrs_without_peer_id, peer_id_of, start_node, stop_node, store_record
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +172,7 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
     for record in records:
         if record.get("peer_id") in wanted and record.get("maddrs"):
             peer_id = PeerID.from_base58(record["peer_id"])
-            suffix = f"/p2p/{record['peer_id']}"
-            maddrs = [Multiaddr(m[:-len(suffix)] if m.endswith(suffix) else m) for m in record["maddrs"]]
+            maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
             try:
                 await links_of(node.p2p).connect(peer_id, maddrs, record.get("reachability"))
             except Exception as e:  # the ring's own timeout reports a partner we cannot reach

@@ -21,7 +21,7 @@ from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, relay_stats
 from ravnest_swarm.reversal import links_of, probe_peer
-from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+from ravnest_swarm.transport import maddrs_without_peer_id, peer_id_of, start_node, stop_node
 
 
 async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, total_bytes: int,
@@ -43,7 +43,7 @@ async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, tot
                     raise UserError(f"no peer {peer!r} in run {run!r} within {record_timeout:.0f}s", exit_code=1)
                 await asyncio.sleep(0.5)
         peer_id = PeerID.from_base58(record["peer_id"])
-        maddrs = [Multiaddr(m.split("/p2p/", 1)[0]) for m in record["maddrs"]]
+        maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
         links = links_of(node.p2p)
         started = time.perf_counter()
         route = await links.connect(peer_id, maddrs, record.get("reachability"))
