@@ -118,8 +118,9 @@ class NetLab:
                  cpus: Optional[float] = None):
         if hosts < 1 or hosts > 250:
             raise ValueError("a lab has 1-250 hosts")
-        if cpus is not None and cpu_quota_unavailable():
-            raise RuntimeError(f"a CPU quota per host is not possible here: {cpu_quota_unavailable()}")
+        no_quota = cpu_quota_unavailable() if cpus is not None else None
+        if no_quota:
+            raise RuntimeError(f"a CPU quota per host is not possible here: {no_quota}")
         self.hosts, self.mbps, self.delay_ms, self.ports, self.cpus = hosts, mbps, delay_ms, list(ports), cpus
         #: why the lab runs on loopback (None when it has namespaces)
         self.loopback_reason = namespaces_unavailable() if use_namespaces is not False else "asked for loopback"

@@ -147,13 +147,13 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
     workdir = tempfile.mkdtemp(prefix="ravnest-bench-pipe-")
     group = ProcessGroup(workdir)
     results: Dict[str, Dict] = {}
+    no_quota = cpu_quota_unavailable()
     if cpus_per_stage is None:
-        no_quota = cpu_quota_unavailable()
         cpus_per_stage = 0.0 if no_quota else (os.cpu_count() or 1) / stages
         if no_quota:
             console.print(f"[yellow]no CPU quota per stage ({no_quota}): the stages share the machine's cores[/]")
-    elif cpus_per_stage and cpu_quota_unavailable():
-        raise UserError(f"--cpus-per-stage is not possible here: {cpu_quota_unavailable()}; pass 0 to share the cores")
+    elif cpus_per_stage and no_quota:
+        raise UserError(f"--cpus-per-stage is not possible here: {no_quota}; pass 0 to share the cores")
     with NetLab(stages + 1, mbps=mbps, delay_ms=delay_ms, ports=(40000, 40001, 40002),
                 cpus=cpus_per_stage or None) as lab, Progress(
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
