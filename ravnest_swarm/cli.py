@@ -89,7 +89,10 @@ def join(
     averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
     pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: activations and "
                                                        "gradients between stages as none, float16 or meanstd16."),
-    steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps each stage trains for."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
+                                        "every stage (default 300); every volunteer trains until the run reaches it."),
+    handover_timeout: float = typer.Option(90.0, "--handover-timeout", min=0.0, help="Seconds a leaving peer keeps "
+                                           "serving its layers until another peer has them (then: a checkpoint)."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Write this peer's checkpoint here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
@@ -125,7 +128,8 @@ def join(
         )
         requested = {key: value for key, value in dict(model=model, lr=lr, microbatch_size=microbatch_size,
                                                         max_in_flight=max_in_flight, averaging_period=averaging_period,
-                                                        pipeline_compression=pipeline_compression).items()
+                                                        pipeline_compression=pipeline_compression,
+                                                        steps=steps).items()
                      if value is not None}
         _check_pipeline_compression(pipeline_compression or "none")
         rounds_options = None
@@ -136,7 +140,9 @@ def join(
             rounds_options = RoundOptions(make_workload(model_gb, gflop_per_sample, activation_mb, max_stages),
                                           min_peers, round_period, round_seconds, num_layers)
         console = Console(stderr=True)
-        stop = install_stop_signals()
+        leave_now = asyncio.Event()
+        stop = install_stop_signals(lambda: console.print(f"{name}: stopping...", markup=False, highlight=False),
+                                    again=leave_now)
         membership = Membership(options, console)
         await membership.start()
         if rounds_options is not None:
@@ -147,10 +153,11 @@ def join(
         else:
             from ravnest_swarm.swarm.volunteer import VolunteerOptions, take_part
 
-            volunteer_options = VolunteerOptions(steps=steps, checkpoint_dir=checkpoint_dir,
-                                                 checkpoint_every=checkpoint_every, resume=resume, min_peers=min_peers,
-                                                 round_seconds=round_seconds, max_stages=max_stages)
-            work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console))
+            volunteer_options = VolunteerOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                                                 resume=resume, min_peers=min_peers, round_seconds=round_seconds,
+                                                 round_period=round_period, max_stages=max_stages,
+                                                 handover_timeout=handover_timeout)
+            work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console, leave_now))
         watch = asyncio.create_task(_watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard,
                                                  console=console, me=name))
         try:

@@ -11,12 +11,27 @@ from typing import Awaitable, Callable, Optional
 from ravnest_swarm.errors import UserError
 
 
-def install_stop_signals() -> asyncio.Event:
-    """SIGINT and SIGTERM set the returned event, so the caller can leave cleanly and exit 0."""
+def install_stop_signals(on_stop: Optional[Callable[[], None]] = None,
+                         again: Optional[asyncio.Event] = None) -> asyncio.Event:
+    """SIGINT and SIGTERM set the returned event, so the caller can leave cleanly and exit 0.
+
+    :param on_stop: called at the first signal, at once (to say "stopping..." before any slow cleanup)
+    :param again: set by a second signal, to cut a long cleanup (a hand-over) short
+    """
     stop = asyncio.Event()
+
+    def on_signal():
+        if stop.is_set():
+            if again is not None:
+                again.set()
+            return
+        stop.set()
+        if on_stop is not None:
+            on_stop()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     return stop
 
 
@@ -41,7 +56,27 @@ def run_async(coroutine: Awaitable) -> int:
 async def _cancelled_by_sigterm(coroutine: Awaitable):
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    loop.set_exception_handler(_ignore_cancelled_handlers)
     return await coroutine
+
+
+def _ignore_cancelled_handlers(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Report what asyncio reports, except a stream handler cancelled on purpose or gone.
+
+    hivemind cancels a P2P handler's task when the handler is removed (a stage or the averager stopping);
+    Python 3.11's stream callback then calls ``exception()`` on the cancelled task and asyncio logs that
+    CancelledError as a 14-line ERROR traceback, at every stop. Nothing went wrong, so nothing is said.
+    """
+    from hivemind.p2p.p2p_daemon_bindings.utils import DispatchFailure  # only verbs with a P2P node get here
+
+    exception = context.get("exception")
+    if isinstance(exception, asyncio.CancelledError):
+        return
+    if isinstance(exception, DispatchFailure):
+        # a neighbour's stream for a handler we just removed: the sender sees it closed and re-resolves
+        logging.getLogger(__name__).debug(f"stream for a handler no longer served: {exception}")
+        return
+    loop.default_exception_handler(context)
 
 
 def run_blocking(verb: Callable[[], Optional[int]]) -> int:

@@ -152,6 +152,7 @@ class RunSpecRecord(pydantic.BaseModel):
     max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)
     averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
     pipeline_compression: pydantic.constr(strict=True, regex="^(none|float16|meanstd16)$") = "none"
+    steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)
 

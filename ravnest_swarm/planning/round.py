@@ -42,6 +42,7 @@ from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_f
 logger = logging.getLogger(__name__)
 
 GONE_POLLS = 3
+MIN_GAIN = 0.05  # a new round for standbys only when the greedy plan is this much faster: moving layers costs
 ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=10**9)
 
 
@@ -92,8 +93,9 @@ class RoundTriggers:
     :param round_period: seconds after which a plan is revised anyway (0: never)
     """
 
-    def __init__(self, min_peers: int, round_period: float):
-        self.min_peers, self.round_period = min_peers, round_period
+    def __init__(self, min_peers: int, round_period: float, workload: Optional[Workload] = None):
+        self.min_peers, self.round_period, self.workload = min_peers, round_period, workload
+        self.considered: set = set()  # standbys already weighed for a better plan (each set weighed once)
         self.planned_with: set = set()  # peer ids that took part in the last round adopted
         # peers seen when a round opened whose proposals were not live at its deadline (slow start, a lost
         # renewal): each gets one more round of its own, so a hiccup does not leave it standby for good
@@ -119,6 +121,13 @@ class RoundTriggers:
         new = set(alive) - self.planned_with - members
         if len(new) >= self.min_peers:
             return f"{len(new)} new standby peers"
+        standbys = set(alive) - members
+        if self.workload is not None and standbys - self.considered and members <= set(alive):
+            # one new peer can be enough to add a cluster: weigh the plan with it once, not every poll
+            self.considered |= standbys
+            now, possible = improvement(plan, alive, self.workload)
+            if possible > now * (1 + MIN_GAIN):
+                return f"{len(standbys)} standby peer(s) can raise the swarm's throughput"
         missed = (self.missed & set(alive)) - members - self.retried
         if missed:
             self.retried |= missed
@@ -126,6 +135,28 @@ class RoundTriggers:
         if self.round_period > 0 and time.time() - plan["time"] >= self.round_period:
             return "round period elapsed"
         return None
+
+
+def improvement(plan: dict, alive: Dict[str, Peer], workload: Workload) -> Tuple[float, float]:
+    """The adopted plan's throughput (K x min T) and the greedy plan's over every live peer: a lower bound
+    of what a new round would find, so a round is worth opening when the second is clearly larger."""
+    now = swarm_throughput([[alive[stage["peer_id"]] for stage in cluster] for cluster in plan["clusters"]],
+                           workload)
+    peers = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
+    arrays = SwarmArrays(peers, workload)
+    clusters = assignment_clusters(arrays, greedy_plan(arrays))
+    return now, swarm_throughput([[peers[i] for i in members] for members in clusters], workload)
+
+
+def standby_reason(plan: dict, alive: Dict[str, Peer], workload: Workload) -> str:
+    """Why the live standbys have no slot in ``plan``, in words a volunteer understands."""
+    members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
+    spare_gb = sum(p.ram_gb for i, p in alive.items() if i not in members)
+    clusters = len(plan["clusters"])
+    if spare_gb < workload.model_gb:
+        return (f"the {clusters} cluster(s) are full and the standbys offer {spare_gb:.2f} GB together, "
+                f"{workload.model_gb - spare_gb:.2f} GB short of a new cluster's {workload.model_gb:.2f} GB")
+    return f"the swarm is fastest with {clusters} cluster(s) as planned; a standby would slow its cluster down"
 
 
 class PlanningRounds:
@@ -145,7 +176,7 @@ class PlanningRounds:
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
         self.subkey = RSASignatureValidator().local_public_key
-        self.triggers = RoundTriggers(options.min_peers, options.round_period)
+        self.triggers = RoundTriggers(options.min_peers, options.round_period, options.workload)
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -36,6 +36,9 @@ class RunSpec:
     :param averaging_period: optimizer steps between averaging rounds (H)
     :param pipeline_compression: how stages send activations and gradients (``pipeline.wire.COMPRESSIONS``):
       ``none``, or 16 bits for half the bytes on slow home links (docs/pipeline.md)
+    :param steps: the run's length: optimizer steps every stage trains for. It belongs to the run, not to a
+      volunteer, so peers that join late or replace others train towards the same end, and the run is
+      finished once its placed peers reach it
     :param protocol: wire protocol version; peers of other versions refuse to join
     """
 
@@ -48,6 +51,7 @@ class RunSpec:
     max_in_flight: int = 2
     averaging_period: int = 25
     pipeline_compression: str = "none"
+    steps: int = 300
     protocol: int = PROTOCOL_VERSION
 
     def record(self) -> dict:
@@ -75,6 +79,15 @@ class RunSpec:
             raise UserError(f"this run's spec disagrees with your flags: {', '.join(differences)}; "
                             f"drop the flags to follow the run, or choose another --run", exit_code=1)
         return self
+
+
+def run_finished(spec: RunSpec, peers: List[Dict]) -> bool:
+    """A run is finished when it has placed peers and every one of them reached the run's length.
+
+    ``peers``: live records (``membership.announcer.read_peers``); a leaving peer no longer counts.
+    """
+    placed = [p for p in peers if p["state"] != "leaving" and p.get("cluster") is not None and p["cluster"] >= 0]
+    return bool(placed) and all(p["state"] == "done" and (p.get("step") or 0) >= spec.steps for p in placed)
 
 
 async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:

@@ -22,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shlex
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
@@ -40,13 +43,16 @@ from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
-from ravnest_swarm.planning.round import PlanningRounds, RoundOptions
+from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec import RunSpec, run_finished
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 from ravnest_swarm.transport import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
+
+# where a leave that nobody took the layers from keeps them, when the volunteer has no --checkpoint-dir
+LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", "ravnest-swarm")
 
 Placement = Tuple[int, int, int, Tuple[int, int], int]  # cluster, stage, stages, layers, clusters
 HOLDER_LOOKUPS = 5
@@ -68,28 +74,31 @@ def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple
 
 @dataclass
 class VolunteerOptions:
-    """How this volunteer trains (beyond the run's spec).
+    """How this volunteer trains (beyond the run's spec, which sets the run's length).
 
-    :param steps: optimizer steps each stage trains for (then it keeps serving its layers)
-    :param checkpoint_dir: where this peer's checkpoint lives (None: no checkpoints)
+    :param checkpoint_dir: where this peer's checkpoint lives (None: no checkpoints, except the one a leave
+        that nobody took the layers from writes to :data:`LEAVE_CHECKPOINT_DIR`)
     :param checkpoint_every: steps between checkpoints
     :param resume: start from this peer's checkpoint
     :param min_peers: open the first planning round once this many peers are live
     :param round_seconds: a planning round's length
+    :param round_period: seconds after which a plan is revised anyway (0: never)
     :param max_stages: most stages per cluster
     :param averaging_timeout: seconds a ring waits for its members
     :param transfer_timeout: seconds to fetch one layer from one holder
+    :param handover_timeout: seconds a leaving peer keeps serving its layers for someone to take them
     """
 
-    steps: int = 300
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 50
     resume: bool = False
     min_peers: int = 2
     round_seconds: float = 8.0
+    round_period: float = 600.0
     max_stages: int = 8
     averaging_timeout: float = 20.0
     transfer_timeout: float = 30.0
+    handover_timeout: float = 90.0
 
 
 class Volunteer:
@@ -111,6 +120,8 @@ class Volunteer:
         self.layer_sizes = [sum(p.numel() for p in self.model.build_layer(i).parameters())
                             for i in range(len(self.model.layers))]
         self.worker: Optional[StageWorker] = None
+        self.stopped_worker: Optional[StageWorker] = None  # the last worker stopped: what a leave hands over
+        self._finished = False  # the run reached its length (said once)
         self.held: Optional[Tuple[int, torch.nn.Sequential, int]] = None  # layers of the last stopped worker
         self.placement: Optional[Placement] = None
         self.plan: Optional[dict] = None
@@ -129,8 +140,16 @@ class Volunteer:
             return None
         return os.path.join(self.options.checkpoint_dir, f"{self.run}-{self.name}.safetensors")
 
+    def say(self, text: str) -> None:
+        """One line for the volunteer, literal (names come from the network) and never wrapped mid-line."""
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
     # ------------------------------------------------------------------ main loop
-    async def run_until(self, stop: asyncio.Event) -> None:
+    async def run_until(self, stop: asyncio.Event, leave_now: Optional[asyncio.Event] = None) -> None:
+        """Train until ``stop`` is set, or until the run is finished while we are a standby; then leave.
+
+        :param leave_now: set (a second Ctrl-C) to cut a graceful leave's hand-over short
+        """
         await self.averager.start()
         await self.state_server.start()
         if self.checkpoint_path is not None and os.path.isdir(self.options.checkpoint_dir):
@@ -139,24 +158,30 @@ class Volunteer:
         if self.options.resume:
             self._load_checkpoint_into_cache()
         workload, profile = model_workload(self.model, self.spec, self.options.max_stages)
-        rounds = PlanningRounds(self.node, self.run, self.announcer,
-                                RoundOptions(workload, self.options.min_peers, 0.0, self.options.round_seconds,
-                                             len(self.model.layers), layer_profile=profile),
-                                self.console, on_adopt=self._on_adopt)
-        planner = asyncio.create_task(rounds.run_forever(stop))
+        self.rounds = PlanningRounds(self.node, self.run, self.announcer,
+                                     RoundOptions(workload, self.options.min_peers, self.options.round_period,
+                                                  self.options.round_seconds, len(self.model.layers),
+                                                  layer_profile=profile),
+                                     self.console, on_adopt=self._on_adopt)
+        planner = asyncio.create_task(self.rounds.run_forever(stop))
+        graceful = False
         try:
             while not stop.is_set():
-                waiter = asyncio.create_task(self._adopted.wait())
-                stopper = asyncio.create_task(stop.wait())
-                await asyncio.wait({waiter, stopper}, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel(), stopper.cancel()
                 if self._adopted.is_set():
                     self._adopted.clear()
-                    await self._follow_plan(self.plan)
+                    # a placement may download for a while: a stop must not wait for it
+                    await _until_set(self._follow_plan(self.plan), stop)
+                    continue
+                await _until_set(self._adopted.wait(), stop, timeout=2.0)
                 self._publish_progress()
+                if await self._run_finished() and self.worker is None:
+                    break  # a standby of a finished run has nothing to train and nothing to hold
+            graceful = True
         finally:
             planner.cancel()
             await self._stop_worker()
+            if graceful:
+                await self._hand_over(leave_now or asyncio.Event())
             await self.averager.shutdown()
 
     def _on_adopt(self, plan: dict) -> None:
@@ -181,9 +206,18 @@ class Volunteer:
                 else dict(layers=None, step=None)
             self.announcer.update(state="standby", cluster=-1, stage=None, loss=None, samples_per_s=None, **held)
             await self.announcer.publish()
-            self.console.print(f"{self.name}: standby in plan round {plan['round']}", highlight=False)
+            self.say(f"{self.name}: standby in plan round {plan['round']}: {await self._standby_reason(plan)}")
             return
         await self._start_worker(placement)
+
+    async def _standby_reason(self, plan: dict) -> str:
+        """Why we have no slot, and what would give us one (a round opens for each of these by itself)."""
+        reason = standby_reason(plan, await self.rounds.read_alive(get_dht_time()), self.rounds.options.workload)
+        when = "when a placed peer leaves or more peers join"
+        if self.options.round_period > 0:
+            revision = max(0.0, plan["time"] + self.options.round_period - time.time())
+            when += f", or at the latest in {revision:.0f}s when the plan is revised"
+        return f"{reason}; a round opens {when}"
 
     # ------------------------------------------------------------------ stage workers
     async def _start_worker(self, placement: Placement) -> None:
@@ -192,19 +226,20 @@ class Volunteer:
         # move on the same samples (docs/swarm.md, Train)
         config = StageConfig(run=self.run, stage=stage, stages=stages, model=self.spec.model, layers=layers,
                              cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
-                             microbatches=self.options.steps, max_in_flight=self.spec.max_in_flight,
+                             microbatches=self.spec.steps, max_in_flight=self.spec.max_in_flight,
                              compression=self.spec.pipeline_compression,
                              lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
         worker = StageWorker(config, self.node)
         step = await self._fill_layers(worker.module, layers)
         worker.resume_at(step)
+        self._save_checkpoint(worker)  # layers just fetched are work that a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
         self.worker = worker
         await worker.start()
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
         await self.announcer.publish()
-        self.console.print(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
-                           f"{layers[0]}:{layers[1]} from step {step}", highlight=False)
+        self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
+                           f"{layers[0]}:{layers[1]} from step {step}")
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -213,6 +248,7 @@ class Volunteer:
             return
         # hand the layers to the state server first: others may be fetching them while the worker stops
         self.held, self.worker = (worker.start_layer, worker.module, worker.version), None
+        self.stopped_worker = worker
         await worker.shutdown()
         self.rejected_before += worker.counters.rejected
         for offset, layer in enumerate(worker.module):
@@ -224,9 +260,9 @@ class Volunteer:
         """Load every owned layer from the freshest source; return the step training continues from."""
         start, end = layers
         for attempt in range(HOLDER_LOOKUPS):
+            # a leaving peer counts: it serves the layers it trained until someone has them (_hand_over)
             peers = [p for p in await read_peers(self.node, self.run)
-                     if p["peer_id"] != self.peer_id and p["state"] != "leaving"
-                     and p.get("layers") and p.get("step") is not None]
+                     if p["peer_id"] != self.peer_id and p.get("layers") and p.get("step") is not None]
             covered = all(layer in self.cache or any(p["layers"][0] <= layer < p["layers"][1] for p in peers)
                           for layer in range(start, end))
             if covered or self.plan is None or self.plan["round"] == 1:
@@ -275,7 +311,7 @@ class Volunteer:
                     step = max(step, await download_layers(self.node.p2p, self.run, single, layer, {layer: holders},
                                                            self.options.transfer_timeout, reach=reach))
                 except StateTransferError as e:
-                    self.console.print(f"{self.name}: {e}; keeping this layer's local weights", highlight=False)
+                    self.say(f"{self.name}: {e}; keeping this layer's local weights")
                     step = max(step, advertised[layer])
                 progress.advance(task)
         return step
@@ -313,7 +349,7 @@ class Volunteer:
             result = await self.averager.average(step, local, local_start, rings)
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self.averaging_failures += 1
-            self.console.print(f"{self.name}: averaging at step {step} failed: {type(e).__name__}: {e}", highlight=False)
+            self.say(f"{self.name}: averaging at step {step} failed: {type(e).__name__}: {e}")
             self.announcer.update(state="training", averaging_failures=self.averaging_failures)
             return
         with torch.no_grad():
@@ -322,7 +358,7 @@ class Volunteer:
         self.rejected_before += len(result.rejected)
         if not result.ok:
             self.averaging_failures += 1
-            self.console.print(f"{self.name}: averaging at step {step}: {result.summary()}", highlight=False)
+            self.say(f"{self.name}: averaging at step {step}: {result.summary()}")
         self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
                               averaging_failures=self.averaging_failures)
 
@@ -339,14 +375,79 @@ class Volunteer:
         self.announcer.update(step=version, samples_per_s=round(rate, 3),
                               loss=round(losses[-1][1], 6) if losses else None,
                               rejected=self.rejected_before + worker.counters.rejected)
-        if worker.finished.is_set() or version >= self.options.steps:
+        if worker.finished.is_set() or version >= self.spec.steps:
             # a stage placed after its cluster already trained its steps has nothing left to do
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
-    def _save_checkpoint(self, worker: Optional[StageWorker]) -> None:
-        if worker is None or self.checkpoint_path is None:
+    async def _run_finished(self) -> bool:
+        """Whether the run reached its length (:func:`run_finished`); says so once, when it first sees it."""
+        if self._finished:
+            return True
+        if self.worker is not None and self.announcer.record.get("state") != "done":
+            return False  # we still train: the run cannot be finished
+        if not run_finished(self.spec, await read_peers(self.node, self.run)):
+            return False
+        self._finished = True
+        if self.worker is None:
+            self.say(f"{self.name}: run {self.run} is finished (its stages reached step {self.spec.steps}, "
+                               f"the run's length): nothing left to train, leaving")
+        else:
+            where = f"; checkpoint {self.checkpoint_path}" if self.checkpoint_path else ""
+            self._save_checkpoint(self.worker)
+            self.say(f"{self.name}: run {self.run} is finished: layers {self.worker.start_layer}:"
+                               f"{self.worker.end_layer} trained to step {self.worker.version}{where}; they stay on "
+                               f"offer to others until you stop (Ctrl-C)")
+        return True
+
+    # ------------------------------------------------------------------ leaving
+    async def _hand_over(self, leave_now: asyncio.Event) -> None:
+        """Keep serving the layers we trained until another peer holds them at our step, then return.
+
+        We say ``leaving`` at once (with our layers and step), so the planners replace us at their next poll
+        and the replacement downloads from us (``_fill_layers`` counts a leaving holder too). Bounded by
+        ``handover_timeout`` and by ``leave_now``; nothing to wait for when the run is finished or no live
+        peer is left to take them. If nobody took them, the checkpoint keeps them, and we say how to resume.
+        """
+        worker = self.stopped_worker
+        if worker is None or self._finished:
+            return  # nothing trained here since we started (a resumed checkpoint stays on disk), or nothing to keep
+        start, end, module, step = worker.start_layer, worker.end_layer, worker.module, worker.version
+        self.announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step,
+                              samples_per_s=None)
+        await self.announcer.publish()
+        waiting = f"{self.name}: handing over layers {start}:{end} (step {step}): waiting for a peer to take them " \
+                  f"(Ctrl-C again to leave now)"
+        taker: Optional[List[str]] = None
+        started = time.monotonic()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"),
+                      console=self.console, transient=True) as progress:
+            task = progress.add_task(escape(waiting), total=self.options.handover_timeout, left="")
+            while not leave_now.is_set():
+                elapsed = time.monotonic() - started
+                if elapsed >= self.options.handover_timeout:
+                    break
+                progress.update(task, completed=elapsed, left=f"{self.options.handover_timeout - elapsed:.0f}s left")
+                peers = [p for p in await read_peers(self.node, self.run) if p["peer_id"] != self.peer_id]
+                taker = holders_of(peers, start, end, step)
+                if taker is not None or not any(p["state"] != "leaving" for p in peers):
+                    break  # handed over, or nobody is left who could take them
+                await _until_set(leave_now.wait(), leave_now, timeout=1.0)
+        if taker is not None:
+            self.say(f"{self.name}: layers {start}:{end} handed over at step {step} to {', '.join(taker)}")
             return
-        save_stage(self.checkpoint_path, worker.module, worker.optimizer,
+        path = self.checkpoint_path  # _stop_worker wrote it there; without --checkpoint-dir, write one now
+        if path is None:
+            path = os.path.join(LEAVE_CHECKPOINT_DIR, f"{self.run}-{self.name}.safetensors")
+            self._save_checkpoint(worker, path)
+        self.say(f"{self.name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: "
+                           f"bring them back with `ravnest-swarm join ... --run {self.run} --name "
+                           f"{shlex.quote(self.name)} --checkpoint-dir {shlex.quote(os.path.dirname(path))} --resume`")
+
+    def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
+        path = path or self.checkpoint_path
+        if worker is None or path is None:
+            return
+        save_stage(path, worker.module, worker.optimizer,
                    {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
                     "model": self.spec.model})
 
@@ -365,18 +466,52 @@ class Volunteer:
         # offer them at once: after a restart of the whole swarm, the checkpoints are the only state left
         self.held = (start, module, int(info["step"]))
         self.announcer.update(layers=[start, end], step=int(info["step"]))
-        self.console.print(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})",
+        self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})",
                            highlight=False)
 
 
+def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:
+    """Names of peers (not leaving) whose records together hold every layer of ``start:end`` at ``step`` or
+    later, or None while some layer has no such holder: then a leaving peer's work would be lost."""
+    names = set()
+    for layer in range(start, end):
+        holders = [p["name"] for p in peers if p["state"] != "leaving" and p.get("layers")
+                   and p["layers"][0] <= layer < p["layers"][1] and (p.get("step") or 0) >= step]
+        if not holders:
+            return None
+        names.update(holders)
+    return sorted(names)
+
+
+async def _until_set(awaitable, event: asyncio.Event, timeout: Optional[float] = None) -> None:
+    """Await ``awaitable`` until it is done, ``event`` is set (then cancel it) or ``timeout`` passes."""
+    task, waiter = asyncio.ensure_future(awaitable), asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise task.exception()
+
+
 async def take_part(membership: Membership, requested: Dict, options: VolunteerOptions, stop: asyncio.Event,
-                    console: Console) -> None:
-    """Follow the run's spec (creating it from ``requested`` if the run is new) and train until ``stop``."""
+                    console: Console, leave_now: Optional[asyncio.Event] = None) -> None:
+    """Follow the run's spec (creating it from ``requested`` if the run is new) and train until ``stop``
+    (``leave_now``: cut the hand-over of a graceful leave short) or the end of the run."""
     from ravnest_swarm.swarm.spec import ensure_spec
 
     run = membership.options.run
     spec = await ensure_spec(membership.node, run, requested, stop,
                              on_wait=lambda: console.print(f"waiting as standby: run {run!r} has no spec yet "
                                                            f"(start it with --model)", highlight=False))
-    if spec is not None:
-        await Volunteer(membership, spec, options, console).run_until(stop)
+    if spec is None:
+        return
+    if run_finished(spec, await read_peers(membership.node, run)):
+        console.print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length; nothing left "
+                      f"to train (`ravnest-swarm status` shows who still holds its layers)", markup=False,
+                      highlight=False, soft_wrap=True)
+        return
+    await Volunteer(membership, spec, options, console).run_until(stop, leave_now)

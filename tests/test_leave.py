@@ -1,0 +1,60 @@
+"""A graceful leave hands the leaver's work over: real `join` processes, SIGINT, the standby takes the layers."""
+
+import re
+import signal
+
+import pytest
+import torch
+
+from test_swarm import RUN, checkpoint_layers, placed, swarm  # noqa: F401 (the fixture)
+
+
+@pytest.mark.timeout(300)
+def test_sigint_hands_the_layers_over_to_the_standby_at_the_leavers_step(swarm):
+    # two stages at most per cluster and RAM for 0.6 of the model each: one cluster of two and a standby
+    extra = ("--min-peers", "3", "--max-stages", "2", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra, gflops=20 + 5 * i) for i in range(3)}
+    peers = swarm.watcher.wait_for(lambda peers: len(peers) == 3 and len(placed(peers)) == 2 and
+                                   all((p.get("step") or 0) >= 30 for p in placed(peers).values()),
+                                   200, "one cluster of two past step 30 and a standby")
+    (standby,) = [n for n in peers if n not in placed(peers)]
+    leaver = sorted(placed(peers))[0]
+    volunteers[leaver].signal(signal.SIGINT)
+
+    volunteers[leaver].wait_for_output(rf"{leaver}: stopping\.\.\.", 5, stream="stderr")
+    handed = volunteers[leaver].wait_for_output(
+        rf"{leaver}: layers \d+:\d+ handed over at step (\d+) to (.+)$", 150, stream="stderr")
+    assert volunteers[leaver].wait(30) == 0
+    step = int(handed.group(1))
+    assert standby in handed.group(2).split(", ")
+    assert step >= peers[leaver]["step"] >= 30
+    # the standby continues from the leaver's step, not from 0, with the leaver's own weights
+    volunteers[standby].wait_for_output(rf"{standby}: training cluster \d+ stage \d+/2 layers \d+:\d+ from step {step}\b",
+                                        5, stream="stderr")
+    assert "nobody took" not in volunteers[leaver].stderr()
+    left, left_step = checkpoint_layers(swarm.checkpoints / f"{RUN}-{leaver}.safetensors")
+    taken, taken_step = checkpoint_layers(swarm.checkpoints / f"{RUN}-{standby}.safetensors")
+    assert left_step == taken_step == step
+    common = set(left) & set(taken)
+    assert common, (sorted(left), sorted(taken))
+    for layer in common:
+        for key, tensor in left[layer].items():
+            assert torch.equal(tensor, taken[layer][key]), (layer, key)
+    swarm.watcher.wait_for(lambda peers: leaver not in peers and peers[standby].get("step", 0) > step + 10,
+                           90, "the cluster trains on past the hand-over")
+
+
+@pytest.mark.timeout(200)
+def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_says_how_to_resume(swarm):
+    extra = ("--min-peers", "2", "--max-stages", "2", "--handover-timeout", "10")
+    volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra) for i in range(2)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
+                           all((p.get("step") or 0) >= 10 for p in placed(peers).values()), 150, "a cluster of two")
+    volunteers["p0"].signal(signal.SIGINT)
+    assert volunteers["p0"].wait(40) == 0
+    said = volunteers["p0"].stderr()
+    match = re.search(r"p0: nobody took layers \d+:\d+ \(step (\d+)\); they are saved in (\S+): bring them back with "
+                      r"`ravnest-swarm join \.\.\. --run " + RUN + r" --name p0 --checkpoint-dir \S+ --resume`", said)
+    assert match, said[-2000:]
+    assert match.group(2) == str(swarm.checkpoints / f"{RUN}-p0.safetensors")
+    assert checkpoint_layers(match.group(2))[1] == int(match.group(1))
