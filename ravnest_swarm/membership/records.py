@@ -26,6 +26,12 @@ PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
 MAX_PLAN_STAGES = 4096
+# C0 and C1 control characters (ESC starts a terminal escape sequence, newlines break tables), line and
+# paragraph separators, and the bidirectional overrides and isolates (they make one name look like another):
+# no record string a terminal may show contains one, so a hostile record is dropped rather than drawn. Written
+# as escapes (the body of a regex [...]): validation errors quote the pattern and must not carry the characters
+CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+CONTROL_CHARACTER_RE = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 
 def validate_run_name(run: str) -> str:
@@ -35,6 +41,23 @@ def validate_run_name(run: str) -> str:
             f"invalid run name {run!r}: use 1-48 letters, digits or '-', starting with a letter or digit"
         )
     return run
+
+
+def validate_peer_name(name: str) -> str:
+    """Return ``name`` if others can be shown it as it is (``join --name``), else raise a :class:`UserError`."""
+    if not 0 < len(name) <= MAX_NAME_LEN:
+        raise UserError(f"--name must be 1-{MAX_NAME_LEN} characters, not {len(name)}")
+    found = CONTROL_CHARACTER_RE.search(name)
+    if found:
+        raise UserError(f"--name must not contain control characters: {found.group()!r} at position {found.start()}")
+    return name
+
+
+def _shown_text(min_length: int, max_length: int):
+    """A record string that may be printed: bounded, and without control characters."""
+    # \Z, not $: $ would also match before a final newline
+    return pydantic.constr(strict=True, min_length=min_length, max_length=max_length,
+                           regex=f"^[^{CONTROL_CHARACTERS}]*\\Z")
 
 
 def _bounded_float(lo: float, hi: float):
@@ -48,15 +71,15 @@ class PeerRecord(pydantic.BaseModel):
     Bounds come from DESIGN.md: RAM 0-4096 GB, bandwidth 0-100,000 Mbit/s, compute 0-10^6 GFLOP/s.
     """
 
-    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
-    name: pydantic.constr(strict=True, min_length=1, max_length=MAX_NAME_LEN)
+    peer_id: _shown_text(1, 128)
+    name: _shown_text(1, MAX_NAME_LEN)
     state: pydantic.constr(strict=True, regex="^(" + "|".join(PEER_STATES) + ")$")
     ram_gb: _bounded_float(0.0, 4096.0)
     bandwidth_mbps: _bounded_float(0.0, 100_000.0)
     gflops: _bounded_float(0.0, 1e6)
     reachability: pydantic.constr(strict=True, regex="^(" + "|".join(REACHABILITY) + ")$")
     maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16)
-    version: pydantic.constr(strict=True, max_length=32)
+    version: _shown_text(0, 32)
     time: _bounded_float(0.0, 1e11)
     cluster: Optional[pydantic.conint(strict=True, ge=-1, le=100_000)] = None
     stage: Optional[pydantic.conint(strict=True, ge=-1, le=64)] = None
@@ -68,7 +91,7 @@ class PeerRecord(pydantic.BaseModel):
     averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     rejected: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # poisoned or malformed input refused
-    note: Optional[pydantic.constr(strict=True, max_length=200)] = None
+    note: Optional[_shown_text(0, 200)] = None
 
 
 class StageEndpoint(pydantic.BaseModel):
@@ -89,7 +112,7 @@ class StageEndpoint(pydantic.BaseModel):
 class PlanStage(pydantic.BaseModel):
     """One stage of a cluster in the adopted plan: the peer that serves it and its layers ``[first, last)``."""
 
-    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    peer_id: _shown_text(1, 128)
     layers: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)
 
 
@@ -127,13 +150,13 @@ class RoundProposal(pydantic.BaseModel):
 
     round: pydantic.conint(strict=True, ge=1, le=2**53)
     deadline: _bounded_float(0.0, 1e11)
-    peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
+    peer_id: _shown_text(1, 128)
     ram_gb: _bounded_float(0.0, 4096.0)
     gflops: _bounded_float(0.0, 1e6)
     bandwidth_mbps: _bounded_float(0.0, 100_000.0)
     fitness: _bounded_float(0.0, 1e12)
     clusters: pydantic.conlist(
-        pydantic.conlist(pydantic.constr(strict=True, min_length=1, max_length=128), min_items=1, max_items=64),
+        pydantic.conlist(_shown_text(1, 128), min_items=1, max_items=64),
         max_items=MAX_ROUND_PEERS)
     time: _bounded_float(0.0, 1e11)
 
