@@ -9,8 +9,10 @@ Errors travel back as hivemind ``P2PHandlerError`` with a one-line reason.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 from contextlib import closing
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
 
@@ -79,6 +81,70 @@ def explain_daemon_error(error: Exception, initial_peers: Sequence[Multiaddr]) -
     return UserError(f"p2pd failed to start ({text.strip()}); tried initial peers: {tried}", exit_code=1)
 
 
+def check_identity_file(path: str) -> None:
+    """Raise a :class:`UserError` naming ``path`` unless it is a private key file, or a new file we can create.
+
+    hivemind creates a missing one (an RSA key) and passes an existing one to p2pd, which would stop with
+    "proto: cannot parse invalid wire-format data" for any other file, and a directory ended in a traceback.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(path):
+        if not os.path.isdir(directory):
+            raise UserError(f"identity directory {directory} does not exist: create it or pass another --identity")
+        if not os.access(directory, os.W_OK):
+            raise UserError(f"cannot create --identity {path}: directory {directory} is not writable by this user")
+        return
+    if os.path.isdir(path):
+        raise UserError(f"--identity {path} is a directory: pass the path of a key file (created on the first start)")
+    if not os.path.isfile(path):
+        raise UserError(f"--identity {path} is not a regular file: pass the path of a key file")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read --identity {path} ({e.strerror}): run as the user that owns it, or fix its "
+                        f"permissions")
+    try:
+        PeerID.from_identity(data)
+    except Exception:
+        raise UserError(f"--identity {path} is not a private key file (ravnest-swarm writes an RSA key in libp2p's "
+                        f"format there): pass the right file, or a new path to create one")
+
+
+def check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """Raise a :class:`UserError` for a TCP port of ``host_maddrs`` (other than 0) that is taken on this machine.
+
+    p2pd listens with SO_REUSEPORT, so a second p2pd on a port in use starts "ready" and takes over part of
+    the first one's connections. A plain socket (SO_REUSEADDR only, so connections of a previous run in
+    TIME_WAIT do not count) cannot bind a port another socket listens on.
+    """
+    for text in host_maddrs:
+        maddr = Multiaddr(str(text))
+        try:
+            port = int(maddr["tcp"])
+        except LookupError:
+            continue
+        if port == 0:
+            continue
+        try:
+            host, family = maddr["ip4"], socket.AF_INET
+        except LookupError:
+            try:
+                host, family = maddr["ip6"], socket.AF_INET6
+            except LookupError:
+                continue
+        with closing(socket.socket(family, socket.SOCK_STREAM)) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise UserError(f"--host-maddrs {text}: TCP port {port} is already in use on {host} (another "
+                                    f"backbone or peer?): stop it, or choose another port", exit_code=1)
+                raise UserError(f"cannot listen on --host-maddrs {text} ({e.strerror}): choose another address "
+                                f"or port", exit_code=1)
+
+
 async def start_node(
     initial_peers: Sequence[Multiaddr] = (),
     *,
@@ -102,9 +168,8 @@ async def start_node(
     :param p2p_kwargs: passed to ``hivemind.P2P.create`` (relay and NAT options)
     """
     if identity_path is not None:
-        directory = os.path.dirname(os.path.abspath(identity_path))
-        if not os.path.isdir(directory):
-            raise UserError(f"identity directory {directory} does not exist: create it or pass another --identity")
+        check_identity_file(identity_path)
+    check_ports_free(host_maddrs)
     try:
         p2p = await asyncio.wait_for(
             P2P.create(
@@ -254,6 +319,9 @@ async def read_frames(reader: asyncio.StreamReader, max_bytes: int,
 Reply = Union[runtime_pb2.ExpertResponse, RPCError]
 
 
+INCOMPLETE = "message incomplete"  # how message_reply refuses a stream that stayed silent past its timeout
+
+
 async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaitable[runtime_pb2.ExpertResponse]],
                         timeout: float, on_refused: Optional[Callable[[str], None]] = None,
                         on_broken: Optional[Callable[[], None]] = None) -> Optional[Reply]:
@@ -270,7 +338,7 @@ async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaita
     except ValueError as e:
         reason = str(e)
     except asyncio.TimeoutError:
-        reason = f"message incomplete: no end of stream within {timeout:.0f}s"
+        reason = f"{INCOMPLETE}: no end of stream within {timeout:.0f}s"
     except (asyncio.IncompleteReadError, ConnectionError):
         if on_broken is not None:
             on_broken()

@@ -34,7 +34,7 @@ from ravnest_swarm.pipeline.channel import MessageChannel
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, publish_endpoint
 from ravnest_swarm.pipeline.wire import MessageError, field
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import make_response, message_reply, send_reply
+from ravnest_swarm.transport import INCOMPLETE, make_response, message_reply, send_reply
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ PROGRESS_EVERY = 10
 # it is stale: re-resolve), and one a stage has no room for yet (its stale microbatches are about to be dropped)
 MISADDRESSED = ", but this is run"
 BUSY = "; retry later"
+UNKNOWN_MICROBATCH = "unknown microbatch id"
+# refusals for when or where a message arrived, not for what it holds: honest neighbours cause them (an endpoint
+# gone stale in a new plan, no room yet, a gradient that came after its microbatch was dropped, a stream stalled
+# on a busy machine), so they are counted apart from the malformed or poisoned input that `rejected` counts
+TURNED_AWAY = (MISADDRESSED, BUSY, UNKNOWN_MICROBATCH, INCOMPLETE)
 
 
 @dataclass
@@ -122,7 +127,9 @@ class Counters:
     injected: int = 0
     completed: int = 0
     dropped: int = 0
-    rejected: int = 0
+    rejected: int = 0  # messages refused for what they hold: malformed or poisoned
+    last_rejected: Optional[str] = None  # what the last of them was and why
+    turned_away: int = 0  # messages refused for when or where they arrived (TURNED_AWAY)
     resends: int = 0
     max_staleness: int = 0
     losses: List[Tuple[int, float]] = dataclass_field(default_factory=list)
@@ -183,6 +190,9 @@ class StageWorker:
         self._serving: Set[asyncio.Task] = set()  # one per inbound stream we answer on
         self._stopped = False
         self._active, self._busy_since = 0, 0.0
+        # "progress N/M" lines on stdout, which `bench pipeline` reads from its `stage` processes; a volunteer
+        # shows its progress in its peer record instead (printed, they would scroll under its live view)
+        self.print_progress = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -357,7 +367,7 @@ class StageWorker:
         self.counters.complete_times.append(time.time())
         # weight versions that passed between this microbatch's forward and its update: the staleness
         self.counters.max_staleness = max(self.counters.max_staleness, self.version - 1 - version_at_forward)
-        if self.counters.completed % PROGRESS_EVERY == 0:
+        if self.print_progress and self.counters.completed % PROGRESS_EVERY == 0:
             print(f"progress {self.counters.completed}/{self.config.microbatches}", flush=True)
         self._release_slot()
 
@@ -505,7 +515,11 @@ class StageWorker:
                 return make_response(await handle(metadata, tensors))
 
             def refused(reason: str) -> None:
-                self.counters.rejected += 1
+                if any(marker in reason for marker in TURNED_AWAY):
+                    self.counters.turned_away += 1
+                else:
+                    self.counters.rejected += 1
+                    self.counters.last_rejected = f"{name.rsplit('.', 1)[-1]} from {stream_info.peer_id}: {reason}"
                 logger.warning(f"stage {self.config.stage}: rejected {name} from {stream_info.peer_id}: {reason}")
 
             def broken() -> None:
@@ -593,7 +607,7 @@ class StageWorker:
             return {"ok": True, "duplicate": True}
         pending = self.pending.get(microbatch)
         if pending is None:
-            raise MessageError(f"unknown microbatch id {microbatch}: this stage did not send it forward "
+            raise MessageError(f"{UNKNOWN_MICROBATCH} {microbatch}: this stage did not send it forward "
                                f"(or already dropped it)")
         if len(tensors) != 1:
             raise MessageError(f"a backward message carries 1 tensor (the gradient), got {len(tensors)}")
@@ -613,7 +627,7 @@ class StageWorker:
         c = self.counters
         return dict(stage=self.config.stage, version=self.version, forwards=c.forwards, backwards=c.backwards,
                     injected=c.injected, completed=c.completed, dropped=c.dropped, rejected=c.rejected,
-                    resends=c.resends, max_staleness=c.max_staleness, in_flight=self.in_flight,
+                    turned_away=c.turned_away, resends=c.resends, max_staleness=c.max_staleness, in_flight=self.in_flight,
                     pending=len(self.pending))
 
     # ---------------------------------------------------------------- accounting
@@ -664,6 +678,7 @@ async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, rep
                     save_path: Optional[str] = None) -> Dict:
     """Serve one stage until the run finishes (or ``stop``); write the report and weights if asked."""
     worker = StageWorker(config, node)
+    worker.print_progress = True
     await worker.start()
     print(f"stage {config.stage} of cluster {config.cluster} serving layers {config.layers[0]}:{config.layers[1]} "
           f"as {node.peer_id}", flush=True)
