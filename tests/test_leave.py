@@ -45,7 +45,7 @@ def test_sigint_hands_the_layers_over_to_the_standby_at_the_leavers_step(swarm):
 
 
 @pytest.mark.timeout(200)
-def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_says_how_to_resume(swarm):
+def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_the_cluster_says_what_it_waits_for(swarm):
     extra = ("--min-peers", "2", "--max-stages", "2", "--handover-timeout", "10")
     volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra) for i in range(2)}
     swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
@@ -58,3 +58,6 @@ def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_says_h
     assert match, said[-2000:]
     assert match.group(2) == str(swarm.checkpoints / f"{RUN}-p0.safetensors")
     assert checkpoint_layers(match.group(2))[1] == int(match.group(1))
+    # the stage left behind says what its cluster waits for, once, instead of stalling in silence
+    volunteers["p1"].wait_for_output(r"^p1: cluster 0 is waiting at step \d+: stage \d+ \(layers \d+:\d+\) needs a "
+                                     r"peer with [\d.]+ MB \(its peer is gone", 60, stream="stderr")

@@ -85,6 +85,8 @@ class PeerRecord(pydantic.BaseModel):
     stage: Optional[pydantic.conint(strict=True, ge=-1, le=64)] = None
     layers: Optional[pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)]
     step: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    # [first, last, step] of the stage this peer stopped last: it still serves those layers to others
+    held: Optional[pydantic.conlist(pydantic.conint(strict=True, ge=0, le=2**53), min_items=3, max_items=3)] = None
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None

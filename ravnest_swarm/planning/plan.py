@@ -109,14 +109,19 @@ def parse_peers(entries: Sequence, source: str = "peers") -> List[Peer]:
     return peers
 
 
+def memory(gb: float) -> str:
+    """A memory size people read at a glance: GB for real models, MB for the small built-in ones."""
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.2f} MB"
+
+
 def check_feasible(peers: Sequence[Peer], workload: Workload) -> None:
     """Raise (exit 1) naming the RAM shortfall when not even the D largest-RAM peers can hold the model."""
     usable = sorted((p.ram_gb for p in peers if p.gflops > 0), reverse=True)[: workload.max_stages]
     offered = sum(usable)
     if offered < workload.model_gb:
         raise UserError(
-            f"no feasible cluster: the {len(usable)} computing peer(s) with the most RAM offer {offered:.2f} GB "
-            f"together, {workload.model_gb - offered:.2f} GB short of the model's {workload.model_gb:.2f} GB "
+            f"no feasible cluster: the {len(usable)} computing peer(s) with the most RAM offer {memory(offered)} "
+            f"together, {memory(workload.model_gb - offered)} short of the model's {memory(workload.model_gb)} "
             f"(at most {workload.max_stages} stages per cluster)",
             exit_code=1,
         )

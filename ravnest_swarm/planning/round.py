@@ -37,7 +37,7 @@ from ravnest_swarm.membership.records import (
 from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
-from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_feasible, uniform_layers
+from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_feasible, memory, uniform_layers
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,8 @@ def standby_reason(plan: dict, alive: Dict[str, Peer], workload: Workload) -> st
     spare_gb = sum(p.ram_gb for i, p in alive.items() if i not in members)
     clusters = len(plan["clusters"])
     if spare_gb < workload.model_gb:
-        return (f"the {clusters} cluster(s) are full and the standbys offer {spare_gb:.2f} GB together, "
-                f"{workload.model_gb - spare_gb:.2f} GB short of a new cluster's {workload.model_gb:.2f} GB")
+        return (f"the {clusters} cluster(s) are full and the standbys offer {memory(spare_gb)} together, "
+                f"{memory(workload.model_gb - spare_gb)} short of a new cluster's {memory(workload.model_gb)}")
     return f"the swarm is fastest with {clusters} cluster(s) as planned; a standby would slow its cluster down"
 
 
@@ -182,7 +182,7 @@ class PlanningRounds:
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
 
     def say(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -43,6 +43,7 @@ from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
+from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.reversal import links_of
 from ravnest_swarm.swarm.spec import RunSpec, run_finished
@@ -59,6 +60,7 @@ HOLDER_LOOKUPS = 5
 # a stage holds at most 20 % more than an even split of the model: a volunteer's footprint stays
 # predictable, and losing one peer never costs a cluster much more than its share of the model
 MAX_STAGE_SHARE = 1.2
+STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
 
 
 def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
@@ -133,6 +135,8 @@ class Volunteer:
         self.state_server = LayerStateServer(self.node.p2p, self.run, self._offered_layers)
         self._adopted = asyncio.Event()
         self._last_report = (time.monotonic(), 0)
+        self._progress_seen = (time.monotonic(), -1)  # when our worker's step last changed, and to what
+        self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -158,6 +162,7 @@ class Volunteer:
         if self.options.resume:
             self._load_checkpoint_into_cache()
         workload, profile = model_workload(self.model, self.spec, self.options.max_stages)
+        self.layer_memory_gb = profile[0]
         self.rounds = PlanningRounds(self.node, self.run, self.announcer,
                                      RoundOptions(workload, self.options.min_peers, self.options.round_period,
                                                   self.options.round_seconds, len(self.model.layers),
@@ -169,13 +174,18 @@ class Volunteer:
             while not stop.is_set():
                 if self._adopted.is_set():
                     self._adopted.clear()
-                    # a placement may download for a while: a stop must not wait for it
-                    await _until_set(self._follow_plan(self.plan), stop)
+                    if not await self._run_finished():  # a plan adopted as the run ended would only move layers
+                        # a placement may download for a while: a stop must not wait for it
+                        await _until_set(self._follow_plan(self.plan), stop)
                     continue
                 await _until_set(self._adopted.wait(), stop, timeout=2.0)
                 self._publish_progress()
-                if await self._run_finished() and self.worker is None:
-                    break  # a standby of a finished run has nothing to train and nothing to hold
+                await self._explain_stall()
+                if await self._run_finished():
+                    planner.cancel()  # a finished run has nothing left to place: its peers stay where they are
+                    self._adopted.clear()
+                    if self.worker is None:
+                        break  # a standby of a finished run has nothing to train and nothing to hold
             graceful = True
         finally:
             planner.cancel()
@@ -249,6 +259,8 @@ class Volunteer:
         # hand the layers to the state server first: others may be fetching them while the worker stops
         self.held, self.worker = (worker.start_layer, worker.module, worker.version), None
         self.stopped_worker = worker
+        # say so: a peer placed on these layers in the same round finds them here, not only in the cache
+        self.announcer.update(held=[worker.start_layer, worker.end_layer, worker.version])
         await worker.shutdown()
         self.rejected_before += worker.counters.rejected
         for offset, layer in enumerate(worker.module):
@@ -262,8 +274,8 @@ class Volunteer:
         for attempt in range(HOLDER_LOOKUPS):
             # a leaving peer counts: it serves the layers it trained until someone has them (_hand_over)
             peers = [p for p in await read_peers(self.node, self.run)
-                     if p["peer_id"] != self.peer_id and p.get("layers") and p.get("step") is not None]
-            covered = all(layer in self.cache or any(p["layers"][0] <= layer < p["layers"][1] for p in peers)
+                     if p["peer_id"] != self.peer_id and layer_offers(p)]
+            covered = all(layer in self.cache or any(offered_step(p, layer) is not None for p in peers)
                           for layer in range(start, end))
             if covered or self.plan is None or self.plan["round"] == 1:
                 break  # in the first plan nobody has trained yet: the seeded weights are the state
@@ -272,11 +284,12 @@ class Volunteer:
         remote: Dict[int, List[PeerID]] = {}
         advertised: Dict[int, int] = {}  # layer -> the step its freshest holder's record names
         for layer in range(start, end):
-            holders = sorted((p for p in peers if p["layers"][0] <= layer < p["layers"][1]), key=lambda p: -p["step"])
+            offers = sorted(((offered_step(p, layer), p) for p in peers if offered_step(p, layer) is not None),
+                            key=lambda offer: -offer[0])
             cached = self.cache.get(layer)
-            if holders and (cached is None or holders[0]["step"] > cached[1]):
-                remote[layer] = [PeerID.from_base58(p["peer_id"]) for p in holders]
-                advertised[layer] = holders[0]["step"]
+            if offers and (cached is None or offers[0][0] > cached[1]):
+                remote[layer] = [PeerID.from_base58(p["peer_id"]) for _, p in offers]
+                advertised[layer] = offers[0][0]
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
@@ -379,6 +392,31 @@ class Volunteer:
             # a stage placed after its cluster already trained its steps has nothing left to do
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
+    async def _explain_stall(self) -> None:
+        """When our stage has not stepped for STALL_SECONDS, say what the cluster waits for: the slots of the
+        plan whose peer is gone, and what a peer needs to take them (a round places one as soon as it can)."""
+        worker, plan = self.worker, self.plan
+        if worker is None or plan is None or self.placement is None or worker.version >= self.spec.steps:
+            return
+        now = time.monotonic()
+        if worker.version != self._progress_seen[1]:
+            self._progress_seen = (now, worker.version)
+            return
+        if now - self._progress_seen[0] < STALL_SECONDS:
+            return
+        alive = await self.rounds.read_alive(get_dht_time())
+        cluster = plan["clusters"][self.placement[0]]
+        vacant = [(index, stage) for index, stage in enumerate(cluster) if stage["peer_id"] not in alive]
+        situation = (plan["round"], tuple(index for index, _ in vacant))
+        if not vacant or situation == self._stall_said:
+            return
+        self._stall_said = situation
+        needs = "; ".join(f"stage {index} (layers {stage['layers'][0]}:{stage['layers'][1]}) needs a peer with "
+                          f"{memory(sum(self.layer_memory_gb[stage['layers'][0]:stage['layers'][1]]))}"
+                          for index, stage in vacant)
+        self.say(f"{self.name}: cluster {self.placement[0]} is waiting at step {worker.version}: {needs} "
+                 f"(its peer is gone; a round places a standby or a new volunteer as soon as one can hold it)")
+
     async def _run_finished(self) -> bool:
         """Whether the run reached its length (:func:`run_finished`); says so once, when it first sees it."""
         if self._finished:
@@ -468,6 +506,22 @@ class Volunteer:
         self.announcer.update(layers=[start, end], step=int(info["step"]))
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})",
                            highlight=False)
+
+
+def layer_offers(record: Dict) -> List[Tuple[int, int, int]]:
+    """``(first, last, step)`` of each layer range a peer's record says it gives: its stage's (``layers`` at
+    ``step``) and the stage it stopped last (``held``), which it still serves after moving to other layers."""
+    offers = []
+    if record.get("layers") and record.get("step") is not None:
+        offers.append((record["layers"][0], record["layers"][1], record["step"]))
+    if record.get("held"):
+        offers.append(tuple(record["held"]))
+    return offers
+
+
+def offered_step(record: Dict, layer: int) -> Optional[int]:
+    """The freshest step at which a peer's record offers ``layer``, or None."""
+    return max((step for first, last, step in layer_offers(record) if first <= layer < last), default=None)
 
 
 def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:

@@ -1,0 +1,81 @@
+"""Ctrl-C in a real terminal (tmux): `join` says "stopping..." at once, leaves within 10 s (it trains alone, so
+there is nobody to hand its layers to), keeps them in a checkpoint, prints no traceback and leaves no process."""
+
+import shlex
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from test_swarm import MODEL_GB
+
+RUN = "ctrl-c"
+
+
+def tmux(*args):
+    return subprocess.run(["tmux", *args], capture_output=True, text=True, check=True).stdout
+
+
+def running(processes):
+    """Those still running; an exited peer stays a zombie until tmux reaps it, which counts as exited."""
+    alive = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append((process.pid, process.name()))
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_says_stopping_within_a_second_and_leaves_within_ten(processes, tmp_path):
+    maddr = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone").maddrs()[0]
+    session = f"ravnest-ctrl-c-{int(time.time())}"
+    command = [sys.executable, "-m", "ravnest_swarm", "join", "--initial-peers", maddr, "--run", RUN, "--name", "me",
+               "--model", "mlp-digits", "--steps", "100000", "--min-peers", "1", "--ram-gb", f"{MODEL_GB * 1.5:.9f}",
+               "--gflops", "20", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+               "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    # the pane's shell prints the exit status and stays, so the screen can be read after the peer is gone
+    tmux("new-session", "-d", "-s", session, "-x", "150", "-y", "50", shlex.join(command) + "; echo exit status $?; sleep 60")
+    tree = []
+    try:
+        shell = psutil.Process(int(tmux("display-message", "-p", "-t", session, "#{pane_pid}").strip()))
+        started = time.monotonic()
+        while not [p for p in shell.children() if "ravnest_swarm" in " ".join(p.cmdline())]:
+            assert time.monotonic() - started < 10, "the pane never started the peer"
+            time.sleep(0.1)
+        (join,) = [p for p in shell.children() if "ravnest_swarm" in " ".join(p.cmdline())]
+        deadline = time.monotonic() + 120
+        screen = ""
+        while "training cluster" not in screen:
+            assert time.monotonic() < deadline, f"never trained:\n{screen}"
+            time.sleep(0.5)
+            screen = tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", session)
+        time.sleep(3)
+        tree = [join, *join.children(recursive=True)]  # the peer and its p2pd
+        assert any(p.name() == "p2pd" for p in tree[1:]), [p.name() for p in tree]
+
+        tmux("send-keys", "-t", session, "C-c")
+        pressed = time.monotonic()
+        while "me: stopping..." not in tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", session):
+            assert time.monotonic() - pressed < 1.0, "no 'stopping...' within 1 s of Ctrl-C"
+            time.sleep(0.05)
+        while running(tree):
+            assert time.monotonic() - pressed < 10.0, f"still running 10 s after Ctrl-C: {running(tree)}"
+            time.sleep(0.1)
+        while "exit status" not in tmux("capture-pane", "-p", "-J", "-S", "-300", "-t", session):
+            assert time.monotonic() - pressed < 12.0, "the shell never said the peer's exit status"
+            time.sleep(0.1)
+    finally:
+        screen = subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-300", "-t", session],
+                                capture_output=True, text=True).stdout
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        for process in tree:
+            if running([process]):
+                process.kill()
+    assert "Traceback" not in screen and "Error" not in screen, screen
+    assert "me: nobody took layers 0:9" in screen and "me left run ctrl-c" in screen, screen
+    assert "exit status 0" in screen, screen
