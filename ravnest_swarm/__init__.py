@@ -12,7 +12,8 @@ import sys
 import types
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 1
+# 2: ring members say they reached a round (`arrive` notes) and a ring starts once all have; a peer of 1 never says so
+PROTOCOL_VERSION = 2
 
 
 def _install_light_hivemind_package() -> None:

@@ -5,14 +5,20 @@ with its owners in the other clusters, and the test compares each peer's result 
 computed here from the same seeds.
 """
 
+import asyncio
 import json
 import time
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 from safetensors.torch import load_file
 
+from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.peer import synthetic_layer
+from ravnest_swarm.averaging.segments import Ring
+from ravnest_swarm.reversal import links_of
+from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
 SEED = 7
@@ -152,3 +158,55 @@ def test_lost_replies_and_broken_streams_are_resent_and_counted_once(processes, 
         assert result["ok"], result
         error = (averaged(tmp_path, name) - mean[result["start"]:result["end"]]).abs().max().item()
         assert error <= 1e-5, (name, error)
+
+
+@pytest.mark.timeout(120)
+def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbone):
+    """Two averagers over real P2P in this process, one ring. The second reaches the round 6 s after the first,
+    three times the ring timeout (its cluster trains slower). Asked for patience while it is on its way, the
+    first waits and both average; without patience, the first gives up at the timeout and the late one learns at
+    once that the round is over instead of waiting out a timeout of its own."""
+    ring_timeout, late_by = 2.0, 6.0
+
+    async def scenario(patient: bool):
+        nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+        averagers = [MultiRingAverager(node.p2p, "late", timeout=ring_timeout) for node in nodes]
+        try:
+            for averager in averagers:
+                await averager.start()
+            ids = [node.peer_id.to_base58() for node in nodes]
+            await links_of(nodes[0].p2p).connect(PeerID.from_base58(ids[1]), await nodes[1].p2p.get_visible_maddrs(),
+                                                 "direct")
+            ring = Ring(0, 0, 1000, tuple(ids))
+            values = [torch.full((1000,), float(k)) for k in range(2)]
+            started = time.monotonic()
+            asked = []
+
+            async def patience(step, missing):
+                asked.append(list(missing))
+                return 1.0 if time.monotonic() - started < late_by + 5 else 0.0  # "it is on its way"
+
+            async def late():
+                await asyncio.sleep(late_by)
+                return await averagers[1].average(5, values[1], 0, [ring])
+
+            first, second = await asyncio.gather(
+                averagers[0].average(5, values[0], 0, [ring], patience if patient else None), late())
+            return first, second, values, asked, ids
+        finally:
+            for averager in averagers:
+                await averager.shutdown()
+            for node in nodes:
+                await stop_node(node)
+
+    first, second, values, asked, ids = asyncio.run(scenario(patient=True))
+    assert first.ok and second.ok, (first.summary(), second.summary())
+    assert all(torch.equal(v, torch.full((1000,), 0.5)) for v in values)
+    assert asked and all(missing == [ids[1]] for missing in asked)
+    assert first.seconds >= late_by - 0.5 and second.seconds < ring_timeout  # the late one found everyone there
+
+    first, second, values, asked, ids = asyncio.run(scenario(patient=False))
+    assert first.segments[0].status == "timeout" and "did not reach round 5" in first.segments[0].detail
+    assert ring_timeout - 0.5 <= first.seconds < ring_timeout + 1.5
+    assert second.segments[0].status == "failed" and second.seconds < ring_timeout, second.summary()
+    assert torch.equal(values[0], torch.zeros(1000)) and torch.equal(values[1], torch.ones(1000))  # kept local

@@ -43,7 +43,7 @@ import math
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -66,7 +66,8 @@ STREAMS_PER_STEP = 2  # measured: two streams fill a 100 Mbit/s, 40 ms round-tri
 MAX_STRIPES = 8  # a receiver accepts messages striped over at most this many streams
 CONTROL_TIMEOUT = 2.0
 MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
-REDUCE, GATHER, ABORT = "reduce", "gather", "abort"
+REDUCE, GATHER, ABORT, ARRIVE = "reduce", "gather", "abort", "arrive"
+NOTES = (ABORT, ARRIVE)  # phases that carry no tensor: notes about a ring's members
 MAX_RESENDS = 3  # per message; each waits RESEND_BACKOFF x its number first
 RESEND_BACKOFF = 0.1
 # a stopping peer stays this long after the last ring stream it was sent: a sender whose reply was lost sends
@@ -74,6 +75,11 @@ RESEND_BACKOFF = 0.1
 RESEND_QUIET = 0.5
 # hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
 EMPTY_REPLY = "got an empty iterable"
+ROUND_OVER = "is over here"  # how a peer refuses a message for a round it has finished
+
+# How long a ring waits for a member that has not reached the round yet, beyond the ring timeout: the caller
+# (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
+Patience = Callable[[int, List[str]], Awaitable[float]]
 
 
 class RingAborted(Exception):
@@ -192,12 +198,24 @@ class _Inbox:
 
 
 class _RingState:
-    """What the members of one ring in one round have told us: exclusions and whether it was ended."""
+    """What the members of one ring in one round have told us: who arrived, exclusions, whether it was ended."""
 
     def __init__(self):
+        self.arrived: Set[str] = set()
         self.excluded: Set[str] = set()
         self.failure: Optional[str] = None
-        self.changed = asyncio.Event()
+        self.changed = asyncio.Event()  # exclusions or failure: a running attempt must start over or end
+        self.arrival = asyncio.Event()  # someone new arrived: only the wait before the first attempt cares
+
+    async def news(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for a change or an arrival; whether one came."""
+        waits = [asyncio.create_task(self.changed.wait()), asyncio.create_task(self.arrival.wait())]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return bool(done)
 
 
 class MultiRingAverager:
@@ -306,24 +324,27 @@ class MultiRingAverager:
         async for frame in iterate_frames(reader, self.max_message_bytes):
             if metadata is None:
                 metadata = self._check_metadata(unpack_metadata(frame.metadata))
-                if metadata["phase"] != ABORT:
+                if metadata["phase"] not in NOTES:
                     inbox = self._inbox_for(metadata, sender)
                     if inbox is not None:
                         inbox.join(metadata["stripes"])
                         filling.append(inbox)
-            if metadata["phase"] == ABORT:
-                continue  # an abort carries no tensor
+            if metadata["phase"] in NOTES:
+                continue  # a note carries no tensor
             for part in frame.tensors:
                 if inbox is not None:
                     self._file(inbox, metadata["stripe"], index, part)
                 index += 1
         if metadata is None:
             raise ValueError("empty message: no frames before end of stream")
-        if metadata["phase"] == ABORT:
+        if metadata["phase"] in NOTES:
             step, ring = metadata["step"], metadata["ring"]
             if (step, ring) not in self._rings and len(self._rings) >= MAX_MAILBOX_ENTRIES:
                 raise ValueError("too many rings pending here; retry later")
-            self._on_abort(step, ring, sender, metadata)
+            if metadata["phase"] == ABORT:
+                self._on_abort(step, ring, sender, metadata)
+            else:
+                self._on_arrive(step, ring, sender)
             return make_response({})
         if inbox is not None and not inbox.taken:
             inbox.end_stripe(metadata["stripe"], index)  # a stripe may be empty, the whole message may not
@@ -336,7 +357,7 @@ class MultiRingAverager:
         if key[0] <= self.last_finished_step:
             if key in self._delivered:
                 return None  # the sender lost our reply: acknowledge again, keep nothing
-            raise ValueError(f"round {key[0]} is over here (last finished {self.last_finished_step})")
+            raise ValueError(f"round {key[0]} {ROUND_OVER} (last finished {self.last_finished_step})")
         if key not in self._mailbox and len(self._mailbox) >= MAX_MAILBOX_ENTRIES:
             raise ValueError("too many ring messages waiting here; retry later")
         return self._slot(key)
@@ -369,9 +390,9 @@ class MultiRingAverager:
                 raise ValueError(f"ring message needs '{name}' ({kind.__name__})")
         if metadata["run"] != self.run:
             raise ValueError(f"this peer averages run {self.run!r}, not {metadata['run']!r}")
-        if metadata["phase"] == ABORT and metadata["step"] <= self.last_finished_step:
-            raise ValueError(f"round {metadata['step']} is over here (last finished {self.last_finished_step})")
-        if metadata["phase"] not in (REDUCE, GATHER, ABORT):
+        if metadata["phase"] in NOTES and metadata["step"] <= self.last_finished_step:
+            raise ValueError(f"round {metadata['step']} {ROUND_OVER} (last finished {self.last_finished_step})")
+        if metadata["phase"] not in (REDUCE, GATHER, *NOTES):
             raise ValueError(f"unknown ring phase {metadata['phase']!r}")
         # the mailbox key is built from these: they must be hashable and small
         if not all(isinstance(peer, str) and len(peer) <= 128 for peer in metadata["attempt"]):
@@ -389,6 +410,12 @@ class MultiRingAverager:
 
     def _ring_state(self, step: int, ring: int) -> _RingState:
         return self._rings.setdefault((step, ring), _RingState())
+
+    def _on_arrive(self, step: int, ring: int, sender: str) -> None:
+        state = self._ring_state(step, ring)
+        if sender not in state.arrived:
+            state.arrived.add(sender)
+            state.arrival.set()
 
     def _on_abort(self, step: int, ring: int, sender: str, metadata: dict) -> None:
         state = self._ring_state(step, ring)
@@ -493,6 +520,27 @@ class MultiRingAverager:
                     links.routes.setdefault(peer_id, route)  # PeerLinks forgets a route after a failed call
                 await asyncio.sleep(backoff)
 
+    def _say_arrived(self, step: int, ring: Ring, state: _RingState, deadline: float) -> None:
+        """Tell every other member, in the background, that we reached round ``step``: each starts the ring once
+        all have. A member that refuses it as a round it has finished will never come: that ends the ring."""
+
+        async def tell(member: str) -> None:
+            try:
+                await self._send(member, dict(step=step, ring=ring.index, phase=ARRIVE, position=0, attempt=[]),
+                                 None, deadline)
+            except P2PHandlerError as e:
+                if ROUND_OVER in str(e) and state.failure is None:
+                    state.failure = f"{member[-8:]} is past round {step}"
+                    state.changed.set()
+            except Exception as e:  # unreachable: the wait for its own note, or the ring, runs out of time
+                logger.debug(f"could not tell {member[-8:]} we reached round {step}: {e}")
+
+        for member in ring.members:
+            if member != self.peer_id:
+                task = asyncio.create_task(tell(member))
+                self._control_tasks.add(task)
+                task.add_done_callback(self._control_tasks.discard)
+
     def _tell_ring(self, step: int, ring: Ring, members: Sequence[str], **fields) -> None:
         """Best effort, in the background: the ring's result does not wait for these notes to arrive."""
         metadata = dict(step=step, ring=ring.index, phase=ABORT, position=0, attempt=[], **fields)
@@ -510,13 +558,21 @@ class MultiRingAverager:
 
     # ---- a round ---------------------------------------------------------------------------------------
 
-    async def average(self, step: int, local: torch.Tensor, local_start: int, rings: Sequence[Ring]) -> RoundResult:
+    async def average(self, step: int, local: torch.Tensor, local_start: int, rings: Sequence[Ring],
+                      patience: Optional[Patience] = None) -> RoundResult:
         """Average every segment this peer owns with its owners in the other clusters, all rings at once.
+
+        Each ring first waits for every member to reach the round (each says so to the others as it does):
+        up to the timeout, and then for as long as ``patience`` says a missing member is on its way. Only then
+        does the ring's own timeout start, so a member that trains slower than the others (its cluster is
+        slower, its machine is busy) costs the others a wait, not the round.
 
         :param step: the training step that names this round; every member must use the same one
         :param local: this peer's flat float32 range of the vector; averaged segments are written in place
         :param local_start: the flat-vector index of ``local[0]``
         :param rings: the rings this peer is a member of (see ``segments.rings_of``)
+        :param patience: asked, once the wait for missing members passed the timeout, how many seconds more
+            to wait for them; None gives up then
         """
         if step <= self.last_finished_step:
             raise ValueError(f"step {step} is not after the last averaged step {self.last_finished_step}")
@@ -526,7 +582,7 @@ class MultiRingAverager:
         started = time.monotonic()
         log = _RoundLog()
         results = await asyncio.gather(*(
-            self._run_ring(step, ring, local[ring.start - local_start:ring.end - local_start], started, log)
+            self._run_ring(step, ring, local[ring.start - local_start:ring.end - local_start], started, log, patience)
             for ring in rings
         ))
         self._finish_round(step)
@@ -548,10 +604,14 @@ class MultiRingAverager:
             del self._rings[key]
 
     async def _run_ring(self, step: int, ring: Ring, segment: torch.Tensor, started: float,
-                        log: "_RoundLog") -> SegmentResult:
+                        log: "_RoundLog", patience: Optional[Patience]) -> SegmentResult:
         state = self._ring_state(step, ring.index)
-        deadline = started + self.timeout
+        self._say_arrived(step, ring, state, started + self.timeout)
+        waiting_until = started + self.timeout  # for members that have not reached the round
+        deadline: Optional[float] = None  # the ring's own, from the moment every member is here
         while True:
+            state.changed.clear()  # before looking: a note that comes while we look wakes the wait below
+            state.arrival.clear()
             members = [member for member in ring.members if member not in state.excluded]
             if self.peer_id not in members:
                 return SegmentResult(ring.index, ring.start, ring.end, "excluded", len(members),
@@ -560,7 +620,21 @@ class MultiRingAverager:
                 return SegmentResult(ring.index, ring.start, ring.end, "failed", len(members), state.failure)
             if len(members) < 2:
                 return SegmentResult(ring.index, ring.start, ring.end, "alone", 1, "every other member was excluded")
-            state.changed.clear()
+            missing = [member for member in members if member != self.peer_id and member not in state.arrived]
+            if missing:
+                if await state.news(max(0.0, waiting_until - time.monotonic())):
+                    continue
+                more = await patience(step, missing) if patience is not None else 0.0
+                if more > 0:
+                    waiting_until = time.monotonic() + more
+                    continue
+                reason = (f"{', '.join(member[-8:] for member in missing)} did not reach round {step} within "
+                          f"{time.monotonic() - started:.0f}s")
+                logger.warning(f"ring {ring.index} (elements {ring.start}-{ring.end}) timeout: {reason}")
+                self._tell_ring(step, ring, members, failure=reason)
+                return SegmentResult(ring.index, ring.start, ring.end, "timeout", len(members), reason[:300])
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout
             attempt = asyncio.create_task(self._ring_attempt(step, ring, members, segment, deadline, log))
             interrupted = asyncio.create_task(state.changed.wait())
             try:
