@@ -47,7 +47,7 @@ def test_recorded_swarm_at_80_columns_names_every_peer_and_cluster(recorded):
     for cluster in range(len(last["plan"]["clusters"])):
         assert f"cluster {cluster}" in text
     assert "peers 29" in text and "clusters 4" in text and "plan round 4" in text
-    assert "samples/s" in text and "avg rounds 3 done, 26 averaging now" in text
+    assert "samples/s" in text and "avg rounds 3 done, 1 failed, 26 averaging now" in text
     assert re.search(r"[▁▂▃▄▅▆▇█]{8,}", text), "no loss curve"
     for fragment in ("tokyo-rtx4090 joined", "kiev-gtx1660 is leaving", "porto-desktop replaced kiev-gtx1660",
                      "averaging failed on sao-paulo-pc", "hanoi-laptop vanished", "planning round 4 adopted"):
@@ -127,12 +127,18 @@ def test_new_round_is_one_event_not_a_flood_of_replacements():
     assert state.update(state.peers, plan, at=4) == []
 
 
-def test_averaging_failed_event():
+def test_averaging_failures_and_refusals_are_events_with_their_cause():
     state = SwarmState()
     state.update([peer("a", averaging_failures=0), peer("b", averaging_failures=None)], at=1)
-    events = state.update([peer("a", averaging_failures=2), peer("b", averaging_failures=1)], at=2)
-    assert kinds(events) == ["avg-fail"]
-    assert "a (2 so far)" in events[0].text and "b (1 so far)" in events[0].text
+    events = state.update([peer("a", averaging_failures=2, note="averaging step 40: ring 0 timeout: c did not "
+                                                                "reach round 40 within 20s"),
+                           peer("b", averaging_failures=1, rejected=1, note="refused forward from c: activations "
+                                                                            "holds NaN or Inf")], at=2)
+    assert kinds(events) == ["avg-fail", "avg-fail", "rejected"]
+    assert events[0].text == "averaging failed on a (2 so far): step 40: ring 0 timeout: c did not reach round 40 within 20s"
+    assert events[1].text == "averaging failed on b (1 so far)"  # its note is about something else
+    assert events[2].text == "poisoned or malformed input refused by b (1 so far): forward from c: activations holds NaN or Inf"
+    assert state.totals().averaging_failures == 2  # the most any peer saw, comparable with rounds done
 
 
 def test_totals_and_vacant_planned_slot():
@@ -145,7 +151,7 @@ def test_totals_and_vacant_planned_slot():
     state.update(peers, plan, at=1)
     totals = state.totals()
     # cluster 0's last live stage is stage 0 (stage 1 is vacant): its rate counts, as does cluster 1's
-    assert (totals.peers, totals.clusters, totals.standby, totals.samples_per_s) == (3, 2, 1, 80.0)
+    assert (totals.peers, totals.clusters, totals.placed, totals.standby, totals.samples_per_s) == (3, 2, 2, 1, 80.0)
     assert (totals.averaging_done, totals.averaging_running, totals.averaging_failures, totals.plan_round) == (7, 1, 1, 5)
     assert list(state.losses) == [(1, 2.0)]
     text = render_text(state, 80)
@@ -153,10 +159,57 @@ def test_totals_and_vacant_planned_slot():
 
 
 def test_memory_is_bounded():
-    state = SwarmState(max_events=5, max_losses=3)
+    state = SwarmState(max_events=5, max_losses=3, max_names=4)
     for i in range(20):
         state.update([peer(f"p{i}", loss=float(i))], at=i)
-    assert len(state.events) == 5 and len(state.losses) == 3
+    assert len(state.events) == 5 and len(state.losses) == 3 and list(state.names.values()) == ["p16", "p17", "p18", "p19"]
+
+
+def test_a_read_that_misses_records_keeps_them_until_they_expire():
+    """A DHT read that misses some records (a node holding them did not answer in time, common on a busy
+    machine) is no news: they stay until their own expiration time, so a partial read makes no 'vanished'
+    event, and the next full read no 'joined' one. A stale copy of a record (a node that missed a renewal)
+    does not replace the newer one known."""
+    records = [peer(name, time=100.0, step=10, expires_in=8.0) for name in ("a", "b", "c")]
+    state = SwarmState()
+    state.update(records, at=100)
+    for at, read in ((101, records[:1]), (102, []), (103, records), (104, records[1:])):
+        assert state.update(read, at=at) == [], at
+        assert [p["name"] for p in state.peers] == ["a", "b", "c"] and state.totals().peers == 3
+    assert state.update([dict(records[0], time=105.0, step=20, expires_in=8.0)], at=105) == []
+    assert state.update([dict(records[0], step=10, expires_in=2.0)], at=106) == []  # the stale copy
+    assert state.peers[0]["step"] == 20 and state.peers[0]["expires_in"] == 7.0
+    events = state.update([dict(records[0], time=112.0, step=30, expires_in=8.0)], at=112.5)  # b, c expired at 112
+    assert kinds(events) == ["left", "left"] and all("vanished" in e.text for e in events)
+    assert [p["name"] for p in state.peers] == ["a"] and state.peers[0]["step"] == 30
+
+
+def test_counts_and_planned_slots_come_from_the_adopted_plan():
+    """When a round is adopted, the placed peers' records still say standby for a moment (they fetch their
+    layers first): the round event and the totals count the plan's clusters, and the map names each planned
+    peer in its slot, live ones as starting and gone ones by the name they had."""
+    state = SwarmState()
+    gone = peer("gone", "standby", expires_in=4.0)
+    state.update([peer(name, "standby", expires_in=8.0) for name in ("a", "b", "c")] + [gone], at=100)
+    state.update([peer(name, "standby", expires_in=8.0) for name in ("a", "b", "c")], at=105)  # gone's record expired
+    plan = dict(round=1, time=0.0, clusters=[[dict(peer_id=f"id-{name}", layers=[0, 4]) for name in ("a", "b")],
+                                             [dict(peer_id="id-gone", layers=[0, 4])]])
+    events = state.update([peer(name, "standby", expires_in=8.0) for name in ("a", "b", "c")], plan, at=106)
+    assert [e.text for e in events] == ["planning round 1 adopted: 2 cluster(s), 2 placed, 1 standby"]
+    totals = state.totals()
+    assert (totals.clusters, totals.placed, totals.standby) == (2, 2, 1)
+    text = render_text(state, 80)
+    assert "starting (now spare)" in text and "plan: gone" in text and "outside clusters (1): c (spare)" in text
+    assert state.update(state.peers, None, at=107) == [] and state.plan == plan  # a read that found no plan
+    assert state.update(state.peers, dict(plan, round=0), at=108) == [] and state.plan == plan  # a lagging node's
+
+
+def test_the_loss_curve_leaves_out_finished_peers():
+    state = SwarmState()
+    state.update([peer("a", cluster=0, stage=0, loss=2.0), peer("b", "done", cluster=1, stage=0, loss=9.0)], at=1)
+    state.update([peer("a", "done", cluster=0, stage=0, loss=1.0), peer("b", "done", cluster=1, stage=0, loss=9.0)],
+                 at=2)
+    assert list(state.losses) == [(1, 2.0)]
 
 
 def test_peers_table_fits_80_columns_without_folding_words(recorded):

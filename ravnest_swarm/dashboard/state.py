@@ -4,7 +4,11 @@ The dashboard reads nothing but the ``{run}_peers`` records (what ``read_peers``
 there is one, the adopted ``{run}_plan`` record. Everything it shows is derived here from those
 snapshots: the cluster map, the standby peers, the totals, a loss history and the events between
 two snapshots. Memory stays bounded whatever the run's length: one snapshot is kept for diffing,
-and the loss history and the events are fixed-length deques.
+the loss history and the events are fixed-length deques, and the names of peers seen are capped.
+
+A DHT read can miss records (a node that holds some of them did not answer in time, which a busy
+machine makes common): a read is merged into what is known, and a record missing from it stays until
+its own expiration time passes. So a peer vanishes only when its record really expired.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ import json
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 Slot = Tuple[int, int]  # (cluster, stage)
+# a volunteer's record ``note`` says what last went wrong, starting with one of these
+AVERAGING_NOTE = "averaging"
+REFUSAL_NOTE = "refused"
 
-ACTIVE_STATES = ("training", "averaging", "done")
+TRAINING_STATES = ("training", "averaging")  # the loss curve's peers: a finished ("done") peer's loss is old
 EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected")
 
 
@@ -40,17 +47,20 @@ class Totals:
     """Swarm-wide figures of the latest snapshot (see ``docs/dashboard.md`` for their sources).
 
     :param peers: live peer records, leaving ones included
-    :param clusters: clusters with at least one placed peer
-    :param standby: live peers that hold no cluster slot
+    :param clusters: the adopted plan's clusters (without a plan: clusters with at least one placed peer)
+    :param placed: live peers the adopted plan places (without a plan: live peers that report a slot)
+    :param standby: live peers the adopted plan leaves out (without a plan: live peers that report no slot)
     :param samples_per_s: sum over clusters of the last stage's ``samples_per_s``
-    :param averaging_done: highest ``averaging_rounds`` any peer reports
+    :param averaging_done: highest ``averaging_rounds`` any peer reports (rounds it averaged in full)
     :param averaging_running: peers in state ``averaging`` now
-    :param averaging_failures: sum of the peers' ``averaging_failures``
+    :param averaging_failures: highest ``averaging_failures`` any peer reports (rounds in which one of its
+        rings failed), so that it compares with ``averaging_done``
     :param plan_round: highest planning round seen in the plan record or any peer record
     """
 
     peers: int
     clusters: int
+    placed: int
     standby: int
     samples_per_s: float
     averaging_done: int
@@ -73,11 +83,12 @@ class SwarmState:
     :param run: run name, shown in the title
     :param max_events: events kept (oldest dropped first)
     :param max_losses: loss-history points kept (one per snapshot that has a loss)
+    :param max_names: names of peers seen kept (to name a planned slot whose peer is gone), oldest dropped first
     """
 
-    def __init__(self, run: str = "", max_events: int = 200, max_losses: int = 240):
+    def __init__(self, run: str = "", max_events: int = 200, max_losses: int = 240, max_names: int = 4096):
         self.run = run
-        self.max_events, self.max_losses = max_events, max_losses
+        self.max_events, self.max_losses, self.max_names = max_events, max_losses, max_names
         self.events: Deque[Event] = deque(maxlen=max_events)
         self.losses: Deque[Tuple[float, float]] = deque(maxlen=max_losses)  # (at, mean loss)
         self.peers: List[Dict] = []
@@ -87,22 +98,29 @@ class SwarmState:
         # the last peer seen at each slot, kept while the slot is vacant, so a stand-in that arrives after
         # the old holder's record expired still counts as a replacement; reset by every new round
         self.last_holders: Dict[Slot, Dict] = {}
+        self.expiry: Dict[str, float] = {}  # peer id -> wall-clock time its known record expires
+        self.names: Dict[str, str] = {}  # peer id -> name, most recently seen last
 
     # --- feeding -------------------------------------------------------------------------------
 
     def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None) -> List[Event]:
         """Take a new snapshot; returns the events it caused (also appended to :attr:`events`).
 
-        :param peers: peer records as ``read_peers`` returns them (dicts; ``expires_in`` optional)
-        :param plan: the adopted plan record, or None when none is known
+        :param peers: peer records as ``read_peers`` returns them (dicts). With ``expires_in`` (seconds
+            until the record expires) a record that a later read misses stays until then; without it, it
+            is gone from the next snapshot that lacks it
+        :param plan: the adopted plan record, or None when the read found none (the last one known stays,
+            as does a newer one than an older round read from a lagging node)
         :param at: wall-clock time of the snapshot; now when omitted (recordings pass their own)
         """
         at = time.time() if at is None else at
-        peers = sorted((dict(p) for p in peers), key=lambda p: (p["name"], p["peer_id"]))
-        before_round = self.plan_round()
+        before_round, before_adopted = self.plan_round(), self.adopted_round()
         previous = {p["peer_id"]: p for p in self.peers}
         first = self.snapshots == 0
-        self.peers, self.plan, self.at = peers, plan, at
+        self.peers = self._merge(peers, previous, at)
+        if plan is not None and (self.plan is None or plan["round"] >= self.plan["round"]):
+            self.plan = plan
+        self.at = at
         self.snapshots += 1
 
         new_events = []
@@ -110,19 +128,47 @@ class SwarmState:
             totals = self.totals()
             new_events.append(Event(at, "start", f"watching {totals.peers} peer(s) in {totals.clusters} cluster(s)"))
         else:
-            new_events += self._diff(previous, before_round, at)
+            new_events += self._diff(previous, before_round, before_adopted, at)
         self.events.extend(new_events)
         if self.plan_round() != before_round:
             self.last_holders = {}
         self.last_holders.update({slot: dict(peer_id=p["peer_id"], name=p["name"])
                                   for slot, p in self.slot_holders().items()})
 
-        losses = [p["loss"] for p in peers if p.get("loss") is not None and p["state"] in ACTIVE_STATES]
+        losses = [p["loss"] for p in self.peers if p.get("loss") is not None and p["state"] in TRAINING_STATES]
         if losses:
             self.losses.append((at, sum(losses) / len(losses)))
         return new_events
 
-    def _diff(self, previous: Dict[str, Dict], before_round: Optional[int], at: float) -> List[Event]:
+    def _merge(self, read: Iterable[Dict], known: Dict[str, Dict], at: float) -> List[Dict]:
+        """The live records after a read: what it found, except a copy older than the record known (a node
+        that missed the last renewal), and every known record it missed whose expiration time is still ahead."""
+        merged: Dict[str, Dict] = {}
+        for record in read:
+            peer_id = record["peer_id"]
+            old = known.get(peer_id)
+            if old is not None and old.get("time", 0.0) > record.get("time", 0.0) and self.expiry.get(peer_id, at) > at:
+                merged[peer_id] = dict(old, expires_in=round(self.expiry[peer_id] - at, 1))
+                continue
+            merged[peer_id] = dict(record)
+            if record.get("expires_in") is None:
+                self.expiry.pop(peer_id, None)
+            else:
+                self.expiry[peer_id] = at + record["expires_in"]
+        for peer_id, old in known.items():
+            if peer_id not in merged and self.expiry.get(peer_id, at) > at:
+                merged[peer_id] = dict(old, expires_in=round(self.expiry[peer_id] - at, 1))
+        for peer_id in set(self.expiry) - set(merged):
+            del self.expiry[peer_id]
+        for peer_id, record in merged.items():
+            self.names.pop(peer_id, None)
+            self.names[peer_id] = record["name"]
+        while len(self.names) > self.max_names:
+            del self.names[next(iter(self.names))]
+        return sorted(merged.values(), key=lambda p: (p["name"], p["peer_id"]))
+
+    def _diff(self, previous: Dict[str, Dict], before_round: Optional[int], before_adopted: Optional[int],
+              at: float) -> List[Event]:
         events = []
         current = {p["peer_id"]: p for p in self.peers}
         for peer_id, peer in current.items():
@@ -137,12 +183,12 @@ class SwarmState:
                 # a peer that said "leaving" was already reported; its record expiring is expected
                 events.append(Event(at, "left", f"{old['name']} vanished{_where(old)} (record expired)"))
 
-        now_round = self.plan_round()
-        if now_round is not None and (before_round is None or now_round > before_round):
+        adopted = self.adopted_round()
+        if adopted is not None and (before_adopted is None or adopted > before_adopted):
             totals = self.totals()
-            events.append(Event(at, "round", f"planning round {now_round} adopted: "
-                                             f"{totals.clusters} cluster(s), {totals.standby} standby"))
-        else:
+            events.append(Event(at, "round", f"planning round {adopted} adopted: {totals.clusters} cluster(s), "
+                                             f"{totals.placed} placed, {totals.standby} standby"))
+        if self.plan_round() == before_round and adopted == before_adopted:
             # a new round moves everyone at once; that is reported as the round, not as replacements
             for slot, holder in sorted(self.slot_holders().items()):
                 old = self.last_holders.get(slot)
@@ -150,17 +196,15 @@ class SwarmState:
                     events.append(Event(at, "replaced", f"{holder['name']} replaced {old['name']} "
                                                         f"at cluster {slot[0]} stage {slot[1]}"))
 
-        failed = []
+        # one event per peer, with the cause it gives: several at once are usually one ring's members
         for peer_id, peer in current.items():
-            old = previous.get(peer_id)
-            if old is not None and (peer.get("averaging_failures") or 0) > (old.get("averaging_failures") or 0):
-                failed.append(f"{peer['name']} ({peer['averaging_failures']} so far)")
-        if failed:
-            events.append(Event(at, "avg-fail", "averaging failed on " + ", ".join(failed)))
-        refusing = [f"{peer['name']} ({peer['rejected']} so far)" for peer_id, peer in current.items()
-                    if (peer.get("rejected") or 0) > (previous.get(peer_id, {}).get("rejected") or 0)]
-        if refusing:
-            events.append(Event(at, "rejected", "poisoned or malformed input refused by " + ", ".join(refusing)))
+            old = previous.get(peer_id, {})
+            if old and (peer.get("averaging_failures") or 0) > (old.get("averaging_failures") or 0):
+                events.append(Event(at, "avg-fail", f"averaging failed on {peer['name']} "
+                                                    f"({peer['averaging_failures']} so far){_cause(peer, AVERAGING_NOTE)}"))
+            if (peer.get("rejected") or 0) > (old.get("rejected") or 0):
+                events.append(Event(at, "rejected", f"poisoned or malformed input refused by {peer['name']} "
+                                                    f"({peer['rejected']} so far){_cause(peer, REFUSAL_NOTE)}"))
         return events
 
     # --- derived views ------------------------------------------------------------------------
@@ -189,24 +233,41 @@ class SwarmState:
             clusters.setdefault(cluster, {})[stage] = holders
         return {k: dict(sorted(stages.items())) for k, stages in sorted(clusters.items())}
 
-    def planned_name(self, slot: Slot) -> Optional[str]:
-        """Who the adopted plan put at ``slot``: a live peer's name, else the start of its peer id."""
+    def planned_ids(self) -> Set[str]:
+        """Peer ids the adopted plan places (empty without a plan)."""
+        return {stage["peer_id"] for cluster in (self.plan or {}).get("clusters", []) for stage in cluster}
+
+    def planned_peer(self, slot: Slot) -> Optional[Tuple[str, Optional[Dict]]]:
+        """Who the adopted plan put at ``slot``: its name (else the start of its peer id, for a peer never seen)
+        and its live record (None when it is gone); None when the plan has no such slot."""
         clusters = (self.plan or {}).get("clusters", [])
         cluster, stage = slot
         if cluster >= len(clusters) or stage >= len(clusters[cluster]):
             return None
         peer_id = clusters[cluster][stage]["peer_id"]
-        names = {p["peer_id"]: p["name"] for p in self.peers}
-        return names.get(peer_id, peer_id[:12])
+        live = next((p for p in self.peers if p["peer_id"] == peer_id), None)
+        return self.names.get(peer_id, peer_id[:12]), live
 
     def unplaced(self) -> List[Dict]:
-        """Live peers outside every cluster: standby spares, newcomers still joining, leavers."""
-        return [p for p in self.peers if placement(p) is None]
+        """Live peers outside every cluster: those the adopted plan leaves out (standby spares, newcomers,
+        leavers), or without a plan those whose record names no slot."""
+        if self.plan is None:
+            return [p for p in self.peers if placement(p) is None]
+        planned = self.planned_ids()
+        return [p for p in self.peers if p["peer_id"] not in planned]
 
     def plan_round(self) -> Optional[int]:
         rounds = [p["plan_round"] for p in self.peers if p.get("plan_round") is not None]
         if self.plan is not None and self.plan.get("round") is not None:
             rounds.append(self.plan["round"])
+        return max(rounds) if rounds else None
+
+    def adopted_round(self) -> Optional[int]:
+        """The round the counts come from: the plan record's, or without one the highest a peer reports. A peer
+        that adopted a round before the plan record was read is not the plan: its round event waits for it."""
+        if self.plan is not None:
+            return self.plan["round"]
+        rounds = [p["plan_round"] for p in self.peers if p.get("plan_round") is not None]
         return max(rounds) if rounds else None
 
     def cluster_samples_per_s(self, stages: Dict[int, List[Dict]]) -> Optional[float]:
@@ -217,14 +278,16 @@ class SwarmState:
     def totals(self) -> Totals:
         clusters = {k: v for k, v in self.clusters().items() if any(v.values())}
         rates = [self.cluster_samples_per_s(stages) for stages in clusters.values()]
+        unplaced = self.unplaced()
         return Totals(
             peers=len(self.peers),
-            clusters=len(clusters),
-            standby=len(self.unplaced()),
+            clusters=len(clusters) if self.plan is None else len(self.plan["clusters"]),
+            placed=len(self.peers) - len(unplaced),
+            standby=len(unplaced),
             samples_per_s=sum(r for r in rates if r is not None),
             averaging_done=max((p.get("averaging_rounds") or 0 for p in self.peers), default=0),
             averaging_running=sum(p["state"] == "averaging" for p in self.peers),
-            averaging_failures=sum(p.get("averaging_failures") or 0 for p in self.peers),
+            averaging_failures=max((p.get("averaging_failures") or 0 for p in self.peers), default=0),
             plan_round=self.plan_round(),
         )
 
@@ -233,20 +296,22 @@ class SwarmState:
     def to_json(self) -> Dict:
         """Everything needed to render this state again and to go on diffing from it."""
         return dict(
-            run=self.run, max_events=self.max_events, max_losses=self.max_losses, snapshots=self.snapshots,
-            at=self.at, peers=self.peers, plan=self.plan,
+            run=self.run, max_events=self.max_events, max_losses=self.max_losses, max_names=self.max_names,
+            snapshots=self.snapshots, at=self.at, peers=self.peers, plan=self.plan,
             losses=[list(point) for point in self.losses], events=[asdict(e) for e in self.events],
             last_holders=[[cluster, stage, holder] for (cluster, stage), holder in sorted(self.last_holders.items())],
+            expiry=self.expiry, names=self.names,
         )
 
     @classmethod
     def from_json(cls, data: Dict) -> "SwarmState":
-        state = cls(data.get("run", ""), data["max_events"], data["max_losses"])
+        state = cls(data.get("run", ""), data["max_events"], data["max_losses"], data["max_names"])
         state.snapshots, state.at = data["snapshots"], data["at"]
         state.peers, state.plan = data["peers"], data["plan"]
         state.losses.extend(tuple(point) for point in data["losses"])
         state.events.extend(Event(**e) for e in data["events"])
         state.last_holders = {(cluster, stage): holder for cluster, stage, holder in data["last_holders"]}
+        state.expiry, state.names = dict(data["expiry"]), dict(data["names"])
         return state
 
     @classmethod
@@ -266,3 +331,10 @@ def load_recording(path: str) -> Dict:
 def _where(peer: Dict) -> str:
     slot = placement(peer)
     return "" if slot is None else f" at cluster {slot[0]} stage {slot[1]}"
+
+
+def _cause(peer: Dict, kind: str) -> str:
+    """The cause a peer gives in its record's ``note`` for the last failure or refusal it saw (without the
+    ``kind`` the note starts with), or nothing when its note is of another kind."""
+    note = peer.get("note") or ""
+    return f": {note[len(kind):].lstrip(' :')}" if note.startswith(kind) else ""

@@ -74,10 +74,10 @@ def _totals(state: SwarmState, width: int) -> Text:
     items = [
         f"peers {totals.peers}",
         f"clusters {totals.clusters}",
+        f"placed {totals.placed}",
         f"spares {totals.standby}",
         f"{_rate(totals.samples_per_s)} samples/s",
-        f"avg rounds {totals.averaging_done} done{running}",
-        f"avg failures {totals.averaging_failures}",
+        f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed{running}",
         f"plan round {'-' if totals.plan_round is None else totals.plan_round}",
     ]
     return _pack(items, width, " │ ")
@@ -156,8 +156,12 @@ def _cell(state: SwarmState, slot, holders: Optional[List[Dict]], width: int, me
     if holders is None:
         return Text("")
     if not holders:
-        planned = state.planned_name(slot)
-        return _lines([("(vacant)", "red"), (f"plan: {planned}" if planned else "", "dim")], width)
+        planned = state.planned_peer(slot)
+        if planned is not None and planned[1] is not None:
+            # placed by the plan, alive, not serving the slot yet (fetching its layers, or its record lags)
+            short = STATE_SHORT.get(planned[1]["state"], planned[1]["state"])
+            return _lines([(planned[0], "dim bold"), (f"starting (now {short})", "dim")], width)
+        return _lines([("(vacant)", "red"), (f"plan: {planned[0]}" if planned else "", "dim")], width)
     peer = holders[0]
     style = STATE_STYLES.get(peer["state"], "")
     name_style = f"bold {style} reverse" if peer["name"] == me else f"bold {style}"

@@ -108,10 +108,10 @@ def main() -> None:
                 record["averaging_rounds"] += 1
             if i == 9 and name == "sao-paulo-pc":
                 record["averaging_failures"] += 1
-                record["note"] = "averaging: ring partner timed out"
+                record["note"] = "averaging step 2880: ring 1 timeout: 9f3kQz1c did not reach round 2880 within 20s"
             if i == 12 and name == "sao-paulo-pc":
                 record["rejected"] += 1
-                record["note"] = "averaging step 12: 3/3 segments averaged; rejected 1 poisoned"
+                record["note"] = "refused in ring 1 at step 3840 the contribution of 9f3kQz1c: reduce chunk 0 holds NaN or Inf"
         plan = PlanRecord(round=plan_round, time=START, clusters=[
             [dict(peer_id=peer_id(name), layers=layers[k][s]) for s, name in enumerate(c)]
             for k, c in enumerate(clusters)]).dict()
