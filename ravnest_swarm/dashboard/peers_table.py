@@ -6,6 +6,7 @@ from typing import Dict, List
 
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 # (header, justify): short headers so that the table fits 80 columns with names up to ~16 characters
 COLUMNS = (("name", "left"), ("state", "left"), ("RAM", "right"), ("Mb/s", "right"), ("GF/s", "right"),
@@ -17,10 +18,12 @@ def peers_table(run: str, peers: List[Dict]) -> Table:
 
     The caption names every peer that refused poisoned or malformed input, with its count. Only the
     name column may shrink (cut with an ellipsis, or wrapped at its spaces); every other cell
-    is a short word or number that rich must never fold into fragments.
+    is a short word or number that rich must never fold into fragments. Names (and the caption that
+    lists them) are :class:`Text`, so that rich shows them as they are instead of reading markup in them.
     """
     refusing = [f"{peer['name']} {peer['rejected']}" for peer in peers if peer.get("rejected")]
-    caption = f"refused poisoned or malformed input: {', '.join(refusing)}" if refusing else None
+    caption = (Text(f"refused poisoned or malformed input: {', '.join(refusing)}", style="table.caption")
+               if refusing else None)
     table = Table(title=f"run {run}: {len(peers)} peer(s)", caption=caption, box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1, 0, 0), expand=False)
     for header, justify in COLUMNS:
@@ -31,7 +34,7 @@ def peers_table(run: str, peers: List[Dict]) -> Table:
         placement = "-" if peer.get("cluster") is None else f"{peer['cluster']}/{peer.get('stage')}"
         loss = "-" if peer.get("loss") is None else f"{peer['loss']:.3f}"
         table.add_row(
-            peer["name"],
+            Text(peer["name"]),
             peer["state"],
             f"{peer['ram_gb']:.1f}",
             f"{peer['bandwidth_mbps']:.0f}",
