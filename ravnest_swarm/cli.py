@@ -16,17 +16,39 @@ from rich.console import Console
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async, run_blocking
 
+# click's plain help, not typer's rich panels: typer 0.29's panels show every flag as taking a value
+# ("--verbose <bool>", even "--help <bool>")
+HELP_SETTINGS = dict(rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]})
 app = typer.Typer(
     help="Train one neural network together on volunteers' computers (Ravnest + DeDLOC over hivemind).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    **HELP_SETTINGS,
 )
-bench_app = typer.Typer(help="Benchmarks: JSON figures, comparisons run side by side in one process.",
-                        no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: JSON figures, comparisons run side by side in one process.\n\n"
+                             "\b\nExample:\n  ravnest-swarm bench pipeline --json",
+                        no_args_is_help=True, **HELP_SETTINGS)
 app.add_typer(bench_app, name="bench")
 
+
+def _print_version(requested: bool) -> None:
+    if requested:
+        from ravnest_swarm import __version__
+
+        print(f"ravnest-swarm {__version__}")
+        raise typer.Exit()
+
+
+# the top-level options, before any verb
+@app.callback()
+def _top_level(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                            help="Print the version and exit.")):
+    pass
+
+
 InitialPeers = typer.Option(..., "--initial-peers", help="Full multiaddr of a backbone (/ip4/.../tcp/PORT/p2p/ID); repeatable.")
+Verbose = typer.Option(False, "--verbose", help="Show hivemind's info and warning lines too, not only its errors.")
 
 
 def _initial_peers(values: List[str]):
@@ -43,9 +65,14 @@ def backbone(
     initial_peers: Optional[List[str]] = typer.Option(None, "--initial-peers", help="Other backbones to join."),
     run: Optional[List[str]] = typer.Option(None, "--run", help="Also validate this run's records in our storage; repeatable."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for p2pd and initial peers."),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
-    """Run a backbone peer: a DHT node and relay with a stable identity. Prints its multiaddrs, one per line."""
+    """Run a backbone peer: a DHT node and relay with a stable identity. Prints its multiaddrs, one per line.
+
+    \b
+    Example:
+      ravnest-swarm backbone --identity ./backbone.key --announce-maddrs /ip4/203.0.113.5/tcp/31337
+    """
     configure_logging(verbose)
 
     async def main():
@@ -74,14 +101,15 @@ def join(
     host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain log lines instead of a live view."),
-    model_gb: Optional[float] = typer.Option(None, "--model-gb", help="Take part in planning rounds for a model needing this many GB."),
-    gflop_per_sample: float = typer.Option(1.0, "--gflop-per-sample", help="Planning: forward+backward GFLOP per sample."),
-    activation_mb: float = typer.Option(0.0, "--activation-mb", help="Planning: activations between stages per sample, MB."),
+    # the planner test mode's options (docs/planning.md), hidden from volunteers
+    model_gb: Optional[float] = typer.Option(None, "--model-gb", hidden=True, help="Take part in planning rounds for a model needing this many GB."),
+    gflop_per_sample: float = typer.Option(1.0, "--gflop-per-sample", hidden=True, help="Planning: forward+backward GFLOP per sample."),
+    activation_mb: float = typer.Option(0.0, "--activation-mb", hidden=True, help="Planning: activations between stages per sample, MB."),
     max_stages: int = typer.Option(8, "--max-stages", min=1, max=64, help="Planning: most peers per cluster."),
     min_peers: int = typer.Option(2, "--min-peers", min=1, help="Planning: open a round once this many unplanned peers are live."),
     round_period: float = typer.Option(600.0, "--round-period", min=0.0, help="Planning: revise the plan after this many seconds (0: never)."),
     round_seconds: float = typer.Option(10.0, "--round-seconds", min=3.0, help="Planning: seconds from a round's opening to its deadline."),
-    num_layers: int = typer.Option(32, "--num-layers", min=1, help="Planning: identical layers cut into stage ranges."),
+    num_layers: int = typer.Option(32, "--num-layers", min=1, hidden=True, help="Planning: identical layers cut into stage ranges."),
     model: Optional[str] = typer.Option(None, "--model", help="Start the run with this zoo model if it has no spec yet (mlp-digits, gpt-tiny)."),
     lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="Run spec: learning rate."),
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
@@ -97,18 +125,24 @@ def join(
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
     """Join a run as a volunteer: measure, advertise, get placed, train a stage, average, leave on Ctrl-C/SIGTERM.
 
     Without --model the peer follows the run's spec, waiting as a standby until someone starts the run.
-    With --model-gb it only takes part in planning rounds (a planner test mode; it trains nothing).
+    The options of the planner test mode, in which a peer only takes part in planning rounds (--model-gb
+    and others), are hidden: see docs/planning.md.
+
+    \b
+    Example:
+      ravnest-swarm join --run demo --name my-pc \\
+          --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
     """
     configure_logging(verbose)
 
     async def main():
         from ravnest_swarm.membership.capabilities import check_override
-        from ravnest_swarm.membership.records import MAX_NAME_LEN, validate_run_name
+        from ravnest_swarm.membership.records import validate_peer_name, validate_run_name
         from ravnest_swarm.membership.volunteer import JoinOptions, Membership
         from ravnest_swarm.transport import parse_maddrs
 
@@ -116,8 +150,9 @@ def join(
         for flag, value in (("ram-gb", ram_gb), ("max-ram-gb", max_ram_gb), ("gflops", gflops),
                             ("bandwidth-mbps", bandwidth_mbps)):
             check_override(flag, value)
-        if not 0 < len(name) <= MAX_NAME_LEN:
-            raise UserError(f"--name must be 1-{MAX_NAME_LEN} characters")
+        validate_peer_name(name)
+        if model is not None:
+            _check_model(model)
         parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
         if resume and checkpoint_dir is None:
             raise UserError("--resume needs --checkpoint-dir")
@@ -171,7 +206,7 @@ def join(
             for task in (work, watch):
                 task.cancel()
             await membership.leave()
-        console.print(f"{name} left run {run}")
+        console.print(f"{name} left run {run}", markup=False, highlight=False)
 
     sys.exit(run_async(main()))
 
@@ -198,7 +233,8 @@ async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live:
         peers = await read_peers(node, run)
         names = sorted(f"{p['name']}:{p['state']}" for p in peers)
         if names != last_names:
-            console.print(f"{me or 'observer'} sees {len(peers)} peer(s): {', '.join(names)}", highlight=False)
+            console.print(f"{me or 'observer'} sees {len(peers)} peer(s): {', '.join(names)}", markup=False,
+                          highlight=False, soft_wrap=True)
             last_names = names
         await wait()
 
@@ -210,9 +246,15 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document and exit."),
     watch: bool = typer.Option(False, "--watch", help="The live dashboard (docs/dashboard.md) until Ctrl-C."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
-    """Observe a run (DHT client, trains nothing): a table of its peers, --json, or --watch."""
+    """Observe a run (DHT client, trains nothing): a table of its peers, --json, or --watch.
+
+    \b
+    Example:
+      ravnest-swarm status --run demo --watch \\
+          --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
+    """
     configure_logging(verbose)
 
     async def main():
@@ -253,16 +295,19 @@ def local(
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="No live dashboard."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
 ):
-    """Run a whole swarm here: a backbone and N volunteers on 127.0.0.1, with the dashboard; Ctrl-C stops all."""
+    """Run a whole swarm here: a backbone and N volunteers on 127.0.0.1, with the dashboard; Ctrl-C stops all.
+
+    \b
+    Example:
+      ravnest-swarm local --peers 4 --steps 100 --checkpoint-dir ./ckpt
+    """
     configure_logging(False)
 
     async def main():
-        from ravnest_swarm.models import MODELS
         from ravnest_swarm.swarm.local import LocalOptions, run_local
         from ravnest_swarm.swarm.spec import RunSpec
 
-        if model not in MODELS:
-            raise UserError(f"unknown model {model!r}: choose one of {', '.join(MODELS)}")
+        _check_model(model)
         _check_pipeline_compression(pipeline_compression)
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit,
                                spec=RunSpec(model=model, averaging_period=averaging_period,
@@ -283,9 +328,15 @@ def probe(
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
-    """Send a tensor to a peer over the route a stage would use (direct, reversal, forwarding); one JSON line."""
+    """Send a tensor to a peer over the route a stage would use (direct, reversal, forwarding); one JSON line.
+
+    \b
+    Example:
+      ravnest-swarm probe --run demo --peer my-pc \\
+          --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
+    """
     configure_logging(verbose)
 
     async def main():
@@ -307,9 +358,14 @@ def probe(
 def doctor(
     initial_peers: List[str] = InitialPeers,
     timeout: float = typer.Option(10.0, "--timeout", min=1.0),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
-    """Preflight before joining: p2pd, initial peers, reachability, capabilities, and a verdict (exit 0/1)."""
+    """Preflight before joining: p2pd, initial peers, reachability, capabilities, and a verdict (exit 0/1).
+
+    \b
+    Example:
+      ravnest-swarm doctor --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
+    """
     configure_logging(verbose)
 
     async def main():
@@ -332,7 +388,12 @@ def plan(
     num_layers: int = typer.Option(32, "--num-layers", min=1, help="Identical layers to split into stages."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ):
-    """Plan clusters offline for a list of peers: greedy seed, island GA, fractions and layer ranges."""
+    """Plan clusters offline for a list of peers: greedy seed, island GA, fractions and layer ranges.
+
+    \b
+    Example:
+      ravnest-swarm plan peers.json --model-gb 20 --gflop-per-sample 40 --activation-mb 0.5
+    """
     configure_logging(False)
 
     async def main():
@@ -357,7 +418,12 @@ def bench_plan(
     time_limit: float = typer.Option(15.0, "--time-limit", min=0.1, help="Seconds the GA may run per swarm."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
-    """Plan time and quality on generated swarms of 100, 1,000 and 10,000 peers: GA, greedy, random restarts."""
+    """Plan time and quality on generated swarms of 100, 1,000 and 10,000 peers: GA, greedy, random restarts.
+
+    \b
+    Example:
+      ravnest-swarm bench plan --json
+    """
     configure_logging(False)
     from ravnest_swarm.planning.bench import run_bench_plan
 
@@ -372,7 +438,12 @@ def bench_quality(
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Swarm runs (and baseline seeds) averaged."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Swarm held-out accuracy beside a single process trained on as many samples; per-peer memory share."""
+    """Swarm held-out accuracy beside a single process trained on as many samples; per-peer memory share.
+
+    \b
+    Example:
+      ravnest-swarm bench quality --peers 6 --steps 300 --json
+    """
     configure_logging(False)
     from ravnest_swarm.swarm.quality_bench import bench_quality as run
 
@@ -387,7 +458,12 @@ def bench_membership(
     churn_period: float = typer.Option(3.0, "--churn-period", min=0.5, help="Seconds between kill+restart."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Load and churn: N volunteers on one backbone; convergence, DHT get latency, backbone memory."""
+    """Load and churn: N volunteers on one backbone; convergence, DHT get latency, backbone memory.
+
+    \b
+    Example:
+      ravnest-swarm bench membership --peers 24 --churn-seconds 60 --json
+    """
     configure_logging(False)
     from ravnest_swarm.membership.load_bench import bench_membership as run
 
@@ -400,7 +476,12 @@ def bench_backbone(
     volunteers: int = typer.Option(3, "--volunteers", min=0, help="Volunteers joined to the backbone while measuring."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Backbone memory (PSS of all its processes, p2pd included) beside a plain hivemind.DHT, in one run."""
+    """Backbone memory (PSS of all its processes, p2pd included) beside a plain hivemind.DHT, in one run.
+
+    \b
+    Example:
+      ravnest-swarm bench backbone --volunteers 3 --json
+    """
     configure_logging(False)
     from ravnest_swarm.membership.bench import bench_backbone as run
 
@@ -418,7 +499,12 @@ def bench_averaging(
     timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds one ring may take."),
     as_json: bool = typer.Option(False, "--json", help="Last line: one JSON object with the figures."),
 ):
-    """Multi-ring all-reduce vs hivemind's DecentralizedAverager vs one ring, same peers and emulated links."""
+    """Multi-ring all-reduce vs hivemind's DecentralizedAverager vs one ring, same peers and emulated links.
+
+    \b
+    Example:
+      ravnest-swarm bench averaging --clusters 3 --stages 2 --size-mb 64 --json
+    """
     configure_logging(False)
     from ravnest_swarm.averaging.bench import bench_averaging as run
 
@@ -448,7 +534,7 @@ def averaging_peer(
     host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
     bench_config: Optional[str] = typer.Option(None, "--bench-config", help="Run the timed phases of `bench averaging` (config file it wrote)."),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
     """Test and benchmark peer: a synthetic model range, one multi-ring averaging round, a JSON line."""
     configure_logging(verbose)
@@ -480,7 +566,12 @@ def bench_nat(
     mbps: Optional[float] = typer.Option(None, "--mbps", min=0.1, help="Shape every access link (default unshaped)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Direct vs connection reversal vs backbone forwarding, behind real NAT in namespaces (root)."""
+    """Direct vs connection reversal vs backbone forwarding, behind real NAT in namespaces (root).
+
+    \b
+    Example:
+      sudo ravnest-swarm bench nat --size-mb 32 --repeats 2 --json
+    """
     configure_logging(False)
     from ravnest_swarm.natbench import bench_nat as run
 
@@ -504,7 +595,12 @@ def bench_pipeline(
                                                    "host may use (default: the machine's cores / stages; 0: no limit)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Async pipeline vs a synchronous GPipe-style schedule on emulated links; busy time, throughput, P2P vs TCP."""
+    """Async pipeline vs a synchronous GPipe-style schedule on emulated links; busy time, throughput, P2P vs TCP.
+
+    \b
+    Example:
+      ravnest-swarm bench pipeline --stages 4 --compression float16 --json
+    """
     configure_logging(False)
     from ravnest_swarm.pipeline.bench import bench_pipeline as run
     from ravnest_swarm.pipeline.wire import COMPRESSIONS
@@ -549,7 +645,7 @@ def stage(
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
-    verbose: bool = typer.Option(False, "--verbose"),
+    verbose: bool = Verbose,
 ):
     """One pipeline stage (the building block `join` runs after planning): serves its layers until the run ends."""
     configure_logging(verbose)
@@ -596,6 +692,13 @@ def main() -> None:
         app(standalone_mode=False)
     except click_exceptions.NoArgsIsHelpError:
         sys.exit(0)
+def _check_model(name: str) -> None:
+    from ravnest_swarm.models import MODELS
+
+    if name not in MODELS:
+        raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+
+
     except click_exceptions.UsageError as e:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
         print(f"error: {e.format_message()}{hint}", file=sys.stderr)

@@ -1,6 +1,9 @@
 """The CLI's contract: help for every verb, and bad input as one clear line with a non-zero exit."""
 
+import json
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -9,7 +12,9 @@ import threading
 import pytest
 
 DEAD_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt"
-VERBS = ["backbone", "join", "status", "doctor", "bench"]
+VERBS = ["backbone", "join", "status", "local", "probe", "doctor", "plan", "bench", "bench plan", "bench quality",
+         "bench membership", "bench backbone", "bench averaging", "bench nat", "bench pipeline"]
+PLANNER_TEST_OPTIONS = ["--model-gb", "--gflop-per-sample", "--activation-mb", "--num-layers"]
 
 
 def cli(*args, timeout=90):
@@ -36,9 +41,32 @@ def free_port():
 
 @pytest.mark.parametrize("verb", [None] + VERBS)
 def test_help_of_every_verb(verb):
-    result = cli(*([verb] if verb else []), "--help")
+    """-h is --help; every verb shows an example; flags show no value type (typer's panels said --verbose <bool>)."""
+    words = verb.split() if verb else []
+    result = cli(*words, "-h")
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+    assert result.stdout == cli(*words, "--help").stdout
+    if verb:
+        assert re.search(r"^  Example:\n    (sudo )?ravnest-swarm ", result.stdout, re.MULTILINE), result.stdout
+    assert "<bool>" not in result.stdout
+    assert re.search(r"^  -h, --help +Show this message and exit\.$", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_version():
+    from ravnest_swarm import __version__
+
+    result = cli("--version")
+    assert (result.returncode, result.stdout) == (0, f"ravnest-swarm {__version__}\n")
+
+
+def test_bool_flags_render_as_flags_and_planner_test_options_are_hidden():
+    text = cli("join", "--help").stdout
+    for flag in ("--verbose", "--no-dashboard", "--resume"):
+        assert re.search(rf"^  {flag}(  +\S|$)", text, re.MULTILINE), text  # the flag, then its help: no value
+    assert re.search(r"^  --heartbeat <float range> ", text, re.MULTILINE)  # an option with a value says its type
+    for option in PLANNER_TEST_OPTIONS:
+        assert not re.search(rf"^  {option} ", text, re.MULTILINE), option
 
 
 def test_malformed_multiaddr_is_one_line():
@@ -88,6 +116,82 @@ def test_initial_peer_that_never_answers_times_out():
         server.close()
     assert_one_line_error(result, maddr, code=1)
     assert re.search(r"could not reach|no answer|did not answer", result.stderr)
+
+
+@pytest.mark.parametrize("verb", ["join", "local"])
+def test_unknown_model_is_refused_before_anything_starts(verb):
+    peer_flags = ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a"] if verb == "join" else []
+    result = cli(verb, *peer_flags, "--model", "resnet50", timeout=30)
+    assert_one_line_error(result, "unknown model 'resnet50': choose one of mlp-digits, gpt-tiny", code=2)
+    assert "measur" not in result.stderr.lower()
+
+
+@pytest.mark.parametrize("name, shown", [("bell\x07", r"'\x07' at position 4"), ("two\nlines", r"'\n' at position 3"),
+                                         ("esc\x1b[2J", r"'\x1b' at position 3"), ("bidi\u202eevil", r"'\u202e'")])
+def test_name_with_control_characters(name, shown):
+    result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", name)
+    assert_one_line_error(result, "--name must not contain control characters", shown, code=2)
+
+
+def bad_identity(kind, tmp_path):
+    """A path for --identity that is not a key file, and the command prefix needed to make it unreadable."""
+    path = tmp_path / f"{kind}.key"
+    if kind == "garbage":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "text":
+        path.write_text("my backbone's key\n")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"secret")
+        path.chmod(0)
+    prefix = []
+    if kind == "unreadable" and os.geteuid() == 0:
+        # root reads any file: drop the capabilities that let it, for the command only
+        if shutil.which("setpriv") is None:
+            pytest.skip("root, and no setpriv to drop CAP_DAC_OVERRIDE")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    return str(path), prefix
+
+
+@pytest.mark.parametrize("verb", ["backbone", "join"])
+@pytest.mark.parametrize("kind, what", [("garbage", "is not a private key file"), ("text", "is not a private key file"),
+                                        ("directory", "is a directory"), ("unreadable", "Permission denied")])
+def test_bad_identity_file_is_one_line(verb, kind, what, tmp_path):
+    path, prefix = bad_identity(kind, tmp_path)
+    flags = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", path]
+    if verb == "join":
+        flags += ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a"]
+    result = subprocess.run([*prefix, sys.executable, "-m", "ravnest_swarm", verb, *flags], capture_output=True,
+                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert_one_line_error(result, f"--identity {path}", what, code=2)
+
+
+@pytest.mark.timeout(120)
+def test_second_backbone_on_a_port_in_use_refuses_and_the_first_still_answers(processes):
+    port = free_port()
+    first = processes.start(["backbone", "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"], "first")
+    maddr = first.maddrs()[0]
+    for taken in (f"/ip4/127.0.0.1/tcp/{port}", f"/ip4/0.0.0.0/tcp/{port}"):
+        second = cli("backbone", "--host-maddrs", taken, timeout=60)
+        assert_one_line_error(second, f"--host-maddrs {taken}: TCP port {port} is already in use", code=1)
+    joiner = cli("join", "--initial-peers", maddr, "--run", "r", "--name", "a", "--host-maddrs",
+                 f"/ip4/127.0.0.1/tcp/{port}", timeout=60)
+    assert_one_line_error(joiner, f"TCP port {port} is already in use", code=1)
+    result = cli("status", "--initial-peers", maddr, "--run", "r", "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["peers"] == []
+
+
+@pytest.mark.timeout(120)
+def test_status_of_a_run_nobody_is_in(backbone):
+    result = cli("status", "--initial-peers", backbone, "--run", "nobody-here", timeout=60)
+    assert_one_line_error(result, "no peer of run nobody-here is live", "check the name", code=1)
+    assert result.stdout == ""
+    result = cli("status", "--initial-peers", backbone, "--run", "nobody-here", "--json", timeout=60)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert (document["run"], document["peers"]) == ("nobody-here", [])
 
 
 def test_missing_identity_directory():
