@@ -679,6 +679,13 @@ def stage(
     sys.exit(run_async(main()))
 
 
+def _check_model(name: str) -> None:
+    from ravnest_swarm.models import MODELS
+
+    if name not in MODELS:
+        raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+
+
 def _check_pipeline_compression(name: str) -> None:
     from ravnest_swarm.pipeline.wire import COMPRESSIONS
 
@@ -692,13 +699,6 @@ def main() -> None:
         app(standalone_mode=False)
     except click_exceptions.NoArgsIsHelpError:
         sys.exit(0)
-def _check_model(name: str) -> None:
-    from ravnest_swarm.models import MODELS
-
-    if name not in MODELS:
-        raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
-
-
     except click_exceptions.UsageError as e:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
         print(f"error: {e.format_message()}{hint}", file=sys.stderr)
