@@ -10,7 +10,7 @@ import pytest
 
 from ravnest_swarm.planning.cost import Peer, Workload
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.planning.round import GONE_POLLS, RoundTriggers
+from ravnest_swarm.planning.round import GONE_POLLS, RoundTriggers, improvement, standby_reason
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -111,3 +111,24 @@ def test_a_planned_peer_is_called_gone_only_after_several_looks():
     looks = [triggers.reason(plan, without_v1) for _ in range(GONE_POLLS)]
     assert looks[:-1] == [None] * (GONE_POLLS - 1) and looks[-1] == "1 planned peer(s) gone"
     assert triggers.reason(plan, alive) is None
+
+
+def test_one_new_standby_opens_a_round_when_it_completes_a_cluster_and_is_weighed_once():
+    """With v0..v3 planned as one cluster of four (the best without v4), v4 alone joining can form a second
+    cluster: the greedy plan over every live peer beats the plan in force, so a round opens without waiting
+    for min_peers newcomers; a standby that adds nothing is told why instead, and no set is weighed twice."""
+    triggers = RoundTriggers(min_peers=2, round_period=0.0, workload=WORKLOAD)
+    four = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    triggers.adopted(snapshot_ids=set(four), participants=set(four))
+    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": name} for name in sorted(four)]]}
+    assert triggers.reason(plan, four) is None
+    everyone = dict(four, v4=Peer("v4", *map(float, CAPABILITIES["v4"])))
+    assert triggers.reason(plan, everyone) == "1 standby peer(s) can raise the swarm's throughput"
+    assert triggers.reason(plan, everyone) is None  # weighed once: a round that finds no better plan is not retried
+    now, possible = improvement(plan, everyone, WORKLOAD)
+    assert possible > now * 1.05
+
+    slow = dict(four, v5=Peer("v5", 1.0, 1.0, 10.0))  # too little RAM for a cluster of its own
+    assert triggers.reason(plan, slow) is None
+    assert standby_reason(plan, slow, WORKLOAD) == ("the 1 cluster(s) are full and the standbys offer 1.00 GB "
+                                                   "together, 9.00 GB short of a new cluster's 10.00 GB")

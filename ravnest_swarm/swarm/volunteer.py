@@ -24,8 +24,9 @@ import logging
 import os
 import shlex
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -38,7 +39,9 @@ from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.peer import plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage
+from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN
 from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
@@ -60,6 +63,7 @@ HOLDER_LOOKUPS = 5
 # a stage holds at most 20 % more than an even split of the model: a volunteer's footprint stays
 # predictable, and losing one peer never costs a cluster much more than its share of the model
 MAX_STAGE_SHARE = 1.2
+RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
 
 
@@ -134,7 +138,10 @@ class Volunteer:
         self.averager = MultiRingAverager(self.node.p2p, self.run, timeout=options.averaging_timeout)
         self.state_server = LayerStateServer(self.node.p2p, self.run, self._offered_layers)
         self._adopted = asyncio.Event()
-        self._last_report = (time.monotonic(), 0)
+        # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
+        self._progress: Deque[Tuple[float, int]] = deque()
+        self._rate_worker: Optional[StageWorker] = None
+        self._noted_rejection: Optional[str] = None  # the stage refusal our note last told of
         self._progress_seen = (time.monotonic(), -1)  # when our worker's step last changed, and to what
         self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
 
@@ -199,11 +206,7 @@ class Volunteer:
         self._adopted.set()
 
     async def _follow_plan(self, plan: dict) -> None:
-        placement = None
-        for cluster_index, cluster in enumerate(plan["clusters"]):
-            for stage_index, stage in enumerate(cluster):
-                if stage["peer_id"] == self.peer_id:
-                    placement = (cluster_index, stage_index, len(cluster), tuple(stage["layers"]), len(plan["clusters"]))
+        placement = placement_in(plan, self.peer_id)
         self.announcer.update(plan_round=plan["round"])
         if placement == self.placement and self.worker is not None:
             await self.announcer.publish()
@@ -240,9 +243,10 @@ class Volunteer:
                              compression=self.spec.pipeline_compression,
                              lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
         worker = StageWorker(config, self.node)
-        step = await self._fill_layers(worker.module, layers)
+        step, downloaded = await self._fill_layers(worker.module, layers)
         worker.resume_at(step)
-        self._save_checkpoint(worker)  # layers just fetched are work that a crash before the next checkpoint would lose
+        if downloaded:
+            self._save_checkpoint(worker)  # fetched layers are work a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
         self.worker = worker
         await worker.start()
@@ -259,17 +263,20 @@ class Volunteer:
         # hand the layers to the state server first: others may be fetching them while the worker stops
         self.held, self.worker = (worker.start_layer, worker.module, worker.version), None
         self.stopped_worker = worker
+        await worker.shutdown()
+        # an update in flight may have finished while the worker stopped: offer the final step with the weights
+        self.held = (worker.start_layer, worker.module, worker.version)
         # say so: a peer placed on these layers in the same round finds them here, not only in the cache
         self.announcer.update(held=[worker.start_layer, worker.end_layer, worker.version])
-        await worker.shutdown()
         self.rejected_before += worker.counters.rejected
         for offset, layer in enumerate(worker.module):
             self.cache[worker.start_layer + offset] = (
                 {k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
         self._save_checkpoint(worker)
 
-    async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> int:
-        """Load every owned layer from the freshest source; return the step training continues from."""
+    async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> Tuple[int, bool]:
+        """Load every owned layer from the freshest source; return the step training continues from, and
+        whether any layer came from another peer."""
         start, end = layers
         for attempt in range(HOLDER_LOOKUPS):
             # a leaving peer counts: it serves the layers it trained until someone has them (_hand_over)
@@ -296,7 +303,7 @@ class Volunteer:
         if remote:
             step = max(step, await self._download(module, start, remote, advertised,
                                                   {p["peer_id"]: p for p in peers}))
-        return step
+        return step, bool(remote)
 
     async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[PeerID]],
                         advertised: Dict[int, int], records: Dict[str, Dict]) -> int:
@@ -350,7 +357,12 @@ class Volunteer:
             self._save_checkpoint(self.worker)
 
     async def _average(self, step: int) -> None:
+        """One averaging round. ``averaging_rounds`` counts the rounds in which every ring of ours averaged,
+        ``averaging_failures`` those in which one did not (its segment kept the local values), and the record's
+        note says why; a round this worker has no part in any more (a new plan moves us) is neither."""
         worker = self.worker
+        if placement_in(self.plan, self.peer_id) != self.placement:
+            return  # the plan just adopted moves us: this worker stops next, and the plan's rings are not its own
         rings = rings_of(self.peer_id, plan_rings(self.plan, self.layer_sizes))
         if not rings or step <= self.averager.last_finished_step:
             return  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
@@ -359,21 +371,49 @@ class Volunteer:
         local = flatten([p.detach() for p in parameters])
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
         try:
-            result = await self.averager.average(step, local, local_start, rings)
+            result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
         except Exception as e:  # averaging must never stop training: keep the local values, say why
-            self.averaging_failures += 1
-            self.say(f"{self.name}: averaging at step {step} failed: {type(e).__name__}: {e}")
-            self.announcer.update(state="training", averaging_failures=self.averaging_failures)
+            self._averaging_failed(step, f"{type(e).__name__}: {e}")
+            self.announcer.update(state="training")
             return
         with torch.no_grad():
             unflatten_into(local, parameters)
-        self.averaging_rounds += 1
-        self.rejected_before += len(result.rejected)
-        if not result.ok:
-            self.averaging_failures += 1
-            self.say(f"{self.name}: averaging at step {step}: {result.summary()}")
-        self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
-                              averaging_failures=self.averaging_failures)
+        if result.rejected:
+            self.rejected_before += len(result.rejected)
+            first = result.rejected[0]
+            self._note(f"{REFUSAL_NOTE} in ring {first['ring']} at step {step} the contribution of "
+                       f"{first['peer'][-8:]}: {first['reason']}")
+        if result.ok:
+            self.averaging_rounds += 1
+        else:
+            failed = next(segment for segment in result.segments if segment.status != "ok")
+            self._averaging_failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
+        self.announcer.update(state="training", averaging_rounds=self.averaging_rounds)
+
+    def _averaging_failed(self, step: int, cause: str, summary: Optional[str] = None) -> None:
+        self.averaging_failures += 1
+        self.say(f"{self.name}: averaging at step {step} failed: {summary or cause}")
+        self.announcer.update(averaging_failures=self.averaging_failures)
+        self._note(f"{AVERAGING_NOTE} step {step}: {cause}")
+
+    def _note(self, text: str) -> None:
+        """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
+        A cause quotes error messages and other peers' input, so control characters become spaces: the record
+        refuses them, and a record that fails validation would stop our heartbeats."""
+        self.announcer.update(note=CONTROL_CHARACTER_RE.sub(" ", text)[:MAX_NOTE_LEN])
+
+    async def _arrival_patience(self, step: int, missing: List[str]) -> float:
+        """How much longer a ring waits for members that have not reached round ``step`` (:func:`arrival_wait`),
+        from their peer records; a read that misses one of them is tried once more before giving up on it."""
+        records: Dict[str, Dict] = {}
+        for _ in range(2):
+            try:
+                records.update({p["peer_id"]: p for p in await read_peers(self.node, self.run)})
+            except Exception as e:  # no news of the member is no sign that it is coming
+                logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
+            if all(member in records for member in missing):
+                break
+        return arrival_wait(step, missing, records, self.spec.microbatch_size, self.membership.options.heartbeat)
 
     # ------------------------------------------------------------------ progress and checkpoints
     def _publish_progress(self) -> None:
@@ -381,15 +421,23 @@ class Volunteer:
         if worker is None:
             return
         now, version = time.monotonic(), worker.version
-        last_time, last_version = self._last_report
-        rate = (version - last_version) * self.spec.microbatch_size / max(now - last_time, 1e-6)
-        self._last_report = (now, version)
+        if self._rate_worker is not worker:  # a new worker starts from the step of the layers it got
+            self._rate_worker, self._progress = worker, deque()
+        self._progress.append((now, version))
+        while len(self._progress) > 2 and self._progress[1][0] <= now - RATE_WINDOW:
+            self._progress.popleft()  # keeps one look at or before the window's start
+        first_time, first_version = self._progress[0]
+        rate = (version - first_version) * self.spec.microbatch_size / (now - first_time) if now > first_time else None
         losses = worker.counters.losses
-        self.announcer.update(step=version, samples_per_s=round(rate, 3),
+        self.announcer.update(step=version, samples_per_s=None if rate is None else round(rate, 3),
                               loss=round(losses[-1][1], 6) if losses else None,
                               rejected=self.rejected_before + worker.counters.rejected)
-        if worker.finished.is_set() or version >= self.spec.steps:
-            # a stage placed after its cluster already trained its steps has nothing left to do
+        if worker.counters.last_rejected != self._noted_rejection:
+            self._noted_rejection = worker.counters.last_rejected
+            self._note(f"{REFUSAL_NOTE} {worker.counters.last_rejected}")
+        if (worker.finished.is_set() or version >= self.spec.steps) and self.announcer.record["state"] != "averaging":
+            # a stage placed after its cluster already trained its steps has nothing left to do; one still in
+            # its last averaging round is done when that round is (its record then counts it)
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
     async def _explain_stall(self) -> None:
@@ -504,8 +552,7 @@ class Volunteer:
         # offer them at once: after a restart of the whole swarm, the checkpoints are the only state left
         self.held = (start, module, int(info["step"]))
         self.announcer.update(layers=[start, end], step=int(info["step"]))
-        self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})",
-                           highlight=False)
+        self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
 
 def layer_offers(record: Dict) -> List[Tuple[int, int, int]]:
@@ -522,6 +569,33 @@ def layer_offers(record: Dict) -> List[Tuple[int, int, int]]:
 def offered_step(record: Dict, layer: int) -> Optional[int]:
     """The freshest step at which a peer's record offers ``layer``, or None."""
     return max((step for first, last, step in layer_offers(record) if first <= layer < last), default=None)
+
+
+def placement_in(plan: dict, peer_id: str) -> Optional[Placement]:
+    """Where ``plan`` puts ``peer_id``: (cluster, stage, stages, layers, clusters), or None (standby)."""
+    for cluster_index, cluster in enumerate(plan["clusters"]):
+        for stage_index, stage in enumerate(cluster):
+            if stage["peer_id"] == peer_id:
+                return cluster_index, stage_index, len(cluster), tuple(stage["layers"]), len(plan["clusters"])
+    return None
+
+
+def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microbatch_size: int,
+                 heartbeat: float) -> float:
+    """Seconds to keep waiting for ring members that have not reached averaging round ``step``: what the
+    slowest of them still has to train to reach it at its recent pace, doubled (paces vary, more so on a busy
+    machine), plus a heartbeat (its record is that old at most). 0, give up, when one of them is gone, not
+    training, already past the round (it moved on without us), or not moving."""
+    wait = 0.0
+    for member in missing:
+        record = records.get(member)
+        if record is None or record["state"] not in ("training", "averaging") or record.get("step") is None:
+            return 0.0
+        behind, rate = step - record["step"], record.get("samples_per_s") or 0.0
+        if behind <= 0 or rate <= 0:
+            return 0.0
+        wait = max(wait, behind * microbatch_size / rate)
+    return 2 * wait + heartbeat
 
 
 def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:
