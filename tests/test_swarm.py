@@ -118,8 +118,6 @@ def test_late_joiner_is_placed_mid_run_with_the_holders_parameters_and_step(swar
     for layer in every_layer:
         seeded = initial[layer].state_dict()
         assert any(not torch.equal(tensor, seeded[key]) for key, tensor in late_layers[layer].items()), layer
-    swarm.watcher.wait_for(lambda peers: (peers.get("late", {}).get("averaging_rounds") or 0) >= 1, 120,
-                           "the late joiner's cluster averages with the holders' cluster")
 
 
 @pytest.mark.timeout(360)
