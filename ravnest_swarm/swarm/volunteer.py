@@ -253,7 +253,7 @@ class Volunteer:
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
         await self.announcer.publish()
         self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
-                           f"{layers[0]}:{layers[1]} from step {step}")
+                 f"{layers[0]}:{layers[1]} from step {step}")
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -388,7 +388,8 @@ class Volunteer:
         else:
             failed = next(segment for segment in result.segments if segment.status != "ok")
             self._averaging_failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
-        self.announcer.update(state="training", averaging_rounds=self.averaging_rounds)
+        self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
+                              averaging_failures=self.averaging_failures)
 
     def _averaging_failed(self, step: int, cause: str, summary: Optional[str] = None) -> None:
         self.averaging_failures += 1
@@ -476,13 +477,13 @@ class Volunteer:
         self._finished = True
         if self.worker is None:
             self.say(f"{self.name}: run {self.run} is finished (its stages reached step {self.spec.steps}, "
-                               f"the run's length): nothing left to train, leaving")
+                     f"the run's length): nothing left to train, leaving")
         else:
             where = f"; checkpoint {self.checkpoint_path}" if self.checkpoint_path else ""
             self._save_checkpoint(self.worker)
             self.say(f"{self.name}: run {self.run} is finished: layers {self.worker.start_layer}:"
-                               f"{self.worker.end_layer} trained to step {self.worker.version}{where}; they stay on "
-                               f"offer to others until you stop (Ctrl-C)")
+                     f"{self.worker.end_layer} trained to step {self.worker.version}{where}; they stay on "
+                     f"offer to others until you stop (Ctrl-C)")
         return True
 
     # ------------------------------------------------------------------ leaving
@@ -503,20 +504,27 @@ class Volunteer:
         await self.announcer.publish()
         waiting = f"{self.name}: handing over layers {start}:{end} (step {step}): waiting for a peer to take them " \
                   f"(Ctrl-C again to leave now)"
+        self.say(waiting)  # the bar below shows only on a terminal; logs get this line
         taker: Optional[List[str]] = None
         started = time.monotonic()
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"),
                       console=self.console, transient=True) as progress:
-            task = progress.add_task(escape(waiting), total=self.options.handover_timeout, left="")
+            task = progress.add_task(f"{escape(self.name)}: handing over", total=self.options.handover_timeout,
+                                     left="")
             while not leave_now.is_set():
                 elapsed = time.monotonic() - started
                 if elapsed >= self.options.handover_timeout:
                     break
                 progress.update(task, completed=elapsed, left=f"{self.options.handover_timeout - elapsed:.0f}s left")
-                peers = [p for p in await read_peers(self.node, self.run) if p["peer_id"] != self.peer_id]
-                taker = holders_of(peers, start, end, step)
-                if taker is not None or not any(p["state"] != "leaving" for p in peers):
-                    break  # handed over, or nobody is left who could take them
+                try:
+                    peers = [p for p in await read_peers(self.node, self.run) if p["peer_id"] != self.peer_id]
+                except Exception as e:  # a DHT hiccup: look again, the timeout still bounds the wait
+                    logger.warning(f"reading the peer records while handing over failed: {e}")
+                    peers = None
+                if peers is not None:
+                    taker = holders_of(peers, start, end, step)
+                    if taker is not None or not any(p["state"] != "leaving" for p in peers):
+                        break  # handed over, or nobody is left who could take them
                 await _until_set(leave_now.wait(), leave_now, timeout=1.0)
         if taker is not None:
             self.say(f"{self.name}: layers {start}:{end} handed over at step {step} to {', '.join(taker)}")
@@ -526,8 +534,8 @@ class Volunteer:
             path = os.path.join(LEAVE_CHECKPOINT_DIR, f"{self.run}-{self.name}.safetensors")
             self._save_checkpoint(worker, path)
         self.say(f"{self.name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: "
-                           f"bring them back with `ravnest-swarm join ... --run {self.run} --name "
-                           f"{shlex.quote(self.name)} --checkpoint-dir {shlex.quote(os.path.dirname(path))} --resume`")
+                 f"bring them back with `ravnest-swarm join ... --run {self.run} --name "
+                 f"{shlex.quote(self.name)} --checkpoint-dir {shlex.quote(os.path.dirname(path))} --resume`")
 
     def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
         path = path or self.checkpoint_path
