@@ -261,6 +261,7 @@ def status(
         from ravnest_swarm.dashboard.peers_table import peers_table
         from ravnest_swarm.membership.announcer import read_peers
         from ravnest_swarm.membership.records import make_validators, validate_run_name
+        from ravnest_swarm.swarm.spec import read_spec, run_finished
         from ravnest_swarm.transport import start_node, stop_node
 
         validate_run_name(run)
@@ -269,10 +270,22 @@ def status(
         try:
             if watch:
                 await _watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console())
-            elif as_json:
-                print(json.dumps({"run": run, "peers": await read_peers(node, run)}), flush=True)
             else:
-                Console().print(peers_table(run, await read_peers(node, run)))
+                peers, spec = await read_peers(node, run), await read_spec(node, run)
+                finished = spec is not None and run_finished(spec, peers)
+                if as_json:
+                    print(json.dumps({"run": run, "steps": spec.steps if spec else None, "finished": finished,
+                                      "peers": peers}), flush=True)
+                    return
+                if not peers:
+                    # an empty table looked like a healthy run, and a mistyped --run looks the same
+                    why = ("it was started (its spec is in the DHT) but every peer has left" if spec is not None
+                           else "nobody has started it: check the name (it is case-sensitive) and the backbone")
+                    raise UserError(f"no peer of run {run} is live: {why}", exit_code=1)
+                Console().print(peers_table(run, peers))
+                if finished:
+                    Console().print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length",
+                                    markup=False, highlight=False)
         finally:
             await stop_node(node)
 
