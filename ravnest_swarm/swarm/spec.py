@@ -118,6 +118,7 @@ async def ensure_spec(node: DHTNode, run: str, requested: Dict, wait: asyncio.Ev
             continue  # read back: if two peers raced, both follow the earliest
         if on_wait is not None:
             on_wait()
+            on_wait = None  # said once: a line every poll would fill the screen while nobody starts the run
         try:
             await asyncio.wait_for(wait.wait(), poll)
         except asyncio.TimeoutError:
