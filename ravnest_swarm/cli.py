@@ -14,7 +14,7 @@ from typer._click import exceptions as click_exceptions
 from rich.console import Console
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async, run_blocking
+from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, log_to_file, run_async, run_blocking
 
 # click's plain help, not typer's rich panels: typer 0.29's panels show every flag as taking a value
 # ("--verbose <bool>", even "--help <bool>")
@@ -49,6 +49,8 @@ def _top_level(version: bool = typer.Option(False, "--version", is_eager=True, c
 
 InitialPeers = typer.Option(..., "--initial-peers", help="Full multiaddr of a backbone (/ip4/.../tcp/PORT/p2p/ID); repeatable.")
 Verbose = typer.Option(False, "--verbose", help="Show hivemind's info and warning lines too, not only its errors.")
+LogFile = typer.Option(None, "--log-file", help="Append every log line to this file instead of the terminal (the "
+                       "live view shows the latest warnings below it either way).")
 
 
 def _initial_peers(values: List[str]):
@@ -125,6 +127,7 @@ def join(
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
+    log_file: Optional[str] = LogFile,
     verbose: bool = Verbose,
 ):
     """Join a run as a volunteer: measure, advertise, get placed, train a stage, average, leave on Ctrl-C/SIGTERM.
@@ -146,6 +149,8 @@ def join(
         from ravnest_swarm.membership.volunteer import JoinOptions, Membership
         from ravnest_swarm.transport import parse_maddrs
 
+        if log_file is not None:
+            log_to_file(log_file)
         validate_run_name(run)
         for flag, value in (("ram-gb", ram_gb), ("max-ram-gb", max_ram_gb), ("gflops", gflops),
                             ("bandwidth-mbps", bandwidth_mbps)):
@@ -178,16 +183,17 @@ def join(
         leave_now = asyncio.Event()
         stop = install_stop_signals(lambda: console.print(f"{name}: stopping...", markup=False, highlight=False),
                                     again=leave_now)
+        # imported before the first record is published: on a busy machine importing torch's training modules
+        # blocks the event loop longer than a record lives (two heartbeats), and the peer would seem to vanish
+        from ravnest_swarm.planning.round import PlanningRounds
+        from ravnest_swarm.swarm.volunteer import VolunteerOptions, take_part
+
         membership = Membership(options, console)
         await membership.start()
         if rounds_options is not None:
-            from ravnest_swarm.planning.round import PlanningRounds
-
             planner = PlanningRounds(membership.node, run, membership.announcer, rounds_options, console)
             work = asyncio.create_task(planner.run_forever(stop))
         else:
-            from ravnest_swarm.swarm.volunteer import VolunteerOptions, take_part
-
             volunteer_options = VolunteerOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                                                  resume=resume, min_peers=min_peers, round_seconds=round_seconds,
                                                  round_period=round_period, max_stages=max_stages,
@@ -306,7 +312,8 @@ def local(
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Restart every peer from its checkpoint in --checkpoint-dir."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="No live dashboard."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object on the last line."),
+    as_json: bool = typer.Option(False, "--json", help="Also print the summary as one JSON object, on stdout's last line."),
+    log_file: Optional[str] = LogFile,
 ):
     """Run a whole swarm here: a backbone and N volunteers on 127.0.0.1, with the dashboard; Ctrl-C stops all.
 
@@ -320,6 +327,8 @@ def local(
         from ravnest_swarm.swarm.local import LocalOptions, run_local
         from ravnest_swarm.swarm.spec import RunSpec
 
+        if log_file is not None:
+            log_to_file(log_file)
         _check_model(model)
         _check_pipeline_compression(pipeline_compression)
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit,

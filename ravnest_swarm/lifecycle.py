@@ -35,12 +35,31 @@ def install_stop_signals(on_stop: Optional[Callable[[], None]] = None,
     return stop
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def configure_logging(verbose: bool = False) -> None:
     """Our own log lines at INFO; hivemind's chatter only at WARNING unless ``--verbose``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     if not verbose:
         logging.getLogger("hivemind").setLevel(logging.ERROR)
+
+
+def log_to_file(path: str) -> None:
+    """Every log line from now on (ours, and hivemind's, which has a handler of its own) goes to ``path``,
+    appended, instead of the terminal (``--log-file``); a path that cannot be opened is a one-line error."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    try:
+        handler = logging.FileHandler(path)
+    except OSError as e:
+        raise UserError(f"--log-file {path}: {e.strerror}")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger()
+    for screen in list(root.handlers):
+        root.removeHandler(screen)
+    root.addHandler(handler)
+    use_hivemind_log_handler("nowhere")  # hivemind's records propagate to the root logger: to the file
 
 
 def run_async(coroutine: Awaitable) -> int:

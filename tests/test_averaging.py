@@ -18,6 +18,7 @@ from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.peer import synthetic_layer
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.reversal import links_of
+from ravnest_swarm.swarm.volunteer import arrival_wait
 from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
@@ -210,3 +211,18 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
     assert ring_timeout - 0.5 <= first.seconds < ring_timeout + 1.5
     assert second.segments[0].status == "failed" and second.seconds < ring_timeout, second.summary()
     assert torch.equal(values[0], torch.zeros(1000)) and torch.equal(values[1], torch.ones(1000))  # kept local
+
+
+def test_a_volunteer_waits_for_a_member_while_its_record_shows_it_coming():
+    """``arrival_wait``: the patience a volunteer gives a ring: the slowest missing member's steps left at its
+    recent pace, doubled, plus a heartbeat; nothing for a member gone, idle, finished, or past the round."""
+    def record(state="training", step=90, rate=320.0):
+        return dict(state=state, step=step, samples_per_s=rate)
+
+    members = {"a": record(step=90), "b": record(step=60, rate=160.0)}
+    # a: 10 steps x 32 samples at 320/s = 1 s; b: 40 x 32 at 160/s = 8 s -> 2 x 8 + 4
+    assert arrival_wait(100, ["a", "b"], members, 32, 4.0) == pytest.approx(20.0)
+    assert arrival_wait(100, ["a"], members, 32, 4.0) == pytest.approx(6.0)
+    for gone in ({}, {"a": record(state="done")}, {"a": record(step=100)}, {"a": record(rate=0.0)},
+                 {"a": record(state="standby")}):
+        assert arrival_wait(100, ["a"], gone, 32, 4.0) == 0.0, gone

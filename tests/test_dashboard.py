@@ -2,6 +2,7 @@
 
 import io
 import json
+import logging
 import os
 import re
 import sys
@@ -9,6 +10,7 @@ import sys
 import pytest
 from rich.console import Console
 
+from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
 from ravnest_swarm.dashboard.peers_table import peers_table
 from ravnest_swarm.dashboard.state import EVENT_KINDS, SwarmState, load_recording
 from ravnest_swarm.dashboard.view import render, render_text
@@ -258,3 +260,32 @@ def test_status_watch_shows_a_joiner_live(processes, backbone):
     assert watcher.stop(grace=20) == 0
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", watcher.stdout())
     assert max(len(line) for line in plain.replace("\r", "\n").splitlines()) <= 80
+
+
+def test_log_lines_go_below_the_live_view_counted_not_over_it(capsys):
+    """While a live view is up, a warning repeated every half second is one line below the view with a count,
+    nothing reaches the terminal's stream, and the terminal's handler is back afterwards."""
+    log = logging.getLogger("ravnest_swarm.pipeline.stage")
+    root = logging.getLogger()
+    screen = logging.StreamHandler(sys.stderr)
+    root.addHandler(screen)
+    try:
+        with logs_below(LogPanel(lines=2)) as panel:
+            assert screen not in root.handlers
+            for microbatch in range(12):
+                log.warning(f"send forward of microbatch {microbatch} to stage 1 failed (LookupError); retrying")
+            log.warning("stage 0: rejected forward from X: activations\x1b[2J holds NaN or Inf")
+            log.info("an info line is not shown")
+            state = SwarmState("logs")
+            state.update([peer("a")], at=1)
+            console = Console(width=80, height=40, file=io.StringIO(), record=True, color_system=None)
+            console.print(render_with_logs(state, panel, console))
+        text = console.export_text()
+        assert "WARN x12 send forward of microbatch 11 to stage 1 failed" in text
+        assert "WARN stage 0: rejected forward from X: activations" in text and "\x1b" not in text
+        assert "info line" not in text
+        assert max(len(line) for line in lines_of(text)) <= 80
+        assert capsys.readouterr().err == ""
+        assert screen in root.handlers
+    finally:
+        root.removeHandler(screen)

@@ -57,12 +57,15 @@ class PeerAnnouncer:
 
     async def heartbeat_forever(self) -> None:
         while True:
+            started = time.monotonic()
             try:
                 if not await self.publish():
                     logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
             except Exception as e:  # a transient DHT error must not stop the heartbeats
                 logger.warning(f"publishing the peer record failed: {e}")
-            await asyncio.sleep(self.heartbeat)
+            # every heartbeat from the last one's start: a store that took seconds (a busy machine, a slow DHT
+            # node) must not stretch the gap between renewals past the record's lifetime of two heartbeats
+            await asyncio.sleep(max(0.0, self.heartbeat - (time.monotonic() - started)))
 
     async def leave(self) -> None:
         """Say ``leaving`` so others see a graceful exit, not a disappearance.

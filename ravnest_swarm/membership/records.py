@@ -25,6 +25,7 @@ RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
+MAX_NOTE_LEN = 200
 MAX_PLAN_STAGES = 4096
 # C0 and C1 control characters (ESC starts a terminal escape sequence, newlines break tables), line and
 # paragraph separators, and the bidirectional overrides and isolates (they make one name look like another):
@@ -93,7 +94,7 @@ class PeerRecord(pydantic.BaseModel):
     averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     rejected: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # poisoned or malformed input refused
-    note: Optional[_shown_text(0, 200)] = None
+    note: Optional[_shown_text(0, MAX_NOTE_LEN)] = None
 
 
 class StageEndpoint(pydantic.BaseModel):

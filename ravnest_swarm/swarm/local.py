@@ -3,8 +3,9 @@
 Peers get varied capability overrides (RAM below the model's needs, so clusters need several stages;
 different compute and bandwidth, so clusters differ). The dashboard shows the swarm live; at the end
 every process is stopped (SIGTERM, so each writes its checkpoint), the model is assembled from one
-cluster's checkpoints and evaluated on held-out data, and a summary is printed (``--json``: one JSON
-object on the last line). ``--chaos`` SIGKILLs a training stage partway and starts one more peer late.
+cluster's checkpoints and evaluated on held-out data, and a few sentences say what trained, how well,
+how long and what failed (``--json`` adds the summary as one JSON object on stdout's last line).
+``--chaos`` SIGKILLs a training stage partway and starts one more peer late.
 ``--resume`` restarts the same named peers, each from its checkpoint in ``--checkpoint-dir``, with the same
 peer id (an identity file beside the checkpoints), so the same plan is likely.
 """
@@ -13,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
 
 import psutil
 import torch
@@ -29,19 +31,23 @@ from rich.console import Console
 from rich.live import Live
 
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes
-from ravnest_swarm.dashboard.state import SwarmState
-from ravnest_swarm.dashboard.view import render
+from ravnest_swarm.dashboard.live import LogPanel, logs_below, read_adopted_plan, render_with_logs
+from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE, TRAINING_STATES, SwarmState
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.announcer import read_peers
-from ravnest_swarm.membership.records import make_validators, plan_key, round_key
+from ravnest_swarm.membership.records import make_validators, round_key
 from ravnest_swarm.models import get_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.volunteer import model_workload
 from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
 
+logger = logging.getLogger(__name__)
+
 RUN = "local"
+# what the summary's peer_records keep of each peer's last record
+PEER_RECORD_FIELDS = ("state", "cluster", "stage", "step", "averaging_rounds", "averaging_failures", "rejected", "note")
 CHECKPOINT_NAME = re.compile(rf"^{RUN}-(peer\d+)\.safetensors$")
 
 
@@ -140,13 +146,16 @@ class LocalSwarm:
         self.volunteers: Dict[str, PeerProcess] = {}
         self.loss_history: List[float] = []
         self.peak_memory_mb = 0.0
-        self.samples_per_s: List[float] = []
+        # (time, steps the clusters' last stages report in all) at the first look with a training stage and the
+        # last look at which those steps grew: the samples trained over the time they took
+        self.trained: List[Tuple[float, int]] = []
         self.chaos_done = self.late_done = False
         self.final_loss: Optional[float] = None
         self.chaos_victim: Optional[str] = None  # None with --chaos: training ended before the late peer waited
         self.plans: Dict[int, dict] = {}  # round -> adopted plan, as seen
         self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
         self.finished = False  # every placed peer trained its steps before the time limit or a stop
+        self.timed_out = False  # the time limit ended the run (else it finished, or a signal stopped it)
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
@@ -177,8 +186,10 @@ class LocalSwarm:
             observer = await start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN),
                                         client_mode=True)
             if self.options.dashboard:
-                with Live(console=self.console, auto_refresh=False, transient=False) as live:
-                    await self._watch(observer, maddr, stop, started, live)
+                with Live(console=self.console, auto_refresh=False, transient=False) as live, \
+                        logs_below(LogPanel()) as panel:
+                    await self._watch(observer, maddr, stop, started, lambda: live.update(
+                        render_with_logs(self.state, panel, self.console), refresh=True))
             else:
                 await self._watch(observer, maddr, stop, started, None)
         finally:
@@ -187,19 +198,22 @@ class LocalSwarm:
             self.group.stop_all(grace=20)
         return self.summary(time.monotonic() - started)
 
-    async def _watch(self, observer, maddr: str, stop: asyncio.Event, started: float, live) -> None:
+    async def _watch(self, observer, maddr: str, stop: asyncio.Event, started: float, redraw) -> None:
         while not stop.is_set() and time.monotonic() - started < self.options.time_limit:
-            peers = await read_peers(observer, RUN)
-            found = await observer.get(plan_key(RUN), latest=True)
-            plan = found.value[max(found.value)].value if found is not None and found.value else None
-            self.state.update(peers, plan)
+            # the dashboard's state merges each read into what is known: a read that missed records (a DHT node
+            # that did not answer in time) neither drops them nor ends the run early
+            try:
+                self.state.update(await read_peers(observer, RUN), await read_adopted_plan(observer, RUN))
+            except Exception as e:  # one failed DHT read must not end the run; the next look retries
+                logger.warning(f"reading the swarm's records failed: {e}")
+            peers, plan = self.state.peers, self.state.plan
             self.peer_ids.update({p["name"]: p["peer_id"] for p in peers})
             if plan is not None:
                 self.plans.setdefault(plan["round"], plan)
             round_open = await self._round_open(observer, plan)
             self._sample(peers)
-            if live is not None:
-                live.update(render(self.state, self.console.width), refresh=True)
+            if redraw is not None:
+                redraw()
             await self._maybe_chaos(peers, plan, maddr)
             if not round_open and self._finished(peers, plan):
                 self.finished = True
@@ -208,13 +222,23 @@ class LocalSwarm:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
+        self.timed_out = not self.finished and not stop.is_set()
 
     def _sample(self, peers: List[dict]) -> None:
-        training = [p for p in peers if p.get("loss") is not None and p.get("stage") is not None]
+        # training peers only: a finished one keeps its last loss in its record
+        training = [p for p in peers if p.get("loss") is not None and p.get("stage") is not None
+                    and p["state"] in TRAINING_STATES]
         last = [p for p in training if p["stage"] == max(q["stage"] for q in training if q["cluster"] == p["cluster"])]
         if last:
             self.loss_history.append(sum(p["loss"] for p in last) / len(last))
-            self.samples_per_s.append(sum(p.get("samples_per_s") or 0.0 for p in last))
+        # every sample passes a cluster's last stage once: its step counts the microbatches the cluster trained
+        holders = self.state.slot_holders()
+        steps = sum(holder.get("step") or 0 for (cluster, stage), holder in holders.items()
+                    if stage == max(s for c, s in holders if c == cluster))
+        if not self.trained and any(p["state"] in TRAINING_STATES for p in peers):
+            self.trained = [(time.monotonic(), steps)] * 2
+        elif self.trained and steps > self.trained[1][1]:
+            self.trained[1] = (time.monotonic(), steps)
         for process in self.volunteers.values():
             try:
                 rss = sum(q.memory_info().rss for q in [psutil.Process(process.pid)]) / 2**20
@@ -301,7 +325,7 @@ class LocalSwarm:
             "metric": accuracy,
             "peers_replaced": self.peers_replaced(),
             "plan_rounds": sorted(self.plans),
-            "samples_per_s": round(sum(self.samples_per_s) / len(self.samples_per_s), 2) if self.samples_per_s else 0.0,
+            "samples_per_s": self.training_rate(),
             "peak_peer_memory_mb": round(self.peak_memory_mb, 1),
             "peer_tensor_bytes": memory,
             "peer_memory_fraction": fractions,
@@ -314,10 +338,24 @@ class LocalSwarm:
             "finished": self.finished,
             "resumed_from": self.resumed_from(),
             "training_from": self.training_from(),
+            "stopped": "finished" if self.finished else "time limit" if self.timed_out else "stopped by signal",
+            "averaging_failed": totals.averaging_failures,
+            "rejected": sum(p.get("rejected") or 0 for p in self.state.peers),
+            "peer_records": {p["name"]: {field: p.get(field) for field in PEER_RECORD_FIELDS} for p in self.state.peers},
+            "events": [asdict(event) for event in self.state.events],
+            "log_dir": self.group.log_dir,
         }
         if self.options.checkpoint_dir is None:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         return result
+
+    def training_rate(self) -> float:
+        """Samples per second over the run's training: the samples the clusters' last stages trained, over the
+        time between the first look at a training stage and the last look at which they had trained more."""
+        if not self.trained or self.trained[1][0] <= self.trained[0][0]:
+            return 0.0
+        (start, first), (end, last) = self.trained
+        return round((last - first) * self.spec.microbatch_size / (end - start), 2)
 
     def resumed_from(self) -> Dict[str, int]:
         """Per peer started with ``--resume``: the step it says it loaded ("resuming layers a:b from step N")."""
@@ -377,12 +415,55 @@ class LocalSwarm:
             return round(float(self.model.loss(model(inputs), targets)), 4)
 
 
+def describe(summary: dict, model: str) -> List[str]:
+    """The end of a ``local`` run in a few plain sentences: what trained, how well, how long, what failed."""
+    steps, clusters = summary["steps"], summary["clusters"]
+    ended = {"finished": f"every stage trained its {steps} steps",
+             "time limit": f"the time limit stopped it before every stage trained its {steps} steps",
+             "stopped by signal": f"you stopped it before every stage trained its {steps} steps"}[summary["stopped"]]
+    lines = [f"Trained {model} with {summary['peers']} peers in {clusters} cluster(s) for "
+             f"{_duration(summary['seconds'])}: {ended}."]
+    if summary["metric"] is None:
+        lines.append("No model to evaluate: some layer was in no peer's checkpoint.")
+    else:
+        lines.append(f"Held-out accuracy {summary['metric']:.1%}; mean training loss {summary['loss_start']:.3g} at the "
+                     f"start, {summary['loss_end']:.3g} at the end (the model assembled from the peers' checkpoints).")
+    lines.append(f"{summary['samples_per_s']:,.0f} samples/s on average while training; peak peer memory "
+                 f"{summary['peak_peer_memory_mb']:.0f} MB.")
+    records = summary["peer_records"]
+    rounds, failed = summary["averaging_rounds"], summary["averaging_failed"]
+    if clusters < 2:
+        lines.append("No averaging: one cluster held the whole model.")
+    elif not failed:
+        lines.append(f"Averaging: {rounds} round(s), every one averaged.")
+    else:
+        causes = [f"{name}: {record['note']}" for name, record in records.items()
+                  if record["averaging_failures"] and (record["note"] or "").startswith(AVERAGING_NOTE)]
+        lines.append(f"Averaging: {rounds} round(s) averaged, {failed} failed"
+                     + (f" (last cause, {causes[-1]})." if causes else "."))
+    problems = [event["text"] for event in summary["events"] if event["kind"] == "left" and "vanished" in event["text"]]
+    problems += [f"{name} refused {record['rejected']} poisoned or malformed input(s)"
+                 + (f" ({record['note']})" if (record["note"] or "").startswith(REFUSAL_NOTE) else "")
+                 for name, record in records.items() if record["rejected"]]
+    if summary["chaos_victim"]:
+        problems.append(f"--chaos SIGKILLed {summary['chaos_victim']}; {summary['peers_replaced']} stage(s) were "
+                        f"taken over by standbys")
+    lines.append("Nothing else failed." if not problems else f"What failed: {'; '.join(problems)}.")
+    lines.append(f"Every process's log: {summary['log_dir']}")
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
 async def run_local(options: LocalOptions, as_json: bool) -> int:
     console = Console(stderr=True)
     swarm = LocalSwarm(options, console)
     result = await swarm.run()
+    for line in describe(result, swarm.spec.model):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps(result), flush=True)
-    else:
-        console.print_json(json.dumps(result))
     return 0

@@ -168,7 +168,9 @@ class Volunteer:
             remove_unfinished_writes(self.options.checkpoint_dir, os.path.basename(self.checkpoint_path))
         if self.options.resume:
             self._load_checkpoint_into_cache()
-        workload, profile = model_workload(self.model, self.spec, self.options.max_stages)
+        # the model's first uses import torch's reference ops and the data set's loader: seconds on a busy
+        # machine, which on the event loop would hold back our heartbeats until our record expired
+        workload, profile = await asyncio.get_running_loop().run_in_executor(None, self._prepare_model)
         self.layer_memory_gb = profile[0]
         self.rounds = PlanningRounds(self.node, self.run, self.announcer,
                                      RoundOptions(workload, self.options.min_peers, self.options.round_period,
@@ -200,6 +202,11 @@ class Volunteer:
             if graceful:
                 await self._hand_over(leave_now or asyncio.Event())
             await self.averager.shutdown()
+
+    def _prepare_model(self) -> Tuple[Workload, Tuple[List[float], List[float]]]:
+        """The planner's view of the model, and its data set loaded (cached for the stage workers)."""
+        self.model.dataset()
+        return model_workload(self.model, self.spec, self.options.max_stages)
 
     def _on_adopt(self, plan: dict) -> None:
         self.plan = plan
