@@ -21,6 +21,7 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
@@ -181,9 +182,10 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
 
 class LossyRingAverager(MultiRingAverager):
     """Fault injection for the tests, on the receiving side of real streams: the first ``lose_replies``
-    ring streams (a message's stripes) are read and filed in full, then close with no reply (what p2pd did
-    under load in the benchmark); the first ``cut_streams`` streams longer than two parts are closed partway
-    through the second part. Both senders must send that stripe again."""
+    ring streams that carry a message's tensor parts (its stripes, not the notes a ring sends) are read and
+    filed in full, then close with no reply (what p2pd did under load in the benchmark); the first
+    ``cut_streams`` streams longer than two parts are closed partway through the second part. Both senders
+    must send that stripe again."""
 
     def __init__(self, *args, lose_replies: int = 0, cut_streams: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -192,10 +194,15 @@ class LossyRingAverager(MultiRingAverager):
     async def _serve(self, stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.streams_to_cut:
             reader = _CuttingReader(reader, 2 * self.part_bytes, self._cut)
-        if self.replies_to_lose:
-            self.replies_to_lose -= 1
-            writer = _ReplyLosingWriter(writer)
         await super()._serve(stream_info, reader, writer)
+
+    async def _read_message(self, reader: asyncio.StreamReader, sender: str,
+                            filling: List) -> runtime_pb2.ExpertResponse:
+        response = await super()._read_message(reader, sender, filling)
+        if filling and self.replies_to_lose:  # it filed tensor parts: a note fills no inbox
+            self.replies_to_lose -= 1
+            raise ConnectionError("fault injection: the reply is lost")  # the handler closes without replying
+        return response
 
     def _cut(self) -> bool:
         if self.streams_to_cut:
@@ -218,22 +225,6 @@ class _CuttingReader:
 
     async def read(self, n: int = -1) -> bytes:
         return await self.reader.read(n)
-
-
-class _ReplyLosingWriter:
-    """Drops what the handler writes; closing it still closes the real stream."""
-
-    def __init__(self, writer: asyncio.StreamWriter):
-        self.writer = writer
-
-    def write(self, data) -> None:
-        pass
-
-    async def drain(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 POISONS = ("nan", "inf", "scale")
