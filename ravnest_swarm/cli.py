@@ -219,6 +219,7 @@ def join(
 
 async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None):
     """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change."""
+    from ravnest_swarm.dashboard.state import SwarmState
     from ravnest_swarm.membership.announcer import read_peers
 
     if live:
@@ -228,6 +229,9 @@ async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live:
         return
 
     last_names = None
+    # merges each read into what is known, as the dashboard does: a read that missed some records (a DHT node
+    # that did not answer in time) is no change to report
+    state = SwarmState(run)
 
     async def wait():
         try:
@@ -236,10 +240,10 @@ async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live:
             pass
 
     while not stop.is_set():
-        peers = await read_peers(node, run)
-        names = sorted(f"{p['name']}:{p['state']}" for p in peers)
+        state.update(await read_peers(node, run))
+        names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
         if names != last_names:
-            console.print(f"{me or 'observer'} sees {len(peers)} peer(s): {', '.join(names)}", markup=False,
+            console.print(f"{me or 'observer'} sees {len(names)} peer(s): {', '.join(names)}", markup=False,
                           highlight=False, soft_wrap=True)
             last_names = names
         await wait()
@@ -265,7 +269,7 @@ def status(
 
     async def main():
         from ravnest_swarm.dashboard.peers_table import peers_table
-        from ravnest_swarm.membership.announcer import read_peers
+        from ravnest_swarm.membership.announcer import read_peers_settled
         from ravnest_swarm.membership.records import make_validators, validate_run_name
         from ravnest_swarm.swarm.spec import read_spec, run_finished
         from ravnest_swarm.transport import start_node, stop_node
@@ -277,7 +281,7 @@ def status(
             if watch:
                 await _watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console())
             else:
-                peers, spec = await read_peers(node, run), await read_spec(node, run)
+                peers, spec = await read_peers_settled(node, run), await read_spec(node, run)
                 finished = spec is not None and run_finished(spec, peers)
                 if as_json:
                     print(json.dumps({"run": run, "steps": spec.steps if spec else None, "finished": finished,

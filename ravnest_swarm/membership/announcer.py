@@ -88,3 +88,18 @@ async def read_peers(node: DHTNode, run: str) -> List[Dict]:
         record["expires_in"] = round(item.expiration_time - get_dht_time(), 1)
         peers.append(record)
     return sorted(peers, key=lambda record: (record["name"], record["peer_id"]))
+
+
+async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Dict]:
+    """Every live peer record that any of ``looks`` reads finds, the newest copy of each, sorted by name.
+
+    One read can miss the records held by a DHT node that did not answer in time (a busy machine makes
+    that common); for a one-shot view (``status``) a second look is cheaper than a peer shown as gone.
+    """
+    found: Dict[str, Dict] = {}
+    for _ in range(looks):
+        for record in await read_peers(node, run):
+            known = found.get(record["peer_id"])
+            if known is None or record["time"] > known["time"]:
+                found[record["peer_id"]] = record
+    return sorted(found.values(), key=lambda record: (record["name"], record["peer_id"]))
