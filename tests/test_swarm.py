@@ -62,7 +62,8 @@ def test_five_peers_form_clusters_train_and_average(swarm):
         240, "every placed peer trained its 120 steps")
     clusters = {p["cluster"] for p in placed(peers).values()}
     assert len(clusters) >= 2, peers
-    assert all(p["state"] == "standby" for n, p in peers.items() if n not in placed(peers))
+    # the spares wait as standbys, and leave once the run is finished (nothing left for them to train)
+    assert all(p["state"] in ("standby", "leaving") for n, p in peers.items() if n not in placed(peers))
     assert min(p.get("averaging_rounds") or 0 for p in placed(peers).values()) >= 2
     last_losses = [p["loss"] for p in placed(peers).values() if p.get("loss") is not None]
     assert last_losses and max(last_losses) < 1.0  # cross-entropy starts near ln(10) = 2.3
