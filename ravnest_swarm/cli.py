@@ -217,15 +217,17 @@ def join(
     sys.exit(run_async(main()))
 
 
-async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None):
-    """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change."""
+async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,
+                       steps=None):
+    """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
+    ``steps``: the run's length, for the dashboard to say when the run is finished."""
     from ravnest_swarm.dashboard.state import SwarmState
     from ravnest_swarm.membership.announcer import read_peers
 
     if live:
         from ravnest_swarm.dashboard.live import watch_swarm
 
-        await watch_swarm(node, run, stop, period, console, me)
+        await watch_swarm(node, run, stop, period, console, me, steps)
         return
 
     last_names = None
@@ -269,20 +271,22 @@ def status(
 
     async def main():
         from ravnest_swarm.dashboard.peers_table import peers_table
-        from ravnest_swarm.membership.announcer import read_peers_settled
+        from ravnest_swarm.membership.announcer import read_peers_settled, run_finished
         from ravnest_swarm.membership.records import make_validators, validate_run_name
-        from ravnest_swarm.swarm.spec import read_spec, run_finished
+        from ravnest_swarm.swarm.spec import read_spec
         from ravnest_swarm.transport import start_node, stop_node
 
         validate_run_name(run)
         node = await start_node(_initial_peers(initial_peers), record_validators=make_validators(run),
                                 client_mode=True, timeout=timeout)
         try:
+            spec = await read_spec(node, run)
             if watch:
-                await _watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console())
+                await _watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console(),
+                                   steps=spec.steps if spec else None)
             else:
-                peers, spec = await read_peers_settled(node, run), await read_spec(node, run)
-                finished = spec is not None and run_finished(spec, peers)
+                peers = await read_peers_settled(node, run)
+                finished = spec is not None and run_finished(peers, spec.steps)
                 if as_json:
                     print(json.dumps({"run": run, "steps": spec.steps if spec else None, "finished": finished,
                                       "peers": peers}), flush=True)

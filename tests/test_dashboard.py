@@ -289,3 +289,12 @@ def test_log_lines_go_below_the_live_view_counted_not_over_it(capsys):
         assert screen in root.handlers
     finally:
         root.removeHandler(screen)
+
+
+def test_the_title_says_when_the_run_is_finished_and_not_before():
+    state = SwarmState("demo", steps=300)
+    state.update([peer("a", "done", 0, 0, step=300), peer("b", "training", 0, 1, step=290), peer("s", "standby", -1)])
+    assert not state.finished and "finished" not in render_text(state, 100)
+    state.update([peer("a", "done", 0, 0, step=300), peer("b", "done", 0, 1, step=300), peer("s", "standby", -1)])
+    assert state.finished and "run demo · finished at step 300" in render_text(state, 100)
+    assert not SwarmState("demo").finished  # a run's length unknown (no spec read): never called finished

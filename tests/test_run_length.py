@@ -10,6 +10,7 @@ import time
 import pytest
 
 from run_observer import RunObserver
+from test_dashboard import PTY_WRAPPER
 from test_swarm import MODEL_GB, placed
 
 RUN = "readme-flow"
@@ -63,6 +64,10 @@ def test_a_fourth_joiner_is_placed_mid_run_and_everyone_says_when_the_run_is_fin
         assert table.returncode == 0 and f"run {RUN} is finished" in table.stdout, table.stdout + table.stderr
         document = json.loads(ravnest("status", "--initial-peers", maddr, "--run", RUN, "--json").stdout)
         assert document["finished"] is True and document["steps"] == STEPS
+        watching = processes.start(["status", "--initial-peers", maddr, "--run", RUN, "--watch"], "watching",
+                                   prefix=[sys.executable, "-c", PTY_WRAPPER])
+        watching.wait_for_output(rf"finished at step {STEPS}", 60)  # in the title, between colour codes
+        assert watching.stop(grace=20) == 0
 
         # one who joins a finished run is told so in one line, and leaves
         late = join("late")

@@ -117,7 +117,7 @@ async def read_adopted_plan(node: DHTNode, run: str) -> Optional[Dict]:
 
 
 async def watch_swarm(node: DHTNode, run: str, stop: asyncio.Event, period: float, console: Console,
-                      me: Optional[str] = None) -> SwarmState:
+                      me: Optional[str] = None, steps: Optional[int] = None) -> SwarmState:
     """Redraw the dashboard of ``run`` every ``period`` seconds until ``stop`` is set; returns the last state.
 
     :param node: a DHT node that validates the run's records
@@ -126,8 +126,9 @@ async def watch_swarm(node: DHTNode, run: str, stop: asyncio.Event, period: floa
     :param period: seconds between snapshots
     :param console: where to draw (its width and height are read at every redraw, so resizing works)
     :param me: the volunteer's own name, highlighted
+    :param steps: the run's length (its spec's), so the title says when the run is finished
     """
-    state = SwarmState(run)
+    state = SwarmState(run, steps=steps)
     with Live(console=console, auto_refresh=False, vertical_overflow="ellipsis") as view, \
             logs_below(LogPanel()) as panel:
         while not stop.is_set():

@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple
 
+from ravnest_swarm.membership.announcer import run_finished
+
 Slot = Tuple[int, int]  # (cluster, stage)
 # a volunteer's record ``note`` says what last went wrong, starting with one of these
 AVERAGING_NOTE = "averaging"
@@ -84,10 +86,12 @@ class SwarmState:
     :param max_events: events kept (oldest dropped first)
     :param max_losses: loss-history points kept (one per snapshot that has a loss)
     :param max_names: names of peers seen kept (to name a planned slot whose peer is gone), oldest dropped first
+    :param steps: the run's length (its spec's), to tell when the run is finished; None: not known
     """
 
-    def __init__(self, run: str = "", max_events: int = 200, max_losses: int = 240, max_names: int = 4096):
-        self.run = run
+    def __init__(self, run: str = "", max_events: int = 200, max_losses: int = 240, max_names: int = 4096,
+                 steps: Optional[int] = None):
+        self.run, self.steps = run, steps
         self.max_events, self.max_losses, self.max_names = max_events, max_losses, max_names
         self.events: Deque[Event] = deque(maxlen=max_events)
         self.losses: Deque[Tuple[float, float]] = deque(maxlen=max_losses)  # (at, mean loss)
@@ -100,6 +104,11 @@ class SwarmState:
         self.last_holders: Dict[Slot, Dict] = {}
         self.expiry: Dict[str, float] = {}  # peer id -> wall-clock time its known record expires
         self.names: Dict[str, str] = {}  # peer id -> name, most recently seen last
+
+    @property
+    def finished(self) -> bool:
+        """Every placed peer reached the run's length (``membership.announcer.run_finished``)."""
+        return self.steps is not None and run_finished(self.peers, self.steps)
 
     # --- feeding -------------------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ def render_text(state: SwarmState, width: int = 80, me: Optional[str] = None) ->
 def _title(state: SwarmState, width: int) -> Text:
     seen = "no snapshot yet" if state.at is None else time.strftime("%H:%M:%S", time.localtime(state.at))
     title = Text(f"ravnest-swarm · run {state.run or '?'}", style="bold")
+    if state.finished:
+        title.append(f" · finished at step {state.steps}", style="bold green")  # the run's length
     title.append(f" · {seen}", style="dim")
     title.truncate(width, overflow="ellipsis")
     return title

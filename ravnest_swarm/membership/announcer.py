@@ -103,3 +103,10 @@ async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Di
             if known is None or record["time"] > known["time"]:
                 found[record["peer_id"]] = record
     return sorted(found.values(), key=lambda record: (record["name"], record["peer_id"]))
+
+
+def run_finished(peers: List[Dict], steps: int) -> bool:
+    """A run is finished when it has placed peers and every one of them reached the run's length ``steps``
+    (its spec's). ``peers``: live records (:func:`read_peers`); a leaving peer no longer counts."""
+    placed = [p for p in peers if p["state"] != "leaving" and p.get("cluster") is not None and p["cluster"] >= 0]
+    return bool(placed) and all(p["state"] == "done" and (p.get("step") or 0) >= steps for p in placed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -19,7 +19,6 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm import PROTOCOL_VERSION
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.records import RunSpecRecord, spec_key
-from ravnest_swarm.models import MODELS
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
 
@@ -63,6 +62,8 @@ class RunSpec:
         return cls(**fields)
 
     def check_usable(self) -> "RunSpec":
+        from ravnest_swarm.models import MODELS  # the zoo imports torch: observers read specs without it
+
         if self.protocol != PROTOCOL_VERSION:
             raise UserError(f"the run uses protocol {self.protocol}, this ravnest-swarm speaks {PROTOCOL_VERSION}: "
                             f"install the matching version", exit_code=1)
@@ -79,15 +80,6 @@ class RunSpec:
             raise UserError(f"this run's spec disagrees with your flags: {', '.join(differences)}; "
                             f"drop the flags to follow the run, or choose another --run", exit_code=1)
         return self
-
-
-def run_finished(spec: RunSpec, peers: List[Dict]) -> bool:
-    """A run is finished when it has placed peers and every one of them reached the run's length.
-
-    ``peers``: live records (``membership.announcer.read_peers``); a leaving peer no longer counts.
-    """
-    placed = [p for p in peers if p["state"] != "leaving" and p.get("cluster") is not None and p["cluster"] >= 0]
-    return bool(placed) and all(p["state"] == "done" and (p.get("step") or 0) >= spec.steps for p in placed)
 
 
 async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:

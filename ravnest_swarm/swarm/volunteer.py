@@ -40,7 +40,7 @@ from ravnest_swarm.averaging.peer import plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
-from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.announcer import read_peers, run_finished
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN
 from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec, get_model
@@ -49,7 +49,7 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.reversal import links_of
-from ravnest_swarm.swarm.spec import RunSpec, run_finished
+from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 from ravnest_swarm.transport import maddrs_without_peer_id
 
@@ -479,7 +479,7 @@ class Volunteer:
             return True
         if self.worker is not None and self.announcer.record.get("state") != "done":
             return False  # we still train: the run cannot be finished
-        if not run_finished(self.spec, await read_peers(self.node, self.run)):
+        if not run_finished(await read_peers(self.node, self.run), self.spec.steps):
             return False
         self._finished = True
         if self.worker is None:
@@ -652,7 +652,7 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
                                                            f"(start it with --model)", highlight=False))
     if spec is None:
         return
-    if run_finished(spec, await read_peers(membership.node, run)):
+    if run_finished(await read_peers(membership.node, run), spec.steps):
         console.print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length; nothing left "
                       f"to train (`ravnest-swarm status` shows who still holds its layers)", markup=False,
                       highlight=False, soft_wrap=True)
