@@ -24,7 +24,8 @@ import torch
 
 from ravnest_swarm.checkpoint import TEMPORARY_PREFIX, TEMPORARY_SUFFIX, read_stage, save_stage
 
-PEERS, STEPS, CHECKPOINT_EVERY = 4, 240, 20
+# long enough that the kill lands mid-training: a 2-stage mlp-digits cluster trains about 100 steps a second here
+PEERS, STEPS, CHECKPOINT_EVERY = 4, 1200, 20
 CHECKPOINT = re.compile(r"^local-peer\d+\.safetensors$")
 IDENTITY = re.compile(r"^local-peer\d+\.key$")
 
