@@ -75,25 +75,28 @@ def run_async(coroutine: Awaitable) -> int:
 async def _cancelled_by_sigterm(coroutine: Awaitable):
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    loop.set_exception_handler(_ignore_cancelled_handlers)
+    loop.set_exception_handler(_ignore_stopped_handlers)
     return await coroutine
 
 
-def _ignore_cancelled_handlers(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """Report what asyncio reports, except a stream handler cancelled on purpose or gone.
+def _ignore_stopped_handlers(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """Report what asyncio reports, except a P2P stream handler cancelled on purpose, or gone with its daemon.
 
     hivemind cancels a P2P handler's task when the handler is removed (a stage or the averager stopping);
     Python 3.11's stream callback then calls ``exception()`` on the cancelled task and asyncio logs that
-    CancelledError as a 14-line ERROR traceback, at every stop. Nothing went wrong, so nothing is said.
+    CancelledError as a 14-line ERROR traceback, at every stop. A stream for a handler just removed fails
+    with hivemind's ``DispatchFailure`` (the sender sees it closed and re-resolves), and a p2pd that died
+    resets the control connection under hivemind's fire-and-forget writes. Nothing to act on: nothing said.
     """
-    from hivemind.p2p.p2p_daemon_bindings.utils import DispatchFailure  # only verbs with a P2P node get here
-
+    # looked up, not imported: a verb without a P2P node need not load hivemind, and asyncio may call this
+    # while Python shuts down, when nothing can be imported any more
+    bindings = sys.modules.get("hivemind.p2p.p2p_daemon_bindings.utils")
+    dispatch_failure = getattr(bindings, "DispatchFailure", ConnectionResetError)
     exception = context.get("exception")
     if isinstance(exception, asyncio.CancelledError):
         return
-    if isinstance(exception, DispatchFailure):
-        # a neighbour's stream for a handler we just removed: the sender sees it closed and re-resolves
-        logging.getLogger(__name__).debug(f"stream for a handler no longer served: {exception}")
+    if isinstance(exception, (dispatch_failure, ConnectionResetError)):
+        logging.getLogger(__name__).debug(f"{context.get('message')}: {exception!r}")
         return
     loop.default_exception_handler(context)
 

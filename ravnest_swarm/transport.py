@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 MAX_METADATA_BYTES = 64 * 1024
 DISCARD_SECONDS = 2.0
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+STOP_TIMEOUT = 5.0  # seconds each part of stopping a node may take (a dead p2pd never answers)
 
 
 def parse_maddrs(maddrs: Sequence[str], *, what: str = "initial peer", need_peer_id: bool = True) -> List[Multiaddr]:
@@ -213,10 +214,20 @@ async def start_node(
         raise UserError(f"the DHT did not answer through the initial peers (tried {tried}): {e or 'timeout'}", 1)
 
 
-async def stop_node(node: DHTNode) -> None:
-    """Stop the DHT node and its p2pd (a node created on a given P2P does not stop it itself)."""
-    await node.shutdown()
-    await node.p2p.shutdown()
+async def stop_node(node: DHTNode, timeout: float = STOP_TIMEOUT) -> None:
+    """Stop the DHT node and its p2pd (a node created on a given P2P does not stop it itself).
+
+    Each part is given ``timeout`` seconds: a node whose p2pd already died (killed, crashed) waits forever
+    on the daemon to remove its handlers, and a stop signal must still end the process.
+    """
+    try:
+        await asyncio.wait_for(node.shutdown(), timeout)
+    except asyncio.TimeoutError:
+        logger.warning(f"the DHT node did not stop within {timeout:.0f}s (is its p2pd gone?); stopping p2pd anyway")
+    try:
+        await asyncio.wait_for(node.p2p.shutdown(), timeout)
+    except asyncio.TimeoutError:
+        logger.warning(f"p2pd did not exit within {timeout:.0f}s of being told to")
 
 
 async def store_record(node: DHTNode, key: str, value: Any, expiration: float, subkey: Any = None) -> bool:

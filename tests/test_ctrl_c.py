@@ -1,7 +1,9 @@
-"""Ctrl-C in a real terminal (tmux): `join` says "stopping..." at once, leaves within 10 s (it trains alone, so
-there is nobody to hand its layers to), keeps them in a checkpoint, prints no traceback and leaves no process."""
+"""Stopping, as people do it. Ctrl-C in a real terminal (tmux): `join` says "stopping..." at once, leaves within
+10 s (it trains alone, so there is nobody to hand its layers to), keeps them in a checkpoint, prints no traceback
+and leaves no process. SIGTERM stops a backbone even after its p2pd died."""
 
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -79,3 +81,17 @@ def test_ctrl_c_says_stopping_within_a_second_and_leaves_within_ten(processes, t
     assert "Traceback" not in screen and "Error" not in screen, screen
     assert "me: nobody took layers 0:9" in screen and "me left run ctrl-c" in screen, screen
     assert "exit status 0" in screen, screen
+
+
+@pytest.mark.timeout(60)
+def test_a_backbone_whose_p2pd_died_still_stops_on_sigterm(processes):
+    """Stopping a node waits on its p2pd to remove handlers; a p2pd that was killed never answers, and a
+    backbone once ignored SIGTERM for good after that. Now each part of the stop is bounded."""
+    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "backbone")
+    backbone.maddrs()
+    (p2pd,) = [p for p in psutil.Process(backbone.pid).children() if p.name() == "p2pd"]
+    p2pd.kill()
+    p2pd.wait(10)
+    backbone.signal(signal.SIGTERM)
+    assert backbone.wait(20) == 0
+    assert "Traceback" not in backbone.stderr() and "did not stop within" in backbone.stderr(), backbone.stderr()
