@@ -505,7 +505,7 @@ class Volunteer:
         worker = self.stopped_worker
         if worker is None or self._finished:
             return  # nothing trained here since we started (a resumed checkpoint stays on disk), or nothing to keep
-        start, end, module, step = worker.start_layer, worker.end_layer, worker.module, worker.version
+        start, end, step = worker.start_layer, worker.end_layer, worker.version
         self.announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step,
                               samples_per_s=None)
         await self.announcer.publish()
