@@ -112,7 +112,13 @@ def join(
     round_period: float = typer.Option(600.0, "--round-period", min=0.0, help="Planning: revise the plan after this many seconds (0: never)."),
     round_seconds: float = typer.Option(10.0, "--round-seconds", min=3.0, help="Planning: seconds from a round's opening to its deadline."),
     num_layers: int = typer.Option(32, "--num-layers", min=1, hidden=True, help="Planning: identical layers cut into stage ranges."),
-    model: Optional[str] = typer.Option(None, "--model", help="Start the run with this zoo model if it has no spec yet (mlp-digits, gpt-tiny)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Start the run with this model if it has no spec yet: "
+                                        "mlp-digits, gpt, gpt-tiny, gpt-85m, gpt-350m, or your own module:function "
+                                        "(docs/models.md)."),
+    model_config: Optional[str] = typer.Option(None, "--model-config", help="Run spec: the model's settings, "
+                                               "e.g. layers=12,width=768,heads=12,context=256."),
+    data: Optional[str] = typer.Option(None, "--data", help="Train on this directory (text files, or .npy arrays; "
+                                       "docs/models.md) instead of the model's own data; every peer needs a copy."),
     lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="Run spec: learning rate."),
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
     max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, max=1024, help="Run spec: microbatches in flight per cluster."),
@@ -121,6 +127,13 @@ def join(
                                                        "gradients between stages as none, float16 or meanstd16."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
                                         "every stage (default 300); every volunteer trains until the run reaches it."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
+                                            "autocast of the stages' forward (fp16 runs as bf16 on a CPU)."),
+    device: str = typer.Option("auto", "--device", help="Where this peer's stages compute: auto (the first GPU "
+                               "torch sees, else the CPU), cpu, or cuda (cuda:N)."),
+    device_memory_gb: Optional[float] = typer.Option(None, "--device-memory-gb", min=0.0, help="Override the "
+                                                     "memory (GB) the planner sizes our stages by (default: the "
+                                                     "GPU's total memory, or the RAM offered on the CPU)."),
     handover_timeout: float = typer.Option(90.0, "--handover-timeout", min=0.0, help="Seconds a leaving peer keeps "
                                            "serving its layers until another peer has them (then: a checkpoint)."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Write this peer's checkpoint here."),
@@ -144,6 +157,7 @@ def join(
     configure_logging(verbose)
 
     async def main():
+        from ravnest_swarm.devices import check_precision, resolve_device
         from ravnest_swarm.membership.capabilities import check_override
         from ravnest_swarm.membership.records import validate_peer_name, validate_run_name
         from ravnest_swarm.membership.volunteer import JoinOptions, Membership
@@ -153,11 +167,16 @@ def join(
             log_to_file(log_file)
         validate_run_name(run)
         for flag, value in (("ram-gb", ram_gb), ("max-ram-gb", max_ram_gb), ("gflops", gflops),
-                            ("bandwidth-mbps", bandwidth_mbps)):
+                            ("bandwidth-mbps", bandwidth_mbps), ("device-memory-gb", device_memory_gb)):
             check_override(flag, value)
         validate_peer_name(name)
-        if model is not None:
-            _check_model(model)
+        # the model is built and the data hashed before joining: a mistake in either is one line, and a new
+        # run's spec records both (swarm/spec.py)
+        from ravnest_swarm.swarm.spec import model_facts
+
+        facts = model_facts(model, model_config or "", data) if model is not None else None
+        if data is not None and model is None:
+            _scan_data(data)
         parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
         if resume and checkpoint_dir is None:
             raise UserError("--resume needs --checkpoint-dir")
@@ -165,13 +184,17 @@ def join(
             initial_peers=_initial_peers(initial_peers), run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb,
             gflops=gflops, bandwidth_mbps=bandwidth_mbps, heartbeat=heartbeat, timeout=timeout,
             host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity_path=identity,
+            device=resolve_device(device), device_memory_gb=device_memory_gb,
         )
-        requested = {key: value for key, value in dict(model=model, lr=lr, microbatch_size=microbatch_size,
+        requested = {key: value for key, value in dict(model=model, model_config=model_config, lr=lr,
+                                                        microbatch_size=microbatch_size,
                                                         max_in_flight=max_in_flight, averaging_period=averaging_period,
                                                         pipeline_compression=pipeline_compression,
+                                                        precision=precision,
                                                         steps=steps).items()
                      if value is not None}
         _check_pipeline_compression(pipeline_compression or "none")
+        check_precision(precision or "fp32")
         rounds_options = None
         if model_gb is not None:
             from ravnest_swarm.planning.plan import make_workload
@@ -197,8 +220,9 @@ def join(
             volunteer_options = VolunteerOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                                                  resume=resume, min_peers=min_peers, round_seconds=round_seconds,
                                                  round_period=round_period, max_stages=max_stages,
-                                                 handover_timeout=handover_timeout)
-            work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console, leave_now))
+                                                 handover_timeout=handover_timeout, data=data)
+            work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console, leave_now,
+                                                 facts))
         watch = asyncio.create_task(_watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard,
                                                  console=console, me=name))
         try:
@@ -310,7 +334,11 @@ def status(
 def local(
     peers: int = typer.Option(6, "--peers", min=2, max=30, help="Volunteers to start on this machine."),
     steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps every stage trains for."),
-    model: str = typer.Option("mlp-digits", "--model", help="Zoo model (mlp-digits, gpt-tiny)."),
+    model: str = typer.Option("mlp-digits", "--model", help="mlp-digits, gpt, gpt-tiny, gpt-85m, gpt-350m, or your "
+                              "own module:function (docs/models.md)."),
+    model_config: str = typer.Option("", "--model-config", help="The model's settings, e.g. layers=4,width=256."),
+    data: Optional[str] = typer.Option(None, "--data", help="Train on this directory (text files, or .npy arrays) "
+                                       "instead of the model's own data."),
     chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
     pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="Activations and gradients "
@@ -321,6 +349,9 @@ def local(
     resume: bool = typer.Option(False, "--resume", help="Restart every peer from its checkpoint in --checkpoint-dir."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="No live dashboard."),
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as one JSON object, on stdout's last line."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 or fp16 autocast of the stages' forward."),
+    device: str = typer.Option("auto", "--device", help="Where every peer computes: auto (the first GPU torch sees, "
+                               "else the CPU), cpu, or cuda (cuda:N)."),
     log_file: Optional[str] = LogFile,
 ):
     """Run a whole swarm here: a backbone and N volunteers on 127.0.0.1, with the dashboard; Ctrl-C stops all.
@@ -332,18 +363,20 @@ def local(
     configure_logging(False)
 
     async def main():
+        from ravnest_swarm.devices import check_precision, resolve_device
         from ravnest_swarm.swarm.local import LocalOptions, run_local
         from ravnest_swarm.swarm.spec import RunSpec
 
         if log_file is not None:
             log_to_file(log_file)
-        _check_model(model)
         _check_pipeline_compression(pipeline_compression)
-        options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit,
-                               spec=RunSpec(model=model, averaging_period=averaging_period,
-                                            pipeline_compression=pipeline_compression),
+        check_precision(precision)
+        where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
+        options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
+                               spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
+                                            pipeline_compression=pipeline_compression, precision=precision),
                                dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir,
-                               checkpoint_every=checkpoint_every, resume=resume)
+                               checkpoint_every=checkpoint_every, resume=resume, device=where)
         return await run_local(options, as_json)
 
     sys.exit(run_async(main()))
@@ -709,11 +742,13 @@ def stage(
     sys.exit(run_async(main()))
 
 
-def _check_model(name: str) -> None:
-    from ravnest_swarm.models import MODELS
+def _scan_data(data: str) -> None:
+    from ravnest_swarm.models.user_data import scan_data
 
-    if name not in MODELS:
-        raise UserError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    try:
+        scan_data(data)
+    except ValueError as e:
+        raise UserError(str(e))
 
 
 def _check_pipeline_compression(name: str) -> None:

@@ -122,7 +122,7 @@ def test_initial_peer_that_never_answers_times_out():
 def test_unknown_model_is_refused_before_anything_starts(verb):
     peer_flags = ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a"] if verb == "join" else []
     result = cli(verb, *peer_flags, "--model", "resnet50", timeout=30)
-    assert_one_line_error(result, "unknown model 'resnet50': choose one of mlp-digits, gpt-tiny", code=2)
+    assert_one_line_error(result, "unknown model 'resnet50': choose one of mlp-digits, gpt, gpt-tiny", "module:function", code=2)
     assert "measur" not in result.stderr.lower()
 
 

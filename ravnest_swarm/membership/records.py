@@ -13,7 +13,7 @@ Values travel as msgpack (hivemind's ``MSGPackSerializer``): never pickle.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
@@ -27,6 +27,9 @@ REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
 MAX_NOTE_LEN = 200
 MAX_PLAN_STAGES = 4096
+MAX_MODEL_NAME_LEN = 200  # a user's entry point: package.module:function
+MAX_LAYOUT_LAYERS = 4096
+MAX_LAYOUT_TENSORS = 16384  # tensors of all layers: a 96-block GPT has about 1,200 (a spec of about 40 KB)
 # C0 and C1 control characters (ESC starts a terminal escape sequence, newlines break tables), line and
 # paragraph separators, and the bidirectional overrides and isolates (they make one name look like another):
 # no record string a terminal may show contains one, so a hostile record is dropped rather than drawn. Written
@@ -95,6 +98,19 @@ class PeerRecord(pydantic.BaseModel):
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     rejected: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # poisoned or malformed input refused
     note: Optional[_shown_text(0, MAX_NOTE_LEN)] = None
+    # where its stages compute and what memory they measurably took (docs/records.md); optional, so that the
+    # records of peers from before devices still validate
+    device: Optional[pydantic.constr(strict=True, regex=r"^(cpu|cuda(:\d{1,3})?)\Z")] = None
+    device_memory_gb: Optional[_bounded_float(0.0, 4096.0)] = None  # what the planner sizes its stages by
+    peak_memory_gb: Optional[_bounded_float(0.0, 4096.0)] = None  # the process's peak RSS
+    device_peak_gb: Optional[_bounded_float(0.0, 4096.0)] = None  # the GPU's peak allocation; None on a CPU
+
+
+def planning_memory_gb(record: Dict) -> float:
+    """The memory a peer's stages may fill, by its record: its device's (a GPU's memory for a GPU peer), or,
+    for a record without one, the RAM it offers."""
+    device_memory = record.get("device_memory_gb")
+    return record["ram_gb"] if device_memory is None else device_memory
 
 
 class StageEndpoint(pydantic.BaseModel):
@@ -106,7 +122,7 @@ class StageEndpoint(pydantic.BaseModel):
 
     peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
     maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16)
-    model: pydantic.constr(strict=True, min_length=1, max_length=64)
+    model: pydantic.constr(strict=True, min_length=1, max_length=MAX_MODEL_NAME_LEN)
     layers: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)
     version: pydantic.conint(strict=True, ge=0, le=2**53)
     time: _bounded_float(0.0, 1e11)
@@ -154,7 +170,7 @@ class RoundProposal(pydantic.BaseModel):
     round: pydantic.conint(strict=True, ge=1, le=2**53)
     deadline: _bounded_float(0.0, 1e11)
     peer_id: _shown_text(1, 128)
-    ram_gb: _bounded_float(0.0, 4096.0)
+    ram_gb: _bounded_float(0.0, 4096.0)  # the memory its stages may fill (``planning_memory_gb``)
     gflops: _bounded_float(0.0, 1e6)
     bandwidth_mbps: _bounded_float(0.0, 100_000.0)
     fitness: _bounded_float(0.0, 1e12)
@@ -171,16 +187,31 @@ class RunSpecRecord(pydantic.BaseModel):
     two peers started the run at once, everyone follows the earliest ``created``.
     """
 
-    model: pydantic.constr(strict=True, min_length=1, max_length=64)
+    model: _shown_text(1, MAX_MODEL_NAME_LEN)
+    model_config: _shown_text(0, 200) = ""
+    # every layer's [name, [[tensor name, shape, dtype], ...]]: a joiner whose code builds another model refuses
+    layout: Optional[pydantic.conlist(Tuple[_shown_text(1, 128), pydantic.conlist(Tuple[
+        _shown_text(1, 256), pydantic.conlist(pydantic.conint(strict=True, ge=0, le=2**40), max_items=8),
+        pydantic.constr(strict=True, regex="^[a-z0-9]{1,16}$")], max_items=MAX_LAYOUT_TENSORS)],
+        max_items=MAX_LAYOUT_LAYERS)] = None
+    data_hash: pydantic.constr(strict=True, regex="^([0-9a-f]{64})?$") = ""  # sha256 of --data; "": the model's own
+    data_bytes: pydantic.conint(strict=True, ge=0, le=2**53) = 0
     optimizer: pydantic.constr(strict=True, regex="^(sgd)$")
     lr: _bounded_float(0.0, 10.0)
     microbatch_size: pydantic.conint(strict=True, ge=1, le=4096)
     max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)
     averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
     pipeline_compression: pydantic.constr(strict=True, regex="^(none|float16|meanstd16)$") = "none"
+    precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)
+
+    @pydantic.validator("layout")
+    def _bounded_layout(cls, layout):
+        if layout is not None and sum(len(tensors) for _, tensors in layout) > MAX_LAYOUT_TENSORS:
+            raise ValueError(f"a layout has at most {MAX_LAYOUT_TENSORS} tensors in all")
+        return layout
 
 
 class RunRecords(pydantic.BaseModel):

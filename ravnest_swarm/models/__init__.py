@@ -1,4 +1,10 @@
-"""The model zoo: models that split into stages by layer range, and their data by sample id."""
+"""The model zoo: models that split into stages by layer range, and their data by sample id.
+
+``load_model`` builds what a run names: a zoo family or preset, or a user's ``module:function``
+(``sequential_model`` makes one from plain modules), on its own data or a user's ``--data``.
+"""
 
 from ravnest_swarm.models.data import Dataset, ShardedSampler
-from ravnest_swarm.models.zoo import MODELS, LayerSpec, ModelSpec, balanced_split, get_model, parse_layers
+from ravnest_swarm.models.loading import (first_difference, get_model, layout_fingerprint, load_model, model_layout,
+                                          parse_model_config, sequential_model)
+from ravnest_swarm.models.zoo import MODELS, PRESETS, LayerSpec, ModelSpec, balanced_split, parse_layers

@@ -42,6 +42,16 @@ class LayerSpec:
             module = self.build()
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
+    @property
+    def param_count(self) -> int:
+        with torch.device("meta"):
+            module = self.build()
+        return sum(p.numel() for p in module.parameters())
+
+
+YARDSTICK_GFLOP = 200.0  # about ten seconds of a home PC's forward compute
+YARDSTICK_MIN_SAMPLES = 8
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -53,14 +63,18 @@ class ModelSpec:
     :param loss: ``loss(outputs, targets)``, a mean over the microbatch
     :param seed: base seed; layer ``i`` is built under ``seed * 1000 + i``
     :param heldout: makes the held-out data set (never trained on) that :meth:`evaluate` uses
+    :param vocab: for a model of token ids, how many ids its embedding takes (user data is checked against it)
+
+    A model without data of its own (``dataset`` None) trains on what ``--data`` gives (``models/user_data.py``).
     """
 
     name: str
     layers: Tuple[LayerSpec, ...]
-    dataset: Callable[[], Dataset]
+    dataset: Optional[Callable[[], Dataset]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     seed: int = 0
     heldout: Optional[Callable[[], Dataset]] = None
+    vocab: Optional[int] = None
 
     def build_layer(self, index: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
@@ -74,6 +88,27 @@ class ModelSpec:
 
     def build_full(self) -> nn.Sequential:
         return self.build_stage(0, len(self.layers))
+
+    def run_layers(self, inputs: torch.Tensor, states: Optional[Dict[int, Dict[str, torch.Tensor]]] = None
+                   ) -> torch.Tensor:
+        """The whole model's outputs with one layer in memory at a time: a model bigger than this machine's
+        memory is still evaluated. ``states``: trained weights by layer index (else the seeded start)."""
+        x = inputs
+        with torch.no_grad():
+            for index in range(len(self.layers)):
+                layer = self.build_layer(index)
+                if states is not None:
+                    layer.load_state_dict(states[index])
+                x = layer(x)
+        return x
+
+    def yardstick(self, split: str = "train") -> Tuple[torch.Tensor, torch.Tensor]:
+        """The first samples of a split that fit in :data:`YARDSTICK_GFLOP` of forward compute (at least
+        :data:`YARDSTICK_MIN_SAMPLES`): all of a small model's held-out set, a sample of a big model's."""
+        data = self.dataset() if split == "train" else self.heldout()
+        gflop = sum(layer.flops_per_sample for layer in self.layers) / 1e9
+        count = min(data.size, 2048, max(YARDSTICK_MIN_SAMPLES, int(YARDSTICK_GFLOP / max(gflop, 1e-9))))
+        return data.get(range(count))
 
     def evaluate(self, model: nn.Module, batch: int = 256) -> float:
         """Accuracy (argmax against the targets, per sample or per token) on the held-out split."""
@@ -241,28 +276,42 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def gpt_tiny(width: int = 64, blocks: int = 4, heads: int = 4, context: int = 64, vocab: int = 256) -> ModelSpec:
-    """A byte-level nanoGPT-style decoder trained on the Python standard library's own source text."""
+def gpt(layers: int = 4, width: int = 64, heads: int = 4, context: int = 64, vocab: int = 256,
+        name: str = "gpt") -> ModelSpec:
+    """A byte-level nanoGPT-style decoder trained on the Python standard library's own source text.
+
+    Its layers are the embedding, ``layers`` decoder blocks and the head, each a layer the planner places
+    like any other, so a model too big for any one peer spreads over several.
+    """
+    for key, value in dict(layers=layers, width=width, heads=heads, context=context, vocab=vocab).items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: {key} must be a positive whole number, not {value!r}")
+    if width % heads:
+        raise ValueError(f"{name}: width {width} must be a multiple of heads {heads}")
     block_flops = context * (24 * width * width + 4 * context * width)
-    layers = [LayerSpec("embed", lambda: TokenEmbedding(vocab, context, width), (context,), torch.long,
-                        context * width)]
-    layers += [
+    specs = [LayerSpec("embed", lambda: TokenEmbedding(vocab, context, width), (context,), torch.long,
+                       context * width)]
+    specs += [
         LayerSpec(f"block{i}", lambda: DecoderBlock(width, heads), (context, width), torch.float32, block_flops)
-        for i in range(blocks)
+        for i in range(layers)
     ]
-    layers.append(LayerSpec("head", lambda: LanguageHead(width, vocab), (context, width), torch.float32,
-                            context * 2 * width * vocab))
-    return ModelSpec("gpt-tiny", tuple(layers), lambda: stdlib_text_dataset(context), _lm_loss,
-                     heldout=lambda: stdlib_text_dataset(context, "heldout"))
+    specs.append(LayerSpec("head", lambda: LanguageHead(width, vocab), (context, width), torch.float32,
+                           context * 2 * width * vocab))
+    return ModelSpec(name, tuple(specs), lambda: stdlib_text_dataset(context), _lm_loss,
+                     heldout=lambda: stdlib_text_dataset(context, "heldout"), vocab=vocab)
 
 
-MODELS: Dict[str, Callable[[], ModelSpec]] = {"mlp-digits": mlp_digits, "gpt-tiny": gpt_tiny}
-
-
-def get_model(name: str) -> ModelSpec:
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
-    return MODELS[name]()
+# named sizes of the gpt family. Training state (parameters and gradients in float32, 8 bytes a parameter,
+# before a stage's weights in flight): gpt-tiny 1.7 MB, gpt-85m 0.68 GB, gpt-350m 2.4 GB, more than most
+# home PCs can spare, and gpt-85m's passes 1 GB with the pipeline's copy of the weights in flight
+PRESETS: Dict[str, Dict[str, int]] = {
+    "gpt-tiny": dict(layers=4, width=64, heads=4, context=64),
+    "gpt-85m": dict(layers=12, width=768, heads=12, context=256),
+    "gpt-350m": dict(layers=24, width=1024, heads=16, context=512),
+}
+# model families by name; each takes keyword settings (``--model-config``)
+FAMILIES: Dict[str, Callable[..., ModelSpec]] = {"mlp-digits": mlp_digits, "gpt": gpt}
+MODELS: Tuple[str, ...] = tuple(FAMILIES) + tuple(PRESETS)
 
 
 def parse_layers(text: str, spec: ModelSpec) -> Tuple[int, int]:

@@ -28,7 +28,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 from torch.func import functional_call
 
-from ravnest_swarm.models import ShardedSampler, get_model
+from ravnest_swarm.devices import autocast, autocast_dtype
+from ravnest_swarm.models import ShardedSampler, load_model
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.channel import MessageChannel
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, publish_endpoint
@@ -61,7 +62,9 @@ class StageConfig:
     :param clusters: number of clusters (for sharding the data by sample id)
     :param stage: this stage's index in the pipeline
     :param stages: number of stages
-    :param model: zoo name
+    :param model: the run's model (``models.load_model``: a zoo name or a user's ``module:function``)
+    :param model_config: its settings (``layers=12,width=768``)
+    :param data: this peer's copy of the run's ``--data`` (None: the model's own data)
     :param layers: the layer range ``[a, b)`` this stage builds
     :param microbatch_size: samples per microbatch (stage 0 draws them)
     :param microbatches: how many microbatches stage 0 injects before finishing the run
@@ -79,6 +82,10 @@ class StageConfig:
     :param compression: how this stage sends activations and gradients: ``none``, or rounded to 16 bits for
       half the bytes, as ``float16`` or ``meanstd16`` (scaled by the tensor's mean and std first, so small
       gradients keep their precision); receivers accept all three
+    :param device: the torch device that holds this stage's layers, gradients and optimizer state (``cpu``,
+      ``cuda:0``); what it sends and receives is on the host, so its neighbours' devices do not matter
+    :param precision: the run's ``fp32``, ``bf16`` or ``fp16``: 16 bits run the forward under ``torch.autocast``
+      (``devices.autocast_dtype``); weights, gradients and what travels stay in their own dtypes
     :param trace: record when each microbatch arrives and when its forward and backward start and end
       (``bench pipeline`` splits a round trip into queueing, compute and transit with it; off otherwise, as it
       grows with the run)
@@ -89,6 +96,8 @@ class StageConfig:
     stages: int
     model: str
     layers: Tuple[int, int]
+    model_config: str = ""
+    data: Optional[str] = None
     cluster: int = 0
     clusters: int = 1
     microbatch_size: int = 16
@@ -105,6 +114,8 @@ class StageConfig:
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     max_abs_value: float = 1e6
     compression: str = "none"
+    device: str = "cpu"
+    precision: str = "fp32"
     trace: bool = False
 
 
@@ -152,11 +163,17 @@ class StageWorker:
             raise ValueError(f"schedule must be one of {SCHEDULES}, mode one of {MODES} and compression one of "
                              f"{tuple(wire.COMPRESSIONS)}")
         self.config, self.node, self.p2p = config, node, node.p2p
-        self.spec = get_model(config.model)
+        self.spec = load_model(config.model, config.model_config, config.data)
         self.start_layer, self.end_layer = config.layers
-        self.module = self.spec.build_stage(*config.layers)
+        self.device = torch.device(config.device)
+        # built on the host from per-layer seeds (identical on every peer and device), then moved: the optimizer
+        # made after the move keeps its state beside the parameters
+        self.module = self.spec.build_stage(*config.layers).to(self.device)
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=config.lr)
+        self.autocast_dtype, self.precision_note = autocast_dtype(config.precision, config.device)
         self.is_first, self.is_last = config.stage == 0, config.stage == config.stages - 1
+        # what the next stage's first layer takes: an output autocast left in 16 bits is sent cast back to it
+        self.output_dtype = None if self.is_last else self.spec.layers[self.end_layer].input_dtype
         self.input_spec = self.spec.layers[self.start_layer]
         dataset = self.spec.dataset()
         self.target_shape, self.target_dtype = list(dataset.targets.shape[1:]), dataset.targets.dtype
@@ -331,7 +348,7 @@ class StageWorker:
             if self.is_last:
                 loss, input_grad = await loop.run_in_executor(self.executor, self._forward_backward_last, inputs, targets)
             else:
-                pending = await loop.run_in_executor(self.executor, self._forward, inputs)
+                pending, output = await loop.run_in_executor(self.executor, self._forward, inputs)
         self.counters.forwards += 1
         self._trace("forward_done", microbatch)
         if self.is_last:
@@ -345,7 +362,7 @@ class StageWorker:
         self.pending[microbatch] = pending
         metadata = self._address(self.config.stage + 1, microbatch=microbatch, sample_ids=sample_ids,
                                  version=self.version)
-        self._spawn(wire.FORWARD, self.config.stage + 1, metadata, [pending.output.detach(), targets], microbatch)
+        self._spawn(wire.FORWARD, self.config.stage + 1, metadata, [output, targets], microbatch)
 
     async def _run_backward(self, microbatch: int, grad: torch.Tensor) -> None:
         self.queued_backward.discard(microbatch)
@@ -380,18 +397,24 @@ class StageWorker:
 
     # ---------------------------------------------------------------- compute (the one compute thread)
 
-    def _forward(self, inputs: torch.Tensor) -> Pending:
+    # Tensors arrive from the wire (or stage 0's data) in host memory and move to the device here, in the compute
+    # thread; what goes back to the wire is copied to the host here too (a GPU copy waits for the GPU's work,
+    # which must not hold up the event loop). On a CPU device both are no-ops.
+
+    def _forward(self, inputs: torch.Tensor) -> Tuple[Pending, torch.Tensor]:
+        """The stage's output for the next stage, kept with what its backward needs; and its host copy."""
         x = self._as_leaf(inputs)
         if self.config.mode == "stash":
             params = {name: p.detach().clone().requires_grad_() for name, p in self.module.named_parameters()}
-            output = functional_call(self.module, params, (x,))
+            output = self._compute(x, params)
         else:
             params = None
             with torch.no_grad():
-                output = self.module(x)
-        return Pending(x, output, list(output.shape), params, None, self.version)
+                output = self._compute(x)
+        return Pending(x, output, list(output.shape), params, None, self.version), _to_host(output)
 
     def _backward(self, pending: Pending, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        grad = grad.to(self.device)
         if pending.params is not None:
             torch.autograd.backward(pending.output, grad)
             for name, p in self.module.named_parameters():
@@ -400,19 +423,28 @@ class StageWorker:
             x = pending.inputs
         else:
             x = self._as_leaf(pending.inputs.detach())
-            self.module(x).backward(grad)
+            self._compute(x).backward(grad)
         self._apply_gradients()
-        return x.grad if x.requires_grad else None
+        return _to_host(x.grad) if x.requires_grad else None
 
     def _forward_backward_last(self, inputs: torch.Tensor, targets: torch.Tensor) -> Tuple[float, Optional[torch.Tensor]]:
         x = self._as_leaf(inputs)
-        loss = self.spec.loss(self.module(x), targets)
-        loss.backward()
+        with autocast(self.config.device, self.autocast_dtype):
+            loss = self.spec.loss(self.module(x), targets.to(self.device))
+        loss.backward()  # outside autocast, as torch advises: each op's backward runs in its forward's dtype
         self._apply_gradients()
-        return loss.item(), (x.grad if x.requires_grad else None)
+        return loss.item(), (_to_host(x.grad) if x.requires_grad else None)
+
+    def _compute(self, x: torch.Tensor, params: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """The layers' forward (with the stashed ``params`` if given) under the run's autocast; the output in
+        the dtype the next stage's first layer takes (a differentiable cast, so its gradient comes back in it)."""
+        with autocast(self.config.device, self.autocast_dtype):
+            output = self.module(x) if params is None else functional_call(self.module, params, (x,))
+        return output.to(self.output_dtype) if self.output_dtype is not None else output
 
     def _as_leaf(self, inputs: torch.Tensor) -> torch.Tensor:
         # stage 0's inputs are data (token ids need no gradient); later stages send theirs back
+        inputs = inputs.to(self.device)
         return inputs if self.is_first else inputs.detach().requires_grad_()
 
     def _apply_gradients(self) -> None:
@@ -669,9 +701,14 @@ class StageWorker:
         tensors = {}
         for name, p in self.module.named_parameters():
             local, rest = name.split(".", 1)
-            tensors[f"{self.start_layer + int(local)}.{rest}"] = p.detach().contiguous()
+            tensors[f"{self.start_layer + int(local)}.{rest}"] = _to_host(p).contiguous()
         save_file(tensors, path)
 
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without its autograd graph, in host memory (the same tensor if it is there already)."""
+    return tensor.detach().cpu()
 
 
 async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, report_path: Optional[str] = None,

@@ -33,11 +33,12 @@ from rich.live import Live
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes
 from ravnest_swarm.dashboard.live import LogPanel, logs_below, read_adopted_plan, render_with_logs
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE, TRAINING_STATES, SwarmState
+from ravnest_swarm.devices import device_kind
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.records import make_validators, round_key
-from ravnest_swarm.models import get_model
+from ravnest_swarm.models import load_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.volunteer import model_workload
@@ -47,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 RUN = "local"
 # what the summary's peer_records keep of each peer's last record
-PEER_RECORD_FIELDS = ("state", "cluster", "stage", "step", "averaging_rounds", "averaging_failures", "rejected", "note")
+PEER_RECORD_FIELDS = ("state", "cluster", "stage", "step", "averaging_rounds", "averaging_failures", "rejected", "note",
+                      "device", "device_memory_gb", "peak_memory_gb", "device_peak_gb")
 CHECKPOINT_NAME = re.compile(rf"^{RUN}-(peer\d+)\.safetensors$")
 
 
@@ -66,6 +68,8 @@ class LocalOptions:
     :param checkpoint_dir: where the peers write their checkpoints (None: a temporary directory, removed after)
     :param checkpoint_every: steps between a stage's checkpoints
     :param resume: restart every peer that left a checkpoint in ``checkpoint_dir`` from it
+    :param device: where every peer computes (resolved: ``cpu``, ``cuda:0``)
+    :param data: the directory every peer trains on (``--data``; None: the model's own data)
     """
 
     peers: int = 6
@@ -79,6 +83,8 @@ class LocalOptions:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 50
     resume: bool = False
+    device: str = "cpu"
+    data: Optional[str] = None
 
 
 def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
@@ -119,7 +125,10 @@ class LocalSwarm:
     def __init__(self, options: LocalOptions, console: Console):
         self.options, self.console = options, console
         self.spec = options.spec or RunSpec(model=options.model)
-        self.model = get_model(self.spec.model)
+        try:
+            self.model = load_model(self.spec.model, self.spec.model_config, options.data)
+        except ValueError as e:
+            raise UserError(str(e))
         self.workload, _ = model_workload(self.model, self.spec, 8)
         self.checkpoint_steps: Dict[str, int] = {}  # peer name -> step of the checkpoint it resumes from
         if options.resume:
@@ -160,17 +169,26 @@ class LocalSwarm:
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
         args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",
-                "--model", self.spec.model, "--steps", str(self.options.steps), "--lr", str(self.spec.lr),
+                "--model", self.spec.model, "--model-config", self.spec.model_config,
+                "--steps", str(self.options.steps), "--lr", str(self.spec.lr),
                 "--microbatch-size", str(self.spec.microbatch_size), "--max-in-flight", str(self.spec.max_in_flight),
                 "--averaging-period", str(self.spec.averaging_period),
-                "--pipeline-compression", self.spec.pipeline_compression, "--heartbeat", "4",
+                "--pipeline-compression", self.spec.pipeline_compression, "--precision", self.spec.precision,
+                "--device", self.options.device, "--heartbeat", "4",
                 "--min-peers", str(self.options.peers), "--checkpoint-dir", self.checkpoint_dir,
                 "--checkpoint-every", str(self.options.checkpoint_every),
                 "--identity", os.path.join(self.checkpoint_dir, f"{RUN}-{name}.key"),
                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+        if self.options.data is not None:
+            args += ["--data", os.path.abspath(self.options.data)]
         if name in self.checkpoint_steps:
             args.append("--resume")  # a peer that never trained (a standby) has no checkpoint and starts fresh
-        for flag, value in capability_overrides(index, self.workload.model_gb).items():
+        overrides = capability_overrides(index, self.workload.model_gb)
+        if device_kind(self.options.device) == "cuda":
+            # the peers share this machine's GPU: each offers what it offers of RAM, not the whole GPU, so the plan
+            # splits the model into stages as it does on the CPU (where the RAM offer is the device's memory)
+            overrides["--device-memory-gb"] = overrides["--ram-gb"]
+        for flag, value in overrides.items():
             args += [flag, value]
         self.volunteers[name] = self.group.start(args, name)
 
@@ -317,7 +335,7 @@ class LocalSwarm:
             "clusters": max((len(plan["clusters"]) for plan in self.plans.values()), default=0),
             "averaging_rounds": totals.averaging_done,
             # the seeded initial model (every peer starts from it) and the model assembled from the checkpoints
-            "loss_start": self.training_loss(self.model.build_full()),
+            "loss_start": self.training_loss(None),
             "loss_end": self.final_loss,
             "observed_loss_first": round(self.loss_history[0], 4) if self.loss_history else None,
             "observed_loss_last": round(self.loss_history[-1], 4) if self.loss_history else None,
@@ -401,18 +419,19 @@ class LocalSwarm:
                     layers[layer] = (info["step"], state)
         if len(layers) != len(self.model.layers):
             return None, memory
-        full = self.model.build_full()
-        for layer, (_, state) in layers.items():
-            full[layer].load_state_dict(state)
-        self.final_loss = self.training_loss(full)
-        return round(self.model.evaluate(full), 4), memory
+        states = {layer: state for layer, (_, state) in layers.items()}
+        self.final_loss = self.training_loss(states)
+        inputs, targets = self.model.yardstick("heldout")
+        if targets.is_floating_point():
+            return None, memory  # regression targets (a user's data): no accuracy, the losses tell
+        predictions = self.model.run_layers(inputs, states).argmax(dim=-1)
+        return round(float((predictions == targets).float().mean()), 4), memory
 
-    def training_loss(self, model: torch.nn.Module) -> float:
-        """Mean loss over the training set: the same yardstick for the seeded start and the trained end."""
-        data = self.model.dataset()
-        with torch.no_grad():
-            inputs, targets = data.get(range(min(data.size, 2048)))
-            return round(float(self.model.loss(model(inputs), targets)), 4)
+    def training_loss(self, states: Optional[Dict[int, Dict[str, torch.Tensor]]]) -> float:
+        """Mean loss over the first training samples: the same yardstick for the seeded start (``states``
+        None) and the trained end; layer by layer, so a model bigger than any peer is evaluated too."""
+        inputs, targets = self.model.yardstick("train")
+        return round(float(self.model.loss(self.model.run_layers(inputs, states), targets)), 4)
 
 
 def describe(summary: dict, model: str) -> List[str]:

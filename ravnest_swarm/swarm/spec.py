@@ -1,8 +1,9 @@
 """The run spec: what a swarm trains, published once under ``{run}_spec`` and read by every joiner.
 
-Only names and numbers travel: a joiner builds the named model from its own zoo, so no code or
-weights ever come from the network. A joiner that lacks the model, or asked for different settings,
-refuses with one line.
+Only names and numbers travel: a joiner builds the named model from its own code (the zoo, or a user's
+``module:function``), so no code or weights ever come from the network. The spec carries the model's
+layout and the content hash of ``--data``, so a joiner whose code builds another model, or whose data
+differs, refuses with one line, as does one that lacks the model or asked for different settings.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy
 class RunSpec:
     """Hyper-parameters shared by the whole run.
 
-    :param model: zoo name (the data set comes with the model)
+    :param model: zoo name or preset (``gpt-85m``), or a user's entry point ``module:function``
+    :param model_config: the model's settings, ``layers=12,width=768`` (``--model-config``)
+    :param layout: every layer's tensors (``models.model_layout``): what joiners' builds must equal
+    :param data_hash: sha256 of the run's ``--data`` (``models.user_data``); empty: the model's own data
+    :param data_bytes: the size of that data
     :param optimizer: optimizer name (``sgd``)
     :param lr: learning rate
     :param microbatch_size: samples per microbatch
@@ -35,6 +40,9 @@ class RunSpec:
     :param averaging_period: optimizer steps between averaging rounds (H)
     :param pipeline_compression: how stages send activations and gradients (``pipeline.wire.COMPRESSIONS``):
       ``none``, or 16 bits for half the bytes on slow home links (docs/pipeline.md)
+    :param precision: ``fp32``, or ``bf16`` / ``fp16``: stages compute their forward under a 16-bit autocast
+      (weights, gradients, optimizer state and what travels stay float32; ``devices.autocast_dtype`` says what
+      a device that lacks the dtype runs instead)
     :param steps: the run's length: optimizer steps every stage trains for. It belongs to the run, not to a
       volunteer, so peers that join late or replace others train towards the same end, and the run is
       finished once its placed peers reach it
@@ -42,6 +50,10 @@ class RunSpec:
     """
 
     model: str
+    model_config: str = ""
+    layout: Optional[list] = None
+    data_hash: str = ""
+    data_bytes: int = 0
     optimizer: str = "sgd"
     lr: float = 0.05
     microbatch_size: int = 32
@@ -50,6 +62,7 @@ class RunSpec:
     max_in_flight: int = 2
     averaging_period: int = 25
     pipeline_compression: str = "none"
+    precision: str = "fp32"
     steps: int = 300
     protocol: int = PROTOCOL_VERSION
 
@@ -63,14 +76,42 @@ class RunSpec:
 
     def check_usable(self) -> "RunSpec":
         from ravnest_swarm.models import MODELS  # the zoo imports torch: observers read specs without it
+        from ravnest_swarm.models.loading import is_entry_point
 
         if self.protocol != PROTOCOL_VERSION:
             raise UserError(f"the run uses protocol {self.protocol}, this ravnest-swarm speaks {PROTOCOL_VERSION}: "
                             f"install the matching version", exit_code=1)
-        if self.model not in MODELS:
+        if self.model not in MODELS and not is_entry_point(self.model):
             raise UserError(f"the run trains model {self.model!r}, which this version lacks "
                             f"(it has {', '.join(MODELS)})", exit_code=1)
         return self
+
+    def build_model(self, data: Optional[str]):
+        """The run's model from this peer's code, on its copy of the data at ``data``, checked against the
+        spec's layout and data hash: a one-line :class:`UserError` names the first difference."""
+        from ravnest_swarm.models import first_difference, load_model, model_layout
+        from ravnest_swarm.models.user_data import scan_data
+
+        if self.data_hash and data is None:
+            raise UserError(f"this run trains on its own data ({_size(self.data_bytes)}, sha256 {self.data_hash[:12]}): "
+                            f"pass --data with your copy", exit_code=1)
+        if data is not None and not self.data_hash:
+            raise UserError(f"this run trains {self.model} on the model's own data: drop --data", exit_code=1)
+        try:
+            if data is not None:
+                source = scan_data(data)
+                if source.digest != self.data_hash:
+                    raise UserError(f"your --data {source.path} ({_size(source.size)}, sha256 {source.digest[:12]}) "
+                                    f"differs from the run's ({_size(self.data_bytes)}, sha256 {self.data_hash[:12]}): "
+                                    f"get the run's copy", exit_code=1)
+            model = load_model(self.model, self.model_config, data)
+        except ValueError as e:
+            raise UserError(f"cannot build this run's model: {e}", exit_code=1)
+        difference = first_difference(model_layout(model), self.layout) if self.layout is not None else None
+        if difference is not None:
+            raise UserError(f"your code builds a different model from the run's {self.model}: {difference}; "
+                            f"install the code the run was started with", exit_code=1)
+        return model
 
     def check_agrees(self, requested: Optional[Dict]) -> "RunSpec":
         """The flags a joiner gave must match the run's spec: refuse rather than train something else."""
@@ -80,6 +121,25 @@ class RunSpec:
             raise UserError(f"this run's spec disagrees with your flags: {', '.join(differences)}; "
                             f"drop the flags to follow the run, or choose another --run", exit_code=1)
         return self
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e6:.1f} MB" if count >= 100_000 else f"{count} bytes"
+
+
+def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
+    """What a new run's spec records of its model and data, besides their names: layout, data hash and size;
+    a one-line :class:`UserError` when the model cannot be built here."""
+    from ravnest_swarm.models import load_model, model_layout
+    from ravnest_swarm.models.user_data import scan_data
+
+    try:
+        layout = model_layout(load_model(model, model_config, data))
+        source = scan_data(data) if data is not None else None
+    except ValueError as e:
+        raise UserError(str(e))
+    return dict(layout=[list(layer) for layer in layout], data_hash=source.digest if source else "",
+                data_bytes=source.size if source else 0)
 
 
 async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:
@@ -92,10 +152,11 @@ async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:
 
 
 async def ensure_spec(node: DHTNode, run: str, requested: Dict, wait: asyncio.Event,
-                      on_wait=None, poll: float = 2.0) -> Optional[RunSpec]:
+                      on_wait=None, poll: float = 2.0, facts: Optional[Dict] = None) -> Optional[RunSpec]:
     """The run's spec: create it from ``requested`` if the run has none, else check it agrees.
 
     :param requested: the spec fields the joiner gave explicitly (``model`` among them to create a run)
+    :param facts: what a new spec records of the model and data (:func:`model_facts`)
     :param wait: set when the user stops us; without ``model``, we wait as a standby for someone to
         start the run until then
     """
@@ -104,7 +165,7 @@ async def ensure_spec(node: DHTNode, run: str, requested: Dict, wait: asyncio.Ev
         if spec is not None:
             return spec.check_usable().check_agrees(requested)
         if "model" in requested:
-            if not await node.store(spec_key(run), RunSpec(**requested).check_usable().record(),
+            if not await node.store(spec_key(run), RunSpec(**requested, **(facts or {})).check_usable().record(),
                                     get_dht_time() + SPEC_LIFETIME, subkey=RSASignatureValidator().local_public_key):
                 await asyncio.sleep(poll)  # no node took it (yet): try again, without spinning
             continue  # read back: if two peers raced, both follow the earliest

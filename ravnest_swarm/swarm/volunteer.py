@@ -41,9 +41,10 @@ from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, u
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import read_peers, run_finished
+from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN
 from ravnest_swarm.membership.volunteer import Membership
-from ravnest_swarm.models import ModelSpec, get_model
+from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
@@ -93,6 +94,7 @@ class VolunteerOptions:
     :param averaging_timeout: seconds a ring waits for its members
     :param transfer_timeout: seconds to fetch one layer from one holder
     :param handover_timeout: seconds a leaving peer keeps serving its layers for someone to take them
+    :param data: this peer's copy of the run's ``--data`` (None: the model's own data)
     """
 
     checkpoint_dir: Optional[str] = None
@@ -105,6 +107,7 @@ class VolunteerOptions:
     averaging_timeout: float = 20.0
     transfer_timeout: float = 30.0
     handover_timeout: float = 90.0
+    data: Optional[str] = None
 
 
 class Volunteer:
@@ -112,19 +115,20 @@ class Volunteer:
 
     :param membership: a started :class:`Membership` (node, announcer, heartbeats)
     :param run_spec: the run's spec
+    :param model: its model, built here (``RunSpec.build_model``)
     :param options: training options
     :param console: where progress and events go
     """
 
-    def __init__(self, membership: Membership, run_spec: RunSpec, options: VolunteerOptions, console: Console):
+    def __init__(self, membership: Membership, run_spec: RunSpec, model: ModelSpec, options: VolunteerOptions,
+                 console: Console):
         self.membership, self.spec, self.options, self.console = membership, run_spec, options, console
         self.node, self.announcer = membership.node, membership.announcer
         self.run = membership.options.run
         self.name = membership.options.name
         self.peer_id = self.node.peer_id.to_base58()
-        self.model = get_model(run_spec.model)
-        self.layer_sizes = [sum(p.numel() for p in self.model.build_layer(i).parameters())
-                            for i in range(len(self.model.layers))]
+        self.model = model
+        self.layer_sizes = [layer.param_count for layer in model.layers]
         self.worker: Optional[StageWorker] = None
         self.stopped_worker: Optional[StageWorker] = None  # the last worker stopped: what a leave hands over
         self._finished = False  # the run reached its length (said once)
@@ -144,6 +148,7 @@ class Volunteer:
         self._noted_rejection: Optional[str] = None  # the stage refusal our note last told of
         self._progress_seen = (time.monotonic(), -1)  # when our worker's step last changed, and to what
         self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
+        self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -170,8 +175,10 @@ class Volunteer:
             self._load_checkpoint_into_cache()
         # the model's first uses import torch's reference ops and the data set's loader: seconds on a busy
         # machine, which on the event loop would hold back our heartbeats until our record expired
-        workload, profile = await asyncio.get_running_loop().run_in_executor(None, self._prepare_model)
+        workload, profile, gflops = await asyncio.get_running_loop().run_in_executor(None, self._prepare_model)
         self.layer_memory_gb = profile[0]
+        if gflops is not None:  # before the first planning round, which plans with it
+            self.announcer.update(gflops=gflops)
         self.rounds = PlanningRounds(self.node, self.run, self.announcer,
                                      RoundOptions(workload, self.options.min_peers, self.options.round_period,
                                                   self.options.round_seconds, len(self.model.layers),
@@ -203,10 +210,15 @@ class Volunteer:
                 await self._hand_over(leave_now or asyncio.Event())
             await self.averager.shutdown()
 
-    def _prepare_model(self) -> Tuple[Workload, Tuple[List[float], List[float]]]:
-        """The planner's view of the model, and its data set loaded (cached for the stage workers)."""
+    def _prepare_model(self) -> Tuple[Workload, Tuple[List[float], List[float]], Optional[float]]:
+        """The planner's view of the model, its data set loaded (cached for the stage workers), and our compute
+        measured on the run's largest layer on our device in the run's precision (None: ``--gflops`` set it)."""
         self.model.dataset()
-        return model_workload(self.model, self.spec, self.options.max_stages)
+        gflops = None
+        if self.membership.options.gflops is None:
+            gflops = measure_layer_gflops(self.model, self.membership.options.device, self.spec.microbatch_size,
+                                          self.spec.precision)
+        return model_workload(self.model, self.spec, self.options.max_stages) + (gflops,)
 
     def _on_adopt(self, plan: dict) -> None:
         self.plan = plan
@@ -245,11 +257,16 @@ class Volunteer:
         # linear scaling: averaging C replicas keeps the mean of their moves, a C-th of one process's
         # move on the same samples (docs/swarm.md, Train)
         config = StageConfig(run=self.run, stage=stage, stages=stages, model=self.spec.model, layers=layers,
+                             model_config=self.spec.model_config, data=self.options.data,
                              cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
                              microbatches=self.spec.steps, max_in_flight=self.spec.max_in_flight,
                              compression=self.spec.pipeline_compression,
+                             device=self.membership.options.device, precision=self.spec.precision,
                              lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
         worker = StageWorker(config, self.node)
+        if worker.precision_note is not None and worker.precision_note != self._precision_said:
+            self._precision_said = worker.precision_note
+            self.say(f"{self.name}: {worker.precision_note}")
         step, downloaded = await self._fill_layers(worker.module, layers)
         worker.resume_at(step)
         if downloaded:
@@ -259,8 +276,9 @@ class Volunteer:
         await worker.start()
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
         await self.announcer.publish()
+        precision = f" with {worker.autocast_dtype} autocast".replace("torch.", "") if worker.autocast_dtype else ""
         self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
-                 f"{layers[0]}:{layers[1]} from step {step}")
+                 f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}")
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -278,7 +296,7 @@ class Volunteer:
         self.rejected_before += worker.counters.rejected
         for offset, layer in enumerate(worker.module):
             self.cache[worker.start_layer + offset] = (
-                {k: v.detach().clone() for k, v in layer.state_dict().items()}, worker.version)
+                {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}, worker.version)
         self._save_checkpoint(worker)
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> Tuple[int, bool]:
@@ -375,7 +393,7 @@ class Volunteer:
             return  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state="averaging")
         parameters = list(worker.module.parameters())
-        local = flatten([p.detach() for p in parameters])
+        local = flatten([p.detach().cpu() for p in parameters])  # rings read and write host memory
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
         try:
             result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
@@ -641,20 +659,24 @@ async def _until_set(awaitable, event: asyncio.Event, timeout: Optional[float] =
 
 
 async def take_part(membership: Membership, requested: Dict, options: VolunteerOptions, stop: asyncio.Event,
-                    console: Console, leave_now: Optional[asyncio.Event] = None) -> None:
-    """Follow the run's spec (creating it from ``requested`` if the run is new) and train until ``stop``
-    (``leave_now``: cut the hand-over of a graceful leave short) or the end of the run."""
+                    console: Console, leave_now: Optional[asyncio.Event] = None, facts: Optional[Dict] = None) -> None:
+    """Follow the run's spec (creating it from ``requested`` and ``facts``, ``spec.model_facts``, if the run is
+    new) and train until ``stop`` (``leave_now``: cut the hand-over of a graceful leave short) or the end of
+    the run."""
     from ravnest_swarm.swarm.spec import ensure_spec
 
     run = membership.options.run
     spec = await ensure_spec(membership.node, run, requested, stop,
                              on_wait=lambda: console.print(f"waiting as standby: run {run!r} has no spec yet "
-                                                           f"(start it with --model)", highlight=False))
+                                                           f"(start it with --model)", highlight=False),
+                             facts=facts)
     if spec is None:
         return
+    # a user's model imports their code: off the event loop, which must keep our record renewed meanwhile
+    model = await asyncio.get_running_loop().run_in_executor(None, spec.build_model, options.data)
     if run_finished(await read_peers(membership.node, run), spec.steps):
         console.print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length; nothing left "
                       f"to train (`ravnest-swarm status` shows who still holds its layers)", markup=False,
                       highlight=False, soft_wrap=True)
         return
-    await Volunteer(membership, spec, options, console).run_until(stop, leave_now)
+    await Volunteer(membership, spec, model, options, console).run_until(stop, leave_now)

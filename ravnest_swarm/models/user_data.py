@@ -1,0 +1,183 @@
+"""A user's data (``--data PATH``): a directory of text files, or of ``.npy`` arrays, with a content hash.
+
+Three layouts, told apart by the files (hidden files are skipped):
+
+- text files (any names but ``.npy``): their bytes, in path order, are the tokens (byte-level, ids 0-255);
+- one ``.npy`` file holding a 1-D array of integer token ids;
+- ``inputs.npy`` and ``targets.npy``: features and labels, one sample per row of each.
+
+Token streams are cut into windows of the model's context plus one (targets are the inputs shifted by
+one), as the built-in text is. Every 6th sample is held out, as for the built-in data, and samples stay
+addressed by id, so each cluster draws its own shard. The run spec carries the content hash and size; a
+peer whose copy differs refuses to join. Arrays load with ``allow_pickle=False``: a data file never runs code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Tuple
+
+import numpy as np
+import torch
+
+from ravnest_swarm.models.data import HELDOUT_EVERY, Dataset
+from ravnest_swarm.models.zoo import ModelSpec
+
+FEATURE_FILES = ("inputs.npy", "targets.npy")
+MIN_SAMPLES = 2 * HELDOUT_EVERY  # fewer, and the held-out split or the training split is nearly empty
+HASH_CHUNK = 1 << 20
+SHOW_PROGRESS_BYTES = 64 << 20  # hashing less than this takes well under a second
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A checked data directory.
+
+    :param path: the directory
+    :param kind: ``text``, ``tokens`` or ``features``
+    :param files: its files, relative to ``path``, in the order their bytes are read
+    :param size: bytes in all
+    :param digest: sha256 of every file's relative path, size and content, in that order
+    """
+
+    path: str
+    kind: str
+    files: Tuple[str, ...]
+    size: int
+    digest: str
+
+
+def _listing(path: str) -> Tuple[str, ...]:
+    if not os.path.isdir(path):
+        raise ValueError(f"--data {path}: {'no such directory' if not os.path.exists(path) else 'not a directory'}")
+    files = []
+    try:
+        for root, directories, names in os.walk(path, onerror=_raise):
+            directories[:] = sorted(d for d in directories if not d.startswith("."))
+            files += [os.path.relpath(os.path.join(root, name), path) for name in names if not name.startswith(".")]
+    except OSError as e:
+        raise ValueError(f"--data {path}: cannot read {e.filename or path}: {e.strerror}")
+    return tuple(sorted(files))
+
+
+def _raise(error: OSError) -> None:
+    raise error
+
+
+def _kind(path: str, files: Tuple[str, ...]) -> str:
+    if not files:
+        raise ValueError(f"--data {path} holds no files: put text files, or .npy arrays, in it")
+    arrays = [name for name in files if name.endswith(".npy")]
+    if arrays and len(arrays) != len(files):
+        text = next(name for name in files if not name.endswith(".npy"))
+        raise ValueError(f"--data {path} mixes .npy arrays ({arrays[0]}) with other files ({text}): "
+                         f"give text files or arrays, not both")
+    if not arrays:
+        return "text"
+    if sorted(arrays) == sorted(FEATURE_FILES):
+        return "features"
+    if len(arrays) == 1:
+        return "tokens"
+    raise ValueError(f"--data {path} holds {len(arrays)} arrays ({', '.join(arrays[:3])}): give one array of "
+                     f"token ids, or exactly {' and '.join(FEATURE_FILES)}")
+
+
+@lru_cache(maxsize=4)
+def scan_data(path: str) -> DataSource:
+    """Check the directory's layout and hash its content (a progress bar for large data); one-line errors."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    path = os.path.abspath(path)
+    files = _listing(path)
+    kind = _kind(path, files)
+    try:
+        sizes = [os.path.getsize(os.path.join(path, name)) for name in files]
+    except OSError as e:
+        raise ValueError(f"--data {path}: cannot read {e.filename}: {e.strerror}")
+    digest = hashlib.sha256()
+    with Progress(TextColumn("hashing --data"), BarColumn(), DownloadColumn(), transient=True,
+                  console=Console(stderr=True), disable=sum(sizes) < SHOW_PROGRESS_BYTES) as progress:
+        task = progress.add_task("hash", total=sum(sizes))
+        for name, size in zip(files, sizes):
+            digest.update(f"{name}\0{size}\0".encode())
+            try:
+                with open(os.path.join(path, name), "rb") as f:
+                    while chunk := f.read(HASH_CHUNK):
+                        digest.update(chunk)
+                        progress.advance(task, len(chunk))
+            except OSError as e:
+                raise ValueError(f"--data {path}: cannot read {name}: {e.strerror}")
+    return DataSource(path, kind, files, sum(sizes), digest.hexdigest())
+
+
+def _load_array(source: DataSource, name: str) -> np.ndarray:
+    try:
+        return np.load(os.path.join(source.path, name), allow_pickle=False, mmap_mode="r")
+    except (OSError, ValueError) as e:  # not an .npy file, or an array of Python objects
+        raise ValueError(f"--data {source.path}: {name} is not a numeric .npy array ({e})")
+
+
+def _token_windows(source: DataSource, spec: ModelSpec) -> torch.Tensor:
+    first = spec.layers[0]
+    if first.input_dtype != torch.long or len(first.input_shape) != 1:
+        raise ValueError(f"--data {source.path} holds {'text' if source.kind == 'text' else 'token ids'}, but "
+                         f"model {spec.name} takes {list(first.input_shape)} {first.input_dtype} samples, not "
+                         f"token ids: give it inputs.npy and targets.npy")
+    if source.kind == "text":
+        tokens = np.concatenate([np.fromfile(os.path.join(source.path, name), dtype=np.uint8)
+                                 for name in source.files]).astype(np.int64)
+    else:
+        array = _load_array(source, source.files[0])
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"--data {source.path}: {source.files[0]} must be a 1-D array of integer token ids, "
+                             f"not {array.ndim}-D {array.dtype}")
+        tokens = np.asarray(array, dtype=np.int64)
+    if len(tokens) and (tokens.min() < 0 or (spec.vocab is not None and tokens.max() >= spec.vocab)):
+        raise ValueError(f"--data {source.path}: token ids run from {tokens.min()} to {tokens.max()}, model "
+                         f"{spec.name} takes 0-{(spec.vocab or 1) - 1}")
+    width = first.input_shape[0] + 1
+    windows = len(tokens) // width
+    return torch.as_tensor(tokens[: windows * width]).view(windows, width)
+
+
+def _split(inputs: torch.Tensor, targets: torch.Tensor, split: str) -> Dataset:
+    held = torch.arange(len(inputs)) % HELDOUT_EVERY == HELDOUT_EVERY - 1
+    keep = held if split == "heldout" else ~held
+    return Dataset(inputs[keep].contiguous(), targets[keep].contiguous())
+
+
+@lru_cache(maxsize=4)
+def _samples(source: DataSource, spec: ModelSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+    if source.kind == "features":
+        inputs, targets = (_load_array(source, name) for name in FEATURE_FILES)
+        if len(inputs) != len(targets):
+            raise ValueError(f"--data {source.path}: inputs.npy has {len(inputs)} samples, targets.npy "
+                             f"{len(targets)}")
+        first = spec.layers[0]
+        if tuple(inputs.shape[1:]) != tuple(first.input_shape):
+            raise ValueError(f"--data {source.path}: samples of shape {list(inputs.shape[1:])}, but model "
+                             f"{spec.name} takes {list(first.input_shape)}")
+        inputs = torch.as_tensor(np.asarray(inputs), dtype=first.input_dtype)
+        # integer labels are classes (cross entropy takes them as int64), anything else regression targets
+        targets = torch.as_tensor(np.asarray(targets, dtype=np.int64 if np.issubdtype(targets.dtype, np.integer)
+                                             else np.float32))
+    else:
+        windows = _token_windows(source, spec)
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+    if len(inputs) < MIN_SAMPLES:
+        raise ValueError(f"--data {source.path} makes {len(inputs)} samples for model {spec.name}; it needs at "
+                         f"least {MIN_SAMPLES}")
+    return inputs, targets
+
+
+def bind_data(spec: ModelSpec, path: str) -> ModelSpec:
+    """``spec`` training on the data at ``path`` instead of its own; checked against the model at once."""
+    source = scan_data(path)
+    _samples(source, spec)  # a mismatch is one line now, not a stage failing later
+    return dataclasses.replace(spec, dataset=lambda: _split(*_samples(source, spec), "train"),
+                               heldout=lambda: _split(*_samples(source, spec), "heldout"))
