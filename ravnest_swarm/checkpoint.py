@@ -74,13 +74,15 @@ def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimi
     :param optimizer: its optimizer (per-parameter state is saved as tensors)
     :param info: JSON-able facts to keep: at least ``step`` and ``layers``; usually ``run`` and ``model``
     """
-    tensors = {f"param.{name}": tensor.detach().contiguous().clone() for name, tensor in module.state_dict().items()}
+    # host copies: a stage on a GPU checkpoints what a CPU peer can load, and safetensors writes from the host
+    tensors = {f"param.{name}": tensor.detach().to("cpu", copy=True).contiguous()
+               for name, tensor in module.state_dict().items()}
     state = optimizer.state_dict()
     scalars: Dict[str, Dict] = {}
     for index, per_parameter in state["state"].items():
         for key, value in per_parameter.items():
             if torch.is_tensor(value) and value.dim() > 0:
-                tensors[f"optim.{index}.{key}"] = value.detach().contiguous().clone()
+                tensors[f"optim.{index}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars.setdefault(str(index), {})[key] = value.item() if torch.is_tensor(value) else value
     metadata = {"format": FORMAT, "info": info, "param_groups": state["param_groups"], "optimizer_scalars": scalars}

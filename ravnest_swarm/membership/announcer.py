@@ -12,6 +12,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
+from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import PeerRecord, peers_key
 from ravnest_swarm.transport import store_record
@@ -50,6 +51,8 @@ class PeerAnnouncer:
     async def publish(self, lifetime: Optional[float] = None) -> bool:
         """Store the record now; returns whether at least one DHT node accepted it."""
         self.record["time"] = time.time()
+        # measured, not declared: what this process has taken at most so far, renewed with every record
+        self.record["peak_memory_gb"], self.record["device_peak_gb"] = peak_memory(self.record.get("device") or "cpu")
         # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
         value = PeerRecord.parse_obj(self.record).dict()
         expiration = get_dht_time() + (lifetime if lifetime is not None else 2 * self.heartbeat)

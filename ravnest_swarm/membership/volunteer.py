@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import List, Optional, Sequence
 
 from hivemind.dht.node import DHTNode
@@ -15,6 +16,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
+from ravnest_swarm.devices import device_kind, device_memory_gb
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
@@ -42,6 +44,8 @@ class JoinOptions:
     announce_maddrs: Optional[Sequence[str]] = None
     probe_mb: float = 4.0
     identity_path: Optional[str] = None
+    device: str = "cpu"  # resolved (devices.resolve_device): where this peer's stages compute
+    device_memory_gb: Optional[float] = None  # overrides the device's memory the planner sizes stages by
 
 
 async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capabilities:
@@ -52,11 +56,18 @@ async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capa
         ram_task = progress.add_task("RAM", total=1, result="")
         ram = options.ram_gb if options.ram_gb is not None else measure_ram_gb(options.max_ram_gb)
         progress.update(ram_task, completed=1, result=f"{ram:.1f} GB")
+        device_memory = options.device_memory_gb
+        if device_memory is None:
+            device_memory = device_memory_gb(options.device, float(ram))
+        if device_kind(options.device) != "cpu" or options.device_memory_gb is not None:
+            progress.add_task(f"{options.device}", total=1, completed=1, result=f"{device_memory:.1f} GB")
 
         compute_task = progress.add_task("compute", total=1, result="")
         gflops = options.gflops
         if gflops is None:
-            gflops = await asyncio.get_running_loop().run_in_executor(None, measure_gflops)
+            # a first figure on our device; a volunteer measures again on the run's model once it knows it
+            gflops = await asyncio.get_running_loop().run_in_executor(None, partial(measure_gflops,
+                                                                                    device=options.device))
         progress.update(compute_task, completed=1, result=f"{gflops:.1f} GFLOP/s")
 
         bandwidth_task = progress.add_task("bandwidth", total=1, result="")
@@ -74,7 +85,8 @@ async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capa
         if backbone is not None:
             reachability = await check_reachability(node.p2p, backbone, options.timeout)
         progress.update(reach_task, completed=1, result=reachability)
-    return Capabilities(ram_gb=float(ram), gflops=float(gflops), bandwidth_mbps=float(bandwidth), reachability=reachability)
+    return Capabilities(ram_gb=float(ram), gflops=float(gflops), bandwidth_mbps=float(bandwidth), reachability=reachability,
+                        device=options.device, device_memory_gb=float(device_memory))
 
 
 class Membership:

@@ -32,7 +32,7 @@ from rich.console import Console
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.records import (
-    MAX_ROUND_PEERS, PlanRecord, RoundProposal, peers_key, plan_key, round_key,
+    MAX_ROUND_PEERS, PlanRecord, RoundProposal, peers_key, plan_key, planning_memory_gb, round_key,
 )
 from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
@@ -204,7 +204,8 @@ class PlanningRounds:
                 record = item.value
                 if item.expiration_time > at and record["state"] != "leaving":
                     self.names[record["peer_id"]] = record["name"]
-                    alive[record["peer_id"]] = Peer(record["peer_id"], record["ram_gb"], record["gflops"],
+                    # stages are sized by the memory of the device that holds them: a GPU peer's is its GPU's
+                    alive[record["peer_id"]] = Peer(record["peer_id"], planning_memory_gb(record), record["gflops"],
                                                     record["bandwidth_mbps"])
         return alive
 
@@ -298,7 +299,7 @@ class PlanningRounds:
         fitness = swarm_throughput([[by_id[i] for i in c] for c in clusters], self.options.workload)
         me = self.announcer.record
         value = RoundProposal(round=round_number, deadline=float(deadline), peer_id=self.peer_id,
-                              ram_gb=me["ram_gb"], gflops=me["gflops"], bandwidth_mbps=me["bandwidth_mbps"],
+                              ram_gb=planning_memory_gb(me), gflops=me["gflops"], bandwidth_mbps=me["bandwidth_mbps"],
                               fitness=float(fitness), clusters=clusters, time=time.time()).dict()
         # the DHT replaces a subkey's value only by one that expires later, so each renewal must; the
         # first replica's ack is enough: waiting for a slow replica would space our renewals out until

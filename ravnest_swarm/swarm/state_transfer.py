@@ -73,7 +73,8 @@ class LayerStateServer:
             self.request_timeout))
 
     def _snapshot(self, request: runtime_pb2.ExpertRequest) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
-        """The requested layers' tensors, copied (training may go on while they are sent), and steps."""
+        """The requested layers' tensors, copied to host memory (training may go on while they are sent, and
+        serialization reads the host), and steps."""
         metadata = unpack_metadata(request.metadata)
         layers = metadata.get("layers")
         if metadata.get("run") != self.run:
@@ -85,7 +86,8 @@ class LayerStateServer:
         missing = [i for i in layers if i not in offered]
         if missing:
             raise ValueError(f"this peer does not hold layers {missing}")
-        return [(i, {name: t.detach().clone() for name, t in offered[i][0].items()}, offered[i][1]) for i in layers]
+        return [(i, {name: t.detach().to("cpu", copy=True) for name, t in offered[i][0].items()}, offered[i][1])
+                for i in layers]
 
     async def _rpc_layer_state_message(self, frames: List[runtime_pb2.ExpertRequest],
                                        context: P2PContext) -> runtime_pb2.ExpertResponse:
