@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 # (header, justify): short headers so that the table fits 80 columns with names up to ~16 characters
-COLUMNS = (("name", "left"), ("state", "left"), ("RAM", "right"), ("Mb/s", "right"), ("GF/s", "right"),
+COLUMNS = (("name", "left"), ("state", "left"), ("mem GB", "right"), ("Mb/s", "right"), ("GF/s", "right"),
            ("reach", "left"), ("c/s", "left"), ("step", "right"), ("loss", "right"), ("ttl", "right"))
 
 
@@ -36,7 +36,7 @@ def peers_table(run: str, peers: List[Dict]) -> Table:
         table.add_row(
             Text(peer["name"]),
             peer["state"],
-            f"{peer['ram_gb']:.1f}",
+            memory_cell(peer),
             f"{peer['bandwidth_mbps']:.0f}",
             f"{peer['gflops']:.0f}",
             peer["reachability"],
@@ -46,3 +46,15 @@ def peers_table(run: str, peers: List[Dict]) -> Table:
             f"{peer.get('expires_in', 0):.0f}s",
         )
     return table
+
+
+def memory_cell(peer: Dict) -> str:
+    """``peak/offer`` in GB: what the peer measurably took at most, and the memory the planner sizes its stages by.
+    A GPU peer's are its GPU's (peak allocation, total memory), marked ``g``; ``-`` for a record without them."""
+    def gb(value) -> str:
+        return "-" if value is None else f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+    if peer.get("device_peak_gb") is not None:
+        return f"g{gb(peer['device_peak_gb'])}/{gb(peer.get('device_memory_gb'))}"
+    offer = peer.get("device_memory_gb")
+    return f"{gb(peer.get('peak_memory_gb'))}/{gb(peer['ram_gb'] if offer is None else offer)}"

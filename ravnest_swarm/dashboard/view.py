@@ -175,7 +175,8 @@ def _cell(state: SwarmState, slot, holders: Optional[List[Dict]], width: int, me
     if compact:
         lines = [(peer["name"], name_style), (f"{short} L{layers}{loss}", style)]
     else:
-        lines = [(peer["name"], name_style), (f"{short} L{layers}", style), (f"#{step} {rate}/s{loss}", "")]
+        lines = [(peer["name"], name_style), (f"{short} L{layers}{_memory(peer)}", style),
+                 (f"#{step} {rate}/s{loss}", "")]
     if len(holders) > 1:
         lines.append((f"+ {', '.join(p['name'] for p in holders[1:])}", "dim"))
     return _lines(lines, width)
@@ -250,6 +251,19 @@ def _events(state: SwarmState, width: int, count: int) -> List[RenderableType]:
 def _height(renderables: List[RenderableType], width: int) -> int:
     console = Console(width=width, file=io.StringIO(), color_system=None)
     return len(console.render_lines(Group(*renderables), console.options.update(width=width), pad=False))
+
+
+def _memory(peer: Dict) -> str:
+    """`` 310M`` (the process's measured peak), or for a GPU peer `` gpu2.1G`` (the GPU's peak allocation)."""
+    if peer.get("device_peak_gb") is not None:
+        return f" gpu{_gigabytes(peer['device_peak_gb'])}"
+    return "" if peer.get("peak_memory_gb") is None else f" {_gigabytes(peer['peak_memory_gb'])}"
+
+
+def _gigabytes(value: float) -> str:
+    if value < 1:
+        return f"{value * 1000:.0f}M"
+    return f"{value:.1f}G" if value < 10 else f"{value:.0f}G"
 
 
 def _count(value: int) -> str:
