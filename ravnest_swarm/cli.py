@@ -129,6 +129,9 @@ def join(
                                         "every stage (default 300); every volunteer trains until the run reaches it."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
                                             "autocast of the stages' forward (fp16 runs as bf16 on a CPU)."),
+    backward: Optional[str] = typer.Option(None, "--backward", help="Run spec: stash (default: keep each microbatch's "
+                                           "activations and weights until its gradient returns) or recompute (keep "
+                                           "its input only and redo the forward: less memory, more compute)."),
     device: str = typer.Option("auto", "--device", help="Where this peer's stages compute: auto (the first GPU "
                                "torch sees, else the CPU), cpu, or cuda (cuda:N)."),
     device_memory_gb: Optional[float] = typer.Option(None, "--device-memory-gb", min=0.0, help="Override the "
@@ -140,6 +143,8 @@ def join(
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
+    report: Optional[str] = typer.Option(None, "--report", hidden=True, help="When the run is finished, write our "
+                                         "stage's timings here (JSON; bench speedup)."),
     log_file: Optional[str] = LogFile,
     verbose: bool = Verbose,
 ):
@@ -190,11 +195,12 @@ def join(
                                                         microbatch_size=microbatch_size,
                                                         max_in_flight=max_in_flight, averaging_period=averaging_period,
                                                         pipeline_compression=pipeline_compression,
-                                                        precision=precision,
+                                                        precision=precision, backward=backward,
                                                         steps=steps).items()
                      if value is not None}
         _check_pipeline_compression(pipeline_compression or "none")
         check_precision(precision or "fp32")
+        _check_backward(backward or "stash")
         rounds_options = None
         if model_gb is not None:
             from ravnest_swarm.planning.plan import make_workload
@@ -220,7 +226,7 @@ def join(
             volunteer_options = VolunteerOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                                                  resume=resume, min_peers=min_peers, round_seconds=round_seconds,
                                                  round_period=round_period, max_stages=max_stages,
-                                                 handover_timeout=handover_timeout, data=data)
+                                                 handover_timeout=handover_timeout, data=data, report=report)
             work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console, leave_now,
                                                  facts))
         watch = asyncio.create_task(_watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard,
@@ -350,6 +356,11 @@ def local(
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="No live dashboard."),
     as_json: bool = typer.Option(False, "--json", help="Also print the summary as one JSON object, on stdout's last line."),
     precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 or fp16 autocast of the stages' forward."),
+    backward: str = typer.Option("stash", "--backward", help="stash, or recompute: less memory, more compute."),
+    microbatch_size: int = typer.Option(32, "--microbatch-size", min=1, max=4096, help="Samples per microbatch."),
+    lr: float = typer.Option(0.05, "--lr", min=0.0, max=10.0, help="Learning rate (SGD)."),
+    max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Every peer offers at most this "
+                                               "much RAM (GB), measured; by default peers offer 0.4-0.7 of the model."),
     device: str = typer.Option("auto", "--device", help="Where every peer computes: auto (the first GPU torch sees, "
                                "else the CPU), cpu, or cuda (cuda:N)."),
     log_file: Optional[str] = LogFile,
@@ -371,10 +382,13 @@ def local(
             log_to_file(log_file)
         _check_pipeline_compression(pipeline_compression)
         check_precision(precision)
+        _check_backward(backward)
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
-                                            pipeline_compression=pipeline_compression, precision=precision),
+                                            pipeline_compression=pipeline_compression, precision=precision,
+                                            backward=backward, microbatch_size=microbatch_size, lr=lr),
+                               max_ram_gb=max_ram_gb,
                                dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir,
                                checkpoint_every=checkpoint_every, resume=resume, device=where)
         return await run_local(options, as_json)
@@ -679,6 +693,37 @@ def bench_pipeline(
                                       transfer_mb, mode, as_json, compression=compression, cpus_per_stage=cpus_per_stage)))
 
 
+@bench_app.command("speedup")
+def bench_speedup(
+    clusters: str = typer.Option("1,2,4", "--clusters", help="Cluster counts K to compare, comma-separated; 1 among "
+                                 "them (the ratios are to K = 1)."),
+    stages: int = typer.Option(2, "--stages", min=1, max=5, help="Stages per cluster, a peer and host each."),
+    model: str = typer.Option("mlp-digits", "--model", help="Zoo model (mlp-digits or gpt-tiny)."),
+    samples: int = typer.Option(19200, "--samples", min=1, help="Samples every K trains in all: K clusters train "
+                                "1/K of the steps each, so the held-out losses compare at equal samples."),
+    mbps: float = typer.Option(100.0, "--mbps", min=0.1, help="Access-link rate of every peer, each direction."),
+    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between peers."),
+    averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging "
+                                         "rounds."),
+    cpus_per_peer: Optional[float] = typer.Option(None, "--cpus-per-peer", min=0.0, help="CPU cores each peer's host "
+                                                  "may use, the same for every K (default: 0.9 x the machine's cores "
+                                                  "/ (largest K x stages + 1), at most 1; 0: no limit)."),
+    time_limit: float = typer.Option(600.0, "--time-limit", min=10.0, help="Seconds each K may take."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Samples/s of K = 1, 2 and 4 clusters of the same stages, same links and CPU per peer; held-out loss.
+
+    \b
+    Example:
+      sudo ravnest-swarm bench speedup --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.swarm.speedup_bench import bench_speedup as run, parse_clusters
+
+    sys.exit(run_blocking(lambda: run(parse_clusters(clusters), stages, model, samples, mbps, delay_ms,
+                                      averaging_period, cpus_per_peer, time_limit, as_json)))
+
+
 @app.command("stage", hidden=True)
 def stage(
     initial_peers: List[str] = InitialPeers,
@@ -749,6 +794,13 @@ def _scan_data(data: str) -> None:
         scan_data(data)
     except ValueError as e:
         raise UserError(str(e))
+
+
+def _check_backward(name: str) -> None:
+    from ravnest_swarm.pipeline.stage import MODES
+
+    if name not in MODES:
+        raise UserError(f"--backward must be one of {', '.join(MODES)}, not {name!r}")
 
 
 def _check_pipeline_compression(name: str) -> None:

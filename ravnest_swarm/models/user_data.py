@@ -95,10 +95,12 @@ def scan_data(path: str) -> DataSource:
     path = os.path.abspath(path)
     files = _listing(path)
     kind = _kind(path, files)
-    try:
-        sizes = [os.path.getsize(os.path.join(path, name)) for name in files]
-    except OSError as e:
-        raise ValueError(f"--data {path}: cannot read {e.filename}: {e.strerror}")
+    sizes = []
+    for name in files:
+        try:
+            sizes.append(os.path.getsize(os.path.join(path, name)))
+        except OSError as e:
+            raise ValueError(f"--data {path}: cannot read {name}: {e.strerror}")
     digest = hashlib.sha256()
     with Progress(TextColumn("hashing --data"), BarColumn(), DownloadColumn(), transient=True,
                   console=Console(stderr=True), disable=sum(sizes) < SHOW_PROGRESS_BYTES) as progress:
@@ -136,7 +138,7 @@ def _token_windows(source: DataSource, spec: ModelSpec) -> torch.Tensor:
         if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
             raise ValueError(f"--data {source.path}: {source.files[0]} must be a 1-D array of integer token ids, "
                              f"not {array.ndim}-D {array.dtype}")
-        tokens = np.asarray(array, dtype=np.int64)
+        tokens = np.array(array, dtype=np.int64)  # a copy: torch takes no read-only (memory-mapped) arrays
     if len(tokens) and (tokens.min() < 0 or (spec.vocab is not None and tokens.max() >= spec.vocab)):
         raise ValueError(f"--data {source.path}: token ids run from {tokens.min()} to {tokens.max()}, model "
                          f"{spec.name} takes 0-{(spec.vocab or 1) - 1}")
@@ -162,9 +164,9 @@ def _samples(source: DataSource, spec: ModelSpec) -> Tuple[torch.Tensor, torch.T
         if tuple(inputs.shape[1:]) != tuple(first.input_shape):
             raise ValueError(f"--data {source.path}: samples of shape {list(inputs.shape[1:])}, but model "
                              f"{spec.name} takes {list(first.input_shape)}")
-        inputs = torch.as_tensor(np.asarray(inputs), dtype=first.input_dtype)
+        inputs = torch.as_tensor(np.array(inputs), dtype=first.input_dtype)  # a copy, as for token ids
         # integer labels are classes (cross entropy takes them as int64), anything else regression targets
-        targets = torch.as_tensor(np.asarray(targets, dtype=np.int64 if np.issubdtype(targets.dtype, np.integer)
+        targets = torch.as_tensor(np.array(targets, dtype=np.int64 if np.issubdtype(targets.dtype, np.integer)
                                              else np.float32))
     else:
         windows = _token_windows(source, spec)

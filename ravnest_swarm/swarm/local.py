@@ -70,6 +70,7 @@ class LocalOptions:
     :param resume: restart every peer that left a checkpoint in ``checkpoint_dir`` from it
     :param device: where every peer computes (resolved: ``cpu``, ``cuda:0``)
     :param data: the directory every peer trains on (``--data``; None: the model's own data)
+    :param max_ram_gb: every peer offers the RAM it measures, capped at this (None: varied offers below the model)
     """
 
     peers: int = 6
@@ -85,6 +86,7 @@ class LocalOptions:
     resume: bool = False
     device: str = "cpu"
     data: Optional[str] = None
+    max_ram_gb: Optional[float] = None
 
 
 def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
@@ -107,10 +109,11 @@ def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
     return steps
 
 
-def capability_overrides(index: int, model_gb: float) -> Dict[str, str]:
+def capability_overrides(index: int, model_gb: float, peers: int = 3) -> Dict[str, str]:
     """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed compute,
-    and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace."""
-    ram = model_gb * (0.4 + 0.1 * (index % 4))
+    and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace. Two peers
+    offer 0.55 each, so that together they hold the model (0.4 and 0.5 would leave it unplaced for good)."""
+    ram = model_gb * max(0.4 + 0.1 * (index % 4), 1.1 / peers)
     return {"--ram-gb": f"{ram:.9f}", "--gflops": str(20 + 10 * (index % 3)),
             "--bandwidth-mbps": str(1000 + 100 * (index % 5))}
 
@@ -174,6 +177,7 @@ class LocalSwarm:
                 "--microbatch-size", str(self.spec.microbatch_size), "--max-in-flight", str(self.spec.max_in_flight),
                 "--averaging-period", str(self.spec.averaging_period),
                 "--pipeline-compression", self.spec.pipeline_compression, "--precision", self.spec.precision,
+                "--backward", self.spec.backward,
                 "--device", self.options.device, "--heartbeat", "4",
                 "--min-peers", str(self.options.peers), "--checkpoint-dir", self.checkpoint_dir,
                 "--checkpoint-every", str(self.options.checkpoint_every),
@@ -183,11 +187,14 @@ class LocalSwarm:
             args += ["--data", os.path.abspath(self.options.data)]
         if name in self.checkpoint_steps:
             args.append("--resume")  # a peer that never trained (a standby) has no checkpoint and starts fresh
-        overrides = capability_overrides(index, self.workload.model_gb)
+        overrides = capability_overrides(index, self.workload.model_gb, self.options.peers)
         if device_kind(self.options.device) == "cuda":
             # the peers share this machine's GPU: each offers what it offers of RAM, not the whole GPU, so the plan
             # splits the model into stages as it does on the CPU (where the RAM offer is the device's memory)
             overrides["--device-memory-gb"] = overrides["--ram-gb"]
+        if self.options.max_ram_gb is not None:  # peers measure their RAM and offer at most this
+            overrides["--max-ram-gb"] = str(self.options.max_ram_gb)
+            del overrides["--ram-gb"]
         for flag, value in overrides.items():
             args += [flag, value]
         self.volunteers[name] = self.group.start(args, name)

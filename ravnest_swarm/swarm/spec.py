@@ -40,6 +40,10 @@ class RunSpec:
     :param averaging_period: optimizer steps between averaging rounds (H)
     :param pipeline_compression: how stages send activations and gradients (``pipeline.wire.COMPRESSIONS``):
       ``none``, or 16 bits for half the bytes on slow home links (docs/pipeline.md)
+    :param backward: how a stage computes a microbatch's backward: ``stash`` keeps the activations and a copy
+      of the weights of its forward until its gradient returns (memory grows with the microbatches in flight);
+      ``recompute`` keeps only its input and redoes the forward with the current weights (a third more
+      compute, the activations of one microbatch at a time: for models that barely fit; docs/models.md)
     :param precision: ``fp32``, or ``bf16`` / ``fp16``: stages compute their forward under a 16-bit autocast
       (weights, gradients, optimizer state and what travels stay float32; ``devices.autocast_dtype`` says what
       a device that lacks the dtype runs instead)
@@ -63,6 +67,7 @@ class RunSpec:
     averaging_period: int = 25
     pipeline_compression: str = "none"
     precision: str = "fp32"
+    backward: str = "stash"
     steps: int = 300
     protocol: int = PROTOCOL_VERSION
 

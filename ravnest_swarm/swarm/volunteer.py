@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shlex
@@ -36,9 +37,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
-from ravnest_swarm.averaging.peer import plan_rings
+from ravnest_swarm.averaging.peer import connect_members, plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
-from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage
+from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage, write_atomically
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import read_peers, run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
@@ -69,9 +70,11 @@ STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its clu
 
 
 def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
-    """The planner's view of a zoo model: memory M (parameters, gradients and a copy in flight), FLOPs F
-    (forward + backward = 3x forward) and activations A (the largest layer input), per layer and total."""
-    layer_memory_gb = [3 * layer.param_bytes / 1e9 for layer in spec.layers]
+    """The planner's view of a model: memory M (parameters, gradients, and with ``stash`` a copy of the weights
+    in flight), FLOPs F (forward + backward = 3x forward) and activations A (the largest layer input), per layer
+    and total."""
+    copies = 3 if run_spec.backward == "stash" else 2
+    layer_memory_gb = [copies * layer.param_bytes / 1e9 for layer in spec.layers]
     layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]
     activation_mb = max(4 * int(torch.tensor(layer.input_shape).prod()) for layer in spec.layers) / 1e6
     workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)),
@@ -95,6 +98,8 @@ class VolunteerOptions:
     :param transfer_timeout: seconds to fetch one layer from one holder
     :param handover_timeout: seconds a leaving peer keeps serving its layers for someone to take them
     :param data: this peer's copy of the run's ``--data`` (None: the model's own data)
+    :param report: when the run is finished, write our stage worker's report (``pipeline/stage.py``) and the
+        start and end of each averaging round here, as JSON (``bench speedup`` times the clusters with it)
     """
 
     checkpoint_dir: Optional[str] = None
@@ -108,6 +113,7 @@ class VolunteerOptions:
     transfer_timeout: float = 30.0
     handover_timeout: float = 90.0
     data: Optional[str] = None
+    report: Optional[str] = None
 
 
 class Volunteer:
@@ -137,6 +143,7 @@ class Volunteer:
         self.plan: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
         self.averaging_rounds = self.averaging_failures = 0
+        self.averaging_times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
         self.averager = MultiRingAverager(self.node.p2p, self.run, timeout=options.averaging_timeout)
@@ -262,6 +269,7 @@ class Volunteer:
                              microbatches=self.spec.steps, max_in_flight=self.spec.max_in_flight,
                              compression=self.spec.pipeline_compression,
                              device=self.membership.options.device, precision=self.spec.precision,
+                             mode=self.spec.backward,
                              lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
         worker = StageWorker(config, self.node)
         if worker.precision_note is not None and worker.precision_note != self._precision_said:
@@ -392,15 +400,21 @@ class Volunteer:
         if not rings or step <= self.averager.last_finished_step:
             return  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state="averaging")
+        started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
         parameters = list(worker.module.parameters())
         local = flatten([p.detach().cpu() for p in parameters])  # rings read and write host memory
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
         try:
+            # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
+            # dial them at the addresses their records announce, as the pipeline does for its neighbours
+            await connect_members(self.node, self.run, rings)
             result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self._averaging_failed(step, f"{type(e).__name__}: {e}")
             self.announcer.update(state="training")
             return
+        finally:
+            self.averaging_times.append((started, time.time()))  # a failed round costs its time too
         with torch.no_grad():
             unflatten_into(local, parameters)
         if result.rejected:
@@ -506,6 +520,7 @@ class Volunteer:
         else:
             where = f"; checkpoint {self.checkpoint_path}" if self.checkpoint_path else ""
             self._save_checkpoint(self.worker)
+            self._write_report(self.worker)
             self.say(f"{self.name}: run {self.run} is finished: layers {self.worker.start_layer}:"
                      f"{self.worker.end_layer} trained to step {self.worker.version}{where}; they stay on "
                      f"offer to others until you stop (Ctrl-C)")
@@ -569,6 +584,14 @@ class Volunteer:
         save_stage(path, worker.module, worker.optimizer,
                    {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
                     "model": self.spec.model})
+
+    def _write_report(self, worker: StageWorker) -> None:
+        if self.options.report is None:
+            return
+        report = dict(worker.report(), averaging=self.averaging_times, averaging_rounds=self.averaging_rounds,
+                      averaging_failures=self.averaging_failures)
+        # whole or not at all: a bench reads the file as soon as it appears
+        write_atomically(self.options.report, json.dumps(report).encode())
 
     def _load_checkpoint_into_cache(self) -> None:
         """A resumed peer offers its checkpoint's layers as a cache entry at the checkpoint's step."""

@@ -1,0 +1,166 @@
+"""Sized, configured and user models, and user data: built from local code, fingerprinted, checked (no network)."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.models import PRESETS, first_difference, load_model, model_layout
+from ravnest_swarm.models.user_data import scan_data
+from ravnest_swarm.swarm.spec import RunSpec, model_facts
+
+USER_MODELS = os.path.join(os.path.dirname(__file__), "user_models")
+
+
+@pytest.fixture
+def user_models_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(USER_MODELS)
+    yield
+    sys.modules.pop("tabular", None)
+
+
+def features_dir(path, samples=1200, features=16, seed=0):
+    rng = np.random.default_rng(seed)
+    inputs = rng.normal(size=(samples, features)).astype(np.float32)
+    targets = (inputs @ rng.normal(size=(features, 4))).argmax(axis=1)
+    os.makedirs(path, exist_ok=True)
+    np.save(os.path.join(path, "inputs.npy"), inputs)
+    np.save(os.path.join(path, "targets.npy"), targets)
+    return str(path)
+
+
+def text_dir(path, text=b"def add(a, b):\n    return a + b\n" * 400):
+    os.makedirs(path, exist_ok=True)
+    for index, part in enumerate((text[: len(text) // 2], text[len(text) // 2:])):
+        with open(os.path.join(path, f"part{index}.txt"), "wb") as f:
+            f.write(part)
+    return str(path)
+
+
+def training_state_bytes(spec):
+    """Parameters and their gradients, float32 (plain SGD keeps no other state)."""
+    return 2 * sum(layer.param_bytes for layer in spec.layers)
+
+
+def test_a_preset_holds_more_than_a_gigabyte_of_training_state_and_is_built_layer_by_layer():
+    assert training_state_bytes(load_model("gpt-350m")) > 2e9
+    assert training_state_bytes(load_model("gpt-85m")) > 0.6e9
+    spec = load_model("gpt-85m")
+    # embedding and head are layers like the blocks: the planner places each where memory allows
+    assert [layer.name for layer in spec.layers][:2] == ["embed", "block0"] and spec.layers[-1].name == "head"
+    stage = spec.build_stage(5, 6)  # one block: a peer allocates only what it owns
+    assert sum(p.numel() for p in stage.parameters()) == spec.layers[5].param_count < 8e6
+
+
+def test_model_config_sets_the_size_and_presets_take_overrides():
+    small = load_model("gpt", "layers=2,width=32,heads=2,context=16")
+    assert len(small.layers) == 4 and small.layers[1].input_shape == (16, 32)
+    assert load_model("gpt-tiny", "context=32").layers[0].input_shape == (32,)
+    assert set(PRESETS) >= {"gpt-tiny", "gpt-85m", "gpt-350m"}
+    for name, config, fragment in [("gpt", "depth=3", "model gpt takes layers, width, heads, context, vocab"),
+                                   ("gpt", "width=33", "multiple of heads"), ("gpt", "layers", "must look like"),
+                                   ("gpt-tiny", "layers=0", "positive whole number")]:
+        with pytest.raises(ValueError, match=fragment):
+            load_model(name, config)
+
+
+def test_a_user_entry_point_builds_shapes_and_flops_on_meta_and_trains_on_user_data(tmp_path, user_models_on_path):
+    spec = load_model("tabular:build", "hidden=32", features_dir(tmp_path / "data"))
+    assert [layer.input_shape for layer in spec.layers] == [(16,), (32,), (32,), (32,)]
+    assert all(layer.flops_per_sample > 0 for layer in spec.layers)
+    inputs, targets = spec.dataset().get(range(8))
+    assert inputs.dtype == torch.float32 and targets.dtype == torch.long
+    assert spec.dataset().size == 1000 and spec.heldout().size == 200  # every 6th sample held out
+    loss = spec.loss(spec.build_full()(inputs), targets)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("name, fragment", [
+    ("tabular:missing", "has no function 'missing'"),
+    ("no_such_module:build", "cannot import 'no_such_module'"),
+    ("os:getcwd", "returned str, not a ModelSpec"),
+])
+def test_a_broken_entry_point_is_one_line(name, fragment, user_models_on_path):
+    with pytest.raises(ValueError, match=fragment):
+        load_model(name)
+
+
+def test_a_user_model_without_data_asks_for_it(user_models_on_path):
+    with pytest.raises(ValueError, match="has no data of its own: give --data"):
+        load_model("tabular:build")
+
+
+def test_the_first_layout_difference_is_named(tmp_path, user_models_on_path):
+    data = features_dir(tmp_path / "data")
+    run = model_layout(load_model("tabular:build", "", data))
+    assert first_difference(run, run) is None
+    assert first_difference(model_layout(load_model("tabular:build", "hidden=48", data)), run) == \
+        "layer 0 (inner): yours has 0.weight [48, 16] float32, the run's 0.weight [64, 16] float32"
+    assert first_difference(run[:3], run) == "yours has 3 layers, the run's 4"
+
+
+def test_the_spec_refuses_a_build_or_data_that_differs(tmp_path, user_models_on_path):
+    data = features_dir(tmp_path / "data")
+    spec = RunSpec(model="tabular:build", **model_facts("tabular:build", "", data))
+    assert spec.build_model(data).name == "tabular"
+    with pytest.raises(UserError, match=r"builds a different model from the run's tabular:build: layer 0 \(inner\)"):
+        RunSpec(model="tabular:build", model_config="hidden=48", layout=spec.layout, data_hash=spec.data_hash,
+                data_bytes=spec.data_bytes).build_model(data)
+    with pytest.raises(UserError, match="differs from the run's"):
+        spec.build_model(features_dir(tmp_path / "other", seed=1))
+    with pytest.raises(UserError, match="pass --data with your copy"):
+        spec.build_model(None)
+    with pytest.raises(UserError, match="drop --data"):
+        RunSpec(model="mlp-digits").build_model(data)
+
+
+def test_text_and_token_directories_make_windows_of_the_models_context(tmp_path):
+    spec = load_model("gpt", "layers=1,width=16,heads=2,context=16", text_dir(tmp_path / "text"))
+    inputs, targets = spec.dataset().get([0, 1])
+    assert inputs.shape == (2, 16) and inputs.dtype == torch.long
+    assert torch.equal(inputs[0, 1:], targets[0, :-1])  # targets are the inputs shifted by one
+    assert scan_data(str(tmp_path / "text")).kind == "text"
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    np.save(tokens / "ids.npy", np.arange(3000) % 200)
+    assert load_model("gpt", "layers=1,width=16,heads=2,context=16", str(tokens)).dataset().size > 100
+    np.save(tokens / "ids.npy", np.arange(3000))  # ids past the byte vocabulary
+    scan_data.cache_clear()
+    with pytest.raises(ValueError, match="token ids run from 0 to 2999, model gpt takes 0-255"):
+        load_model("gpt", "layers=1,width=16,heads=2,context=17", str(tokens))
+
+
+def test_the_content_hash_follows_the_bytes(tmp_path):
+    first = scan_data(text_dir(tmp_path / "a"))
+    assert scan_data(text_dir(tmp_path / "b")).digest == first.digest  # same files elsewhere: same data
+    assert scan_data(text_dir(tmp_path / "c", b"x" * 20000)).digest != first.digest
+
+
+def test_bad_data_directories_are_one_line(tmp_path, user_models_on_path):
+    cases = {}
+    cases["missing"] = str(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    cases["empty"] = str(tmp_path / "empty")
+    mixed = features_dir(tmp_path / "mixed")
+    (tmp_path / "mixed" / "notes.txt").write_text("hello")
+    cases["mixed"] = mixed
+    unreadable = text_dir(tmp_path / "unreadable")
+    os.symlink(tmp_path / "gone.txt", tmp_path / "unreadable" / "link.txt")  # root reads any file: a dangling link
+    cases["unreadable"] = unreadable
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    np.save(pickled / "ids.npy", np.array([{"code": 1}] * 10, dtype=object), allow_pickle=True)
+    expected = {"missing": "no such directory", "empty": "holds no files", "mixed": "mixes .npy arrays",
+                "unreadable": "cannot read link.txt", "pickled": "not a numeric .npy array"}
+    for name, path in cases.items():
+        with pytest.raises(ValueError, match=expected[name]):
+            load_model("gpt-tiny", "", path)
+    with pytest.raises(ValueError, match=expected["pickled"]):
+        load_model("gpt-tiny", "", str(pickled))
+    with pytest.raises(ValueError, match=r"samples of shape \[16\], but model mlp-digits takes \[64\]"):
+        load_model("mlp-digits", "", features_dir(tmp_path / "narrow"))
+    with pytest.raises(ValueError, match="holds text, but model tabular takes"):
+        load_model("tabular:build", "", text_dir(tmp_path / "text"))

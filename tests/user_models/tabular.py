@@ -1,0 +1,24 @@
+"""A user's model, outside the package: an MLP classifier for 16 features and 4 classes (docs/models.md).
+
+Started with ``--model tabular:build --data DIR`` (DIR holding inputs.npy and targets.npy), from this
+directory or with it on PYTHONPATH. ``hidden`` is a setting: ``--model-config hidden=128``.
+"""
+
+import torch.nn.functional as F
+from torch import nn
+
+from ravnest_swarm.models import sequential_model
+
+
+def build(hidden: int = 64):
+    return sequential_model(
+        "tabular",
+        layers=[
+            ("inner", lambda: nn.Sequential(nn.Linear(16, hidden), nn.ReLU())),
+            ("middle", lambda: nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU())),
+            ("outer", lambda: nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU())),
+            ("classifier", lambda: nn.Linear(hidden, 4)),
+        ],
+        input_shape=(16,),
+        loss=F.cross_entropy,
+    )
