@@ -1,0 +1,397 @@
+"""``bench speedup``: the same stages trained by K = 1, 2 and 4 clusters, side by side, on the lab's links and CPUs.
+
+For each K a fresh :class:`~ravnest_swarm.netlab.NetLab` gives every peer a host of its own: the same access
+link (``tc tbf`` rate, the relay's one-way delay) and the same CPU quota (a cgroup) for every K, as if each
+peer were a separate computer. K x S real ``join`` processes and a backbone train one run. Every peer offers
+RAM for 1.2 / S of the model (the planner's stage share limit), so S - 1 peers cannot hold it and S can, and
+all offer the same compute and bandwidth: the plan is K clusters of S stages (checked; anything else is an
+error). Each K trains the same number of samples (``samples``): a stage's length is samples / (K x microbatch
+size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at 4 x the lr: the swarm's
+linear scaling rule, ``docs/swarm.md``).
+
+Throughput: the samples every cluster's stage 0 completed, over the time from the first injection of any
+cluster to the last completion of any (the peers' reports, ``join --report``): averaging rounds, and a
+cluster that starts or ends late, count against it. Held-out loss: the clusters' final weights averaged layer
+by layer (what the next averaging round would give every cluster), on the model's held-out split.
+
+What bounds it, measured per K over that window: each peer's CPU use (its process tree, p2pd included)
+against its quota, the share of quota periods in which its host was throttled, the machine's CPU busy share
+(every process on it, other work included), each stage's busy share, and the time averaging rounds took.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from bisect import bisect_left
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import psutil
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ravnest_swarm.checkpoint import read_stage
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.models import ModelSpec, get_model
+from ravnest_swarm.pipeline.bench import busy_fraction
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.volunteer import MAX_STAGE_SHARE, model_workload
+
+RUN = "speedup"
+PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
+GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour one
+POLL_S = 0.5
+
+
+def parse_clusters(text: str) -> List[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; K = 1 must be among them, as the ratios are to it."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise UserError(f"--clusters must be whole numbers separated by commas, like 1,2,4, not {text!r}")
+    if not values or values[0] != 1 or values[-1] > 16:
+        raise UserError(f"--clusters must include 1 (the ratios are to K = 1) and stay within 1-16, not {text!r}")
+    return values
+
+
+def steps_per_cluster(samples: int, clusters: Sequence[int], microbatch_size: int) -> Dict[int, int]:
+    """Each K's run length in optimizer steps, so that every K trains exactly ``samples`` samples."""
+    unit = math.lcm(*clusters) * microbatch_size
+    if samples % unit:
+        raise UserError(f"--samples {samples} does not split into whole {microbatch_size}-sample steps for every K: "
+                        f"use a multiple of {unit}, e.g. {max(unit, samples // unit * unit)}")
+    return {k: samples // (k * microbatch_size) for k in clusters}
+
+
+def default_cpus_per_peer(clusters: Sequence[int], stages: int) -> float:
+    """What the largest K fits in: 90 % of the machine's cores over its peers and the backbone (the rest is for
+    the delay relay and this process), at most one core (a peer computes on one)."""
+    hosts = max(clusters) * stages + 1
+    return round(min(1.0, 0.9 * (os.cpu_count() or 1) / hosts), 3)
+
+
+def tree_cpu_seconds(pid: int) -> Optional[float]:
+    """User + system CPU seconds of a process and its children (a peer and its p2pd); None once it is gone."""
+    try:
+        process = psutil.Process(pid)
+        tree = [process] + process.children(recursive=True)
+    except psutil.Error:
+        return None
+    total = 0.0
+    for member in tree:
+        try:
+            times = member.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def machine_busy_seconds() -> Tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, every core and process counted."""
+    times = psutil.cpu_times()
+    total = sum(times)
+    return total - times.idle - getattr(times, "iowait", 0.0), total
+
+
+def rate_between(samples: List[Tuple[float, float]], start: float, end: float) -> Optional[float]:
+    """Per second of wall time, how much a cumulative counter sampled as (time, value) grew over [start, end],
+    from the samples nearest inside the window (None if it holds fewer than two)."""
+    times = [t for t, _ in samples]
+    first, last = bisect_left(times, start), bisect_left(times, end) - 1
+    if last <= first:
+        return None
+    return (samples[last][1] - samples[first][1]) / (samples[last][0] - samples[first][0])
+
+
+def quota_periods(cgroup: str) -> Optional[Tuple[int, int]]:
+    """(periods in which the host had work, periods in which it ran out of quota): cgroup v1 ``cpu.stat``."""
+    try:
+        with open(os.path.join(cgroup, "cpu.stat")) as f:
+            stat = dict(line.split() for line in f if line.strip())
+    except OSError:
+        return None
+    return int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0))
+
+
+def layer_states(directory: str, peers: Sequence[str]) -> Dict[int, List[Dict[str, torch.Tensor]]]:
+    """Every layer's final weights in the peers' checkpoints: one state per cluster that trained it."""
+    layers: Dict[int, List[Dict[str, torch.Tensor]]] = {}
+    for name in peers:
+        tensors, metadata = read_stage(os.path.join(directory, f"{RUN}-{name}.safetensors"))
+        start, end = metadata["info"]["layers"]
+        for layer in range(start, end):
+            prefix = f"param.{layer - start}."
+            layers.setdefault(layer, []).append(
+                {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)})
+    return layers
+
+
+def heldout_figures(model: ModelSpec, states: Optional[Dict[int, List[Dict[str, torch.Tensor]]]],
+                    batch: int = 256) -> Tuple[float, float]:
+    """(loss, accuracy) on the held-out split of the model whose layers are the mean of ``states`` (the
+    clusters' copies; None: the seeded start every peer trains from)."""
+    full = model.build_full()
+    if states is not None:
+        for layer, copies in states.items():
+            full[layer].load_state_dict({key: torch.stack([copy[key] for copy in copies]).mean(dim=0)
+                                         for key in copies[0]})
+    data = model.heldout()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, data.size, batch):
+            inputs, targets = data.get(range(start, min(start + batch, data.size)))
+            total += float(model.loss(full(inputs), targets)) * len(inputs)
+    return round(total / data.size, 5), round(model.evaluate(full), 4)
+
+
+class SpeedupRun:
+    """One K: its lab, processes and figures. ``train`` leaves nothing running, even when interrupted."""
+
+    def __init__(self, clusters: int, stages: int, steps: int, spec: RunSpec, model_gb: float, mbps: float,
+                 delay_ms: float, cpus: Optional[float], workdir: str, time_limit: float):
+        self.k, self.stages, self.steps, self.spec = clusters, stages, steps, spec
+        self.model_gb, self.mbps, self.delay_ms, self.cpus = model_gb, mbps, delay_ms, cpus
+        self.workdir = os.path.join(workdir, f"k{clusters}")
+        self.checkpoints = os.path.join(self.workdir, "checkpoints")
+        self.time_limit = time_limit
+        self.names = [f"peer{i}" for i in range(clusters * stages)]
+        self.cpu_samples: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
+        self.machine_samples: List[Tuple[float, float, float]] = []  # (time, busy, total)
+        # per peer, (time, quota periods with work so far) and (time, periods out of quota so far)
+        self.periods: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
+        self.throttled: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
+        self.lab_description: Dict = {}
+
+    def _join_args(self, lab, host: int, initial: str) -> List[str]:
+        spec = self.spec
+        # RAM for 1.2 / S of the model: S peers hold it, S - 1 cannot (for S <= 5), and the planner's stage share
+        # limit keeps a stage within it whichever layers it cuts at
+        ram_gb = self.model_gb * min(MAX_STAGE_SHARE / self.stages, 1.0) * 1.001
+        return ["join", "--initial-peers", initial, "--run", RUN, "--name", self.names[host], "--no-dashboard",
+                "--model", spec.model, "--steps", str(self.steps), "--lr", str(spec.lr),
+                "--microbatch-size", str(spec.microbatch_size), "--max-in-flight", str(spec.max_in_flight),
+                "--averaging-period", str(spec.averaging_period), "--pipeline-compression", spec.pipeline_compression,
+                "--ram-gb", f"{ram_gb:.9f}", "--gflops", str(GFLOPS), "--bandwidth-mbps", str(self.mbps),
+                "--min-peers", str(len(self.names)), "--heartbeat", "2", "--handover-timeout", "0",
+                "--checkpoint-dir", self.checkpoints, "--checkpoint-every", str(max(1, self.steps // 10)),
+                "--report", self.report_path(self.names[host]),
+                "--host-maddrs", lab.host_maddr(host), "--announce-maddrs", lab.announce_maddr(host)]
+
+    def report_path(self, name: str) -> str:
+        return os.path.join(self.workdir, f"{name}.report.json")
+
+    def train(self, on_progress) -> Dict:
+        """Run the swarm to the end of its steps; ``on_progress(text, microbatches done)``; return the figures."""
+        from ravnest_swarm.netlab import NetLab
+        from ravnest_swarm.processes import ProcessGroup
+
+        os.makedirs(self.checkpoints)
+        backbone_host = len(self.names)
+        with NetLab(backbone_host + 1, mbps=self.mbps, delay_ms=self.delay_ms, cpus=self.cpus) as lab:
+            self.lab_description = lab.describe()
+            group = ProcessGroup(self.workdir)
+            try:
+                on_progress(f"starting {backbone_host} peers and a backbone", 0)
+                backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(backbone_host), "--announce-maddrs",
+                                        lab.announce_maddr(backbone_host), "--run", RUN], "backbone",
+                                       prefix=lab.exec_prefix(backbone_host))
+                initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
+                peers = {name: group.start(self._join_args(lab, host, initial), name, prefix=lab.exec_prefix(host))
+                         for host, name in enumerate(self.names)}
+                cgroups = {name: lab.cgroup(host) for host, name in enumerate(self.names)} if lab.cpus else {}
+                placements = self._watch(peers, cgroups, on_progress)
+            except (RuntimeError, TimeoutError, StopIteration) as e:
+                raise UserError(f"K = {self.k}: a bench process failed ({e}); logs in {self.workdir}", exit_code=1)
+            finally:
+                group.stop_all(grace=20)
+        return self._figures(placements)
+
+    def _watch(self, peers: Dict, cgroups: Dict[str, str], on_progress) -> Dict[str, Tuple[int, int, Tuple[int, int]]]:
+        """Wait for every peer's report; sample CPU and quota meanwhile; return each peer's (cluster, stage,
+        layers). ``cgroups``: each peer's host's CPU cgroup (empty without a quota)."""
+        deadline = time.monotonic() + self.time_limit
+        placements: Dict[str, Tuple[int, int, Tuple[int, int]]] = {}
+        replans = 0
+        while not all(os.path.exists(self.report_path(name)) for name in self.names):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not finished within --time-limit {self.time_limit:.0f}s")
+            for name, process in peers.items():
+                if process.popen.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.popen.returncode}: "
+                                       f"{process.stderr().strip()[-500:]}")
+            now = time.time()
+            for name, process in peers.items():
+                used = tree_cpu_seconds(process.pid)
+                if used is not None:
+                    self.cpu_samples[name].append((now, used))
+                periods = quota_periods(cgroups[name]) if name in cgroups else None
+                if periods is not None:
+                    self.periods[name].append((now, periods[0]))
+                    self.throttled[name].append((now, periods[1]))
+            self.machine_samples.append((now, *machine_busy_seconds()))
+            found = [match for process in peers.values() for match in PLACED_RE.finditer(process.stderr())]
+            replans = max(replans, len(found) - len(self.names))
+            for name, cluster, stage, stages, first, last in (match.groups() for match in found):
+                placements[name] = (int(cluster), int(stage), (int(first), int(last)))
+                if int(stages) != self.stages:
+                    raise RuntimeError(f"the plan made a cluster of {stages} stages, not {self.stages}")
+            if replans:
+                raise RuntimeError(f"a later plan moved {replans} peer(s): the clusters' figures would mix plans")
+            if len(placements) == len(self.names):
+                on_progress("training", self._steps_done(placements))
+            else:
+                on_progress(f"{len(placements)} of {len(self.names)} peers placed", 0)
+            time.sleep(POLL_S)
+        if len({cluster for cluster, _, _ in placements.values()}) != self.k:
+            raise RuntimeError(f"the plan made {len({c for c, _, _ in placements.values()})} clusters, not {self.k}")
+        on_progress("done", self.k * self.steps)
+        return placements
+
+    def _steps_done(self, placements: Dict[str, Tuple[int, int, Tuple[int, int]]]) -> int:
+        """Microbatches the clusters trained so far, from their first stages' latest checkpoints."""
+        done = 0
+        for name, (_, stage, _) in placements.items():
+            path = os.path.join(self.checkpoints, f"{RUN}-{name}.safetensors")
+            if stage == 0 and os.path.exists(path):
+                try:
+                    done += int(read_stage(path)[1]["info"]["step"])
+                except (UserError, OSError, KeyError):
+                    pass  # a checkpoint being replaced: the next look reads it
+        return done
+
+    def _figures(self, placements: Dict[str, Tuple[int, int, Tuple[int, int]]]) -> Dict:
+        reports = {}
+        for name in self.names:
+            with open(self.report_path(name)) as f:
+                reports[name] = json.load(f)
+        firsts = {placements[name][0]: reports[name] for name in self.names if placements[name][1] == 0}
+        start = min(report["inject_times"][0] for report in firsts.values())
+        end = max(report["complete_times"][-1] for report in firsts.values())
+        window = end - start
+        completed = {c: len(report["complete_times"]) * report["microbatch_size"] for c, report in firsts.items()}
+        cluster_rates = {c: round(completed[c] / (r["complete_times"][-1] - r["inject_times"][0]), 2)
+                         for c, r in sorted(firsts.items())}
+        rounds = [b - a for report in reports.values() for a, b in report["averaging"]]
+        averaging_in_window = [sum(max(0.0, min(b, end) - max(a, start)) for a, b in report["averaging"]) / window
+                               for report in reports.values()]
+        cores = {name: rate_between(self.cpu_samples[name], start, end) for name in self.names}
+        throttled = {name: (rate_between(self.throttled[name], start, end), rate_between(self.periods[name], start, end))
+                     for name in self.names}
+        machine = [(t, busy) for t, busy, _ in self.machine_samples]
+        totals = [(t, total) for t, _, total in self.machine_samples]
+        machine_busy, machine_total = rate_between(machine, start, end), rate_between(totals, start, end)
+        ordered = sorted(self.names, key=lambda name: placements[name][:2])
+        return dict(
+            clusters=self.k, steps_per_cluster=self.steps,
+            samples=sum(completed.values()),
+            samples_per_s=round(sum(completed.values()) / window, 2),
+            window_s=round(window, 2),
+            cluster_samples_per_s=list(cluster_rates.values()),
+            plan=[[list(placements[name][2]) for name in ordered if placements[name][0] == c] for c in range(self.k)],
+            averaging_rounds=min(report["averaging_rounds"] for report in reports.values()),
+            averaging_failures=sum(report["averaging_failures"] for report in reports.values()),
+            averaging_round_s=round(sum(rounds) / len(rounds), 3) if rounds else None,
+            averaging_share=round(sum(averaging_in_window) / len(averaging_in_window), 3),
+            busy_fraction=[round(busy_fraction(reports[name]["busy"], start, end), 3) for name in ordered],
+            compute_fraction=[round(busy_fraction(reports[name]["compute"], start, end), 3) for name in ordered],
+            peer_cores=[None if cores[name] is None else round(cores[name], 3) for name in ordered],
+            peer_quota_used=[None if cores[name] is None or not self.cpus else round(cores[name] / self.cpus, 3)
+                             for name in ordered],
+            # of the quota periods in which the peer had work, the share in which it ran out of quota
+            throttled_share=[round(throttled[name][0] / throttled[name][1], 3) if throttled[name][1] else None
+                             for name in ordered],
+            # busy cores of the whole machine over the window (psutil sums CPU time over every core)
+            machine_busy_cores=None if machine_busy is None or not machine_total else
+            round(machine_busy / machine_total * (os.cpu_count() or 1), 3),
+            dropped=sum(report["dropped"] for report in reports.values()),
+            peers_order=ordered,
+        )
+
+    def evaluate(self, model: ModelSpec) -> Tuple[float, float]:
+        return heldout_figures(model, layer_states(self.checkpoints, self.names))
+
+
+def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples: int, mbps: float, delay_ms: float,
+                  averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool) -> int:
+    from ravnest_swarm.netlab import cpu_quota_unavailable
+
+    try:
+        model = get_model(model_name)
+    except ValueError as e:
+        raise UserError(str(e))
+    if stages > len(model.layers):
+        raise UserError(f"{model_name} has {len(model.layers)} layers: at most that many --stages")
+    spec = RunSpec(model=model_name, averaging_period=averaging_period)
+    steps = steps_per_cluster(samples, clusters, spec.microbatch_size)
+    console = Console(stderr=True)
+    no_quota = cpu_quota_unavailable()
+    if cpus_per_peer is None:
+        cpus_per_peer = 0.0 if no_quota else default_cpus_per_peer(clusters, stages)
+        if no_quota:
+            console.print(f"[yellow]no CPU quota per peer ({no_quota}): the peers share the machine's cores[/]")
+    elif cpus_per_peer and no_quota:
+        raise UserError(f"--cpus-per-peer is not possible here: {no_quota}; pass 0 to share the cores")
+    model_gb = model_workload(model, spec, len(model.layers))[0].model_gb
+    workdir = tempfile.mkdtemp(prefix="ravnest-bench-speedup-")
+    runs: Dict[int, Dict] = {}
+    losses: Dict[int, Tuple[float, float]] = {}
+    description: Dict = {}
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=not as_json) as progress:
+        tasks = {k: progress.add_task(f"K = {k}: waiting", total=steps[k] * k) for k in clusters}
+        for k in clusters:
+            run = SpeedupRun(k, stages, steps[k], spec, model_gb, mbps, delay_ms, cpus_per_peer or None, workdir,
+                             time_limit)
+            runs[k] = run.train(lambda text, done, k=k: progress.update(
+                tasks[k], description=f"K = {k}: {text}", completed=done))
+            losses[k] = run.evaluate(model)
+            description = run.lab_description
+    if description.get("mode") != "netns":
+        console.print("[yellow]no network namespaces: the links were NOT rate-limited[/]")
+    base = runs[1]["samples_per_s"]
+    start_loss, start_accuracy = heldout_figures(model, None)
+    report = dict(
+        benchmark="speedup", model=model_name, stages=stages, clusters=list(clusters), samples=samples,
+        microbatch_size=spec.microbatch_size, averaging_period=averaging_period, lr=spec.lr,
+        samples_per_s={str(k): runs[k]["samples_per_s"] for k in clusters},
+        speedup={str(k): round(runs[k]["samples_per_s"] / base, 3) for k in clusters},
+        efficiency={str(k): round(runs[k]["samples_per_s"] / base / k, 3) for k in clusters},
+        heldout_loss={str(k): losses[k][0] for k in clusters},
+        heldout_loss_vs_k1={str(k): round(losses[k][0] / losses[1][0], 4) for k in clusters},
+        heldout_accuracy={str(k): losses[k][1] for k in clusters},
+        heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
+        targets={str(k): dict(speedup_at_least_0_8k=runs[k]["samples_per_s"] >= 0.8 * k * base,
+                              loss_within_5_percent=abs(losses[k][0] / losses[1][0] - 1) <= 0.05)
+                 for k in clusters if k > 1},
+        cpus_per_peer=cpus_per_peer or None, link=description, runs={str(k): runs[k] for k in clusters},
+        cpu_count=os.cpu_count(), load_avg=[round(x, 2) for x in os.getloadavg()], logs=workdir,
+    )
+    if as_json:
+        print(json.dumps(report), flush=True)
+    else:
+        console.print(summary_table(report))
+    return 0
+
+
+def summary_table(report: Dict) -> Table:
+    table = Table(title=f"bench speedup: {report['model']}, {report['stages']} stages per cluster, "
+                        f"{report['samples']} samples per K, {report['cpus_per_peer'] or 'shared'} cores per peer")
+    for column in ("K", "samples/s", "x K=1", "x K=1 / K", "held-out loss", "vs K=1", "averaging s/round",
+                   "averaging share", "cores per peer", "machine busy cores"):
+        table.add_column(column, justify="right")
+    for k in report["clusters"]:
+        run, key = report["runs"][str(k)], str(k)
+        cores = [c for c in run["peer_cores"] if c is not None]
+        table.add_row(key, str(report["samples_per_s"][key]), str(report["speedup"][key]),
+                      str(report["efficiency"][key]), str(report["heldout_loss"][key]),
+                      str(report["heldout_loss_vs_k1"][key]), str(run["averaging_round_s"] or "-"),
+                      str(run["averaging_share"]), f"{min(cores, default=0):.2f}-{max(cores, default=0):.2f}",
+                      str(run["machine_busy_cores"]))
+    return table
