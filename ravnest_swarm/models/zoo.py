@@ -43,6 +43,26 @@ class LayerSpec:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
     @property
+    def activation_bytes(self) -> int:
+        """Bytes a forward keeps for its backward, per sample: what a stage holds for each microbatch in flight.
+
+        Counted on the ``meta`` device (no memory) as the saved tensors of a batch of two less those of a batch of
+        one, so the weights the backward also keeps cancel out."""
+        def saved(batch: int) -> int:
+            total = 0
+
+            def count(tensor: torch.Tensor) -> torch.Tensor:
+                nonlocal total
+                total += tensor.numel() * tensor.element_size()
+                return tensor
+
+            with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+                self.build()(torch.zeros((batch, *self.input_shape), dtype=self.input_dtype))
+            return total
+
+        return saved(2) - saved(1)
+
+    @property
     def param_count(self) -> int:
         with torch.device("meta"):
             module = self.build()

@@ -70,11 +70,16 @@ STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its clu
 
 
 def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
-    """The planner's view of a model: memory M (parameters, gradients, and with ``stash`` a copy of the weights
-    in flight), FLOPs F (forward + backward = 3x forward) and activations A (the largest layer input), per layer
-    and total."""
-    copies = 3 if run_spec.backward == "stash" else 2
-    layer_memory_gb = [copies * layer.param_bytes / 1e9 for layer in spec.layers]
+    """The planner's view of a model: memory M, FLOPs F (forward + backward = 3x forward) and activations A (the
+    largest layer input, what crosses a link), per layer and total.
+
+    M is what a stage holds per layer: parameters, gradients, and with ``stash`` a copy of the weights in flight;
+    plus the activations its forward keeps for the backward, for every microbatch in flight with ``stash``
+    and for the one being recomputed with ``recompute``. For a transformer at a useful microbatch, activations
+    outweigh the weights (docs/models.md)."""
+    copies, microbatches = (3, run_spec.max_in_flight) if run_spec.backward == "stash" else (2, 1)
+    layer_memory_gb = [(copies * layer.param_bytes + microbatches * run_spec.microbatch_size * layer.activation_bytes)
+                       / 1e9 for layer in spec.layers]
     layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]
     activation_mb = max(4 * int(torch.tensor(layer.input_shape).prod()) for layer in spec.layers) / 1e6
     workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)),
