@@ -158,8 +158,11 @@ def test_dashboard_and_status_table_show_measured_memory():
 # ------------------------------------------------------------------ real processes
 
 def model_gb() -> float:
-    """What the planner says mlp-digits needs (parameters, gradients and a copy in flight), GB."""
-    return sum(3 * layer.param_bytes for layer in worker_for(0, 1, (0, 9), "cpu", "fp32").spec.layers) / 1e9
+    """What the planner says mlp-digits needs with the run spec's defaults, GB."""
+    from ravnest_swarm.swarm.spec import RunSpec
+    from ravnest_swarm.swarm.volunteer import model_workload
+
+    return model_workload(worker_for(0, 1, (0, 9), "cpu", "fp32").spec, RunSpec(model="mlp-digits"), 8)[0].model_gb
 
 
 def ravnest(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
