@@ -54,7 +54,7 @@ LogFile = typer.Option(None, "--log-file", help="Append every log line to this f
 
 
 def _initial_peers(values: List[str]):
-    from ravnest_swarm.transport import parse_maddrs
+    from ravnest_swarm.net.node import parse_maddrs
 
     return parse_maddrs(values)
 
@@ -79,7 +79,7 @@ def backbone(
 
     async def main():
         from ravnest_swarm.membership.backbone import Backbone, run_backbone
-        from ravnest_swarm.transport import parse_maddrs
+        from ravnest_swarm.net.node import parse_maddrs
 
         parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
         parse_maddrs(announce_maddrs or [], what="--announce-maddrs", need_peer_id=False)
@@ -166,7 +166,7 @@ def join(
         from ravnest_swarm.membership.capabilities import check_override
         from ravnest_swarm.membership.records import validate_peer_name, validate_run_name
         from ravnest_swarm.membership.volunteer import JoinOptions, Membership
-        from ravnest_swarm.transport import parse_maddrs
+        from ravnest_swarm.net.node import parse_maddrs
 
         if log_file is not None:
             log_to_file(log_file)
@@ -304,7 +304,7 @@ def status(
         from ravnest_swarm.membership.announcer import read_peers_settled, run_finished
         from ravnest_swarm.membership.records import make_validators, validate_run_name
         from ravnest_swarm.swarm.spec import read_spec
-        from ravnest_swarm.transport import start_node, stop_node
+        from ravnest_swarm.net.node import start_node, stop_node
 
         validate_run_name(run)
         node = await start_node(_initial_peers(initial_peers), record_validators=make_validators(run),
@@ -419,7 +419,7 @@ def probe(
     async def main():
         from ravnest_swarm.membership.probe import run_probe
         from ravnest_swarm.membership.records import validate_run_name
-        from ravnest_swarm.transport import parse_maddrs
+        from ravnest_swarm.net.node import parse_maddrs
 
         validate_run_name(run)
         parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
@@ -502,7 +502,7 @@ def bench_plan(
       ravnest-swarm bench plan --json
     """
     configure_logging(False)
-    from ravnest_swarm.planning.bench import run_bench_plan
+    from ravnest_swarm.bench.planning import run_bench_plan
 
     sys.exit(run_bench_plan(time_limit, as_json))
 
@@ -522,7 +522,7 @@ def bench_quality(
       ravnest-swarm bench quality --peers 6 --steps 300 --json
     """
     configure_logging(False)
-    from ravnest_swarm.swarm.quality_bench import bench_quality as run
+    from ravnest_swarm.bench.quality import bench_quality as run
 
     sys.exit(run_async(run(peers, steps, model, as_json, repeats)))
 
@@ -542,7 +542,7 @@ def bench_membership(
       ravnest-swarm bench membership --peers 24 --churn-seconds 60 --json
     """
     configure_logging(False)
-    from ravnest_swarm.membership.load_bench import bench_membership as run
+    from ravnest_swarm.bench.backbone import bench_membership as run
 
     sys.exit(run_async(run(peers, heartbeat, churn_seconds, churn_period, as_json)))
 
@@ -560,7 +560,7 @@ def bench_backbone(
       ravnest-swarm bench backbone --volunteers 3 --json
     """
     configure_logging(False)
-    from ravnest_swarm.membership.bench import bench_backbone as run
+    from ravnest_swarm.bench.membership import bench_backbone as run
 
     sys.exit(run_async(run(seconds, volunteers, as_json)))
 
@@ -583,7 +583,7 @@ def bench_averaging(
       ravnest-swarm bench averaging --clusters 3 --stages 2 --size-mb 64 --json
     """
     configure_logging(False)
-    from ravnest_swarm.averaging.bench import bench_averaging as run
+    from ravnest_swarm.bench.averaging import bench_averaging as run
 
     sys.exit(run_blocking(lambda: run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
 
@@ -617,7 +617,7 @@ def averaging_peer(
     configure_logging(verbose)
 
     async def main():
-        from ravnest_swarm.averaging.peer import AveragingPeerOptions, parse_ints, run_averaging_peer
+        from ravnest_swarm.bench.averaging_peer import AveragingPeerOptions, parse_ints, run_averaging_peer
         from ravnest_swarm.membership.records import validate_run_name
 
         validate_run_name(run)
@@ -650,7 +650,7 @@ def bench_nat(
       sudo ravnest-swarm bench nat --size-mb 32 --repeats 2 --json
     """
     configure_logging(False)
-    from ravnest_swarm.natbench import bench_nat as run
+    from ravnest_swarm.bench.nat import bench_nat as run
 
     sys.exit(run_blocking(lambda: run(size_mb, repeats, mbps, as_json)))
 
@@ -679,7 +679,7 @@ def bench_pipeline(
       ravnest-swarm bench pipeline --stages 4 --compression float16 --json
     """
     configure_logging(False)
-    from ravnest_swarm.pipeline.bench import bench_pipeline as run
+    from ravnest_swarm.bench.pipeline import bench_pipeline as run
     from ravnest_swarm.pipeline.wire import COMPRESSIONS
 
     if microbatches <= max_in_flight:
@@ -718,7 +718,7 @@ def bench_speedup(
       sudo ravnest-swarm bench speedup --json
     """
     configure_logging(False)
-    from ravnest_swarm.swarm.speedup_bench import bench_speedup as run, parse_clusters
+    from ravnest_swarm.bench.speedup import bench_speedup as run, parse_clusters
 
     sys.exit(run_blocking(lambda: run(parse_clusters(clusters), stages, model, samples, mbps, delay_ms,
                                       averaging_period, cpus_per_peer, time_limit, as_json)))

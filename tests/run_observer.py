@@ -6,7 +6,7 @@ from typing import Callable, Dict
 
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.records import make_validators
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 
 class RunObserver:

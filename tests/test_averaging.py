@@ -15,11 +15,10 @@ from hivemind.p2p import PeerID
 from safetensors.torch import load_file
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
-from ravnest_swarm.averaging.peer import synthetic_layer
+from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.reversal import links_of
 from ravnest_swarm.swarm.volunteer import arrival_wait
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
 SEED = 7
@@ -171,12 +170,12 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
 
     async def scenario(patient: bool):
         nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-        averagers = [MultiRingAverager(node.p2p, "late", timeout=ring_timeout) for node in nodes]
+        averagers = [MultiRingAverager(node.routes, "late", timeout=ring_timeout) for node in nodes]
         try:
             for averager in averagers:
                 await averager.start()
             ids = [node.peer_id.to_base58() for node in nodes]
-            await links_of(nodes[0].p2p).connect(PeerID.from_base58(ids[1]), await nodes[1].p2p.get_visible_maddrs(),
+            await nodes[0].routes.connect(PeerID.from_base58(ids[1]), await nodes[1].p2p.get_visible_maddrs(),
                                                  "direct")
             ring = Ring(0, 0, 1000, tuple(ids))
             values = [torch.full((1000,), float(k)) for k in range(2)]

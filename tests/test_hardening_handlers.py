@@ -24,7 +24,8 @@ from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, 
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
-from ravnest_swarm.transport import make_request, start_node, stop_node, unpack_metadata
+from ravnest_swarm.net.node import start_node, stop_node
+from ravnest_swarm.net.transport import make_request, unpack_metadata
 
 RUN = "fuzz"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -48,13 +49,13 @@ class Peer:
         self.node = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
         p2p = self.node.p2p
         await BackboneServices(p2p, probe_timeout=TIMEOUT).add_handlers()
-        self.averager = MultiRingAverager(p2p, RUN, timeout=TIMEOUT, max_message_bytes=LIMIT)
+        self.averager = MultiRingAverager(self.node.routes, RUN, timeout=TIMEOUT, max_message_bytes=LIMIT)
         await self.averager.start()
         config = StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(1, 3), max_in_flight=4,
                              send_timeout=TIMEOUT, microbatch_timeout=60.0, max_message_bytes=LIMIT)
         self.stage = StageWorker(config, self.node)
         await self.stage.start()
-        await LayerStateServer(p2p, RUN, lambda: offered_layers(1, self.stage.module, self.stage.version),
+        await LayerStateServer(self.node.routes, RUN, lambda: offered_layers(1, self.stage.module, self.stage.version),
                                request_timeout=TIMEOUT).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id

@@ -25,7 +25,7 @@ from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundPropo
 from ravnest_swarm.pipeline.endpoints import read_endpoints
 from ravnest_swarm.planning.round import PlanningRounds
 from ravnest_swarm.swarm.spec import read_spec
-from ravnest_swarm.transport import start_node, stop_node
+from ravnest_swarm.net.node import start_node, stop_node
 
 RUN = "hardening"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]

@@ -24,7 +24,7 @@ from ravnest_swarm.dashboard.peers_table import peers_table
 from ravnest_swarm.dashboard.state import SwarmState
 from ravnest_swarm.dashboard.view import render_text
 from ravnest_swarm.membership.records import PeerRecord, peers_key
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node, store_record
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node, store_record
 from test_dashboard import PTY_WRAPPER, peer
 
 RUN = "hostile"

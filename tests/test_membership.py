@@ -20,7 +20,7 @@ from run_observer import RunObserver
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import make_validators, peers_key
-from ravnest_swarm.transport import parse_maddrs, peer_id_of, start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node
 
 RUN = "test-run"
 VOLUNTEERS = {

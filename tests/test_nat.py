@@ -1,7 +1,7 @@
 """NAT traversal behind real NAT: network namespaces, iptables MASQUERADE routers, real p2pd processes.
 
 Public hosts (backbone, observer, public peers) share a switch; each home host sits behind its own
-router that drops unsolicited inbound traffic (``ravnest_swarm.natlab``). Every process a test starts
+router that drops unsolicited inbound traffic (``ravnest_swarm.bench.natlab``). Every process a test starts
 is stopped, and every namespace removed, even when it fails.
 """
 
@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from pipeline_helpers import losses, read_report
 from test_swarm import MODEL_GB, checkpoint_layers
-from ravnest_swarm.averaging.peer import synthetic_layer
+from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.models import get_model
-from ravnest_swarm.natlab import NatLab, nat_lab_available
-from ravnest_swarm.netlab import LAB_PREFIX
+from ravnest_swarm.bench.natlab import NatLab, nat_lab_available
+from ravnest_swarm.bench.netlab import LAB_PREFIX
 
 REASON = nat_lab_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"NAT lab unavailable: {REASON}")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ravnest_swarm.netlab import NetLab, cpu_quota_available, namespaces_available, namespaces_unavailable
+from ravnest_swarm.bench.netlab import NetLab, cpu_quota_available, namespaces_available, namespaces_unavailable
 
 # burns half a second of CPU, then prints the share of a core it got and its addresses
 BURN = """

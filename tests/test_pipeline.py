@@ -5,7 +5,7 @@ import torch
 
 from pipeline_helpers import losses, read_report, read_weights, start_stages, wait_all
 from ravnest_swarm.models import ShardedSampler, get_model
-from ravnest_swarm.pipeline.bench import round_trip_breakdown
+from ravnest_swarm.bench.pipeline import round_trip_breakdown
 
 STEPS = 8
 MICROBATCH = 8

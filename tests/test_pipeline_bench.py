@@ -8,8 +8,8 @@ import psutil
 import pytest
 
 from process_tree import alive, descendants, kill_pids
-from ravnest_swarm.netlab import LAB_PREFIX, namespaces_available
-from ravnest_swarm.pipeline.bench import busy_fraction, round_trip_breakdown
+from ravnest_swarm.bench.netlab import LAB_PREFIX, namespaces_available
+from ravnest_swarm.bench.pipeline import busy_fraction, round_trip_breakdown
 
 
 def two_stage_trace(start: float, microbatch: int):

@@ -17,7 +17,8 @@ from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.endpoints import EndpointResolver
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
-from ravnest_swarm.transport import make_request, parse_maddrs, start_node, stop_node, unpack_metadata
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.transport import make_request, unpack_metadata
 
 RUN = "faults"
 MLP_RANGES = [(0, 3), (3, 6), (6, 9)]

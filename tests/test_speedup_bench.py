@@ -8,8 +8,8 @@ import time
 import pytest
 
 from process_tree import alive, descendants, kill_pids
-from ravnest_swarm.netlab import LAB_PREFIX, namespaces_unavailable
-from ravnest_swarm.swarm.speedup_bench import parse_clusters, steps_per_cluster
+from ravnest_swarm.bench.netlab import LAB_PREFIX, namespaces_unavailable
+from ravnest_swarm.bench.speedup import parse_clusters, steps_per_cluster
 from ravnest_swarm.errors import UserError
 
 

@@ -7,6 +7,8 @@ import copy
 import torch
 from hivemind.p2p import P2P
 
+from ravnest_swarm.net.routes import Routes
+
 from ravnest_swarm.models import get_model
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 
@@ -46,12 +48,12 @@ def download(cuts: int):
         server_p2p = await P2P.create(host_maddrs=LOCAL)
         client_p2p = await P2P.create(initial_peers=await server_p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         try:
-            await CutShortServer(server_p2p, RUN, lambda: offered_layers(0, held, 7), cuts=cuts).start()
+            await CutShortServer(Routes(server_p2p, []), RUN, lambda: offered_layers(0, held, 7), cuts=cuts).start()
             fresh = spec.build_stage(0, 3)
             before = copy.deepcopy(fresh.state_dict())
             holders = {layer: [server_p2p.peer_id] for layer in range(3)}
             try:
-                return held, fresh, before, await download_layers(client_p2p, RUN, fresh, 0, holders, 30.0), None
+                return held, fresh, before, await download_layers(Routes(client_p2p, []), RUN, fresh, 0, holders, 30.0), None
             except StateTransferError as e:
                 return held, fresh, before, None, e
         finally:

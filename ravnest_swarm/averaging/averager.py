@@ -48,15 +48,13 @@ from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Seq
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.compression.base import CompressionBase, NoCompression
-from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
-from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import (
-    iterate_frames, make_request, make_response, message_reply, send_reply, unpack_metadata,
-)
+from ravnest_swarm.net.routes import Routes
+from ravnest_swarm.net.transport import iterate_frames, make_request, make_response, message_reply, send_reply, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +219,7 @@ class _RingState:
 class MultiRingAverager:
     """Serves the ring handler on a peer's P2P and averages this peer's segments, all rings at once.
 
-    :param p2p: this peer's P2P (its DHT node's), on which the handler is registered
+    :param routes: this peer's routes (its DHT node's), whose P2P the handler is registered on
     :param run: run name; messages of another run are refused
     :param timeout: seconds one ring may take before it ends and its segment keeps the local value
     :param compression: hivemind compression for the floats on the wire (``NoCompression``,
@@ -235,16 +233,17 @@ class MultiRingAverager:
         contributions could reach at our own values' scale (at least 1 per element) is refused as poisoned
     """
 
-    def __init__(self, p2p: P2P, run: str, timeout: float = 30.0, compression: CompressionBase = NoCompression(),
+    def __init__(self, routes: Routes, run: str, timeout: float = 30.0, compression: CompressionBase = NoCompression(),
                  part_bytes: int = PART_BYTES, streams_per_step: int = STREAMS_PER_STEP,
                  max_buffered_bytes: int = 2 * 1024**3, max_message_bytes: int = 512 * 1024**2,
                  max_scale: float = 100.0):
         if not 1 <= streams_per_step <= MAX_STRIPES:
             raise ValueError(f"streams_per_step must be 1-{MAX_STRIPES}")
-        self.p2p, self.run, self.timeout, self.compression = p2p, run, timeout, compression
+        self.routes, self.p2p = routes, routes.p2p
+        self.run, self.timeout, self.compression = run, timeout, compression
         self.part_bytes, self.streams_per_step, self.max_buffered_bytes = part_bytes, streams_per_step, max_buffered_bytes
         self.max_message_bytes, self.max_scale = max_message_bytes, max_scale
-        self.peer_id = p2p.peer_id.to_base58()
+        self.peer_id = self.p2p.peer_id.to_base58()
         self.last_finished_step = -1
         self.last_result: Optional[RoundResult] = None
         self._mailbox: Dict[tuple, _Inbox] = {}
@@ -257,7 +256,7 @@ class MultiRingAverager:
 
     async def start(self) -> None:
         # forwardable: a ring partner behind another NAT reaches us through a backbone (reversal.py)
-        await links_of(self.p2p).add_forwardable_handler(RING_HANDLER, self._serve)
+        await self.routes.add_forwardable_handler(RING_HANDLER, self._serve)
 
     async def shutdown(self) -> None:
         """Give the last notes to other members, our replies to their last messages, and their resends of
@@ -487,8 +486,8 @@ class MultiRingAverager:
         receiver is final. Returns how many times the stream was sent again.
         """
         metadata = dict(metadata, run=self.run)
-        links, peer_id = links_of(self.p2p), PeerID.from_base58(peer)
-        route = links.routes.get(peer_id)
+        links, peer_id = self.routes, PeerID.from_base58(peer)
+        route = links.chosen.get(peer_id)
 
         async def stream():
             # the metadata goes alone: a stripe of a message shorter than its stripes carries no part
@@ -517,7 +516,7 @@ class MultiRingAverager:
                 logger.warning(f"ring message {what} to {peer[-8:]} was lost ({type(e).__name__}: {e}); "
                                f"sending it again ({resends}/{MAX_RESENDS})")
                 if route is not None:
-                    links.routes.setdefault(peer_id, route)  # PeerLinks forgets a route after a failed call
+                    links.chosen.setdefault(peer_id, route)  # Routes forgets a route after a failed call
                 await asyncio.sleep(backoff)
 
     def _say_arrived(self, step: int, ring: Ring, state: _RingState, deadline: float) -> None:

@@ -131,3 +131,11 @@ def ring_bytes_per_peer(rings: Sequence[Ring], bytes_per_element: int = 4) -> Di
         for member in ring.members:
             held[member] = held.get(member, 0) + ring.size * bytes_per_element
     return held
+
+
+def plan_rings(plan: dict, layer_sizes: Sequence[int]) -> List[Ring]:
+    """The rings of an adopted plan record: element ranges from each stage's layer range."""
+    total = sum(layer_sizes)
+    clusters = [[(stage["peer_id"], *element_range(layer_sizes, tuple(stage["layers"]))) for stage in cluster]
+                for cluster in plan["clusters"]]
+    return build_rings(clusters, total)

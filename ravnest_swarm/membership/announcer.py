@@ -15,7 +15,7 @@ from ravnest_swarm import __version__
 from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import PeerRecord, peers_key
-from ravnest_swarm.transport import store_record
+from ravnest_swarm.net.node import store_record
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.records import make_validators, validate_run_name
 from ravnest_swarm.membership.services import BackboneServices
-from ravnest_swarm.transport import start_node, stop_node
+from ravnest_swarm.net.node import start_node, stop_node
 
 
 class Backbone:

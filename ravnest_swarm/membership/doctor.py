@@ -12,7 +12,7 @@ from rich.console import Console
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.capabilities import measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.services import check_reachability, measure_bandwidth, ping
-from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+from ravnest_swarm.net.node import peer_id_of, start_node, stop_node
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
             return 1
         backbone = peer_id_of(answering[0])
         try:
-            reachability = await _twice(lambda: check_reachability(node.p2p, backbone, timeout))
+            reachability = await _twice(lambda: check_reachability(node.routes, backbone, timeout))
         except Exception as e:
             problems.append("reachability unknown")
             report(False, "reachability", f"the backbone's dial-back check failed twice ({_reason(e)})")

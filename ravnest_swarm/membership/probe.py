@@ -1,7 +1,7 @@
 """``probe``: send a tensor to another peer of a run over the route a stage would use, and time the reply.
 
 It resolves the peer's record (name or peer id) in ``{run}_peers``, connects the way the pipeline and
-the averager do (:meth:`~ravnest_swarm.reversal.PeerLinks.connect`: direct, connection reversal or
+the averager do (:meth:`~ravnest_swarm.net.routes.Routes.connect`: direct, connection reversal or
 forwarding through a backbone), streams ``bytes`` to the peer's ``ravnest.probe`` handler, and reports
 the route, the bytes the peer counted, the rate, and the backbones' NAT-traversal counters afterwards.
 ``bench nat`` and the NAT lab tests run it inside network namespaces.
@@ -20,8 +20,8 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, relay_stats
-from ravnest_swarm.reversal import links_of, probe_peer
-from ravnest_swarm.transport import maddrs_without_peer_id, peer_id_of, start_node, stop_node
+from ravnest_swarm.net.routes import probe_peer
+from ravnest_swarm.net.node import maddrs_without_peer_id, peer_id_of, start_node, stop_node
 
 
 async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, total_bytes: int,
@@ -33,7 +33,7 @@ async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, tot
     try:
         backbones = [peer_id_of(m) for m in initial_peers]
         # our own verdict decides whether a NATed target is asked to dial us or the backbone forwards
-        reachability = await check_reachability(node.p2p, backbones[0], timeout) if backbones else "unknown"
+        reachability = await check_reachability(node.routes, backbones[0], timeout) if backbones else "unknown"
         deadline = time.monotonic() + record_timeout
         record = None
         while record is None:
@@ -44,11 +44,11 @@ async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, tot
                 await asyncio.sleep(0.5)
         peer_id = PeerID.from_base58(record["peer_id"])
         maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
-        links = links_of(node.p2p)
+        links = node.routes
         started = time.perf_counter()
         route = await links.connect(peer_id, maddrs, record.get("reachability"))
         connect_seconds = time.perf_counter() - started
-        received, seconds = await probe_peer(node.p2p, peer_id, total_bytes, timeout=max(timeout, 120.0))
+        received, seconds = await probe_peer(node.routes, peer_id, total_bytes, timeout=max(timeout, 120.0))
         return dict(peer=record["name"], peer_id=record["peer_id"], peer_reachability=record["reachability"],
                     our_reachability=reachability, route=route, connect_seconds=round(connect_seconds, 4),
                     bytes=received, seconds=round(seconds, 4), mbytes_per_s=round(received / 2**20 / seconds, 1),

@@ -13,8 +13,9 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
-from ravnest_swarm.reversal import RelayServices, links_of
-from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.net.relay import RelayServices
+from ravnest_swarm.net.routes import Routes
+from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
@@ -130,15 +131,16 @@ async def measure_bandwidth(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout
     return 8 * received / 1e6 / max(elapsed, 1e-9)
 
 
-async def check_reachability(p2p: P2P, peer_id: PeerID, timeout: float) -> str:
-    """Ask a backbone to dial us back: ``"direct"`` if it can, ``"relay"`` if it cannot."""
+async def check_reachability(routes: Routes, peer_id: PeerID, timeout: float) -> str:
+    """Ask a backbone to dial us back: ``"direct"`` if it can, ``"relay"`` if it cannot (kept in ``routes``)."""
+    p2p = routes.p2p
     ports = sorted({int(m["tcp"]) for m in await p2p.get_visible_maddrs() if _has(m, "tcp")})
     response = await asyncio.wait_for(
         p2p.call_protobuf_handler(peer_id, DIAL_BACK, make_request({"ports": ports}), runtime_pb2.ExpertResponse),
         timeout,
     )
     verdict = "direct" if unpack_metadata(response.metadata).get("reachable") else "relay"
-    links_of(p2p).reachability = verdict  # a peer that cannot be dialled asks for forwarding, not reversal
+    routes.reachability = verdict  # a peer that cannot be dialled asks for forwarding, not reversal
     return verdict
 
 

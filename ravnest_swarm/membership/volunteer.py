@@ -22,7 +22,7 @@ from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, measure_bandwidth
-from ravnest_swarm.transport import peer_id_of, start_node, stop_node
+from ravnest_swarm.net.node import peer_id_of, start_node, stop_node
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capa
         reach_task = progress.add_task("reachability", total=1, result="")
         reachability = "unknown"
         if backbone is not None:
-            reachability = await check_reachability(node.p2p, backbone, options.timeout)
+            reachability = await check_reachability(node.routes, backbone, options.timeout)
         progress.update(reach_task, completed=1, result=reachability)
     return Capabilities(ram_gb=float(ram), gflops=float(gflops), bandwidth_mbps=float(bandwidth), reachability=reachability,
                         device=options.device, device_memory_gb=float(device_memory))

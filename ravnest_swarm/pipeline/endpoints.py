@@ -12,8 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.membership.records import StageEndpoint, stage_subkey_prefix, stages_key
-from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import maddrs_without_peer_id
+from ravnest_swarm.net.node import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class EndpointResolver:
         peer_id = PeerID.from_base58(endpoint["peer_id"])
         # dial the announced addresses explicitly (p2pd's own routing does not know them); a stage behind NAT
         # is reached through a backbone instead (reversal or forwarding, see reversal.py)
-        links = links_of(self.node.p2p)
+        links = self.node.routes
         if refresh:
             links.forget(peer_id)
         await links.connect(peer_id, maddrs_without_peer_id(endpoint["maddrs"], peer_id))

@@ -34,8 +34,7 @@ from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.channel import MessageChannel
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, publish_endpoint
 from ravnest_swarm.pipeline.wire import MessageError, field
-from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import INCOMPLETE, make_response, message_reply, send_reply
+from ravnest_swarm.net.transport import INCOMPLETE, make_response, message_reply, send_reply
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ class StageWorker:
 
     async def start(self) -> None:
         # forwardable: a neighbour behind another NAT reaches these through a backbone (reversal.py)
-        links = links_of(self.p2p)
+        links = self.node.routes
         await links.add_forwardable_handler(wire.FORWARD, self._stream_handler(wire.FORWARD, self._on_forward))
         await links.add_forwardable_handler(wire.BACKWARD, self._stream_handler(wire.BACKWARD, self._on_backward))
         await self.p2p.add_protobuf_handler(wire.STATUS, self._on_status, runtime_pb2.ExpertRequest)
@@ -518,7 +517,7 @@ class StageWorker:
     async def _deliver(self, handler: str, stage: int, peer_id, frames: List[runtime_pb2.ExpertRequest]):
         """One message to ``stage``: on our long-lived stream to it, or on a stream of its own when a backbone
         forwards our traffic (a forwarding backbone caps the bytes of every stream it pipes)."""
-        links = links_of(self.p2p)
+        links = self.node.routes
         if links.route(peer_id) == "forward":
             return await links.call(peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse)
         channel = self._channels.get((handler, stage))
@@ -690,7 +689,7 @@ class StageWorker:
         c = self.counters
         return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
-                    routes=dict(links_of(self.p2p).counts),
+                    routes=dict(self.node.routes.counts),
                     inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
                     compute=c.compute, trace=c.trace)
 
@@ -739,7 +738,7 @@ async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_
     """The ``stage`` verb: one torch thread, a DHT node with the run's validators, then :func:`run_stage`."""
     from ravnest_swarm.lifecycle import install_stop_signals
     from ravnest_swarm.membership.records import make_validators
-    from ravnest_swarm.transport import start_node, stop_node
+    from ravnest_swarm.net.node import start_node, stop_node
 
     # stages share a volunteer's cores with p2pd and their neighbours; one thread each keeps timings honest
     torch.set_num_threads(1)

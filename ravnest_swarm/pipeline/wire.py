@@ -23,7 +23,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import CompressionType
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from ravnest_swarm.transport import make_request, read_frames, unpack_metadata
+from ravnest_swarm.net.transport import make_request, read_frames, unpack_metadata
 
 FORWARD = "ravnest.pipeline.forward"
 BACKWARD = "ravnest.pipeline.backward"

@@ -42,7 +42,7 @@ from ravnest_swarm.models import load_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.volunteer import model_workload
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 logger = logging.getLogger(__name__)
 

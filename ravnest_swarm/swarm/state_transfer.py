@@ -24,12 +24,12 @@ from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Seq
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.net.routes import Routes
+from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +56,20 @@ class StateTransferError(Exception):
 class LayerStateServer:
     """Serves this peer's current layers to peers that need them.
 
-    :param p2p: the peer's P2P
+    :param routes: the peer's routes (its P2P and backbones)
     :param run: run name; requests for other runs are refused
     :param provider: returns what this peer holds right now, by layer
     :param request_timeout: seconds a caller of the one-message handler may take to send its request
     """
 
-    def __init__(self, p2p: P2P, run: str, provider: StateProvider, request_timeout: float = 60.0):
-        self.p2p, self.run, self.provider, self.request_timeout = p2p, run, provider, request_timeout
+    def __init__(self, routes: Routes, run: str, provider: StateProvider, request_timeout: float = 60.0):
+        self.routes, self.p2p = routes, routes.p2p
+        self.run, self.provider, self.request_timeout = run, provider, request_timeout
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(LAYER_STATE, self.rpc_layer_state, runtime_pb2.ExpertRequest,
                                             stream_output=True)
-        await links_of(self.p2p).add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
+        await self.routes.add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
             LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES,
             self.request_timeout))
 
@@ -111,14 +112,14 @@ class LayerStateServer:
                     yield make_response(header, [part])
 
 
-async def fetch_layer(p2p: P2P, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
+async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
                       timeout: float) -> Tuple[Dict[str, torch.Tensor], int]:
     """One layer's tensors from ``holder``, checked against ``expected`` (the layer as built locally)."""
 
     async def collect() -> Tuple[Dict[str, torch.Tensor], int]:
         received: Dict[str, torch.Tensor] = {}
         step = 0
-        stream = await p2p.iterate_protobuf_handler(holder, LAYER_STATE, make_request({"run": run, "layers": [layer]}),
+        stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, make_request({"run": run, "layers": [layer]}),
                                                     runtime_pb2.ExpertResponse)
         header, parts = None, []
         async for response in stream:
@@ -139,14 +140,14 @@ async def fetch_layer(p2p: P2P, run: str, holder: PeerID, layer: int, expected: 
     return await asyncio.wait_for(collect(), timeout)
 
 
-async def fetch_layer_message(p2p: P2P, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
+async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
                               timeout: float) -> Tuple[Dict[str, torch.Tensor], int]:
-    """:func:`fetch_layer` in one reply message, over the route ``PeerLinks`` chose (forwarding included)."""
+    """:func:`fetch_layer` in one reply message, over the route :class:`Routes` chose (forwarding included)."""
 
     async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield make_request({"run": run, "layers": [layer]})
 
-    response = await asyncio.wait_for(links_of(p2p).call(holder, LAYER_STATE_MESSAGE, request()), timeout)
+    response = await asyncio.wait_for(routes.call(holder, LAYER_STATE_MESSAGE, request()), timeout)
     header = unpack_metadata(response.metadata)
     names = header.get("names")
     if header.get("layer") != layer or not isinstance(names, list) or len(names) != len(response.tensors):
@@ -178,13 +179,13 @@ def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor],
     return received
 
 
-async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start: int,
+async def download_layers(routes: Routes, run: str, module: torch.nn.Sequential, start: int,
                           holders: Dict[int, Sequence[PeerID]], timeout: float,
                           on_progress: Optional[Callable[[int, int], None]] = None,
                           reach: Optional[Callable[[PeerID], Awaitable[str]]] = None) -> int:
     """Fill ``module`` (layers ``start..``) from the holders, trying each holder of a layer in turn.
 
-    ``reach`` connects to a holder before it is asked and returns the route (``PeerLinks.connect``): a
+    ``reach`` connects to a holder before it is asked and returns the route (``Routes.connect``): a
     holder behind NAT dials us back at a backbone's request; one reachable only through a backbone's
     forwarding (both behind NAT) gives the layer in one message (:func:`fetch_layer_message`).
     Returns the highest step among the holders used. Raises :class:`StateTransferError` if a layer has
@@ -201,7 +202,7 @@ async def download_layers(p2p: P2P, run: str, module: torch.nn.Sequential, start
             try:
                 forwarded = reach is not None and await reach(holder) == "forward"
                 fetch = fetch_layer_message if forwarded else fetch_layer
-                tensors, holder_step = await fetch(p2p, run, holder, layer, expected, timeout)
+                tensors, holder_step = await fetch(routes, run, holder, layer, expected, timeout)
             except Exception as e:  # a holder that left or misbehaved: try again, then the next one
                 errors.append(f"{holder}: {e}")
                 continue

@@ -37,7 +37,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
-from ravnest_swarm.averaging.peer import connect_members, plan_rings
+from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.averaging.segments import plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage, write_atomically
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
@@ -50,10 +51,9 @@ from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
-from ravnest_swarm.reversal import links_of
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
-from ravnest_swarm.transport import maddrs_without_peer_id
+from ravnest_swarm.net.node import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ class Volunteer:
         self.averaging_times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
-        self.averager = MultiRingAverager(self.node.p2p, self.run, timeout=options.averaging_timeout)
-        self.state_server = LayerStateServer(self.node.p2p, self.run, self._offered_layers)
+        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=options.averaging_timeout)
+        self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
         self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
@@ -352,7 +352,7 @@ class Volunteer:
         microbatches its neighbours, done with their steps, never send. ``records``: the holders' peer
         records, whose addresses and reachability choose the route (a holder behind NAT dials us back).
         """
-        links = links_of(self.node.p2p)
+        links = self.node.routes
 
         async def reach(holder: PeerID) -> str:
             record = records[holder.to_base58()]
@@ -366,7 +366,7 @@ class Volunteer:
             for layer, holders in sorted(remote.items()):
                 single = torch.nn.Sequential(module[layer - start])
                 try:
-                    step = max(step, await download_layers(self.node.p2p, self.run, single, layer, {layer: holders},
+                    step = max(step, await download_layers(self.node.routes, self.run, single, layer, {layer: holders},
                                                            self.options.transfer_timeout, reach=reach))
                 except StateTransferError as e:
                     self.say(f"{self.name}: {e}; keeping this layer's local weights")

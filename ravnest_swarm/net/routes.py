@@ -14,9 +14,10 @@ open to its backbone (its initial peer): over it the backbone can call the volun
   the target's connection, and the reply back. The target trusts only its own backbones to say who the
   original sender was. The backbone caps each stream and the number of streams, and counts the bytes.
 
-Every node started by :func:`ravnest_swarm.transport.start_node` gets a :class:`PeerLinks` (see
-:func:`links_of`) whose backbones are its initial peers. Handlers that others may reach through a
-forwarding backbone are registered with :meth:`PeerLinks.add_forwardable_handler`.
+Every node started by :func:`ravnest_swarm.net.node.start_node` carries its :class:`Routes`
+(``node.routes``), whose backbones are its initial peers; the parts that send are given that object.
+Handlers that others may reach through a forwarding backbone are registered with
+:meth:`Routes.add_forwardable_handler`. The backbone's side is :mod:`ravnest_swarm.net.relay`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 from collections import Counter
 from contextlib import closing
 from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
@@ -35,7 +35,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.multiaddr import Multiaddr
 
-from ravnest_swarm.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -55,25 +55,16 @@ MAX_PROBE_BYTES = 64 * 1024 * 1024 + 1024 * 1024  # 64 MiB of payload plus frami
 PROBE_TIMEOUT = 120.0
 
 StreamHandler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-_links: "weakref.WeakKeyDictionary[P2P, PeerLinks]" = weakref.WeakKeyDictionary()
 
 
-def links_of(p2p: P2P) -> "PeerLinks":
-    """The :class:`PeerLinks` of a node (one without backbones, i.e. direct only, if none was installed)."""
-    if p2p not in _links:
-        _links[p2p] = PeerLinks(p2p, [])
-    return _links[p2p]
+async def start_routes(p2p: P2P, backbones: Sequence[PeerID]) -> "Routes":
+    """The node's :class:`Routes`, with the handlers a volunteer serves to its backbones registered."""
+    routes = Routes(p2p, backbones)
+    await routes.start()
+    return routes
 
 
-async def install_links(p2p: P2P, backbones: Sequence[PeerID]) -> "PeerLinks":
-    """Create the node's :class:`PeerLinks` and register the handlers a volunteer serves to its backbones."""
-    links = PeerLinks(p2p, backbones)
-    _links[p2p] = links
-    await links.start()
-    return links
-
-
-async def _read_header(reader: asyncio.StreamReader) -> dict:
+async def read_header(reader: asyncio.StreamReader) -> dict:
     """One hivemind frame holding an ``ExpertRequest`` whose metadata is the header, read exactly (the
     bytes after it stay in ``reader`` for whoever handles the rest of the stream)."""
     marker = await reader.readexactly(1)
@@ -85,7 +76,7 @@ async def _read_header(reader: asyncio.StreamReader) -> dict:
     return unpack_metadata(frame.metadata)
 
 
-async def _refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+async def refuse_stream(writer: asyncio.StreamWriter, reason: str) -> None:
     try:
         await P2P.send_protobuf(RPCError(message=reason), writer)
     except ConnectionError:
@@ -100,7 +91,7 @@ def _strip_peer_id(maddrs: Sequence[Multiaddr]) -> List[str]:
     return [str(m).split("/p2p/", 1)[0] for m in maddrs]
 
 
-class PeerLinks:
+class Routes:
     """How this node reaches other peers: direct, by connection reversal, or forwarded by a backbone.
 
     :param p2p: the node's P2P instance
@@ -115,7 +106,7 @@ class PeerLinks:
         self.p2p, self.backbones = p2p, list(backbones)
         self.direct_timeout, self.reverse_timeout = direct_timeout, reverse_timeout
         self.reachability = "unknown"  # ours, as a backbone's dial-back found it (check_reachability sets it)
-        self.routes: Dict[PeerID, Tuple[str, Optional[PeerID]]] = {}  # peer -> (direct|reversed|forward, backbone)
+        self.chosen: Dict[PeerID, Tuple[str, Optional[PeerID]]] = {}  # peer -> (direct|reversed|forward, backbone)
         self.counts: Counter = Counter()  # routes established, by kind, and calls made over them
         self._forwardable: Dict[str, StreamHandler] = {}
         self._locks: Dict[PeerID, asyncio.Lock] = {}
@@ -141,13 +132,13 @@ class PeerLinks:
         """
         lock = self._locks.setdefault(peer_id, asyncio.Lock())
         async with lock:
-            route = self.routes.get(peer_id)
+            route = self.chosen.get(peer_id)
             if route is not None and route[0] == "forward":
                 return "forward"
             if await self._connected(peer_id):
                 # a connection it opened to us counts as direct too: either side dialling is enough
-                self.routes[peer_id] = route or ("direct", None)
-                return self.routes[peer_id][0]
+                self.chosen[peer_id] = route or ("direct", None)
+                return self.chosen[peer_id][0]
             problems = []
             if reachability != "relay" and maddrs:
                 try:
@@ -174,13 +165,13 @@ class PeerLinks:
 
     def forget(self, peer_id: PeerID) -> None:
         """Drop the route after a failed call, so the next :meth:`connect` chooses again."""
-        self.routes.pop(peer_id, None)
+        self.chosen.pop(peer_id, None)
 
     def route(self, peer_id: PeerID) -> Optional[str]:
-        return self.routes.get(peer_id, (None, None))[0]
+        return self.chosen.get(peer_id, (None, None))[0]
 
     def _use(self, peer_id: PeerID, kind: str, backbone: Optional[PeerID]) -> str:
-        self.routes[peer_id] = (kind, backbone)
+        self.chosen[peer_id] = (kind, backbone)
         self.counts[kind] += 1
         logger.info(f"route to {peer_id}: {kind}" + (f" via backbone {backbone}" if backbone else ""))
         return kind
@@ -210,7 +201,7 @@ class PeerLinks:
 
     async def call(self, peer_id: PeerID, name: str, requests, output_type=runtime_pb2.ExpertResponse):
         """``P2P.call_protobuf_handler`` with a stream of requests, over the route :meth:`connect` chose."""
-        kind, backbone = self.routes.get(peer_id, ("direct", None))
+        kind, backbone = self.chosen.get(peer_id, ("direct", None))
         self.counts[f"calls_{kind}"] += 1
         try:
             if kind == "forward":
@@ -269,19 +260,19 @@ class PeerLinks:
         if info.peer_id not in self.backbones:
             logger.info(f"refused a forwarded stream from {info.peer_id}: not one of our backbones")
             with closing(writer):
-                await _refuse(writer, "forwarded streams are accepted from our backbones only")
+                await refuse_stream(writer, "forwarded streams are accepted from our backbones only")
             return
         try:
-            header = await asyncio.wait_for(_read_header(reader), HEADER_TIMEOUT)
+            header = await asyncio.wait_for(read_header(reader), HEADER_TIMEOUT)
             sender, name = PeerID.from_base58(str(header.get("from"))), str(header.get("handler"))
         except Exception as e:
             with closing(writer):
-                await _refuse(writer, f"bad forwarded stream header: {type(e).__name__}: {e}")
+                await refuse_stream(writer, f"bad forwarded stream header: {type(e).__name__}: {e}")
             return
         serve = self._forwardable.get(name)
         if serve is None:
             with closing(writer):
-                await _refuse(writer, f"handler {name!r} does not take forwarded streams here")
+                await refuse_stream(writer, f"handler {name!r} does not take forwarded streams here")
             return
         self.counts["forwarded_in"] += 1
         await serve(StreamInfo(sender, info.addr, name), reader, writer)
@@ -291,7 +282,7 @@ async def _count_probe(frames: List[runtime_pb2.ExpertRequest], context: P2PCont
     return make_response({"bytes": sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)})
 
 
-async def probe_peer(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout: float = PROBE_TIMEOUT) -> Tuple[int, float]:
+async def probe_peer(routes: "Routes", peer_id: PeerID, total_bytes: int, timeout: float = PROBE_TIMEOUT) -> Tuple[int, float]:
     """Stream ``total_bytes`` (one uint8 tensor in 256 KiB parts) to a peer's probe handler over its route;
     return the bytes it counted and the seconds from the first byte to its reply."""
     payload = runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES), dtype="uint8", size=[PROBE_CHUNK_BYTES])
@@ -301,119 +292,5 @@ async def probe_peer(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout: float
             yield runtime_pb2.ExpertRequest(tensors=[payload])
 
     started = time.perf_counter()
-    response = await asyncio.wait_for(links_of(p2p).call(peer_id, PROBE, stream()), timeout)
+    response = await asyncio.wait_for(routes.call(peer_id, PROBE, stream()), timeout)
     return int(unpack_metadata(response.metadata).get("bytes", 0)), time.perf_counter() - started
-
-
-class RelayServices:
-    """A backbone's side of NAT traversal: passing reversal requests and forwarding streams, capped.
-
-    :param p2p: the backbone's P2P instance
-    :param max_forward_bytes: a forwarded stream that sends more than this towards the target is cut off
-    :param max_forward_streams: forwarded streams served at once; more are refused (the backbone carries
-        every forwarded byte twice, in and out)
-    :param forward_timeout: seconds a forwarded stream may stay open
-    """
-
-    def __init__(self, p2p: P2P, max_forward_bytes: int = 256 * 1024**2, max_forward_streams: int = 16,
-                 forward_timeout: float = 300.0):
-        self.p2p = p2p
-        self.max_forward_bytes, self.max_forward_streams = max_forward_bytes, max_forward_streams
-        self.forward_timeout = forward_timeout
-        self.stats: Counter = Counter()  # reversals, forwarded_streams, forwarded_bytes, refused
-        self._active = 0
-
-    async def add_handlers(self) -> None:
-        await self.p2p.add_protobuf_handler(REVERSE_CONNECT, self.rpc_reverse_connect, runtime_pb2.ExpertRequest)
-        await self.p2p.add_binary_stream_handler(FORWARD, self.serve_forward)
-
-    async def _observed_hosts(self, peer_id: PeerID) -> List[str]:
-        hosts = []
-        for info in await self.p2p.list_peers():
-            if info.peer_id == peer_id:
-                hosts += [str(addr).split("/")[2] for addr in info.addrs if str(addr).startswith("/ip")]
-        return hosts
-
-    async def rpc_reverse_connect(self, request: runtime_pb2.ExpertRequest,
-                                  context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """Ask a connected peer to dial the caller back; say whether it is connected here and whether it dialled.
-
-        Only the caller's addresses on the IPs it is connected from are passed on, so nobody can make a
-        volunteer dial third parties through us.
-        """
-        metadata = unpack_metadata(request.metadata)
-        target = PeerID.from_base58(str(metadata.get("peer")))
-        if not await self._observed_hosts(target):
-            return make_response({"connected": False})
-        hosts = set(await self._observed_hosts(context.remote_id))
-        maddrs = [str(m) for m in metadata.get("maddrs", [])[:MAX_DIAL_MADDRS]
-                  if isinstance(m, str) and m.startswith("/ip") and m.split("/")[2] in hosts]
-        if not maddrs:
-            return make_response({"connected": True, "dialed": False,
-                                  "error": "no announced address of the caller on an IP it connects from"})
-        self.stats["reversals"] += 1
-        try:
-            response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-                target, DIAL_ME, make_request({"peer": context.remote_id.to_base58(), "maddrs": maddrs}),
-                runtime_pb2.ExpertResponse), REVERSE_TIMEOUT)
-        except Exception as e:
-            return make_response({"connected": True, "dialed": False, "error": f"{type(e).__name__}: {e}"[:300]})
-        return make_response(dict(unpack_metadata(response.metadata), connected=True))
-
-    async def serve_forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Pipe the caller's stream into the target's ``forwarded`` handler and its reply back, within the caps."""
-        with closing(writer):
-            if self._active >= self.max_forward_streams:
-                self.stats["refused"] += 1
-                await _refuse(writer, f"this backbone forwards at most {self.max_forward_streams} streams at once")
-                return
-            self._active += 1
-            try:
-                await self._forward(info, reader, writer)
-            finally:
-                self._active -= 1
-
-    async def _forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            header = await asyncio.wait_for(_read_header(reader), HEADER_TIMEOUT)
-            target, name = PeerID.from_base58(str(header.get("to"))), str(header.get("handler"))
-            if not await self._observed_hosts(target):
-                raise ValueError(f"{target} is not connected to this backbone")
-            _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(target, FORWARDED)
-        except Exception as e:
-            self.stats["refused"] += 1
-            await _refuse(writer, f"cannot forward: {type(e).__name__}: {e}")
-            return
-        self.stats["forwarded_streams"] += 1
-        with closing(target_writer):
-            await P2P.send_protobuf(make_request({"from": info.peer_id.to_base58(), "handler": name}), target_writer)
-            upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
-            downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
-            try:
-                # the reply ends the exchange: the target closes its side once it has answered
-                done, _ = await asyncio.wait({upstream, downstream}, timeout=self.forward_timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if upstream in done and upstream.exception() is not None:
-                    self.stats["refused"] += 1
-                    await _refuse(writer, str(upstream.exception()))
-                elif upstream in done:
-                    await asyncio.wait_for(downstream, self.forward_timeout)
-            except (asyncio.TimeoutError, ConnectionError):
-                pass
-            finally:
-                for task in (upstream, downstream):
-                    task.cancel()
-                await asyncio.gather(upstream, downstream, return_exceptions=True)
-
-    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, cap: Optional[int]) -> None:
-        passed = 0
-        while True:
-            data = await source.read(1 << 16)
-            if not data:
-                return
-            passed += len(data)
-            if cap is not None and passed > cap:
-                raise ValueError(f"forwarded stream exceeds this backbone's {cap}-byte cap")
-            self.stats["forwarded_bytes"] += len(data)
-            sink.write(data)
-            await sink.drain()

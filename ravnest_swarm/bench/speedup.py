@@ -1,6 +1,6 @@
 """``bench speedup``: the same stages trained by K = 1, 2 and 4 clusters, side by side, on the lab's links and CPUs.
 
-For each K a fresh :class:`~ravnest_swarm.netlab.NetLab` gives every peer a host of its own: the same access
+For each K a fresh :class:`~ravnest_swarm.bench.netlab.NetLab` gives every peer a host of its own: the same access
 link (``tc tbf`` rate, the relay's one-way delay) and the same CPU quota (a cgroup) for every K, as if each
 peer were a separate computer. K x S real ``join`` processes and a backbone train one run. Every peer offers
 RAM for 1.2 / S of the model (the planner's stage share limit), so S - 1 peers cannot hold it and S can, and
@@ -39,7 +39,7 @@ from rich.table import Table
 from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, get_model
-from ravnest_swarm.pipeline.bench import busy_fraction
+from ravnest_swarm.bench.pipeline import busy_fraction
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.volunteer import MAX_STAGE_SHARE, model_workload
 
@@ -191,7 +191,7 @@ class SpeedupRun:
 
     def train(self, on_progress) -> Dict:
         """Run the swarm to the end of its steps; ``on_progress(text, microbatches done)``; return the figures."""
-        from ravnest_swarm.netlab import NetLab
+        from ravnest_swarm.bench.netlab import NetLab
         from ravnest_swarm.processes import ProcessGroup
 
         os.makedirs(self.checkpoints)
@@ -322,7 +322,7 @@ class SpeedupRun:
 
 def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples: int, mbps: float, delay_ms: float,
                   averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool) -> int:
-    from ravnest_swarm.netlab import cpu_quota_unavailable
+    from ravnest_swarm.bench.netlab import cpu_quota_unavailable
 
     try:
         model = get_model(model_name)

@@ -1,10 +1,5 @@
-"""Starting a DHT node on hivemind's p2pd, and the message envelope every project RPC uses.
-
-Every RPC handler of the project takes and returns hivemind's ``ExpertRequest``/``ExpertResponse``
-protobufs: ``metadata`` is a msgpack dict checked against a size limit and, by the handler, against a
-pydantic schema; ``tensors`` are hivemind ``serialize_torch_tensor`` protobufs. Nothing is pickled.
-Errors travel back as hivemind ``P2PHandlerError`` with a one-line reason.
-"""
+"""Starting and stopping a DHT node on hivemind's p2pd, with the routes to its peers; multiaddr checks that
+turn bad input into one line; storing a record on the backbones as well."""
 
 from __future__ import annotations
 
@@ -14,23 +9,24 @@ import logging
 import os
 import socket
 from contextlib import closing
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence
 
-import msgpack
-from google.protobuf.message import DecodeError
 from hivemind.dht.node import DHTID, DHTNode
 from hivemind.dht.validation import DHTRecord
-from hivemind.p2p import P2P, P2PContext, P2PDaemonError, PeerID
-from hivemind.proto import runtime_pb2
-from hivemind.proto.p2pd_pb2 import RPCError
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.net.routes import Routes, start_routes
 
 logger = logging.getLogger(__name__)
 
-MAX_METADATA_BYTES = 64 * 1024
-DISCARD_SECONDS = 2.0
+class SwarmNode(DHTNode):
+    """hivemind's DHT node, with the :class:`~ravnest_swarm.net.routes.Routes` of its p2pd (set by :func:`start_node`)."""
+
+    routes: Routes
+
+
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 STOP_TIMEOUT = 5.0  # seconds each part of stopping a node may take (a dead p2pd never answers)
 
@@ -156,8 +152,8 @@ async def start_node(
     identity_path: Optional[str] = None,
     timeout: float = 15.0,
     **p2p_kwargs,
-) -> DHTNode:
-    """Start p2pd and a DHT node in this process's event loop.
+) -> "SwarmNode":
+    """Start p2pd and a DHT node in this process's event loop, with the routes to its peers.
 
     :param initial_peers: full multiaddrs (with ``/p2p/ID``) of backbones or other peers
     :param record_validators: validators for this node (see ``membership.records.make_validators``)
@@ -193,13 +189,11 @@ async def start_node(
         )
     except P2PDaemonError as e:
         raise explain_daemon_error(e, initial_peers)
-    from ravnest_swarm.reversal import install_links  # it builds on this module's envelope helpers
-
     # our initial peers are our backbones: they reverse connections to us and forward streams if we are NATed
-    await install_links(p2p, [peer_id_of(m) for m in initial_peers])
+    routes = await start_routes(p2p, [peer_id_of(m) for m in initial_peers])
     try:
-        return await asyncio.wait_for(
-            DHTNode.create(
+        node = await asyncio.wait_for(
+            SwarmNode.create(
                 p2p=p2p,
                 initial_peers=[str(m) for m in initial_peers],
                 client_mode=client_mode,
@@ -212,6 +206,8 @@ async def start_node(
         await p2p.shutdown()
         tried = ", ".join(str(m) for m in initial_peers)
         raise UserError(f"the DHT did not answer through the initial peers (tried {tried}): {e or 'timeout'}", 1)
+    node.routes = routes
+    return node
 
 
 async def stop_node(node: DHTNode, timeout: float = STOP_TIMEOUT) -> None:
@@ -230,7 +226,7 @@ async def stop_node(node: DHTNode, timeout: float = STOP_TIMEOUT) -> None:
         logger.warning(f"p2pd did not exit within {timeout:.0f}s of being told to")
 
 
-async def store_record(node: DHTNode, key: str, value: Any, expiration: float, subkey: Any = None) -> bool:
+async def store_record(node: "SwarmNode", key: str, value: Any, expiration: float, subkey: Any = None) -> bool:
     """``node.store``, and the same signed record stored on each of our backbones (initial peers) as well.
 
     hivemind stores a record on the few nodes nearest its key and never copies it again, so once those
@@ -238,14 +234,12 @@ async def store_record(node: DHTNode, key: str, value: Any, expiration: float, s
     contributions it refused, that it is leaving) vanished with them. Backbones are the swarm's
     long-lived nodes, so a record they also hold lasts its whole lifetime. Returns whether any node took it.
     """
-    from ravnest_swarm.reversal import links_of
-
     protocol = node.protocol
     key_id = DHTID.generate(source=key)
     record = DHTRecord(key_id.to_bytes(), protocol.serializer.dumps(subkey), protocol.serializer.dumps(value),
                        expiration)
     signed = protocol.record_validator.sign_value(record) if protocol.record_validator is not None else record.value
-    backbones = [peer for peer in links_of(node.p2p).backbones if peer != node.peer_id]
+    backbones = [peer for peer in node.routes.backbones if peer != node.peer_id]
     stored, *replies = await asyncio.gather(
         node.store(key, value, expiration, subkey=subkey),
         *(protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[subkey]) for peer in backbones))
@@ -258,147 +252,3 @@ def _merge_validators(validators: Sequence):
     from hivemind.dht.validation import CompositeValidator
 
     return CompositeValidator(list(validators))
-
-
-def pack_metadata(metadata: Dict[str, Any]) -> bytes:
-    return msgpack.packb(metadata, use_bin_type=True)
-
-
-def unpack_metadata(raw: bytes) -> Dict[str, Any]:
-    """Decode a message's msgpack metadata, refusing oversize or non-dict payloads with a clear reason."""
-    if len(raw) > MAX_METADATA_BYTES:
-        raise ValueError(f"metadata of {len(raw)} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
-    try:
-        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise ValueError(f"metadata is not valid msgpack ({type(e).__name__})")
-    if not isinstance(value, dict):
-        raise ValueError("metadata must be a msgpack map")
-    return value
-
-
-def make_request(metadata: Dict[str, Any], tensors=(), uid: str = "") -> runtime_pb2.ExpertRequest:
-    return runtime_pb2.ExpertRequest(uid=uid, metadata=pack_metadata(metadata), tensors=list(tensors))
-
-
-def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
-
-
-async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int,
-                         first_marker: Optional[bytes] = None) -> AsyncIterator[runtime_pb2.ExpertRequest]:
-    """Yield one streamed message's ``ExpertRequest`` frames as they are read, up to hivemind's end-of-stream marker.
-
-    The frames use hivemind's own framing (a marker byte, an 8-byte length, the protobuf), so senders use
-    plain ``P2P.call_protobuf_handler``. Unlike hivemind's stream handlers, this refuses a message from
-    its length headers before reading past ``max_bytes``, and names what is wrong (``ValueError``).
-    ``first_marker``: the message's first byte when the caller already read it (a stream that carries
-    many messages waits for the next one's first byte without the deadline of a message in progress).
-    """
-    total, count = 0, 0
-    while True:
-        marker = first_marker or await reader.readexactly(1)
-        first_marker = None
-        if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
-            raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
-        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-        total += length
-        if total > max_bytes:
-            raise ValueError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
-        data = await reader.readexactly(length)
-        if marker == P2P.ERROR_MARKER:
-            return
-        frame = runtime_pb2.ExpertRequest()
-        try:
-            frame.ParseFromString(data)
-        except DecodeError:
-            raise ValueError(f"frame {count} ({length} bytes) is not an ExpertRequest protobuf")
-        del data  # a large frame's bytes need not live while the caller handles it
-        count += 1
-        yield frame
-
-
-async def read_frames(reader: asyncio.StreamReader, max_bytes: int,
-                      first_marker: Optional[bytes] = None) -> List[runtime_pb2.ExpertRequest]:
-    """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused."""
-    frames = [frame async for frame in iterate_frames(reader, max_bytes, first_marker)]
-    if not frames:
-        raise ValueError("empty message: no frames before end of stream")
-    return frames
-
-
-Reply = Union[runtime_pb2.ExpertResponse, RPCError]
-
-
-INCOMPLETE = "message incomplete"  # how message_reply refuses a stream that stayed silent past its timeout
-
-
-async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaitable[runtime_pb2.ExpertResponse]],
-                        timeout: float, on_refused: Optional[Callable[[str], None]] = None,
-                        on_broken: Optional[Callable[[], None]] = None) -> Optional[Reply]:
-    """What a stream handler sends back for one message: ``respond()`` reads and handles it within ``timeout``.
-
-    Its response, or hivemind's error frame with a one-line reason: the message was refused (a
-    ``ValueError`` from reading or handling), the stream stayed silent past ``timeout`` (a slow peer cannot
-    hold a handler open), or a bug of ours raised (logged; the sender still gets a reason). ``on_refused``
-    gets the reason of a refusal or timeout (by default it is logged). ``None`` when the sender went away
-    mid-message (``on_broken`` is told): nobody is left to answer.
-    """
-    try:
-        return await asyncio.wait_for(respond(), timeout)
-    except ValueError as e:
-        reason = str(e)
-    except asyncio.TimeoutError:
-        reason = f"{INCOMPLETE}: no end of stream within {timeout:.0f}s"
-    except (asyncio.IncompleteReadError, ConnectionError):
-        if on_broken is not None:
-            on_broken()
-        return None
-    except Exception as e:
-        logger.exception(f"{name}: a message from {peer_id} failed")
-        return RPCError(message=f"internal error: {type(e).__name__}: {e}")
-    if on_refused is not None:
-        on_refused(reason)
-    else:
-        logger.info(f"{name}: refused a message from {peer_id}: {reason}")
-    return RPCError(message=reason)
-
-
-async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Send a handler's reply; after an error, drop what the sender still writes for a moment, since closing
-    with unread input resets the stream before the sender reads our reason."""
-    try:
-        await P2P.send_protobuf(reply, writer)
-        if isinstance(reply, RPCError):
-            await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
-    except (ConnectionError, asyncio.TimeoutError):
-        pass  # the sender went away or keeps writing; it has our answer or will retry
-
-
-FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable[runtime_pb2.ExpertResponse]]
-
-
-def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float):
-    """A binary stream handler that reads one message of at most ``max_bytes`` within ``timeout`` seconds.
-
-    ``handle`` gets the frames and returns the response; what goes back otherwise is :func:`message_reply`'s.
-    Register it with ``P2P.add_binary_stream_handler``.
-    """
-
-    async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
-
-        async def respond() -> runtime_pb2.ExpertResponse:
-            return await handle(await read_frames(reader, max_bytes), context)
-
-        with closing(writer):
-            reply = await message_reply(name, stream_info.peer_id, respond, timeout)
-            if reply is not None:
-                await send_reply(reply, reader, writer)
-
-    return serve
-
-
-async def _discard(reader: asyncio.StreamReader) -> None:
-    while await reader.read(2**16):
-        pass

@@ -16,7 +16,7 @@ Topology (root, iproute2 and iptables needed; every address inside 198.18.0.0/15
 * ``mbps`` shapes every access link with ``tc tbf`` in both directions (home links at the router's LAN
   side, public links at the switch); the default is unshaped.
 
-Namespaces are named ``rvlab{pid}-...`` like :class:`~ravnest_swarm.netlab.NetLab`'s, so the stale-lab
+Namespaces are named ``rvlab{pid}-...`` like :class:`~ravnest_swarm.bench.netlab.NetLab`'s, so the stale-lab
 cleanup of either removes what a killed earlier run left. Everything is removed on exit, even after a
 failure.
 """
@@ -28,7 +28,7 @@ import random
 import shutil
 from typing import List, Optional
 
-from ravnest_swarm.netlab import LAB_PREFIX, _run, remove_stale_labs, tbf_args
+from ravnest_swarm.bench.netlab import LAB_PREFIX, _run, remove_stale_labs, tbf_args
 
 LISTEN_PORT = 40000
 

@@ -1,4 +1,4 @@
-"""``bench nat``: the same tensor over the three paths to a peer, in the NAT lab (:mod:`ravnest_swarm.natlab`).
+"""``bench nat``: the same tensor over the three paths to a peer, in the NAT lab (:mod:`ravnest_swarm.bench.natlab`).
 
 A backbone and a public volunteer on the public segment, a volunteer behind NAT, and a prober that runs
 ``ravnest-swarm probe`` three ways: from the public side to the public volunteer (direct), from the
@@ -19,7 +19,7 @@ RUN = "natbench"
 
 
 def bench_nat(size_mb: float, repeats: int, mbps: Optional[float], as_json: bool) -> int:
-    from ravnest_swarm.natlab import NatLab
+    from ravnest_swarm.bench.natlab import NatLab
 
     group = ProcessGroup()
     results: Dict[str, List[dict]] = {"direct": [], "reversed": [], "forward": []}

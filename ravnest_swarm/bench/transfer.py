@@ -1,6 +1,6 @@
 """Bulk tensor transfer over the hivemind P2P transport beside a raw TCP socket, on the same link.
 
-``python -m ravnest_swarm.pipeline.transfer serve ...`` runs on the receiving host (a P2P handler that
+``python -m ravnest_swarm.bench.transfer serve ...`` runs on the receiving host (a P2P handler that
 reads a whole pipeline message, and a TCP server that reads the same number of raw bytes);
 ``... send ...`` runs on the sending host, alternates the two transfers and prints one JSON line with
 the median MB/s of each (megabytes of tensor payload per second, until the receiver's reply).
@@ -21,7 +21,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.pipeline import wire
-from ravnest_swarm.transport import make_response
+from ravnest_swarm.net.transport import make_response
 
 HANDLER = "ravnest.pipeline.transfer_probe"
 HEADER_BYTES = 8

@@ -26,10 +26,10 @@ from rich.progress import Progress
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import read_peers
-from ravnest_swarm.membership.bench import tree_memory_mb
+from ravnest_swarm.bench.membership import tree_memory_mb
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
-from ravnest_swarm.transport import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 RUN = "load"
 ERROR_RE = re.compile(r"^(error:|Traceback)", re.MULTILINE)

@@ -1,7 +1,7 @@
 """``ravnest-swarm bench averaging``: multi-ring all-reduce beside hivemind and a single ring, in one run.
 
 Real peer processes (``averaging-peer --bench-config``), one per stage, each in its own host of a
-:class:`~ravnest_swarm.netlab.NetLab` (tbf rate limit on every access link, userspace delay relay), plus
+:class:`~ravnest_swarm.bench.netlab.NetLab` (tbf rate limit on every access link, userspace delay relay), plus
 a backbone host. Every cluster splits the same synthetic model at different layers (heterogeneous).
 Three phases on the same peers, the same parameters and the same links, each started by a go-file at a
 common wall-clock time once every peer says it is ready (all processes share this machine's clock):
@@ -18,14 +18,12 @@ common wall-clock time once every peer says it is ready (all processes share thi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import tempfile
 import time
 from typing import Dict, List
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -68,7 +66,7 @@ def bound_seconds(sizes: List[int], layouts: List[List[int]], mbps: float) -> tu
 
 def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, size_mb: float, as_json: bool,
                     compression: str = "none", timeout: float = 300.0) -> int:
-    from ravnest_swarm.netlab import NetLab
+    from ravnest_swarm.bench.netlab import NetLab
     from ravnest_swarm.processes import ProcessGroup
 
     if clusters < 2:
@@ -167,139 +165,3 @@ def signal_peers(directory: str, name: str, at: float) -> None:
     with open(os.path.join(directory, f"{name}.tmp"), "w") as f:
         f.write(json.dumps({"time": at}))
     os.rename(os.path.join(directory, f"{name}.tmp"), os.path.join(directory, name))
-
-
-def wait_for_signal(directory: str, name: str) -> float:
-    """Block until the bench writes the file ``name``, then until its time; return that time."""
-    path = os.path.join(directory, name)
-    while not os.path.exists(path):
-        time.sleep(POLL_SECONDS)
-    with open(path) as f:
-        go = json.load(f)["time"]
-    time.sleep(max(0.0, go - time.time()))
-    return go
-
-
-async def run_bench_phases(node, averager, options, plan: dict, local: torch.Tensor, start: int, config: dict) -> dict:
-    """The three timed phases of one bench peer; prints ``ready``/``done`` lines the bench waits on.
-
-    After its ``done`` line a peer waits until every peer is done (``over-{phase}``) before it does anything
-    else, so no peer's checking, teardown or set-up of the next phase (hivemind's DHT process, forked from
-    this one) runs on the shared cores while another peer is still in a timed phase.
-    """
-    from ravnest_swarm.averaging.peer import connect_members, plan_rings, single_ring_plan, synthetic_range
-    from ravnest_swarm.averaging.segments import rings_of
-
-    me = node.peer_id.to_base58()
-    directory, report = config["dir"], {}
-    exact = torch.stack([synthetic_range(options.seed, k, options.layer_sizes, options.layers).double()
-                         for k in range(config["clusters"])]).mean(0)
-    original = local.clone()
-
-    rings = rings_of(me, plan_rings(plan, options.layer_sizes))
-    print("ready multiring", flush=True)
-    await asyncio.to_thread(wait_for_signal, directory, "go-multiring")
-    result = await averager.average(1, local, start, rings)
-    report["multiring"] = dict(end=time.time(), ok=result.ok, failed_segments=result.failed_segments(),
-                               seconds=result.seconds, resends=result.resends)
-    print(f"done multiring {json.dumps(report['multiring'])}", flush=True)
-    await asyncio.to_thread(wait_for_signal, directory, "over-multiring")
-    report["multiring"]["max_abs_error"] = (local.double() - exact).abs().max().item()
-
-    report["hivemind"] = await _hivemind_phase(options, plan, original.clone(), start, config)
-
-    single = rings_of(me, plan_rings(single_ring_plan(plan, options.layer_sizes), options.layer_sizes))
-    whole = synthetic_range(options.seed, options.cluster, options.layer_sizes, (0, len(options.layer_sizes))) \
-        if single else None
-    await connect_members(node, options.run, single)
-    print("ready single_ring", flush=True)
-    await asyncio.to_thread(wait_for_signal, directory, "go-single_ring")
-    if single:
-        result = await averager.average(2, whole, 0, single)
-        report["single_ring"] = dict(end=time.time(), ok=result.ok, seconds=result.seconds)
-    else:
-        report["single_ring"] = dict(end=time.time(), ok=True, idle=True)
-    print(f"done single_ring {json.dumps(report['single_ring'])}", flush=True)
-    await asyncio.to_thread(wait_for_signal, directory, "over-single_ring")
-    return report
-
-
-async def _hivemind_phase(options, plan: dict, local: torch.Tensor, start: int, config: dict) -> dict:
-    """One ``DecentralizedAverager`` per segment we own, matched before the go time, triggered at it."""
-    from hivemind.averaging import DecentralizedAverager
-    from hivemind.averaging.control import AveragingStage
-    from hivemind.dht import DHT
-    from hivemind.p2p import PeerID
-    from hivemind.utils.multiaddr import Multiaddr
-
-    from ravnest_swarm.averaging.peer import compression_by_name, plan_rings
-
-    # hivemind's DHT starts its own process and p2pd; created on the main thread (it installs signal handlers)
-    dht = DHT(initial_peers=[str(m) for m in options.initial_peers], start=True,
-              host_maddrs=[config["hivemind_host_maddr"]], announce_maddrs=[config["hivemind_announce_maddr"]])
-    directory = config["dir"]
-    path = os.path.join(directory, f"hivemind-c{options.cluster}s{options.stage}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(dict(peer_id=dht.peer_id.to_base58(), maddr=config["hivemind_announce_maddr"]), f)
-    os.rename(path + ".tmp", path)  # others list this directory: they must never read a half-written file
-    # p2pd's routing cannot resolve lab (non-public) addresses: dial every other hivemind peer first,
-    # through a client of this DHT's daemon, which the averagers share
-    p2p = await dht.replicate_p2p()
-    deadline = time.monotonic() + 120
-    while len([n for n in os.listdir(directory) if n.startswith("hivemind-") and n.endswith(".json")]) < config["peers"]:
-        if time.monotonic() > deadline:
-            raise UserError("not every bench peer started its hivemind DHT in time", exit_code=1)
-        await asyncio.sleep(POLL_SECONDS)
-    for name in os.listdir(directory):
-        if name.startswith("hivemind-") and name.endswith(".json"):
-            with open(os.path.join(directory, name)) as f:
-                other = json.load(f)
-            if other["peer_id"] != dht.peer_id.to_base58():
-                await p2p._client.connect(PeerID.from_base58(other["peer_id"]), [Multiaddr(other["maddr"])])
-    # our rings by our position in the plan: this DHT has an identity of its own
-    me = _my_multiring_id(plan, options)
-    rings = [ring for ring in plan_rings(plan, options.layer_sizes) if ring.members[options.cluster] == me]
-    averagers = [
-        DecentralizedAverager(
-            [local[ring.start - start:ring.end - start].clone()], dht, start=True,
-            prefix=f"{options.run}_seg{ring.index}", target_group_size=config["clusters"],
-            min_group_size=config["clusters"], min_matchmaking_time=2.0, request_timeout=5.0,
-            compression=compression_by_name(options.compression), allreduce_timeout=options.timeout,
-        )
-        for ring in rings
-    ]
-    controls = [averager.step(require_trigger=True, wait=False, timeout=options.timeout + 60) for averager in averagers]
-    deadline = time.monotonic() + 120
-    while not all(c.stage == AveragingStage.AWAITING_TRIGGER or c.done() for c in controls):
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(POLL_SECONDS)
-    matched = all(c.stage == AveragingStage.AWAITING_TRIGGER for c in controls)
-    print("ready hivemind", flush=True)
-    await asyncio.to_thread(wait_for_signal, directory, "go-hivemind")
-
-    def run() -> bool:
-        for control in controls:
-            control.allow_allreduce()
-        ok = True
-        for control in controls:
-            try:
-                ok = control.result() is not None and ok
-            except Exception:
-                ok = False
-        return ok
-
-    ok = await asyncio.to_thread(run) if matched else False
-    report = dict(end=time.time(), ok=ok and matched, matched=matched, segments=len(controls))
-    print(f"done hivemind {json.dumps(report)}", flush=True)
-    await asyncio.to_thread(wait_for_signal, directory, "over-hivemind")
-    for averager in averagers:
-        averager.shutdown()
-    await p2p.shutdown()
-    dht.shutdown()
-    return report
-
-
-def _my_multiring_id(plan: dict, options) -> str:
-    return next(stage["peer_id"] for stage in plan["clusters"][options.cluster]
-                if list(stage["layers"]) == list(options.layers))

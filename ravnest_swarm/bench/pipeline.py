@@ -1,7 +1,7 @@
 """``bench pipeline``: the asynchronous pipeline beside a synchronous GPipe-style schedule, same stages and links.
 
 Every stage runs as its own process (one torch thread) on its own host of a
-:class:`~ravnest_swarm.netlab.NetLab` (namespaces on a hub, ``tc tbf`` rate, userspace delay relay;
+:class:`~ravnest_swarm.bench.netlab.NetLab` (namespaces on a hub, ``tc tbf`` rate, userspace delay relay;
 loopback without root, which the output says). The same stages run twice: asynchronously (steps on
 every gradient, ``--max-in-flight`` microbatches in flight) and synchronously (the same number of
 microbatches per step, flushed every step). Before that, a bulk tensor is sent over the hivemind P2P
@@ -127,7 +127,7 @@ def measure_transfer(group, lab, name: str, megabytes: float, emulated: bool) ->
 def _start_module(group, args: Sequence[str], name: str, prefix: Sequence[str]):
     from ravnest_swarm.processes import PeerProcess
 
-    process = PeerProcess(args, group.log_dir, name, prefix=prefix, python_args=("-m", "ravnest_swarm.pipeline.transfer"))
+    process = PeerProcess(args, group.log_dir, name, prefix=prefix, python_args=("-m", "ravnest_swarm.bench.transfer"))
     group.processes.append(process)  # so stop_all stops it by pid like every other process
     return process
 
@@ -136,7 +136,7 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
                    microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
                    lr: float = 0.01, compression: str = "none", cpus_per_stage: Optional[float] = None) -> int:
     from ravnest_swarm.models import balanced_split, get_model
-    from ravnest_swarm.netlab import NetLab, cpu_quota_unavailable
+    from ravnest_swarm.bench.netlab import NetLab, cpu_quota_unavailable
     from ravnest_swarm.processes import ProcessGroup
 
     try:

@@ -20,43 +20,24 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
 from ravnest_swarm.averaging.averager import PART_BYTES, MultiRingAverager
-from ravnest_swarm.averaging.segments import Ring, build_rings, element_range, rings_of
+from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.averaging.segments import element_range, plan_rings, rings_of
+from ravnest_swarm.bench.averaging_phases import run_bench_phases
+from ravnest_swarm.bench.synthetic import compression_by_name, synthetic_range
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
 from ravnest_swarm.membership.services import check_reachability
-from ravnest_swarm.reversal import links_of
-from ravnest_swarm.transport import maddrs_without_peer_id, peer_id_of, start_node, stop_node, store_record
+from ravnest_swarm.net.node import peer_id_of, start_node, stop_node, store_record
 
 logger = logging.getLogger(__name__)
 
 RECORD_LIFETIME = 300.0
 POLL_SECONDS = 0.2
-
-
-def compression_by_name(name: str):
-    """hivemind compression for ``--compression`` (none, fp16, 8bit)."""
-    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
-
-    choices = {"none": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
-    if name not in choices:
-        raise UserError(f"--compression must be one of {', '.join(choices)}, not {name!r}")
-    return choices[name]()
-
-
-def synthetic_layer(seed: int, cluster: int, layer: int, size: int) -> torch.Tensor:
-    """The deterministic values of ``layer`` in ``cluster``: what a test averages and checks against."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + cluster * 10_007 + layer)
-    return torch.randn(size, generator=generator, dtype=torch.float32)
-
-
-def synthetic_range(seed: int, cluster: int, layer_sizes: Sequence[int], layers: Tuple[int, int]) -> torch.Tensor:
-    return torch.cat([synthetic_layer(seed, cluster, j, layer_sizes[j]) for j in range(*layers)])
 
 
 def parse_ints(text: str, what: str) -> List[int]:
@@ -67,20 +48,6 @@ def parse_ints(text: str, what: str) -> List[int]:
     if not values:
         raise UserError(f"{what} is empty")
     return values
-
-
-def plan_rings(plan: dict, layer_sizes: Sequence[int]) -> List[Ring]:
-    """The rings of an adopted plan record: element ranges from each stage's layer range."""
-    total = sum(layer_sizes)
-    clusters = [[(stage["peer_id"], *element_range(layer_sizes, tuple(stage["layers"]))) for stage in cluster]
-                for cluster in plan["clusters"]]
-    return build_rings(clusters, total)
-
-
-def single_ring_plan(plan: dict, layer_sizes: Sequence[int]) -> dict:
-    """The comparison plan: the first stage's peer of each cluster holds the whole vector (one ring)."""
-    return dict(plan, clusters=[[dict(peer_id=cluster[0]["peer_id"], layers=[0, len(layer_sizes)])]
-                                for cluster in plan["clusters"]])
 
 
 @dataclass
@@ -117,7 +84,7 @@ async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: 
     maddrs = [str(m) for m in await node.p2p.get_visible_maddrs()][:16]
     record = dict(
         peer_id=node.peer_id.to_base58(), name=f"avg-c{options.cluster}s{options.stage}", state="averaging",
-        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability=links_of(node.p2p).reachability, maddrs=maddrs,
+        ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability=node.routes.reachability, maddrs=maddrs,
         version=__version__,
         time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
         rejected=rejected,
@@ -157,27 +124,6 @@ async def read_plan(node: DHTNode, run: str, deadline: float) -> dict:
         if time.monotonic() > deadline:
             raise UserError(f"no plan record {plan_key(run)} appeared in the DHT in time", exit_code=1)
         await asyncio.sleep(POLL_SECONDS)
-
-
-async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> None:
-    """Dial our ring partners at the addresses in their peer records.
-
-    p2pd's own routing cannot find peers whose addresses it treats as non-public (a LAN, the bench's
-    198.18.0.0/15 lab), so we connect explicitly, as the pipeline does for its neighbours; a partner
-    behind NAT is reached through a backbone (reversal or forwarding, see reversal.py).
-    """
-    me = node.peer_id.to_base58()
-    wanted = {member for ring in rings for member in ring.members if member != me}
-    found = await node.get(peers_key(run), latest=True)
-    records = [item.value for item in (found.value.values() if found and isinstance(found.value, dict) else [])]
-    for record in records:
-        if record.get("peer_id") in wanted and record.get("maddrs"):
-            peer_id = PeerID.from_base58(record["peer_id"])
-            maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
-            try:
-                await links_of(node.p2p).connect(peer_id, maddrs, record.get("reachability"))
-            except Exception as e:  # the ring's own timeout reports a partner we cannot reach
-                logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")
 
 
 class LossyRingAverager(MultiRingAverager):
@@ -254,13 +200,13 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
                             host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
     if options.initial_peers:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone
-        await check_reachability(node.p2p, peer_id_of(options.initial_peers[0]), options.timeout)
+        await check_reachability(node.routes, peer_id_of(options.initial_peers[0]), options.timeout)
     if options.lose_replies or options.cut_streams:
         averager = LossyRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression,
                                      part_bytes=options.part_bytes, lose_replies=options.lose_replies,
                                      cut_streams=options.cut_streams)
     else:
-        averager = MultiRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression,
+        averager = MultiRingAverager(node.routes, options.run, timeout=options.timeout, compression=compression,
                                      part_bytes=options.part_bytes)
     try:
         await averager.start()
@@ -277,8 +223,6 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
             poison_(local, options.poison)
         print(f"plan adopted: {len(rings)} ring(s), elements {start}-{end}", flush=True)
         if options.bench_config:
-            from ravnest_swarm.averaging.bench import run_bench_phases
-
             with open(options.bench_config) as f:
                 config = json.load(f)
             report = await run_bench_phases(node, averager, options, plan, local, start, config)
@@ -294,7 +238,7 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
 
             save_file({"values": local.contiguous()}, options.out, metadata={"start": str(start), "end": str(end)})
         print(json.dumps(dict(peer_id=me, cluster=options.cluster, stage=options.stage, start=start, end=end,
-                              reachability=links_of(node.p2p).reachability, routes=dict(links_of(node.p2p).counts),
+                              reachability=node.routes.reachability, routes=dict(node.routes.counts),
                               **result.as_dict())), flush=True)
         return 0
     finally:

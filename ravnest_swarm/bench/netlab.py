@@ -242,7 +242,7 @@ class NetLab:
         prefix = ["ip", "netns", "exec", self.hub] if self.mode == "netns" else []
         self._relay_log = tempfile.TemporaryFile("w+")
         self._relay = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "ravnest_swarm.netlab", "--delay-ms", str(self.delay_ms), *routes],
+            [*prefix, sys.executable, "-m", "ravnest_swarm.bench.netlab", "--delay-ms", str(self.delay_ms), *routes],
             stdout=subprocess.PIPE, stderr=self._relay_log, text=True, start_new_session=True,
         )
         line = self._relay.stdout.readline()

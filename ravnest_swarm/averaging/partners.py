@@ -1,0 +1,36 @@
+"""Reaching our ring partners before a round: p2pd's own routing cannot find peers at non-public addresses."""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import PeerID
+
+from ravnest_swarm.averaging.segments import Ring
+from ravnest_swarm.membership.records import peers_key
+from ravnest_swarm.net.node import maddrs_without_peer_id
+
+logger = logging.getLogger(__name__)
+
+
+async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> None:
+    """Dial our ring partners at the addresses in their peer records.
+
+    p2pd's own routing cannot find peers whose addresses it treats as non-public (a LAN, the bench's
+    198.18.0.0/15 lab), so we connect explicitly, as the pipeline does for its neighbours; a partner
+    behind NAT is reached through a backbone (reversal or forwarding, see reversal.py).
+    """
+    me = node.peer_id.to_base58()
+    wanted = {member for ring in rings for member in ring.members if member != me}
+    found = await node.get(peers_key(run), latest=True)
+    records = [item.value for item in (found.value.values() if found and isinstance(found.value, dict) else [])]
+    for record in records:
+        if record.get("peer_id") in wanted and record.get("maddrs"):
+            peer_id = PeerID.from_base58(record["peer_id"])
+            maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
+            try:
+                await node.routes.connect(peer_id, maddrs, record.get("reachability"))
+            except Exception as e:  # the ring's own timeout reports a partner we cannot reach
+                logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")

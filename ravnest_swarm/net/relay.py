@@ -1,0 +1,135 @@
+"""A backbone's side of NAT traversal (see :mod:`ravnest_swarm.net.routes` for the volunteer's side): passing
+reversal requests and forwarding streams between two peers behind NAT, capped per stream and in number."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from contextlib import closing
+from typing import List, Optional
+
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+from hivemind.proto import runtime_pb2
+
+from ravnest_swarm.net.transport import make_request, make_response, unpack_metadata
+
+from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, MAX_DIAL_MADDRS, REVERSE_CONNECT,
+                                      REVERSE_TIMEOUT, read_header, refuse_stream)
+
+logger = logging.getLogger(__name__)
+
+
+class RelayServices:
+    """A backbone's side of NAT traversal: passing reversal requests and forwarding streams, capped.
+
+    :param p2p: the backbone's P2P instance
+    :param max_forward_bytes: a forwarded stream that sends more than this towards the target is cut off
+    :param max_forward_streams: forwarded streams served at once; more are refused (the backbone carries
+        every forwarded byte twice, in and out)
+    :param forward_timeout: seconds a forwarded stream may stay open
+    """
+
+    def __init__(self, p2p: P2P, max_forward_bytes: int = 256 * 1024**2, max_forward_streams: int = 16,
+                 forward_timeout: float = 300.0):
+        self.p2p = p2p
+        self.max_forward_bytes, self.max_forward_streams = max_forward_bytes, max_forward_streams
+        self.forward_timeout = forward_timeout
+        self.stats: Counter = Counter()  # reversals, forwarded_streams, forwarded_bytes, refused
+        self._active = 0
+
+    async def add_handlers(self) -> None:
+        await self.p2p.add_protobuf_handler(REVERSE_CONNECT, self.rpc_reverse_connect, runtime_pb2.ExpertRequest)
+        await self.p2p.add_binary_stream_handler(FORWARD, self.serve_forward)
+
+    async def _observed_hosts(self, peer_id: PeerID) -> List[str]:
+        hosts = []
+        for info in await self.p2p.list_peers():
+            if info.peer_id == peer_id:
+                hosts += [str(addr).split("/")[2] for addr in info.addrs if str(addr).startswith("/ip")]
+        return hosts
+
+    async def rpc_reverse_connect(self, request: runtime_pb2.ExpertRequest,
+                                  context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """Ask a connected peer to dial the caller back; say whether it is connected here and whether it dialled.
+
+        Only the caller's addresses on the IPs it is connected from are passed on, so nobody can make a
+        volunteer dial third parties through us.
+        """
+        metadata = unpack_metadata(request.metadata)
+        target = PeerID.from_base58(str(metadata.get("peer")))
+        if not await self._observed_hosts(target):
+            return make_response({"connected": False})
+        hosts = set(await self._observed_hosts(context.remote_id))
+        maddrs = [str(m) for m in metadata.get("maddrs", [])[:MAX_DIAL_MADDRS]
+                  if isinstance(m, str) and m.startswith("/ip") and m.split("/")[2] in hosts]
+        if not maddrs:
+            return make_response({"connected": True, "dialed": False,
+                                  "error": "no announced address of the caller on an IP it connects from"})
+        self.stats["reversals"] += 1
+        try:
+            response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
+                target, DIAL_ME, make_request({"peer": context.remote_id.to_base58(), "maddrs": maddrs}),
+                runtime_pb2.ExpertResponse), REVERSE_TIMEOUT)
+        except Exception as e:
+            return make_response({"connected": True, "dialed": False, "error": f"{type(e).__name__}: {e}"[:300]})
+        return make_response(dict(unpack_metadata(response.metadata), connected=True))
+
+    async def serve_forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Pipe the caller's stream into the target's ``forwarded`` handler and its reply back, within the caps."""
+        with closing(writer):
+            if self._active >= self.max_forward_streams:
+                self.stats["refused"] += 1
+                await refuse_stream(writer, f"this backbone forwards at most {self.max_forward_streams} streams at once")
+                return
+            self._active += 1
+            try:
+                await self._forward(info, reader, writer)
+            finally:
+                self._active -= 1
+
+    async def _forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header = await asyncio.wait_for(read_header(reader), HEADER_TIMEOUT)
+            target, name = PeerID.from_base58(str(header.get("to"))), str(header.get("handler"))
+            if not await self._observed_hosts(target):
+                raise ValueError(f"{target} is not connected to this backbone")
+            _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(target, FORWARDED)
+        except Exception as e:
+            self.stats["refused"] += 1
+            await refuse_stream(writer, f"cannot forward: {type(e).__name__}: {e}")
+            return
+        self.stats["forwarded_streams"] += 1
+        with closing(target_writer):
+            await P2P.send_protobuf(make_request({"from": info.peer_id.to_base58(), "handler": name}), target_writer)
+            upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
+            downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
+            try:
+                # the reply ends the exchange: the target closes its side once it has answered
+                done, _ = await asyncio.wait({upstream, downstream}, timeout=self.forward_timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if upstream in done and upstream.exception() is not None:
+                    self.stats["refused"] += 1
+                    await refuse_stream(writer, str(upstream.exception()))
+                elif upstream in done:
+                    await asyncio.wait_for(downstream, self.forward_timeout)
+            except (asyncio.TimeoutError, ConnectionError):
+                pass
+            finally:
+                for task in (upstream, downstream):
+                    task.cancel()
+                await asyncio.gather(upstream, downstream, return_exceptions=True)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, cap: Optional[int]) -> None:
+        passed = 0
+        while True:
+            data = await source.read(1 << 16)
+            if not data:
+                return
+            passed += len(data)
+            if cap is not None and passed > cap:
+                raise ValueError(f"forwarded stream exceeds this backbone's {cap}-byte cap")
+            self.stats["forwarded_bytes"] += len(data)
+            sink.write(data)
+            await sink.drain()

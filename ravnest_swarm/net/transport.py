@@ -1,0 +1,170 @@
+"""The message envelope every project RPC uses, and bounded reads of streamed frames.
+
+Every RPC handler of the project takes and returns hivemind's ``ExpertRequest``/``ExpertResponse``
+protobufs: ``metadata`` is a msgpack dict checked against a size limit and, by the handler, against a
+pydantic schema; ``tensors`` are hivemind ``serialize_torch_tensor`` protobufs. Nothing is pickled.
+Errors travel back as hivemind ``P2PHandlerError`` with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import closing
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Union
+
+import msgpack
+from google.protobuf.message import DecodeError
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+
+
+logger = logging.getLogger(__name__)
+
+MAX_METADATA_BYTES = 64 * 1024
+DISCARD_SECONDS = 2.0
+
+
+def pack_metadata(metadata: Dict[str, Any]) -> bytes:
+    return msgpack.packb(metadata, use_bin_type=True)
+
+
+def unpack_metadata(raw: bytes) -> Dict[str, Any]:
+    """Decode a message's msgpack metadata, refusing oversize or non-dict payloads with a clear reason."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata of {len(raw)} bytes exceeds the {MAX_METADATA_BYTES}-byte limit")
+    try:
+        value = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ValueError(f"metadata is not valid msgpack ({type(e).__name__})")
+    if not isinstance(value, dict):
+        raise ValueError("metadata must be a msgpack map")
+    return value
+
+
+def make_request(metadata: Dict[str, Any], tensors=(), uid: str = "") -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(uid=uid, metadata=pack_metadata(metadata), tensors=list(tensors))
+
+
+def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
+
+
+async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int,
+                         first_marker: Optional[bytes] = None) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+    """Yield one streamed message's ``ExpertRequest`` frames as they are read, up to hivemind's end-of-stream marker.
+
+    The frames use hivemind's own framing (a marker byte, an 8-byte length, the protobuf), so senders use
+    plain ``P2P.call_protobuf_handler``. Unlike hivemind's stream handlers, this refuses a message from
+    its length headers before reading past ``max_bytes``, and names what is wrong (``ValueError``).
+    ``first_marker``: the message's first byte when the caller already read it (a stream that carries
+    many messages waits for the next one's first byte without the deadline of a message in progress).
+    """
+    total, count = 0, 0
+    while True:
+        marker = first_marker or await reader.readexactly(1)
+        first_marker = None
+        if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+            raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        total += length
+        if total > max_bytes:
+            raise ValueError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
+        data = await reader.readexactly(length)
+        if marker == P2P.ERROR_MARKER:
+            return
+        frame = runtime_pb2.ExpertRequest()
+        try:
+            frame.ParseFromString(data)
+        except DecodeError:
+            raise ValueError(f"frame {count} ({length} bytes) is not an ExpertRequest protobuf")
+        del data  # a large frame's bytes need not live while the caller handles it
+        count += 1
+        yield frame
+
+
+async def read_frames(reader: asyncio.StreamReader, max_bytes: int,
+                      first_marker: Optional[bytes] = None) -> List[runtime_pb2.ExpertRequest]:
+    """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused."""
+    frames = [frame async for frame in iterate_frames(reader, max_bytes, first_marker)]
+    if not frames:
+        raise ValueError("empty message: no frames before end of stream")
+    return frames
+
+
+Reply = Union[runtime_pb2.ExpertResponse, RPCError]
+
+
+INCOMPLETE = "message incomplete"  # how message_reply refuses a stream that stayed silent past its timeout
+
+
+async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaitable[runtime_pb2.ExpertResponse]],
+                        timeout: float, on_refused: Optional[Callable[[str], None]] = None,
+                        on_broken: Optional[Callable[[], None]] = None) -> Optional[Reply]:
+    """What a stream handler sends back for one message: ``respond()`` reads and handles it within ``timeout``.
+
+    Its response, or hivemind's error frame with a one-line reason: the message was refused (a
+    ``ValueError`` from reading or handling), the stream stayed silent past ``timeout`` (a slow peer cannot
+    hold a handler open), or a bug of ours raised (logged; the sender still gets a reason). ``on_refused``
+    gets the reason of a refusal or timeout (by default it is logged). ``None`` when the sender went away
+    mid-message (``on_broken`` is told): nobody is left to answer.
+    """
+    try:
+        return await asyncio.wait_for(respond(), timeout)
+    except ValueError as e:
+        reason = str(e)
+    except asyncio.TimeoutError:
+        reason = f"{INCOMPLETE}: no end of stream within {timeout:.0f}s"
+    except (asyncio.IncompleteReadError, ConnectionError):
+        if on_broken is not None:
+            on_broken()
+        return None
+    except Exception as e:
+        logger.exception(f"{name}: a message from {peer_id} failed")
+        return RPCError(message=f"internal error: {type(e).__name__}: {e}")
+    if on_refused is not None:
+        on_refused(reason)
+    else:
+        logger.info(f"{name}: refused a message from {peer_id}: {reason}")
+    return RPCError(message=reason)
+
+
+async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Send a handler's reply; after an error, drop what the sender still writes for a moment, since closing
+    with unread input resets the stream before the sender reads our reason."""
+    try:
+        await P2P.send_protobuf(reply, writer)
+        if isinstance(reply, RPCError):
+            await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass  # the sender went away or keeps writing; it has our answer or will retry
+
+
+FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable[runtime_pb2.ExpertResponse]]
+
+
+def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float):
+    """A binary stream handler that reads one message of at most ``max_bytes`` within ``timeout`` seconds.
+
+    ``handle`` gets the frames and returns the response; what goes back otherwise is :func:`message_reply`'s.
+    Register it with ``P2P.add_binary_stream_handler``.
+    """
+
+    async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
+
+        async def respond() -> runtime_pb2.ExpertResponse:
+            return await handle(await read_frames(reader, max_bytes), context)
+
+        with closing(writer):
+            reply = await message_reply(name, stream_info.peer_id, respond, timeout)
+            if reply is not None:
+                await send_reply(reply, reader, writer)
+
+    return serve
+
+
+async def _discard(reader: asyncio.StreamReader) -> None:
+    while await reader.read(2**16):
+        pass
