@@ -18,11 +18,10 @@ from pipeline_helpers import losses, read_report
 from test_swarm import MODEL_GB, checkpoint_layers
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.models import get_model
-from ravnest_swarm.bench.natlab import NatLab, nat_lab_available
+from ravnest_swarm.bench.natlab import NatLab
 from ravnest_swarm.bench.netlab import LAB_PREFIX
 
-REASON = nat_lab_available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"NAT lab unavailable: {REASON}")
+pytestmark = pytest.mark.netns
 RUN = "nat"
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from process_tree import alive, descendants, kill_pids
-from ravnest_swarm.bench.netlab import LAB_PREFIX, namespaces_unavailable
+from ravnest_swarm.bench.netlab import LAB_PREFIX
 from ravnest_swarm.bench.speedup import parse_clusters, steps_per_cluster
 from ravnest_swarm.errors import UserError
 
@@ -25,7 +25,7 @@ def test_every_k_trains_the_same_samples_in_whole_steps_and_bad_settings_are_one
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(namespaces_unavailable() is not None, reason=f"needs network namespaces: {namespaces_unavailable()}")
+@pytest.mark.netns
 def test_bench_speedup_reports_each_k_and_leaves_nothing_running(processes):
     bench = processes.start(["bench", "speedup", "--json", "--clusters", "1,2", "--samples", "2560",
                              "--averaging-period", "10"], "bench")
