@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import sys
@@ -75,18 +74,10 @@ def backbone(
     Example:
       ravnest-swarm backbone --identity ./backbone.key --announce-maddrs /ip4/203.0.113.5/tcp/31337
     """
-    configure_logging(verbose)
+    from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 
-    async def main():
-        from ravnest_swarm.membership.backbone import Backbone, run_backbone
-        from ravnest_swarm.net.node import parse_maddrs
-
-        parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
-        parse_maddrs(announce_maddrs or [], what="--announce-maddrs", need_peer_id=False)
-        node = Backbone(host_maddrs, announce_maddrs, identity, _initial_peers(initial_peers or []), run or [], timeout)
-        await run_backbone(node)
-
-    sys.exit(run_async(main()))
+    sys.exit(run_backbone_process(BackboneOptions(host_maddrs, announce_maddrs, identity, initial_peers or [], run or [],
+                                                  timeout, verbose)))
 
 
 @app.command()
@@ -159,126 +150,19 @@ def join(
       ravnest-swarm join --run demo --name my-pc \\
           --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
     """
-    configure_logging(verbose)
+    from ravnest_swarm.swarm.join import JoinOptions, run_join
 
-    async def main():
-        from ravnest_swarm.devices import check_precision, resolve_device
-        from ravnest_swarm.membership.capabilities import check_override
-        from ravnest_swarm.membership.records import validate_peer_name, validate_run_name
-        from ravnest_swarm.membership.volunteer import JoinOptions, Membership
-        from ravnest_swarm.net.node import parse_maddrs
-
-        if log_file is not None:
-            log_to_file(log_file)
-        validate_run_name(run)
-        for flag, value in (("ram-gb", ram_gb), ("max-ram-gb", max_ram_gb), ("gflops", gflops),
-                            ("bandwidth-mbps", bandwidth_mbps), ("device-memory-gb", device_memory_gb)):
-            check_override(flag, value)
-        validate_peer_name(name)
-        # the model is built and the data hashed before joining: a mistake in either is one line, and a new
-        # run's spec records both (swarm/spec.py)
-        from ravnest_swarm.swarm.spec import model_facts
-
-        facts = model_facts(model, model_config or "", data) if model is not None else None
-        if data is not None and model is None:
-            _scan_data(data)
-        parse_maddrs(host_maddrs, what="--host-maddrs", need_peer_id=False)
-        if resume and checkpoint_dir is None:
-            raise UserError("--resume needs --checkpoint-dir")
-        options = JoinOptions(
-            initial_peers=_initial_peers(initial_peers), run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb,
-            gflops=gflops, bandwidth_mbps=bandwidth_mbps, heartbeat=heartbeat, timeout=timeout,
-            host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity_path=identity,
-            device=resolve_device(device), device_memory_gb=device_memory_gb,
-        )
-        requested = {key: value for key, value in dict(model=model, model_config=model_config, lr=lr,
-                                                        microbatch_size=microbatch_size,
-                                                        max_in_flight=max_in_flight, averaging_period=averaging_period,
-                                                        pipeline_compression=pipeline_compression,
-                                                        precision=precision, backward=backward,
-                                                        steps=steps).items()
-                     if value is not None}
-        _check_pipeline_compression(pipeline_compression or "none")
-        check_precision(precision or "fp32")
-        _check_backward(backward or "stash")
-        rounds_options = None
-        if model_gb is not None:
-            from ravnest_swarm.planning.plan import make_workload
-            from ravnest_swarm.planning.round import RoundOptions
-
-            rounds_options = RoundOptions(make_workload(model_gb, gflop_per_sample, activation_mb, max_stages),
-                                          min_peers, round_period, round_seconds, num_layers)
-        console = Console(stderr=True)
-        leave_now = asyncio.Event()
-        stop = install_stop_signals(lambda: console.print(f"{name}: stopping...", markup=False, highlight=False),
-                                    again=leave_now)
-        # imported before the first record is published: on a busy machine importing torch's training modules
-        # blocks the event loop longer than a record lives (two heartbeats), and the peer would seem to vanish
-        from ravnest_swarm.planning.round import PlanningRounds
-        from ravnest_swarm.swarm.volunteer import VolunteerOptions, take_part
-
-        membership = Membership(options, console)
-        await membership.start()
-        if rounds_options is not None:
-            planner = PlanningRounds(membership.node, run, membership.announcer, rounds_options, console)
-            work = asyncio.create_task(planner.run_forever(stop))
-        else:
-            volunteer_options = VolunteerOptions(checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                                                 resume=resume, min_peers=min_peers, round_seconds=round_seconds,
-                                                 round_period=round_period, max_stages=max_stages,
-                                                 handover_timeout=handover_timeout, data=data, report=report)
-            work = asyncio.create_task(take_part(membership, requested, volunteer_options, stop, console, leave_now,
-                                                 facts))
-        watch = asyncio.create_task(_watch_peers(membership.node, run, stop, heartbeat, live=not no_dashboard,
-                                                 console=console, me=name))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if work.done() and work.exception() is not None:
-                raise work.exception()
-            stop.set()
-            await asyncio.gather(work, watch)
-        finally:
-            stop.set()
-            for task in (work, watch):
-                task.cancel()
-            await membership.leave()
-        console.print(f"{name} left run {run}", markup=False, highlight=False)
-
-    sys.exit(run_async(main()))
-
-
-async def _watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,
-                       steps=None):
-    """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
-    ``steps``: the run's length, for the dashboard to say when the run is finished."""
-    from ravnest_swarm.dashboard.state import SwarmState
-    from ravnest_swarm.membership.announcer import read_peers
-
-    if live:
-        from ravnest_swarm.dashboard.live import watch_swarm
-
-        await watch_swarm(node, run, stop, period, console, me, steps)
-        return
-
-    last_names = None
-    # merges each read into what is known, as the dashboard does: a read that missed some records (a DHT node
-    # that did not answer in time) is no change to report
-    state = SwarmState(run)
-
-    async def wait():
-        try:
-            await asyncio.wait_for(stop.wait(), period)
-        except asyncio.TimeoutError:
-            pass
-
-    while not stop.is_set():
-        state.update(await read_peers(node, run))
-        names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
-        if names != last_names:
-            console.print(f"{me or 'observer'} sees {len(names)} peer(s): {', '.join(names)}", markup=False,
-                          highlight=False, soft_wrap=True)
-            last_names = names
-        await wait()
+    sys.exit(run_join(JoinOptions(
+        initial_peers=initial_peers, run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb, gflops=gflops,
+        bandwidth_mbps=bandwidth_mbps, device=device, device_memory_gb=device_memory_gb, heartbeat=heartbeat,
+        timeout=timeout, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity, model=model,
+        model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
+        averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,
+        precision=precision, backward=backward, data=data, handover_timeout=handover_timeout,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
+        model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,
+        min_peers=min_peers, round_period=round_period, round_seconds=round_seconds, num_layers=num_layers,
+        dashboard=not no_dashboard, log_file=log_file, verbose=verbose)))
 
 
 @app.command()
@@ -301,8 +185,10 @@ def status(
 
     async def main():
         from ravnest_swarm.dashboard.peers_table import peers_table
-        from ravnest_swarm.membership.announcer import read_peers_settled, run_finished
+        from ravnest_swarm.membership.progress import run_finished
+        from ravnest_swarm.membership.reader import read_peers_settled
         from ravnest_swarm.membership.records import make_validators, validate_run_name
+        from ravnest_swarm.swarm.join import watch_peers
         from ravnest_swarm.swarm.spec import read_spec
         from ravnest_swarm.net.node import start_node, stop_node
 
@@ -312,7 +198,7 @@ def status(
         try:
             spec = await read_spec(node, run)
             if watch:
-                await _watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console(),
+                await watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console(),
                                    steps=spec.steps if spec else None)
             else:
                 peers = await read_peers_settled(node, run)
@@ -376,13 +262,12 @@ def local(
     async def main():
         from ravnest_swarm.devices import check_precision, resolve_device
         from ravnest_swarm.swarm.local import LocalOptions, run_local
-        from ravnest_swarm.swarm.spec import RunSpec
+        from ravnest_swarm.swarm.spec import RunSpec, check_spec_choices
 
         if log_file is not None:
             log_to_file(log_file)
-        _check_pipeline_compression(pipeline_compression)
+        check_spec_choices(pipeline_compression, backward)
         check_precision(precision)
-        _check_backward(backward)
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
@@ -785,29 +670,6 @@ def stage(
                                  report, save)
 
     sys.exit(run_async(main()))
-
-
-def _scan_data(data: str) -> None:
-    from ravnest_swarm.models.user_data import scan_data
-
-    try:
-        scan_data(data)
-    except ValueError as e:
-        raise UserError(str(e))
-
-
-def _check_backward(name: str) -> None:
-    from ravnest_swarm.pipeline.stage import MODES
-
-    if name not in MODES:
-        raise UserError(f"--backward must be one of {', '.join(MODES)}, not {name!r}")
-
-
-def _check_pipeline_compression(name: str) -> None:
-    from ravnest_swarm.pipeline.wire import COMPRESSIONS
-
-    if name not in COMPRESSIONS:
-        raise UserError(f"--pipeline-compression must be one of {', '.join(COMPRESSIONS)}, not {name!r}")
 
 
 def main() -> None:

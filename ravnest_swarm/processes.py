@@ -1,5 +1,9 @@
 """Starting and stopping real ``ravnest-swarm`` processes (used by ``local``, the benchmarks and the tests).
 
+A process is described either by the library's own option object (:meth:`ProcessGroup.start_library`:
+``python -m ravnest_swarm.processes`` calls ``function(options)``, the options sent as JSON), or, for
+the tests of the command line itself, by ``ravnest-swarm`` arguments (:meth:`ProcessGroup.start`).
+
 Each process starts in its own session, so its p2pd shares its process group: stopping the group by
 the leader's pid stops p2pd too, even when the peer itself was killed with SIGKILL and could not
 clean up.
@@ -7,6 +11,9 @@ clean up.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
 import os
 import re
 import signal
@@ -14,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, get_type_hints
 
 MADDR_RE = re.compile(r"^/ip[46]/\S+/p2p/\S+$")
 
@@ -111,9 +118,19 @@ class ProcessGroup:
 
     def start(self, args: Sequence[str], name: str, env: Optional[dict] = None,
               prefix: Sequence[str] = ()) -> PeerProcess:
-        process = PeerProcess(args, self.log_dir, name, env, prefix)
+        return self._add(PeerProcess(args, self.log_dir, name, env, prefix))
+
+    def _add(self, process: PeerProcess) -> PeerProcess:
         self.processes.append(process)
         return process
+
+    def start_library(self, function: Callable[[Any], int], options: Any, name: str, env: Optional[dict] = None,
+                      prefix: Sequence[str] = ()) -> PeerProcess:
+        """A process that runs ``function(options)`` and exits with its return value; ``options`` is a
+        dataclass of plain values (it travels as JSON), the type of ``function``'s one parameter."""
+        call = {"function": f"{function.__module__}:{function.__qualname__}", "options": dataclasses.asdict(options)}
+        return self._add(PeerProcess([json.dumps(call)], self.log_dir, name, env, prefix,
+                                     python_args=("-m", "ravnest_swarm.processes")))
 
     def start_python(self, script: str, args: Sequence[str], name: str) -> PeerProcess:
         """A process running a Python script given as text (e.g. a plain hivemind peer to compare with)."""
@@ -132,3 +149,16 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 pass
             process.kill_group()
+
+
+def run_library_call(text: str) -> int:
+    """The child's side of :meth:`ProcessGroup.start_library`: rebuild the options and make the call."""
+    call = json.loads(text)
+    module_name, function_name = call["function"].split(":")
+    function = getattr(importlib.import_module(module_name), function_name)
+    options_type = next(hint for name, hint in get_type_hints(function).items() if name != "return")
+    return function(options_type(**call["options"]))
+
+
+if __name__ == "__main__":
+    sys.exit(run_library_call(sys.argv[1]))

@@ -269,8 +269,7 @@ def test_local_swarms_keep_every_stage_within_the_share_limit_of_whole_layers():
         peers = []
         for index in range(size):
             offered = capability_overrides(index, workload.model_gb)
-            peers.append(Peer(f"p{index}", float(offered["--ram-gb"]), float(offered["--gflops"]),
-                              float(offered["--bandwidth-mbps"])))
+            peers.append(Peer(f"p{index}", offered["ram_gb"], offered["gflops"], offered["bandwidth_mbps"]))
         ram = {p.peer_id: p.ram_gb for p in peers}
         plan = plan_swarm(peers, workload, seed=size, time_limit=2, layer_profile=profile)
         assert plan.clusters, size

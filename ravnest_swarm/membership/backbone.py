@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
 
 from hivemind.utils.multiaddr import Multiaddr
 
-from ravnest_swarm.lifecycle import install_stop_signals
+from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
 from ravnest_swarm.membership.records import make_validators, validate_run_name
 from ravnest_swarm.membership.services import BackboneServices
-from ravnest_swarm.net.node import start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 
 class Backbone:
@@ -59,6 +60,32 @@ class Backbone:
     async def serve_forever(self) -> None:
         await install_stop_signals().wait()
         await stop_node(self.node)
+
+
+@dataclass
+class BackboneOptions:
+    """What ``ravnest-swarm backbone`` was asked to do (its flags; see :class:`Backbone` for each)."""
+
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"])
+    announce_maddrs: Optional[List[str]] = None
+    identity: Optional[str] = None
+    initial_peers: List[str] = field(default_factory=list)
+    runs: List[str] = field(default_factory=list)
+    timeout: float = 15.0
+    verbose: bool = False
+
+
+def run_backbone_process(options: BackboneOptions) -> int:
+    """A backbone's whole life as a process: checks, start, serve until SIGINT/SIGTERM; returns its exit code."""
+    configure_logging(options.verbose)
+
+    async def main():
+        parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
+        parse_maddrs(options.announce_maddrs or [], what="--announce-maddrs", need_peer_id=False)
+        await run_backbone(Backbone(options.host_maddrs, options.announce_maddrs, options.identity,
+                                    parse_maddrs(options.initial_peers), options.runs, options.timeout))
+
+    return run_async(main())
 
 
 async def run_backbone(backbone: Backbone) -> None:

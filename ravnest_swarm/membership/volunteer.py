@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class JoinOptions:
-    """Everything ``join`` was asked to do (CLI flags, validated)."""
+class MembershipOptions:
+    """What membership needs of ``join``'s options (``swarm/join.py``), validated."""
 
     initial_peers: List[Multiaddr]
     run: str
@@ -48,7 +48,7 @@ class JoinOptions:
     device_memory_gb: Optional[float] = None  # overrides the device's memory the planner sizes stages by
 
 
-async def measure(options: JoinOptions, node: DHTNode, console: Console) -> Capabilities:
+async def measure(options: MembershipOptions, node: DHTNode, console: Console) -> Capabilities:
     """Measure what is not overridden, with a progress display; reachability is always asked of a backbone."""
     backbone = peer_id_of(options.initial_peers[0]) if options.initial_peers else None
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[result]}"),
@@ -96,7 +96,7 @@ class Membership:
     :param console: where progress and logs go
     """
 
-    def __init__(self, options: JoinOptions, console: Console):
+    def __init__(self, options: MembershipOptions, console: Console):
         self.options, self.console = options, console
         self.node: Optional[DHTNode] = None
         self.announcer: Optional[PeerAnnouncer] = None

@@ -38,8 +38,10 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.announcer import read_peers
 from ravnest_swarm.membership.records import make_validators, round_key
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.models import load_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
+from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.volunteer import model_workload
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
@@ -109,13 +111,12 @@ def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
     return steps
 
 
-def capability_overrides(index: int, model_gb: float, peers: int = 3) -> Dict[str, str]:
+def capability_overrides(index: int, model_gb: float, peers: int = 3) -> Dict[str, float]:
     """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed compute,
     and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace. Two peers
     offer 0.55 each, so that together they hold the model (0.4 and 0.5 would leave it unplaced for good)."""
-    ram = model_gb * max(0.4 + 0.1 * (index % 4), 1.1 / peers)
-    return {"--ram-gb": f"{ram:.9f}", "--gflops": str(20 + 10 * (index % 3)),
-            "--bandwidth-mbps": str(1000 + 100 * (index % 5))}
+    return dict(ram_gb=model_gb * max(0.4 + 0.1 * (index % 4), 1.1 / peers), gflops=20.0 + 10 * (index % 3),
+                bandwidth_mbps=1000.0 + 100 * (index % 5))
 
 
 class LocalSwarm:
@@ -171,40 +172,35 @@ class LocalSwarm:
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
-        args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--no-dashboard",
-                "--model", self.spec.model, "--model-config", self.spec.model_config,
-                "--steps", str(self.options.steps), "--lr", str(self.spec.lr),
-                "--microbatch-size", str(self.spec.microbatch_size), "--max-in-flight", str(self.spec.max_in_flight),
-                "--averaging-period", str(self.spec.averaging_period),
-                "--pipeline-compression", self.spec.pipeline_compression, "--precision", self.spec.precision,
-                "--backward", self.spec.backward,
-                "--device", self.options.device, "--heartbeat", "4",
-                "--min-peers", str(self.options.peers), "--checkpoint-dir", self.checkpoint_dir,
-                "--checkpoint-every", str(self.options.checkpoint_every),
-                "--identity", os.path.join(self.checkpoint_dir, f"{RUN}-{name}.key"),
-                "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-        if self.options.data is not None:
-            args += ["--data", os.path.abspath(self.options.data)]
-        if name in self.checkpoint_steps:
-            args.append("--resume")  # a peer that never trained (a standby) has no checkpoint and starts fresh
-        overrides = capability_overrides(index, self.workload.model_gb, self.options.peers)
+        offer = capability_overrides(index, self.workload.model_gb, self.options.peers)
         if device_kind(self.options.device) == "cuda":
             # the peers share this machine's GPU: each offers what it offers of RAM, not the whole GPU, so the plan
             # splits the model into stages as it does on the CPU (where the RAM offer is the device's memory)
-            overrides["--device-memory-gb"] = overrides["--ram-gb"]
+            offer["device_memory_gb"] = offer["ram_gb"]
         if self.options.max_ram_gb is not None:  # peers measure their RAM and offer at most this
-            overrides["--max-ram-gb"] = str(self.options.max_ram_gb)
-            del overrides["--ram-gb"]
-        for flag, value in overrides.items():
-            args += [flag, value]
-        self.volunteers[name] = self.group.start(args, name)
+            offer["max_ram_gb"] = self.options.max_ram_gb
+            offer["ram_gb"] = None
+        options = JoinOptions(
+            initial_peers=[maddr], run=RUN, name=name, dashboard=False, model=self.spec.model,
+            model_config=self.spec.model_config, steps=self.options.steps, lr=self.spec.lr,
+            microbatch_size=self.spec.microbatch_size, max_in_flight=self.spec.max_in_flight,
+            averaging_period=self.spec.averaging_period, pipeline_compression=self.spec.pipeline_compression,
+            precision=self.spec.precision, backward=self.spec.backward, device=self.options.device, heartbeat=4.0,
+            min_peers=self.options.peers, checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every=self.options.checkpoint_every,
+            identity=os.path.join(self.checkpoint_dir, f"{RUN}-{name}.key"), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            data=os.path.abspath(self.options.data) if self.options.data is not None else None,
+            # a peer that never trained (a standby) has no checkpoint and starts fresh
+            resume=name in self.checkpoint_steps, **offer)
+        self.volunteers[name] = self.group.start_library(run_join, options, name)
 
     async def run(self) -> dict:
         stop = install_stop_signals()
         started = time.monotonic()
         observer = None
         try:
-            backbone = self.group.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+            backbone = self.group.start_library(run_backbone_process, BackboneOptions(
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"], runs=[RUN]), "backbone")
             maddr = backbone.maddrs()[0]
             for index in range(self.options.peers):
                 self._join(maddr, index)

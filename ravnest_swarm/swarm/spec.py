@@ -147,6 +147,27 @@ def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
                 data_bytes=source.size if source else 0)
 
 
+def check_spec_choices(pipeline_compression: str, backward: str) -> None:
+    """The spec's named choices, checked before a run is started with them."""
+    from ravnest_swarm.pipeline.stage import MODES
+    from ravnest_swarm.pipeline.wire import COMPRESSIONS
+
+    if pipeline_compression not in COMPRESSIONS:
+        raise UserError(f"--pipeline-compression must be one of {', '.join(COMPRESSIONS)}, not {pipeline_compression!r}")
+    if backward not in MODES:
+        raise UserError(f"--backward must be one of {', '.join(MODES)}, not {backward!r}")
+
+
+def scan_user_data(data: str) -> None:
+    """A ``--data`` directory read through (and hashed), its problems as one line."""
+    from ravnest_swarm.models.user_data import scan_data
+
+    try:
+        scan_data(data)
+    except ValueError as e:
+        raise UserError(str(e))
+
+
 async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:
     """The run's spec: the earliest-created of those published (ties by subkey), or None."""
     found = await node.get(spec_key(run), latest=True)

@@ -1,0 +1,225 @@
+"""A volunteer's life, start to leave: what ``ravnest-swarm join`` runs, read top to bottom.
+
+1. :func:`check_join`: every input checked before anything starts (a mistake is one line, nothing runs).
+2. :class:`~ravnest_swarm.membership.volunteer.Membership` starts p2pd and the DHT node through the
+   backbones, measures this machine and keeps its peer record alive.
+3. The run's spec is read, or created from our ``--model`` (``swarm/spec.py``); then
+   :class:`~ravnest_swarm.swarm.volunteer.Volunteer` takes part in planning rounds, trains the stage
+   the plan gives us (``pipeline/``) and averages it with the other clusters (``averaging/``), until the
+   run is finished or we are stopped. In the planner test mode (``--model-gb``) the peer only plans.
+4. Meanwhile :func:`watch_peers` shows the run (the dashboard, or a log line per change).
+5. On SIGINT/SIGTERM the volunteer hands its layers over and the membership says ``leaving``.
+
+:class:`JoinOptions` holds plain values only, so ``local`` and the benches start a volunteer process
+from the object itself (:func:`ravnest_swarm.processes.start_library_process`), not from flag names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from rich.console import Console
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, log_to_file, run_async
+
+
+@dataclass
+class JoinOptions:
+    """Everything one volunteer was asked to do; the fields are ``join``'s flags (see ``ravnest-swarm join -h``)."""
+
+    initial_peers: List[str]
+    run: str
+    name: str
+    # what we offer (None: measured)
+    ram_gb: Optional[float] = None
+    max_ram_gb: Optional[float] = None
+    gflops: Optional[float] = None
+    bandwidth_mbps: Optional[float] = None
+    device: str = "auto"
+    device_memory_gb: Optional[float] = None
+    # membership
+    heartbeat: float = 5.0
+    timeout: float = 15.0
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: Optional[List[str]] = None
+    identity: Optional[str] = None
+    # the run spec we start the run with, if it has none yet (None: the spec's default)
+    model: Optional[str] = None
+    model_config: Optional[str] = None
+    lr: Optional[float] = None
+    microbatch_size: Optional[int] = None
+    max_in_flight: Optional[int] = None
+    averaging_period: Optional[int] = None
+    pipeline_compression: Optional[str] = None
+    steps: Optional[int] = None
+    precision: Optional[str] = None
+    backward: Optional[str] = None
+    # training
+    data: Optional[str] = None
+    handover_timeout: float = 90.0
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 50
+    resume: bool = False
+    report: Optional[str] = None
+    # planning rounds (the planner test mode's model_gb and workload: docs/planning.md)
+    model_gb: Optional[float] = None
+    gflop_per_sample: float = 1.0
+    activation_mb: float = 0.0
+    max_stages: int = 8
+    min_peers: int = 2
+    round_period: float = 600.0
+    round_seconds: float = 10.0
+    num_layers: int = 32
+    # how we show it
+    dashboard: bool = True
+    log_file: Optional[str] = None
+    verbose: bool = False
+
+    SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
+                   "pipeline_compression", "precision", "backward", "steps")
+
+    def requested_spec(self) -> dict:
+        """The spec fields we were given, for a run that has no spec yet."""
+        return {name: getattr(self, name) for name in self.SPEC_FIELDS if getattr(self, name) is not None}
+
+
+def run_join(options: JoinOptions) -> int:
+    """The process's whole life as a volunteer; returns its exit code."""
+    configure_logging(options.verbose)
+    return run_async(join(options))
+
+
+async def join(options: JoinOptions) -> None:
+    """Join the run, train until it is finished or we are stopped, then leave (see the module's docstring)."""
+    if options.log_file is not None:
+        log_to_file(options.log_file)
+    facts = check_join(options)
+    console = Console(stderr=True)
+    leave_now = asyncio.Event()
+    stop = install_stop_signals(lambda: console.print(f"{options.name}: stopping...", markup=False, highlight=False),
+                                again=leave_now)
+    # imported before the first record is published: on a busy machine importing torch's training modules
+    # blocks the event loop longer than a record lives (two heartbeats), and the peer would seem to vanish
+    from ravnest_swarm.membership.volunteer import Membership
+    from ravnest_swarm.planning.round import PlanningRounds
+    from ravnest_swarm.swarm.volunteer import take_part
+
+    membership = Membership(membership_options(options), console)
+    await membership.start()
+    if options.model_gb is not None:
+        work = asyncio.create_task(PlanningRounds(membership.node, options.run, membership.announcer,
+                                                  planning_options(options), console).run_forever(stop))
+    else:
+        work = asyncio.create_task(take_part(membership, options.requested_spec(), volunteer_options(options), stop,
+                                             console, leave_now, facts))
+    watch = asyncio.create_task(watch_peers(membership.node, options.run, stop, options.heartbeat,
+                                            live=options.dashboard, console=console, me=options.name))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done() and work.exception() is not None:
+            raise work.exception()
+        stop.set()
+        await asyncio.gather(work, watch)
+    finally:
+        stop.set()
+        for task in (work, watch):
+            task.cancel()
+        await membership.leave()
+    console.print(f"{options.name} left run {options.run}", markup=False, highlight=False)
+
+
+def check_join(options: JoinOptions) -> Optional[dict]:
+    """Check every input before anything starts; returns the model's facts for a new run's spec (or None).
+
+    The model is built and the data hashed here: a mistake in either is one line, and a new run's spec
+    records both (``swarm/spec.py``).
+    """
+    from ravnest_swarm.devices import check_precision, resolve_device
+    from ravnest_swarm.membership.capabilities import check_override
+    from ravnest_swarm.membership.records import validate_peer_name, validate_run_name
+    from ravnest_swarm.net.node import parse_maddrs
+    from ravnest_swarm.swarm.spec import check_spec_choices, model_facts, scan_user_data
+
+    validate_run_name(options.run)
+    for flag, value in (("ram-gb", options.ram_gb), ("max-ram-gb", options.max_ram_gb), ("gflops", options.gflops),
+                        ("bandwidth-mbps", options.bandwidth_mbps), ("device-memory-gb", options.device_memory_gb)):
+        check_override(flag, value)
+    validate_peer_name(options.name)
+    parse_maddrs(options.initial_peers)
+    parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
+    if options.resume and options.checkpoint_dir is None:
+        raise UserError("--resume needs --checkpoint-dir")
+    check_spec_choices(options.pipeline_compression or "none", options.backward or "stash")
+    check_precision(options.precision or "fp32")
+    options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
+    if options.model is None:
+        if options.data is not None:
+            scan_user_data(options.data)
+        return None
+    return model_facts(options.model, options.model_config or "", options.data)
+
+
+def membership_options(options: JoinOptions):
+    from ravnest_swarm.membership.volunteer import MembershipOptions
+    from ravnest_swarm.net.node import parse_maddrs
+
+    return MembershipOptions(
+        initial_peers=parse_maddrs(options.initial_peers), run=options.run, name=options.name, ram_gb=options.ram_gb,
+        max_ram_gb=options.max_ram_gb, gflops=options.gflops, bandwidth_mbps=options.bandwidth_mbps,
+        heartbeat=options.heartbeat, timeout=options.timeout, host_maddrs=options.host_maddrs,
+        announce_maddrs=options.announce_maddrs, identity_path=options.identity, device=options.device,
+        device_memory_gb=options.device_memory_gb)
+
+
+def planning_options(options: JoinOptions):
+    from ravnest_swarm.planning.plan import make_workload
+    from ravnest_swarm.planning.round import RoundOptions
+
+    workload = make_workload(options.model_gb, options.gflop_per_sample, options.activation_mb, options.max_stages)
+    return RoundOptions(workload, options.min_peers, options.round_period, options.round_seconds, options.num_layers)
+
+
+def volunteer_options(options: JoinOptions):
+    from ravnest_swarm.swarm.volunteer import VolunteerOptions
+
+    return VolunteerOptions(checkpoint_dir=options.checkpoint_dir, checkpoint_every=options.checkpoint_every,
+                            resume=options.resume, min_peers=options.min_peers, round_seconds=options.round_seconds,
+                            round_period=options.round_period, max_stages=options.max_stages,
+                            handover_timeout=options.handover_timeout, data=options.data, report=options.report)
+
+
+async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,
+                      steps=None) -> None:
+    """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
+    ``steps``: the run's length, for the dashboard to say when the run is finished."""
+    from ravnest_swarm.dashboard.state import SwarmState
+    from ravnest_swarm.membership.announcer import read_peers
+
+    if live:
+        from ravnest_swarm.dashboard.live import watch_swarm
+
+        await watch_swarm(node, run, stop, period, console, me, steps)
+        return
+
+    last_names = None
+    # merges each read into what is known, as the dashboard does: a read that missed some records (a DHT node
+    # that did not answer in time) is no change to report
+    state = SwarmState(run)
+
+    async def wait():
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except asyncio.TimeoutError:
+            pass
+
+    while not stop.is_set():
+        state.update(await read_peers(node, run))
+        names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
+        if names != last_names:
+            console.print(f"{me or 'observer'} sees {len(names)} peer(s): {', '.join(names)}", markup=False,
+                          highlight=False, soft_wrap=True)
+            last_names = names
+        await wait()
