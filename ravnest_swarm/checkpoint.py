@@ -3,7 +3,8 @@
 A checkpoint is one ``.safetensors`` file. Tensors are the stage's parameters (``param.<name>``) and its
 optimizer's per-parameter state (``optim.<index>.<key>``); everything else (step, layer range, model,
 run, optimizer hyper-parameters and scalar state) is JSON in the safetensors metadata. Nothing is
-pickled, so a checkpoint from anywhere is safe to open.
+pickled, so a checkpoint from anywhere is safe to open. Resume (:func:`load_stage_layers`) restores the
+parameters and the step; the optimizer state kept beside them is empty for a stage's plain SGD.
 
 Writes go to a temporary file in the same directory, are fsynced, then renamed over the old file
 (and the directory fsynced), so a crash at any moment leaves either the old or the new checkpoint,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from safetensors import SafetensorError
@@ -107,13 +108,18 @@ def read_stage(path: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
     return tensors, metadata
 
 
-def load_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict:
-    """Restore ``module`` and ``optimizer`` from ``path`` and return the saved ``info``.
+def load_stage_layers(path: str, build_stage: Callable[[int, int], torch.nn.Sequential]
+                      ) -> Tuple[Dict, torch.nn.Sequential]:
+    """What ``--resume`` restores: the saved ``info`` (step, layer range) and the checkpoint's layers, built with
+    ``build_stage(start, end)`` and loaded with the saved parameters.
 
-    Shapes and names must match the stage exactly; a checkpoint of other layers is refused, not
-    partially applied.
+    Names and shapes must match the built layers exactly; a checkpoint of other layers is refused, not
+    partially applied. The optimizer is not restored: a stage's is plain SGD, which keeps no per-parameter
+    state, and its learning rate comes from the plan the stage joins (tests/test_checkpoint.py holds both).
     """
     tensors, metadata = read_stage(path)
+    info = metadata["info"]
+    module = build_stage(*info["layers"])
     parameters = {name[len("param."):]: t for name, t in tensors.items() if name.startswith("param.")}
     expected = module.state_dict()
     mismatched = sorted(set(parameters) ^ set(expected)) or [
@@ -121,16 +127,4 @@ def load_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimi
     if mismatched:
         raise UserError(f"checkpoint {path} holds other layers than this stage (first mismatch: {mismatched[0]})", 1)
     module.load_state_dict(parameters)
-    state: Dict = {}
-    for name, tensor in tensors.items():
-        if name.startswith("optim."):
-            _, index, key = name.split(".", 2)
-            state.setdefault(int(index), {})[key] = tensor
-    for index, values in metadata["optimizer_scalars"].items():
-        for key, value in values.items():
-            state.setdefault(int(index), {})[key] = torch.tensor(value) if key == "step" else value
-    # JSON turned tuples (Adam's betas) into lists; "params" is the one list that must stay a list
-    groups = [{key: tuple(value) if isinstance(value, list) and key != "params" else value
-               for key, value in group.items()} for group in metadata["param_groups"]]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    return metadata["info"]
+    return info, module

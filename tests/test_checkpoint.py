@@ -1,16 +1,24 @@
-"""Stage checkpoints: exact round trip, atomic replacement, and clear errors for bad files."""
+"""Stage checkpoints: resume restores a stage exactly, writes replace files atomically, bad files are clear errors."""
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ravnest_swarm.checkpoint import (TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_stage, read_stage,
+import ravnest_swarm.swarm.volunteer
+from ravnest_swarm.checkpoint import (TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_stage_layers, read_stage,
                                       remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.models import get_model
+from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
+from ravnest_swarm.swarm.volunteer import Volunteer
+
+RUN, LAYERS = "resume", (0, 2)
 
 
 def make_stage(seed=0):
@@ -24,35 +32,54 @@ def make_stage(seed=0):
     return module, optimizer
 
 
-@pytest.mark.parametrize("optimizer_name", ["adam", "sgd-momentum"])
-def test_round_trip_restores_parameters_and_optimizer_state_exactly(tmp_path, optimizer_name):
-    module, optimizer = make_stage()
-    if optimizer_name == "sgd-momentum":
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-        module(torch.randn(5, 8)).sum().backward()
-        optimizer.step()
-    path = str(tmp_path / "stage.safetensors")
-    save_stage(path, module, optimizer, {"step": 3, "layers": [2, 5], "model": "mlp-digits"})
+def stage_worker(lr: float = 0.1) -> StageWorker:
+    """A stage as a volunteer builds one (layers 0:2 of mlp-digits); no node, nothing here sends."""
+    return StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS, lr=lr),
+                       SimpleNamespace(p2p=None))
 
-    restored, restored_optimizer = make_stage(seed=1)
-    if optimizer_name == "sgd-momentum":
-        restored_optimizer = torch.optim.SGD(restored.parameters(), lr=0.5, momentum=0.1)
-    info = load_stage(path, restored, restored_optimizer)
-    assert info == {"step": 3, "layers": [2, 5], "model": "mlp-digits"}
-    for a, b in zip(module.state_dict().values(), restored.state_dict().values()):
-        assert torch.equal(a, b)
-    original, loaded = optimizer.state_dict(), restored_optimizer.state_dict()
-    assert original["param_groups"] == loaded["param_groups"]
-    for index, values in original["state"].items():
-        for key, value in values.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(loaded["state"][index][key])), key
-    # training goes on identically from the restored state
-    batch = torch.randn(5, 8)
-    for m, o in ((module, optimizer), (restored, restored_optimizer)):
-        o.zero_grad()
-        m(batch).pow(2).mean().backward()
-        o.step()
-    for a, b in zip(module.parameters(), restored.parameters()):
+
+def train(worker: StageWorker, batches) -> None:
+    for batch in batches:
+        worker.optimizer.zero_grad()
+        worker.module(batch).pow(2).mean().backward()
+        worker.optimizer.step()
+
+
+def resuming_volunteer(path: str) -> SimpleNamespace:
+    """What a :class:`Volunteer`'s checkpoint and resume methods read of it: a peer alone in its first plan."""
+    return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
+                           spec=SimpleNamespace(model="mlp-digits"), model=get_model("mlp-digits"), cache={},
+                           held=None, announcer=SimpleNamespace(update=lambda **fields: None), say=lambda line: None)
+
+
+def test_resume_restores_a_stage_exactly(tmp_path, monkeypatch):
+    """Through the very methods `join --resume` runs: the volunteer writes its stage's checkpoint, reads it back
+    into its layer cache (load_stage_layers), and fills a new stage from that cache; then both train on."""
+    batches = [torch.randn(4, 64) for _ in range(4)]
+    trained = stage_worker()
+    train(trained, batches[:3])
+    trained.resume_at(3)  # the count of the steps above, which ran outside the stage's scheduler
+    volunteer = resuming_volunteer(str(tmp_path / f"{RUN}-peer.safetensors"))
+    Volunteer._save_checkpoint(volunteer, trained)
+    Volunteer._load_checkpoint_into_cache(volunteer)
+
+    async def no_peers(node, run):
+        return []
+
+    monkeypatch.setattr(ravnest_swarm.swarm.volunteer, "read_peers", no_peers)
+    resumed = stage_worker()
+    step, downloaded = asyncio.run(Volunteer._fill_layers(volunteer, resumed.module, LAYERS))
+    resumed.resume_at(step)
+    assert (step, resumed.version, downloaded) == (3, 3, False)
+    for (name, a), b in zip(trained.module.state_dict().items(), resumed.module.state_dict().values()):
+        assert torch.equal(a, b), name
+    # resume restores no optimizer state, and loses none: a stage's SGD keeps none (a stage given momentum
+    # or Adam would fail here, and resume would have to restore it), and its settings come from its config
+    assert trained.optimizer.state_dict() == resumed.optimizer.state_dict()
+    assert trained.optimizer.state_dict()["state"] == {}
+    train(trained, batches[3:])
+    train(resumed, batches[3:])
+    for a, b in zip(trained.module.parameters(), resumed.module.parameters()):
         assert torch.equal(a, b)
 
 
@@ -66,16 +93,15 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, damage):
                "flipped_header": data[:8] + b"{" * 20 + data[28:]}[damage]
     open(path, "wb").write(damaged)
     with pytest.raises(UserError, match="corrupt or not a ravnest checkpoint"):
-        load_stage(path, *make_stage())
+        load_stage_layers(path, lambda start, end: make_stage()[0])
 
 
 def test_checkpoint_of_other_layers_is_refused(tmp_path):
     module, optimizer = make_stage()
     path = str(tmp_path / "stage.safetensors")
     save_stage(path, module, optimizer, {"step": 1, "layers": [0, 3]})
-    other = torch.nn.Sequential(torch.nn.Linear(8, 32))
     with pytest.raises(UserError, match="other layers"):
-        load_stage(path, other, torch.optim.SGD(other.parameters(), lr=0.1))
+        load_stage_layers(path, lambda start, end: torch.nn.Sequential(torch.nn.Linear(8, 32)))
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

@@ -40,9 +40,10 @@ from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.segments import plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
-from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes, save_stage, write_atomically
+from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
-from ravnest_swarm.membership.announcer import read_peers, run_finished
+from ravnest_swarm.membership.progress import run_finished
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN
 from ravnest_swarm.membership.volunteer import Membership
@@ -601,15 +602,12 @@ class Volunteer:
     def _load_checkpoint_into_cache(self) -> None:
         """A resumed peer offers its checkpoint's layers as a cache entry at the checkpoint's step."""
         path = self.checkpoint_path
-        tensors, metadata = read_stage(path)  # a corrupt file is a one-line UserError
-        info = metadata["info"]
+        # a corrupt file, or one of other layers than the run's model has, is a one-line UserError
+        info, module = load_stage_layers(path, self.model.build_stage)
         start, end = info["layers"]
-        module = self.model.build_stage(start, end)
-        for layer in range(start, end):
-            prefix = f"param.{layer - start}."
-            state = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)}
-            module[layer - start].load_state_dict(state)  # a checkpoint of other shapes is refused here
-            self.cache[layer] = (state, int(info["step"]))
+        for offset, layer in enumerate(module):
+            self.cache[start + offset] = ({k: v.detach().clone() for k, v in layer.state_dict().items()},
+                                          int(info["step"]))
         # offer them at once: after a restart of the whole swarm, the checkpoints are the only state left
         self.held = (start, module, int(info["step"]))
         self.announcer.update(layers=[start, end], step=int(info["step"]))
