@@ -11,6 +11,7 @@ result as one JSON line. ``--out`` writes the averaged range as safetensors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,9 +31,11 @@ from ravnest_swarm.averaging.segments import element_range, plan_rings, rings_of
 from ravnest_swarm.bench.averaging_phases import run_bench_phases
 from ravnest_swarm.bench.synthetic import compression_by_name, synthetic_range
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.lifecycle import configure_logging, run_async
+from ravnest_swarm.membership.reader import read_newest_plan, read_peers
 from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
 from ravnest_swarm.membership.services import check_reachability
-from ravnest_swarm.net.node import peer_id_of, start_node, stop_node, store_record
+from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node, store_record
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +55,8 @@ def parse_ints(text: str, what: str) -> List[int]:
 
 @dataclass
 class AveragingPeerOptions:
-    """Flags of ``averaging-peer``; see ``cli.averaging_peer`` for their help."""
+    """Flags of ``averaging-peer``; see ``cli.averaging_peer`` for their help. ``initial_peers``: parsed
+    multiaddrs for :func:`run_averaging_peer`, their text for :func:`run_averaging_peer_process`."""
 
     initial_peers: list
     run: str
@@ -96,9 +100,8 @@ async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: 
 async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadline: float) -> dict:
     """Planner stand-in: once ``expected`` peers are placed, store the plan they form as round 0."""
     while True:
-        found = await node.get(peers_key(run), latest=True)
-        placed = [item.value for item in (found.value.values() if found and isinstance(found.value, dict) else [])
-                  if item.value.get("cluster") is not None and item.value.get("layers") is not None]
+        placed = [record for record in await read_peers(node, run)
+                  if record.get("cluster") is not None and record.get("layers") is not None]
         if len(placed) >= expected:
             break
         if time.monotonic() > deadline:
@@ -118,9 +121,9 @@ async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadl
 
 async def read_plan(node: DHTNode, run: str, deadline: float) -> dict:
     while True:
-        found = await node.get(plan_key(run), latest=True)
-        if found is not None and isinstance(found.value, dict) and found.value:
-            return found.value[max(found.value)].value  # the newest round
+        plan = await read_newest_plan(node, run)
+        if plan is not None:
+            return plan
         if time.monotonic() > deadline:
             raise UserError(f"no plan record {plan_key(run)} appeared in the DHT in time", exit_code=1)
         await asyncio.sleep(POLL_SECONDS)
@@ -185,6 +188,13 @@ def poison_(local: torch.Tensor, kind: str) -> None:
         local[local.numel() // 2] = {"nan": float("nan"), "inf": float("inf")}[kind]
 
 
+def run_averaging_peer_process(options: AveragingPeerOptions) -> int:
+    """An averaging peer as a process started from its options (``ProcessGroup.start_library``)."""
+    configure_logging(False)
+    return run_async(run_averaging_peer(dataclasses.replace(
+        options, initial_peers=parse_maddrs(options.initial_peers), layers=tuple(options.layers))))
+
+
 async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.poison not in (None, *POISONS):
         raise UserError(f"--poison must be one of {', '.join(POISONS)}")
@@ -202,7 +212,7 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone
         await check_reachability(node.routes, peer_id_of(options.initial_peers[0]), options.timeout)
     if options.lose_replies or options.cut_streams:
-        averager = LossyRingAverager(node.p2p, options.run, timeout=options.timeout, compression=compression,
+        averager = LossyRingAverager(node.routes, options.run, timeout=options.timeout, compression=compression,
                                      part_bytes=options.part_bytes, lose_replies=options.lose_replies,
                                      cut_streams=options.cut_streams)
     else:
