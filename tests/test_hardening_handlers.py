@@ -235,6 +235,10 @@ def forward_metadata(microbatch, count=4, **overrides):
                 **overrides)
 
 
+def backward_metadata(microbatch):
+    return dict(run=RUN, cluster=0, stage=1, microbatch=microbatch, version=0)
+
+
 async def send(peer, handler, metadata, tensors):
     return await peer.raw(handler, frames_bytes(wire.encode(metadata, tensors)) + END_OF_STREAM)
 
@@ -258,12 +262,13 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
         replies["replay"] = await send(peer, wire.FORWARD, forward_metadata(7), [x, targets])
         await asyncio.sleep(1.0)  # time enough for the compute thread to run a second forward, were one queued
         replies["forwards after replay"] = peer.stage.counters.forwards
-        replies["unknown id"] = await send(peer, wire.BACKWARD, forward_metadata(999), [torch.randn(4, 64)])
+        replies["unknown id"] = await send(peer, wire.BACKWARD, backward_metadata(999), [torch.randn(4, 64)])
         ring = dict(run=RUN, step=5, ring=0, phase="reduce", position=0, attempt=[])
         ring_frames = frames_bytes(wire.encode(ring, [torch.ones(10)])) + END_OF_STREAM
         replies["ring first"] = await peer.raw(RING_HANDLER, ring_frames)
         replies["ring replay"] = await peer.raw(RING_HANDLER, ring_frames)
-        replies["ring parts kept"] = [len(inbox.parts) for key, inbox in peer.averager._mailbox.items() if key[0] == 5]
+        replies["ring parts kept"] = [len(inbox.parts) for key, inbox in peer.averager.mailbox.inboxes.items()
+                                      if key[0] == 5]
         flood = [await send(peer, wire.FORWARD, forward_metadata(100 + i), [x, targets]) for i in range(12)]
         return replies, flood
 
@@ -327,10 +332,10 @@ def test_poisoned_activations_and_gradients_are_refused_and_parameters_unaffecte
             await asyncio.sleep(0.05)
         before = peer.parameters()
         shape = peer.stage.pending[2].output_shape
-        replies["gradient"] = await send(peer, wire.BACKWARD, forward_metadata(2), [poisoned(torch.randn(shape))])
+        replies["gradient"] = await send(peer, wire.BACKWARD, backward_metadata(2), [poisoned(torch.randn(shape))])
         after_poison = peer.parameters()
         status = await peer.still_serving()
-        assert await send(peer, wire.BACKWARD, forward_metadata(2), [torch.randn(shape) * 0.1]) == "ok"
+        assert await send(peer, wire.BACKWARD, backward_metadata(2), [torch.randn(shape) * 0.1]) == "ok"
         for _ in range(100):
             if peer.stage.version > 0:
                 break

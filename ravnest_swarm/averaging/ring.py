@@ -1,0 +1,397 @@
+"""One ring in one round: wait for its members, then reduce-scatter and all-gather its segment with them.
+
+A ring of C members splits its segment into C chunks. Member i, in reduce-scatter step t, sends chunk
+(i - t) mod C to member i+1 and adds the chunk (i - t - 1) mod C it receives from member i-1; after C-1 steps
+it holds the full sum of chunk (i + 1) mod C and divides it by C. In all-gather step t it sends chunk
+(i + 1 - t) mod C and stores the chunk (i - t) mod C it receives.
+
+Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
+in time ends that ring only, the segment keeps its local value, and the other members are told to stop at
+once. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
+what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
+sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
+receiver names that sender, tells the ring, and the remaining members run the ring again without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression.base import CompressionBase, NoCompression
+from hivemind.p2p import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from ravnest_swarm.averaging.mailbox import Mailbox, MessageKey
+from ravnest_swarm.averaging.segments import Ring, chunk_bounds
+from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, GATHER, REDUCE, ROUND_OVER, Outbox, RingAbort,
+                                          RingArrive, RingPart, RingSender, serialize_part)
+
+logger = logging.getLogger(__name__)
+
+# How long a ring waits for a member that has not reached the round yet, beyond the ring timeout: the caller
+# (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
+Patience = Callable[[int, List[str]], Awaitable[float]]
+
+
+class ContributionRejected(Exception):
+    """A chunk from ``peer`` held NaN or Inf, was absurdly scaled, or had the wrong size."""
+
+    def __init__(self, peer: str, reason: str):
+        super().__init__(reason)
+        self.peer = peer
+
+
+@dataclass
+class SegmentResult:
+    """How one ring ended for this peer.
+
+    ``status`` is ``ok`` (averaged), ``timeout`` (a member did not answer in time), ``failed`` (a send
+    failed or another member ended the ring), ``excluded`` (our own contribution was refused) or
+    ``alone`` (every other member was excluded); all but ``ok`` keep the local value.
+    """
+
+    index: int
+    start: int
+    end: int
+    status: str
+    members: int
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(index=self.index, start=self.start, end=self.end, status=self.status, members=self.members,
+                    detail=self.detail)
+
+
+@dataclass
+class RoundLog:
+    """What a round's rings note as they go: refused contributions and ring streams sent again."""
+
+    rejected: List[dict] = field(default_factory=list)
+    resends: int = 0
+
+
+@dataclass(frozen=True)
+class RingPeer:
+    """What a ring needs of the peer that runs it: who it is, its mailbox and sender, and its settings.
+
+    ``background`` runs a note's send beyond the ring's end (the averager's shutdown waits for them).
+    """
+
+    peer_id: str
+    mailbox: Mailbox
+    sender: RingSender
+    background: Callable[[Coroutine], None]
+    timeout: float
+    compression: CompressionBase
+    part_bytes: int
+    max_scale: float
+
+
+class RingRound:
+    """One ring of one round as this peer runs it: members arrive, then attempts until one settles it."""
+
+    def __init__(self, peer: RingPeer, step: int, ring: Ring, segment: torch.Tensor, log: RoundLog):
+        self.peer, self.step, self.ring, self.segment, self.log = peer, step, ring, segment, log
+        self.state = peer.mailbox.ring_state(step, ring.index)
+
+    async def run(self, started: float, patience: Optional[Patience]) -> SegmentResult:
+        """Wait for every member (``timeout``, then as long as ``patience`` says), then run the ring until an
+        attempt completes, fails, or leaves us alone; the segment is written only when it completes."""
+        self._say_arrived(started + self.peer.timeout)
+        waiting_until: Optional[float] = started + self.peer.timeout  # for members not in the round yet
+        deadline: Optional[float] = None  # the ring's own, from the moment every member is here
+        while True:
+            self.state.changed.clear()  # before looking: a note that comes while we look wakes the waits below
+            self.state.arrival.clear()
+            members = [member for member in self.ring.members if member not in self.state.excluded]
+            settled = self._settled(members)
+            if settled is not None:
+                return settled
+            missing = [member for member in members if member != self.peer.peer_id and member not in self.state.arrived]
+            if missing:
+                waiting_until = await self._wait_for(missing, waiting_until, patience)
+                if waiting_until is None:
+                    return self._never_came(members, missing, started)
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + self.peer.timeout
+            result = await self._attempt(members, deadline)
+            if result is not None:
+                return result
+
+    def _result(self, status: str, members: int, detail: str = "") -> SegmentResult:
+        return SegmentResult(self.ring.index, self.ring.start, self.ring.end, status, members, detail)
+
+    def _settled(self, members: List[str]) -> Optional[SegmentResult]:
+        """The ring's end that the notes decided: we were excluded, it was ended, or nobody is left with us."""
+        if self.peer.peer_id not in members:
+            return self._result("excluded", len(members), "our contribution was refused by the ring")
+        if self.state.failure is not None:
+            return self._result("failed", len(members), self.state.failure)
+        if len(members) < 2:
+            return self._result("alone", 1, "every other member was excluded")
+        return None
+
+    async def _wait_for(self, missing: List[str], until: float, patience: Optional[Patience]) -> Optional[float]:
+        """Wait for news until ``until``; then ask ``patience``. Until when to wait on, or None to give up."""
+        if await self.state.news(max(0.0, until - time.monotonic())):
+            return until
+        more = await patience(self.step, missing) if patience is not None else 0.0
+        return time.monotonic() + more if more > 0 else None
+
+    def _never_came(self, members: List[str], missing: List[str], started: float) -> SegmentResult:
+        reason = (f"{', '.join(member[-8:] for member in missing)} did not reach round {self.step} within "
+                  f"{time.monotonic() - started:.0f}s")
+        logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) timeout: {reason}")
+        self._tell_ring(members, failure=reason)
+        return self._result("timeout", len(members), reason[:300])
+
+    async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
+        """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
+        attempt = asyncio.create_task(RingAttempt(self, members, deadline).run())
+        interrupted = asyncio.create_task(self.state.changed.wait())
+        try:
+            await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            interrupted.cancel()
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
+            return None  # membership changed or the ring was ended: decide again from the state
+        try:
+            averaged = attempt.result()
+        except ContributionRejected as e:
+            self._exclude(e, members)
+            return None
+        except (asyncio.TimeoutError, Exception) as e:
+            status = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
+            reason = str(e) or type(e).__name__
+            logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) {status}: {reason}")
+            self._tell_ring(members, failure=reason)
+            return self._result(status, len(members), reason[:300])
+        if not math.isfinite(largest(averaged)):
+            # only our own contribution can be non-finite here (every received chunk was checked): the
+            # others refuse the chunk we finalized and go on without us, so we keep our local value
+            return self._result("excluded", len(members), "our own values are not finite")
+        self.segment.copy_(averaged)
+        return self._result("ok", len(members))
+
+    def _exclude(self, rejected: ContributionRejected, members: List[str]) -> None:
+        self.log.rejected.append(dict(peer=rejected.peer, ring=self.ring.index, reason=str(rejected)))
+        logger.warning(f"ring {self.ring.index}: refused the contribution of {rejected.peer[-8:]}: {rejected}")
+        self.state.excluded.add(rejected.peer)
+        self._tell_ring(members, excluded=sorted(self.state.excluded))
+
+    # ---- notes to the other members ------------------------------------------------------------------
+
+    def _say_arrived(self, deadline: float) -> None:
+        """Tell every other member, in the background, that we reached the round: each starts the ring once
+        all have. A member that refuses it as a round it has finished will never come: that ends the ring."""
+        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[])
+
+        async def tell(member: str) -> None:
+            try:
+                await self.peer.sender.send_note(member, note, deadline)
+            except P2PHandlerError as e:
+                if ROUND_OVER in str(e):
+                    self.state.end(f"{member[-8:]} is past round {self.step}")
+            except Exception as e:  # unreachable: the wait for its own note, or the ring, runs out of time
+                logger.debug(f"could not tell {member[-8:]} we reached round {self.step}: {e}")
+
+        for member in self.ring.members:
+            if member != self.peer.peer_id:
+                self.peer.background(tell(member))
+
+    def _tell_ring(self, members: Sequence[str], excluded: Optional[List[str]] = None,
+                   failure: Optional[str] = None) -> None:
+        """Best effort, in the background: the ring's result does not wait for these notes to arrive."""
+        note = RingAbort(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
+                         excluded=excluded, failure=None if failure is None else failure[:FAILURE_CHARS])
+
+        async def tell(member: str) -> None:
+            try:
+                await self.peer.sender.send_note(member, note, time.monotonic() + CONTROL_TIMEOUT)
+            except Exception as e:
+                logger.debug(f"could not tell {member[-8:]} about ring {self.ring.index}: {e}")
+
+        for member in members:
+            if member != self.peer.peer_id:
+                self.peer.background(tell(member))
+
+
+class RingStep(NamedTuple):
+    """One step of the ring as this member sees it: which chunk it sends and which it receives."""
+
+    phase: str  # REDUCE or GATHER
+    position: int  # the step's number within its phase
+    sends: int  # chunk index
+    receives: int
+
+
+class Progress:
+    """How many elements of its chunk a step has handled; others wait for a mark."""
+
+    def __init__(self):
+        self.value, self.done = 0, False
+        self.changed = asyncio.Event()
+
+    def advance(self, value: int, done: bool = False) -> None:
+        self.value, self.done = value, self.done or done
+        self.changed.set()
+
+    async def reach(self, mark: int) -> None:
+        while self.value < mark and not self.done:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+class RingAttempt:
+    """Reduce-scatter then all-gather over ``members``: 2(n-1) steps, each moving one chunk of segment/n.
+
+    Every step has its own sending stream and receiving coroutine, all started at once. A chunk moves in
+    parts: when step i has a part of its chunk (received and summed, or final), the same part goes out in
+    step i+1, so consecutive steps overlap. Step i handles a part only after step i-1 handled the same
+    elements, which keeps every read and write of ``work`` in the order of the unpipelined algorithm.
+
+    Nothing the size of the segment is done before the streams open, because a peer's link is idle until
+    then (in the bench a peer of three rings spent 0.2-0.3 s cloning, scanning and serializing them first):
+    step 0's parts are serialized one at a time while the streams start, ``work`` is filled as parts arrive
+    instead of starting as a copy of the segment, and a chunk's scale is taken when its first part arrives.
+    """
+
+    def __init__(self, ring_round: RingRound, members: List[str], deadline: float):
+        self.round, self.peer, self.segment = ring_round, ring_round.peer, ring_round.segment
+        self.members, self.deadline = members, deadline
+        count, me = len(members), members.index(self.peer.peer_id)
+        self.count = count
+        self.following, self.preceding = members[(me + 1) % count], members[(me - 1) % count]
+        self.chunks = [slice(lo, hi) for lo, hi in chunk_bounds(self.segment.numel(), count)]
+        self.excluded_before = sorted(set(ring_round.ring.members) - set(members))  # names the attempt
+        # every element is written once the ring completes: reduce steps write segment + received into all
+        # chunks but our own, the gather steps write every chunk but the one we finalized. The segment itself
+        # keeps its local values until then, so a failed ring leaves it as it was.
+        self.work = torch.empty_like(self.segment)
+        self.steps = [RingStep(REDUCE, t, (me - t) % count, (me - t - 1) % count) for t in range(count - 1)]
+        self.steps += [RingStep(GATHER, t, (me + 1 - t) % count, (me - t) % count) for t in range(count - 1)]
+        self.outboxes = [Outbox() for _ in self.steps]
+        self.handled = [Progress() for _ in self.steps]  # elements of its received chunk each step has handled
+        # honest partial sums stay within `contributions` times values of our own scale (the infinity norm:
+        # one pass, no temporary the size of the chunk); taken per chunk when the first part of it arrives
+        self.scales: Dict[int, float] = {}
+
+    async def run(self) -> torch.Tensor:
+        """Every step's send and receive at once; the averaged segment, or the first failure."""
+        tasks = [asyncio.create_task(self._send(index)) for index in range(len(self.steps))]
+        tasks += [asyncio.create_task(self._receive(index)) for index in range(len(self.steps))]
+        tasks.append(asyncio.create_task(self._send_own_chunk()))
+        try:
+            # the first failure (a refused contribution, a timeout, a failed send) ends the attempt
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for outbox in self.outboxes:
+                outbox.abandon()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return self.work
+
+    async def _send(self, index: int) -> None:
+        step = self.steps[index]
+        message = RingPart(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index,
+                           position=step.position, attempt=self.excluded_before, phase=step.phase)
+        resent = await self.peer.sender.send_chunk(self.following, message, self.outboxes[index], self.deadline)
+        self.round.log.resends += resent  # not `+= await`: that would read the count before other sends added theirs
+
+    async def _send_own_chunk(self) -> None:
+        """Step 0 sends our own values (the segment, unchanged during the attempt), a part at a time: between
+        parts the other rings' coroutines run, so every stream opens and starts sending at once."""
+        first = self.chunks[self.steps[0].sends]
+        part_elements = max(1, self.peer.part_bytes // 4)
+        bounds = range(first.start, first.stop, part_elements) if first.stop > first.start else [first.start]
+        for lo in bounds:
+            self.outboxes[0].put(serialize_part(self.segment[lo:min(lo + part_elements, first.stop)],
+                                                self.peer.compression))
+            await asyncio.sleep(0)
+        self.outboxes[0].close()
+
+    async def _receive(self, index: int) -> None:
+        """Step ``index``'s chunk from our predecessor, part by part: checked, summed or stored, passed on."""
+        step = self.steps[index]
+        chunk = self.chunks[step.receives]
+        length, offset = chunk.stop - chunk.start, 0
+        key: MessageKey = (self.round.step, self.round.ring.index, tuple(self.excluded_before), step.phase,
+                           step.position, self.preceding)
+        async for received, as_sent in self.peer.mailbox.receive(key, self.deadline):
+            received = self._checked(step, received, offset, length)
+            if index > 0:
+                previous = self.chunks[self.steps[index - 1].receives]
+                await self.handled[index - 1].reach(min(offset + received.numel(), previous.stop - previous.start))
+            self._take(index, slice(chunk.start + offset, chunk.start + offset + received.numel()), received, as_sent)
+            offset += received.numel()
+            self.handled[index].advance(offset)
+        if offset != length:
+            raise ContributionRejected(self.preceding, f"chunk of {offset} elements, expected {length}")
+        if index + 1 < len(self.steps):
+            self.outboxes[index + 1].close()
+        self.handled[index].advance(length, done=True)
+
+    def _checked(self, step: RingStep, received: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+        """A received part as flat float32, or :class:`ContributionRejected`: too long, non-finite, absurdly scaled."""
+        n = received.numel()
+        if offset + n > length:
+            raise ContributionRejected(self.preceding, f"chunk of more than {length} elements, expected {length}")
+        if received.dtype != torch.float32:
+            received = received.float()
+        received = received.reshape(-1)
+        magnitude = largest(received)
+        if not math.isfinite(magnitude):
+            raise ContributionRejected(self.preceding, f"{step.phase} chunk {step.position} holds NaN or Inf")
+        if n:
+            contributions = step.position + 1 if step.phase == REDUCE else 1
+            ours = self._our_scale(step.receives)
+            if magnitude > self.peer.max_scale * contributions * ours:
+                raise ContributionRejected(self.preceding, f"{step.phase} chunk {step.position} is absurdly scaled "
+                                                           f"(magnitude {magnitude:.3g}, ours {ours:.3g})")
+        return received
+
+    def _our_scale(self, chunk: int) -> float:
+        if chunk not in self.scales:
+            self.scales[chunk] = max(largest(self.segment[self.chunks[chunk]]), 1.0)
+        return self.scales[chunk]
+
+    def _take(self, index: int, elements: slice, received: torch.Tensor, as_sent: runtime_pb2.Tensor) -> None:
+        """Write a received part into ``work`` (summed with ours while reducing) and pass it to the next step."""
+        step = self.steps[index]
+        last_reduce = step.phase == REDUCE and step.position == self.count - 2
+        values = self.work[elements]
+        if step.phase == REDUCE:
+            torch.add(self.segment[elements], received, out=values)
+            if last_reduce:
+                values /= self.count
+        else:
+            values.copy_(received)
+        if index + 1 == len(self.steps):
+            return
+        if step.phase == GATHER:
+            self.outboxes[index + 1].put(as_sent)  # forwarded exactly as the owner compressed it
+            return
+        part = serialize_part(values, self.peer.compression)
+        if last_reduce and not isinstance(self.peer.compression, NoCompression):
+            # the others get our chunk through the compression: keep the same value so all agree
+            values.copy_(deserialize_torch_tensor(part).float().reshape(-1))
+        self.outboxes[index + 1].put(part)
+
+
+def largest(values: torch.Tensor) -> float:
+    """The largest magnitude in one pass without temporaries; NaN if any element is NaN, Inf if any is infinite."""
+    return torch.linalg.vector_norm(values, float("inf")).item() if values.numel() else 0.0
