@@ -4,7 +4,7 @@ import asyncio
 import time
 from typing import Callable, Dict
 
-from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 

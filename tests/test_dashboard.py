@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -298,3 +299,14 @@ def test_the_title_says_when_the_run_is_finished_and_not_before():
     state.update([peer("a", "done", 0, 0, step=300), peer("b", "done", 0, 1, step=300), peer("s", "standby", -1)])
     assert state.finished and "run demo · finished at step 300" in render_text(state, 100)
     assert not SwarmState("demo").finished  # a run's length unknown (no spec read): never called finished
+
+
+def test_the_dashboard_imports_no_network_code():
+    """The dashboard draws snapshots it is handed (membership.reader reads them): importing it loads no
+    hivemind module (the package's light entry is no module of hivemind's), nor our network code."""
+    code = ("import sys, ravnest_swarm.dashboard.live, ravnest_swarm.dashboard.view, "
+            "ravnest_swarm.dashboard.peers_table; print(' '.join(sys.modules))")
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    network = [name for name in imported if name.startswith(("hivemind.", "ravnest_swarm.net"))
+               or name in ("ravnest_swarm.membership.reader", "ravnest_swarm.membership.records")]
+    assert network == []

@@ -18,7 +18,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundProposal, RunSpecRecord, StageEndpoint,
                                               make_validators, peers_key, plan_key, round_key, spec_key,
                                               stage_subkey_prefix, stages_key)

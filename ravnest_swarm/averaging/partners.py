@@ -9,7 +9,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.membership.records import peers_key
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.net.node import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
@@ -24,9 +24,7 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> Non
     """
     me = node.peer_id.to_base58()
     wanted = {member for ring in rings for member in ring.members if member != me}
-    found = await node.get(peers_key(run), latest=True)
-    records = [item.value for item in (found.value.values() if found and isinstance(found.value, dict) else [])]
-    for record in records:
+    for record in await read_peers(node, run):
         if record.get("peer_id") in wanted and record.get("maddrs"):
             peer_id = PeerID.from_base58(record["peer_id"])
             maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)

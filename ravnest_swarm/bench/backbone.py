@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.bench.membership import tree_memory_mb
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.processes import PeerProcess, ProcessGroup

@@ -1,4 +1,7 @@
-"""The live dashboard: read the run's records every period and redraw, until asked to stop.
+"""The live dashboard: take a snapshot of the run every period and redraw, until asked to stop.
+
+The snapshots come from the caller (``membership.reader.read_snapshot`` reads them from the DHT):
+the dashboard draws plain records and never touches the network.
 
 While a live view is up, log records must not be written to the terminal it redraws (each one would
 scroll it or draw over it): :func:`logs_below` hands them to a :class:`LogPanel`, which the view draws
@@ -13,9 +16,8 @@ import re
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, Iterator, List, Optional, Tuple
 
-from hivemind.dht.node import DHTNode
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.rule import Rule
@@ -23,8 +25,7 @@ from rich.text import Text
 
 from ravnest_swarm.dashboard.state import SwarmState
 from ravnest_swarm.dashboard.view import render
-from ravnest_swarm.membership.announcer import read_peers
-from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, plan_key
+from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +109,11 @@ def render_with_logs(state: SwarmState, panel: LogPanel, console: Console, me: O
     return Group(render(state, console.width, height, me), *panel.render(console.width))
 
 
-async def read_adopted_plan(node: DHTNode, run: str) -> Optional[Dict]:
-    """The newest round of ``{run}_plan``, or None while no plan has been adopted."""
-    found = await node.get(plan_key(run), latest=True)
-    if found is None or not isinstance(found.value, dict) or not found.value:
-        return None
-    return found.value[max(found.value)].value
-
-
-async def watch_swarm(node: DHTNode, run: str, stop: asyncio.Event, period: float, console: Console,
-                      me: Optional[str] = None, steps: Optional[int] = None) -> SwarmState:
+async def watch_swarm(read_snapshot: Callable[[], Awaitable[Dict]], run: str, stop: asyncio.Event, period: float,
+                      console: Console, me: Optional[str] = None, steps: Optional[int] = None) -> SwarmState:
     """Redraw the dashboard of ``run`` every ``period`` seconds until ``stop`` is set; returns the last state.
 
-    :param node: a DHT node that validates the run's records
+    :param read_snapshot: returns the run's next snapshot (:meth:`SwarmState.feed` says what one holds)
     :param run: run name
     :param stop: set by a signal handler to end the view
     :param period: seconds between snapshots
@@ -133,7 +126,7 @@ async def watch_swarm(node: DHTNode, run: str, stop: asyncio.Event, period: floa
             logs_below(LogPanel()) as panel:
         while not stop.is_set():
             try:
-                state.update(await read_peers(node, run), await read_adopted_plan(node, run))
+                state.feed(await read_snapshot())
             except Exception as e:  # one failed DHT read must not end the view; the next period retries
                 logger.warning(f"reading the swarm's records failed: {e}")
             view.update(render_with_logs(state, panel, console, me), refresh=True)

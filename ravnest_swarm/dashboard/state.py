@@ -1,10 +1,11 @@
 """What the dashboard knows about a swarm, derived from successive snapshots of the peer records.
 
-The dashboard reads nothing but the ``{run}_peers`` records (what ``read_peers`` returns) and, when
-there is one, the adopted ``{run}_plan`` record. Everything it shows is derived here from those
-snapshots: the cluster map, the standby peers, the totals, a loss history and the events between
-two snapshots. Memory stays bounded whatever the run's length: one snapshot is kept for diffing,
-the loss history and the events are fixed-length deques, and the names of peers seen are capped.
+The dashboard is fed snapshots of the ``{run}_peers`` records and, when there is one, the adopted
+``{run}_plan`` record; ``membership.reader.read_snapshot`` reads them, the dashboard never touches the
+network. Everything it shows is derived here from those snapshots: the cluster map, the standby peers,
+the totals, a loss history and the events between two snapshots. Memory stays bounded whatever the
+run's length: one snapshot is kept for diffing, the loss history and the events are fixed-length
+deques, and the names of peers seen are capped.
 
 A DHT read can miss records (a node that holds some of them did not answer in time, which a busy
 machine makes common): a read is merged into what is known, and a record missing from it stays until
@@ -19,7 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple
 
-from ravnest_swarm.membership.announcer import run_finished
+from ravnest_swarm.membership.progress import run_finished
 
 Slot = Tuple[int, int]  # (cluster, stage)
 # a volunteer's record ``note`` says what last went wrong, starting with one of these
@@ -107,10 +108,15 @@ class SwarmState:
 
     @property
     def finished(self) -> bool:
-        """Every placed peer reached the run's length (``membership.announcer.run_finished``)."""
+        """Every placed peer reached the run's length (``membership.progress.run_finished``)."""
         return self.steps is not None and run_finished(self.peers, self.steps)
 
     # --- feeding -------------------------------------------------------------------------------
+
+    def feed(self, snapshot: Dict) -> List[Event]:
+        """Take one snapshot as ``membership.reader.read_snapshot`` makes it and recordings hold it:
+        ``{"run", "at", "peers", "plan"}`` (see :meth:`update`)."""
+        return self.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"])
 
     def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None) -> List[Event]:
         """Take a new snapshot; returns the events it caused (also appended to :attr:`events`).
@@ -328,7 +334,7 @@ class SwarmState:
         """A state fed every snapshot of a recording: ``{"run": ..., "snapshots": [{"at", "peers", "plan"}]}``."""
         state = cls(recording.get("run", ""), **options)
         for snapshot in recording["snapshots"]:
-            state.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"])
+            state.feed(snapshot)
         return state
 
 

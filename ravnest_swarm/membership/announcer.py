@@ -1,11 +1,11 @@
-"""Publishing and reading peer records under ``{run}_peers``."""
+"""Publishing this peer's record under ``{run}_peers`` (``membership.reader`` reads them)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -79,37 +79,3 @@ class PeerAnnouncer:
         self.update(state="leaving")
         await self.publish(lifetime=2 * self.heartbeat + 0.5)
 
-
-async def read_peers(node: DHTNode, run: str) -> List[Dict]:
-    """Every live peer record of ``run`` (already validated by the node), sorted by name."""
-    found = await node.get(peers_key(run), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    peers = []
-    for subkey, item in found.value.items():
-        record = dict(item.value)
-        record["expires_in"] = round(item.expiration_time - get_dht_time(), 1)
-        peers.append(record)
-    return sorted(peers, key=lambda record: (record["name"], record["peer_id"]))
-
-
-async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Dict]:
-    """Every live peer record that any of ``looks`` reads finds, the newest copy of each, sorted by name.
-
-    One read can miss the records held by a DHT node that did not answer in time (a busy machine makes
-    that common); for a one-shot view (``status``) a second look is cheaper than a peer shown as gone.
-    """
-    found: Dict[str, Dict] = {}
-    for _ in range(looks):
-        for record in await read_peers(node, run):
-            known = found.get(record["peer_id"])
-            if known is None or record["time"] > known["time"]:
-                found[record["peer_id"]] = record
-    return sorted(found.values(), key=lambda record: (record["name"], record["peer_id"]))
-
-
-def run_finished(peers: List[Dict], steps: int) -> bool:
-    """A run is finished when it has placed peers and every one of them reached the run's length ``steps``
-    (its spec's). ``peers``: live records (:func:`read_peers`); a leaving peer no longer counts."""
-    placed = [p for p in peers if p["state"] != "leaving" and p.get("cluster") is not None and p["cluster"] >= 0]
-    return bool(placed) and all(p["state"] == "done" and (p.get("step") or 0) >= steps for p in placed)

@@ -17,7 +17,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.announcer import read_peers
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, relay_stats
 from ravnest_swarm.net.routes import probe_peer

@@ -20,6 +20,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
@@ -30,12 +31,6 @@ MAX_PLAN_STAGES = 4096
 MAX_MODEL_NAME_LEN = 200  # a user's entry point: package.module:function
 MAX_LAYOUT_LAYERS = 4096
 MAX_LAYOUT_TENSORS = 16384  # tensors of all layers: a 96-block GPT has about 1,200 (a spec of about 40 KB)
-# C0 and C1 control characters (ESC starts a terminal escape sequence, newlines break tables), line and
-# paragraph separators, and the bidirectional overrides and isolates (they make one name look like another):
-# no record string a terminal may show contains one, so a hostile record is dropped rather than drawn. Written
-# as escapes (the body of a regex [...]): validation errors quote the pattern and must not carry the characters
-CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
-CONTROL_CHARACTER_RE = re.compile(f"[{CONTROL_CHARACTERS}]")
 
 
 def validate_run_name(run: str) -> str:

@@ -31,8 +31,9 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.membership.reader import read_newest_plan, read_peers, read_proposals
 from ravnest_swarm.membership.records import (
-    MAX_ROUND_PEERS, PlanRecord, RoundProposal, peers_key, plan_key, planning_memory_gb, round_key,
+    MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, planning_memory_gb, round_key,
 )
 from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
@@ -197,34 +198,22 @@ class PlanningRounds:
 
     async def read_alive(self, at: float) -> Dict[str, Peer]:
         """Peers whose records are still valid at DHT time ``at`` and not leaving, by peer id."""
-        found = await self.node.get(peers_key(self.run), latest=True)
         alive = {}
-        if found is not None and isinstance(found.value, dict):
-            for item in found.value.values():
-                record = item.value
-                if item.expiration_time > at and record["state"] != "leaving":
-                    self.names[record["peer_id"]] = record["name"]
-                    # stages are sized by the memory of the device that holds them: a GPU peer's is its GPU's
-                    alive[record["peer_id"]] = Peer(record["peer_id"], planning_memory_gb(record), record["gflops"],
-                                                    record["bandwidth_mbps"])
+        for record in await read_peers(self.node, self.run, alive_at=at):
+            if record["state"] != "leaving":
+                self.names[record["peer_id"]] = record["name"]
+                # stages are sized by the memory of the device that holds them: a GPU peer's is its GPU's
+                alive[record["peer_id"]] = Peer(record["peer_id"], planning_memory_gb(record), record["gflops"],
+                                                record["bandwidth_mbps"])
         return alive
-
-    async def read_plan(self) -> Optional[dict]:
-        found = await self.node.get(plan_key(self.run), latest=True)
-        if found is None or not isinstance(found.value, dict) or not found.value:
-            return None
-        return found.value[max(found.value)].value
 
     async def read_proposals(self, round_number: int, deadline_after: float = 0.0) -> List[dict]:
         """Proposals of ``round_number`` whose deadline is after ``deadline_after`` (older attempts failed)."""
-        found = await self.node.get(round_key(self.run), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        return [item.value for item in found.value.values()
-                if item.value["round"] == round_number and item.value["deadline"] > deadline_after]
+        return [proposal for proposal in await read_proposals(self.node, self.run)
+                if proposal["round"] == round_number and proposal["deadline"] > deadline_after]
 
     async def poll_once(self) -> None:
-        plan = await self.read_plan()
+        plan = await read_newest_plan(self.node, self.run)
         round_number = plan["round"] + 1 if plan is not None else 1
         now = get_dht_time()
         proposals = await self.read_proposals(round_number, deadline_after=now - self.options.settle)

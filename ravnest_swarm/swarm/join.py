@@ -196,12 +196,12 @@ async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: 
     """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
     ``steps``: the run's length, for the dashboard to say when the run is finished."""
     from ravnest_swarm.dashboard.state import SwarmState
-    from ravnest_swarm.membership.announcer import read_peers
+    from ravnest_swarm.membership.reader import read_peers, read_snapshot
 
     if live:
         from ravnest_swarm.dashboard.live import watch_swarm
 
-        await watch_swarm(node, run, stop, period, console, me, steps)
+        await watch_swarm(lambda: read_snapshot(node, run), run, stop, period, console, me, steps)
         return
 
     last_names = None

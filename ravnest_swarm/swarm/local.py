@@ -31,13 +31,13 @@ from rich.console import Console
 from rich.live import Live
 
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes
-from ravnest_swarm.dashboard.live import LogPanel, logs_below, read_adopted_plan, render_with_logs
+from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE, TRAINING_STATES, SwarmState
 from ravnest_swarm.devices import device_kind
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import install_stop_signals
-from ravnest_swarm.membership.announcer import read_peers
-from ravnest_swarm.membership.records import make_validators, round_key
+from ravnest_swarm.membership.reader import read_proposals, read_snapshot
+from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.models import load_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
@@ -224,7 +224,7 @@ class LocalSwarm:
             # the dashboard's state merges each read into what is known: a read that missed records (a DHT node
             # that did not answer in time) neither drops them nor ends the run early
             try:
-                self.state.update(await read_peers(observer, RUN), await read_adopted_plan(observer, RUN))
+                self.state.feed(await read_snapshot(observer, RUN))
             except Exception as e:  # one failed DHT read must not end the run; the next look retries
                 logger.warning(f"reading the swarm's records failed: {e}")
             peers, plan = self.state.peers, self.state.plan
@@ -290,13 +290,10 @@ class LocalSwarm:
     @staticmethod
     async def _round_open(observer, plan: Optional[dict]) -> bool:
         """Whether a planning round after ``plan`` is under way: its plan may still put standby peers to work."""
-        found = await observer.get(round_key(RUN), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return False
         after = plan["round"] if plan is not None else 0
         # a round's adoption reads the proposals a little after their deadline
-        return any(item.value["round"] > after and item.value["deadline"] > get_dht_time() - 5
-                   for item in found.value.values())
+        return any(proposal["round"] > after and proposal["deadline"] > get_dht_time() - 5
+                   for proposal in await read_proposals(observer, RUN))
 
     def _finished(self, peers: List[dict], plan: Optional[dict]) -> bool:
         """Every peer of the plan in force has trained its steps (its stage worker finished)."""
