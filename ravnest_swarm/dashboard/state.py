@@ -311,7 +311,8 @@ class SwarmState:
     def to_json(self) -> Dict:
         """Everything needed to render this state again and to go on diffing from it."""
         return dict(
-            run=self.run, max_events=self.max_events, max_losses=self.max_losses, max_names=self.max_names,
+            run=self.run, steps=self.steps, max_events=self.max_events, max_losses=self.max_losses,
+            max_names=self.max_names,
             snapshots=self.snapshots, at=self.at, peers=self.peers, plan=self.plan,
             losses=[list(point) for point in self.losses], events=[asdict(e) for e in self.events],
             last_holders=[[cluster, stage, holder] for (cluster, stage), holder in sorted(self.last_holders.items())],
@@ -320,7 +321,7 @@ class SwarmState:
 
     @classmethod
     def from_json(cls, data: Dict) -> "SwarmState":
-        state = cls(data.get("run", ""), data["max_events"], data["max_losses"], data["max_names"])
+        state = cls(data.get("run", ""), data["max_events"], data["max_losses"], data["max_names"], data.get("steps"))
         state.snapshots, state.at = data["snapshots"], data["at"]
         state.peers, state.plan = data["peers"], data["plan"]
         state.losses.extend(tuple(point) for point in data["losses"])
@@ -330,17 +331,18 @@ class SwarmState:
         return state
 
     @classmethod
-    def replay(cls, recording: Dict, **options) -> "SwarmState":
-        """A state fed every snapshot of a recording: ``{"run": ..., "snapshots": [{"at", "peers", "plan"}]}``."""
-        state = cls(recording.get("run", ""), **options)
-        for snapshot in recording["snapshots"]:
+    def replay(cls, snapshots: List[Dict], **options) -> "SwarmState":
+        """A state fed every snapshot of a recording (:func:`load_recording`), in order."""
+        state = cls(snapshots[0]["run"] if snapshots else "", **options)
+        for snapshot in snapshots:
             state.feed(snapshot)
         return state
 
 
-def load_recording(path: str) -> Dict:
+def load_recording(path: str) -> List[Dict]:
+    """The snapshots of a recording: one JSON object a line, as ``RAVNEST_RECORD_SNAPSHOTS`` writes them."""
     with open(path) as f:
-        return json.load(f)
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _where(peer: Dict) -> str:
