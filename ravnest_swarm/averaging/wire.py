@@ -26,7 +26,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.compression.base import CompressionBase
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
-from pydantic import Field, RootModel, model_validator
+from pydantic import Discriminator, Field, RootModel, Tag, model_validator
 
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
@@ -102,8 +102,21 @@ class RingAbort(RingMessage):
         return self.model_dump(exclude_none=True)  # a note says one of the two
 
 
-class RingRequest(RootModel[Annotated[Union[RingPart, RingArrive, RingAbort], Field(discriminator="phase")]]):
-    """The metadata of a ring stream's first request, told apart by ``phase``."""
+def _kind(metadata) -> Optional[str]:
+    """Which schema a ring message's metadata is for, by its ``phase``; None refuses it with a fixed reason
+    (pydantic's own would quote the phase it got, newlines and all)."""
+    phase = metadata.get("phase") if isinstance(metadata, dict) else getattr(metadata, "phase", None)
+    if not isinstance(phase, str):
+        return None
+    return {REDUCE: "part", GATHER: "part", ARRIVE: "arrive", ABORT: "abort"}.get(phase)
+
+
+class RingRequest(RootModel[Annotated[
+    Union[Annotated[RingPart, Tag("part")], Annotated[RingArrive, Tag("arrive")], Annotated[RingAbort, Tag("abort")]],
+    Discriminator(_kind, custom_error_type="ring_phase",
+                  custom_error_message=f"'phase' must be one of {REDUCE}, {GATHER}, {ARRIVE}, {ABORT}")]]):
+    """The metadata of a ring stream's first request: a :class:`RingPart`, :class:`RingArrive` or
+    :class:`RingAbort`, told apart by ``phase``."""
 
 
 class RingReply(Message):
