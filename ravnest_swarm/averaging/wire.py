@@ -58,7 +58,7 @@ PeerIds = Annotated[List[PeerIdText], Field(max_length=MAX_LISTED_PEERS)]
 
 
 class RingMessage(Message):
-    """What every ring message names: the run, the round (a training step), the ring, the attempt and the step.
+    """What every ring message names: the run, the round (a training step), the ring, the attempt and the ring step.
 
     The mailbox files a message under these and its sender. ``attempt`` is the sorted list of the peers the
     ring excluded before this attempt; a note carries ``position`` 0 and ``attempt`` [] (they name no step).
@@ -125,8 +125,8 @@ class RingReply(Message):
 
 register_handler(Handler(
     name=RING_HANDLER, request=RingRequest, reply=RingReply, max_bytes=MAX_MESSAGE_BYTES,
-    callers="members of a ring of ours in the adopted plan: a message counts only from the ring's expected "
-            "predecessor, a note only from a member (anyone else's is filed and never taken)",
+    callers="members of a ring of ours in the adopted plan: a chunk counts only from the ring's expected "
+            "predecessor and an arrive note only from a member; an abort note is not checked against the members",
     owner=__name__))
 
 
