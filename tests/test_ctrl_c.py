@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from test_swarm import MODEL_GB
+from waiting import wait_until
 
 RUN = "ctrl-c"
 
@@ -56,9 +57,12 @@ def test_ctrl_c_says_stopping_within_a_second_and_leaves_within_ten(processes, t
             assert time.monotonic() < deadline, f"never trained:\n{screen}"
             time.sleep(0.5)
             screen = tmux("capture-pane", "-p", "-J", "-S", "-200", "-t", session)
-        time.sleep(3)
-        tree = [join, *join.children(recursive=True)]  # the peer and its p2pd
-        assert any(p.name() == "p2pd" for p in tree[1:]), [p.name() for p in tree]
+
+        def peer_and_its_p2pd():
+            children = join.children(recursive=True)
+            return [join, *children] if any(p.name() == "p2pd" for p in children) else None
+
+        tree = wait_until(peer_and_its_p2pd, 10, "the peer's p2pd")
 
         tmux("send-keys", "-t", session, "C-c")
         pressed = time.monotonic()

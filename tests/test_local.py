@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from process_tree import alive, descendants, kill_pids
+from waiting import output_of, wait_until
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 
@@ -138,7 +139,8 @@ def test_a_stopped_quality_bench_reports_nothing_and_leaves_nothing_running(proc
             assert time.monotonic() < deadline and bench.popen.poll() is None, bench.stderr()[-2000:]
             time.sleep(0.5)
             started = descendants(bench.pid)
-        time.sleep(5)
+        wait_until(lambda: any(re.search(r"^peer\d+: training cluster", output_of(pid, 2), re.MULTILINE)
+                               for pid in descendants(bench.pid)), 120, "a volunteer of the bench's swarm training")
         started |= descendants(bench.pid)
         bench.signal(signal.SIGTERM)
         assert bench.wait(90) == 1, bench.stderr()[-2000:]

@@ -94,8 +94,10 @@ def test_lab_nat_lets_home_out_and_nothing_in(processes):
         try:
             for prefix in (lab.public_prefix(0), lab.home_prefix(0)):
                 listeners.append(subprocess.Popen([*prefix, sys.executable, "-c",
-                    "import socket,time; s=socket.create_server(('0.0.0.0', 40000)); time.sleep(60)"]))
-            time.sleep(1.0)
+                    "import socket,time; s=socket.create_server(('0.0.0.0', 40000)); print('listening', flush=True); "
+                    "time.sleep(60)"], stdout=subprocess.PIPE, text=True))
+            for listener in listeners:  # else the refusals below would prove nothing
+                assert listener.stdout.readline() == "listening\n"
             assert connects(lab.home_prefix(0), lab.public_ip(0), 40000), "home host cannot reach the public side"
             # the router's public address answers nothing unsolicited, and home LANs are not routed publicly
             assert not connects(lab.public_prefix(0), lab.router_ip(0), 40000)

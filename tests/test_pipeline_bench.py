@@ -8,6 +8,7 @@ import psutil
 import pytest
 
 from process_tree import alive, descendants, kill_pids
+from waiting import output_of, wait_until
 from ravnest_swarm.bench.netlab import LAB_PREFIX, namespaces_available
 from ravnest_swarm.bench.pipeline import busy_fraction, round_trip_breakdown
 
@@ -60,7 +61,8 @@ def test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab(proc
             assert time.monotonic() < deadline and bench.popen.poll() is None, bench.stderr()[-2000:]
             time.sleep(0.5)
             started = descendants(bench.pid)
-        time.sleep(3)  # the stages are training
+        wait_until(lambda: any(_is_stage(pid) and "progress " in output_of(pid, 1) for pid in descendants(bench.pid)),
+                   120, "the first stage reporting trained microbatches")
         started |= descendants(bench.pid)
         bench.signal(signal.SIGTERM)
         assert bench.wait(60) == 130, bench.stderr()[-2000:]

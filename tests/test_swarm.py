@@ -11,7 +11,7 @@ from run_observer import RunObserver
 from ravnest_swarm.checkpoint import TEMPORARY_PREFIX, TEMPORARY_SUFFIX, read_stage
 from ravnest_swarm.models import get_model
 from ravnest_swarm.swarm.spec import RunSpec
-from ravnest_swarm.swarm.volunteer import model_workload
+from ravnest_swarm.swarm.placement import model_workload
 
 RUN = "swarm-test"
 MODEL_GB = model_workload(get_model("mlp-digits"), RunSpec("mlp-digits"), 8)[0].model_gb
@@ -139,7 +139,8 @@ def test_kill_everything_then_resume_continues_from_the_checkpoints(swarm):
              if (swarm.checkpoints / f"{RUN}-{n}.safetensors").exists()}  # peers left standby never trained
     assert len(saved) >= 2 and all(step >= 10 for step in saved.values()), saved
 
-    time.sleep(5)  # let the killed peers' records expire (2 heartbeats) so the restart plans afresh
+    # the restart plans afresh only once the killed peers' records expired (2 heartbeats)
+    swarm.watcher.wait_for(lambda peers: not set(names) & set(peers), 60, "the killed peers' records expired")
     second = {n: swarm(n, steps=100_000, extra=(*common, "--resume") if n in saved else common, gflops=20 + 5 * i)
               for i, n in enumerate(names)}
     for name in saved:
