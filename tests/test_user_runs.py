@@ -85,19 +85,23 @@ def test_a_joiner_whose_model_or_data_differs_refuses_in_one_line_and_leaves_not
         ("otherdata", on_path, ["--data", other_data], f"your --data {other_data}"),
         ("nodata", on_path, [], "this run trains on its own data"),
     ]
-    for name, env, flags, fragment in cases:
-        joiner = processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name,
-                                  "--no-dashboard", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *flags], name, env=env)
-        children = set()
-        deadline = time.monotonic() + 90
-        while joiner.popen.poll() is None and time.monotonic() < deadline:
-            children |= descendants(joiner.popen.pid)  # its p2pd, while it runs
-            time.sleep(0.2)
+    # each joiner refuses on its own: started together, they cost one refusal's wait instead of three
+    joiners = {name: processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name,
+                                      "--no-dashboard", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *flags], name, env=env)
+               for name, env, flags, _ in cases}
+    children = {name: set() for name in joiners}
+    deadline = time.monotonic() + 150
+    while any(joiner.popen.poll() is None for joiner in joiners.values()) and time.monotonic() < deadline:
+        for name, joiner in joiners.items():
+            children[name] |= descendants(joiner.popen.pid)  # its p2pd, while it runs
+        time.sleep(0.2)
+    for name, _, _, fragment in cases:
+        joiner = joiners[name]
         assert joiner.wait(5) == 1, joiner.stderr()
         errors = [line for line in joiner.stderr().splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and fragment in errors[0], joiner.stderr()
         assert "Traceback" not in joiner.stderr()
-        assert children and not alive(children), f"{name} left {alive(children)} running"
+        assert children[name] and not alive(children[name]), f"{name} left {alive(children[name])} running"
 
 
 @pytest.mark.parametrize("verb", ["join", "local"])
