@@ -13,27 +13,43 @@ import asyncio
 import json
 import statistics
 import time
-from contextlib import closing
+from typing import List
 
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
+from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
+from ravnest_swarm.net.routes import ProbeReply
+from ravnest_swarm.net.transport import bounded_stream_handler, make_response
 from ravnest_swarm.pipeline import wire
-from ravnest_swarm.net.transport import make_response
 
 HANDLER = "ravnest.pipeline.transfer_probe"
 HEADER_BYTES = 8
+MAX_TRANSFER_BYTES = 2**31
+TRANSFER_TIMEOUT = 600.0  # 16 MB over the slowest lab link (1 Mbit/s) takes about 130 s
+
+
+class TransferProbeRequest(Message):
+    """The first frame's metadata of a bench transfer; the tensors are framed as a pipeline message's."""
+
+    probe: bool
+
+
+register_handler(Handler(HANDLER, TransferProbeRequest, ProbeReply, MAX_TRANSFER_BYTES,
+                         callers="bench only (python -m ravnest_swarm.bench.transfer send)", owner=__name__))
+
+
+async def count_transfer(frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
+    """The tensor bytes of one pipeline-framed message, its metadata checked and its chunks regrouped."""
+    decode_message(TransferProbeRequest, frames[0].metadata, HANDLER)
+    tensors = wire.combine_chunks([part for frame in frames for part in frame.tensors])
+    return make_response(ProbeReply(bytes=sum(len(t.buffer) for t in tensors)).as_metadata())
 
 
 async def serve(host_maddr: str, announce_maddr: str, tcp_host: str, tcp_port: int) -> None:
     p2p = await P2P.create(host_maddrs=[host_maddr], announce_maddrs=[announce_maddr] if announce_maddr else None)
-
-    async def on_message(stream_info, reader, writer):
-        with closing(writer):
-            _, tensors = await wire.read_message(reader, 2**31)
-            await P2P.send_protobuf(make_response({"bytes": sum(len(t.buffer) for t in tensors)}), writer)
 
     async def on_tcp(reader, writer):
         length = int.from_bytes(await reader.readexactly(HEADER_BYTES), "big")
@@ -44,7 +60,8 @@ async def serve(host_maddr: str, announce_maddr: str, tcp_host: str, tcp_port: i
         await writer.drain()
         writer.close()
 
-    await p2p.add_binary_stream_handler(HANDLER, on_message)
+    await p2p.add_binary_stream_handler(HANDLER, bounded_stream_handler(
+        HANDLER, p2p.peer_id, count_transfer, MAX_TRANSFER_BYTES, TRANSFER_TIMEOUT))
     server = await asyncio.start_server(on_tcp, tcp_host, tcp_port)
     print(f"ready {p2p.peer_id.to_base58()}", flush=True)
     try:
@@ -60,7 +77,7 @@ async def send(host_maddr: str, peer: str, p2p_maddr: str, tcp_host: str, tcp_po
         peer_id = PeerID.from_base58(peer)
         await p2p._client.connect(peer_id, [Multiaddr(p2p_maddr)])
         tensor = torch.randn(int(megabytes * 1e6 / 4))
-        frames = wire.encode({"probe": True}, [tensor])
+        frames = wire.encode(TransferProbeRequest(probe=True).as_metadata(), [tensor])
         payload = tensor.numpy().tobytes()
         p2p_rates, tcp_rates = [], []
         for _ in range(repeats):

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import List, Optional
+from typing import Annotated, Dict, List, Optional
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
+from pydantic import Field
 
+from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.relay import RelayServices
-from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_counter
+from ravnest_swarm.net.transport import UNARY_MAX_BYTES, bounded_stream_handler, make_request, make_response
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
@@ -25,7 +27,53 @@ PROBE_CHUNK_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 16 * 1024 * 1024
 PROBE_TIMEOUT = 60.0  # a probe slower than 16 MiB a minute is not worth measuring; nor is a silent stream
 DIAL_BACK_TIMEOUT = 3.0
-MAX_DIAL_BACK_PORTS = 4
+MAX_DIAL_BACK_PORTS = 4  # of the ports a caller lists, the first this many are tried
+MAX_LISTED_PORTS = 64  # more than a node listens on
+MAX_TRIED_ADDRESSES = 256
+AddressText = Annotated[str, Field(max_length=100)]  # host:port
+
+
+class PingRequest(Message):
+    """A ping carries nothing."""
+
+
+class RelayCounters(Message):
+    """A backbone's NAT-traversal counters since it started."""
+
+    reversals: int = Field(default=0, ge=0)
+    forwarded_streams: int = Field(default=0, ge=0)
+    forwarded_bytes: int = Field(default=0, ge=0)
+    refused: int = Field(default=0, ge=0)
+
+
+class PingReply(Message):
+    """The backbone's clock, and what NAT traversal has cost it (operators and tests read the counters)."""
+
+    time: float = Field(ge=0, allow_inf_nan=False)
+    relay: RelayCounters
+
+
+class DialBackRequest(Message):
+    """The TCP ports the caller listens on; the backbone tries the first few on the IPs the caller connects from."""
+
+    ports: List[Annotated[int, Field(gt=0, lt=65536)]] = Field(default_factory=list, max_length=MAX_LISTED_PORTS)
+
+
+class DialBackReply(Message):
+    """Whether a TCP connection to the caller succeeded: at ``address``, or none of those ``tried``."""
+
+    reachable: bool
+    address: Optional[AddressText] = None
+    tried: List[AddressText] = Field(default_factory=list, max_length=MAX_TRIED_ADDRESSES)
+
+
+register_handler(Handler(PING, PingRequest, PingReply, UNARY_MAX_BYTES,
+                         callers="any peer (doctor's latency, probe's relay counters)", owner=__name__))
+register_handler(Handler(BANDWIDTH_PROBE, ProbeFrame, ProbeReply, MAX_PROBE_BYTES + 64 * 1024,
+                         callers="any peer measuring its bandwidth (join, doctor)", owner=__name__))
+register_handler(Handler(DIAL_BACK, DialBackRequest, DialBackReply, UNARY_MAX_BYTES,
+                         callers="any peer checking its reachability (join, doctor, probe); only the caller's "
+                                 "own IPs are dialled", owner=__name__))
 
 
 class BackboneServices:
@@ -44,20 +92,15 @@ class BackboneServices:
         await self.p2p.add_protobuf_handler(PING, self.rpc_ping, runtime_pb2.ExpertRequest)
         # frame headers are checked before reading: a probe cannot make us buffer more than MAX_PROBE_BYTES
         await self.p2p.add_binary_stream_handler(BANDWIDTH_PROBE, bounded_stream_handler(
-            BANDWIDTH_PROBE, self.p2p.peer_id, self.rpc_bandwidth_probe, MAX_PROBE_BYTES + 64 * 1024,
+            BANDWIDTH_PROBE, self.p2p.peer_id, probe_counter(BANDWIDTH_PROBE), MAX_PROBE_BYTES + 64 * 1024,
             self.probe_timeout))
         await self.p2p.add_protobuf_handler(DIAL_BACK, self.rpc_dial_back, runtime_pb2.ExpertRequest)
         await self.relay.add_handlers()
 
     async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        decode_message(PingRequest, request.metadata, PING)
         # the relay counters let operators (and tests) see what NAT traversal costs this backbone
-        return make_response({"time": time.time(), "relay": dict(self.relay.stats)})
-
-    async def rpc_bandwidth_probe(
-        self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Count the bytes a volunteer streamed at us (the frames arrived within the size and time limits)."""
-        return make_response({"bytes": sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)})
+        return make_response(PingReply(time=time.time(), relay=RelayCounters(**self.relay.stats)).as_metadata())
 
     async def rpc_dial_back(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Try to open a TCP connection to the caller, to tell it whether it is reachable from outside.
@@ -65,16 +108,14 @@ class BackboneServices:
         We dial only the IP address the caller is connected from (so the backbone cannot be used to
         probe third parties), on the TCP ports the caller says it listens on.
         """
-        metadata = unpack_metadata(request.metadata)
-        ports = metadata.get("ports", [])
-        if not isinstance(ports, list) or not all(isinstance(p, int) and 0 < p < 65536 for p in ports):
-            raise ValueError("dial_back needs 'ports': a list of TCP port numbers")
+        ports = decode_message(DialBackRequest, request.metadata, DIAL_BACK).ports[:MAX_DIAL_BACK_PORTS]
         hosts = await self._observed_hosts(context.remote_id)
         for host in hosts:
-            for port in ports[:MAX_DIAL_BACK_PORTS]:
+            for port in ports:
                 if await _tcp_connects(host, port):
-                    return make_response({"reachable": True, "address": f"{host}:{port}"})
-        return make_response({"reachable": False, "tried": [f"{h}:{p}" for h in hosts for p in ports[:MAX_DIAL_BACK_PORTS]]})
+                    return make_response(DialBackReply(reachable=True, address=f"{host}:{port}").as_metadata())
+        tried = [f"{host}:{port}" for host in hosts for port in ports][:MAX_TRIED_ADDRESSES]
+        return make_response(DialBackReply(reachable=False, tried=tried).as_metadata())
 
     async def _observed_hosts(self, peer_id: PeerID) -> List[str]:
         hosts = []
@@ -107,7 +148,8 @@ async def _tcp_connects(host: str, port: int) -> bool:
 async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> float:
     """Round-trip time to a backbone in seconds."""
     started = time.perf_counter()
-    await asyncio.wait_for(p2p.call_protobuf_handler(peer_id, PING, make_request({}), runtime_pb2.ExpertResponse), timeout)
+    await asyncio.wait_for(p2p.call_protobuf_handler(
+        peer_id, PING, make_request(PingRequest().as_metadata()), runtime_pb2.ExpertResponse), timeout)
     return time.perf_counter() - started
 
 
@@ -127,7 +169,7 @@ async def measure_bandwidth(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout
         p2p.call_protobuf_handler(peer_id, BANDWIDTH_PROBE, stream(), runtime_pb2.ExpertResponse), timeout
     )
     elapsed = time.perf_counter() - started
-    received = unpack_metadata(response.metadata).get("bytes", 0)
+    received = decode_message(ProbeReply, response.metadata, BANDWIDTH_PROBE).bytes
     return 8 * received / 1e6 / max(elapsed, 1e-9)
 
 
@@ -136,16 +178,17 @@ async def check_reachability(routes: Routes, peer_id: PeerID, timeout: float) ->
     p2p = routes.p2p
     ports = sorted({int(m["tcp"]) for m in await p2p.get_visible_maddrs() if _has(m, "tcp")})
     response = await asyncio.wait_for(
-        p2p.call_protobuf_handler(peer_id, DIAL_BACK, make_request({"ports": ports}), runtime_pb2.ExpertResponse),
+        p2p.call_protobuf_handler(peer_id, DIAL_BACK, make_request(DialBackRequest(ports=ports).as_metadata()),
+                                  runtime_pb2.ExpertResponse),
         timeout,
     )
-    verdict = "direct" if unpack_metadata(response.metadata).get("reachable") else "relay"
+    verdict = "direct" if decode_message(DialBackReply, response.metadata, DIAL_BACK).reachable else "relay"
     routes.reachability = verdict  # a peer that cannot be dialled asks for forwarding, not reversal
     return verdict
 
 
-async def relay_stats(p2p: P2P, peer_id: PeerID, timeout: float) -> dict:
+async def relay_stats(p2p: P2P, peer_id: PeerID, timeout: float) -> Dict[str, int]:
     """A backbone's NAT-traversal counters: reversals passed, streams and bytes forwarded, refusals."""
-    response = await asyncio.wait_for(
-        p2p.call_protobuf_handler(peer_id, PING, make_request({}), runtime_pb2.ExpertResponse), timeout)
-    return dict(unpack_metadata(response.metadata).get("relay", {}))
+    response = await asyncio.wait_for(p2p.call_protobuf_handler(
+        peer_id, PING, make_request(PingRequest().as_metadata()), runtime_pb2.ExpertResponse), timeout)
+    return decode_message(PingReply, response.metadata, PING).relay.as_metadata()

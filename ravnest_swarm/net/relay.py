@@ -13,12 +13,21 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.net.transport import make_request, make_response, unpack_metadata
-
-from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, MAX_DIAL_MADDRS, REVERSE_CONNECT,
-                                      REVERSE_TIMEOUT, read_header, refuse_stream)
+from ravnest_swarm.net.messages import Handler, decode_message, register_handler
+from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, REVERSE_CONNECT, REVERSE_TIMEOUT,
+                                      DialMeReply, DialRequest, ForwardedHeader, ForwardHeader, Relayed,
+                                      ReverseConnectReply, error_text, read_header, refuse_stream)
+from ravnest_swarm.net.transport import UNARY_MAX_BYTES, make_request, make_response
 
 logger = logging.getLogger(__name__)
+
+MAX_FORWARD_BYTES = 256 * 1024**2
+
+register_handler(Handler(REVERSE_CONNECT, DialRequest, ReverseConnectReply, UNARY_MAX_BYTES,
+                         callers="any peer that cannot dial a peer behind NAT (Routes.connect)", owner=__name__))
+register_handler(Handler(FORWARD, ForwardHeader, Relayed, MAX_FORWARD_BYTES,
+                         callers="any peer, when neither it nor the target can dial the other (both behind NAT)",
+                         owner=__name__))
 
 
 class RelayServices:
@@ -31,7 +40,7 @@ class RelayServices:
     :param forward_timeout: seconds a forwarded stream may stay open
     """
 
-    def __init__(self, p2p: P2P, max_forward_bytes: int = 256 * 1024**2, max_forward_streams: int = 16,
+    def __init__(self, p2p: P2P, max_forward_bytes: int = MAX_FORWARD_BYTES, max_forward_streams: int = 16,
                  forward_timeout: float = 300.0):
         self.p2p = p2p
         self.max_forward_bytes, self.max_forward_streams = max_forward_bytes, max_forward_streams
@@ -57,24 +66,24 @@ class RelayServices:
         Only the caller's addresses on the IPs it is connected from are passed on, so nobody can make a
         volunteer dial third parties through us.
         """
-        metadata = unpack_metadata(request.metadata)
-        target = PeerID.from_base58(str(metadata.get("peer")))
+        asked = decode_message(DialRequest, request.metadata, REVERSE_CONNECT)
+        target = PeerID.from_base58(asked.peer)
         if not await self._observed_hosts(target):
-            return make_response({"connected": False})
+            return make_response(ReverseConnectReply(connected=False).as_metadata())
         hosts = set(await self._observed_hosts(context.remote_id))
-        maddrs = [str(m) for m in metadata.get("maddrs", [])[:MAX_DIAL_MADDRS]
-                  if isinstance(m, str) and m.startswith("/ip") and m.split("/")[2] in hosts]
+        maddrs = [m for m in asked.maddrs if _host_of(m) in hosts]
         if not maddrs:
-            return make_response({"connected": True, "dialed": False,
-                                  "error": "no announced address of the caller on an IP it connects from"})
+            return make_response(ReverseConnectReply(
+                connected=True, error="no announced address of the caller on an IP it connects from").as_metadata())
         self.stats["reversals"] += 1
         try:
+            dial = DialRequest(peer=context.remote_id.to_base58(), maddrs=maddrs)
             response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-                target, DIAL_ME, make_request({"peer": context.remote_id.to_base58(), "maddrs": maddrs}),
-                runtime_pb2.ExpertResponse), REVERSE_TIMEOUT)
+                target, DIAL_ME, make_request(dial.as_metadata()), runtime_pb2.ExpertResponse), REVERSE_TIMEOUT)
+            answer = decode_message(DialMeReply, response.metadata, DIAL_ME)
         except Exception as e:
-            return make_response({"connected": True, "dialed": False, "error": f"{type(e).__name__}: {e}"[:300]})
-        return make_response(dict(unpack_metadata(response.metadata), connected=True))
+            return make_response(ReverseConnectReply(connected=True, error=error_text(e)).as_metadata())
+        return make_response(ReverseConnectReply(connected=True, dialed=answer.dialed, error=answer.error).as_metadata())
 
     async def serve_forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Pipe the caller's stream into the target's ``forwarded`` handler and its reply back, within the caps."""
@@ -91,8 +100,8 @@ class RelayServices:
 
     async def _forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            header = await asyncio.wait_for(read_header(reader), HEADER_TIMEOUT)
-            target, name = PeerID.from_base58(str(header.get("to"))), str(header.get("handler"))
+            header = await asyncio.wait_for(read_header(reader, ForwardHeader, FORWARD), HEADER_TIMEOUT)
+            target, name = PeerID.from_base58(header.to), header.handler
             if not await self._observed_hosts(target):
                 raise ValueError(f"{target} is not connected to this backbone")
             _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(target, FORWARDED)
@@ -102,7 +111,8 @@ class RelayServices:
             return
         self.stats["forwarded_streams"] += 1
         with closing(target_writer):
-            await P2P.send_protobuf(make_request({"from": info.peer_id.to_base58(), "handler": name}), target_writer)
+            piped = ForwardedHeader(**{"from": info.peer_id.to_base58(), "handler": name})
+            await P2P.send_protobuf(make_request(piped.as_metadata()), target_writer)
             upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
             downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
             try:
@@ -133,3 +143,9 @@ class RelayServices:
             self.stats["forwarded_bytes"] += len(data)
             sink.write(data)
             await sink.drain()
+
+
+def _host_of(maddr: str) -> str:
+    """The host of an ``/ip4/HOST/...`` or ``/ip6/HOST/...`` address; empty for any other."""
+    parts = maddr.split("/")
+    return parts[2] if maddr.startswith("/ip") and len(parts) > 2 else ""

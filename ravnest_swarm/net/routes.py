@@ -27,15 +27,18 @@ import logging
 import time
 from collections import Counter
 from contextlib import closing
-from typing import Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Annotated, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.multiaddr import Multiaddr
+from pydantic import ConfigDict, Field
 
-from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.net.messages import Handler, Message, MessageT, decode_message, register_handler
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, make_request,
+                                         make_response)
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +53,83 @@ REVERSE_TIMEOUT = 10.0
 HEADER_TIMEOUT = 10.0
 MAX_HEADER_BYTES = 16 * 1024
 MAX_DIAL_MADDRS = 8
+MAX_ERROR_CHARS = 300
 PROBE_CHUNK_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 64 * 1024 * 1024 + 1024 * 1024  # 64 MiB of payload plus framing
 PROBE_TIMEOUT = 120.0
 
 StreamHandler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+# ---- message schemas: of these handlers and of the backbone's (relay.py), which share the field types ----
+
+PeerIdText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")]  # base58
+MaddrText = Annotated[str, Field(min_length=2, max_length=256, pattern=r"^/[!-~]+$")]  # printable ASCII
+HandlerNameText = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^ravnest\.[a-z0-9_.]+$")]
+ErrorText = Annotated[str, Field(max_length=MAX_ERROR_CHARS)]
+
+
+class DialRequest(Message):
+    """Dial ``peer`` at ``maddrs``: a peer asks a backbone (``reverse_connect``), which passes it on (``dial_me``)."""
+
+    peer: PeerIdText
+    maddrs: List[MaddrText] = Field(default_factory=list, max_length=MAX_DIAL_MADDRS)
+
+
+class DialMeReply(Message):
+    """Whether we dialled the peer; ``error`` says why not."""
+
+    dialed: bool
+    error: Optional[ErrorText] = None
+
+
+class ReverseConnectReply(Message):
+    """Whether the target is connected to the backbone and dialled the caller; ``error`` says why not."""
+
+    connected: bool
+    dialed: bool = False
+    error: Optional[ErrorText] = None
+
+
+class ForwardHeader(Message):
+    """The first frame of a stream to a backbone's ``forward``: whose handler it is for."""
+
+    to: PeerIdText
+    handler: HandlerNameText
+
+
+class ForwardedHeader(Message):
+    """The first frame of a stream a backbone pipes to ``forwarded``: who sent it, for which handler."""
+
+    model_config = ConfigDict(serialize_by_alias=True)
+
+    sender: PeerIdText = Field(alias="from")  # "from" on the wire, a Python keyword
+    handler: HandlerNameText
+
+
+class Relayed(Message):
+    """The reply of a piped stream: the named handler's own reply (or error), passed back unread."""
+
+
+class ProbeFrame(Message):
+    """A probe frame's metadata: none (senders leave it empty); only its tensors' bytes are counted."""
+
+
+class ProbeReply(Message):
+    """The tensor bytes a probe handler counted."""
+
+    bytes: int = Field(ge=0)
+
+
+register_handler(Handler(DIAL_ME, DialRequest, DialMeReply, UNARY_MAX_BYTES,
+                         callers="the node's own backbones (its initial peers), passing on a reverse_connect",
+                         owner=__name__))
+register_handler(Handler(FORWARDED, ForwardedHeader, Relayed, MAX_HEADER_BYTES,
+                         callers="the node's own backbones, piping a forward stream (the rest of the stream is the "
+                                 "named handler's message, under that handler's limit)",
+                         owner=__name__))
+register_handler(Handler(PROBE, ProbeFrame, ProbeReply, MAX_PROBE_BYTES,
+                         callers="any peer (ravnest-swarm probe), directly or through a backbone's forward",
+                         owner=__name__))
 
 
 async def start_routes(p2p: P2P, backbones: Sequence[PeerID]) -> "Routes":
@@ -64,7 +139,7 @@ async def start_routes(p2p: P2P, backbones: Sequence[PeerID]) -> "Routes":
     return routes
 
 
-async def read_header(reader: asyncio.StreamReader) -> dict:
+async def read_header(reader: asyncio.StreamReader, schema: Type[MessageT], handler: str) -> MessageT:
     """One hivemind frame holding an ``ExpertRequest`` whose metadata is the header, read exactly (the
     bytes after it stay in ``reader`` for whoever handles the rest of the stream)."""
     marker = await reader.readexactly(1)
@@ -73,7 +148,7 @@ async def read_header(reader: asyncio.StreamReader) -> dict:
         raise ValueError("a forwarded stream must start with one small header frame")
     frame = runtime_pb2.ExpertRequest()
     frame.ParseFromString(await reader.readexactly(length))
-    return unpack_metadata(frame.metadata)
+    return decode_message(schema, frame.metadata, handler)
 
 
 async def refuse_stream(writer: asyncio.StreamWriter, reason: str) -> None:
@@ -81,10 +156,6 @@ async def refuse_stream(writer: asyncio.StreamWriter, reason: str) -> None:
         await P2P.send_protobuf(RPCError(message=reason), writer)
     except ConnectionError:
         pass
-
-
-def _maddrs_of(text: Sequence[str]) -> List[Multiaddr]:
-    return [Multiaddr(m) for m in text[:MAX_DIAL_MADDRS]]
 
 
 def _strip_peer_id(maddrs: Sequence[Multiaddr]) -> List[str]:
@@ -115,7 +186,7 @@ class Routes:
         await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
         await self.p2p.add_binary_stream_handler(FORWARDED, self._serve_forwarded)
         await self.add_forwardable_handler(PROBE, bounded_stream_handler(
-            PROBE, self.p2p.peer_id, _count_probe, MAX_PROBE_BYTES, PROBE_TIMEOUT))
+            PROBE, self.p2p.peer_id, probe_counter(PROBE), MAX_PROBE_BYTES, PROBE_TIMEOUT))
 
     async def add_forwardable_handler(self, name: str, serve: StreamHandler) -> None:
         """Register a binary stream handler that peers may also reach through a forwarding backbone."""
@@ -154,12 +225,12 @@ class Routes:
                 except Exception as e:
                     problems.append(f"backbone {backbone}: {type(e).__name__}: {e}")
                     continue
-                if not answer.get("connected"):
+                if not answer.connected:
                     problems.append(f"backbone {backbone} has no connection to it")
                     continue
-                if answer.get("dialed") and await self._wait_connected(peer_id):
+                if answer.dialed and await self._wait_connected(peer_id):
                     return self._use(peer_id, "reversed", backbone)
-                problems.append(f"reversal through {backbone}: {answer.get('error', 'not asked')}")
+                problems.append(f"reversal through {backbone}: {answer.error or 'not asked'}")
                 return self._use(peer_id, "forward", backbone)
             raise ConnectionError(f"cannot reach {peer_id}: " + "; ".join(problems or ["no backbone to ask"]))
 
@@ -190,12 +261,13 @@ class Routes:
             await asyncio.sleep(0.05)
         return False
 
-    async def _ask_reversal(self, backbone: PeerID, peer_id: PeerID, dial: bool) -> dict:
+    async def _ask_reversal(self, backbone: PeerID, peer_id: PeerID, dial: bool) -> ReverseConnectReply:
         ours = _strip_peer_id(await self.p2p.get_visible_maddrs()) if dial else []
-        request = make_request({"peer": peer_id.to_base58(), "maddrs": ours[:MAX_DIAL_MADDRS]})
+        request = DialRequest(peer=peer_id.to_base58(), maddrs=ours[:MAX_DIAL_MADDRS])
         response = await asyncio.wait_for(self.p2p.call_protobuf_handler(
-            backbone, REVERSE_CONNECT, request, runtime_pb2.ExpertResponse), self.reverse_timeout)
-        return unpack_metadata(response.metadata)
+            backbone, REVERSE_CONNECT, make_request(request.as_metadata()), runtime_pb2.ExpertResponse),
+            self.reverse_timeout)
+        return decode_message(ReverseConnectReply, response.metadata, REVERSE_CONNECT)
 
     # ---- calling -------------------------------------------------------------------------------
 
@@ -216,7 +288,8 @@ class Routes:
     async def _call_forwarded(self, backbone: PeerID, peer_id: PeerID, name: str, requests, output_type):
         _, reader, writer = await self.p2p.call_binary_stream_handler(backbone, FORWARD)
         with closing(writer):
-            await P2P.send_protobuf(make_request({"to": peer_id.to_base58(), "handler": name}), writer)
+            header = ForwardHeader(to=peer_id.to_base58(), handler=name)
+            await P2P.send_protobuf(make_request(header.as_metadata()), writer)
 
             async def write() -> None:
                 async for request in requests:
@@ -242,9 +315,8 @@ class Routes:
         """A backbone passes on a peer's request that we dial it (we are the one behind NAT)."""
         if context.remote_id not in self.backbones:
             raise ValueError("dial_me is accepted from our backbones only")
-        metadata = unpack_metadata(request.metadata)
-        peer_id = PeerID.from_base58(str(metadata.get("peer")))
-        maddrs = _maddrs_of([str(m) for m in metadata.get("maddrs", [])])
+        dial = decode_message(DialRequest, request.metadata, DIAL_ME)
+        peer_id, maddrs = PeerID.from_base58(dial.peer), [Multiaddr(m) for m in dial.maddrs]
         # p2pd would reuse a relayed connection (reset after 128 KiB) instead of dialling: drop it first
         for info in await self.p2p.list_peers():
             if info.peer_id == peer_id and any("p2p-circuit" in str(a) for a in info.addrs):
@@ -252,8 +324,8 @@ class Routes:
         try:
             await asyncio.wait_for(self.p2p._client.connect(peer_id, maddrs), self.direct_timeout)
         except Exception as e:
-            return make_response({"dialed": False, "error": f"{type(e).__name__}: {e}"[:300]})
-        return make_response({"dialed": True})
+            return make_response(DialMeReply(dialed=False, error=error_text(e)).as_metadata())
+        return make_response(DialMeReply(dialed=True).as_metadata())
 
     async def _serve_forwarded(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backbone pipes another peer's stream to us: hand it to the named handler as if it came directly."""
@@ -263,8 +335,8 @@ class Routes:
                 await refuse_stream(writer, "forwarded streams are accepted from our backbones only")
             return
         try:
-            header = await asyncio.wait_for(read_header(reader), HEADER_TIMEOUT)
-            sender, name = PeerID.from_base58(str(header.get("from"))), str(header.get("handler"))
+            header = await asyncio.wait_for(read_header(reader, ForwardedHeader, FORWARDED), HEADER_TIMEOUT)
+            sender, name = PeerID.from_base58(header.sender), header.handler
         except Exception as e:
             with closing(writer):
                 await refuse_stream(writer, f"bad forwarded stream header: {type(e).__name__}: {e}")
@@ -278,8 +350,22 @@ class Routes:
         await serve(StreamInfo(sender, info.addr, name), reader, writer)
 
 
-async def _count_probe(frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
-    return make_response({"bytes": sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)})
+def error_text(error: Exception) -> str:
+    """An exception as the ``error`` field of a reply: its type and text, cut to the field's limit."""
+    return f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
+
+
+def probe_counter(handler: str) -> FrameHandler:
+    """A probe handler (``probe``, and a backbone's ``bandwidth_probe``): the bytes of the tensors that arrived."""
+
+    async def count(frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
+        for frame in frames:
+            if frame.metadata:  # senders leave it empty; whatever else comes must still fit the schema
+                decode_message(ProbeFrame, frame.metadata, handler)
+        counted = sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)
+        return make_response(ProbeReply(bytes=counted).as_metadata())
+
+    return count
 
 
 async def probe_peer(routes: "Routes", peer_id: PeerID, total_bytes: int, timeout: float = PROBE_TIMEOUT) -> Tuple[int, float]:
@@ -293,4 +379,4 @@ async def probe_peer(routes: "Routes", peer_id: PeerID, total_bytes: int, timeou
 
     started = time.perf_counter()
     response = await asyncio.wait_for(routes.call(peer_id, PROBE, stream()), timeout)
-    return int(unpack_metadata(response.metadata).get("bytes", 0)), time.perf_counter() - started
+    return decode_message(ProbeReply, response.metadata, PROBE).bytes, time.perf_counter() - started

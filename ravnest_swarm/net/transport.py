@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 import msgpack
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
@@ -23,6 +24,8 @@ from hivemind.proto.p2pd_pb2 import RPCError
 logger = logging.getLogger(__name__)
 
 MAX_METADATA_BYTES = 64 * 1024
+# unary calls travel over p2pd's persistent connection, whose messages (the request and its envelope) p2pd caps
+UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE
 DISCARD_SECONDS = 2.0
 
 

@@ -4,9 +4,9 @@ A late joiner, a standby that replaces a dead stage, and a peer whose layer rang
 plan all do the same thing: for every layer they now own, ask a peer whose record says it holds
 that layer (the one with the highest step) for that layer's tensors.
 
-Wire format: a server-streaming handler ``ravnest.layer_state``. The request's metadata names the
-run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts from
-hivemind's ``split_for_streaming`` of a ``serialize_torch_tensor`` protobuf, the first part carrying
+Wire format: a server-streaming handler ``ravnest.layer_state``. The request (one frame, read bounded)
+names the run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts
+from hivemind's ``split_for_streaming`` of a ``serialize_torch_tensor`` protobuf, the first part carrying
 ``{"layer", "name", "parts", "step"}``. The receiver checks every tensor's name, shape, dtype and
 finiteness against the layers it built itself, so a holder can serve only numbers, never structure.
 
@@ -20,25 +20,76 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import closing
+from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from pydantic import Field
 
+from ravnest_swarm.membership.records import MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
+from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response, unpack_metadata
+from ravnest_swarm.net.transport import (INCOMPLETE, bounded_stream_handler, make_request, make_response, read_frames,
+                                         send_reply)
 
 logger = logging.getLogger(__name__)
 
 LAYER_STATE = "ravnest.layer_state"
 LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, for forwarded calls
 PART_BYTES = 1 << 20
-MAX_LAYERS_PER_REQUEST = 4096
+MAX_PARTS = 1 << 16  # of one tensor: 64 GiB in parts of PART_BYTES
+MAX_LAYERS_PER_REQUEST = MAX_LAYOUT_LAYERS
 MAX_REQUEST_BYTES = 64 * 1024
 ATTEMPTS_PER_HOLDER = 2
+
+RunNameText = Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
+LayerIndex = Annotated[int, Field(ge=0, lt=MAX_LAYOUT_LAYERS)]
+TensorNameText = Annotated[str, Field(min_length=1, max_length=256)]  # as in the run spec's layout
+Step = Annotated[int, Field(ge=0)]
+
+
+class LayerStateRequest(Message):
+    """The layers of ``run`` whose tensors the caller wants."""
+
+    run: RunNameText
+    layers: List[LayerIndex] = Field(min_length=1, max_length=MAX_LAYERS_PER_REQUEST)
+
+
+class LayerStateMessageRequest(Message):
+    """One layer of ``run`` whose tensors the caller wants in one reply."""
+
+    run: RunNameText
+    layers: List[LayerIndex] = Field(min_length=1, max_length=1)
+
+
+class LayerStateTensorHeader(Message):
+    """The metadata of a tensor's first part in a ``layer_state`` stream (its other parts carry an empty map)."""
+
+    layer: LayerIndex
+    name: TensorNameText
+    parts: int = Field(ge=1, le=MAX_PARTS)
+    step: Step
+
+
+class LayerStateMessageReply(Message):
+    """One layer's tensors, in the order of ``names``, and the optimizer step they are at."""
+
+    layer: LayerIndex
+    names: List[TensorNameText] = Field(max_length=MAX_LAYOUT_TENSORS)
+    step: Step
+
+
+register_handler(Handler(LAYER_STATE, LayerStateRequest, LayerStateTensorHeader, MAX_REQUEST_BYTES,
+                         callers="any peer of the run (a late joiner, a standby, a peer whose layers changed)",
+                         owner=__name__))
+register_handler(Handler(LAYER_STATE_MESSAGE, LayerStateMessageRequest, LayerStateMessageReply, MAX_REQUEST_BYTES,
+                         callers="any peer of the run, directly or through a backbone's forward", owner=__name__))
 
 # what a server offers right now: layer index -> (that layer's state dict, the optimizer step it is at)
 StateProvider = Callable[[], Dict[int, Tuple[Dict[str, torch.Tensor], int]]]
@@ -67,22 +118,19 @@ class LayerStateServer:
         self.run, self.provider, self.request_timeout = run, provider, request_timeout
 
     async def start(self) -> None:
-        await self.p2p.add_protobuf_handler(LAYER_STATE, self.rpc_layer_state, runtime_pb2.ExpertRequest,
-                                            stream_output=True)
+        await self.p2p.add_binary_stream_handler(LAYER_STATE, self._serve_layer_state)
         await self.routes.add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
             LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES,
             self.request_timeout))
 
-    def _snapshot(self, request: runtime_pb2.ExpertRequest) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
+    def _snapshot(self, request: runtime_pb2.ExpertRequest, schema: Type[MessageT],
+                  handler: str) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
         """The requested layers' tensors, copied to host memory (training may go on while they are sent, and
         serialization reads the host), and steps."""
-        metadata = unpack_metadata(request.metadata)
-        layers = metadata.get("layers")
-        if metadata.get("run") != self.run:
+        asked = decode_message(schema, request.metadata, handler)
+        if asked.run != self.run:
             raise ValueError(f"this peer serves run {self.run!r}")
-        if not isinstance(layers, list) or not 0 < len(layers) <= MAX_LAYERS_PER_REQUEST \
-                or not all(isinstance(i, int) for i in layers):
-            raise ValueError("'layers' must be a non-empty list of layer indices")
+        layers = asked.layers
         offered = self.provider()
         missing = [i for i in layers if i not in offered]
         if missing:
@@ -94,22 +142,44 @@ class LayerStateServer:
                                        context: P2PContext) -> runtime_pb2.ExpertResponse:
         if len(frames) != 1:
             raise ValueError(f"{LAYER_STATE_MESSAGE} takes one request frame, got {len(frames)}")
-        snapshot = self._snapshot(frames[0])
-        if len(snapshot) != 1:
-            raise ValueError(f"{LAYER_STATE_MESSAGE} gives one layer per request")
-        (layer, tensors, step), = snapshot
+        (layer, tensors, step), = self._snapshot(frames[0], LayerStateMessageRequest, LAYER_STATE_MESSAGE)
         names = list(tensors)
-        return make_response({"layer": layer, "names": names, "step": step},
-                             [serialize_torch_tensor(tensors[name]) for name in names])
+        reply = LayerStateMessageReply(layer=layer, names=names, step=int(step))
+        return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
+
+    async def _serve_layer_state(self, info: StreamInfo, reader: asyncio.StreamReader,
+                                 writer: asyncio.StreamWriter) -> None:
+        """Read one request frame within ``MAX_REQUEST_BYTES`` and ``request_timeout`` (hivemind's own
+        server-streaming handler would read a frame of any announced length), then stream the answer."""
+        context = P2PContext(handle_name=LAYER_STATE, local_id=self.p2p.peer_id, remote_id=info.peer_id)
+        with closing(writer):
+            try:
+                frames = await asyncio.wait_for(read_frames(reader, MAX_REQUEST_BYTES), self.request_timeout)
+                if len(frames) != 1:
+                    raise ValueError(f"{LAYER_STATE} takes one request frame, got {len(frames)}")
+                async for response in self.rpc_layer_state(frames[0], context):
+                    await P2P.send_protobuf(response, writer)
+                return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the caller went away
+            except asyncio.TimeoutError:
+                reason = f"{INCOMPLETE}: no end of stream within {self.request_timeout:.0f}s"
+            except ValueError as e:
+                reason = str(e)
+            except Exception as e:
+                logger.exception(f"{LAYER_STATE}: a request from {info.peer_id} failed")
+                reason = f"internal error: {type(e).__name__}: {e}"
+            logger.info(f"{LAYER_STATE}: refused a request from {info.peer_id}: {reason}")
+            await send_reply(RPCError(message=reason), reader, writer)
 
     async def rpc_layer_state(self, request: runtime_pb2.ExpertRequest,
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for layer, tensors, step in self._snapshot(request):
+        for layer, tensors, step in self._snapshot(request, LayerStateRequest, LAYER_STATE):
             for name, tensor in tensors.items():
                 parts = list(split_for_streaming(serialize_torch_tensor(tensor), PART_BYTES))
+                header = LayerStateTensorHeader(layer=layer, name=name, parts=len(parts), step=int(step))
                 for index, part in enumerate(parts):
-                    header = {"layer": layer, "name": name, "parts": len(parts), "step": step} if index == 0 else {}
-                    yield make_response(header, [part])
+                    yield make_response(header.as_metadata() if index == 0 else {}, [part])
 
 
 async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
@@ -119,21 +189,19 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
     async def collect() -> Tuple[Dict[str, torch.Tensor], int]:
         received: Dict[str, torch.Tensor] = {}
         step = 0
-        stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, make_request({"run": run, "layers": [layer]}),
-                                                    runtime_pb2.ExpertResponse)
+        request = make_request(LayerStateRequest(run=run, layers=[layer]).as_metadata())
+        stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, request, runtime_pb2.ExpertResponse)
         header, parts = None, []
         async for response in stream:
             if not parts:
-                header = unpack_metadata(response.metadata)
-                if header.get("layer") != layer or header.get("name") not in expected:
-                    raise StateTransferError(f"{holder} sent an unexpected tensor {header}")
-                if not isinstance(header.get("parts"), int) or not 0 < header["parts"] <= 1 << 16:
-                    raise StateTransferError(f"{holder} sent a bad part count")
+                header = _reply(LayerStateTensorHeader, response.metadata, LAYER_STATE, holder)
+                if header.layer != layer or header.name not in expected:
+                    raise StateTransferError(f"{holder} sent an unexpected tensor {header.name!r} of layer {header.layer}")
             parts.extend(response.tensors)
-            if len(parts) == header["parts"]:
+            if len(parts) == header.parts:
                 tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-                received[header["name"]] = _checked(holder, layer, header["name"], tensor, expected)
-                step = max(step, int(header.get("step", 0)))
+                received[header.name] = _checked(holder, layer, header.name, tensor, expected)
+                step = max(step, header.step)
                 parts = []
         return _complete(holder, layer, received, expected), step
 
@@ -145,19 +213,25 @@ async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: i
     """:func:`fetch_layer` in one reply message, over the route :class:`Routes` chose (forwarding included)."""
 
     async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield make_request({"run": run, "layers": [layer]})
+        yield make_request(LayerStateMessageRequest(run=run, layers=[layer]).as_metadata())
 
     response = await asyncio.wait_for(routes.call(holder, LAYER_STATE_MESSAGE, request()), timeout)
-    header = unpack_metadata(response.metadata)
-    names = header.get("names")
-    if header.get("layer") != layer or not isinstance(names, list) or len(names) != len(response.tensors):
+    reply = _reply(LayerStateMessageReply, response.metadata, LAYER_STATE_MESSAGE, holder)
+    if reply.layer != layer or len(reply.names) != len(response.tensors):
         raise StateTransferError(f"{holder} sent a malformed reply for layer {layer}")
     received = {}
-    for name, serialized in zip(names, response.tensors):
+    for name, serialized in zip(reply.names, response.tensors):
         if name not in expected:
             raise StateTransferError(f"{holder} sent an unexpected tensor {name!r} of layer {layer}")
         received[name] = _checked(holder, layer, name, deserialize_torch_tensor(serialized), expected)
-    return _complete(holder, layer, received, expected), int(header.get("step", 0))
+    return _complete(holder, layer, received, expected), reply.step
+
+
+def _reply(schema: Type[MessageT], raw: bytes, handler: str, holder: PeerID) -> MessageT:
+    try:
+        return decode_message(schema, raw, handler)
+    except MessageError as e:
+        raise StateTransferError(f"{holder} sent a malformed reply: {e}") from None
 
 
 def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor,
