@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Awaitable, Callable, Optional
@@ -130,3 +131,13 @@ def _exit_code(verb: Callable[[], Optional[int]]) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
     return int(result or 0)
+
+
+def unexpected_error_as_one_line(error: Exception) -> int:
+    """A bug or an environment problem nobody foresaw: still one line on stderr, exit code 1; with
+    ``RAVNEST_DEBUG=1`` the traceback instead (re-raised)."""
+    if os.environ.get("RAVNEST_DEBUG"):
+        raise error
+    print(f"error: unexpected {type(error).__name__}: {error} (set RAVNEST_DEBUG=1 for the traceback)",
+          file=sys.stderr, flush=True)
+    return 1

@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, List, Optional, Sequence, get_type_hints
+from typing import Any, Callable, List, Optional, Sequence, get_origin, get_type_hints
+
+from ravnest_swarm.lifecycle import unexpected_error_as_one_line
 
 MADDR_RE = re.compile(r"^/ip[46]/\S+/p2p/\S+$")
 
@@ -157,8 +159,26 @@ def run_library_call(text: str) -> int:
     module_name, function_name = call["function"].split(":")
     function = getattr(importlib.import_module(module_name), function_name)
     options_type = next(hint for name, hint in get_type_hints(function).items() if name != "return")
-    return function(options_type(**call["options"]))
+    return function(options_from_json(options_type, call["options"]))
+
+
+def options_from_json(options_type: type, values: dict) -> Any:
+    """A dataclass from its ``asdict`` as JSON gave it back: nested dataclasses rebuilt, lists made tuples
+    where the field is a tuple."""
+    hints = get_type_hints(options_type)
+    fields = {}
+    for field in dataclasses.fields(options_type):
+        value, hint = values[field.name], hints[field.name]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            value = options_from_json(hint, value)
+        elif get_origin(hint) is tuple and isinstance(value, list):
+            value = tuple(value)
+        fields[field.name] = value
+    return options_type(**fields)
 
 
 if __name__ == "__main__":
-    sys.exit(run_library_call(sys.argv[1]))
+    try:
+        sys.exit(run_library_call(sys.argv[1]))
+    except Exception as error:
+        sys.exit(unexpected_error_as_one_line(error))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.swarm.volunteer import arrival_wait
+from ravnest_swarm.swarm.placement import arrival_wait
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]

@@ -22,7 +22,7 @@ from ravnest_swarm.planning.plan import assignment_clusters, check_feasible, pla
 from ravnest_swarm.planning.round import ROUND_GA
 from ravnest_swarm.swarm.local import capability_overrides
 from ravnest_swarm.swarm.spec import RunSpec
-from ravnest_swarm.swarm.volunteer import model_workload
+from ravnest_swarm.swarm.placement import model_workload
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,6 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ravnest_swarm.averaging.segments import build_rings, element_range, ring_bytes_per_peer
+from ravnest_swarm.bench.averaging_peer import AveragingPeerOptions, run_averaging_peer_process
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.errors import UserError
 
 PHASES = ("multiring", "hivemind", "single_ring")
@@ -87,8 +89,9 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
                           f"rate-limited or delayed[/]")
         try:
             started = progress.add_task("starting peers", total=clusters * stages)
-            backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(0),
-                                    "--announce-maddrs", lab.announce_maddr(0)], "backbone", prefix=lab.exec_prefix(0))
+            backbone = group.start_library(run_backbone_process, BackboneOptions(
+                host_maddrs=[lab.host_maddr(0)], announce_maddrs=[lab.announce_maddr(0)]), "backbone",
+                prefix=lab.exec_prefix(0))
             initial = next(m for m in backbone.maddrs(60) if m.startswith(lab.announce_maddr(0)))
             host = 1
             for k, cuts in enumerate(layouts):
@@ -99,14 +102,13 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
                         json.dump(dict(dir=workdir, hivemind_host_maddr=lab.host_maddr(host, 1),
                                        hivemind_announce_maddr=lab.announce_maddr(host, 1), clusters=clusters,
                                        peers=clusters * stages), f)
-                    args = ["averaging-peer", "--initial-peers", initial, "--run", "benchavg", "--cluster", str(k),
-                            "--stage", str(s), "--layer-sizes", ",".join(map(str, sizes)), "--layers", f"{first},{last}",
-                            "--timeout", str(timeout), "--compression", compression, "--bench-config", config,
-                            "--host-maddrs", lab.host_maddr(host), "--announce-maddrs", lab.announce_maddr(host),
-                            "--plan-timeout", "120"]
-                    if not peers:
-                        args += ["--publish-plan", str(clusters * stages)]
-                    peers[name] = group.start(args, name, prefix=lab.exec_prefix(host))
+                    options = AveragingPeerOptions(
+                        initial_peers=[initial], run="benchavg", cluster=k, stage=s, layer_sizes=list(sizes),
+                        layers=(first, last), timeout=timeout, compression=compression, bench_config=config,
+                        host_maddrs=[lab.host_maddr(host)], announce_maddrs=[lab.announce_maddr(host)],
+                        plan_timeout=120.0, publish_plan=0 if peers else clusters * stages)
+                    peers[name] = group.start_library(run_averaging_peer_process, options, name,
+                                                      prefix=lab.exec_prefix(host))
                     host += 1
             times = {}
             for phase in PHASES:

@@ -19,7 +19,7 @@ import random
 import re
 import statistics
 import time
-from typing import Dict, List
+from typing import Dict
 
 from rich.console import Console
 from rich.progress import Progress
@@ -27,7 +27,9 @@ from rich.progress import Progress
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.bench.membership import tree_memory_mb
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
@@ -35,10 +37,9 @@ RUN = "load"
 ERROR_RE = re.compile(r"^(error:|Traceback)", re.MULTILINE)
 
 
-def _join_args(maddr: str, name: str, heartbeat: float) -> List[str]:
-    return ["join", "--initial-peers", maddr, "--run", RUN, "--name", name, "--ram-gb", "4", "--gflops", "10",
-            "--bandwidth-mbps", "100", "--heartbeat", str(heartbeat), "--no-dashboard",
-            "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+def _join_options(maddr: str, name: str, heartbeat: float) -> JoinOptions:
+    return JoinOptions(initial_peers=[maddr], run=RUN, name=name, ram_gb=4.0, gflops=10.0, bandwidth_mbps=100.0,
+                       heartbeat=heartbeat, dashboard=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
 
 def _sees_all(process: PeerProcess, count: int) -> bool:
@@ -66,7 +67,8 @@ async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, c
     group = ProcessGroup()
     observer = None
     try:
-        backbone = group.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+        backbone = group.start_library(run_backbone_process, BackboneOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                                                             runs=[RUN]), "backbone")
         maddr = backbone.maddrs()[0]
         live: Dict[str, PeerProcess] = {}
         with Progress(console=console, transient=True) as progress:
@@ -74,7 +76,7 @@ async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, c
             started = time.monotonic()
             for index in range(peers):
                 name = f"v{index:02d}"
-                live[name] = group.start(_join_args(maddr, name, heartbeat), name)
+                live[name] = group.start_library(run_join, _join_options(maddr, name, heartbeat), name)
             while sum(_sees_all(p, peers) for p in live.values()) < peers:
                 progress.update(task, completed=sum(_sees_all(p, peers) for p in live.values()))
                 if time.monotonic() - started > 60 + 10 * peers:
@@ -101,7 +103,7 @@ async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, c
                     live.pop(victim).kill_group()
                     kills += 1
                     name = f"c{kills:03d}"
-                    live[name] = group.start(_join_args(maddr, name, heartbeat), name)
+                    live[name] = group.start_library(run_join, _join_options(maddr, name, heartbeat), name)
                     await asyncio.sleep(churn_period)
                     progress.update(task, completed=min(churn_seconds, time.monotonic() - churn_started))
             churn_stopped = time.monotonic()

@@ -15,7 +15,9 @@ import psutil
 from rich.console import Console
 from rich.progress import Progress
 
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.processes import ProcessGroup
+from ravnest_swarm.swarm.join import JoinOptions, run_join
 
 PLAIN_DHT_SCRIPT = """
 import sys, time, hivemind
@@ -49,7 +51,8 @@ async def bench_backbone(settle_seconds: float, volunteers: int, as_json: bool) 
     try:
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("starting backbone, volunteers and a plain hivemind.DHT", total=3 + volunteers)
-            backbone = group.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "backbone")
+            backbone = group.start_library(run_backbone_process, BackboneOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"]),
+                                           "backbone")
             maddr = backbone.maddrs()[0]
             progress.advance(task)
             plain = group.start_python(PLAIN_DHT_SCRIPT, [maddr], "plain-dht")
@@ -57,10 +60,9 @@ async def bench_backbone(settle_seconds: float, volunteers: int, as_json: bool) 
             progress.advance(task)
             joined = []
             for index in range(volunteers):
-                joined.append(group.start(
-                    ["join", "--initial-peers", maddr, "--run", "bench", "--name", f"v{index}", "--ram-gb", "4",
-                     "--gflops", "10", "--bandwidth-mbps", "100", "--no-dashboard", "--heartbeat", "2"],
-                    f"volunteer{index}"))
+                joined.append(group.start_library(run_join, JoinOptions(
+                    initial_peers=[maddr], run="bench", name=f"v{index}", ram_gb=4.0, gflops=10.0,
+                    bandwidth_mbps=100.0, dashboard=False, heartbeat=2.0), f"volunteer{index}"))
             for index, process in enumerate(joined):
                 process.wait_for_output(rf"sees {volunteers} peer", 120, stream="stderr")
                 progress.advance(task)

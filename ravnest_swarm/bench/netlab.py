@@ -1,5 +1,8 @@
 """A network lab on one machine: hosts in network namespaces with rate-limited, delayed links.
 
+Over 400 lines because namespaces, links, shaping, the delay relay and CPU quotas are one lab whose
+teardown must undo every one of them.
+
 Topology (root needed; addresses only inside 198.18.0.0/15)::
 
     host i (netns)  eth0 198.18.i.2/24 ──veth── hub (netns) veth{i} 198.18.i.1/24

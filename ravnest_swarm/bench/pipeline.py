@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.errors import UserError
 
 STAGE_PORT, TRANSFER_P2P_PORT, TRANSFER_TCP_PORT = 0, 1, 2
@@ -169,9 +170,9 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
             loopback = measure_transfer(group, lab, "loopback", transfer_mb * 4, emulated=False)
             progress.advance(transfers)
             backbone_host = stages
-            backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(backbone_host),
-                                    "--announce-maddrs", lab.announce_maddr(backbone_host)], "backbone",
-                                   prefix=lab.exec_prefix(backbone_host))
+            backbone = group.start_library(run_backbone_process, BackboneOptions(
+                host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)]),
+                "backbone", prefix=lab.exec_prefix(backbone_host))
             initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
             for schedule in ("async", "sync"):
                 task = progress.add_task(f"{schedule} pipeline", total=microbatches)

@@ -40,8 +40,10 @@ from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.bench.pipeline import busy_fraction
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
+from ravnest_swarm.swarm.join import JoinOptions, run_join
+from ravnest_swarm.swarm.placement import MAX_STAGE_SHARE, model_workload
 from ravnest_swarm.swarm.spec import RunSpec
-from ravnest_swarm.swarm.volunteer import MAX_STAGE_SHARE, model_workload
 
 RUN = "speedup"
 PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
@@ -86,10 +88,9 @@ def tree_cpu_seconds(pid: int) -> Optional[float]:
     total = 0.0
     for member in tree:
         try:
-            times = member.cpu_times()
+            total += sum(member.cpu_times()[:2])  # user + system
         except psutil.Error:
             continue
-        total += times.user + times.system
     return total
 
 
@@ -169,22 +170,21 @@ class SpeedupRun:
         self.throttled: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
         self.lab_description: Dict = {}
 
-    def _join_args(self, lab, host: int, initial: str) -> List[str]:
-        spec = self.spec
+    def _join_options(self, lab, host: int, initial: str) -> JoinOptions:
         # RAM for 1.2 / S of the model: S peers hold it, S - 1 cannot (for S <= 5), and the planner's stage share
         # limit keeps a stage within it whichever layers it cuts at
         ram_gb = self.model_gb * min(MAX_STAGE_SHARE / self.stages, 1.0) * 1.001
-        return ["join", "--initial-peers", initial, "--run", RUN, "--name", self.names[host], "--no-dashboard",
-                "--model", spec.model, "--steps", str(self.steps), "--lr", str(spec.lr),
-                "--microbatch-size", str(spec.microbatch_size), "--max-in-flight", str(spec.max_in_flight),
-                "--averaging-period", str(spec.averaging_period), "--pipeline-compression", spec.pipeline_compression,
-                "--ram-gb", f"{ram_gb:.9f}", "--gflops", str(GFLOPS), "--bandwidth-mbps", str(self.mbps),
-                # records live two heartbeats: at 2 s, a peer on a 0.2-core quota of a machine at load 20 missed its
-                # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
-                "--min-peers", str(len(self.names)), "--heartbeat", "4", "--handover-timeout", "0",
-                "--checkpoint-dir", self.checkpoints, "--checkpoint-every", str(max(1, self.steps // 10)),
-                "--report", self.report_path(self.names[host]),
-                "--host-maddrs", lab.host_maddr(host), "--announce-maddrs", lab.announce_maddr(host)]
+        return JoinOptions(
+            initial_peers=[initial], run=RUN, name=self.names[host], dashboard=False, model=self.spec.model,
+            steps=self.steps, lr=self.spec.lr, microbatch_size=self.spec.microbatch_size,
+            max_in_flight=self.spec.max_in_flight, averaging_period=self.spec.averaging_period,
+            pipeline_compression=self.spec.pipeline_compression, ram_gb=ram_gb, gflops=GFLOPS, bandwidth_mbps=self.mbps,
+            host_maddrs=[lab.host_maddr(host)], announce_maddrs=[lab.announce_maddr(host)],
+            report=self.report_path(self.names[host]),
+            # records live two heartbeats: at 2 s, a peer on a 0.2-core quota of a machine at load 20 missed its
+            # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
+            min_peers=len(self.names), heartbeat=4.0, handover_timeout=0.0, checkpoint_dir=self.checkpoints,
+            checkpoint_every=max(1, self.steps // 10))
 
     def report_path(self, name: str) -> str:
         return os.path.join(self.workdir, f"{name}.report.json")
@@ -201,11 +201,12 @@ class SpeedupRun:
             group = ProcessGroup(self.workdir)
             try:
                 on_progress(f"starting {backbone_host} peers and a backbone", 0)
-                backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(backbone_host), "--announce-maddrs",
-                                        lab.announce_maddr(backbone_host), "--run", RUN], "backbone",
-                                       prefix=lab.exec_prefix(backbone_host))
+                backbone = group.start_library(run_backbone_process, BackboneOptions(
+                    host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)],
+                    runs=[RUN]), "backbone", prefix=lab.exec_prefix(backbone_host))
                 initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
-                peers = {name: group.start(self._join_args(lab, host, initial), name, prefix=lab.exec_prefix(host))
+                peers = {name: group.start_library(run_join, self._join_options(lab, host, initial), name,
+                                                   prefix=lab.exec_prefix(host))
                          for host, name in enumerate(self.names)}
                 cgroups = {name: lab.cgroup(host) for host, name in enumerate(self.names)} if lab.cpus else {}
                 placements = self._watch(peers, cgroups, on_progress)

@@ -10,18 +10,50 @@ the route, the bytes the peer counted, the rate, and the backbones' NAT-traversa
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from typing import Dict, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
 
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.lifecycle import configure_logging, run_async
 from ravnest_swarm.membership.reader import read_peers
-from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.records import make_validators, validate_run_name
 from ravnest_swarm.membership.services import check_reachability, relay_stats
 from ravnest_swarm.net.routes import probe_peer
-from ravnest_swarm.net.node import maddrs_without_peer_id, peer_id_of, start_node, stop_node
+from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, peer_id_of, start_node, stop_node
+
+
+@dataclass
+class ProbeOptions:
+    """What ``ravnest-swarm probe`` was asked to do (its flags)."""
+
+    initial_peers: List[str]
+    run: str
+    peer: str
+    mb: float = 4.0
+    timeout: float = 15.0
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce_maddrs: Optional[List[str]] = None
+    verbose: bool = False
+
+
+def run_probe_process(options: ProbeOptions) -> int:
+    """A probe as a process: checks, one probe, its figures as one JSON line on stdout; returns the exit code."""
+    configure_logging(options.verbose)
+
+    async def main() -> int:
+        validate_run_name(options.run)
+        parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
+        result = await run_probe(parse_maddrs(options.initial_peers), options.run, options.peer,
+                                 int(options.mb * 2**20), options.host_maddrs, options.announce_maddrs, options.timeout)
+        print(json.dumps(result), flush=True)
+        return 0
+
+    return run_async(main())
 
 
 async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, total_bytes: int,

@@ -1,5 +1,8 @@
 """An island genetic algorithm over cluster assignments, vectorised in numpy.
 
+Over 400 lines because the population's array layout, its evaluation and the operators that mutate it
+are one design: each part indexes the same arrays.
+
 A chromosome gives each peer a cluster id (0..K_max-1) or -1 (standby). A whole population, every
 island at once, is one ``(individuals, peers)`` int array, and one call of :meth:`SwarmArrays.evaluate`
 scores all of it: a stable sort groups each individual's peers by cluster, segmented sums give every

@@ -8,6 +8,9 @@ how long and what failed (``--json`` adds the summary as one JSON object on stdo
 ``--chaos`` SIGKILLs a training stage partway and starts one more peer late.
 ``--resume`` restarts the same named peers, each from its checkpoint in ``--checkpoint-dir``, with the same
 peer id (an identity file beside the checkpoints), so the same plan is likely.
+
+Over 400 lines because :class:`LocalSwarm` both runs the swarm and sums it up from the same observations
+(plans, samples trained, losses, memory); the closing sentences are :func:`describe`'s.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from ravnest_swarm.models import load_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.spec import RunSpec
-from ravnest_swarm.swarm.volunteer import model_workload
+from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,91 @@
+"""Pure rules a volunteer follows, tested without a network: the planner's view of a model, where a plan
+puts a peer, which records offer which layers, who holds a leaver's layers, and how long a ring waits."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ravnest_swarm.models import ModelSpec
+from ravnest_swarm.planning.cost import Workload
+from ravnest_swarm.swarm.spec import RunSpec
+
+Placement = Tuple[int, int, int, Tuple[int, int], int]  # cluster, stage, stages, layers, clusters
+# a stage holds at most 20 % more than an even split of the model: a volunteer's footprint stays
+# predictable, and losing one peer never costs a cluster much more than its share of the model
+MAX_STAGE_SHARE = 1.2
+
+
+def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
+    """The planner's view of a model: memory M, FLOPs F (forward + backward = 3x forward) and activations A (the
+    largest layer input, what crosses a link), per layer and total.
+
+    M is what a stage holds per layer: parameters, gradients, and with ``stash`` a copy of the weights in flight;
+    plus the activations its forward keeps for the backward, for every microbatch in flight with ``stash``
+    and for the one being recomputed with ``recompute``. For a transformer at a useful microbatch, activations
+    outweigh the weights (docs/models.md)."""
+    copies, microbatches = (3, run_spec.max_in_flight) if run_spec.backward == "stash" else (2, 1)
+    layer_memory_gb = [(copies * layer.param_bytes + microbatches * run_spec.microbatch_size * layer.activation_bytes)
+                       / 1e9 for layer in spec.layers]
+    layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]
+    activation_mb = max(4 * int(torch.tensor(layer.input_shape).prod()) for layer in spec.layers) / 1e6
+    workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)),
+                        max_stage_share=MAX_STAGE_SHARE)
+    return workload, (layer_memory_gb, layer_gflop)
+
+
+def layer_offers(record: Dict) -> List[Tuple[int, int, int]]:
+    """``(first, last, step)`` of each layer range a peer's record says it gives: its stage's (``layers`` at
+    ``step``) and the stage it stopped last (``held``), which it still serves after moving to other layers."""
+    offers = []
+    if record.get("layers") and record.get("step") is not None:
+        offers.append((record["layers"][0], record["layers"][1], record["step"]))
+    if record.get("held"):
+        offers.append(tuple(record["held"]))
+    return offers
+
+
+def offered_step(record: Dict, layer: int) -> Optional[int]:
+    """The freshest step at which a peer's record offers ``layer``, or None."""
+    return max((step for first, last, step in layer_offers(record) if first <= layer < last), default=None)
+
+
+def placement_in(plan: dict, peer_id: str) -> Optional[Placement]:
+    """Where ``plan`` puts ``peer_id``: (cluster, stage, stages, layers, clusters), or None (standby)."""
+    for cluster_index, cluster in enumerate(plan["clusters"]):
+        for stage_index, stage in enumerate(cluster):
+            if stage["peer_id"] == peer_id:
+                return cluster_index, stage_index, len(cluster), tuple(stage["layers"]), len(plan["clusters"])
+    return None
+
+
+def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microbatch_size: int,
+                 heartbeat: float) -> float:
+    """Seconds to keep waiting for ring members that have not reached averaging round ``step``: what the
+    slowest of them still has to train to reach it at its recent pace, doubled (paces vary, more so on a busy
+    machine), plus a heartbeat (its record is that old at most). 0, give up, when one of them is gone, not
+    training, already past the round (it moved on without us), or not moving."""
+    wait = 0.0
+    for member in missing:
+        record = records.get(member)
+        if record is None or record["state"] not in ("training", "averaging") or record.get("step") is None:
+            return 0.0
+        behind, rate = step - record["step"], record.get("samples_per_s") or 0.0
+        if behind <= 0 or rate <= 0:
+            return 0.0
+        wait = max(wait, behind * microbatch_size / rate)
+    return 2 * wait + heartbeat
+
+
+def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:
+    """Names of peers (not leaving) whose records together hold every layer of ``start:end`` at ``step`` or
+    later, or None while some layer has no such holder: then a leaving peer's work would be lost."""
+    names = set()
+    for layer in range(start, end):
+        holders = [p["name"] for p in peers if p["state"] != "leaving" and p.get("layers")
+                   and p["layers"][0] <= layer < p["layers"][1] and (p.get("step") or 0) >= step]
+        if not holders:
+            return None
+        names.update(holders)
+    return sorted(names)
