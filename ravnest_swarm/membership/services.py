@@ -16,14 +16,13 @@ from pydantic import Field
 
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.relay import RelayServices
-from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_counter
+from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_counter, send_probe
 from ravnest_swarm.net.transport import UNARY_MAX_BYTES, bounded_stream_handler, make_request, make_response
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
 DIAL_BACK = "ravnest.dial_back"
 
-PROBE_CHUNK_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 16 * 1024 * 1024
 PROBE_TIMEOUT = 60.0  # a probe slower than 16 MiB a minute is not worth measuring; nor is a silent stream
 DIAL_BACK_TIMEOUT = 3.0
@@ -154,23 +153,12 @@ async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> float:
 
 
 async def measure_bandwidth(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout: float, on_progress=None) -> float:
-    """Stream ``total_bytes`` to a backbone's probe handler and return the rate in Mbit/s."""
-    payload = runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES), dtype="uint8", size=[PROBE_CHUNK_BYTES])
-    chunks = max(1, total_bytes // PROBE_CHUNK_BYTES)
-
-    async def stream():
-        for index in range(chunks):
-            yield runtime_pb2.ExpertRequest(tensors=[payload])
-            if on_progress is not None:
-                on_progress(index + 1, chunks)
-
-    started = time.perf_counter()
-    response = await asyncio.wait_for(
-        p2p.call_protobuf_handler(peer_id, BANDWIDTH_PROBE, stream(), runtime_pb2.ExpertResponse), timeout
-    )
-    elapsed = time.perf_counter() - started
-    received = decode_message(ProbeReply, response.metadata, BANDWIDTH_PROBE).bytes
-    return 8 * received / 1e6 / max(elapsed, 1e-9)
+    """Stream ``total_bytes`` to a backbone's probe handler (:func:`~ravnest_swarm.net.routes.send_probe`) and
+    return the rate in Mbit/s."""
+    received, seconds = await send_probe(
+        lambda stream: p2p.call_protobuf_handler(peer_id, BANDWIDTH_PROBE, stream, runtime_pb2.ExpertResponse),
+        BANDWIDTH_PROBE, total_bytes, timeout, on_progress)
+    return 8 * received / 1e6 / max(seconds, 1e-9)
 
 
 async def check_reachability(routes: Routes, peer_id: PeerID, timeout: float) -> str:

@@ -27,7 +27,7 @@ import logging
 import time
 from collections import Counter
 from contextlib import closing
-from typing import Annotated, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -368,15 +368,29 @@ def probe_counter(handler: str) -> FrameHandler:
     return count
 
 
-async def probe_peer(routes: "Routes", peer_id: PeerID, total_bytes: int, timeout: float = PROBE_TIMEOUT) -> Tuple[int, float]:
-    """Stream ``total_bytes`` (one uint8 tensor in 256 KiB parts) to a peer's probe handler over its route;
-    return the bytes it counted and the seconds from the first byte to its reply."""
+ProbeCall = Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[runtime_pb2.ExpertResponse]]
+
+
+async def send_probe(call: ProbeCall, handler: str, total_bytes: int, timeout: float,
+                     on_progress: Optional[Callable[[int, int], None]] = None) -> Tuple[int, float]:
+    """Stream ``total_bytes`` (one uint8 tensor in 256 KiB parts) through ``call`` to a probe handler
+    (:func:`probe_counter` named ``handler``); return the bytes it counted and the seconds from the first byte
+    to its reply. ``on_progress(parts sent, parts)`` follows the stream. The one sender of both probes:
+    :func:`probe_peer` and the bandwidth a volunteer measures to a backbone (``membership.services``)."""
     payload = runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES), dtype="uint8", size=[PROBE_CHUNK_BYTES])
+    parts = max(1, total_bytes // PROBE_CHUNK_BYTES)
 
     async def stream():
-        for _ in range(max(1, total_bytes // PROBE_CHUNK_BYTES)):
+        for index in range(parts):
             yield runtime_pb2.ExpertRequest(tensors=[payload])
+            if on_progress is not None:
+                on_progress(index + 1, parts)
 
     started = time.perf_counter()
-    response = await asyncio.wait_for(routes.call(peer_id, PROBE, stream()), timeout)
-    return decode_message(ProbeReply, response.metadata, PROBE).bytes, time.perf_counter() - started
+    response = await asyncio.wait_for(call(stream()), timeout)
+    return decode_message(ProbeReply, response.metadata, handler).bytes, time.perf_counter() - started
+
+
+async def probe_peer(routes: "Routes", peer_id: PeerID, total_bytes: int, timeout: float = PROBE_TIMEOUT) -> Tuple[int, float]:
+    """:func:`send_probe` to a peer's ``probe`` handler over its route (direct, reversal or forwarding)."""
+    return await send_probe(lambda stream: routes.call(peer_id, PROBE, stream), PROBE, total_bytes, timeout)
