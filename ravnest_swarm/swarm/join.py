@@ -148,18 +148,17 @@ def check_join(options: JoinOptions) -> Optional[dict]:
                         ("bandwidth-mbps", options.bandwidth_mbps), ("device-memory-gb", options.device_memory_gb)):
         check_override(flag, value)
     validate_peer_name(options.name)
-    parse_maddrs(options.initial_peers)
+    facts = model_facts(options.model, options.model_config or "", options.data) if options.model is not None else None
+    if options.data is not None and options.model is None:
+        scan_user_data(options.data)
     parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
     if options.resume and options.checkpoint_dir is None:
         raise UserError("--resume needs --checkpoint-dir")
+    parse_maddrs(options.initial_peers)
+    options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash")
     check_precision(options.precision or "fp32")
-    options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
-    if options.model is None:
-        if options.data is not None:
-            scan_user_data(options.data)
-        return None
-    return model_facts(options.model, options.model_config or "", options.data)
+    return facts
 
 
 def membership_options(options: JoinOptions):
