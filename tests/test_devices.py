@@ -36,7 +36,7 @@ def worker_for(stage: int, stages: int, layers, device: str, precision: str) -> 
 
 def capture_sends(worker: StageWorker) -> list:
     sent = []
-    worker._spawn = lambda handler, stage, metadata, tensors, microbatch: sent.append((handler, tensors))
+    worker.scheduler.spawn = lambda handler, stage, message, tensors, microbatch: sent.append((handler, tensors))
     return sent
 
 
@@ -53,13 +53,13 @@ def test_a_middle_stage_computes_on_its_device_and_sends_float32_from_host_memor
     inputs, targets = torch.randn(8, 64), torch.randint(0, 10, (8,))
 
     async def forward_then_backward():
-        await worker._run_forward(0, list(range(8)), inputs, targets)
+        await worker.scheduler.run_forward(0, list(range(8)), inputs, targets)
         (_, (output, sent_targets)), = sent
         # the next stage decodes what its first layer takes (float32), whatever autocast computed in
         assert output.device.type == "cpu" and output.dtype == torch.float32 and output.shape == (8, 64)
         assert sent_targets.device.type == "cpu"
         before = [p.detach().cpu().clone() for p in worker.module.parameters()]
-        await worker._run_backward(0, torch.ones(8, 64))  # the gradient arrives from the wire, on the host
+        await worker.scheduler.run_backward(0, torch.ones(8, 64))  # the gradient arrives from the wire, on the host
         return before
 
     before = asyncio.run(forward_then_backward())
@@ -70,7 +70,7 @@ def test_a_middle_stage_computes_on_its_device_and_sends_float32_from_host_memor
     assert all(on_device(p, device) for p in worker.module.parameters())
     assert all(on_device(t, device) for state in worker.optimizer.state.values() for t in state.values()
                if torch.is_tensor(t))
-    worker.executor.shutdown()
+    worker.compute.close()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,11 +81,11 @@ def test_the_last_stage_trains_in_bf16_with_a_finite_loss(device):
     losses = []
     for microbatch in range(30):
         inputs, targets = data.get(list(range(microbatch * 8, microbatch * 8 + 8)))
-        loss, _ = worker._forward_backward_last(inputs, targets)  # data from the host, as stage 0 draws it
+        loss, _ = worker.compute.forward_backward_last(inputs, targets)  # data from the host, as stage 0 draws it
         losses.append(loss)
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-5:]) < sum(losses[:5])
-    worker.executor.shutdown()
+    worker.compute.close()
 
 
 def test_autocast_choices_on_a_cpu():

@@ -53,6 +53,10 @@ def forward_metadata(microbatch=1, count=4, stage=1, **overrides):
                      version=0), **overrides)
 
 
+def backward_metadata(microbatch, stage=1):
+    return dict(run=RUN, cluster=0, stage=stage, microbatch=microbatch, version=0)
+
+
 @pytest.mark.timeout(200)
 def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, backbone, tmp_path):
     # stage 1 of 3 alone: we play stage 0, and stage 2 never exists
@@ -79,7 +83,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
                     await call(node, peer, wire.FORWARD, metadata, tensors)
                 errors[label] = str(caught.value)
             with pytest.raises(P2PHandlerError) as caught:
-                await call(node, peer, wire.BACKWARD, forward_metadata(microbatch=999), [torch.randn(4, 64)])
+                await call(node, peer, wire.BACKWARD, backward_metadata(999), [torch.randn(4, 64)])
             errors["unknown id"] = str(caught.value)
             # an 8-bit codec's lookup table is the sender's to choose: refused, as is a codec on the integer targets
             for label, x_codec, targets_codec in [("8-bit", CompressionType.UNIFORM_8BIT, CompressionType.NONE),
@@ -220,7 +224,7 @@ def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_it
             await shutdown(workers, nodes)
 
     torch.set_num_threads(1)
-    with caplog.at_level(logging.WARNING, logger="ravnest_swarm.pipeline.stage"):
+    with caplog.at_level(logging.WARNING, logger="ravnest_swarm.pipeline"):
         first, moved, successor = asyncio.run(scenario())
     assert first.completed + first.dropped == total and successor.forwards >= 1
     assert first.dropped <= in_flight  # the misaddressed messages were resent, not dropped

@@ -10,19 +10,25 @@ integer ones (targets) never. The reply is one ``ExpertResponse``, or hivemind's
 The receiver reads the frames itself (a binary stream handler rather than hivemind's protobuf
 wrapper) so that it can refuse an oversize frame from its length header before reading it, and answer
 garbage with a reason instead of closing the stream.
+
+Each handler's metadata is a schema below (``net/messages.py``: strict types, unknown fields refused); the
+handlers parse it with ``parse_message`` and read nothing else from the raw map.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import Annotated, AsyncIterator, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import CompressionType
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from pydantic import Field
 
+from ravnest_swarm.membership.records import RUN_NAME_RE
+from ravnest_swarm.net.messages import Message, MessageError
 from ravnest_swarm.net.transport import make_request, read_frames, unpack_metadata
 
 FORWARD = "ravnest.pipeline.forward"
@@ -37,9 +43,82 @@ MAX_SAMPLES = 4096
 COMPRESSIONS = {"none": CompressionType.NONE, "float16": CompressionType.FLOAT16,
                 "meanstd16": CompressionType.MEANSTD_16BIT}
 
+# a message this stage refuses raises MessageError (net/messages.py); its one-line text goes back to the sender
 
-class MessageError(ValueError):
-    """A message this stage refuses; its text goes back to the sender as the error."""
+# microbatch ids, optimizer steps and sample ids travel as msgpack integers; 2**53 keeps them exact in any reader
+Count = Annotated[int, Field(ge=0, le=2**53)]
+SampleId = Annotated[int, Field(ge=0, lt=2**53)]
+
+
+class StageAddress(Message):
+    """Who a message is for: a stage refuses one meant for another run, cluster or stage."""
+
+    run: Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
+    cluster: Count
+    stage: Count
+
+
+class ForwardRequest(StageAddress):
+    """Frame 0 of a forward message: one microbatch's activations and targets for stage ``stage``."""
+
+    microbatch: Count
+    sample_ids: Annotated[List[SampleId], Field(min_length=1, max_length=MAX_SAMPLES)]
+    version: Count  # the sender's optimizer steps
+
+
+class FinishRequest(StageAddress):
+    """The end of the run, passed down the chain on the forward stream once stage 0 is done (no tensors)."""
+
+    op: Literal["finish"]
+    completed: Count
+
+
+class BackwardRequest(StageAddress):
+    """Frame 0 of a backward message: the gradient of the output this stage sent for ``microbatch``."""
+
+    microbatch: Count
+    version: Count
+
+
+class Accepted(Message):
+    """A forward or backward message taken: queued (``queued`` messages now wait), or already held (``duplicate``)."""
+
+    ok: Literal[True] = True
+    queued: Optional[int] = None
+    duplicate: Optional[Literal[True]] = None
+
+    def as_metadata(self) -> Dict:
+        return self.model_dump(exclude_none=True)  # a finish is answered {"ok": true}, nothing more
+
+
+class ForwardReply(Accepted):
+    """What a forward or finish message gets back."""
+
+
+class BackwardReply(Accepted):
+    """What a backward message gets back."""
+
+
+class StatusRequest(Message):
+    """The status request carries nothing."""
+
+
+class StatusReply(Message):
+    """A stage's counters (``scheduler.Counters``), its step and the microbatches it holds."""
+
+    stage: int
+    version: int
+    forwards: int
+    backwards: int
+    injected: int
+    completed: int
+    dropped: int
+    rejected: int
+    turned_away: int
+    resends: int
+    max_staleness: int
+    in_flight: int
+    pending: int
 
 
 def encode(metadata: Dict, tensors: Sequence[torch.Tensor], compression: str = "none") -> List[runtime_pb2.ExpertRequest]:
@@ -118,21 +197,3 @@ def check_values(tensor: torch.Tensor, what: str, max_abs: float) -> torch.Tenso
         if largest > max_abs:
             raise MessageError(f"{what} has a value of magnitude {largest:.3g}, above the {max_abs:.3g} limit")
     return tensor
-
-
-def field(metadata: Dict, name: str, kind: type, lo: int = 0, hi: int = 2**53):
-    value = metadata.get(name)
-    if kind is int:
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise MessageError(f"metadata field {name!r} must be an integer in [{lo}, {hi}], got {value!r}")
-    elif not isinstance(value, kind):
-        raise MessageError(f"metadata field {name!r} must be {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def sample_ids_field(metadata: Dict) -> List[int]:
-    ids = metadata.get("sample_ids")
-    if (not isinstance(ids, list) or not 1 <= len(ids) <= MAX_SAMPLES
-            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**53 for i in ids)):
-        raise MessageError(f"'sample_ids' must be a list of 1-{MAX_SAMPLES} non-negative integers")
-    return ids

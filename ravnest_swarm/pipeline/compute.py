@@ -1,0 +1,146 @@
+"""A stage's compute: its layers on its device, the forward, the backward and the optimizer step.
+
+Everything here runs in the stage's one compute thread (:meth:`StageCompute.run`), one call at a time.
+Tensors arrive from the wire (or stage 0's data) in host memory and move to the device here; what goes
+back to the wire is copied to the host here too (a GPU copy waits for the GPU's work, which must not hold
+up the event loop). On a CPU device both are no-ops.
+
+Weight versions (``mode``): ``stash`` clones the parameters at forward time and runs the forward on the
+clone, so the backward uses exactly the weights of its forward (PipeDream weight stashing); ``recompute``
+keeps only the input and recomputes the forward with the current weights at backward time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+
+import torch
+from torch.func import functional_call
+
+from ravnest_swarm.devices import autocast, autocast_dtype
+from ravnest_swarm.models import ModelSpec
+from ravnest_swarm.pipeline.config import StageConfig
+
+Result = TypeVar("Result")
+
+
+@dataclass
+class Pending:
+    """A microbatch this stage sent forward and whose gradient it awaits."""
+
+    inputs: torch.Tensor
+    output: torch.Tensor  # with its autograd graph when stashing
+    output_shape: List[int]
+    params: Optional[Dict[str, torch.Tensor]]  # the stashed weights (stash mode)
+    since: Optional[float]  # when the forward message was delivered; None while its send is still retrying
+    version: int
+
+
+class StageCompute:
+    """The stage's layers ``[a, b)`` of ``spec`` on ``config.device``, their SGD optimizer and its step count.
+
+    :param config: the stage's settings (layers, device, precision, mode, schedule, learning rate)
+    :param spec: the run's model
+    """
+
+    def __init__(self, config: StageConfig, spec: ModelSpec):
+        self.config, self.spec = config, spec
+        self.device = torch.device(config.device)
+        # built on the host from per-layer seeds (identical on every peer and device), then moved: the optimizer
+        # made after the move keeps its state beside the parameters
+        self.module = spec.build_stage(*config.layers).to(self.device)
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=config.lr)
+        self.autocast_dtype, self.precision_note = autocast_dtype(config.precision, config.device)
+        self.is_first = config.stage == 0
+        end_layer = config.layers[1]
+        # what the next stage's first layer takes: an output autocast left in 16 bits is sent cast back to it
+        self.output_dtype = None if config.stage == config.stages - 1 else spec.layers[end_layer].input_dtype
+        self.version = 0  # optimizer steps taken (or counted from, see Scheduler.follow_sender_steps)
+        self.gradients = 0  # gradients this stage applied or accumulated (the sync schedule steps on every n-th)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+
+    async def run(self, function: Callable[..., Result], *args) -> Result:
+        """``function(*args)`` in the compute thread, awaited from the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, function, *args)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+    def forward(self, inputs: torch.Tensor) -> Tuple[Pending, torch.Tensor]:
+        """The stage's output for the next stage, kept with what its backward needs; and its host copy."""
+        x = self._as_leaf(inputs)
+        if self.config.mode == "stash":
+            params = {name: p.detach().clone().requires_grad_() for name, p in self.module.named_parameters()}
+            output = self._compute(x, params)
+        else:
+            params = None
+            with torch.no_grad():
+                output = self._compute(x)
+        return Pending(x, output, list(output.shape), params, None, self.version), to_host(output)
+
+    def backward(self, pending: Pending, grad: torch.Tensor) -> Optional[torch.Tensor]:
+        """Apply the gradient of ``pending``'s output; the gradient of its input on the host (None on stage 0)."""
+        grad = grad.to(self.device)
+        if pending.params is not None:
+            torch.autograd.backward(pending.output, grad)
+            for name, p in self.module.named_parameters():
+                stashed = pending.params[name].grad
+                p.grad = stashed if p.grad is None else p.grad + stashed
+            x = pending.inputs
+        else:
+            x = self._as_leaf(pending.inputs.detach())
+            self._compute(x).backward(grad)
+        self._apply_gradients()
+        return to_host(x.grad) if x.requires_grad else None
+
+    def forward_backward_last(self, inputs: torch.Tensor, targets: torch.Tensor) -> Tuple[float, Optional[torch.Tensor]]:
+        """The last stage's whole step: forward, loss, backward and update; the loss and the input's gradient."""
+        x = self._as_leaf(inputs)
+        with autocast(self.config.device, self.autocast_dtype):
+            loss = self.spec.loss(self.module(x), targets.to(self.device))
+        loss.backward()  # outside autocast, as torch advises: each op's backward runs in its forward's dtype
+        self._apply_gradients()
+        return loss.item(), (to_host(x.grad) if x.requires_grad else None)
+
+    def _compute(self, x: torch.Tensor, params: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """The layers' forward (with the stashed ``params`` if given) under the run's autocast; the output in
+        the dtype the next stage's first layer takes (a differentiable cast, so its gradient comes back in it)."""
+        with autocast(self.config.device, self.autocast_dtype):
+            output = self.module(x) if params is None else functional_call(self.module, params, (x,))
+        return output.to(self.output_dtype) if self.output_dtype is not None else output
+
+    def _as_leaf(self, inputs: torch.Tensor) -> torch.Tensor:
+        # stage 0's inputs are data (token ids need no gradient); later stages send theirs back
+        inputs = inputs.to(self.device)
+        return inputs if self.is_first else inputs.detach().requires_grad_()
+
+    def _apply_gradients(self) -> None:
+        """Async: step on every gradient. Sync: step once per ``microbatches_per_step`` on the mean."""
+        self.gradients += 1
+        if self.config.schedule == "sync":
+            if self.gradients % self.config.microbatches_per_step:
+                return
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad /= self.config.microbatches_per_step
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+    def save(self, path: str) -> None:
+        """The stage's parameters as safetensors, named by their layer index in the whole model."""
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for name, p in self.module.named_parameters():
+            local, rest = name.split(".", 1)
+            tensors[f"{self.config.layers[0] + int(local)}.{rest}"] = to_host(p).contiguous()
+        save_file(tensors, path)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without its autograd graph, in host memory (the same tensor if it is there already)."""
+    return tensor.detach().cpu()

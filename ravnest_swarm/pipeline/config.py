@@ -1,0 +1,85 @@
+"""What one stage process does: :class:`StageConfig`, the settings the ``stage`` verb and a volunteer give a
+:class:`~ravnest_swarm.pipeline.worker.StageWorker`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from ravnest_swarm.pipeline import wire
+
+SCHEDULES = ("async", "sync")
+MODES = ("stash", "recompute")
+
+
+@dataclass
+class StageConfig:
+    """What one stage process does.
+
+    :param run: run name (prefix of the DHT keys)
+    :param cluster: this stage's cluster; it only talks to stages of the same cluster
+    :param clusters: number of clusters (for sharding the data by sample id)
+    :param stage: this stage's index in the pipeline
+    :param stages: number of stages
+    :param model: the run's model (``models.load_model``: a zoo name or a user's ``module:function``)
+    :param model_config: its settings (``layers=12,width=768``)
+    :param data: this peer's copy of the run's ``--data`` (None: the model's own data)
+    :param layers: the layer range ``[a, b)`` this stage builds
+    :param microbatch_size: samples per microbatch (stage 0 draws them)
+    :param microbatches: how many microbatches stage 0 injects before finishing the run
+    :param max_in_flight: microbatches in flight per cluster (async schedule)
+    :param schedule: ``async`` (step on every gradient) or ``sync`` (GPipe-style flush every step)
+    :param microbatches_per_step: microbatches of one synchronous step
+    :param lr: SGD learning rate
+    :param mode: ``stash`` (backward uses the weights of its forward) or ``recompute`` (current weights)
+    :param seed: data shuffling seed
+    :param microbatch_timeout: seconds after which a microbatch with no gradient back is dropped
+    :param send_timeout: seconds a send keeps retrying (re-resolving the neighbour) before dropping
+    :param heartbeat: seconds between endpoint renewals
+    :param max_message_bytes: larger incoming messages are refused
+    :param max_abs_value: activations or gradients with a larger magnitude (or NaN/Inf) are refused as poisoned
+    :param compression: how this stage sends activations and gradients: ``none``, or rounded to 16 bits for
+      half the bytes, as ``float16`` or ``meanstd16`` (scaled by the tensor's mean and std first, so small
+      gradients keep their precision); receivers accept all three
+    :param device: the torch device that holds this stage's layers, gradients and optimizer state (``cpu``,
+      ``cuda:0``); what it sends and receives is on the host, so its neighbours' devices do not matter
+    :param precision: the run's ``fp32``, ``bf16`` or ``fp16``: 16 bits run the forward under ``torch.autocast``
+      (``devices.autocast_dtype``); weights, gradients and what travels stay in their own dtypes
+    :param trace: record when each microbatch arrives and when its forward and backward start and end
+      (``bench pipeline`` splits a round trip into queueing, compute and transit with it; off otherwise, as it
+      grows with the run)
+    """
+
+    run: str
+    stage: int
+    stages: int
+    model: str
+    layers: Tuple[int, int]
+    model_config: str = ""
+    data: Optional[str] = None
+    cluster: int = 0
+    clusters: int = 1
+    microbatch_size: int = 16
+    microbatches: int = 0
+    max_in_flight: int = 4
+    schedule: str = "async"
+    microbatches_per_step: int = 4
+    lr: float = 0.05
+    mode: str = "stash"
+    seed: int = 0
+    microbatch_timeout: float = 30.0
+    send_timeout: float = 30.0
+    heartbeat: float = 2.0
+    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
+    max_abs_value: float = 1e6
+    compression: str = "none"
+    device: str = "cpu"
+    precision: str = "fp32"
+    trace: bool = False
+
+
+def check_config(config: StageConfig) -> None:
+    """Refuse a schedule, mode or compression this stage does not know, before anything is built."""
+    if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in wire.COMPRESSIONS:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, mode one of {MODES} and compression one of "
+                         f"{tuple(wire.COMPRESSIONS)}")

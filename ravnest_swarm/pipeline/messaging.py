@@ -1,0 +1,280 @@
+"""A stage's messaging: the forward, backward and status handlers it serves, and its sends to neighbour stages.
+
+Receiving (:class:`Inbox`): each inbound stream carries message after message (``channel.py``); each is
+read and checked in full before anything is queued (framing and size in ``wire.read_message``, metadata
+against its schema in ``wire``, address, tensors' shape, dtype, compression and values), and a refusal
+goes back as one line. Refusals for where or when a message came (``TURNED_AWAY``) are counted apart
+from malformed or poisoned input (``rejected``), which honest neighbours never send.
+
+Sending (:class:`Outbox`): delivery is at-least-once (a send that gets no reply re-resolves the
+neighbour and resends until ``send_timeout``; receivers acknowledge ids they already hold), on one
+long-lived stream per neighbour and handler, or on a stream per message through a forwarding backbone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import closing
+from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple, Type, Union
+
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2PContext, P2PHandlerError, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+
+from ravnest_swarm.models import LayerSpec
+from ravnest_swarm.net.messages import Handler, decode_message, parse_message, register_handler
+from ravnest_swarm.net.transport import INCOMPLETE, MAX_METADATA_BYTES, make_response, message_reply, send_reply
+from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.channel import MessageChannel
+from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.pipeline.endpoints import EndpointResolver
+from ravnest_swarm.pipeline.scheduler import BusyTime, Counters, Scheduler
+from ravnest_swarm.pipeline.wire import MessageError
+
+logger = logging.getLogger(__name__)
+
+# refusals a sender answers by sending again: a message meant for another stage (the sender's endpoint for
+# it is stale: re-resolve), and one a stage has no room for yet (its stale microbatches are about to be dropped)
+MISADDRESSED = ", but this is run"
+BUSY = "; retry later"
+UNKNOWN_MICROBATCH = "unknown microbatch id"
+# refusals for when or where a message arrived, not for what it holds: honest neighbours cause them (an endpoint
+# gone stale in a new plan, no room yet, a gradient that came after its microbatch was dropped, a stream stalled
+# on a busy machine), so they are counted apart from the malformed or poisoned input that `rejected` counts
+TURNED_AWAY = (MISADDRESSED, BUSY, UNKNOWN_MICROBATCH, INCOMPLETE)
+
+register_handler(Handler(
+    name=wire.FORWARD, request=wire.ForwardRequest, reply=wire.ForwardReply, max_bytes=wire.DEFAULT_MAX_MESSAGE_BYTES,
+    callers="stage k-1 of the same run and cluster (the address is checked), which also ends the run on it "
+            "with a FinishRequest", owner=__name__))
+register_handler(Handler(
+    name=wire.BACKWARD, request=wire.BackwardRequest, reply=wire.BackwardReply,
+    max_bytes=wire.DEFAULT_MAX_MESSAGE_BYTES,
+    callers="stage k+1 of the same run and cluster, for a microbatch this stage sent it",
+    owner=__name__))
+register_handler(Handler(
+    name=wire.STATUS, request=wire.StatusRequest, reply=wire.StatusReply, max_bytes=MAX_METADATA_BYTES,
+    callers="anyone (read-only counters: tests and operators)", owner=__name__))
+
+Request = Union[wire.ForwardRequest, wire.FinishRequest, wire.BackwardRequest]
+Handle = Callable[[Request, List[runtime_pb2.Tensor]], Awaitable[wire.Accepted]]
+
+
+def parse_forward(metadata: Dict) -> Union[wire.ForwardRequest, wire.FinishRequest]:
+    """A forward stream's message: a microbatch, or the end of the run (``op: "finish"``)."""
+    schema: Type[wire.Message] = wire.FinishRequest if metadata.get("op") == "finish" else wire.ForwardRequest
+    return parse_message(schema, metadata, "forward")
+
+
+def parse_backward(metadata: Dict) -> wire.BackwardRequest:
+    return parse_message(wire.BackwardRequest, metadata, "backward")
+
+
+class Inbox:
+    """Serves the stage's handlers and hands what passes every check to its scheduler.
+
+    :param config: the stage's settings
+    :param scheduler: where accepted microbatches and gradients go
+    :param input_spec: this stage's first layer (the activations' shape and dtype it takes)
+    :param targets: the run's targets (their shape per sample and dtype)
+    """
+
+    def __init__(self, config: StageConfig, scheduler: Scheduler, input_spec: LayerSpec, targets: torch.Tensor):
+        self.config, self.scheduler, self.counters = config, scheduler, scheduler.counters
+        self.input_spec = input_spec
+        self.target_shape, self.target_dtype = list(targets.shape[1:]), targets.dtype
+        self.stopped = False  # set first by the worker's shutdown: what still arrives is not answered
+        self.serving: Set[asyncio.Task] = set()  # one task per inbound stream we answer on
+
+    async def add_handlers(self, node: DHTNode) -> None:
+        # forwardable: a neighbour behind another NAT reaches these through a backbone (net/routes.py)
+        routes = node.routes
+        await routes.add_forwardable_handler(wire.FORWARD, self._stream_handler(wire.FORWARD, parse_forward,
+                                                                                 self._on_forward))
+        await routes.add_forwardable_handler(wire.BACKWARD, self._stream_handler(wire.BACKWARD, parse_backward,
+                                                                                  self._on_backward))
+        await node.p2p.add_protobuf_handler(wire.STATUS, self._on_status, runtime_pb2.ExpertRequest)
+
+    async def remove_handlers(self, node: DHTNode) -> None:
+        # a volunteer moved to another slot starts a new worker on the same P2P: free the handler names
+        for name in (wire.FORWARD, wire.BACKWARD):
+            await node.p2p.remove_binary_stream_handler(name)
+        await node.p2p.remove_protobuf_handler(wire.STATUS)
+
+    def _stream_handler(self, name: str, parse: Callable[[Dict], Request], handle: Handle):
+        async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            """Answer message after message on one stream (see channel.py), each within the send timeout."""
+            first_marker: Optional[bytes] = None
+
+            async def respond() -> runtime_pb2.ExpertResponse:
+                metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes, first_marker)
+                if self.stopped:  # shutdown's cancel can be lost (asyncio.wait_for returns a result it raced)
+                    raise ConnectionError("this stage worker stopped")  # no reply: the sender resends elsewhere
+                request = parse(metadata)
+                self._check_address(request)
+                return make_response((await handle(request, tensors)).as_metadata())
+
+            task = asyncio.current_task()  # this stream's own: p2pd hands each stream to a new task
+            self.serving.add(task)
+            task.add_done_callback(self.serving.discard)
+            peer_id = stream_info.peer_id
+            with closing(writer):
+                while not self.stopped:  # a stream opened after shutdown (through a backbone) is just closed
+                    reply = await message_reply(name, peer_id, respond, self.config.send_timeout,
+                                                lambda reason: self._refused(name, peer_id, reason),
+                                                lambda: self._broken(name, peer_id))
+                    if reply is None:
+                        return
+                    await send_reply(reply, reader, writer)
+                    if isinstance(reply, RPCError):
+                        return  # a refused message may have been cut short: what follows cannot be framed
+                    try:
+                        # between messages the stream may idle (no deadline runs); one idle for a whole send
+                        # timeout is closed, and its sender opens a new one for its next message
+                        first_marker = await asyncio.wait_for(reader.readexactly(1), self.config.send_timeout)
+                    except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
+                        return  # the sender closed the stream, or left it idle
+
+        return serve
+
+    def _refused(self, name: str, peer_id: PeerID, reason: str) -> None:
+        if any(marker in reason for marker in TURNED_AWAY):
+            self.counters.turned_away += 1
+        else:
+            self.counters.rejected += 1
+            self.counters.last_rejected = f"{name.rsplit('.', 1)[-1]} from {peer_id}: {reason}"
+        logger.warning(f"stage {self.config.stage}: rejected {name} from {peer_id}: {reason}")
+
+    def _broken(self, name: str, peer_id: PeerID) -> None:
+        if not self.stopped:
+            logger.warning(f"stage {self.config.stage}: {name} from {peer_id} ended early")
+
+    def _check_address(self, request: Request) -> None:
+        config = self.config
+        if (request.run, request.cluster, request.stage) != (config.run, config.cluster, config.stage):
+            raise MessageError(
+                f"addressed to run {request.run!r} cluster {request.cluster!r} stage {request.stage!r}"
+                f"{MISADDRESSED} {config.run!r} cluster {config.cluster} stage {config.stage}")
+
+    async def _on_forward(self, request: Union[wire.ForwardRequest, wire.FinishRequest],
+                          tensors: List[runtime_pb2.Tensor]) -> wire.ForwardReply:
+        scheduler = self.scheduler
+        if isinstance(request, wire.FinishRequest):
+            scheduler.receive_finish()
+            return wire.ForwardReply()
+        if scheduler.is_first:
+            raise MessageError("stage 0 takes no forward messages: it draws its own microbatches")
+        if request.microbatch in scheduler.seen_forward:
+            # a resend after our reply was lost: delivery is at-least-once, processing exactly once
+            return wire.ForwardReply(duplicate=True)
+        # stage 0 keeps at most max_in_flight microbatches in the pipeline; twice that leaves room for ones
+        # a watchdog is about to drop, and anything beyond is a flood that would hold unbounded memory
+        if scheduler.holding() >= 2 * self.config.max_in_flight:
+            raise MessageError(f"too many microbatches in flight here ({2 * self.config.max_in_flight}){BUSY}")
+        if len(tensors) != 2:
+            raise MessageError(f"a forward message carries 2 tensors (activations, targets), got {len(tensors)}")
+        count = len(request.sample_ids)
+        inputs = wire.check_values(wire.decode_tensor(tensors[0], "activations", [count, *self.input_spec.input_shape],
+                                                      self.input_spec.input_dtype), "activations", self.config.max_abs_value)
+        targets = wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape], self.target_dtype)
+        queued = scheduler.queue_forward(request.microbatch, list(request.sample_ids), inputs, targets, request.version)
+        return wire.ForwardReply(queued=queued)
+
+    async def _on_backward(self, request: wire.BackwardRequest, tensors: List[runtime_pb2.Tensor]) -> wire.BackwardReply:
+        scheduler, microbatch = self.scheduler, request.microbatch
+        if microbatch in scheduler.seen_backward:
+            return wire.BackwardReply(duplicate=True)
+        pending = scheduler.pending.get(microbatch)
+        if pending is None:
+            raise MessageError(f"{UNKNOWN_MICROBATCH} {microbatch}: this stage did not send it forward "
+                               f"(or already dropped it)")
+        if len(tensors) != 1:
+            raise MessageError(f"a backward message carries 1 tensor (the gradient), got {len(tensors)}")
+        grad = wire.check_values(wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype),
+                                 "gradient", self.config.max_abs_value)
+        return wire.BackwardReply(queued=scheduler.queue_backward(microbatch, grad))
+
+    async def _on_status(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        decode_message(wire.StatusRequest, request.metadata, "status")
+        return make_response(self.status().as_metadata())
+
+    def status(self) -> wire.StatusReply:
+        c, scheduler = self.counters, self.scheduler
+        return wire.StatusReply(
+            stage=self.config.stage, version=scheduler.compute.version, forwards=c.forwards, backwards=c.backwards,
+            injected=c.injected, completed=c.completed, dropped=c.dropped, rejected=c.rejected,
+            turned_away=c.turned_away, resends=c.resends, max_staleness=c.max_staleness, in_flight=scheduler.in_flight,
+            pending=len(scheduler.pending))
+
+
+class Outbox:
+    """Sends this stage's messages to its neighbours, re-resolving and resending until ``send_timeout``.
+
+    :param config: the stage's settings
+    :param node: our DHT node (its routes reach the neighbours; its records name them)
+    :param counters: where resends are counted
+    :param busy: sends count as busy time
+    """
+
+    def __init__(self, config: StageConfig, node: DHTNode, counters: Counters, busy: BusyTime):
+        self.config, self.node, self.counters, self.busy = config, node, counters, busy
+        self.resolver = EndpointResolver(node, config.run, config.cluster)
+        self._channels: Dict[Tuple[str, int], MessageChannel] = {}  # (handler, stage) -> its long-lived stream
+
+    async def send(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
+                   microbatch: Optional[int]) -> Optional[str]:
+        """Deliver one message; on failure re-resolve the neighbour and retry. None once delivered; else what
+        failed and why, as one line (the caller drops the microbatch)."""
+        frames = wire.encode(message.as_metadata(), tensors, self.config.compression)
+        deadline = time.monotonic() + self.config.send_timeout
+        what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
+        attempt = 0
+        with self.busy.measure():
+            while True:
+                try:
+                    peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
+                    await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
+                                           max(1.0, deadline - time.monotonic()))
+                    return None
+                except P2PHandlerError as e:
+                    # the neighbour read the message and refused it: sending it again cannot help, unless it
+                    # refused it for not serving that stage any more (it moved in a new plan while we kept its
+                    # endpoint: the stage's current peer is found as after a failed send) or for lack of room
+                    reason = f"refused: {str(e).rsplit(': ', 1)[-1]}"
+                    retry = MISADDRESSED in str(e) or BUSY in str(e)
+                except Exception as e:
+                    reason = f"{type(e).__name__}: {e}"
+                    retry = True
+                if retry:
+                    self._close_channel(handler, stage)
+                    if time.monotonic() < deadline:
+                        attempt += 1
+                        self.counters.resends += 1
+                        logger.warning(f"send {what} failed ({reason}); re-resolving the endpoint and retrying")
+                        await asyncio.sleep(min(0.2 * attempt, 1.0))
+                        continue
+                return f"{what} {reason}"
+
+    async def _deliver(self, handler: str, stage: int, peer_id: PeerID, frames: List[runtime_pb2.ExpertRequest]):
+        """One message to ``stage``: on our long-lived stream to it, or on a stream of its own when a backbone
+        forwards our traffic (a forwarding backbone caps the bytes of every stream it pipes)."""
+        routes = self.node.routes
+        if routes.route(peer_id) == "forward":
+            return await routes.call(peer_id, handler, wire.as_stream(frames), runtime_pb2.ExpertResponse)
+        channel = self._channels.get((handler, stage))
+        if channel is None or channel.closed or channel.peer_id != peer_id:
+            self._close_channel(handler, stage)
+            channel = self._channels[(handler, stage)] = MessageChannel(self.node.p2p, peer_id, handler)
+        return await channel.call(frames)
+
+    def _close_channel(self, handler: str, stage: int) -> None:
+        channel = self._channels.pop((handler, stage), None)
+        if channel is not None:
+            channel.close()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(channel.aclose() for channel in self._channels.values()))

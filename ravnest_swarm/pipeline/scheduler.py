@@ -1,0 +1,334 @@
+"""A stage's scheduling: which microbatch the compute thread takes next, and the bookkeeping of each one.
+
+Rule (docs/pipeline.md): backward work first (oldest first), then forward work, then, on stage 0 only, a
+new microbatch while fewer than ``max_in_flight`` are in flight (async; bounded staleness) or while the
+current synchronous step still has room (sync, GPipe-style). Sends run as background tasks, so compute
+and transfers overlap. A microbatch leaves this stage's books by completing, or by being dropped and
+counted (a failed send, no gradient within ``microbatch_timeout``, the end of the run): never silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field as dataclass_field
+from typing import Awaitable, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+
+from ravnest_swarm.models import Dataset, ShardedSampler
+from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.compute import Pending, StageCompute
+from ravnest_swarm.pipeline.config import StageConfig
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 10
+
+
+@dataclass
+class Counters:
+    forwards: int = 0
+    backwards: int = 0
+    injected: int = 0
+    completed: int = 0
+    dropped: int = 0
+    rejected: int = 0  # messages refused for what they hold: malformed or poisoned
+    last_rejected: Optional[str] = None  # what the last of them was and why
+    turned_away: int = 0  # messages refused for when or where they arrived (messaging.TURNED_AWAY)
+    resends: int = 0
+    max_staleness: int = 0
+    losses: List[Tuple[int, float]] = dataclass_field(default_factory=list)
+    inject_times: List[float] = dataclass_field(default_factory=list)
+    complete_times: List[float] = dataclass_field(default_factory=list)
+    busy: List[Tuple[float, float]] = dataclass_field(default_factory=list)
+    compute: List[Tuple[float, float]] = dataclass_field(default_factory=list)  # forwards and backwards only
+    trace: List[Tuple[float, str, int]] = dataclass_field(default_factory=list)  # (time, event, microbatch)
+
+
+class BusyTime:
+    """Wall time during which a forward, backward or send is in progress (overlaps count once): ``counters.busy``."""
+
+    def __init__(self, counters: Counters):
+        self.counters = counters
+        self._active, self._since = 0, 0.0
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        if self._active == 0:
+            self._since = time.time()
+        self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self.counters.busy.append((self._since, time.time()))
+
+
+# sends one message to a neighbour stage, retrying as messaging.Outbox does: None once delivered, else why not
+Send = Callable[[str, int, wire.Message, List[torch.Tensor], Optional[int]], Awaitable[Optional[str]]]
+
+
+class Scheduler:
+    """The forward and backward queues, the microbatches in flight, and the loop that feeds the compute thread.
+
+    :param config: the stage's settings
+    :param compute: the stage's layers and compute thread
+    :param counters: the stage's counters (shared with its messaging)
+    :param busy: the stage's busy time (sends count too)
+    :param send: delivers a message to a neighbour stage (``messaging.Outbox.send``)
+    :param dataset: stage 0's data (None on later stages, which receive their inputs)
+    :param sampler: which samples each microbatch holds
+    """
+
+    def __init__(self, config: StageConfig, compute: StageCompute, counters: Counters, busy: BusyTime, send: Send,
+                 dataset: Optional[Dataset], sampler: ShardedSampler):
+        self.config, self.compute, self.counters, self.busy, self.send = config, compute, counters, busy, send
+        self.dataset, self.sampler = dataset, sampler
+        self.is_first, self.is_last = config.stage == 0, config.stage == config.stages - 1
+        # awaited whenever the weights changed since its last call, while no compute runs: the volunteer
+        # averages and checkpoints here without a cluster-wide barrier
+        self.between_steps: Optional[Callable[[int], Awaitable[None]]] = None
+        self.hooked_version = 0
+        self.forward_queue: Deque[Tuple[int, List[int], torch.Tensor, torch.Tensor]] = deque()
+        self.backward_queue: Deque[Tuple[int, torch.Tensor]] = deque()
+        self.queued_forward: Set[int] = set()
+        self.pending: Dict[int, Pending] = {}
+        self.queued_backward: Set[int] = set()
+        # every microbatch id ever accepted, so a resend whose first copy arrived is acknowledged, not redone
+        self.seen_forward: Set[int] = set()
+        self.seen_backward: Set[int] = set()
+        self.in_flight = 0
+        self.step_open = True  # sync schedule: stage 0 may still inject into the current step
+        self.finish_received = False
+        self.finished = asyncio.Event()
+        self.wakeup = asyncio.Event()
+        self.sends: Set[asyncio.Task] = set()
+        # "progress N/M" lines on stdout, which `bench pipeline` reads from its `stage` processes; a volunteer
+        # shows its progress in its peer record instead (printed, they would scroll under its live view)
+        self.print_progress = False
+
+    # ---------------------------------------------------------------- what arrives (from messaging)
+
+    def holding(self) -> int:
+        """Microbatches this stage holds: queued for their forward, or awaiting their gradient."""
+        return len(self.queued_forward) + len(self.pending)
+
+    def queue_forward(self, microbatch: int, sample_ids: List[int], inputs: torch.Tensor, targets: torch.Tensor,
+                      version: int) -> int:
+        """Take a checked forward message; how many wait in the forward queue now."""
+        if not self.seen_forward:
+            self.follow_sender_steps(version)
+        self.queued_forward.add(microbatch)
+        self.seen_forward.add(microbatch)
+        self.forward_queue.append((microbatch, sample_ids, inputs, targets))
+        self.trace("forward_arrived", microbatch)
+        self.wakeup.set()
+        return len(self.forward_queue)
+
+    def queue_backward(self, microbatch: int, grad: torch.Tensor) -> int:
+        """Take a checked gradient for a pending microbatch; how many wait in the backward queue now."""
+        self.queued_backward.add(microbatch)
+        self.seen_backward.add(microbatch)
+        self.backward_queue.append((microbatch, grad))
+        self.trace("backward_arrived", microbatch)
+        self.wakeup.set()
+        return len(self.backward_queue)
+
+    def receive_finish(self) -> None:
+        self.finish_received = True
+        self.wakeup.set()
+
+    def follow_sender_steps(self, version: int) -> None:
+        """Count optimizer steps from the step of the stage before us, as its first microbatch names it.
+
+        Stages checkpoint separately, so after a resume (or when this stage replaces one) our own step can
+        differ from the rest of the cluster's; stage 0 injects microbatches until its count reaches the
+        run's steps, so a stage counting from elsewhere would end short of them (or past them), and
+        checkpoint and average under step numbers its cluster does not use. Runs before our first compute.
+        """
+        if version != self.compute.version:
+            logger.info(f"stage {self.config.stage}: counting steps from {version}, as stage "
+                        f"{self.config.stage - 1} does (this stage's weights came from step {self.compute.version})")
+            self.compute.version = self.hooked_version = version
+
+    # ---------------------------------------------------------------- the loop
+
+    async def run(self) -> None:
+        """Backward work first, then forward work, then (stage 0) a new microbatch if the bound allows."""
+        while True:
+            if self.between_steps is not None and self.compute.version != self.hooked_version:
+                self.hooked_version = self.compute.version
+                await self.between_steps(self.compute.version)
+            if self.backward_queue:
+                await self.run_backward(*self.backward_queue.popleft())
+            elif self.forward_queue:
+                await self.run_forward(*self.forward_queue.popleft())
+            elif self._can_inject():
+                await self.run_forward(*self._draw())
+            elif self._done():
+                await self._finish()
+                return
+            else:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+
+    def _can_inject(self) -> bool:
+        config = self.config
+        if not self.is_first or self.counters.injected >= config.microbatches:
+            return False
+        if config.schedule == "async":
+            return self.in_flight < config.max_in_flight
+        return self.step_open
+
+    def _draw(self) -> Tuple[int, List[int], torch.Tensor, torch.Tensor]:
+        microbatch = self.counters.injected
+        sample_ids = self.sampler.sample_ids(microbatch)
+        inputs, targets = self.dataset.get(sample_ids)
+        self.counters.injected += 1
+        self.counters.inject_times.append(time.time())
+        self.trace("forward_arrived", microbatch)
+        self.in_flight += 1
+        if self.config.schedule == "sync" and self.counters.injected % self.config.microbatches_per_step == 0:
+            self.step_open = False
+        return microbatch, sample_ids, inputs, targets
+
+    def _done(self) -> bool:
+        if self.sends:
+            return False
+        if self.is_first:
+            return self.counters.injected >= self.config.microbatches and self.in_flight == 0
+        return self.finish_received
+
+    async def _finish(self) -> None:
+        for microbatch in list(self.pending):
+            self.drop(microbatch, "the run finished before its gradient came back")
+        if not self.is_last:
+            message = wire.FinishRequest(**self._address(self.config.stage + 1), op="finish",
+                                         completed=self.counters.completed)
+            await self._send(wire.FORWARD, self.config.stage + 1, message, [], microbatch=None)
+        self.finished.set()
+
+    async def run_forward(self, microbatch: int, sample_ids: List[int], inputs: torch.Tensor,
+                          targets: torch.Tensor) -> None:
+        self.queued_forward.discard(microbatch)
+        compute = self.compute
+        self.trace("forward_started", microbatch)
+        with self.busy.measure(), self._computing():
+            if self.is_last:
+                loss, input_grad = await compute.run(compute.forward_backward_last, inputs, targets)
+            else:
+                pending, output = await compute.run(compute.forward, inputs)
+        self.counters.forwards += 1
+        self.trace("forward_done", microbatch)
+        if self.is_last:
+            self.counters.backwards += 1
+            self.counters.losses.append((microbatch, loss))
+            if self.is_first:
+                self._complete(microbatch, compute.version - 1)
+            else:
+                self._send_backward(microbatch, input_grad)
+            return
+        self.pending[microbatch] = pending
+        message = wire.ForwardRequest(**self._address(self.config.stage + 1), microbatch=microbatch,
+                                      sample_ids=sample_ids, version=compute.version)
+        self.spawn(wire.FORWARD, self.config.stage + 1, message, [output, targets], microbatch)
+
+    async def run_backward(self, microbatch: int, grad: torch.Tensor) -> None:
+        self.queued_backward.discard(microbatch)
+        pending = self.pending.pop(microbatch, None)
+        if pending is None:
+            return  # dropped by the watchdog while queued
+        self.trace("backward_started", microbatch)
+        with self.busy.measure(), self._computing():
+            input_grad = await self.compute.run(self.compute.backward, pending, grad)
+        self.counters.backwards += 1
+        self.trace("backward_done", microbatch)
+        if self.is_first:
+            self._complete(microbatch, pending.version)
+        else:
+            self._send_backward(microbatch, input_grad)
+
+    def _complete(self, microbatch: int, version_at_forward: int) -> None:
+        self.counters.completed += 1
+        self.counters.complete_times.append(time.time())
+        # weight versions that passed between this microbatch's forward and its update: the staleness
+        self.counters.max_staleness = max(self.counters.max_staleness, self.compute.version - 1 - version_at_forward)
+        if self.print_progress and self.counters.completed % PROGRESS_EVERY == 0:
+            print(f"progress {self.counters.completed}/{self.config.microbatches}", flush=True)
+        self._release_slot()
+
+    def _send_backward(self, microbatch: int, input_grad: torch.Tensor) -> None:
+        message = wire.BackwardRequest(**self._address(self.config.stage - 1), microbatch=microbatch,
+                                       version=self.compute.version)
+        self.spawn(wire.BACKWARD, self.config.stage - 1, message, [input_grad], microbatch)
+
+    def _address(self, stage: int) -> Dict:
+        return dict(run=self.config.run, cluster=self.config.cluster, stage=stage)
+
+    # ---------------------------------------------------------------- sends and drops
+
+    def spawn(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
+              microbatch: int) -> None:
+        """Send in the background; the loop wakes when it is done (the run ends only after its last send)."""
+        task = asyncio.create_task(self._send(handler, stage, message, tensors, microbatch))
+        self.sends.add(task)
+
+        def forget(done: asyncio.Task) -> None:
+            self.sends.discard(done)
+            self.wakeup.set()
+
+        task.add_done_callback(forget)
+
+    async def _send(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
+                    microbatch: Optional[int]) -> None:
+        failure = await self.send(handler, stage, message, tensors, microbatch)
+        if failure is None:
+            if handler == wire.FORWARD and microbatch in self.pending:
+                self.pending[microbatch].since = time.time()  # the wait for its gradient starts now
+        elif microbatch is not None:
+            self.drop(microbatch, failure)
+        else:
+            logger.warning(f"send {failure}")
+
+    async def watchdog(self) -> None:
+        """Drop microbatches whose gradient never came back, so a lost one frees its slot and is counted."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.microbatch_timeout / 4))
+            deadline = time.time() - self.config.microbatch_timeout
+            # a send still retrying has its own deadline: the wait for a gradient starts at delivery
+            for microbatch in [m for m, p in self.pending.items()
+                               if p.since is not None and p.since < deadline and m not in self.queued_backward]:
+                self.drop(microbatch, f"no gradient within {self.config.microbatch_timeout:.0f}s")
+
+    def drop(self, microbatch: int, reason: str) -> None:
+        was_pending = self.pending.pop(microbatch, None) is not None
+        self.counters.dropped += 1
+        logger.warning(f"stage {self.config.stage}: dropped microbatch {microbatch}: {reason}")
+        if self.is_first and was_pending:
+            self._release_slot()
+
+    def _release_slot(self) -> None:
+        self.in_flight -= 1
+        if self.config.schedule == "sync" and self.in_flight == 0:
+            self.step_open = True
+        self.wakeup.set()
+
+    # ---------------------------------------------------------------- accounting
+
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Record a forward's or backward's wall time (the compute thread runs one at a time)."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.counters.compute.append((started, time.time()))
+
+    def trace(self, event: str, microbatch: int) -> None:
+        if self.config.trace:
+            self.counters.trace.append((time.time(), event, microbatch))

@@ -1,0 +1,130 @@
+"""The stage worker: one stage of one cluster's pipeline, from start to shutdown.
+
+It puts together the parts a stage is made of: its compute (``compute.py``: layers, optimizer, the one
+compute thread), its scheduling (``scheduler.py``: queues, microbatches in flight, the loop), its
+messaging (``messaging.py``: handlers in, sends out), and its endpoint in the DHT (``endpoints.py``),
+renewed every heartbeat so neighbours can find it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Dict, List, Optional
+
+from hivemind.dht.node import DHTNode
+
+from ravnest_swarm.models import ShardedSampler, load_model
+from ravnest_swarm.pipeline.compute import StageCompute
+from ravnest_swarm.pipeline.config import StageConfig, check_config
+from ravnest_swarm.pipeline.endpoints import publish_endpoint
+from ravnest_swarm.pipeline.messaging import Inbox, Outbox
+from ravnest_swarm.pipeline.scheduler import BusyTime, Counters, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class StageWorker:
+    """Serves one stage: P2P handlers, a forward and a backward queue, one compute thread, background sends.
+
+    :param config: the stage's settings
+    :param node: a started DHT node with the run's validators
+    """
+
+    def __init__(self, config: StageConfig, node: DHTNode):
+        check_config(config)
+        self.config, self.node, self.p2p = config, node, node.p2p
+        self.spec = load_model(config.model, config.model_config, config.data)
+        self.start_layer, self.end_layer = config.layers
+        self.compute = StageCompute(config, self.spec)
+        # what others read of the compute: a volunteer loads and averages the module's weights in place
+        self.module, self.optimizer, self.device = self.compute.module, self.compute.optimizer, self.compute.device
+        self.autocast_dtype, self.precision_note = self.compute.autocast_dtype, self.compute.precision_note
+        dataset = self.spec.dataset()
+        sampler = ShardedSampler(dataset.size, config.cluster, config.clusters, config.microbatch_size, config.seed)
+        self.counters = Counters()
+        busy = BusyTime(self.counters)
+        self.outbox = Outbox(config, node, self.counters, busy)
+        self.scheduler = Scheduler(config, self.compute, self.counters, busy, self.outbox.send,
+                                   dataset if config.stage == 0 else None, sampler)
+        self.inbox = Inbox(config, self.scheduler, self.spec.layers[self.start_layer], dataset.targets)
+        self.pending, self.finished = self.scheduler.pending, self.scheduler.finished
+        self._tasks: List[asyncio.Task] = []
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps this stage has taken (counted from where it resumed, or from its cluster's step)."""
+        return self.compute.version
+
+    @property
+    def between_steps(self) -> Optional[Callable[[int], Awaitable[None]]]:
+        """Awaited with the step whenever the weights changed, while no compute runs (see Scheduler)."""
+        return self.scheduler.between_steps
+
+    @between_steps.setter
+    def between_steps(self, hook: Optional[Callable[[int], Awaitable[None]]]) -> None:
+        self.scheduler.between_steps = hook
+
+    @property
+    def print_progress(self) -> bool:
+        return self.scheduler.print_progress
+
+    @print_progress.setter
+    def print_progress(self, value: bool) -> None:
+        self.scheduler.print_progress = value
+
+    async def start(self) -> None:
+        await self.inbox.add_handlers(self.node)
+        await self._publish()
+        self._tasks = [asyncio.create_task(coroutine) for coroutine in
+                       (self._heartbeat(), self.scheduler.run(), self.scheduler.watchdog())]
+
+    def resume_at(self, step: int) -> None:
+        """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
+        data stream where that step left it and injects only the microbatches still to train."""
+        self.compute.version = self.scheduler.hooked_version = step
+        if self.config.stage == 0:
+            self.counters.injected = min(step, self.config.microbatches)
+
+    async def shutdown(self) -> None:
+        # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go
+        # on delivering into this stopped worker (the volunteer starts another worker on the same peer when a
+        # plan moves it); closed, the sender re-resolves the stage and resends
+        self.inbox.stopped = True
+        tasks = self._tasks + list(self.scheduler.sends) + list(self.inbox.serving)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.outbox.aclose()
+        await self.inbox.remove_handlers(self.node)
+        self.compute.close()
+
+    async def _publish(self) -> None:
+        config = self.config
+        if not await publish_endpoint(self.node, config.run, config.cluster, config.stage, config.model,
+                                      config.layers, self.version, 3 * config.heartbeat):
+            logger.warning("no DHT node accepted our stage endpoint; retrying next heartbeat")
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat)
+            try:
+                await self._publish()
+            except Exception as e:  # a transient DHT error must not stop the renewals
+                logger.warning(f"renewing the stage endpoint failed: {e}")
+
+    def status(self) -> Dict:
+        """The counters the ``status`` handler answers with."""
+        return self.inbox.status().as_metadata()
+
+    def report(self) -> Dict:
+        c = self.counters
+        return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
+                    mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
+                    routes=dict(self.node.routes.counts),
+                    inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
+                    compute=c.compute, trace=c.trace)
+
+    def save(self, path: str) -> None:
+        """The stage's parameters as safetensors, named by their layer index in the whole model."""
+        self.compute.save(path)
