@@ -67,7 +67,7 @@ class EndpointResolver:
             raise LookupError(f"no endpoint for stage {stage} of cluster {self.cluster} under {stages_key(self.run)}")
         peer_id = PeerID.from_base58(endpoint["peer_id"])
         # dial the announced addresses explicitly (p2pd's own routing does not know them); a stage behind NAT
-        # is reached through a backbone instead (reversal or forwarding, see reversal.py)
+        # is reached through a backbone instead (reversal or forwarding, see net/routes.py)
         links = self.node.routes
         if refresh:
             links.forget(peer_id)

@@ -33,7 +33,7 @@ class StageWorker:
 
     def __init__(self, config: StageConfig, node: DHTNode):
         check_config(config)
-        self.config, self.node, self.p2p = config, node, node.p2p
+        self.config, self.node = config, node
         self.spec = load_model(config.model, config.model_config, config.data)
         self.start_layer, self.end_layer = config.layers
         self.compute = StageCompute(config, self.spec)
