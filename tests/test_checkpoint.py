@@ -34,8 +34,7 @@ def make_stage(seed=0):
 
 def stage_worker(lr: float = 0.1) -> StageWorker:
     """A stage as a volunteer builds one (layers 0:2 of mlp-digits); no node, nothing here sends."""
-    return StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS, lr=lr),
-                       SimpleNamespace(p2p=None))
+    return StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS, lr=lr), node=None)
 
 
 def train(worker: StageWorker, batches) -> None:
