@@ -160,7 +160,7 @@ def test_dashboard_and_status_table_show_measured_memory():
 def model_gb() -> float:
     """What the planner says mlp-digits needs with the run spec's defaults, GB."""
     from ravnest_swarm.swarm.spec import RunSpec
-    from ravnest_swarm.swarm.volunteer import model_workload
+    from ravnest_swarm.swarm.placement import model_workload
 
     return model_workload(worker_for(0, 1, (0, 9), "cpu", "fp32").spec, RunSpec(model="mlp-digits"), 8)[0].model_gb
 

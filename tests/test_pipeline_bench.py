@@ -75,7 +75,8 @@ def test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab(proc
 
 
 def _is_stage(pid: int) -> bool:
+    """A stage process: the bench starts it from its options, ``python -m ravnest_swarm.processes {...}``."""
     try:
-        return "stage" in psutil.Process(pid).cmdline()
+        return any("run_stage_process" in argument for argument in psutil.Process(pid).cmdline())
     except psutil.Error:
         return False

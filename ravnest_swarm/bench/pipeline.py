@@ -30,7 +30,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ravnest_swarm.bench.transfer import (TransferSendOptions, TransferServeOptions, run_transfer_send,
+                                          run_transfer_serve)
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
+from ravnest_swarm.pipeline.stage import StageConfig, StageProcessOptions, run_stage_process
 from ravnest_swarm.errors import UserError
 
 STAGE_PORT, TRANSFER_P2P_PORT, TRANSFER_TCP_PORT = 0, 1, 2
@@ -101,36 +104,27 @@ def summarise(reports: List[Dict], warmup: int, microbatch_size: int) -> Dict:
 def measure_transfer(group, lab, name: str, megabytes: float, emulated: bool) -> Dict:
     """Receiver on host 1, sender on host 0; through the relay when ``emulated``, else plain 127.0.0.1."""
     if emulated:
-        serve_args = ["serve", "--host-maddr", lab.host_maddr(1, TRANSFER_P2P_PORT),
-                      "--announce-maddr", lab.announce_maddr(1, TRANSFER_P2P_PORT),
-                      "--tcp", f"{lab.host_ip(1)}:{lab.listen_port(1, TRANSFER_TCP_PORT)}"]
+        receiver = TransferServeOptions(lab.host_maddr(1, TRANSFER_P2P_PORT), lab.host_ip(1),
+                                        lab.listen_port(1, TRANSFER_TCP_PORT), lab.announce_maddr(1, TRANSFER_P2P_PORT))
         dial_p2p = lab.announce_maddr(1, TRANSFER_P2P_PORT)
-        dial_tcp = f"{lab.hub_ip(1)}:{lab.relay_port(1, TRANSFER_TCP_PORT)}"
+        dial_tcp = (lab.hub_ip(1), lab.relay_port(1, TRANSFER_TCP_PORT))
         sender_maddr, prefixes = lab.host_maddr(0, TRANSFER_P2P_PORT), (lab.exec_prefix(1), lab.exec_prefix(0))
     else:
         port = lab.listen_port(1, TRANSFER_TCP_PORT) + 7
         dial_p2p = f"/ip4/127.0.0.1/tcp/{port + 1}"
-        serve_args = ["serve", "--host-maddr", dial_p2p, "--tcp", f"127.0.0.1:{port}"]
-        dial_tcp, sender_maddr, prefixes = f"127.0.0.1:{port}", "/ip4/127.0.0.1/tcp/0", ([], [])
-    server = _start_module(group, serve_args, f"{name}-serve", prefixes[0])
+        receiver = TransferServeOptions(dial_p2p, "127.0.0.1", port)
+        dial_tcp, sender_maddr, prefixes = ("127.0.0.1", port), "/ip4/127.0.0.1/tcp/0", ([], [])
+    server = group.start_library(run_transfer_serve, receiver, f"{name}-serve", prefix=prefixes[0])
     try:
         peer = server.wait_for_output(r"^ready (\S+)$", 120).group(1)
-        sender = _start_module(group, ["send", "--host-maddr", sender_maddr, "--peer", peer, "--p2p-maddr", dial_p2p,
-                                       "--tcp", dial_tcp, "--mb", str(megabytes)], f"{name}-send", prefixes[1])
+        sender = group.start_library(run_transfer_send, TransferSendOptions(
+            sender_maddr, peer, dial_p2p, *dial_tcp, megabytes=megabytes), f"{name}-send", prefix=prefixes[1])
         sender.wait(300)
         if sender.popen.returncode != 0:
             raise UserError(f"transfer probe failed: {sender.stderr()[-500:]}", 1)
         return json.loads(sender.stdout().strip().splitlines()[-1])
     finally:
         server.stop()
-
-
-def _start_module(group, args: Sequence[str], name: str, prefix: Sequence[str]):
-    from ravnest_swarm.processes import PeerProcess
-
-    process = PeerProcess(args, group.log_dir, name, prefix=prefix, python_args=("-m", "ravnest_swarm.bench.transfer"))
-    group.processes.append(process)  # so stop_all stops it by pid like every other process
-    return process
 
 
 def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microbatches: int,
@@ -216,14 +210,14 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
     processes = []
     for index, (start, end) in enumerate(ranges):
         report = os.path.join(workdir, f"{schedule}-report{index}.json")
-        processes.append(group.start(
-            ["stage", "--initial-peers", initial, "--run", run, "--stage", str(index), "--stages", str(len(ranges)),
-             "--model", model, "--layers", f"{start}:{end}", "--microbatches", str(microbatches),
-             "--microbatch-size", str(microbatch_size), "--max-in-flight", str(max_in_flight),
-             "--schedule", schedule, "--microbatches-per-step", str(max_in_flight), "--mode", mode, "--lr", str(lr),
-             "--compression", compression, "--report", report, "--trace", "--host-maddrs", lab.host_maddr(index), "--announce-maddrs",
-             lab.announce_maddr(index), "--microbatch-timeout", "120", "--send-timeout", "120"],
-            f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
+        config = StageConfig(
+            run=run, stage=index, stages=len(ranges), model=model, layers=(start, end), microbatches=microbatches,
+            microbatch_size=microbatch_size, max_in_flight=max_in_flight, schedule=schedule,
+            microbatches_per_step=max_in_flight, mode=mode, lr=lr, compression=compression, trace=True,
+            microbatch_timeout=120.0, send_timeout=120.0)
+        processes.append(group.start_library(run_stage_process, StageProcessOptions(
+            config, [initial], host_maddrs=[lab.host_maddr(index)], announce_maddrs=[lab.announce_maddr(index)],
+            report=report), f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
     first = processes[0]
     deadline = time.monotonic() + 600
     while any(p.popen.poll() is None for p in processes):

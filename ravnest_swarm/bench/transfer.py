@@ -1,18 +1,19 @@
 """Bulk tensor transfer over the hivemind P2P transport beside a raw TCP socket, on the same link.
 
-``python -m ravnest_swarm.bench.transfer serve ...`` runs on the receiving host (a P2P handler that
-reads a whole pipeline message, and a TCP server that reads the same number of raw bytes);
-``... send ...`` runs on the sending host, alternates the two transfers and prints one JSON line with
-the median MB/s of each (megabytes of tensor payload per second, until the receiver's reply).
+:func:`run_transfer_serve` runs on the receiving host (a P2P handler that reads a whole pipeline message,
+and a TCP server that reads the same number of raw bytes); :func:`run_transfer_send` runs on the sending
+host, alternates the two transfers and prints one JSON line with the median MB/s of each (megabytes of
+tensor payload per second, until the receiver's reply). ``bench pipeline`` starts both as processes from
+their option objects.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import List
 
 import torch
@@ -98,29 +99,35 @@ async def send(host_maddr: str, peer: str, p2p_maddr: str, tcp_host: str, tcp_po
         await p2p.shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    server = commands.add_parser("serve")
-    server.add_argument("--host-maddr", required=True)
-    server.add_argument("--announce-maddr", default="")
-    server.add_argument("--tcp", required=True, help="HOST:PORT to listen on")
-    client = commands.add_parser("send")
-    client.add_argument("--host-maddr", required=True)
-    client.add_argument("--peer", required=True)
-    client.add_argument("--p2p-maddr", required=True, help="the receiver's address to dial (its relay)")
-    client.add_argument("--tcp", required=True, help="HOST:PORT to connect to (its relay)")
-    client.add_argument("--mb", type=float, default=16.0)
-    client.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    tcp_host, tcp_port = args.tcp.rsplit(":", 1)
-    if args.command == "serve":
-        asyncio.run(serve(args.host_maddr, args.announce_maddr, tcp_host, int(tcp_port)))
-    else:
-        result = asyncio.run(send(args.host_maddr, args.peer, args.p2p_maddr, tcp_host, int(tcp_port), args.mb,
-                                  args.repeats))
-        print(json.dumps(result), flush=True)
+@dataclass
+class TransferServeOptions:
+    """The receiver: its P2P listen and announce addresses, and the TCP address its server listens on."""
+
+    host_maddr: str
+    tcp_host: str
+    tcp_port: int
+    announce_maddr: str = ""
 
 
-if __name__ == "__main__":
-    main()
+@dataclass
+class TransferSendOptions:
+    """The sender: its P2P address, the receiver's peer id and the addresses to dial it at (P2P and TCP)."""
+
+    host_maddr: str
+    peer: str
+    p2p_maddr: str
+    tcp_host: str
+    tcp_port: int
+    megabytes: float = 16.0
+    repeats: int = 3
+
+
+def run_transfer_serve(options: TransferServeOptions) -> int:
+    asyncio.run(serve(options.host_maddr, options.announce_maddr, options.tcp_host, options.tcp_port))
+    return 0
+
+
+def run_transfer_send(options: TransferSendOptions) -> int:
+    print(json.dumps(asyncio.run(send(options.host_maddr, options.peer, options.p2p_maddr, options.tcp_host,
+                                      options.tcp_port, options.megabytes, options.repeats))), flush=True)
+    return 0

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
 
 import torch
 from hivemind.dht.node import DHTNode
@@ -18,7 +19,8 @@ from hivemind.dht.node import DHTNode
 from ravnest_swarm.pipeline.config import MODES, SCHEDULES, StageConfig
 from ravnest_swarm.pipeline.worker import StageWorker
 
-__all__ = ["MODES", "SCHEDULES", "StageConfig", "StageWorker", "run_stage", "serve_stage"]
+__all__ = ["MODES", "SCHEDULES", "StageConfig", "StageProcessOptions", "StageWorker", "run_stage", "run_stage_process",
+           "serve_stage"]
 
 
 async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, report_path: Optional[str] = None,
@@ -61,3 +63,26 @@ async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_
     finally:
         await stop_node(node)
     return 0
+
+
+@dataclass
+class StageProcessOptions:
+    """A ``stage`` process: what the stage does, and where its node listens and reports."""
+
+    config: StageConfig
+    initial_peers: List[str]
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: Optional[List[str]] = None
+    timeout: float = 15.0
+    report: Optional[str] = None
+    save: Optional[str] = None
+
+
+def run_stage_process(options: StageProcessOptions) -> int:
+    """A stage as a process started from its options (``ProcessGroup.start_library``); returns its exit code."""
+    from ravnest_swarm.lifecycle import configure_logging, run_async
+    from ravnest_swarm.net.node import parse_maddrs
+
+    configure_logging(False)
+    return run_async(serve_stage(options.config, parse_maddrs(options.initial_peers), options.host_maddrs,
+                                 options.announce_maddrs, options.timeout, options.report, options.save))
