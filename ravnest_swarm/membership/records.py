@@ -199,6 +199,7 @@ class RunSpecRecord(pydantic.BaseModel):
     pipeline_compression: pydantic.constr(strict=True, regex="^(none|float16|meanstd16)$") = "none"
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     backward: pydantic.constr(strict=True, regex="^(stash|recompute)$") = "stash"
+    aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)

@@ -44,6 +44,9 @@ class RunSpec:
       of the weights of its forward until its gradient returns (memory grows with the microbatches in flight);
       ``recompute`` keeps only its input and redoes the forward with the current weights (a third more
       compute, the activations of one microbatch at a time: for models that barely fit; docs/models.md)
+    :param aggregation: how each averaging ring combines its members' values (``averaging.robust.AGGREGATIONS``):
+      ``mean``, or ``trimmed_mean`` / ``centered_clip``, which bound what one hostile member of a ring can do
+      at some cost in time (docs/averaging.md, "Aggregation")
     :param precision: ``fp32``, or ``bf16`` / ``fp16``: stages compute their forward under a 16-bit autocast
       (weights, gradients, optimizer state and what travels stay float32; ``devices.autocast_dtype`` says what
       a device that lacks the dtype runs instead)
@@ -68,6 +71,9 @@ class RunSpec:
     pipeline_compression: str = "none"
     precision: str = "fp32"
     backward: str = "stash"
+    # the mean by default: exact and the fastest; with two clusters no aggregate can tell which member is hostile,
+    # and with three the robust ones keep a third of the honest values (docs/averaging.md, "Aggregation")
+    aggregation: str = "mean"
     steps: int = 300
     protocol: int = PROTOCOL_VERSION
 
