@@ -68,7 +68,7 @@ def backbone(
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Public addresses to announce."),
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file; created on first run, reused after."),
     initial_peers: Optional[List[str]] = typer.Option(None, "--initial-peers", help="Other backbones to join."),
-    run: Optional[List[str]] = typer.Option(None, "--run", help="Also validate this run's records in our storage; repeatable."),
+    run: Optional[List[str]] = typer.Option(None, "--run", help="Also validate this run's records in our storage (name, or name@owner to refuse specs not signed by its owner); repeatable."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for p2pd and initial peers."),
     verbose: bool = Verbose,
 ):
@@ -87,7 +87,8 @@ def backbone(
 @app.command()
 def join(
     initial_peers: List[str] = InitialPeers,
-    run: str = typer.Option(..., "--run", help="Run name."),
+    run: str = typer.Option(..., "--run", help="Run address: name@owner as the peer that started the run printed "
+                            "it (a bare name trusts the only owner it finds, or starts a run you own)."),
     name: str = typer.Option(..., "--name", help="Name shown to others (<= 64 characters)."),
     ram_gb: Optional[float] = typer.Option(None, "--ram-gb", min=0.0, help="Override measured RAM (GB)."),
     max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Cap on RAM offered (GB)."),
@@ -138,6 +139,8 @@ def join(
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
+    owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file, for a run you start "
+                                            "(default ~/.config/ravnest-swarm/owners/RUN.key)."),
     report: Optional[str] = typer.Option(None, "--report", hidden=True, help="When the run is finished, write our "
                                          "stage's timings here (JSON; bench speedup)."),
     log_file: Optional[str] = LogFile,
@@ -159,7 +162,8 @@ def join(
     sys.exit(run_join(JoinOptions(
         initial_peers=initial_peers, run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb, gflops=gflops,
         bandwidth_mbps=bandwidth_mbps, device=device, device_memory_gb=device_memory_gb, heartbeat=heartbeat,
-        timeout=timeout, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity, model=model,
+        timeout=timeout, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
+        owner_key=owner_key, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,
         precision=precision, backward=backward, data=data, handover_timeout=handover_timeout,
@@ -172,7 +176,7 @@ def join(
 @app.command()
 def status(
     initial_peers: List[str] = InitialPeers,
-    run: str = typer.Option(..., "--run", help="Run name."),
+    run: str = typer.Option(..., "--run", help="Run name or address (name@owner)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document and exit."),
     watch: bool = typer.Option(False, "--watch", help="The live dashboard (docs/dashboard.md) until Ctrl-C."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
@@ -189,6 +193,29 @@ def status(
     from ravnest_swarm.swarm.status import show_status
 
     sys.exit(run_async(show_status(initial_peers, run, as_json, watch, timeout)))
+
+
+@app.command("update-spec")
+def update_spec(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run name or address (name@owner)."),
+    lr: float = typer.Option(..., "--lr", min=0.0, max=10.0, help="The run's new learning rate."),
+    owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file (default "
+                                            "~/.config/ravnest-swarm/owners/RUN.key)."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0),
+    verbose: bool = Verbose,
+):
+    """As the run's owner, publish a new version of its spec; running peers follow it within a heartbeat or two.
+
+    \b
+    Example:
+      ravnest-swarm update-spec --run demo@0123456789abcdef --lr 0.02 \\
+          --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
+    """
+    configure_logging(verbose)
+    from ravnest_swarm.swarm.spec import update_spec as publish
+
+    sys.exit(run_async(publish(initial_peers, run, dict(lr=lr), owner_key, timeout)))
 
 
 @app.command()

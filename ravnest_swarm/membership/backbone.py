@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
-from ravnest_swarm.membership.records import make_validators, validate_run_name
+from ravnest_swarm.membership.records import make_validators, parse_run_address
 from ravnest_swarm.membership.services import BackboneServices
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
@@ -21,8 +21,9 @@ class Backbone:
     :param announce_maddrs: the public addresses volunteers dial (needed behind a cloud NAT)
     :param identity_path: private key file; created on first start and reused, so the peer id is stable
     :param initial_peers: other backbones to join
-    :param runs: run names whose records this node validates too (it serves every run's keys either way;
-        honest volunteers validate what they read, so this only keeps garbage out of its own storage)
+    :param runs: runs whose records this node validates too, by name or address (``demo@<owner>``: then it also
+        refuses specs not signed by that owner); it serves every run's keys either way, and honest volunteers
+        validate what they read, so this only keeps garbage out of its own storage
     """
 
     def __init__(
@@ -36,13 +37,13 @@ class Backbone:
     ):
         self.host_maddrs, self.announce_maddrs = list(host_maddrs), announce_maddrs
         self.identity_path, self.initial_peers, self.timeout = identity_path, list(initial_peers), timeout
-        self.runs = [validate_run_name(run) for run in runs]
+        self.runs = [parse_run_address(run) for run in runs]
         self.node = None
 
     async def start(self) -> list:
         validators = []
         for run in self.runs:
-            validators.extend(make_validators(run))
+            validators.extend(make_validators(run.name, run.owner))
         self.node = await start_node(
             self.initial_peers,
             record_validators=validators,

@@ -13,6 +13,7 @@ Values travel as msgpack (hivemind's ``MSGPackSerializer``): never pickle.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
@@ -20,6 +21,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
@@ -40,6 +42,28 @@ def validate_run_name(run: str) -> str:
             f"invalid run name {run!r}: use 1-48 letters, digits or '-', starting with a letter or digit"
         )
     return run
+
+
+@dataclass(frozen=True)
+class RunAddress:
+    """What joiners are given: the run's name (its DHT keys' prefix) and, where known, its owner's fingerprint
+    (``demo@<16 hex digits>``, printed by the peer that started the run; ``membership/owner.py``)."""
+
+    name: str
+    owner: Optional[str] = None
+
+    def __str__(self) -> str:
+        return self.name if self.owner is None else f"{self.name}@{self.owner}"
+
+
+def parse_run_address(text: str) -> RunAddress:
+    """``demo`` or ``demo@<fingerprint>``; a malformed address is a one-line :class:`UserError`."""
+    name, at, owner = (text or "").partition("@")
+    validate_run_name(name)
+    if at and not FINGERPRINT_RE.match(owner):
+        raise UserError(f"invalid run address {text!r}: after '@' comes the run owner's fingerprint, 16 hex digits, "
+                        f"as the peer that started the run printed it")
+    return RunAddress(name, owner if at else None)
 
 
 def validate_peer_name(name: str) -> str:
@@ -178,8 +202,8 @@ class RoundProposal(pydantic.BaseModel):
 class RunSpecRecord(pydantic.BaseModel):
     """What the run trains, under ``{run}_spec`` (see ``swarm.spec.RunSpec``): names and numbers only.
 
-    The subkey is the creator's signed public key (hivemind keeps no plain dict without a subkey); if
-    two peers started the run at once, everyone follows the earliest ``created``.
+    The subkey is the writer's signed public key (hivemind keeps no plain dict without a subkey); what makes a
+    spec count is ``signature``, by the run owner's key (``membership/owner.py``).
     """
 
     model: _shown_text(1, MAX_MODEL_NAME_LEN)
@@ -203,6 +227,11 @@ class RunSpecRecord(pydantic.BaseModel):
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)
+    # the run owner's public key (ssh-rsa text), its signature over every other field (membership/owner.py),
+    # and the version: peers follow the owner's highest
+    owner: pydantic.constr(strict=True, max_length=1024)
+    version: pydantic.conint(strict=True, ge=1, le=2**53) = 1
+    signature: pydantic.constr(strict=True, max_length=1024)
 
     @pydantic.validator("layout")
     def _bounded_layout(cls, layout):
@@ -221,9 +250,11 @@ class RunRecords(pydantic.BaseModel):
     spec: Dict[BytesWithPublicKey, RunSpecRecord]
 
 
-def make_validators(run: str) -> List:
-    """The record validators every node of ``run`` installs (signature first, then schema)."""
-    return [RSASignatureValidator(), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run)]
+def make_validators(run: str, owner: Optional[str] = None) -> List:
+    """The record validators every node of ``run`` installs (signature first, then schema, then the spec's
+    owner: any spec must be signed by the key it names, and by ``owner``'s, a fingerprint, where it is known)."""
+    return [RSASignatureValidator(), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run),
+            OwnerSpecValidator(spec_key(run), owner)]
 
 
 def spec_key(run: str) -> str:

@@ -32,8 +32,9 @@ class MembershipOptions:
     """What membership needs of ``join``'s options (``swarm/join.py``), validated."""
 
     initial_peers: List[Multiaddr]
-    run: str
+    run: str  # the run's name: its DHT keys' prefix
     name: str
+    owner: Optional[str] = None  # the run owner's fingerprint, where the run's address names it
     ram_gb: Optional[float] = None
     max_ram_gb: Optional[float] = None
     gflops: Optional[float] = None
@@ -105,7 +106,7 @@ class Membership:
     async def start(self) -> PeerAnnouncer:
         self.node = await start_node(
             self.options.initial_peers,
-            record_validators=make_validators(self.options.run),
+            record_validators=make_validators(self.options.run, self.options.owner),
             host_maddrs=self.options.host_maddrs,
             announce_maddrs=self.options.announce_maddrs,
             identity_path=self.options.identity_path,

@@ -31,7 +31,7 @@ class JoinOptions:
     """Everything one volunteer was asked to do; the fields are ``join``'s flags (see ``ravnest-swarm join -h``)."""
 
     initial_peers: List[str]
-    run: str
+    run: str  # the run's address: ``demo``, or ``demo@<owner fingerprint>`` (membership/owner.py)
     name: str
     # what we offer (None: measured)
     ram_gb: Optional[float] = None
@@ -46,6 +46,7 @@ class JoinOptions:
     host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: Optional[List[str]] = None
     identity: Optional[str] = None
+    owner_key: Optional[str] = None  # the run owner's key file, for a run we start (default: owner.owner_key_path)
     # the run spec we start the run with, if it has none yet (None: the spec's default)
     model: Optional[str] = None
     model_config: Optional[str] = None
@@ -109,13 +110,14 @@ async def join(options: JoinOptions) -> None:
 
     membership = Membership(membership_options(options), console)
     await membership.start()
+    run = membership.options.run
     if options.model_gb is not None:
-        work = asyncio.create_task(PlanningRounds(membership.node, options.run, membership.announcer,
+        work = asyncio.create_task(PlanningRounds(membership.node, run, membership.announcer,
                                                   planning_options(options), console).run_forever(stop))
     else:
         work = asyncio.create_task(take_part(membership, options.requested_spec(), volunteer_options(options), stop,
                                              console, leave_now, facts))
-    watch = asyncio.create_task(watch_peers(membership.node, options.run, stop, options.heartbeat,
+    watch = asyncio.create_task(watch_peers(membership.node, run, stop, options.heartbeat,
                                             live=options.dashboard, console=console, me=options.name))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -128,7 +130,7 @@ async def join(options: JoinOptions) -> None:
         for task in (work, watch):
             task.cancel()
         await membership.leave()
-    console.print(f"{options.name} left run {options.run}", markup=False, highlight=False)
+    console.print(f"{options.name} left run {run}", markup=False, highlight=False)
 
 
 def check_join(options: JoinOptions) -> Optional[dict]:
@@ -139,11 +141,11 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     """
     from ravnest_swarm.devices import check_precision, resolve_device
     from ravnest_swarm.membership.capabilities import check_override
-    from ravnest_swarm.membership.records import validate_peer_name, validate_run_name
+    from ravnest_swarm.membership.records import parse_run_address, validate_peer_name
     from ravnest_swarm.net.node import parse_maddrs
     from ravnest_swarm.swarm.spec import check_spec_choices, model_facts, scan_user_data
 
-    validate_run_name(options.run)
+    parse_run_address(options.run)
     for flag, value in (("ram-gb", options.ram_gb), ("max-ram-gb", options.max_ram_gb), ("gflops", options.gflops),
                         ("bandwidth-mbps", options.bandwidth_mbps), ("device-memory-gb", options.device_memory_gb)):
         check_override(flag, value)
@@ -162,11 +164,14 @@ def check_join(options: JoinOptions) -> Optional[dict]:
 
 
 def membership_options(options: JoinOptions):
+    from ravnest_swarm.membership.records import parse_run_address
     from ravnest_swarm.membership.volunteer import MembershipOptions
     from ravnest_swarm.net.node import parse_maddrs
 
+    address = parse_run_address(options.run)
     return MembershipOptions(
-        initial_peers=parse_maddrs(options.initial_peers), run=options.run, name=options.name, ram_gb=options.ram_gb,
+        initial_peers=parse_maddrs(options.initial_peers), run=address.name, owner=address.owner, name=options.name,
+        ram_gb=options.ram_gb,
         max_ram_gb=options.max_ram_gb, gflops=options.gflops, bandwidth_mbps=options.bandwidth_mbps,
         heartbeat=options.heartbeat, timeout=options.timeout, host_maddrs=options.host_maddrs,
         announce_maddrs=options.announce_maddrs, identity_path=options.identity, device=options.device,
@@ -187,7 +192,8 @@ def volunteer_options(options: JoinOptions):
     return VolunteerOptions(checkpoint_dir=options.checkpoint_dir, checkpoint_every=options.checkpoint_every,
                             resume=options.resume, min_peers=options.min_peers, round_seconds=options.round_seconds,
                             round_period=options.round_period, max_stages=options.max_stages,
-                            handover_timeout=options.handover_timeout, data=options.data, report=options.report)
+                            handover_timeout=options.handover_timeout, data=options.data, report=options.report,
+                            owner_key=options.owner_key)
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,

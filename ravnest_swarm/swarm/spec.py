@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from dataclasses import asdict, dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import PROTOCOL_VERSION
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.records import RunSpecRecord, spec_key
+from ravnest_swarm.membership.owner import (
+    fingerprint, load_or_create_owner_key, load_owner_key, owner_key_path, public_key_text, sign_spec, spec_owner,
+)
+from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
+FOLLOWED = ("lr",)  # what the owner may change in a running run: every peer follows it from its next step
 
 
 @dataclass
@@ -54,6 +59,8 @@ class RunSpec:
       volunteer, so peers that join late or replace others train towards the same end, and the run is
       finished once its placed peers reach it
     :param protocol: wire protocol version; peers of other versions refuse to join
+    :param version: the owner's version of this spec: running peers follow a higher one (only what
+      ``FOLLOWED`` names may change between versions)
     """
 
     model: str
@@ -71,14 +78,17 @@ class RunSpec:
     pipeline_compression: str = "none"
     precision: str = "fp32"
     backward: str = "stash"
-    # the mean by default: exact and the fastest; with two clusters no aggregate can tell which member is hostile,
-    # and with three the robust ones keep a third of the honest values (docs/averaging.md, "Aggregation")
+    # the mean by default: it is exact and the fastest, and with the two or three clusters of most runs a robust
+    # aggregate cannot tell a hostile member from an honest one (docs/averaging.md, "Aggregation")
     aggregation: str = "mean"
     steps: int = 300
     protocol: int = PROTOCOL_VERSION
+    version: int = 1
 
-    def record(self) -> dict:
-        return RunSpecRecord.parse_obj(dict(asdict(self), created=time.time())).dict()
+    def record(self, owner_key: RSAPrivateKey) -> dict:
+        """The spec as its DHT record, signed by the run owner's key."""
+        unsigned = dict(asdict(self), created=time.time(), owner=public_key_text(owner_key), signature="")
+        return sign_spec(RunSpecRecord.parse_obj(unsigned).dict(), owner_key)
 
     @classmethod
     def from_record(cls, value: dict) -> "RunSpec":
@@ -174,33 +184,83 @@ def scan_user_data(data: str) -> None:
         raise UserError(str(e))
 
 
-async def read_spec(node: DHTNode, run: str) -> Optional[RunSpec]:
-    """The run's spec: the earliest-created of those published (ties by subkey), or None."""
+async def read_specs(node: DHTNode, run: str) -> Dict[str, dict]:
+    """Each owner's newest signed spec of ``run`` (highest version, then latest ``created``), by fingerprint.
+
+    Several owners appear when two people started runs of one name, or when a stranger signed a spec of
+    their own: the run address (``name@fingerprint``) says which to follow (:func:`choose_spec`).
+    """
     found = await node.get(spec_key(run), latest=True)
-    if found is None or not isinstance(found.value, dict) or not found.value:
-        return None
-    _, first = min((item.value["created"], subkey) for subkey, item in found.value.items())
-    return RunSpec.from_record(found.value[first].value)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    newest: Dict[str, dict] = {}
+    for item in found.value.values():
+        owner = spec_owner(item.value)  # the validators checked it on the way in; this names the owner
+        known = newest.get(owner)
+        if owner is not None and (known is None or (item.value["version"], item.value["created"])
+                                  > (known["version"], known["created"])):
+            newest[owner] = item.value
+    return newest
 
 
-async def ensure_spec(node: DHTNode, run: str, requested: Dict, wait: asyncio.Event,
-                      on_wait=None, poll: float = 2.0, facts: Optional[Dict] = None) -> Optional[RunSpec]:
-    """The run's spec: create it from ``requested`` if the run has none, else check it agrees.
+def choose_spec(specs: Dict[str, dict], address: RunAddress, own: Optional[str] = None) -> Optional[dict]:
+    """The spec record to follow among ``specs`` (by owner fingerprint), or None while there is none.
+
+    :param address: the run's address; with an owner, only that owner's spec counts
+    :param own: the fingerprint of our own owner key for this run, if we have one (we started the run)
+    """
+    if address.owner is not None:
+        return specs.get(address.owner)
+    if len(specs) == 1:
+        return next(iter(specs.values()))
+    if own in specs:
+        return specs[own]
+    if specs:
+        owners = ", ".join(f"{address.name}@{owner}" for owner in sorted(specs))
+        raise UserError(f"run {address.name!r} has specs signed by {len(specs)} owners ({owners}): join with the "
+                        f"full address that the run's owner gave you", exit_code=1)
+    return None
+
+
+async def read_spec(node: DHTNode, address: RunAddress, own: Optional[str] = None) -> Optional[RunSpec]:
+    """The spec the run at ``address`` follows (:func:`choose_spec`), or None while it has none."""
+    chosen = choose_spec(await read_specs(node, address.name), address, own)
+    return None if chosen is None else RunSpec.from_record(chosen)
+
+
+async def ensure_spec(node: DHTNode, address: RunAddress, requested: Dict, wait: asyncio.Event,
+                      on_wait=None, poll: float = 2.0, facts: Optional[Dict] = None,
+                      owner_key_file: Optional[str] = None, on_start=None) -> Optional[Tuple[RunSpec, str]]:
+    """The run's spec and its owner's fingerprint: create it from ``requested`` if the run has none, else check it
+    agrees.
 
     :param requested: the spec fields the joiner gave explicitly (``model`` among them to create a run)
     :param facts: what a new spec records of the model and data (:func:`model_facts`)
-    :param wait: set when the user stops us; without ``model``, we wait as a standby for someone to
-        start the run until then
+    :param owner_key_file: where our owner key for this run is (created when we start the run); default
+        ``owner.owner_key_path``
+    :param on_start: called with the run's full address when we started the run (for the user to pass on)
+    :param wait: set when the user stops us; without ``model``, or with another owner's address, we wait as a
+        standby for the run to be started until then
     """
+    key_file = owner_key_file or owner_key_path(address.name)
+    existing = load_owner_key(key_file)
+    own = None if existing is None else fingerprint(existing.get_public_key().to_bytes())
     while True:
-        spec = await read_spec(node, run)
-        if spec is not None:
-            return spec.check_usable().check_agrees(requested)
-        if "model" in requested:
-            if not await node.store(spec_key(run), RunSpec(**requested, **(facts or {})).check_usable().record(),
-                                    get_dht_time() + SPEC_LIFETIME, subkey=RSASignatureValidator().local_public_key):
+        specs = await read_specs(node, address.name)
+        chosen = choose_spec(specs, address, own)
+        if chosen is not None:
+            return RunSpec.from_record(chosen).check_usable().check_agrees(requested), spec_owner(chosen)
+        if "model" in requested and not specs and address.owner in (None, own):
+            existing = existing or load_or_create_owner_key(key_file)  # we start the run: we own it
+            own = fingerprint(existing.get_public_key().to_bytes())
+            record = RunSpec(**requested, **(facts or {})).check_usable().record(existing)
+            if await node.store(spec_key(address.name), record, get_dht_time() + SPEC_LIFETIME,
+                                subkey=RSASignatureValidator().local_public_key):
+                if on_start is not None:
+                    on_start(str(RunAddress(address.name, own)))
+            else:
                 await asyncio.sleep(poll)  # no node took it (yet): try again, without spinning
-            continue  # read back: if two peers raced, both follow the earliest
+            continue  # read back: if two owners raced, each follows its own (their addresses differ)
         if on_wait is not None:
             on_wait()
             on_wait = None  # said once: a line every poll would fill the screen while nobody starts the run
@@ -209,3 +269,50 @@ async def ensure_spec(node: DHTNode, run: str, requested: Dict, wait: asyncio.Ev
         except asyncio.TimeoutError:
             continue
         return None  # stopped while waiting: a standby that leaves is no error
+
+
+async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict, key: RSAPrivateKey) -> RunSpec:
+    """Sign and publish the next version of the run's spec with ``changes`` (fields of ``FOLLOWED`` only).
+
+    Only the run's owner can: a key whose fingerprint is not the run's gets a one-line :class:`UserError`.
+    """
+    own = fingerprint(key.get_public_key().to_bytes())
+    if address.owner is not None and address.owner != own:
+        raise UserError(f"your owner key is {address.name}@{own}, not the owner of run {address}: only the key that "
+                        f"started the run can change its spec", exit_code=1)
+    unchangeable = sorted(set(changes) - set(FOLLOWED))
+    if unchangeable:
+        raise UserError(f"a running run can change only {', '.join(FOLLOWED)}, not {', '.join(unchangeable)}",
+                        exit_code=1)
+    specs = await read_specs(node, address.name)
+    current = specs.get(own)
+    if current is None:
+        raise UserError(f"run {address.name!r} has no spec signed by your owner key ({address.name}@{own})"
+                        + (f"; its owners: {', '.join(sorted(specs))}" if specs else ""), exit_code=1)
+    spec = replace(RunSpec.from_record(current), **changes, version=current["version"] + 1)
+    if not await node.store(spec_key(address.name), spec.record(key), get_dht_time() + SPEC_LIFETIME,
+                            subkey=RSASignatureValidator().local_public_key):
+        raise UserError(f"no DHT node stored the new spec of run {address}: check the --initial-peers", exit_code=1)
+    return spec
+
+
+async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_key_file: Optional[str],
+                      timeout: float) -> None:
+    """``ravnest-swarm update-spec``: sign and publish the next spec version of the run at ``run``."""
+    from ravnest_swarm.membership.records import make_validators, parse_run_address
+    from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+
+    address = parse_run_address(run)
+    key_file = owner_key_file or owner_key_path(address.name)
+    key = load_owner_key(key_file)
+    if key is None:
+        raise UserError(f"no run owner key at {key_file}: only the machine that started the run holds it "
+                        f"(--owner-key names another file)")
+    node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(address.name, address.owner),
+                            client_mode=True, timeout=timeout)
+    try:
+        spec = await publish_spec_version(node, address, changes, key)
+    finally:
+        await stop_node(node)
+    print(f"run {address.name}@{fingerprint(key.get_public_key().to_bytes())} spec version {spec.version}: "
+          + ", ".join(f"{name}={value}" for name, value in changes.items()), flush=True)

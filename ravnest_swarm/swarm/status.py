@@ -16,16 +16,20 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
     from ravnest_swarm.dashboard.peers_table import peers_table
     from ravnest_swarm.membership.progress import run_finished
     from ravnest_swarm.membership.reader import read_peers_settled
-    from ravnest_swarm.membership.records import make_validators, validate_run_name
+    from ravnest_swarm.membership.records import make_validators, parse_run_address
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
     from ravnest_swarm.swarm.join import watch_peers
     from ravnest_swarm.swarm.spec import read_spec
 
-    validate_run_name(run)
-    node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(run), client_mode=True,
-                            timeout=timeout)
+    address = parse_run_address(run)
+    run = address.name
+    node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(run, address.owner),
+                            client_mode=True, timeout=timeout)
     try:
-        spec = await read_spec(node, run)
+        try:
+            spec = await read_spec(node, address)
+        except UserError:
+            spec = None  # a name that several owners signed specs for: the peers are shown, the run's length is not
         if watch:
             await watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console(),
                               steps=spec.steps if spec else None)

@@ -29,7 +29,7 @@ import os
 import shlex
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
@@ -43,12 +43,13 @@ from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.segments import plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
-from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN
+from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress
 from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
@@ -57,7 +58,7 @@ from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, arrival_wait, holders_of, layer_offers, model_workload,
                                            offered_step, placement_in)
-from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec import RunSpec, read_spec
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 from ravnest_swarm.net.node import maddrs_without_peer_id
 
@@ -89,6 +90,7 @@ class VolunteerOptions:
     :param data: this peer's copy of the run's ``--data`` (None: the model's own data)
     :param report: when the run is finished, write our stage worker's report (``pipeline/stage.py``) and the
         start and end of each averaging round here, as JSON (``bench speedup`` times the clusters with it)
+    :param owner_key: the run owner's key file, for a run we start (default ``membership.owner.owner_key_path``)
     """
 
     checkpoint_dir: Optional[str] = None
@@ -103,6 +105,7 @@ class VolunteerOptions:
     handover_timeout: float = 90.0
     data: Optional[str] = None
     report: Optional[str] = None
+    owner_key: Optional[str] = None
 
 
 class Volunteer:
@@ -113,11 +116,13 @@ class Volunteer:
     :param model: its model, built here (``RunSpec.build_model``)
     :param options: training options
     :param console: where progress and events go
+    :param owner: the fingerprint of the run's owner, whose newer spec versions we follow
     """
 
     def __init__(self, membership: Membership, run_spec: RunSpec, model: ModelSpec, options: VolunteerOptions,
-                 console: Console):
+                 console: Console, owner: Optional[str] = None):
         self.membership, self.spec, self.options, self.console = membership, run_spec, options, console
+        self.owner = owner
         self.node, self.announcer = membership.node, membership.announcer
         self.run = membership.options.run
         self.name = membership.options.name
@@ -191,6 +196,7 @@ class Volunteer:
                         await _until_set(self._follow_plan(self.plan), stop)
                     continue
                 await _until_set(self._adopted.wait(), stop, timeout=2.0)
+                await self._follow_spec()
                 self._publish_progress()
                 await self._explain_stall()
                 if await self._run_finished():
@@ -205,6 +211,21 @@ class Volunteer:
             if graceful:
                 await self._hand_over(leave_now or asyncio.Event())
             await self.averager.shutdown()
+
+    async def _follow_spec(self) -> None:
+        """Follow the owner's newest spec version: its learning rate applies from our next optimizer step."""
+        try:
+            spec = await read_spec(self.node, RunAddress(self.run, self.owner))
+        except UserError:
+            return  # only an address without an owner can be ambiguous, and we always know ours
+        if spec is None or spec.version <= self.spec.version:
+            return
+        self.say(f"{self.name}: run {self.run} spec version {spec.version} from its owner: lr {self.spec.lr} -> {spec.lr}")
+        self.spec = replace(self.spec, version=spec.version, lr=spec.lr)
+        if self.worker is not None:
+            # the compute thread reads it at its next step; as at the worker's start, lr scales with the clusters
+            for group in self.worker.optimizer.param_groups:
+                group["lr"] = self.spec.lr * self.worker.config.clusters
 
     def _prepare_model(self) -> Tuple[Workload, Tuple[List[float], List[float]], Optional[float]]:
         """The planner's view of the model, its data set loaded (cached for the stage workers), and our compute
@@ -619,12 +640,16 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
     from ravnest_swarm.swarm.spec import ensure_spec
 
     run = membership.options.run
-    spec = await ensure_spec(membership.node, run, requested, stop,
-                             on_wait=lambda: console.print(f"waiting as standby: run {run!r} has no spec yet "
-                                                           f"(start it with --model)", highlight=False),
-                             facts=facts)
-    if spec is None:
+    address = RunAddress(run, membership.options.owner)
+    found = await ensure_spec(membership.node, address, requested, stop,
+                              on_wait=lambda: console.print(f"waiting as standby: run {address} has no spec yet "
+                                                            f"(its owner starts it with --model)", highlight=False),
+                              facts=facts, owner_key_file=options.owner_key,
+                              on_start=lambda full: console.print(f"started run {full}: give joiners this address "
+                                                                  f"(--run {full})", markup=False, highlight=False))
+    if found is None:
         return
+    spec, owner = found
     # a user's model imports their code: off the event loop, which must keep our record renewed meanwhile
     model = await asyncio.get_running_loop().run_in_executor(None, spec.build_model, options.data)
     if run_finished(await read_peers(membership.node, run), spec.steps):
@@ -632,4 +657,4 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
                       f"to train (`ravnest-swarm status` shows who still holds its layers)", markup=False,
                       highlight=False, soft_wrap=True)
         return
-    await Volunteer(membership, spec, model, options, console).run_until(stop, leave_now)
+    await Volunteer(membership, spec, model, options, console, owner).run_until(stop, leave_now)
