@@ -128,6 +128,9 @@ def join(
     backward: Optional[str] = typer.Option(None, "--backward", help="Run spec: stash (default: keep each microbatch's "
                                            "activations and weights until its gradient returns) or recompute (keep "
                                            "its input only and redo the forward: less memory, more compute)."),
+    aggregation: Optional[str] = typer.Option(None, "--aggregation", help="Run spec: how averaging combines the "
+                                              "clusters' values: mean (default), or trimmed_mean or centered_clip, "
+                                              "which bound what one hostile peer of a ring can do (docs/averaging.md)."),
     device: str = typer.Option("auto", "--device", help="Where this peer's stages compute: auto (the first GPU "
                                "torch sees, else the CPU), cpu, or cuda (cuda:N)."),
     device_memory_gb: Optional[float] = typer.Option(None, "--device-memory-gb", min=0.0, help="Override the "
@@ -166,7 +169,7 @@ def join(
         owner_key=owner_key, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,
-        precision=precision, backward=backward, data=data, handover_timeout=handover_timeout,
+        precision=precision, backward=backward, aggregation=aggregation, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,
         min_peers=min_peers, round_period=round_period, round_seconds=round_seconds, num_layers=num_layers,
@@ -443,6 +446,9 @@ def bench_averaging(
     size_mb: float = typer.Option(64.0, "--size-mb", min=0.01, help="Size of the float32 parameter vector, MiB."),
     compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit (hivemind compression)."),
     timeout: float = typer.Option(300.0, "--timeout", min=1.0, help="Seconds one ring may take."),
+    robust: Optional[str] = typer.Option(None, "--robust", help="Instead: the mean beside this robust aggregate "
+                                         "(trimmed_mean or centered_clip), honest and with the last cluster's "
+                                         "values scaled to just under the scale check."),
     as_json: bool = typer.Option(False, "--json", help="Last line: one JSON object with the figures."),
 ):
     """Multi-ring all-reduce vs hivemind's DecentralizedAverager vs one ring, same peers and emulated links.
@@ -450,11 +456,13 @@ def bench_averaging(
     \b
     Example:
       ravnest-swarm bench averaging --clusters 3 --stages 2 --size-mb 64 --json
+      ravnest-swarm bench averaging --robust trimmed_mean --clusters 4 --stages 1 --json
     """
     configure_logging(False)
     from ravnest_swarm.bench.averaging import bench_averaging as run
 
-    sys.exit(run_blocking(lambda: run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout)))
+    sys.exit(run_blocking(lambda: run(clusters, stages, mbps, delay_ms, size_mb, as_json, compression, timeout,
+                                      robust)))
 
 
 @app.command("averaging-peer", hidden=True)
@@ -469,7 +477,9 @@ def averaging_peer(
     step: int = typer.Option(1, "--step", min=0, help="The training step that names the round."),
     timeout: float = typer.Option(30.0, "--timeout", min=0.1, help="Seconds one ring may take."),
     compression: str = typer.Option("none", "--compression", help="none, fp16 or 8bit."),
-    poison: Optional[str] = typer.Option(None, "--poison", help="Poison our values: nan, inf, or scale (x1e6) (fault tests)."),
+    aggregation: str = typer.Option("mean", "--aggregation", help="mean, trimmed_mean or centered_clip."),
+    poison: Optional[str] = typer.Option(None, "--poison", help="Poison our values: nan, inf, scale (x1e6), or "
+                                         "plausible (largest value just under the scale check) (fault tests)."),
     out: Optional[str] = typer.Option(None, "--out", help="Write our averaged range here (safetensors)."),
     publish_plan: int = typer.Option(0, "--publish-plan", min=0, help="Stand in for the planner: publish the plan once N peers are placed."),
     plan_timeout: float = typer.Option(60.0, "--plan-timeout", min=1.0, help="Seconds to wait for the plan."),
@@ -496,7 +506,8 @@ def averaging_peer(
         options = AveragingPeerOptions(
             initial_peers=_initial_peers(initial_peers), run=run, cluster=cluster, stage=stage,
             layer_sizes=parse_ints(layer_sizes, "--layer-sizes"), layers=tuple(layer_range), seed=seed, step=step,
-            timeout=timeout, compression=compression, poison=poison, out=out, publish_plan=publish_plan,
+            timeout=timeout, compression=compression, aggregation=aggregation, poison=poison, out=out,
+            publish_plan=publish_plan,
             plan_timeout=plan_timeout, delay_start=delay_start, part_bytes=part_bytes, lose_replies=lose_replies,
             cut_streams=cut_streams, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bench_config=bench_config,
         )

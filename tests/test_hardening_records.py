@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -18,13 +19,14 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.reader import read_peers
-from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundProposal, RunSpecRecord, StageEndpoint,
+from ravnest_swarm.membership.reader import read_newest_plan, read_peers
+from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundProposal, RunAddress, StageEndpoint,
                                               make_validators, peers_key, plan_key, round_key, spec_key,
                                               stage_subkey_prefix, stages_key)
 from ravnest_swarm.pipeline.endpoints import read_endpoints
 from ravnest_swarm.planning.round import PlanningRounds
-from ravnest_swarm.swarm.spec import read_spec
+from ravnest_swarm.membership.owner import fingerprint
+from ravnest_swarm.swarm.spec import RunSpec, read_spec
 from ravnest_swarm.net.node import start_node, stop_node
 
 RUN = "hardening"
@@ -38,8 +40,11 @@ STAGE = StageEndpoint(peer_id="12D3KooWHonest", maddrs=[], model="mlp-digits", l
 PROPOSAL = RoundProposal(round=1, deadline=get_dht_time() + 600, peer_id="12D3KooWHonest", ram_gb=8.0, gflops=50.0,
                          bandwidth_mbps=100.0, fitness=2.0, clusters=[["12D3KooWHonest"]], time=NOW).dict()
 PLAN = PlanRecord(round=1, time=NOW, clusters=[[dict(peer_id="12D3KooWHonest", layers=[0, 2])]]).dict()
-SPEC = RunSpecRecord(model="mlp-digits", optimizer="sgd", lr=0.05, microbatch_size=16, max_in_flight=4,
-                     averaging_period=10, protocol=1, created=NOW).dict()
+OWNER = RSAPrivateKey()  # the run owner's key: only specs it signed count
+OWNER_FINGERPRINT = fingerprint(OWNER.get_public_key().to_bytes())
+SPEC = RunSpec("mlp-digits", microbatch_size=16, max_in_flight=4, averaging_period=10).record(OWNER)
+# a well-formed spec signed by a stranger, created earlier (the old rule, "earliest created wins", made it the run's)
+HIJACK = dict(RunSpec("mlp-digits", lr=9.0).record(RSAPrivateKey()), created=NOW - 3600)
 HUGE = "x" * 100_000
 GARBAGE = b"\x00\xff raw bytes, not a record"
 
@@ -83,6 +88,9 @@ def malformed_values():
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, pipeline_compression="quantile8"), "spec: unknown compression"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, model=HUGE), "spec: huge string"),
         (spec_key(RUN), NO_SUBKEY, [SPEC], "spec: not a dict"),
+        (spec_key(RUN), OWN, dict(SPEC, lr=9.0), "spec: the owner's, altered"),
+        (spec_key(RUN), OWN, HIJACK, "spec: a stranger's, created earlier"),
+        (spec_key(RUN), OWN, dict(HIJACK, owner=SPEC["owner"]), "spec: a stranger's, naming the owner"),
         (spec_key(RUN), NO_SUBKEY, GARBAGE, "spec: raw bytes"),
     ]
 
@@ -112,14 +120,14 @@ async def write_as_attacker(attacker, signature, victim_subkeys):
 async def honest_view(node):
     """What each project reader makes of the run's records (the planner's reads need only node and run)."""
     rounds = SimpleNamespace(node=node, run=RUN, names={})
-    spec = await read_spec(node, RUN)
+    spec = await read_spec(node, RunAddress(RUN, OWNER_FINGERPRINT))
     return dict(
         peers=await read_peers(node, RUN),
         stages=await read_endpoints(node, RUN),
         proposals=await PlanningRounds.read_proposals(rounds, 1),
         alive=sorted(await PlanningRounds.read_alive(rounds, get_dht_time())),
-        plan=await PlanningRounds.read_plan(rounds),
-        spec=None if spec is None else spec.record(),
+        plan=await read_newest_plan(node, RUN),
+        spec=None if spec is None else asdict(spec),
     )
 
 
@@ -157,9 +165,11 @@ def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
     """
 
     async def scenario():
-        server = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
+        # the storage node and the honest reader know the run's address, owner included (backbone --run name@owner)
+        server = await start_node(record_validators=make_validators(RUN, OWNER_FINGERPRINT), host_maddrs=LOCAL)
         maddrs = await server.get_visible_maddrs()
-        honest = await start_node(maddrs, record_validators=make_validators(RUN), host_maddrs=LOCAL, client_mode=True)
+        honest = await start_node(maddrs, record_validators=make_validators(RUN, OWNER_FINGERPRINT), host_maddrs=LOCAL,
+                                  client_mode=True)
         signature = RSASignatureValidator(RSAPrivateKey())
         attacker = await start_node(maddrs, record_validators=[signature], host_maddrs=LOCAL, client_mode=True)
         lax = None
@@ -171,9 +181,8 @@ def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
             for key, value in [(peers_key(RUN), PEER), (stages_key(RUN), STAGE), (round_key(RUN), PROPOSAL)]:
                 assert await honest.store(key, value, expiration, subkey=victim_subkeys[key])
             assert await honest.store(plan_key(RUN), PLAN, expiration, subkey=1)
-            # hivemind's SchemaValidator refuses any dict stored without a subkey, so whether the spec is
-            # stored depends on how the project writes it; either way no attacker value may replace it
-            spec = SPEC if await honest.store(spec_key(RUN), SPEC, expiration) else None
+            assert await honest.store(spec_key(RUN), SPEC, expiration, subkey=own)
+            spec = asdict(RunSpec.from_record(SPEC))
 
             outcomes = await write_as_attacker(attacker, signature, victim_subkeys)
             assert not any(outcomes.values()), [label for label, stored in outcomes.items() if stored]

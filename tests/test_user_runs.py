@@ -13,6 +13,7 @@ from process_tree import alive, descendants, kill_pids
 from run_observer import RunObserver
 from test_user_models import USER_MODELS, features_dir, text_dir
 
+from ravnest_swarm.membership.records import RunAddress
 from ravnest_swarm.swarm.spec import read_spec
 
 pytestmark = pytest.mark.timeout(400)
@@ -66,7 +67,7 @@ def test_a_joiner_whose_model_or_data_differs_refuses_in_one_line_and_leaves_not
     observer = RunObserver(backbone, run)
     try:
         deadline = time.monotonic() + 120
-        while observer.call(read_spec(observer.node, run)) is None:
+        while observer.call(read_spec(observer.node, RunAddress(run))) is None:
             assert time.monotonic() < deadline, "the creator published no spec"
             time.sleep(0.5)
     finally:

@@ -58,6 +58,7 @@ class JoinOptions:
     steps: Optional[int] = None
     precision: Optional[str] = None
     backward: Optional[str] = None
+    aggregation: Optional[str] = None
     # training
     data: Optional[str] = None
     handover_timeout: float = 90.0
@@ -80,7 +81,7 @@ class JoinOptions:
     verbose: bool = False
 
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
-                   "pipeline_compression", "precision", "backward", "steps")
+                   "pipeline_compression", "precision", "backward", "aggregation", "steps")
 
     def requested_spec(self) -> dict:
         """The spec fields we were given, for a run that has no spec yet."""
@@ -158,7 +159,8 @@ def check_join(options: JoinOptions) -> Optional[dict]:
         raise UserError("--resume needs --checkpoint-dir")
     parse_maddrs(options.initial_peers)
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
-    check_spec_choices(options.pipeline_compression or "none", options.backward or "stash")
+    check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
+                       options.aggregation or "mean")
     check_precision(options.precision or "fp32")
     return facts
 

@@ -78,8 +78,8 @@ class RunSpec:
     pipeline_compression: str = "none"
     precision: str = "fp32"
     backward: str = "stash"
-    # the mean by default: it is exact and the fastest, and with the two or three clusters of most runs a robust
-    # aggregate cannot tell a hostile member from an honest one (docs/averaging.md, "Aggregation")
+    # the mean by default: exact and the fastest; with two clusters no aggregate can tell which member is hostile,
+    # and with three the trimmed mean is the median (docs/averaging.md, "Aggregation")
     aggregation: str = "mean"
     steps: int = 300
     protocol: int = PROTOCOL_VERSION
@@ -163,8 +163,9 @@ def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
                 data_bytes=source.size if source else 0)
 
 
-def check_spec_choices(pipeline_compression: str, backward: str) -> None:
+def check_spec_choices(pipeline_compression: str, backward: str, aggregation: str = "mean") -> None:
     """The spec's named choices, checked before a run is started with them."""
+    from ravnest_swarm.averaging.robust import AGGREGATIONS
     from ravnest_swarm.pipeline.stage import MODES
     from ravnest_swarm.pipeline.wire import COMPRESSIONS
 
@@ -172,6 +173,8 @@ def check_spec_choices(pipeline_compression: str, backward: str) -> None:
         raise UserError(f"--pipeline-compression must be one of {', '.join(COMPRESSIONS)}, not {pipeline_compression!r}")
     if backward not in MODES:
         raise UserError(f"--backward must be one of {', '.join(MODES)}, not {backward!r}")
+    if aggregation not in AGGREGATIONS:
+        raise UserError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, not {aggregation!r}")
 
 
 def scan_user_data(data: str) -> None:

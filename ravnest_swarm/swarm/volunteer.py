@@ -140,7 +140,8 @@ class Volunteer:
         self.averaging_times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
-        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=options.averaging_timeout)
+        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=options.averaging_timeout,
+                                          aggregation=run_spec.aggregation)
         self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
         self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes

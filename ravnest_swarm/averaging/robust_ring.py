@@ -1,0 +1,138 @@
+"""A ring attempt that aggregates robustly: every member sends each chunk straight to its owner, the owner
+aggregates the members' values (``robust.py``) instead of summing them, and the ring gathers as before.
+
+A ring's reduce-scatter cannot do this: member i receives a partial *sum* of the others' values, and no robust
+aggregate can be computed from sums. So the reduce phase is an all-to-all scatter (as in a butterfly
+all-reduce): member i owns chunk (i + 1) mod C, as after a ring's reduce-scatter, and receives that chunk from
+each of the C - 1 others directly (one ``reduce`` message, position 0, from each: the mailbox keys it by sender).
+With two members it sends exactly what a ring's reduce-scatter sends.
+
+The cost, beside the mean (``docs/averaging.md``, measured in ``bench averaging --robust``):
+
+* the same bytes per member ((C-1)/C of the segment out, as much in), but over C - 1 streams to C - 1 peers at
+  once instead of one stream to one neighbour;
+* the owner holds the C - 1 received copies of its chunk (another (C-1)/C of the segment in memory) and
+  aggregates a part only once every member's values for it arrived, so the slowest sender paces the part;
+* the aggregate itself: a sort of C values per coordinate (trimmed mean), or about ten passes over a part
+  (CenteredClip), on the owner's CPU.
+
+Every received chunk passes the same checks as in the ring (finite, the right size, within ``max_scale`` of a
+single contribution at our scale): a value refused names its sender exactly, since nobody forwards another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Callable, Coroutine, List
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression.base import NoCompression
+
+from ravnest_swarm.averaging.mailbox import MessageKey
+from ravnest_swarm.averaging.ring import ContributionRejected, Progress, RingAttempt, RingRound, RingStep
+from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, ROBUST_AGGREGATES
+from ravnest_swarm.averaging.wire import REDUCE, Outbox, RingPart, serialize_part
+
+
+def attempt_for(aggregation: str) -> Callable[[RingRound, List[str], float], RingAttempt]:
+    """How a ring's attempts reduce for the run spec's ``aggregation``: the plain ring for the mean."""
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, not {aggregation!r}")
+    if aggregation == MEAN:
+        return RingAttempt
+    return functools.partial(RobustRingAttempt, aggregate=ROBUST_AGGREGATES[aggregation])
+
+
+class RobustRingAttempt(RingAttempt):
+    """All-to-all scatter of every chunk to its owner, a robust aggregate there, then the ring's all-gather.
+
+    The gather steps are the ring's own (``self.steps[count - 1:]``); the reduce steps are unused but for the
+    mark of the last one, which the aggregate advances, so the first gather step waits on it as it would on the
+    ring's last reduce step.
+    """
+
+    def __init__(self, ring_round: RingRound, members: List[str], deadline: float,
+                 aggregate: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__(ring_round, members, deadline)
+        self.aggregate = aggregate
+        me = members.index(self.peer.peer_id)
+        self.owned = (me + 1) % self.count
+        self.others = [member for member in members if member != self.peer.peer_id]
+        owned = self.chunks[self.owned]
+        # row j: the values member others[j] contributes to our chunk, filled as its parts arrive
+        self.received = torch.empty(len(self.others), owned.stop - owned.start)
+        self.arrived = [Progress() for _ in self.others]
+        # one message to each other member; abandoned with the ring's own when the attempt ends
+        self.scatter = [Outbox() for _ in self.others]
+        self.outboxes += self.scatter
+        self.first_gather = self.count - 1  # index of the first gather step in self.steps
+
+    def _tasks(self) -> List[Coroutine]:
+        gathers = range(self.first_gather, len(self.steps))
+        return ([self._send_to_owner(j) for j in range(len(self.others))] + [self._serialize_chunks()]
+                + [self._receive_contribution(j) for j in range(len(self.others))] + [self._aggregate_owned()]
+                + [self._send(i) for i in gathers] + [self._receive(i) for i in gathers])
+
+    async def _send_to_owner(self, index: int) -> None:
+        message = RingPart(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index, position=0,
+                           attempt=self.excluded_before, phase=REDUCE)
+        resent = await self.peer.sender.send_chunk(self.others[index], message, self.scatter[index], self.deadline)
+        self.round.log.resends += resent
+
+    async def _serialize_chunks(self) -> None:
+        """Our values of each other member's chunk, a part at a time, the first part of every chunk first, so
+        every stream starts at once (between parts the other rings' coroutines run)."""
+        part_elements = max(1, self.peer.part_bytes // 4)
+        owners = [(self.members.index(member) + 1) % self.count for member in self.others]
+        longest = max(self.chunks[chunk].stop - self.chunks[chunk].start for chunk in owners)
+        for lo in range(0, max(longest, 1), part_elements):
+            for outbox, chunk in zip(self.scatter, owners):
+                elements = self.chunks[chunk]
+                if lo < elements.stop - elements.start or lo == 0:  # an empty chunk is one empty part
+                    hi = min(elements.start + lo + part_elements, elements.stop)
+                    outbox.put(serialize_part(self.segment[elements.start + lo:hi], self.peer.compression))
+            await asyncio.sleep(0)
+        for outbox in self.scatter:
+            outbox.close()
+
+    async def _receive_contribution(self, index: int) -> None:
+        """Member ``others[index]``'s values of our chunk, part by part, checked as one contribution."""
+        sender, length, offset = self.others[index], self.received.shape[1], 0
+        check_as = RingStep(REDUCE, 0, self.owned, self.owned)  # a single contribution to our chunk
+        key: MessageKey = (self.round.step, self.round.ring.index, tuple(self.excluded_before), REDUCE, 0, sender)
+        async for values, _ in self.peer.mailbox.receive(key, self.deadline):
+            try:
+                values = self._checked(check_as, values, offset, length)
+            except ContributionRejected as e:  # _checked blames the ring's predecessor; here the sender is known
+                raise ContributionRejected(sender, str(e))
+            self.received[index, offset:offset + values.numel()] = values
+            offset += values.numel()
+            self.arrived[index].advance(offset)
+        if offset != length:
+            raise ContributionRejected(sender, f"chunk of {offset} elements, expected {length}")
+        self.arrived[index].advance(length, done=True)
+
+    async def _aggregate_owned(self) -> None:
+        """Aggregate our chunk a part at a time, as soon as every member's values for that part are here, and
+        hand each part to the first gather step, like the ring's last reduce step."""
+        owned = self.chunks[self.owned]
+        length, part_elements = owned.stop - owned.start, max(1, self.peer.part_bytes // 4)
+        mark = self.handled[self.first_gather - 1]
+        for lo in range(0, length, part_elements) if length else [0]:
+            hi = min(lo + part_elements, length)
+            for progress in self.arrived:
+                await progress.reach(hi)
+            values = self.work[owned.start + lo:owned.start + hi]
+            ours = self.segment[owned.start + lo:owned.start + hi]
+            values.copy_(self.aggregate(torch.cat([ours.unsqueeze(0), self.received[:, lo:hi]])))
+            part = serialize_part(values, self.peer.compression)
+            if not isinstance(self.peer.compression, NoCompression):
+                # the others get our chunk through the compression: keep the same value so all agree
+                values.copy_(deserialize_torch_tensor(part).float().reshape(-1))
+            self.outboxes[self.first_gather].put(part)
+            mark.advance(hi)
+            await asyncio.sleep(0)  # a part's aggregate is CPU work: let the streams move between parts
+        self.outboxes[self.first_gather].close()
+        mark.advance(length, done=True)
