@@ -35,6 +35,8 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.mailbox import Inbox, Mailbox
 from ravnest_swarm.averaging.ring import Patience, RingPeer, RingRound, RoundLog, SegmentResult
+from ravnest_swarm.averaging.robust import MEAN
+from ravnest_swarm.averaging.robust_ring import attempt_for
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PART_BYTES, RING_HANDLER,
                                           STREAMS_PER_STEP, RingAbort, RingArrive, RingPart, RingReply, RingSender,
@@ -101,12 +103,14 @@ class MultiRingAverager:
     :param max_message_bytes: a larger stream of a ring message is refused before it is read
     :param max_scale: a received chunk whose largest magnitude exceeds this many times the sum its
         contributions could reach at our own values' scale (at least 1 per element) is refused as poisoned
+    :param aggregation: the run spec's ``aggregation``: ``mean`` (summed along each ring), or ``trimmed_mean``
+        or ``centered_clip``, aggregated robustly by each chunk's owner (``robust_ring.py``)
     """
 
     def __init__(self, routes: Routes, run: str, timeout: float = 30.0, compression: CompressionBase = NoCompression(),
                  part_bytes: int = PART_BYTES, streams_per_step: int = STREAMS_PER_STEP,
                  max_buffered_bytes: int = 2 * 1024**3, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 max_scale: float = 100.0):
+                 max_scale: float = 100.0, aggregation: str = MEAN):
         self.routes, self.p2p = routes, routes.p2p
         self.run, self.timeout, self.compression = run, timeout, compression
         self.part_bytes, self.max_message_bytes = part_bytes, max_message_bytes
@@ -115,7 +119,7 @@ class MultiRingAverager:
         self.mailbox = Mailbox(max_buffered_bytes)
         self.sender = RingSender(routes, run, streams_per_step)
         self.ring_peer = RingPeer(self.peer_id, self.mailbox, self.sender, self._in_background, timeout, compression,
-                                  part_bytes, max_scale)
+                                  part_bytes, max_scale, attempt_for(aggregation))
         self._control_tasks: Set[asyncio.Task] = set()  # notes still being sent
         self._serving: Set[asyncio.Task] = set()  # handler calls still reading a message or sending its reply
         self._last_stream = -math.inf  # time.monotonic() when the last ring stream reached us

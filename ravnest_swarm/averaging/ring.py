@@ -3,7 +3,11 @@
 A ring of C members splits its segment into C chunks. Member i, in reduce-scatter step t, sends chunk
 (i - t) mod C to member i+1 and adds the chunk (i - t - 1) mod C it receives from member i-1; after C-1 steps
 it holds the full sum of chunk (i + 1) mod C and divides it by C. In all-gather step t it sends chunk
-(i + 1 - t) mod C and stores the chunk (i - t) mod C it receives.
+(i + 1 - t) mod C and stores the chunk (i - t) mod C it receives. A run whose spec asks for a robust
+``aggregation`` reduces another way (``robust_ring.py``: each chunk straight to its owner), then gathers alike.
+
+Over 400 lines because a ring's round and its attempt (the steps, their pipelining and the checks that
+refuse a poisoned chunk) are one protocol, read top to bottom.
 
 Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
 in time ends that ring only, the segment keeps its local value, and the other members are told to stop at
@@ -92,6 +96,9 @@ class RingPeer:
     compression: CompressionBase
     part_bytes: int
     max_scale: float
+    # how an attempt reduces the segment: RingAttempt sums along the ring (the mean); robust_ring.attempt_for
+    # gives the attempt that sends each chunk to its owner to aggregate robustly
+    attempt: Callable[["RingRound", List[str], float], "RingAttempt"]
 
 
 class RingRound:
@@ -155,7 +162,7 @@ class RingRound:
 
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
-        attempt = asyncio.create_task(RingAttempt(self, members, deadline).run())
+        attempt = asyncio.create_task(self.peer.attempt(self, members, deadline).run())
         interrupted = asyncio.create_task(self.state.changed.wait())
         try:
             await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
@@ -288,9 +295,7 @@ class RingAttempt:
 
     async def run(self) -> torch.Tensor:
         """Every step's send and receive at once; the averaged segment, or the first failure."""
-        tasks = [asyncio.create_task(self._send(index)) for index in range(len(self.steps))]
-        tasks += [asyncio.create_task(self._receive(index)) for index in range(len(self.steps))]
-        tasks.append(asyncio.create_task(self._send_own_chunk()))
+        tasks = [asyncio.create_task(work) for work in self._tasks()]
         try:
             # the first failure (a refused contribution, a timeout, a failed send) ends the attempt
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -304,6 +309,10 @@ class RingAttempt:
                 outbox.abandon()
             await asyncio.gather(*tasks, return_exceptions=True)
         return self.work
+
+    def _tasks(self) -> List[Coroutine]:
+        steps = range(len(self.steps))
+        return [self._send(i) for i in steps] + [self._receive(i) for i in steps] + [self._send_own_chunk()]
 
     async def _send(self, index: int) -> None:
         step = self.steps[index]

@@ -97,10 +97,15 @@ class StageCompute:
         return to_host(x.grad) if x.requires_grad else None
 
     def forward_backward_last(self, inputs: torch.Tensor, targets: torch.Tensor) -> Tuple[float, Optional[torch.Tensor]]:
-        """The last stage's whole step: forward, loss, backward and update; the loss and the input's gradient."""
+        """The last stage's whole step: forward, loss, backward and update; the loss and the input's gradient.
+        Raises (before any gradient is taken) for targets out of range or a loss that is not finite."""
         x = self._as_leaf(inputs)
         with autocast(self.config.device, self.autocast_dtype):
-            loss = self.spec.loss(self.module(x), targets.to(self.device))
+            output = self.module(x)
+            check_targets(targets, output.shape[-1])
+            loss = self.spec.loss(output, targets.to(self.device))
+        if not torch.isfinite(loss.detach()).all():
+            raise ValueError(f"the loss is {loss.item()}, not finite: its gradient would poison the weights")
         loss.backward()  # outside autocast, as torch advises: each op's backward runs in its forward's dtype
         self._apply_gradients()
         return loss.item(), (to_host(x.grad) if x.requires_grad else None)
@@ -139,6 +144,23 @@ class StageCompute:
             local, rest = name.split(".", 1)
             tensors[f"{self.config.layers[0] + int(local)}.{rest}"] = to_host(p).contiguous()
         save_file(tensors, path)
+
+
+# cross-entropy's default ignore_index: a label that says "no target here" (padding), which the loss skips
+IGNORED_TARGET = -100
+
+
+def check_targets(targets: torch.Tensor, classes: int) -> None:
+    """Integer targets are class labels or token ids: each must index the model's output classes (the output's
+    last dimension, ``classes``: the digits' 10, a language model's vocabulary), or be ``IGNORED_TARGET``.
+    Stages before the last pass targets on unread, so they come from any earlier stage's sender; cross-entropy
+    raises on one out of range on a CPU and can fail the device on a GPU. Float targets are the loss's to judge."""
+    if targets.is_floating_point() or targets.dtype == torch.bool or targets.numel() == 0:
+        return
+    bad = targets[((targets < 0) | (targets >= classes)) & (targets != IGNORED_TARGET)]
+    if bad.numel():
+        raise ValueError(f"{bad.numel()} target(s) out of range (e.g. {int(bad[0])}): class labels and token ids "
+                         f"must lie in [0, {classes}), the model's output classes")
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 from ravnest_swarm.pipeline import wire
 
 SCHEDULES = ("async", "sync")
 MODES = ("stash", "recompute")
+
+
+@dataclass
+class Neighbours:
+    """The peers (base58 libp2p ids) a stage takes pipeline messages from, and whose endpoint records it trusts.
+
+    Anyone can call a stage's handlers and write a well-formed record for any slot, so a stage that names its
+    neighbours takes forwards (and the run's finish) only from ``previous`` and gradients only from ``next``,
+    and resolves those two slots only to them. A volunteer names them from the adopted plan and follows each
+    new plan (a standby that replaces a dead neighbour); ``bench pipeline`` from its stages' fixed identities.
+
+    :param previous: the peer serving stage - 1 of our cluster (None: nobody, as for stage 0)
+    :param next: the peer serving stage + 1 (None: nobody, as for the last stage)
+    :param named: False for a stage that takes messages from any sender that addresses it: the hidden
+      ``stage`` verb, which the pipeline tests start without a plan or known peer ids
+    """
+
+    previous: Optional[str] = None
+    next: Optional[str] = None
+    named: bool = True
+
+    def peer_of(self, own_stage: int, stage: int) -> Optional[str]:
+        """The peer named for ``stage`` (our neighbour on either side), else None."""
+        return self.previous if stage == own_stage - 1 else self.next if stage == own_stage + 1 else None
 
 
 @dataclass
@@ -45,6 +69,8 @@ class StageConfig:
       ``cuda:0``); what it sends and receives is on the host, so its neighbours' devices do not matter
     :param precision: the run's ``fp32``, ``bf16`` or ``fp16``: 16 bits run the forward under ``torch.autocast``
       (``devices.autocast_dtype``); weights, gradients and what travels stay in their own dtypes
+    :param neighbours: who may send this stage messages (:class:`Neighbours`); by default anyone, as a bare
+      ``stage`` process has no plan to name them from
     :param trace: record when each microbatch arrives and when its forward and backward start and end
       (``bench pipeline`` splits a round trip into queueing, compute and transit with it; off otherwise, as it
       grows with the run)
@@ -76,6 +102,7 @@ class StageConfig:
     device: str = "cpu"
     precision: str = "fp32"
     trace: bool = False
+    neighbours: Neighbours = field(default_factory=lambda: Neighbours(named=False))
 
 
 def check_config(config: StageConfig) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -13,6 +13,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.membership.records import StageEndpoint, stage_subkey_prefix, stages_key
 from ravnest_swarm.net.node import maddrs_without_peer_id
+from ravnest_swarm.pipeline.config import Neighbours
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +29,15 @@ async def publish_endpoint(node: DHTNode, run: str, cluster: int, stage: int, mo
     return bool(await node.store(stages_key(run), value, get_dht_time() + lifetime, subkey=subkey))
 
 
-async def read_endpoints(node: DHTNode, run: str) -> Dict[Tuple[int, int], Dict]:
-    """The newest endpoint of every ``(cluster, stage)`` of ``run`` (records are validated by the node)."""
-    found = await node.get(stages_key(run), latest=True)
+async def read_endpoints(node: DHTNode, run: str, named: Optional[Dict[Tuple[int, int], str]] = None
+                         ) -> Dict[Tuple[int, int], Dict]:
+    """The endpoint of every ``(cluster, stage)`` of ``run`` (records are validated by the node): the newest by its
+    ``time``, except that a slot in ``named`` counts only records from the peer named for it there. A record's
+    subkey binds it to its writer's RSA key, not to a slot's peer, and its ``time`` is what the writer says: anyone
+    could otherwise take a slot by writing a newer record for it."""
+    named = named or {}
     newest: Dict[Tuple[int, int], Dict] = {}
+    found = await node.get(stages_key(run), latest=True)
     if found is None or not isinstance(found.value, dict):
         return newest
     for subkey, item in found.value.items():
@@ -41,8 +47,11 @@ async def read_endpoints(node: DHTNode, run: str) -> Dict[Tuple[int, int], Dict]
             cluster, stage = (int(part) for part in subkey.split(b"[", 1)[0].decode().split("."))
         except ValueError:
             continue
-        if (cluster, stage) not in newest or item.value["time"] > newest[(cluster, stage)]["time"]:
-            newest[(cluster, stage)] = item.value
+        slot = (cluster, stage)
+        if slot in named and item.value["peer_id"] != named[slot]:
+            continue
+        if slot not in newest or item.value["time"] > newest[slot]["time"]:
+            newest[slot] = item.value
     return newest
 
 
@@ -52,19 +61,32 @@ class EndpointResolver:
     :param node: our DHT node (its P2P dials the stage)
     :param run: run name
     :param cluster: our cluster; we only talk to stages of our own cluster
+    :param stage: our own stage, and ``neighbours()`` who serves the stages beside it (read at each resolve, so a
+        new plan's neighbours count at once): a neighbour's slot resolves only to its named peer
     """
 
-    def __init__(self, node: DHTNode, run: str, cluster: int):
-        self.node, self.run, self.cluster = node, run, cluster
+    def __init__(self, node: DHTNode, run: str, cluster: int, stage: Optional[int] = None,
+                 neighbours: Callable[[], Neighbours] = lambda: Neighbours(named=False)):
+        self.node, self.run, self.cluster, self.stage, self.neighbours = node, run, cluster, stage, neighbours
         self._cache: Dict[int, PeerID] = {}
 
     async def resolve(self, stage: int, refresh: bool = False) -> PeerID:
         """The stage's peer id, connected; with ``refresh`` read the DHT again (after a failed send)."""
-        if not refresh and stage in self._cache:
-            return self._cache[stage]
-        endpoint = (await read_endpoints(self.node, self.run)).get((self.cluster, stage))
+        neighbours = self.neighbours()
+        named = neighbours.named and self.stage is not None
+        expected = neighbours.peer_of(self.stage, stage) if named else None
+        if named and expected is None:
+            raise LookupError(f"no peer is named for stage {stage} of cluster {self.cluster} beside our stage "
+                              f"{self.stage}")
+        cached = self._cache.get(stage)
+        if not refresh and cached is not None and expected in (None, cached.to_base58()):
+            return cached
+        slot = (self.cluster, stage)
+        endpoint = (await read_endpoints(self.node, self.run, {slot: expected} if expected else None)).get(slot)
         if endpoint is None:
-            raise LookupError(f"no endpoint for stage {stage} of cluster {self.cluster} under {stages_key(self.run)}")
+            whose = f" from {expected}, the peer named for it," if expected else ""
+            raise LookupError(f"no endpoint{whose} for stage {stage} of cluster {self.cluster} under "
+                              f"{stages_key(self.run)}")
         peer_id = PeerID.from_base58(endpoint["peer_id"])
         # dial the announced addresses explicitly (p2pd's own routing does not know them); a stage behind NAT
         # is reached through a backbone instead (reversal or forwarding, see net/routes.py)

@@ -38,9 +38,12 @@ from ravnest_swarm.pipeline.wire import MessageError
 logger = logging.getLogger(__name__)
 
 # refusals a sender answers by sending again: a message meant for another stage (the sender's endpoint for
-# it is stale: re-resolve), and one a stage has no room for yet (its stale microbatches are about to be dropped)
+# it is stale: re-resolve), one a stage has no room for yet (its stale microbatches are about to be dropped),
+# and one from a peer the stage does not name as its neighbour (an honest sender placed by a plan the receiver
+# has not adopted yet is taken once it has; anyone else gets the same refusal until its send timeout)
 MISADDRESSED = ", but this is run"
 BUSY = "; retry later"
+NOT_A_NEIGHBOUR = "is not this stage's neighbour"
 UNKNOWN_MICROBATCH = "unknown microbatch id"
 # refusals for when or where a message arrived, not for what it holds: honest neighbours cause them (an endpoint
 # gone stale in a new plan, no room yet, a gradient that came after its microbatch was dropped, a stream stalled
@@ -49,13 +52,13 @@ TURNED_AWAY = (MISADDRESSED, BUSY, UNKNOWN_MICROBATCH, INCOMPLETE)
 
 register_handler(Handler(
     name=wire.FORWARD, request=wire.ForwardRequest, reply=wire.ForwardReply, max_bytes=wire.DEFAULT_MAX_MESSAGE_BYTES,
-    callers="stage k-1 of the same run and cluster (the address is checked), which also ends the run on it "
-            "with a FinishRequest", owner=__name__))
+    callers="the peer the adopted plan puts at stage k-1 of the same run and cluster (the sender and the address "
+            "are checked), which also ends the run on it with a FinishRequest", owner=__name__))
 register_handler(Handler(
     name=wire.BACKWARD, request=wire.BackwardRequest, reply=wire.BackwardReply,
     max_bytes=wire.DEFAULT_MAX_MESSAGE_BYTES,
-    callers="stage k+1 of the same run and cluster, for a microbatch this stage sent it",
-    owner=__name__))
+    callers="the peer the adopted plan puts at stage k+1 of the same run and cluster, for a microbatch this "
+            "stage sent it", owner=__name__))
 register_handler(Handler(
     name=wire.STATUS, request=wire.StatusRequest, reply=wire.StatusReply, max_bytes=MAX_METADATA_BYTES,
     callers="anyone (read-only counters: tests and operators)", owner=__name__))
@@ -115,7 +118,8 @@ class Inbox:
                 if self.stopped:  # shutdown's cancel can be lost (asyncio.wait_for returns a result it raced)
                     raise ConnectionError("this stage worker stopped")  # no reply: the sender resends elsewhere
                 request = parse(metadata)
-                self._check_address(request)
+                self._check_address(request)  # first: a former neighbour of a slot we left is turned away, not rejected
+                self._check_sender(name, peer_id)  # before the tensors are decoded and checked
                 return make_response((await handle(request, tensors)).as_metadata())
 
             task = asyncio.current_task()  # this stream's own: p2pd hands each stream to a new task
@@ -152,6 +156,19 @@ class Inbox:
     def _broken(self, name: str, peer_id: PeerID) -> None:
         if not self.stopped:
             logger.warning(f"stage {self.config.stage}: {name} from {peer_id} ended early")
+
+    def _check_sender(self, name: str, peer_id: PeerID) -> None:
+        """Forwards (and the finish) only from the peer named at stage - 1, gradients only from stage + 1's: a
+        stranger that names our run, cluster and stage could otherwise feed our parameters or end our run."""
+        neighbours, stage = self.config.neighbours, self.config.stage
+        if not neighbours.named:
+            return
+        neighbour_stage = stage - 1 if name == wire.FORWARD else stage + 1
+        expected = neighbours.peer_of(stage, neighbour_stage)
+        if peer_id.to_base58() != expected:
+            what = "forwards" if name == wire.FORWARD else "gradients"
+            raise MessageError(f"the sender {NOT_A_NEIGHBOUR}: stage {stage} of cluster {self.config.cluster} takes "
+                               f"{what} only from {expected or 'no peer'} (stage {neighbour_stage})")
 
     def _check_address(self, request: Request) -> None:
         config = self.config
@@ -207,8 +224,8 @@ class Inbox:
         return wire.StatusReply(
             stage=self.config.stage, version=scheduler.compute.version, forwards=c.forwards, backwards=c.backwards,
             injected=c.injected, completed=c.completed, dropped=c.dropped, rejected=c.rejected,
-            turned_away=c.turned_away, resends=c.resends, max_staleness=c.max_staleness, in_flight=scheduler.in_flight,
-            pending=len(scheduler.pending))
+            turned_away=c.turned_away, failed=c.failed, resends=c.resends, max_staleness=c.max_staleness,
+            in_flight=scheduler.in_flight, pending=len(scheduler.pending))
 
 
 class Outbox:
@@ -222,7 +239,7 @@ class Outbox:
 
     def __init__(self, config: StageConfig, node: DHTNode, counters: Counters, busy: BusyTime):
         self.config, self.node, self.counters, self.busy = config, node, counters, busy
-        self.resolver = EndpointResolver(node, config.run, config.cluster)
+        self.resolver = EndpointResolver(node, config.run, config.cluster, config.stage, lambda: self.config.neighbours)
         self._channels: Dict[Tuple[str, int], MessageChannel] = {}  # (handler, stage) -> its long-lived stream
 
     async def send(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
@@ -243,9 +260,10 @@ class Outbox:
                 except P2PHandlerError as e:
                     # the neighbour read the message and refused it: sending it again cannot help, unless it
                     # refused it for not serving that stage any more (it moved in a new plan while we kept its
-                    # endpoint: the stage's current peer is found as after a failed send) or for lack of room
+                    # endpoint: the stage's current peer is found as after a failed send), for lack of room, or
+                    # for not knowing us as its neighbour yet (it adopts the plan that placed us a moment later)
                     reason = f"refused: {str(e).rsplit(': ', 1)[-1]}"
-                    retry = MISADDRESSED in str(e) or BUSY in str(e)
+                    retry = any(marker in str(e) for marker in (MISADDRESSED, BUSY, NOT_A_NEIGHBOUR))
                 except Exception as e:
                     reason = f"{type(e).__name__}: {e}"
                     retry = True

@@ -4,7 +4,8 @@ Rule (docs/pipeline.md): backward work first (oldest first), then forward work, 
 new microbatch while fewer than ``max_in_flight`` are in flight (async; bounded staleness) or while the
 current synchronous step still has room (sync, GPipe-style). Sends run as background tasks, so compute
 and transfers overlap. A microbatch leaves this stage's books by completing, or by being dropped and
-counted (a failed send, no gradient within ``microbatch_timeout``, the end of the run): never silently.
+counted (a failed send, no gradient within ``microbatch_timeout``, the end of the run, its own compute
+raising: bad targets, a loss that fails or is not finite, anything): never silently, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Counters:
     rejected: int = 0  # messages refused for what they hold: malformed or poisoned
     last_rejected: Optional[str] = None  # what the last of them was and why
     turned_away: int = 0  # messages refused for when or where they arrived (messaging.TURNED_AWAY)
+    failed: int = 0  # microbatches whose forward, loss or backward raised here (dropped too)
+    last_failed: Optional[str] = None  # which the last of them was and why
     resends: int = 0
     max_staleness: int = 0
     losses: List[Tuple[int, float]] = dataclass_field(default_factory=list)
@@ -219,10 +222,14 @@ class Scheduler:
         compute = self.compute
         self.trace("forward_started", microbatch)
         with self.busy.measure(), self._computing():
-            if self.is_last:
-                loss, input_grad = await compute.run(compute.forward_backward_last, inputs, targets)
-            else:
-                pending, output = await compute.run(compute.forward, inputs)
+            try:
+                if self.is_last:
+                    loss, input_grad = await compute.run(compute.forward_backward_last, inputs, targets)
+                else:
+                    pending, output = await compute.run(compute.forward, inputs)
+            except Exception as e:
+                self._fail(microbatch, "forward", e)
+                return
         self.counters.forwards += 1
         self.trace("forward_done", microbatch)
         if self.is_last:
@@ -245,7 +252,11 @@ class Scheduler:
             return  # dropped by the watchdog while queued
         self.trace("backward_started", microbatch)
         with self.busy.measure(), self._computing():
-            input_grad = await self.compute.run(self.compute.backward, pending, grad)
+            try:
+                input_grad = await self.compute.run(self.compute.backward, pending, grad)
+            except Exception as e:
+                self._fail(microbatch, "backward", e)
+                return
         self.counters.backwards += 1
         self.trace("backward_done", microbatch)
         if self.is_first:
@@ -311,6 +322,17 @@ class Scheduler:
         logger.warning(f"stage {self.config.stage}: dropped microbatch {microbatch}: {reason}")
         if self.is_first and was_pending:
             self._release_slot()
+
+    def _fail(self, microbatch: int, what: str, error: Exception) -> None:
+        """A microbatch whose compute raised (out-of-range targets, a loss that failed, anything): counted, named
+        (a volunteer's note shows ``last_failed``) and dropped; the loop goes on with the next. Left to the
+        exception, it would end this stage's scheduler and its stage would stop training without a word."""
+        reason = f"its {what} failed: {type(error).__name__}: {error}"
+        self.counters.failed += 1
+        self.counters.last_failed = f"microbatch {microbatch} at stage {self.config.stage}: {reason}"
+        self.drop(microbatch, reason)
+        if self.is_first:
+            self._release_slot()  # stage 0 injected it, and it was out of `pending` while it computed
 
     def _release_slot(self) -> None:
         self.in_flight -= 1

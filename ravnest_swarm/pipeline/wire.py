@@ -115,6 +115,7 @@ class StatusReply(Message):
     dropped: int
     rejected: int
     turned_away: int
+    failed: int
     resends: int
     max_staleness: int
     in_flight: int

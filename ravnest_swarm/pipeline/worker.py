@@ -16,7 +16,7 @@ from hivemind.dht.node import DHTNode
 
 from ravnest_swarm.models import ShardedSampler, load_model
 from ravnest_swarm.pipeline.compute import StageCompute
-from ravnest_swarm.pipeline.config import StageConfig, check_config
+from ravnest_swarm.pipeline.config import Neighbours, StageConfig, check_config
 from ravnest_swarm.pipeline.endpoints import publish_endpoint
 from ravnest_swarm.pipeline.messaging import Inbox, Outbox
 from ravnest_swarm.pipeline.scheduler import BusyTime, Counters, Scheduler
@@ -85,6 +85,14 @@ class StageWorker:
         self.compute.version = self.scheduler.hooked_version = step
         if self.config.stage == 0:
             self.counters.injected = min(step, self.config.microbatches)
+
+    def follow_neighbours(self, neighbours: Neighbours) -> None:
+        """Take messages from, and send to, the peers a new plan puts beside this stage (a standby that replaced
+        a dead neighbour): the handlers and the endpoint resolution read them at every message."""
+        if neighbours != self.config.neighbours:
+            logger.info(f"stage {self.config.stage}: neighbours now {neighbours.previous} (before) and "
+                        f"{neighbours.next} (after)")
+        self.config.neighbours = neighbours
 
     async def shutdown(self) -> None:
         # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go

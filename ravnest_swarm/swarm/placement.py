@@ -1,5 +1,6 @@
 """Pure rules a volunteer follows, tested without a network: the planner's view of a model, where a plan
-puts a peer, which records offer which layers, who holds a leaver's layers, and how long a ring waits."""
+puts a peer and who its stage's neighbours are, which records offer which layers, who holds a leaver's layers,
+and how long a ring waits."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ravnest_swarm.models import ModelSpec
+from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.swarm.spec import RunSpec
 
@@ -58,6 +60,14 @@ def placement_in(plan: dict, peer_id: str) -> Optional[Placement]:
             if stage["peer_id"] == peer_id:
                 return cluster_index, stage_index, len(cluster), tuple(stage["layers"]), len(plan["clusters"])
     return None
+
+
+def neighbours_in(plan: dict, cluster: int, stage: int) -> Neighbours:
+    """The peers ``plan`` puts beside ``stage`` of ``cluster``: the only ones that stage takes pipeline messages
+    from, and the only ones its sends resolve those slots to."""
+    stages = plan["clusters"][cluster]
+    return Neighbours(previous=stages[stage - 1]["peer_id"] if stage > 0 else None,
+                      next=stages[stage + 1]["peer_id"] if stage + 1 < len(stages) else None)
 
 
 def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microbatch_size: int,

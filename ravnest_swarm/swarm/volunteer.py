@@ -57,7 +57,7 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, arrival_wait, holders_of, layer_offers, model_workload,
-                                           offered_step, placement_in)
+                                           neighbours_in, offered_step, placement_in)
 from ravnest_swarm.swarm.spec import RunSpec, read_spec
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
 from ravnest_swarm.net.node import maddrs_without_peer_id
@@ -148,6 +148,7 @@ class Volunteer:
         self._progress: Deque[Tuple[float, int]] = deque()
         self._rate_worker: Optional[StageWorker] = None
         self._noted_rejection: Optional[str] = None  # the stage refusal our note last told of
+        self._noted_failure: Optional[str] = None  # the microbatch our note last told had failed in our stage
         self._progress_seen = (time.monotonic(), -1)  # when our worker's step last changed, and to what
         self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
         self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
@@ -246,8 +247,11 @@ class Volunteer:
         placement = placement_in(plan, self.peer_id)
         self.announcer.update(plan_round=plan["round"])
         if placement == self.placement and self.worker is not None:
+            # same slot: the worker goes on, taking messages from (and sending to) whoever the plan now puts
+            # beside it, such as a standby that replaced a dead neighbour
+            self.worker.follow_neighbours(neighbours_in(plan, placement[0], placement[1]))
             await self.announcer.publish()
-            return  # same slot, same neighbours' positions: the worker goes on; endpoints re-resolve by themselves
+            return
         await self._stop_worker()
         self.placement = placement
         if placement is None:
@@ -258,7 +262,7 @@ class Volunteer:
             await self.announcer.publish()
             self.say(f"{self.name}: standby in plan round {plan['round']}: {await self._standby_reason(plan)}")
             return
-        await self._start_worker(placement)
+        await self._start_worker(placement, plan)
 
     async def _standby_reason(self, plan: dict) -> str:
         """Why we have no slot, and what would give us one (a round opens for each of these by itself)."""
@@ -270,7 +274,7 @@ class Volunteer:
         return f"{reason}; a round opens {when}"
 
     # ------------------------------------------------------------------ stage workers
-    async def _start_worker(self, placement: Placement) -> None:
+    async def _start_worker(self, placement: Placement, plan: dict) -> None:
         cluster, stage, stages, layers, clusters = placement
         # linear scaling: averaging C replicas keeps the mean of their moves, a C-th of one process's
         # move on the same samples (docs/swarm.md, Train)
@@ -281,7 +285,8 @@ class Volunteer:
                              compression=self.spec.pipeline_compression,
                              device=self.membership.options.device, precision=self.spec.precision,
                              mode=self.spec.backward,
-                             lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat)
+                             lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat,
+                             neighbours=neighbours_in(plan, cluster, stage))
         worker = StageWorker(config, self.node)
         if worker.precision_note is not None and worker.precision_note != self._precision_said:
             self._precision_said = worker.precision_note
@@ -486,6 +491,9 @@ class Volunteer:
         if worker.counters.last_rejected != self._noted_rejection:
             self._noted_rejection = worker.counters.last_rejected
             self._note(f"{REFUSAL_NOTE} {worker.counters.last_rejected}")
+        if worker.counters.last_failed != self._noted_failure:
+            self._noted_failure = worker.counters.last_failed
+            self._note(f"dropped {worker.counters.last_failed}")
         if (worker.finished.is_set() or version >= self.spec.steps) and self.announcer.record["state"] != "averaging":
             # a stage placed after its cluster already trained its steps has nothing left to do; one still in
             # its last averaging round is done when that round is (its record then counts it)
