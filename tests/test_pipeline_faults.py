@@ -1,6 +1,7 @@
 """Bad input to a real stage's handlers, and a neighbour that disappears mid-run."""
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -275,3 +276,108 @@ async def shutdown(workers, nodes):
         await worker.shutdown()
     for node in nodes:
         await stop_node(node)
+
+
+# ---- without a network: who a stage takes messages from, and microbatches whose compute fails -------------------
+
+
+def peer_ids(directory, count):
+    """``count`` libp2p peer ids of fresh identities (hivemind writes a new key file), without starting p2pd."""
+    from hivemind.p2p import PeerID
+
+    ids = []
+    for index in range(count):
+        path = str(directory / f"identity{index}.key")
+        P2P.generate_identity(path)
+        with open(path, "rb") as f:
+            ids.append(PeerID.from_identity(f.read()))
+    return ids
+
+
+def test_a_plan_names_each_stages_neighbours_and_a_stage_takes_messages_only_from_them(tmp_path):
+    """``neighbours_in`` reads a stage's two neighbours from the plan (none before stage 0 or after the last);
+    the inbox refuses a forward from anyone but the previous one and a gradient from anyone but the next one,
+    in one line naming who it takes them from, and a stage that names no neighbours takes any sender."""
+    from ravnest_swarm.pipeline.config import Neighbours
+    from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
+    from ravnest_swarm.pipeline.wire import MessageError
+    from ravnest_swarm.swarm.placement import neighbours_in
+
+    a, b, c, stranger = peer_ids(tmp_path, 4)
+    plan = dict(round=3, clusters=[[dict(peer_id=a.to_base58(), layers=[0, 3]), dict(peer_id=b.to_base58(), layers=[3, 6]),
+                                    dict(peer_id=c.to_base58(), layers=[6, 9])]])
+    assert neighbours_in(plan, 0, 0) == Neighbours(previous=None, next=b.to_base58())
+    assert neighbours_in(plan, 0, 1) == Neighbours(previous=a.to_base58(), next=c.to_base58())
+    assert neighbours_in(plan, 0, 2) == Neighbours(previous=b.to_base58(), next=None)
+
+    worker = StageWorker(StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(3, 6),
+                                     neighbours=neighbours_in(plan, 0, 1)), node=None)
+    inbox = worker.inbox
+    inbox._check_sender(wire.FORWARD, a)
+    inbox._check_sender(wire.BACKWARD, c)
+    for handler, sender in [(wire.FORWARD, stranger), (wire.FORWARD, c), (wire.BACKWARD, stranger),
+                            (wire.BACKWARD, a)]:
+        with pytest.raises(MessageError) as refused:
+            inbox._check_sender(handler, sender)
+        expected = a if handler == wire.FORWARD else c
+        assert NOT_A_NEIGHBOUR in str(refused.value) and expected.to_base58() in str(refused.value)
+        assert "\n" not in str(refused.value)
+    # a new plan puts a standby at stage 2: its gradients count from now on, the old peer's no longer
+    worker.follow_neighbours(Neighbours(previous=a.to_base58(), next=stranger.to_base58()))
+    inbox._check_sender(wire.BACKWARD, stranger)
+    with pytest.raises(MessageError):
+        inbox._check_sender(wire.BACKWARD, c)
+    worker.follow_neighbours(Neighbours(named=False))
+    inbox._check_sender(wire.FORWARD, stranger)
+    worker.compute.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_stage_goes_on():
+    """The last stage gets a microbatch with targets outside the model's 10 classes, one whose loss raises,
+    and honest ones. Each bad one is dropped and counted (``failed``, ``dropped``), the last named in
+    ``last_failed``; the honest ones before and after train and their gradients go back (before, the first
+    exception ended the stage's scheduler without a word and the stage never trained again)."""
+    from ravnest_swarm.pipeline.compute import check_targets
+
+    worker = StageWorker(StageConfig(run=RUN, stage=1, stages=2, model="mlp-digits", layers=(5, 9)), node=None)
+    scheduler = worker.scheduler
+    sent = []
+
+    async def send(handler, stage, message, tensors, microbatch):
+        sent.append((handler, microbatch))
+        return None
+
+    scheduler.send = send
+    honest_loss = worker.spec.loss
+
+    def loss(outputs, targets):
+        if int(targets[0]) == 7:  # the microbatch whose loss fails
+            raise RuntimeError("the loss broke")
+        return honest_loss(outputs, targets)
+
+    worker.compute.spec = dataclasses.replace(worker.spec, loss=loss)
+    x = torch.randn(4, 64)
+    good, out_of_range = torch.zeros(4, dtype=torch.long), torch.tensor([0, 1, 10**9, 2])
+
+    async def scenario():
+        runner = asyncio.create_task(scheduler.run())
+        scheduler.queue_forward(1, [0, 1, 2, 3], x, good, 0)
+        scheduler.queue_forward(2, [0, 1, 2, 3], x, out_of_range, 0)
+        scheduler.queue_forward(3, [0, 1, 2, 3], x, torch.full((4,), 7, dtype=torch.long), 0)
+        scheduler.queue_forward(4, [0, 1, 2, 3], x, good, 0)
+        scheduler.receive_finish()
+        await asyncio.wait_for(runner, 30)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        worker.compute.close()
+    counters = worker.counters
+    assert counters.failed == 2 and counters.dropped == 2 and counters.forwards == 2 and worker.version == 2
+    assert [microbatch for handler, microbatch in sent if handler == wire.BACKWARD] == [1, 4]
+    assert counters.last_failed.startswith("microbatch 3 at stage 1: its forward failed: RuntimeError: the loss broke")
+    with pytest.raises(ValueError, match=r"1 target\(s\) out of range \(e.g. 1000000000\).*\[0, 10\)"):
+        check_targets(out_of_range, 10)
+    check_targets(torch.tensor([0, 9, -100]), 10)  # cross-entropy's ignore_index is no error
+    check_targets(torch.tensor([0.5, 99.0]), 10)  # float targets are the loss's to judge
