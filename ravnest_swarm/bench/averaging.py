@@ -14,6 +14,11 @@ common wall-clock time once every peer says it is ready (all processes share thi
   all-reduce alone, like ours (which also formed its rings beforehand, from the plan);
 * ``single_ring``: one ring over the whole vector, held by the first-stage peer of each cluster (the
   classic data-parallel ring; the other peers idle).
+
+With ``--robust KIND`` the phases are instead the plain mean and the robust aggregate KIND on the same rings,
+first on honest values, then with the last cluster's peers attacking: every value they contribute scaled so
+its largest magnitude is just under the scale check (``averaging_peer.poison_``, ``plausible``). Each peer
+reports how far its result lies from the exact mean of the unscaled values.
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import json
 import os
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN
 from ravnest_swarm.averaging.segments import build_rings, element_range, ring_bytes_per_peer
 from ravnest_swarm.bench.averaging_peer import AveragingPeerOptions, run_averaging_peer_process
+from ravnest_swarm.bench.averaging_phases import ROBUST_PHASES
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.errors import UserError
 
@@ -67,12 +74,15 @@ def bound_seconds(sizes: List[int], layouts: List[List[int]], mbps: float) -> tu
 
 
 def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, size_mb: float, as_json: bool,
-                    compression: str = "none", timeout: float = 300.0) -> int:
+                    compression: str = "none", timeout: float = 300.0, robust: Optional[str] = None) -> int:
     from ravnest_swarm.bench.netlab import NetLab
     from ravnest_swarm.processes import ProcessGroup
 
     if clusters < 2:
         raise UserError("--clusters must be at least 2 (averaging needs two copies)")
+    if robust is not None and robust not in set(AGGREGATIONS) - {MEAN}:
+        raise UserError(f"--robust must be one of {', '.join(a for a in AGGREGATIONS if a != MEAN)}, not {robust!r}")
+    phases = ROBUST_PHASES if robust else PHASES
     sizes, layouts = bench_layout(clusters, stages, size_mb)
     bound, largest = bound_seconds(sizes, layouts, mbps)
     console = Console(stderr=True)
@@ -101,7 +111,7 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
                     with open(config, "w") as f:
                         json.dump(dict(dir=workdir, hivemind_host_maddr=lab.host_maddr(host, 1),
                                        hivemind_announce_maddr=lab.announce_maddr(host, 1), clusters=clusters,
-                                       peers=clusters * stages), f)
+                                       peers=clusters * stages, robust=robust, attacker=clusters - 1), f)
                     options = AveragingPeerOptions(
                         initial_peers=[initial], run="benchavg", cluster=k, stage=s, layer_sizes=list(sizes),
                         layers=(first, last), timeout=timeout, compression=compression, bench_config=config,
@@ -111,10 +121,10 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
                                                       prefix=lab.exec_prefix(host))
                     host += 1
             times = {}
-            for phase in PHASES:
+            for phase in phases:
                 for peer in peers.values():
                     peer.wait_for_output(f"^ready {phase}$", 300)
-                    if phase == PHASES[0]:
+                    if phase == phases[0]:
                         progress.advance(started)
                 task = progress.add_task(phase, total=len(peers))
                 go = time.time() + GO_LEAD_SECONDS
@@ -127,12 +137,19 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
                 times[phase] = dict(seconds=max(e["end"] for e in ends) - go, peers=ends)
                 signal_peers(workdir, f"over-{phase}", time.time())
             for peer in peers.values():
-                peer.wait(60)  # its result line comes after "done single_ring": read it once the peer exited
+                peer.wait(60)  # its result line comes after its last "done": read it once the peer exited
             results = [json.loads(peer.stdout().strip().splitlines()[-1]) for peer in peers.values()]
         except (RuntimeError, TimeoutError) as e:
             raise UserError(f"a bench peer failed ({e}); logs in {workdir}", exit_code=1)
         finally:
             group.stop_all()
+    if robust:
+        report = robust_report(robust, times, results, clusters)
+        report.update(clusters=clusters, stages=stages, size_mb=size_mb, largest_peer_bytes=largest, layer_cuts=layouts,
+                      compression=compression, network=lab.describe(), cpu_count=os.cpu_count(),
+                      load_avg=[round(x, 2) for x in os.getloadavg()], peer_results=len(results))
+        shown = [key for key in report if key.endswith(("_s", "_deviation", "_spread"))]
+        return print_report(report, as_json, shown + ["robust_vs_mean", "rejected", "failed_segments"])
     multiring = times["multiring"]
     errors = [r["bench"]["multiring"]["max_abs_error"] for r in results]
     report = dict(
@@ -151,12 +168,34 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
         compression=compression, network=lab.describe(), cpu_count=os.cpu_count(),
         load_avg=[round(x, 2) for x in os.getloadavg()], peer_results=len(results),
     )
-    if not as_json:
-        for key in ("multiring_s", "hivemind_s", "single_ring_s", "bound_s", "ratio_vs_hivemind", "ratio_vs_bound",
-                    "max_abs_error", "failed_segments"):
-            console.print(f"{key:>20}: {report[key]}")
-    else:
+    return print_report(report, as_json, ["multiring_s", "hivemind_s", "single_ring_s", "bound_s", "ratio_vs_hivemind",
+                                          "ratio_vs_bound", "max_abs_error", "failed_segments"])
+
+
+def robust_report(robust: str, times: Dict[str, dict], results: List[dict], clusters: int) -> dict:
+    """Each phase's time (the last peer's end), and the largest deviation from the exact mean among the honest
+    peers (the attacker's own values are its business), beside how far honest values lie from that mean."""
+    honest = [r["bench"] for r in results if r["cluster"] != clusters - 1]
+    report = dict(robust=robust, attacked_share=f"1/{clusters}")
+    for phase in ROBUST_PHASES:
+        report[f"{phase}_s"] = round(times[phase]["seconds"], 3)
+    report["robust_vs_mean"] = round(times["robust"]["seconds"] / times["mean"]["seconds"], 3)
+    for phase in ROBUST_PHASES:
+        report[f"{phase}_deviation"] = max(peer[phase]["max_abs_deviation"] for peer in honest)
+    report["honest_spread"] = max(peer["spread"] for peer in honest)
+    report["rejected"] = sum(p.get("rejected", 0) for phase in ROBUST_PHASES for p in times[phase]["peers"])
+    report["failed_segments"] = sorted({i for phase in ROBUST_PHASES for p in times[phase]["peers"]
+                                        for i in p.get("failed_segments", [])})
+    return report
+
+
+def print_report(report: dict, as_json: bool, shown: List[str]) -> int:
+    if as_json:
         print(json.dumps(report), flush=True)
+    else:
+        console = Console(stderr=True)
+        for key in shown:
+            console.print(f"{key:>20}: {report[key]}")
     return 0
 
 

@@ -27,8 +27,10 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm import __version__
 from ravnest_swarm.averaging.averager import PART_BYTES, MultiRingAverager
 from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.averaging.ring import largest
+from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN
 from ravnest_swarm.averaging.segments import element_range, plan_rings, rings_of
-from ravnest_swarm.bench.averaging_phases import run_bench_phases
+from ravnest_swarm.bench.averaging_phases import run_bench_phases, run_robust_phases
 from ravnest_swarm.bench.synthetic import compression_by_name, synthetic_range
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
@@ -68,6 +70,7 @@ class AveragingPeerOptions:
     step: int = 1
     timeout: float = 30.0
     compression: str = "none"
+    aggregation: str = MEAN
     poison: Optional[str] = None
     out: Optional[str] = None
     publish_plan: int = 0
@@ -176,14 +179,19 @@ class _CuttingReader:
         return await self.reader.read(n)
 
 
-POISONS = ("nan", "inf", "scale")
+POISONS = ("nan", "inf", "scale", "plausible")
+PLAUSIBLE_SHARE = 0.99  # of the scale check's limit: the most a contribution can be scaled and still pass
 
 
-def poison_(local: torch.Tensor, kind: str) -> None:
+def poison_(local: torch.Tensor, kind: str, max_scale: float) -> None:
     """``nan``/``inf``: one such value in the middle of our range (a peer whose training diverged);
-    ``scale``: every value times 1e6 (a peer trying to drag the average its way)."""
+    ``scale``: every value times 1e6 (a peer trying to drag the average its way); ``plausible``: every value
+    scaled so the largest magnitude is just under ``max_scale``, which passes every receiver's scale check
+    (a receiver allows ``max_scale`` times its own scale, and counts that scale as at least 1)."""
     if kind == "scale":
         local *= 1e6
+    elif kind == "plausible":
+        local *= PLAUSIBLE_SHARE * max_scale / max(largest(local), 1e-30)
     else:
         local[local.numel() // 2] = {"nan": float("nan"), "inf": float("inf")}[kind]
 
@@ -198,6 +206,8 @@ def run_averaging_peer_process(options: AveragingPeerOptions) -> int:
 async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.poison not in (None, *POISONS):
         raise UserError(f"--poison must be one of {', '.join(POISONS)}")
+    if options.aggregation not in AGGREGATIONS:
+        raise UserError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}")
     compression = compression_by_name(options.compression)
     # one torch thread, as in a volunteer's stage process: the ring sums 512 KiB parts as they arrive, and
     # on shared cores intra-op threads cost more in synchronisation than such small operations gain
@@ -213,11 +223,11 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         await check_reachability(node.routes, peer_id_of(options.initial_peers[0]), options.timeout)
     if options.lose_replies or options.cut_streams:
         averager = LossyRingAverager(node.routes, options.run, timeout=options.timeout, compression=compression,
-                                     part_bytes=options.part_bytes, lose_replies=options.lose_replies,
-                                     cut_streams=options.cut_streams)
+                                     part_bytes=options.part_bytes, aggregation=options.aggregation,
+                                     lose_replies=options.lose_replies, cut_streams=options.cut_streams)
     else:
         averager = MultiRingAverager(node.routes, options.run, timeout=options.timeout, compression=compression,
-                                     part_bytes=options.part_bytes)
+                                     part_bytes=options.part_bytes, aggregation=options.aggregation)
     try:
         await averager.start()
         await publish_placement(node, options)
@@ -230,12 +240,18 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         await connect_members(node, options.run, rings)
         local = synthetic_range(options.seed, options.cluster, options.layer_sizes, options.layers)
         if options.poison:
-            poison_(local, options.poison)
+            poison_(local, options.poison, averager.ring_peer.max_scale)
         print(f"plan adopted: {len(rings)} ring(s), elements {start}-{end}", flush=True)
         if options.bench_config:
             with open(options.bench_config) as f:
                 config = json.load(f)
-            report = await run_bench_phases(node, averager, options, plan, local, start, config)
+            if config.get("robust"):
+                attacked = local.clone()
+                if options.cluster == config["attacker"]:
+                    poison_(attacked, "plausible", averager.ring_peer.max_scale)
+                report = await run_robust_phases(node, averager, options, plan, local, start, config, attacked)
+            else:
+                report = await run_bench_phases(node, averager, options, plan, local, start, config)
             print(json.dumps(dict(peer_id=me, cluster=options.cluster, stage=options.stage, bench=report)), flush=True)
             return 0
         await asyncio.sleep(options.delay_start)

@@ -1,9 +1,11 @@
-"""The peer side of ``bench averaging``: the same round as multi-ring, as hivemind's averager and as one ring,
-each phase started at a moment the coordinator writes into a shared directory."""
+"""The peer side of ``bench averaging``: the same round as multi-ring, as hivemind's averager and as one ring
+(or, with ``--robust``, as the mean and as a robust aggregate, honest and attacked), each phase started at a
+moment the coordinator writes into a shared directory."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -11,11 +13,15 @@ import time
 import torch
 
 from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.averaging.robust import MEAN
+from ravnest_swarm.averaging.robust_ring import attempt_for
 from ravnest_swarm.averaging.segments import plan_rings, rings_of
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.bench.synthetic import compression_by_name, single_ring_plan, synthetic_range
 
 POLL_SECONDS = 0.02
+# with --robust: the mean and the robust aggregate on honest values, then both with the attacker's scaled ones
+ROBUST_PHASES = ("mean", "robust", "mean_attacked", "robust_attacked")
 
 
 def wait_for_signal(directory: str, name: str) -> float:
@@ -68,6 +74,39 @@ async def run_bench_phases(node, averager, options, plan: dict, local: torch.Ten
         report["single_ring"] = dict(end=time.time(), ok=True, idle=True)
     print(f"done single_ring {json.dumps(report['single_ring'])}", flush=True)
     await asyncio.to_thread(wait_for_signal, directory, "over-single_ring")
+    return report
+
+
+async def run_robust_phases(node, averager, options, plan: dict, local: torch.Tensor, start: int, config: dict,
+                            attacked: torch.Tensor) -> dict:
+    """``bench averaging --robust``: one round per phase of ``ROBUST_PHASES`` on the same rings, each from our
+    original values (``attacked``: the scaled ones the attacking cluster's peers contribute, else ``local``).
+
+    Every peer reports how far its result lies from the exact mean of every cluster's unscaled values (what
+    the round gives without an attack), and ``spread``: how far the honest clusters' own values lie from it.
+    """
+    me = node.peer_id.to_base58()
+    directory, report = config["dir"], {}
+    honest = torch.stack([synthetic_range(options.seed, k, options.layer_sizes, options.layers).double()
+                          for k in range(config["clusters"]) if k != config["attacker"]])
+    exact = torch.stack([synthetic_range(options.seed, k, options.layer_sizes, options.layers).double()
+                         for k in range(config["clusters"])]).mean(0)
+    spread = (honest - exact).abs().max().item()
+    rings = rings_of(me, plan_rings(plan, options.layer_sizes))
+    for step, phase in enumerate(ROBUST_PHASES, start=1):
+        aggregation = config["robust"] if phase.startswith("robust") else MEAN
+        # the same averager (its handler, its mailbox), its rings told to aggregate this phase's way
+        averager.ring_peer = dataclasses.replace(averager.ring_peer, attempt=attempt_for(aggregation))
+        values = (attacked if phase.endswith("attacked") else local).clone()
+        print(f"ready {phase}", flush=True)
+        await asyncio.to_thread(wait_for_signal, directory, f"go-{phase}")
+        result = await averager.average(step, values, start, rings)
+        report[phase] = dict(end=time.time(), ok=result.ok, failed_segments=result.failed_segments(),
+                             seconds=result.seconds, resends=result.resends, rejected=len(result.rejected))
+        print(f"done {phase} {json.dumps(report[phase])}", flush=True)
+        await asyncio.to_thread(wait_for_signal, directory, f"over-{phase}")
+        report[phase]["max_abs_deviation"] = (values.double() - exact).abs().max().item()
+    report["spread"] = spread
     return report
 
 
