@@ -7,6 +7,7 @@ import signal
 
 from ravnest_swarm.bench.averaging_peer import AveragingPeerOptions
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
+from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.stage import StageConfig, StageProcessOptions
 from ravnest_swarm.processes import options_from_json
 from ravnest_swarm.swarm.join import JoinOptions
@@ -17,7 +18,8 @@ def test_options_come_back_from_json_as_they_were_sent():
     assert options_from_json(JoinOptions, json.loads(json.dumps(dataclasses.asdict(join)))) == join
     peer = AveragingPeerOptions(["/ip4/127.0.0.1/tcp/1/p2p/Qm"], "r", 0, 1, [4, 4], (0, 2), host_maddrs=["x"])
     assert options_from_json(AveragingPeerOptions, json.loads(json.dumps(dataclasses.asdict(peer)))) == peer
-    stage = StageProcessOptions(StageConfig(run="r", stage=0, stages=2, model="gpt-tiny", layers=(0, 2)), ["x"])
+    stage = StageProcessOptions(StageConfig(run="r", stage=0, stages=2, model="gpt-tiny", layers=(0, 2),
+                                            neighbours=Neighbours(next="QmNext")), ["x"], identity="stage0.key")
     assert options_from_json(StageProcessOptions, json.loads(json.dumps(dataclasses.asdict(stage)))) == stage
 
 

@@ -33,6 +33,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ravnest_swarm.bench.transfer import (TransferSendOptions, TransferServeOptions, run_transfer_send,
                                           run_transfer_serve)
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
+from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.stage import StageConfig, StageProcessOptions, run_stage_process
 from ravnest_swarm.errors import UserError
 
@@ -205,19 +206,25 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
 def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, microbatches: int,
                   microbatch_size: int, max_in_flight: int, mode: str, lr: float, compression: str, workdir: str,
                   on_progress) -> List[Dict]:
-    """Start one stage process per host, wait for the run to finish, return the stages' reports."""
+    """Start one stage process per host, wait for the run to finish, return the stages' reports. Each stage has
+    an identity made here, so each takes messages only from its fixed neighbours, as a volunteer's stage from
+    the ones its plan names."""
     run = f"bench-{schedule}"
     processes = []
+    identities = [os.path.join(workdir, f"{schedule}-stage{index}.key") for index in range(len(ranges))]
+    peer_ids = [new_peer_id(path) for path in identities]
     for index, (start, end) in enumerate(ranges):
         report = os.path.join(workdir, f"{schedule}-report{index}.json")
         config = StageConfig(
             run=run, stage=index, stages=len(ranges), model=model, layers=(start, end), microbatches=microbatches,
             microbatch_size=microbatch_size, max_in_flight=max_in_flight, schedule=schedule,
             microbatches_per_step=max_in_flight, mode=mode, lr=lr, compression=compression, trace=True,
-            microbatch_timeout=120.0, send_timeout=120.0)
+            microbatch_timeout=120.0, send_timeout=120.0,
+            neighbours=Neighbours(previous=peer_ids[index - 1] if index > 0 else None,
+                                  next=peer_ids[index + 1] if index + 1 < len(ranges) else None))
         processes.append(group.start_library(run_stage_process, StageProcessOptions(
             config, [initial], host_maddrs=[lab.host_maddr(index)], announce_maddrs=[lab.announce_maddr(index)],
-            report=report), f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
+            report=report, identity=identities[index]), f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
     first = processes[0]
     deadline = time.monotonic() + 600
     while any(p.popen.poll() is None for p in processes):
@@ -236,3 +243,12 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
         with open(os.path.join(workdir, f"{schedule}-report{index}.json")) as f:
             reports.append(json.load(f))
     return reports
+
+
+def new_peer_id(identity_path: str) -> str:
+    """Write a new private key file at ``identity_path`` and return its peer id (base58)."""
+    from hivemind.p2p import P2P, PeerID
+
+    P2P.generate_identity(identity_path)
+    with open(identity_path, "rb") as f:
+        return PeerID.from_identity(f.read()).to_base58()

@@ -47,8 +47,10 @@ async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, rep
 
 
 async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_maddrs, timeout: float,
-                      report_path: Optional[str], save_path: Optional[str]) -> int:
-    """The ``stage`` verb: one torch thread, a DHT node with the run's validators, then :func:`run_stage`."""
+                      report_path: Optional[str], save_path: Optional[str], identity_path: Optional[str] = None) -> int:
+    """The ``stage`` verb: one torch thread, a DHT node with the run's validators, then :func:`run_stage`.
+    ``identity_path``: a private key file, so the stage's peer id is known before it starts (its neighbours
+    name it)."""
     from ravnest_swarm.lifecycle import install_stop_signals
     from ravnest_swarm.membership.records import make_validators
     from ravnest_swarm.net.node import start_node, stop_node
@@ -57,7 +59,7 @@ async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_
     torch.set_num_threads(1)
     stop = install_stop_signals()
     node = await start_node(initial_peers, record_validators=make_validators(config.run), host_maddrs=host_maddrs,
-                            announce_maddrs=announce_maddrs, timeout=timeout)
+                            announce_maddrs=announce_maddrs, identity_path=identity_path, timeout=timeout)
     try:
         await run_stage(config, node, stop, report_path, save_path)
     finally:
@@ -67,7 +69,8 @@ async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_
 
 @dataclass
 class StageProcessOptions:
-    """A ``stage`` process: what the stage does, and where its node listens and reports."""
+    """A ``stage`` process: what the stage does, and where its node listens and reports; ``identity``: its
+    private key file (its peer id, which the neighbours named in ``config.neighbours`` name in turn)."""
 
     config: StageConfig
     initial_peers: List[str]
@@ -76,6 +79,7 @@ class StageProcessOptions:
     timeout: float = 15.0
     report: Optional[str] = None
     save: Optional[str] = None
+    identity: Optional[str] = None
 
 
 def run_stage_process(options: StageProcessOptions) -> int:
@@ -85,4 +89,5 @@ def run_stage_process(options: StageProcessOptions) -> int:
 
     configure_logging(False)
     return run_async(serve_stage(options.config, parse_maddrs(options.initial_peers), options.host_maddrs,
-                                 options.announce_maddrs, options.timeout, options.report, options.save))
+                                 options.announce_maddrs, options.timeout, options.report, options.save,
+                                 options.identity))
