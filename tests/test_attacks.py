@@ -7,39 +7,74 @@ shows that a peer joining after all the attacks is placed and trains. Tests run 
 late joiner last.
 """
 
+import asyncio
+import os
+import subprocess
+import sys
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Tuple
 
+import psutil
 import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
 
 from run_observer import RunObserver
+from ravnest_swarm.averaging.mailbox import NOT_A_MEMBER
+from ravnest_swarm.averaging.wire import RING_HANDLER
+from ravnest_swarm.membership.reader import read_peers
+from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
+from ravnest_swarm.membership.records import (StageEndpoint, make_validators, spec_key, stage_subkey_prefix,
+                                           stages_key)
 from ravnest_swarm.models import get_model
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.transport import make_request, unpack_metadata
+from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.config import Neighbours
+from ravnest_swarm.pipeline.endpoints import EndpointResolver, read_endpoints
+from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.processes import ProcessGroup
 from ravnest_swarm.swarm.placement import model_workload
-from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec import RunSpec, read_specs
+from test_hardening_handlers import END_OF_STREAM, frames_bytes
 
 RUN = "attacked"
 MODEL_GB = model_workload(get_model("mlp-digits"), RunSpec("mlp-digits"), 8)[0].model_gb
 
 
 class AttackedRun:
-    """The run under attack: its backbone's multiaddr, its processes and an observer of its peer records."""
+    """The run under attack: its backbone's multiaddr, its address (``attacked@<owner>``), the environment that
+    holds its owner's key, its processes and an observer of its peer records."""
 
-    def __init__(self, processes: ProcessGroup, maddr: str, observer: RunObserver):
-        self.processes, self.maddr, self.observer = processes, maddr, observer
+    def __init__(self, processes: ProcessGroup, maddr: str, address: str, owner_env: dict, observer: RunObserver):
+        self.processes, self.maddr, self.address, self.owner_env = processes, maddr, address, owner_env
+        self.observer, self.owner = observer, address.split("@")[1]
+        self.volunteers = {}
 
     def join(self, name: str, ram_fraction: float = 0.6, extra=()):
         """Start a volunteer; at 0.6 of the model's memory two of them form a cluster of two stages."""
-        return self.processes.start(
-            ["join", "--initial-peers", self.maddr, "--run", RUN, "--name", name, "--no-dashboard",
+        self.volunteers[name] = self.processes.start(
+            ["join", "--initial-peers", self.maddr, "--run", self.address, "--name", name, "--no-dashboard",
              "--model", "mlp-digits", "--steps", "100000", "--averaging-period", "20", "--heartbeat", "2",
              "--round-seconds", "6", "--min-peers", "2", "--ram-gb", f"{MODEL_GB * ram_fraction:.9f}",
-             "--gflops", "20", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], name)
+             "--gflops", "20", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], name,
+            env=self.owner_env)
+        return self.volunteers[name]
+
+    def owner_spec(self) -> dict:
+        """The run's spec record as its owner signed it (read by an observer that knows the address)."""
+        specs = self.observer.call(read_specs(self.observer.node, RUN))
+        return specs[self.owner]
 
     def training(self) -> Dict[str, dict]:
         """The records of the peers placed and training, by name."""
         return {name: p for name, p in self.observer.peers().items()
-                if p["state"] == "training" and (p.get("cluster") or -1) >= 0}
+                if p["state"] == "training" and p.get("cluster") is not None and p["cluster"] >= 0}
 
     def wait_for(self, predicate: Callable[[Dict[str, dict]], bool], timeout: float, what: str) -> Dict[str, dict]:
         return self.observer.wait_for(predicate, timeout, what, period=1.0)
@@ -54,13 +89,19 @@ class AttackedRun:
 
 @pytest.fixture(scope="module")
 def attacked_run(tmp_path_factory):
-    processes = ProcessGroup(str(tmp_path_factory.mktemp("attacked")))
+    folder = tmp_path_factory.mktemp("attacked")
+    processes = ProcessGroup(str(folder))
+    # the owner's key, made before the run starts, so the backbone can be told the run's full address
+    owner_env = {OWNER_KEYS_ENV: str(folder / "owners")}
+    key = load_or_create_owner_key(os.path.join(owner_env[OWNER_KEYS_ENV], f"{RUN}.key"))
+    address = f"{RUN}@{fingerprint(key.get_public_key().to_bytes())}"
     observer = None
     try:
-        backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+        backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", address],
+                                   "backbone")
         maddr = backbone.maddrs()[0]
         observer = RunObserver(maddr, RUN)
-        run = AttackedRun(processes, maddr, observer)
+        run = AttackedRun(processes, maddr, address, owner_env, observer)
         run.join("v0")
         run.join("v1")
         run.wait_for(lambda peers: {"v0", "v1"} <= set(run.training()) and
@@ -71,6 +112,325 @@ def attacked_run(tmp_path_factory):
         if observer is not None:
             observer.close()
         processes.stop_all()
+
+
+@pytest.mark.timeout(180)
+def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_followed(attacked_run):
+    """Attack: a stock hivemind DHT client (no validators of ours) signs a spec of its own for the run, created
+    an hour earlier and with another learning rate (the old rule, "the earliest created spec wins", made
+    it the run's), and one naming the owner's public key with its own signature. The backbone and the
+    volunteers (who know the run's address) refuse to store either, and nobody follows them. Then the owner
+    publishes version 2 with a new lr (`update-spec`): both volunteers follow it within a few seconds."""
+    spec = RunSpec("mlp-digits", lr=9.0)
+    stranger_key = RSAPrivateKey()
+    hijack = dict(spec.record(stranger_key), created=time.time() - 3600)
+
+    async def attack():
+        client = await start_node(parse_maddrs([attacked_run.maddr]), record_validators=[RSASignatureValidator()],
+                                  client_mode=True)
+        try:
+            own = RSASignatureValidator().local_public_key
+            stored = [await client.store(spec_key(RUN), value, get_dht_time() + 600, subkey=own)
+                      for value in (hijack, dict(hijack, owner=attacked_run.owner_spec()["owner"]))]
+            return stored
+        finally:
+            await stop_node(client)
+
+    stored = asyncio.run(attack())
+    assert stored == [False, False], stored  # no node of the run took either
+    # an observer that knows only the run's name (it would take any self-signed spec) finds the owner's alone
+    assert list(attacked_run.observer.call(read_specs(attacked_run.observer.node, RUN))) == [attacked_run.owner]
+    attacked_run.keeps_training()
+    for name in ("v0", "v1"):
+        assert "spec version" not in attacked_run.volunteers[name].stderr() + attacked_run.volunteers[name].stdout()
+
+    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "update-spec", "--initial-peers", attacked_run.maddr,
+                             "--run", attacked_run.address, "--lr", "0.02"], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, **attacked_run.owner_env})
+    assert result.returncode == 0 and "spec version 2" in result.stdout, result.stderr
+    published = time.monotonic()
+    for name in ("v0", "v1"):
+        attacked_run.volunteers[name].wait_for_output(r"spec version 2 from its owner: lr 0\.05 -> 0\.02", 30,
+                                                      stream="stderr")
+    assert time.monotonic() - published < 4 * 2 + 10  # a heartbeat or two (2 s here), on a loaded 2-core machine
+    attacked_run.keeps_training()
+
+    stranger = subprocess.run([sys.executable, "-m", "ravnest_swarm", "update-spec", "--initial-peers",
+                               attacked_run.maddr, "--run", attacked_run.address, "--lr", "0.5"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, OWNER_KEYS_ENV: attacked_run.owner_env[OWNER_KEYS_ENV] + "-none"})
+    assert stranger.returncode != 0 and "no run owner key" in stranger.stderr and "Traceback" not in stranger.stderr
+
+
+def stage_peer(run: AttackedRun, stage: int) -> dict:
+    """The record of the volunteer training ``stage`` of the run's cluster."""
+    return next(p for p in run.training().values() if p.get("stage") == stage)
+
+
+async def open_stranger(victim: dict) -> P2P:
+    """A stock hivemind P2P of the test's own, in no plan, connected to ``victim``."""
+    return await P2P.create(initial_peers=victim["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+
+async def send_as(p2p: P2P, victim: dict, handler: str, metadata: dict, tensors) -> str:
+    """One pipeline message to ``victim``'s handler, framed as a neighbour frames it; its reply: ``ok`` or the
+    refusal's line."""
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(victim["peer_id"]), handler)
+    try:
+        writer.write(frames_bytes(wire.encode(metadata, list(tensors))) + END_OF_STREAM)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass  # the stage may answer and close before our last byte is out; its answer is still there
+        _, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
+        return "ok" if error is None else error.message
+    finally:
+        writer.close()
+
+
+async def stage_status(p2p: P2P, victim: dict) -> dict:
+    """The counters of ``victim``'s stage (its status handler answers anyone)."""
+    response = await p2p.call_protobuf_handler(PeerID.from_base58(victim["peer_id"]), wire.STATUS, make_request({}),
+                                               runtime_pb2.ExpertResponse)
+    return unpack_metadata(response.metadata)
+
+
+def wait_for_refusals(run: AttackedRun, victim: dict, count: int, stranger: str) -> dict:
+    """Wait until ``victim``'s record counts ``count`` more refusals and its note names ``stranger``'s."""
+    before = victim.get("rejected") or 0
+    return run.wait_for(lambda peers: (peers[victim["name"]].get("rejected") or 0) >= before + count
+                        and stranger in (peers[victim["name"]].get("note") or ""), 60,
+                        f"{victim['name']}'s record counts {count} refusals of {stranger}")[victim["name"]]
+
+
+@pytest.mark.timeout(180)
+def test_forward_from_a_stranger(attacked_run):
+    """Attack: a stranger (a stock hivemind P2P in no plan) sends the cluster's last stage a forward addressed
+    to its run, cluster and stage, with well-formed activations and targets, then the finish message that ends
+    a stage's run. The stage takes forwards only from the peer the plan puts before it: it refuses both in one
+    line, its record counts them (``rejected``) and its note names the stranger, and it goes on training
+    (before, it trained on the stranger's microbatch, and the finish ended its run)."""
+    victim = stage_peer(attacked_run, 1)
+    (width,) = get_model("mlp-digits").layers[victim["layers"][0]].input_shape
+    address = dict(run=RUN, cluster=victim["cluster"], stage=1)
+
+    async def attack():
+        stranger = await open_stranger(victim)
+        try:
+            forward = dict(address, microbatch=10**6, sample_ids=list(range(4)), version=victim["step"])
+            replies = [await send_as(stranger, victim, wire.FORWARD, forward,
+                                     [torch.randn(4, width), torch.zeros(4, dtype=torch.long)]),
+                       await send_as(stranger, victim, wire.FORWARD, dict(address, op="finish", completed=0), [])]
+            return stranger.peer_id.to_base58(), replies
+        finally:
+            await stranger.shutdown()
+
+    stranger, replies = asyncio.run(attack())
+    assert all(NOT_A_NEIGHBOUR in reply and "\n" not in reply for reply in replies), replies
+    record = wait_for_refusals(attacked_run, victim, 2, stranger)
+    assert NOT_A_NEIGHBOUR in record["note"], record["note"]
+    attacked_run.keeps_training()
+
+
+@pytest.mark.timeout(180)
+def test_backward_from_a_stranger(attacked_run):
+    """Attack: a stranger sends the cluster's stage 0 gradients, scaled by 1e3 (under the 1e6 poisoning
+    check), for every microbatch id around the ones it has in flight, so some name a microbatch that awaits
+    its gradient (before, those were applied to its parameters). Stage 0 takes gradients only from the peer
+    the plan puts after it: it refuses each in one line, before decoding it, counts them in its record, names
+    the stranger in its note, and goes on training."""
+    victim = stage_peer(attacked_run, 0)
+
+    async def attack():
+        stranger = await open_stranger(victim)
+        try:
+            status = await stage_status(stranger, victim)
+            ids = range(max(0, status["injected"] - 8), status["injected"] + 8)
+            replies = [await send_as(stranger, victim, wire.BACKWARD,
+                                     dict(run=RUN, cluster=victim["cluster"], stage=0, microbatch=microbatch,
+                                          version=status["version"]), [torch.randn(16, 64) * 1e3])
+                       for microbatch in ids]
+            return stranger.peer_id.to_base58(), status, replies
+        finally:
+            await stranger.shutdown()
+
+    stranger, status, replies = asyncio.run(attack())
+    assert status["pending"] > 0, status  # some of the ids were awaiting their gradient
+    assert len(replies) == 16 and all(NOT_A_NEIGHBOUR in reply for reply in replies), replies
+    wait_for_refusals(attacked_run, victim, 16, stranger)
+    attacked_run.keeps_training()
+
+
+@pytest.mark.timeout(180)
+def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_run):
+    """Attack: a stranger's DHT node writes a well-formed endpoint record, signed with its own key, for the
+    slot of the cluster's stage 1, naming itself and dated far ahead, so it is the newest record for that slot
+    (the old rule, the newest ``time`` wins, gave it the slot: stage 0 would have sent its activations there at
+    its next resolve), and serves the forward handler to catch them. A slot resolves only to the peer the plan
+    names for it: a resolver that names it, as stage 0's does, still finds the real stage 1; no forward reaches
+    the stranger while the run trains on."""
+    first, second = stage_peer(attacked_run, 0), stage_peer(attacked_run, 1)
+    slot = (second["cluster"], 1)
+
+    async def attack():
+        node = await start_node(parse_maddrs([attacked_run.maddr]), record_validators=make_validators(RUN),
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        caught = []
+
+        async def catch(info, reader, writer):
+            caught.append(info.peer_id.to_base58())
+            writer.close()
+
+        try:
+            await node.p2p.add_binary_stream_handler(wire.FORWARD, catch)
+            hostile = StageEndpoint(peer_id=node.peer_id.to_base58(), model="mlp-digits",
+                                    maddrs=[str(m) for m in await node.p2p.get_visible_maddrs()],
+                                    layers=list(second["layers"]), version=second["step"],
+                                    time=time.time() + 10**6).dict()
+            # it outlives this test, so the late joiner's placement meets it too
+            stored = await node.store(stages_key(RUN), hostile, get_dht_time() + 600,
+                                      subkey=stage_subkey_prefix(*slot) + RSASignatureValidator().local_public_key)
+            newest = (await read_endpoints(node, RUN)).get(slot)
+            named = (await read_endpoints(node, RUN, {slot: second["peer_id"]})).get(slot)
+            resolver = EndpointResolver(node, RUN, slot[0], 0, lambda: Neighbours(next=second["peer_id"]))
+            resolved = (await resolver.resolve(1, refresh=True)).to_base58()
+            steps = {}
+            for _ in range(90):  # the run trains on while the record stands; the stranger listens meanwhile
+                steps = {p["name"]: p.get("step") or 0 for p in await read_peers(node, RUN)}
+                if all(steps.get(p["name"], 0) >= (p["step"] or 0) + 5 for p in (first, second)):
+                    break
+                await asyncio.sleep(1.0)
+            return node.peer_id.to_base58(), stored, newest, named, resolved, steps, caught
+        finally:
+            await stop_node(node)
+
+    stranger, stored, newest, named, resolved, steps, caught = asyncio.run(attack())
+    assert stored and newest["peer_id"] == stranger  # the hostile record stands, and is the slot's newest
+    assert named["peer_id"] == resolved == second["peer_id"]
+    assert all(steps.get(p["name"], 0) >= (p["step"] or 0) + 5 for p in (first, second)), steps
+    assert caught == []
+    attacked_run.keeps_training()
+
+
+@pytest.mark.timeout(180)
+def test_out_of_range_targets(attacked_run):
+    """Attack: a stranger sends the cluster's last stage a forward whose targets lie far outside the model's 10
+    classes (before, the loss raised inside the stage's scheduler, which ended without a word: the stage never
+    trained again). The stage refuses it as not from its neighbour before decoding its tensors; nothing fails in
+    its compute (``failed`` stays as it was) and it trains on. Targets from a hostile neighbour are range-checked
+    at the loss, and the microbatch dropped and counted (test_pipeline_faults.py)."""
+    victim = stage_peer(attacked_run, 1)
+    (width,) = get_model("mlp-digits").layers[victim["layers"][0]].input_shape
+
+    async def attack():
+        stranger = await open_stranger(victim)
+        try:
+            before = await stage_status(stranger, victim)
+            forward = dict(run=RUN, cluster=victim["cluster"], stage=1, microbatch=10**6 + 1,
+                           sample_ids=list(range(4)), version=victim["step"])
+            reply = await send_as(stranger, victim, wire.FORWARD, forward,
+                                  [torch.randn(4, width), torch.full((4,), 10**9, dtype=torch.long)])
+            return stranger.peer_id.to_base58(), before, reply
+        finally:
+            await stranger.shutdown()
+
+    stranger, before, reply = asyncio.run(attack())
+    assert NOT_A_NEIGHBOUR in reply, reply
+    wait_for_refusals(attacked_run, victim, 1, stranger)
+    attacked_run.keeps_training()
+
+    async def after():
+        observer = await open_stranger(victim)
+        try:
+            return await stage_status(observer, victim)
+        finally:
+            await observer.shutdown()
+
+    status = asyncio.run(after())
+    assert status["failed"] == before["failed"] and status["forwards"] > before["forwards"], (before, status)
+
+
+def next_round(record: dict) -> int:
+    """The averaging round (every 20 steps here) after ``record``'s step: one in the peer's window of rounds."""
+    return ((record.get("step") or 0) // 20 + 1) * 20
+
+
+async def send_ring_messages(victim: dict, messages) -> Tuple[str, List[str]]:
+    """Each (metadata, tensors) of ``messages`` to ``victim``'s averaging handler, framed as a ring member frames
+    a message (metadata, then a part per frame), from a stock hivemind P2P in no plan. The stranger's id and the
+    replies: ``ok`` or the refusal's line."""
+    stranger = await P2P.create(initial_peers=victim["maddrs"], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    replies = []
+    try:
+        for metadata, tensors in messages:
+            frames = [make_request(metadata)] + [runtime_pb2.ExpertRequest(tensors=[serialize_torch_tensor(tensor)])
+                                                 for tensor in tensors]
+            _, reader, writer = await stranger.call_binary_stream_handler(PeerID.from_base58(victim["peer_id"]),
+                                                                          RING_HANDLER)
+            try:
+                writer.write(frames_bytes(frames) + END_OF_STREAM)
+                try:
+                    await writer.drain()
+                except ConnectionError:
+                    pass  # refused at its first frame, the rest unread: the reply is there all the same
+                _, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
+                replies.append("ok" if error is None else error.message)
+            finally:
+                writer.close()
+        return stranger.peer_id.to_base58(), replies
+    finally:
+        await stranger.shutdown()
+
+
+def wait_for_ring_refusals(run: AttackedRun, victim: dict, count: int, stranger: str) -> dict:
+    """Wait until ``victim``'s record counts ``count`` more refusals and its note names ``stranger``'s."""
+    before = victim.get("rejected") or 0
+    return run.wait_for(lambda peers: (peers[victim["name"]].get("rejected") or 0) >= before + count
+                        and f"ring message from {stranger[-8:]}" in (peers[victim["name"]].get("note") or ""),
+                        60, f"{victim['name']}'s record counts {count} ring messages of {stranger}")[victim["name"]]
+
+
+@pytest.mark.timeout(180)
+def test_abort_from_a_stranger_excludes_an_honest_member(attacked_run):
+    """Attack: a stranger (a stock hivemind P2P in no plan) sends each volunteer's averaging handler two abort
+    notes for ring 0 of its next round: one that excludes the other volunteer, one that ends the ring (before,
+    an abort was filed from any sender: the ring went on without the honest member, or ended). Ring notes count
+    only from members of the ring they name: each is refused in one line, each volunteer's record counts both and
+    its note names the stranger, and the run trains on, each volunteer in its slot, no averaging round failed."""
+    before = attacked_run.training()
+    results = {}
+    for name, other in (("v0", "v1"), ("v1", "v0")):
+        note = dict(run=RUN, step=next_round(before[name]), ring=0, phase="abort", position=0, attempt=[])
+        results[name] = asyncio.run(send_ring_messages(before[name], [
+            (dict(note, excluded=[before[other]["peer_id"]]), []), (dict(note, failure="ended by a stranger"), [])]))
+    for name, (stranger, replies) in results.items():
+        assert len(replies) == 2 and all(NOT_A_MEMBER in reply and "\n" not in reply for reply in replies), replies
+        wait_for_ring_refusals(attacked_run, before[name], 2, stranger)
+    after = attacked_run.keeps_training()
+    for name in ("v0", "v1"):
+        assert (after[name]["cluster"], after[name]["stage"]) == (before[name]["cluster"], before[name]["stage"])
+        assert (after[name].get("averaging_failures") or 0) == (before[name].get("averaging_failures") or 0)
+
+
+@pytest.mark.timeout(180)
+def test_far_future_ring_messages_fill_the_mailbox(attacked_run):
+    """Attack: a stranger sends a volunteer's averaging handler 96 chunks of 1 MiB, each a new message: 64 for
+    rounds far in the future (steps from 10^9: before, each was kept until its round ended, which never came, so
+    a stranger could fill the peer's memory) and 32 for its next round. Only members of a ring may send it: each
+    is refused at its first frame, before its chunk is read, in one line, and counted in the record; the
+    volunteer's memory does not grow by what was sent, and it trains on."""
+    victim = attacked_run.training()["v0"]
+    process = psutil.Process(next(p.pid for p in attacked_run.processes.processes if p.name == "v0"))
+    chunk = torch.ones(256 * 1024)
+    far = [dict(run=RUN, step=10**9 + k, ring=0, phase="reduce", position=0, attempt=[]) for k in range(64)]
+    near = [dict(run=RUN, step=next_round(victim), ring=0, phase="reduce", position=k, attempt=[]) for k in range(32)]
+    memory_before = process.memory_info().rss
+    stranger, replies = asyncio.run(send_ring_messages(victim, [(metadata, [chunk]) for metadata in far + near]))
+    grown = process.memory_info().rss - memory_before
+    assert len(replies) == 96 and all(NOT_A_MEMBER in reply for reply in replies), set(replies)
+    assert grown < 32 * 1024**2, f"the victim grew by {grown / 1024**2:.0f} MiB while refusing 96 MiB"
+    wait_for_ring_refusals(attacked_run, victim, 96, stranger)
+    attacked_run.keeps_training()
 
 
 # --- attacks go above this line, each a test named after its attack ---
