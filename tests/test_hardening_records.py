@@ -19,9 +19,9 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.reader import read_newest_plan, read_peers
+from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundProposal, RunAddress, StageEndpoint,
-                                              make_validators, peers_key, plan_key, round_key, spec_key,
+                                              make_validators, peers_key, plan_key, plan_subkey_prefix, round_key, spec_key,
                                               stage_subkey_prefix, stages_key)
 from ravnest_swarm.pipeline.endpoints import read_endpoints
 from ravnest_swarm.planning.round import PlanningRounds
@@ -34,7 +34,7 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 NOW = time.time()
 PEER = PeerRecord(peer_id="12D3KooWHonest", name="honest", state="training", ram_gb=8.0, bandwidth_mbps=100.0,
                   gflops=50.0, reachability="direct", maddrs=[], version="0.1.0", time=NOW, cluster=0, stage=0,
-                  layers=[0, 2], step=10).dict()
+                  layers=[0, 2], step=10, plan_round=1).dict()
 STAGE = StageEndpoint(peer_id="12D3KooWHonest", maddrs=[], model="mlp-digits", layers=[0, 2], version=3,
                       time=NOW).dict()
 PROPOSAL = RoundProposal(round=1, deadline=get_dht_time() + 600, peer_id="12D3KooWHonest", ram_gb=8.0, gflops=50.0,
@@ -49,7 +49,7 @@ HUGE = "x" * 100_000
 GARBAGE = b"\x00\xff raw bytes, not a record"
 
 
-OWN, OWN_STAGE, NO_SUBKEY = "own", "own stage", "none"  # the attacker's own signed subkeys, or a plain key
+OWN, OWN_STAGE, OWN_PLAN, NO_SUBKEY = "own", "own stage", "own plan", "none"  # the attacker's signed subkeys, or none
 
 
 def malformed_values():
@@ -76,13 +76,13 @@ def malformed_values():
         (round_key(RUN), OWN, dict(PROPOSAL, fitness=-1.0), "round: out of range"),
         (round_key(RUN), OWN, dict(PROPOSAL, clusters=[["p"]] * 1000), "round: huge list"),
         (round_key(RUN), OWN, "a proposal", "round: not a dict"),
-        # plan and spec are unsigned keys (docs/security.md): the schema is their only guard
-        (plan_key(RUN), 2, dict(PLAN, round="2"), "plan: wrong type"),
-        (plan_key(RUN), 2, dict(PLAN, time=float("nan")), "plan: NaN"),
-        (plan_key(RUN), 2, dict(PLAN, clusters=[[dict(peer_id="p", layers=[0, 1])] * 64] * 100), "plan: oversize"),
-        (plan_key(RUN), 2, dict(PLAN, clusters=[[dict(peer_id="p", layers=[-1, 1])]]), "plan: negative layer"),
-        (plan_key(RUN), 2, dict(PLAN, clusters=[[dict(peer_id="id\u202egnol", layers=[0, 1])]]), "plan: bidi override"),
-        (plan_key(RUN), 2, GARBAGE, "plan: raw bytes"),
+        (plan_key(RUN), b"1.", PLAN, "plan: unsigned subkey"),
+        (plan_key(RUN), OWN_PLAN, dict(PLAN, round="2"), "plan: wrong type"),
+        (plan_key(RUN), OWN_PLAN, dict(PLAN, time=float("nan")), "plan: NaN"),
+        (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="p", layers=[0, 1])] * 64] * 100), "plan: oversize"),
+        (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="p", layers=[-1, 1])]]), "plan: negative layer"),
+        (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="id\u202egnol", layers=[0, 1])]]), "plan: bidi override"),
+        (plan_key(RUN), OWN_PLAN, GARBAGE, "plan: raw bytes"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, lr=float("nan")), "spec: NaN"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, optimizer="pickle"), "spec: unknown optimizer"),
         (spec_key(RUN), NO_SUBKEY, dict(SPEC, pipeline_compression="quantile8"), "spec: unknown compression"),
@@ -107,13 +107,20 @@ async def write_as_attacker(attacker, signature, victim_subkeys):
         if subkey == NO_SUBKEY:
             outcomes[label] = await attacker.store(key, value, expiration)
             continue
-        subkey = {OWN: own, OWN_STAGE: stage_subkey_prefix(0, 0) + own}.get(subkey, subkey)
+        subkey = {OWN: own, OWN_STAGE: stage_subkey_prefix(0, 0) + own, OWN_PLAN: plan_subkey_prefix(2) + own}.get(
+            subkey, subkey)
         outcomes[label] = await attacker.store(key, value, expiration, subkey=subkey)
     forged = {peers_key(RUN): dict(PEER, name="mallory", ram_gb=4000.0),
               stages_key(RUN): dict(STAGE, peer_id="12D3KooWMallory"),
-              round_key(RUN): dict(PROPOSAL, peer_id="12D3KooWMallory", fitness=1e11)}
+              round_key(RUN): dict(PROPOSAL, peer_id="12D3KooWMallory", fitness=1e11),
+              plan_key(RUN): dict(PLAN, clusters=[[dict(peer_id="12D3KooWMallory", layers=[0, 2])]])}
     for key, value in forged.items():
         outcomes[f"forged {key}"] = await attacker.store(key, value, expiration, subkey=victim_subkeys[key])
+    # well-formed plans under the attacker's own signed subkey: storable, since whether a plan counts depends on
+    # the live peer records, which the readers check; the first one stopped planning for good before (issue #19)
+    for round_number, clusters in ((10**15, PLAN["clusters"]), (2, [[dict(peer_id="12D3KooWMallory", layers=[0, 2])]])):
+        await attacker.store(plan_key(RUN), dict(PLAN, round=round_number, clusters=clusters), expiration,
+                             subkey=plan_subkey_prefix(round_number) + own)
     return outcomes
 
 
@@ -126,7 +133,7 @@ async def honest_view(node):
         stages=await read_endpoints(node, RUN),
         proposals=await PlanningRounds.read_proposals(rounds, 1),
         alive=sorted(await PlanningRounds.read_alive(rounds, get_dht_time())),
-        plan=await read_newest_plan(node, RUN),
+        plan=await read_adopted_plan(node, RUN),
         spec=None if spec is None else asdict(spec),
     )
 
@@ -177,10 +184,10 @@ def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
             own = RSASignatureValidator().local_public_key  # this process's key: the honest writer's
             expiration = get_dht_time() + 120
             victim_subkeys = {peers_key(RUN): own, stages_key(RUN): stage_subkey_prefix(0, 0) + own,
-                              round_key(RUN): own}
+                              round_key(RUN): own, plan_key(RUN): plan_subkey_prefix(1) + own}
             for key, value in [(peers_key(RUN), PEER), (stages_key(RUN), STAGE), (round_key(RUN), PROPOSAL)]:
                 assert await honest.store(key, value, expiration, subkey=victim_subkeys[key])
-            assert await honest.store(plan_key(RUN), PLAN, expiration, subkey=1)
+            assert await honest.store(plan_key(RUN), PLAN, expiration, subkey=plan_subkey_prefix(1) + own)
             assert await honest.store(spec_key(RUN), SPEC, expiration, subkey=own)
             spec = asdict(RunSpec.from_record(SPEC))
 

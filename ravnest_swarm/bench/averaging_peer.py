@@ -34,8 +34,10 @@ from ravnest_swarm.bench.averaging_phases import run_bench_phases, run_robust_ph
 from ravnest_swarm.bench.synthetic import compression_by_name, synthetic_range
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
-from ravnest_swarm.membership.reader import read_newest_plan, read_peers
-from ravnest_swarm.membership.records import PeerRecord, PlanRecord, make_validators, peers_key, plan_key
+from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
+from ravnest_swarm.membership.records import (
+    PeerRecord, PlanRecord, make_validators, peers_key, plan_key, plan_subkey_prefix,
+)
 from ravnest_swarm.membership.services import check_reachability
 from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node, store_record
 
@@ -94,7 +96,7 @@ async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: 
         ram_gb=0.0, bandwidth_mbps=0.0, gflops=0.0, reachability=node.routes.reachability, maddrs=maddrs,
         version=__version__,
         time=time.time(), cluster=options.cluster, stage=options.stage, layers=list(options.layers), note=note,
-        rejected=rejected,
+        rejected=rejected, plan_round=0,  # the plan of round 0 that the peers' placements form (below)
     )
     await store_record(node, peers_key(options.run), PeerRecord.parse_obj(record).dict(),
                        get_dht_time() + RECORD_LIFETIME, subkey=RSASignatureValidator().local_public_key)
@@ -117,14 +119,15 @@ async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadl
         [dict(peer_id=r["peer_id"], layers=r["layers"]) for r in sorted(clusters[k], key=lambda r: r["stage"])]
         for k in sorted(clusters)
     ]).dict()
-    if not await node.store(plan_key(run), plan, get_dht_time() + RECORD_LIFETIME, subkey=plan["round"]):
+    if not await node.store(plan_key(run), plan, get_dht_time() + RECORD_LIFETIME,
+                            subkey=plan_subkey_prefix(0) + RSASignatureValidator().local_public_key):
         raise UserError("no DHT node accepted the plan record", exit_code=1)
     return plan
 
 
 async def read_plan(node: DHTNode, run: str, deadline: float) -> dict:
     while True:
-        plan = await read_newest_plan(node, run)
+        plan = await read_adopted_plan(node, run)
         if plan is not None:
             return plan
         if time.monotonic() > deadline:

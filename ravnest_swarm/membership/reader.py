@@ -56,12 +56,52 @@ async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Di
     return sorted(found.values(), key=lambda record: (record["name"], record["peer_id"]))
 
 
-async def read_newest_plan(node: DHTNode, run: str) -> Optional[Dict]:
-    """The newest adopted round of ``{run}_plan`` (its subkey is the round), or None while none was adopted."""
+def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int] = None) -> Optional[Dict]:
+    """The newest of ``plans`` that the peers it places follow, or None.
+
+    Anyone can write a plan record, for any round; what a stranger cannot write is the signed peer records of
+    the peers a plan places. So a plan counts once more than half of its stages are confirmed by a live record
+    of the peer placed there that names the plan's round and the same cluster, stage and layers.
+
+    :param peers: the live peer records (:func:`read_peers`)
+    :param live_round: the round the caller adopted itself, if any: plans more than one round ahead of it are
+        ignored (a real round opens only after the previous one was adopted)
+    """
+    placed = {}
+    for record in peers:
+        if record.get("plan_round") is not None:
+            placed.setdefault(record["peer_id"], []).append(record)
+
+    def confirmed(plan: Dict, cluster: int, stage: int, entry: Dict) -> bool:
+        return any(r["plan_round"] == plan["round"] and r.get("cluster") == cluster and r.get("stage") == stage
+                   and r.get("layers") == entry["layers"] for r in placed.get(entry["peer_id"], ()))
+
+    for plan in sorted(plans, key=lambda p: p["round"], reverse=True):
+        if live_round is not None and plan["round"] > live_round + 1:
+            continue
+        stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)]
+        if 2 * sum(confirmed(plan, c, s, entry) for c, s, entry in stages) > len(stages):
+            return plan
+    return None
+
+
+async def read_plans(node: DHTNode, run: str) -> List[Dict]:
+    """Every plan record of ``{run}_plan``: each adopter's copy of each round, and whatever strangers wrote."""
     found = await node.get(plan_key(run), latest=True)
-    if found is None or not isinstance(found.value, dict) or not found.value:
-        return None
-    return found.value[max(found.value)].value
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [item.value for item in found.value.values()]
+
+
+async def read_adopted_plan(node: DHTNode, run: str, peers: Optional[List[Dict]] = None,
+                            live_round: Optional[int] = None) -> Optional[Dict]:
+    """The newest plan the run follows (:func:`adopted_plan`), or None while none is.
+
+    :param peers: the live peer records, if the caller has just read them
+    """
+    if peers is None:
+        peers = await read_peers(node, run)
+    return adopted_plan(await read_plans(node, run), peers, live_round)
 
 
 async def read_proposals(node: DHTNode, run: str) -> List[Dict]:
@@ -78,7 +118,7 @@ async def read_snapshot(node: DHTNode, run: str) -> Dict:
     Appended to the file named by ``RAVNEST_RECORD_SNAPSHOTS`` when it is set.
     """
     peers = await read_peers(node, run)
-    snapshot = dict(run=run, at=time.time(), peers=peers, plan=await read_newest_plan(node, run))
+    snapshot = dict(run=run, at=time.time(), peers=peers, plan=await read_adopted_plan(node, run, peers))
     recording = os.environ.get(RECORD_SNAPSHOTS_ENV)
     if recording:
         with open(recording, "a") as f:

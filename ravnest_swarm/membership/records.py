@@ -135,8 +135,9 @@ def planning_memory_gb(record: Dict) -> float:
 class StageEndpoint(pydantic.BaseModel):
     """Where a pipeline stage serves, under ``{run}_stages`` with subkey ``b"{cluster}.{stage}" + owner key``.
 
-    Neighbours resolve a stage here and again whenever a send to it fails; a replacement stage is a
-    new owner, so readers take the record with the newest ``time``.
+    Neighbours resolve a stage here and again whenever a send to it fails or their plan names another peer
+    for it: they count only records naming that peer (anyone can write a record for any slot), the newest
+    ``time`` of them; a stage that names no neighbours takes the newest of all (``pipeline/endpoints.py``).
     """
 
     peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
@@ -155,8 +156,11 @@ class PlanStage(pydantic.BaseModel):
 
 
 class PlanRecord(pydantic.BaseModel):
-    """The adopted plan under ``{run}_plan``, subkey = its round: clusters in order, each with its stages in layer order.
+    """An adopted plan under ``{run}_plan``: clusters in order, each with its stages in layer order.
 
+    Each adopter writes its copy under its own signed subkey (``plan_subkey``), so nobody can overwrite
+    another's. Anyone can still write a plan of their own: a reader counts a plan only when the signed
+    records of most of the peers it places say they follow it (``membership.reader.adopted_plan``).
     Averaging rings are built from it (``averaging.segments.build_rings``), so every peer that reads
     the same round builds the same rings.
     """
@@ -244,7 +248,7 @@ class RunRecords(pydantic.BaseModel):
     """The run's DHT keys (fields) and the type of each value."""
 
     peers: Dict[BytesWithPublicKey, PeerRecord]
-    plan: Dict[pydantic.conint(strict=True, ge=0, le=2**53), PlanRecord]
+    plan: Dict[BytesWithPublicKey, PlanRecord]
     stages: Dict[BytesWithPublicKey, StageEndpoint]
     round: Dict[BytesWithPublicKey, RoundProposal]
     spec: Dict[BytesWithPublicKey, RunSpecRecord]
@@ -267,6 +271,11 @@ def peers_key(run: str) -> str:
 
 def plan_key(run: str) -> str:
     return f"{run}_plan"
+
+
+def plan_subkey_prefix(round_number: int) -> bytes:
+    """Subkeys of a round's plan copies start with this; the adopter's public key follows."""
+    return f"{round_number}.".encode()
 
 
 def stages_key(run: str) -> str:

@@ -31,9 +31,9 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
-from ravnest_swarm.membership.reader import read_newest_plan, read_peers, read_proposals
+from ravnest_swarm.membership.reader import read_adopted_plan, read_peers, read_proposals
 from ravnest_swarm.membership.records import (
-    MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, planning_memory_gb, round_key,
+    MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
 )
 from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
@@ -181,6 +181,7 @@ class PlanningRounds:
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
+        self.adopted: Optional[dict] = None  # the plan we adopted last: we trust our own adoption over any record
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -212,8 +213,17 @@ class PlanningRounds:
         return [proposal for proposal in await read_proposals(self.node, self.run)
                 if proposal["round"] == round_number and proposal["deadline"] > deadline_after]
 
+    async def current_plan(self) -> Optional[dict]:
+        """The plan in force: the newest that its peers follow (``reader.adopted_plan``: a plan record anyone
+        wrote, for any round, does not count by itself), or the one we adopted if that is newer."""
+        live_round = None if self.adopted is None else self.adopted["round"]
+        plan = await read_adopted_plan(self.node, self.run, live_round=live_round)
+        if self.adopted is not None and (plan is None or plan["round"] < live_round):
+            return self.adopted
+        return plan
+
     async def poll_once(self) -> None:
-        plan = await read_newest_plan(self.node, self.run)
+        plan = await self.current_plan()
         round_number = plan["round"] + 1 if plan is not None else 1
         now = get_dht_time()
         proposals = await self.read_proposals(round_number, deadline_after=now - self.options.settle)
@@ -341,7 +351,10 @@ class PlanningRounds:
         record = PlanRecord(round=round_number, time=time.time(), clusters=[
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
         ]).dict()
-        await self.node.store(plan_key(self.run), record, get_dht_time() + 3600, subkey=round_number)
+        self.adopted = record
+        # our own copy under our own signed subkey: another adopter's, or a stranger's, cannot replace it
+        await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
+                              subkey=plan_subkey_prefix(round_number) + self.subkey)
         placement = dict(cluster=-1, stage=None, layers=None)
         for number, (_, stages) in enumerate(plan.clusters):
             for stage in stages:

@@ -1,0 +1,119 @@
+"""Who decides what a run does, without a network: the owner's signed spec (membership/owner.py, swarm/spec.py)
+and the plan that counts (membership/reader.adopted_plan). The same rules against real processes:
+tests/test_attacks.py and tests/test_hardening_records.py."""
+
+import os
+import time
+
+import pytest
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
+
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.owner import (OwnerSpecValidator, fingerprint, load_or_create_owner_key,
+                                            load_owner_key, spec_owner)
+from ravnest_swarm.membership.reader import adopted_plan
+from ravnest_swarm.membership.records import RunAddress, parse_run_address, spec_key
+from ravnest_swarm.swarm.spec import RunSpec, choose_spec
+
+OWNER = RSAPrivateKey()
+OWNER_FINGERPRINT = fingerprint(OWNER.get_public_key().to_bytes())
+
+
+def travelled(record: dict) -> dict:
+    """A record as a reader gets it: through msgpack (tuples become lists)."""
+    return MSGPackSerializer.loads(MSGPackSerializer.dumps(record))
+
+
+def test_run_addresses_name_the_owner_or_give_one_line():
+    assert parse_run_address("demo") == RunAddress("demo")
+    assert parse_run_address("demo@0123456789abcdef") == RunAddress("demo", "0123456789abcdef")
+    assert str(RunAddress("demo", "0123456789abcdef")) == "demo@0123456789abcdef"
+    for bad, says in (("demo@", "16 hex digits"), ("demo@XYZ", "16 hex digits"), ("de mo", "invalid run name"),
+                      ("demo@0123456789ABCDEF", "16 hex digits"), ("@0123456789abcdef", "invalid run name")):
+        with pytest.raises(UserError, match=says) as error:
+            parse_run_address(bad)
+        assert "\n" not in str(error.value)
+
+
+def test_the_owner_key_is_made_once_kept_private_and_a_corrupt_one_is_one_line(tmp_path):
+    path = str(tmp_path / "owners" / "demo.key")
+    assert load_owner_key(path) is None
+    first = load_or_create_owner_key(path)
+    assert load_or_create_owner_key(path).to_bytes() == first.to_bytes()  # reused, not replaced
+    assert os.stat(path).st_mode & 0o077 == 0
+    assert os.listdir(tmp_path / "owners") == ["demo.key"]  # no temporary file left behind
+    with open(path, "wb") as f:
+        f.write(b"not a key")
+    with pytest.raises(UserError, match="not a DER RSA private key") as error:
+        load_owner_key(path)
+    assert "\n" not in str(error.value)
+
+
+def test_a_spec_counts_only_as_its_owner_signed_it():
+    record = travelled(RunSpec("mlp-digits").record(OWNER))
+    assert spec_owner(record) == OWNER_FINGERPRINT
+    assert spec_owner(dict(record, lr=0.5)) is None  # altered after signing
+    assert spec_owner(dict(record, owner=RSAPrivateKey().get_public_key().to_bytes().decode())) is None
+    assert spec_owner(dict(record, signature="garbage")) is None
+    assert spec_owner(dict(record, owner="not a key")) is None
+
+
+def test_nodes_refuse_specs_not_signed_by_the_owner_they_know():
+    def as_record(value, key=spec_key("demo")):
+        return DHTRecord(key=DHTID.generate(source=key).to_bytes(), subkey=MSGPackSerializer.dumps(b"k"),
+                         value=MSGPackSerializer.dumps(value), expiration_time=time.time() + 60)
+
+    honest = RunSpec("mlp-digits").record(OWNER)
+    stranger = RunSpec("mlp-digits", lr=9.0).record(RSAPrivateKey())
+    knows_owner, knows_name = OwnerSpecValidator(spec_key("demo"), OWNER_FINGERPRINT), OwnerSpecValidator(spec_key("demo"))
+    assert knows_owner.validate(as_record(honest)) and knows_name.validate(as_record(honest))
+    assert not knows_owner.validate(as_record(stranger)) and knows_name.validate(as_record(stranger))
+    for validator in (knows_owner, knows_name):
+        assert not validator.validate(as_record(dict(honest, lr=9.0)))
+        assert not validator.validate(as_record([honest]))
+        assert not validator.validate(DHTRecord(key=as_record(honest).key, subkey=DHTProtocol.IS_REGULAR_VALUE,
+                                                value=MSGPackSerializer.dumps(honest), expiration_time=0))
+        assert validator.validate(as_record(stranger, key="demo_peers"))  # other keys are not its business
+
+
+def test_joiners_follow_the_addressed_owner_or_the_only_one_or_their_own():
+    ours, theirs = travelled(RunSpec("mlp-digits").record(OWNER)), travelled(RunSpec("gpt-tiny").record(RSAPrivateKey()))
+    specs = {OWNER_FINGERPRINT: ours, spec_owner(theirs): theirs}
+    assert choose_spec(specs, RunAddress("demo", OWNER_FINGERPRINT)) is ours
+    assert choose_spec(specs, RunAddress("demo", "0" * 16)) is None  # that owner has not started it (yet)
+    assert choose_spec({OWNER_FINGERPRINT: ours}, RunAddress("demo")) is ours
+    assert choose_spec(specs, RunAddress("demo"), own=OWNER_FINGERPRINT) is ours
+    with pytest.raises(UserError, match=f"2 owners .*demo@{OWNER_FINGERPRINT}") as error:
+        choose_spec(specs, RunAddress("demo"))
+    assert "\n" not in str(error.value)
+
+
+def plan(round_number, *clusters):
+    return dict(round=round_number, time=0.0, clusters=[[dict(peer_id=peer, layers=layers) for peer, layers in cluster]
+                                                       for cluster in clusters])
+
+
+def record(peer, plan_round, cluster, stage, layers):
+    return dict(peer_id=peer, plan_round=plan_round, cluster=cluster, stage=stage, layers=layers)
+
+
+def test_a_plan_counts_only_when_most_of_the_peers_it_places_follow_it():
+    honest = plan(3, [("a", [0, 4]), ("b", [4, 8])], [("c", [0, 8])])
+    peers = [record("a", 3, 0, 0, [0, 4]), record("b", 3, 0, 1, [4, 8]), record("c", 3, 1, 0, [0, 8])]
+    far_ahead = dict(honest, round=10**15)  # a stranger's copy of the plan under a huge round
+    invented = plan(4, [("mallory", [0, 8])])  # the next round, placing a peer that says nothing of it
+    rewritten = plan(3, [("a", [0, 2]), ("b", [2, 8])], [("c", [0, 8])])  # same round, other layers
+    assert adopted_plan([honest, far_ahead, invented, rewritten], peers) == honest
+    assert adopted_plan([far_ahead, invented, rewritten], peers) is None
+    # most, not all: a placed peer whose record is gone or late does not unseat the plan
+    assert adopted_plan([honest], peers[1:]) == honest
+    assert adopted_plan([honest], peers[2:]) is None
+    # a peer that follows round 4 confirms it, and a planner that adopted round 3 may follow round 4, not 6
+    moved = [record("a", 4, 0, 0, [0, 8])]
+    assert adopted_plan([honest, plan(4, [("a", [0, 8])])], moved + peers[1:], live_round=3)["round"] == 4
+    assert adopted_plan([honest, plan(6, [("a", [0, 8])])], [record("a", 6, 0, 0, [0, 8])] + peers[1:],
+                        live_round=3) == honest
