@@ -21,7 +21,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
 from ravnest_swarm.membership.reader import read_peers
-from ravnest_swarm.membership.records import make_validators, validate_run_name
+from ravnest_swarm.membership.records import make_validators, parse_run_address
 from ravnest_swarm.membership.services import check_reachability, relay_stats
 from ravnest_swarm.net.routes import probe_peer
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, peer_id_of, start_node, stop_node
@@ -46,9 +46,9 @@ def run_probe_process(options: ProbeOptions) -> int:
     configure_logging(options.verbose)
 
     async def main() -> int:
-        validate_run_name(options.run)
+        run = parse_run_address(options.run).name  # a run's address works as well as its name
         parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
-        result = await run_probe(parse_maddrs(options.initial_peers), options.run, options.peer,
+        result = await run_probe(parse_maddrs(options.initial_peers), run, options.peer,
                                  int(options.mb * 2**20), options.host_maddrs, options.announce_maddrs, options.timeout)
         print(json.dumps(result), flush=True)
         return 0
