@@ -95,7 +95,9 @@ def join(
     gflops: Optional[float] = typer.Option(None, "--gflops", min=0.0, help="Override measured GFLOP/s."),
     bandwidth_mbps: Optional[float] = typer.Option(None, "--bandwidth-mbps", min=0.0, help="Override measured Mbit/s."),
     heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, help="Seconds between record renewals; records expire after two."),
-    timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for initial peers."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for initial peers, per attempt."),
+    patience: float = typer.Option(300.0, "--patience", min=0.0, help="Seconds to keep trying while no initial "
+                                   "peer answers (a backbone still starting, or busy), with backoff."),
     host_maddrs: List[str] = typer.Option(["/ip4/0.0.0.0/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
     no_dashboard: bool = typer.Option(False, "--no-dashboard", help="Plain log lines instead of a live view."),
@@ -165,7 +167,7 @@ def join(
     sys.exit(run_join(JoinOptions(
         initial_peers=initial_peers, run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb, gflops=gflops,
         bandwidth_mbps=bandwidth_mbps, device=device, device_memory_gb=device_memory_gb, heartbeat=heartbeat,
-        timeout=timeout, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
+        timeout=timeout, patience=patience, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
         owner_key=owner_key, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,

@@ -97,9 +97,12 @@ def test_unknown_pipeline_compression(verb):
 
 
 def test_initial_peer_refusing_connections():
+    """join tries again with backoff while --patience lasts (the backbone may be starting), saying so, then
+    gives up in one line (tests/test_join_patience.py: the backbone comes up in time)."""
     maddr = DEAD_PEER.format(port=free_port())
-    result = cli("join", "--initial-peers", maddr, "--run", "r", "--name", "a", "--timeout", "5")
-    assert_one_line_error(result, "could not reach any initial peer", maddr, "doctor", code=1)
+    result = cli("join", "--initial-peers", maddr, "--run", "r", "--name", "a", "--timeout", "5", "--patience", "5")
+    assert_one_line_error(result, "could not reach any initial peer", maddr, "doctor", "--patience", code=1)
+    assert "a: waiting for the initial peers (attempt 1 failed: could not reach" in result.stderr
 
 
 def test_initial_peer_that_never_answers_times_out():

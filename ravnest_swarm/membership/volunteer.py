@@ -22,7 +22,7 @@ from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, measure_bandwidth
-from ravnest_swarm.net.node import peer_id_of, start_node, stop_node
+from ravnest_swarm.net.node import peer_id_of, start_node_patiently, stop_node
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class MembershipOptions:
     identity_path: Optional[str] = None
     device: str = "cpu"  # resolved (devices.resolve_device): where this peer's stages compute
     device_memory_gb: Optional[float] = None  # overrides the device's memory the planner sizes stages by
+    patience: float = 300.0  # seconds to keep trying the initial peers while none answers
 
 
 async def measure(options: MembershipOptions, node: DHTNode, console: Console) -> Capabilities:
@@ -104,8 +105,8 @@ class Membership:
         self._heartbeat_task: Optional[asyncio.Task] = None
 
     async def start(self) -> PeerAnnouncer:
-        self.node = await start_node(
-            self.options.initial_peers,
+        self.node = await start_node_patiently(
+            self.options.initial_peers, self.options.patience, self._waiting_for_initial_peers,
             record_validators=make_validators(self.options.run, self.options.owner),
             host_maddrs=self.options.host_maddrs,
             announce_maddrs=self.options.announce_maddrs,
@@ -124,6 +125,11 @@ class Membership:
         await self.announcer.publish()
         self._heartbeat_task = asyncio.create_task(self.announcer.heartbeat_forever())
         return self.announcer
+
+    def _waiting_for_initial_peers(self, reason: str, attempt: int, wait: float, left: float) -> None:
+        self.console.print(f"{self.options.name}: waiting for the initial peers (attempt {attempt} failed: {reason}); "
+                           f"trying again in {wait:.0f}s, for {left:.0f}s more", markup=False, highlight=False,
+                           soft_wrap=True)
 
     async def leave(self) -> None:
         if self._heartbeat_task is not None:

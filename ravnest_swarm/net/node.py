@@ -8,8 +8,9 @@ import errno
 import logging
 import os
 import socket
+import time
 from contextlib import closing
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from hivemind.dht.node import DHTID, DHTNode
 from hivemind.dht.validation import DHTRecord
@@ -29,6 +30,7 @@ class SwarmNode(DHTNode):
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 STOP_TIMEOUT = 5.0  # seconds each part of stopping a node may take (a dead p2pd never answers)
+RETRY_FIRST_WAIT, RETRY_MAX_WAIT = 2.0, 30.0  # backoff between attempts to reach the initial peers
 
 
 def parse_maddrs(maddrs: Sequence[str], *, what: str = "initial peer", need_peer_id: bool = True) -> List[Multiaddr]:
@@ -56,23 +58,27 @@ def maddrs_without_peer_id(maddrs: Sequence[str], peer_id: PeerID) -> List[Multi
     return [Multiaddr(text).decapsulate(suffix) if text.endswith(str(suffix)) else Multiaddr(text) for text in maddrs]
 
 
+class InitialPeersUnavailable(UserError):
+    """No initial peer answered in time: the backbone may still be starting, or too busy; worth trying again
+    (:func:`start_node_patiently`). A malformed address or a port in use is a plain :class:`UserError`."""
+
+    def __init__(self, message: str):
+        super().__init__(message, exit_code=1)
+
+
 def explain_daemon_error(error: Exception, initial_peers: Sequence[Multiaddr]) -> UserError:
     """Turn p2pd's start-up failure into one line that says which address, what was tried, what to do."""
     text = str(error).split(": ", 1)[-1]
     tried = ", ".join(str(m) for m in initial_peers) or "no initial peers"
     if "bootstrap" in text:
-        return UserError(
+        return InitialPeersUnavailable(
             f"could not reach any initial peer (tried {tried}): check that the backbone is running and its "
-            f"port is open, or run `ravnest-swarm doctor --initial-peers ...`",
-            exit_code=1,
-        )
+            f"port is open, or run `ravnest-swarm doctor --initial-peers ...`")
     if "failed to start in" in text and initial_peers:
         # p2pd reports ready only after bootstrapping, so a silent initial peer looks like a slow start
-        return UserError(
+        return InitialPeersUnavailable(
             f"no answer from the initial peers within the timeout (tried {tried}): check the address and that "
-            f"the backbone's port is reachable from here, or raise --timeout",
-            exit_code=1,
-        )
+            f"the backbone's port is reachable from here, or raise --timeout")
     if "address already in use" in text or "bind" in text:
         return UserError(f"p2pd could not listen: {text.strip()} (choose another --host-maddrs port)", exit_code=1)
     return UserError(f"p2pd failed to start ({text.strip()}); tried initial peers: {tried}", exit_code=1)
@@ -182,11 +188,9 @@ async def start_node(
         )
     except asyncio.TimeoutError:
         tried = ", ".join(str(m) for m in initial_peers)
-        raise UserError(
+        raise InitialPeersUnavailable(
             f"no answer from the initial peers within {timeout:.0f}s (tried {tried}): check the address and "
-            f"that the backbone's port is reachable from here, or raise --timeout",
-            exit_code=1,
-        )
+            f"that the backbone's port is reachable from here, or raise --timeout")
     except P2PDaemonError as e:
         raise explain_daemon_error(e, initial_peers)
     # our initial peers are our backbones: they reverse connections to us and forward streams if we are NATed
@@ -205,9 +209,39 @@ async def start_node(
     except (asyncio.TimeoutError, RuntimeError) as e:
         await p2p.shutdown()
         tried = ", ".join(str(m) for m in initial_peers)
-        raise UserError(f"the DHT did not answer through the initial peers (tried {tried}): {e or 'timeout'}", 1)
+        raise InitialPeersUnavailable(f"the DHT did not answer through the initial peers (tried {tried}): "
+                                      f"{e or 'timeout'}")
     node.routes = routes
     return node
+
+
+async def start_node_patiently(initial_peers: Sequence[Multiaddr], patience: float,
+                               on_wait: Callable[[str, int, float, float], None], **options) -> "SwarmNode":
+    """:func:`start_node`, tried again with backoff while no initial peer answers, for up to ``patience`` seconds.
+
+    A backbone that is still starting, restarting or too busy to answer (a hundred volunteers starting at
+    once) is no reason to give up: the volunteer waits and says so. Anything else (a malformed address, a
+    port in use, a bad identity file) ends at once, in one line, as does the last failure once ``patience``
+    has run out.
+
+    :param on_wait: called before each wait with (the reason, the attempt that failed, seconds until the next
+        attempt, seconds of patience left)
+    :param options: passed to :func:`start_node`
+    """
+    deadline = time.monotonic() + patience
+    backoff, attempt = RETRY_FIRST_WAIT, 1
+    while True:
+        try:
+            return await start_node(initial_peers, **options)
+        except InitialPeersUnavailable as e:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise InitialPeersUnavailable(f"{e} (tried {attempt} time(s) over {patience:.0f}s; --patience "
+                                              f"waits longer)")
+            wait = min(backoff, left)
+            on_wait(str(e), attempt, wait, left)
+            await asyncio.sleep(wait)
+            backoff, attempt = min(2 * backoff, RETRY_MAX_WAIT), attempt + 1
 
 
 async def stop_node(node: DHTNode, timeout: float = STOP_TIMEOUT) -> None:

@@ -43,6 +43,7 @@ class JoinOptions:
     # membership
     heartbeat: float = 5.0
     timeout: float = 15.0
+    patience: float = 300.0
     host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
     announce_maddrs: Optional[List[str]] = None
     identity: Optional[str] = None
@@ -177,6 +178,7 @@ def membership_options(options: JoinOptions):
         max_ram_gb=options.max_ram_gb, gflops=options.gflops, bandwidth_mbps=options.bandwidth_mbps,
         heartbeat=options.heartbeat, timeout=options.timeout, host_maddrs=options.host_maddrs,
         announce_maddrs=options.announce_maddrs, identity_path=options.identity, device=options.device,
+        patience=options.patience,
         device_memory_gb=options.device_memory_gb)
 
 

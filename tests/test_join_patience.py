@@ -1,0 +1,39 @@
+"""A volunteer does not give up on a backbone that is not up yet: it waits with backoff, says so, and joins
+once the backbone answers (issue #20, item 0). Giving up after --patience: tests/test_cli.py."""
+
+import socket
+
+import pytest
+from hivemind.p2p import P2P, PeerID
+
+from run_observer import RunObserver
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(150)
+def test_join_waits_for_a_backbone_that_is_not_up_yet_and_joins_once_it_answers(processes, tmp_path):
+    identity = str(tmp_path / "backbone.key")
+    P2P.generate_identity(identity)  # the backbone's address is known before it runs, as a volunteer is told it
+    with open(identity, "rb") as f:
+        peer_id = PeerID.from_identity(f.read()).to_base58()
+    port = free_port()
+    maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}"
+    volunteer = processes.start(["join", "--initial-peers", maddr, "--run", "patient", "--name", "early",
+                                 "--model-gb", "0.001", "--ram-gb", "1", "--gflops", "10", "--bandwidth-mbps", "100",
+                                 "--timeout", "3", "--patience", "120", "--no-dashboard", "--heartbeat", "2",
+                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "early")
+    volunteer.wait_for_output(r"early: waiting for the initial peers \(attempt 2 failed: .*\); trying again in \d+s",
+                              60, stream="stderr")
+    processes.start(["backbone", "--identity", identity, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}",
+                     "--run", "patient"], "backbone").maddrs()
+    observer = RunObserver(maddr, "patient")
+    try:
+        observer.wait_for(lambda peers: "early" in peers, 60, "the early volunteer's record")
+    finally:
+        observer.close()
+    assert volunteer.popen.poll() is None and "Traceback" not in volunteer.stderr()
