@@ -22,6 +22,8 @@ from ravnest_swarm.averaging.averager import RING_HANDLER, MultiRingAverager
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, BackboneServices
 from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.config import Neighbours
+from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
 from ravnest_swarm.net.node import start_node, stop_node
@@ -348,3 +350,45 @@ def test_poisoned_activations_and_gradients_are_refused_and_parameters_unaffecte
     assert all(torch.equal(a, b) for a, b in zip(before, after_poison))
     assert status["rejected"] == 2 and status["forwards"] == 1
     assert peer.stage.version == 1 and not all(torch.equal(a, b) for a, b in zip(before, peer.parameters()))
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_takes_messages_only_from_the_neighbours_its_plan_names(peer):
+    """Attack: a stranger (the attacker, in no plan) sends a stage that names its neighbours, as every
+    volunteer's stage does, a gradient for a microbatch that really awaits one, then the finish that ends a
+    stage's run. Each is refused in one line as not from the neighbour, counted in ``rejected``; the stage's
+    parameters are bit-for-bit unchanged and it has not finished. A new plan that names the same peer as the
+    stage's next neighbour (a standby replacing a dead one) makes its gradient count at once."""
+    x, targets = torch.randn(4, 64), torch.zeros(4, dtype=torch.long)
+    attacker, elsewhere = peer.attacker.peer_id.to_base58(), peer.peer_id.to_base58()
+    stage = peer.stage
+
+    async def attack():
+        stage.follow_neighbours(Neighbours(previous=attacker, next=elsewhere))  # it plays stage 0 for a moment
+        assert await send(peer, wire.FORWARD, forward_metadata(3), [x, targets]) == "ok"
+        for _ in range(100):
+            if 3 in stage.pending:
+                break
+            await asyncio.sleep(0.05)
+        shape = stage.pending[3].output_shape
+        stage.follow_neighbours(Neighbours(previous=elsewhere, next=elsewhere))  # a new plan: now a stranger
+        before = peer.parameters()
+        replies = {"gradient": await send(peer, wire.BACKWARD, backward_metadata(3), [torch.randn(shape) * 0.1]),
+                   "finish": await send(peer, wire.FORWARD, dict(run=RUN, cluster=0, stage=1, op="finish",
+                                                                 completed=0), [])}
+        # at once: with no stage 2 anywhere, the stage drops microbatch 3 when its send gives up (TIMEOUT)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, peer.parameters()))
+        stage.follow_neighbours(Neighbours(previous=elsewhere, next=attacker))  # the plan after: its neighbour
+        replies["as neighbour"] = await send(peer, wire.BACKWARD, backward_metadata(3), [torch.randn(shape) * 0.1])
+        for _ in range(100):
+            if stage.version > 0:
+                break
+            await asyncio.sleep(0.05)
+        return replies, unchanged, await peer.still_serving()
+
+    replies, unchanged, status = peer.run(attack())
+    for what in ("gradient", "finish"):
+        assert NOT_A_NEIGHBOUR in replies[what] and attacker not in replies[what], replies
+    assert f"takes gradients only from {peer.peer_id.to_base58()} (stage 2)" in replies["gradient"]
+    assert unchanged and status["rejected"] == 2 and not stage.scheduler.finish_received
+    assert replies["as neighbour"] == "ok" and stage.version == 1
