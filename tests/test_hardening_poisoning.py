@@ -1,5 +1,6 @@
 """Poisoning with real peer processes: an absurdly scaled averaging contribution, and poisoned
-activations sent to a training volunteer, are refused and reported in the peer record and ``status``.
+activations sent to a training volunteer, are refused and reported in the peer record and ``status``; a
+plausibly scaled contribution, which no check refuses, is bounded by a run's robust aggregation.
 
 (NaN contributions: ``test_averaging.test_nan_contribution_is_rejected_and_the_others_average``;
 poisoned activations and gradients against a bare stage worker: ``test_hardening_handlers``.)
@@ -17,6 +18,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from ravnest_swarm.averaging.robust import CENTERED_CLIP, ROBUST_AGGREGATES, TRIMMED_MEAN
+from ravnest_swarm.averaging.segments import chunk_bounds
 from ravnest_swarm.models import get_model
 from ravnest_swarm.pipeline import wire
 from test_averaging import averaged, exact_mean, finish, start_swarm
@@ -57,6 +60,43 @@ def test_scaled_contribution_is_rejected_reported_in_status_and_honest_values_un
         assert record["rejected"] == len(result["rejected"]), name
         if result["rejected"]:
             assert "poisoned" in record["note"], record
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("aggregation", [TRIMMED_MEAN, CENTERED_CLIP])
+def test_a_plausibly_scaled_contribution_is_bounded_by_the_robust_aggregate(processes, backbone, tmp_path,
+                                                                          aggregation):
+    """Attack: cluster 3's only peer scales its values so the largest is just under the scale check (99: a
+    receiver allows 100 times its own scale, which it counts as at least 1), so nobody refuses them; with the
+    mean it would move the result by about 99/4. The run's aggregation is robust: every honest peer ends with
+    exactly the robust aggregate of the four contributions, computed here, which lies within the honest
+    values' spread of the mean of the four unscaled ones."""
+    layouts = [[0, 3, 6], [0, 6], [0, 6], [0, 6]]  # two rings of four members; c3s0 is in both
+    extra = {name: ["--aggregation", aggregation] for name in ("c0s0", "c0s1", "c1s0", "c2s0")}
+    extra["c3s0"] = ["--aggregation", aggregation, "--poison", "plausible"]
+    peers = start_swarm(processes, backbone, layouts, f"avgrobust{aggregation[0]}", tmp_path, extra=extra)
+    results = {name: finish(peer) for name, peer in peers.items()}
+    honest = torch.stack([exact_mean([k]) for k in range(3)])
+    unscaled = exact_mean(range(4))
+    scaled = exact_mean([3]).float()
+    scaled *= 0.99 * 100.0 / scaled.abs().max().item()  # as the peer does it (averaging_peer.poison_)
+    contributions = torch.cat([honest.float(), scaled.unsqueeze(0)])
+    assert (contributions.double().mean(0) - unscaled).abs().max() > 20  # what the mean would have let through
+    spread = (honest - unscaled).abs().max()
+    for name, result in results.items():
+        assert result["rejected"] == [], (name, result["rejected"])  # plausible: within every scale check
+        if name == "c3s0":
+            continue
+        values = averaged(tmp_path, name)
+        for segment in result["segments"]:
+            assert segment["status"] == "ok" and segment["members"] == 4, (name, segment)
+            lo, hi = segment["start"], segment["end"]
+            # each chunk's owner aggregates it (all of it in one part here: at most 131072 elements)
+            expected = torch.cat([ROBUST_AGGREGATES[aggregation](contributions[:, lo + first:lo + last])
+                                  for first, last in chunk_bounds(hi - lo, 4)]).double()
+            got = values[lo - result["start"]:hi - result["start"]]
+            assert (got - expected).abs().max() <= 1e-5, (name, segment)
+            assert (got - unscaled[lo:hi]).abs().max() < spread, (name, segment)
 
 
 @pytest.mark.timeout(240)
