@@ -72,6 +72,7 @@ def test_nodes_refuse_specs_not_signed_by_the_owner_they_know():
     knows_owner, knows_name = OwnerSpecValidator(spec_key("demo"), OWNER_FINGERPRINT), OwnerSpecValidator(spec_key("demo"))
     assert knows_owner.validate(as_record(honest)) and knows_name.validate(as_record(honest))
     assert not knows_owner.validate(as_record(stranger)) and knows_name.validate(as_record(stranger))
+    assert knows_owner.refused == {spec_owner(stranger): 1}  # one line in the log per signer, and a count
     for validator in (knows_owner, knows_name):
         assert not validator.validate(as_record(dict(honest, lr=9.0)))
         assert not validator.validate(as_record([honest]))

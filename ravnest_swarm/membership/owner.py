@@ -15,9 +15,10 @@ leaves the owner's machine, and any process may carry its signed spec.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
-from typing import Optional
+from typing import Dict, Optional
 
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
@@ -26,6 +27,8 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from ravnest_swarm.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16}\Z")
 OWNER_KEYS_ENV = "RAVNEST_OWNER_KEYS"  # where owner keys live; default ~/.config/ravnest-swarm/owners
@@ -117,8 +120,9 @@ class OwnerSpecValidator(RecordValidatorBase):
     """
 
     def __init__(self, spec_key: str, owner: Optional[str] = None):
-        self.owner = owner
+        self.spec_key, self.owner = spec_key, owner
         self.key_id = DHTID.generate(source=spec_key).to_bytes()
+        self.refused: Dict[str, int] = {}  # who signed the specs we refused ("unsigned": nobody valid) -> count
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key != self.key_id:
@@ -130,4 +134,11 @@ class OwnerSpecValidator(RecordValidatorBase):
         except Exception:
             return False
         signed_by = spec_owner(value) if isinstance(value, dict) else None
-        return signed_by is not None and (self.owner is None or signed_by == self.owner)
+        if signed_by is not None and (self.owner is None or signed_by == self.owner):
+            return True
+        culprit = signed_by or "unsigned"
+        if culprit not in self.refused:  # one line per signer: a stranger repeating itself does not flood the log
+            logger.warning(f"refused a {self.spec_key} record signed by {culprit}, not by the run's owner "
+                           f"{self.owner or '(any valid signature)'}")
+        self.refused[culprit] = self.refused.get(culprit, 0) + 1
+        return False
