@@ -96,6 +96,14 @@ def test_unknown_pipeline_compression(verb):
     assert_one_line_error(result, "--pipeline-compression must be one of none, float16, meanstd16", code=2)
 
 
+def test_unknown_aggregation():
+    result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a",
+                 "--aggregation", "median")
+    assert_one_line_error(result, "--aggregation must be one of mean, trimmed_mean, centered_clip", code=2)
+    result = cli("bench", "averaging", "--robust", "mean")
+    assert_one_line_error(result, "--robust must be one of trimmed_mean, centered_clip", code=2)
+
+
 def test_initial_peer_refusing_connections():
     """join tries again with backoff while --patience lasts (the backbone may be starting), saying so, then
     gives up in one line (tests/test_join_patience.py: the backbone comes up in time)."""
