@@ -1,10 +1,13 @@
 """Fuzzing every P2P handler of the project with random, mutated and hostile messages.
 
-One in-process peer serves them all on a real p2pd: the backbone's ping, bandwidth probe and
-dial-back, the averaging ring, the layer-state server and a pipeline stage (stage 1 of 3 of
-``mlp-digits``; stage 2 never exists, so its sends fail and are dropped). A second P2P plays the
-attacker. Each test states its attack; after each fuzz batch the peer must still answer a valid
-request, and the test process's memory must not have grown past a bound.
+One in-process peer serves them all on a real p2pd: the backbone's ping, bandwidth probe, dial-back and
+NAT relay (reverse_connect, forward), every node's NAT handlers (dial_me, forwarded, probe), the
+averaging ring, the layer-state server and a pipeline stage (stage 1 of 3 of ``mlp-digits``; stage 2
+never exists, so its sends fail and are dropped). A second P2P plays the attacker; it also plays a
+volunteer behind the victim's relay (it serves dial_me, forwarded and probe, so forwarded streams reach
+it) and one of the victim's backbones (so dial_me and forwarded are fuzzed past their backbone check).
+Each test states its attack; after each fuzz batch the peer must still answer a valid request, and the
+test process's memory must not have grown past a bound.
 """
 
 import asyncio
@@ -27,6 +30,8 @@ from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
 from ravnest_swarm.net.node import start_node, stop_node
+from ravnest_swarm.net.relay import RelayServices
+from ravnest_swarm.net.routes import DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, PROBE, REVERSE_CONNECT, start_routes
 from ravnest_swarm.net.transport import make_request, unpack_metadata
 
 RUN = "fuzz"
@@ -38,6 +43,11 @@ FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(Healt
 END_OF_STREAM = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
 STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE, LAYER_STATE_MESSAGE)
 UNARY_HANDLERS = (PING, DIAL_BACK, wire.STATUS)
+# the probe is fuzzed as the backbone's bandwidth probe (the same handler with a shorter timeout): its own 120 s
+# timeout would hold every stalled example that long
+NAT_STREAM_HANDLERS = (FORWARD, FORWARDED)
+NAT_UNARY_HANDLERS = (REVERSE_CONNECT, DIAL_ME)
+CLOSED_PORT = "/ip4/127.0.0.1/tcp/1"  # a dial to it fails at once; fuzzed dials never leave this machine
 
 
 class Peer:
@@ -50,7 +60,8 @@ class Peer:
     async def _start(self):
         self.node = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
         p2p = self.node.p2p
-        await BackboneServices(p2p, probe_timeout=TIMEOUT).add_handlers()
+        self.relay = RelayServices(p2p, max_forward_bytes=LIMIT, forward_timeout=3 * TIMEOUT)
+        await BackboneServices(p2p, probe_timeout=TIMEOUT, relay=self.relay).add_handlers()
         self.averager = MultiRingAverager(self.node.routes, RUN, timeout=TIMEOUT, max_message_bytes=LIMIT)
         await self.averager.start()
         config = StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(1, 3), max_in_flight=4,
@@ -61,6 +72,16 @@ class Peer:
                                request_timeout=TIMEOUT).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id
+        # the attacker as a volunteer behind the victim's relay (serving layers, so that forwarded streams reach
+        # a handler that reads them), and as one of the victim's backbones
+        attacker_routes = await start_routes(self.attacker, [self.peer_id])
+        await LayerStateServer(attacker_routes, RUN, lambda: offered_layers(1, self.stage.module, 0),
+                               request_timeout=TIMEOUT).start()
+        self.node.routes.backbones.append(self.attacker.peer_id)
+        self.attacker_maddrs = [str(m).split("/p2p/")[0] for m in await self.attacker.get_visible_maddrs()]
+        # values that make some random NAT requests valid: our ids, handler names, loopback addresses
+        self.known = [self.peer_id.to_base58(), self.attacker.peer_id.to_base58(), FORWARDED, FORWARD,
+                      LAYER_STATE_MESSAGE, wire.FORWARD, RING_HANDLER, CLOSED_PORT, *self.attacker_maddrs]
 
     def run(self, coroutine, timeout=60.0):
         return self.loop.run_until_complete(asyncio.wait_for(coroutine, timeout))
@@ -80,9 +101,15 @@ class Peer:
 
     # ---- calls as the attacker --------------------------------------------------------------------
 
-    async def raw(self, handler: str, payload: bytes, read_timeout: float = TIMEOUT + 10) -> str:
-        """Write raw bytes to a stream handler; return its reply: ``ok`` or the error's text."""
-        _, reader, writer = await self.attacker.call_binary_stream_handler(self.peer_id, handler)
+    async def raw(self, handler: str, payload: bytes, read_timeout: float = TIMEOUT + 10, caller: P2P = None) -> str:
+        """Write raw bytes to a stream handler (as ``caller``, by default the attacker); return its reply: ``ok``
+        or the error's text."""
+        return (await self.raw_reply(handler, payload, read_timeout, caller))[0]
+
+    async def raw_reply(self, handler: str, payload: bytes, read_timeout: float = TIMEOUT + 10, caller: P2P = None):
+        """:meth:`raw`, and the reply's metadata (None after an error)."""
+        caller = caller or self.attacker
+        _, reader, writer = await caller.call_binary_stream_handler(self.peer_id, handler)
         try:
             writer.write(payload)
             try:
@@ -91,7 +118,7 @@ class Peer:
                 pass  # the peer may answer and close before our last byte is out; its answer is still there
             response, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader),
                                                      read_timeout)
-            return "ok" if error is None else error.message
+            return ("ok", unpack_metadata(response.metadata)) if error is None else (error.message, None)
         finally:
             writer.close()
 
@@ -126,7 +153,28 @@ class Peer:
         assert await self.raw(BANDWIDTH_PROBE, frames_bytes([probe]) + END_OF_STREAM) == "ok"
         abort = make_request(dict(run=RUN, step=10**6, ring=0, phase="abort", position=0, attempt=[]))
         assert await self.raw(RING_HANDLER, frames_bytes([abort]) + END_OF_STREAM) == "ok"
+        await self.nat_still_serving(probe)
         return status
+
+    async def nat_still_serving(self, probe: runtime_pb2.ExpertRequest):
+        """Valid requests to every NAT handler get valid answers: a reversal towards a peer that is connected and
+        one that is not, a probe forwarded to the attacker, dial_me and forwarded (the attacker being a
+        backbone of the victim), and a direct probe."""
+        attacker, stranger = self.attacker.peer_id.to_base58(), "QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
+        for target, connected in ((attacker, True), (stranger, False)):
+            request = make_request({"peer": target, "maddrs": self.attacker_maddrs[:1]})
+            reply = unpack_metadata((await self.attacker.call_protobuf_handler(
+                self.peer_id, REVERSE_CONNECT, request, runtime_pb2.ExpertResponse)).metadata)
+            assert reply["connected"] is connected, reply
+        forwarded = frames_bytes([make_request({"to": attacker, "handler": PROBE}), probe]) + END_OF_STREAM
+        assert await self.raw_reply(FORWARD, forwarded) == ("ok", {"bytes": 1000})
+        dial = unpack_metadata((await self.attacker.call_protobuf_handler(self.peer_id, DIAL_ME, make_request(
+            {"peer": attacker, "maddrs": self.attacker_maddrs}), runtime_pb2.ExpertResponse)).metadata)
+        assert dial["dialed"] is True, dial
+        piped = frames_bytes([make_request({"from": attacker, "handler": PROBE}), probe]) + END_OF_STREAM
+        assert await self.raw_reply(FORWARDED, piped) == ("ok", {"bytes": 1000})
+        assert await self.raw_reply(PROBE, frames_bytes([probe]) + END_OF_STREAM) == ("ok", {"bytes": 1000})
+
 
 
 @pytest.fixture
@@ -154,42 +202,61 @@ def rss() -> int:
 # ---- strategies ---------------------------------------------------------------------------------------
 
 FIELD_NAMES = ["run", "cluster", "stage", "microbatch", "sample_ids", "version", "op", "step", "ring", "phase",
-               "position", "attempt", "excluded", "failure", "layers", "ports"]
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=40),
-                    st.binary(max_size=40), st.sampled_from([RUN, "reduce", "gather", "abort", "finish", 0, 1]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                            max_size=4), max_leaves=12)
-metadata = st.one_of(
-    st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=8).map(lambda d: msgpack.packb(d, use_bin_type=True)),
-    st.binary(max_size=300),  # not msgpack, or msgpack of something other than a map
-    st.builds(lambda d: msgpack.packb(d, use_bin_type=True), values),
-)
-tensors = st.builds(
-    lambda buffer, dtype, size, chunks, compression: runtime_pb2.Tensor(
-        buffer=buffer, dtype=dtype, size=size, chunks=chunks, compression=compression),
-    st.binary(max_size=2048), st.sampled_from(["float32", "float64", "int64", "uint8", "bfloat16", "bogus", ""]),
-    st.lists(st.integers(0, 2**31 - 1), max_size=4), st.integers(0, 2**31 - 1), st.integers(0, 12))
-requests = st.builds(lambda m, t: runtime_pb2.ExpertRequest(metadata=m, tensors=t), metadata, st.lists(tensors, max_size=3))
+               "position", "attempt", "excluded", "failure", "layers", "ports", "peer", "maddrs", "to", "handler",
+               "from"]
 
 
-@st.composite
-def streams(draw):
-    """Bytes of a stream message: well-framed random requests, truncated protobufs, bad markers, cut streams."""
-    frames = draw(st.lists(requests, min_size=0, max_size=4))
-    payload = frames_bytes(frames)
-    mutation = draw(st.sampled_from(["none", "truncate protobuf", "bad marker", "flip bytes", "lying length"]))
-    if mutation == "truncate protobuf" and frames:
-        data = frames[0].SerializeToString()
-        cut = data[:draw(st.integers(0, max(0, len(data) - 1)))] + b"\xff\xff"
-        payload = frames_bytes([cut])
-    elif mutation == "bad marker":
-        payload = draw(st.sampled_from([b"\x07", b"\xff", b"\x02"])) + payload
-    elif mutation == "flip bytes" and payload:
-        index = draw(st.integers(0, len(payload) - 1))
-        payload = payload[:index] + bytes([payload[index] ^ 0xFF]) + payload[index + 1:]
-    elif mutation == "lying length":
-        payload += P2P.MESSAGE_MARKER + draw(st.integers(LIMIT + 1, 2**63)).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
-    return payload + END_OF_STREAM
+def fuzz_strategies(known=()):
+    """Random requests, and the bytes of random stream messages (well-framed random requests, truncated
+    protobufs, bad markers, flipped bytes, lying lengths). ``known``: values (peer ids, handler names,
+    addresses) drawn among the random ones, so that some requests get past the schema; a first frame whose
+    metadata is a forwarding header of them comes up often, so the rest of a stream is what gets fuzzed."""
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=40),
+                        st.binary(max_size=40),
+                        st.sampled_from([RUN, "reduce", "gather", "abort", "finish", 0, 1, *known]))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(
+        st.text(max_size=8), inner, max_size=4), max_leaves=12)
+    packed = st.one_of(
+        st.dictionaries(st.sampled_from(FIELD_NAMES), values, max_size=8).map(
+            lambda d: msgpack.packb(d, use_bin_type=True)),
+        st.binary(max_size=300),  # not msgpack, or msgpack of something other than a map
+        st.builds(lambda d: msgpack.packb(d, use_bin_type=True), values),
+    )
+    tensors = st.builds(
+        lambda buffer, dtype, size, chunks, compression: runtime_pb2.Tensor(
+            buffer=buffer, dtype=dtype, size=size, chunks=chunks, compression=compression),
+        st.binary(max_size=2048), st.sampled_from(["float32", "float64", "int64", "uint8", "bfloat16", "bogus", ""]),
+        st.lists(st.integers(0, 2**31 - 1), max_size=4), st.integers(0, 2**31 - 1), st.integers(0, 12))
+    requests = st.builds(lambda m, t: runtime_pb2.ExpertRequest(metadata=m, tensors=t), packed,
+                         st.lists(tensors, max_size=3))
+    headers = st.builds(lambda key, peer, handler: make_request({key: peer, "handler": handler}),
+                        st.sampled_from(["to", "from"]), st.sampled_from(known or [RUN]),
+                        st.sampled_from(known or [RUN]))
+
+    @st.composite
+    def streams(draw):
+        frames = draw(st.lists(requests, min_size=0, max_size=4))
+        if known and draw(st.booleans()):
+            frames = [draw(headers)] + frames
+        payload = frames_bytes(frames)
+        mutation = draw(st.sampled_from(["none", "truncate protobuf", "bad marker", "flip bytes", "lying length"]))
+        if mutation == "truncate protobuf" and frames:
+            data = frames[0].SerializeToString()
+            cut = data[:draw(st.integers(0, max(0, len(data) - 1)))] + b"\xff\xff"
+            payload = frames_bytes([cut])
+        elif mutation == "bad marker":
+            payload = draw(st.sampled_from([b"\x07", b"\xff", b"\x02"])) + payload
+        elif mutation == "flip bytes" and payload:
+            index = draw(st.integers(0, len(payload) - 1))
+            payload = payload[:index] + bytes([payload[index] ^ 0xFF]) + payload[index + 1:]
+        elif mutation == "lying length":
+            payload += P2P.MESSAGE_MARKER + draw(st.integers(LIMIT + 1, 2**63)).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+        return payload + END_OF_STREAM
+
+    return requests, streams()
+
+
+requests, streams = fuzz_strategies()
 
 
 # ---- tests --------------------------------------------------------------------------------------------
@@ -204,7 +271,7 @@ def test_random_and_mutated_stream_messages_get_an_answer_and_the_peer_keeps_ser
     before = rss()
 
     @FUZZ
-    @given(handler=st.sampled_from(STREAM_HANDLERS), payload=streams())
+    @given(handler=st.sampled_from(STREAM_HANDLERS), payload=streams)
     def fuzz(handler, payload):
         reply = peer.run(peer.raw(handler, payload))
         assert reply == "ok" or len(reply) > 0
@@ -230,6 +297,112 @@ def test_random_unary_requests_get_an_answer_and_the_peer_keeps_serving(peer):
     fuzz()
     peer.run(peer.still_serving())
     assert rss() - before < MAX_RSS_GROWTH
+
+
+def nat_refusals(peer) -> int:
+    return peer.relay.stats["refused"] + peer.node.routes.counts["refused"]
+
+
+@pytest.mark.timeout(300)
+def test_random_and_mutated_messages_to_the_nat_handlers_get_an_answer_and_the_peer_keeps_serving(peer):
+    """Attack: random and mutated messages to every NAT handler: streams to the relay's forward and to
+    forwarded (random headers, or a valid header naming a peer and a handler followed by garbage, which the
+    relay pipes on to that handler), and random requests to reverse_connect and dial_me. Peer ids, handler
+    names and loopback addresses are among the random values, so some requests pass the schema and make
+    the victim pass a reversal on, dial, or pipe. Each gets an answer, the refusals are counted, and the
+    peer keeps serving with bounded memory."""
+    nat_requests, nat_streams = fuzz_strategies(peer.known)
+    before, refusals = rss(), nat_refusals(peer)
+
+    @FUZZ
+    @given(handler=st.sampled_from(NAT_STREAM_HANDLERS), payload=nat_streams)
+    def fuzz_streams(handler, payload):
+        reply = peer.run(peer.raw(handler, payload))
+        assert reply == "ok" or len(reply) > 0
+
+    @FUZZ
+    @given(handler=st.sampled_from(NAT_UNARY_HANDLERS), request=nat_requests)
+    def fuzz_unary(handler, request):
+        reply = peer.run(peer.unary(handler, request))
+        assert reply == "ok" or len(reply) > 0
+
+    fuzz_streams()
+    fuzz_unary()
+    assert nat_refusals(peer) > refusals
+    peer.run(peer.still_serving())
+    assert rss() - before < MAX_RSS_GROWTH
+
+
+@pytest.mark.timeout(120)
+def test_one_caller_cannot_take_every_forwarding_slot(peer):
+    """Attack: one caller opens more forwarding streams than its share and holds them open (a valid header,
+    then silence). The stream over its share is refused with one line and counted, while a second caller
+    still gets a whole stream forwarded; once the first caller lets go, it can forward again."""
+    peer.relay.max_forward_streams, peer.relay.max_forward_streams_per_caller = 4, 2
+    attacker = peer.attacker.peer_id.to_base58()
+    header = frames_bytes([make_request({"to": attacker, "handler": PROBE})])
+    probe = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(1000))])
+    whole = header + frames_bytes([probe]) + END_OF_STREAM
+
+    async def attack():
+        second = await P2P.create(initial_peers=await peer.node.p2p.get_visible_maddrs(), host_maddrs=LOCAL)
+        held = []
+        try:
+            forwarded = peer.relay.stats["forwarded_streams"]
+            for _ in range(2):  # its share, held open
+                _, _, writer = await peer.attacker.call_binary_stream_handler(peer.peer_id, FORWARD)
+                writer.write(header)
+                await writer.drain()
+                held.append(writer)
+            for _ in range(100):
+                if peer.relay.stats["forwarded_streams"] == forwarded + 2:
+                    break
+                await asyncio.sleep(0.05)
+            refused = peer.relay.stats["refused"]
+            replies = {"over its share": await peer.raw(FORWARD, whole),
+                       "second caller": await peer.raw_reply(FORWARD, whole, caller=second)}
+            replies["refusals counted"] = peer.relay.stats["refused"] - refused
+            for writer in held:
+                writer.close()
+            held = []
+            # a relay whose caller went away still waits (at most forward_timeout) for the target's reply
+            deadline = asyncio.get_running_loop().time() + peer.relay.forward_timeout + 5
+            while asyncio.get_running_loop().time() < deadline:
+                replies["after letting go"] = await peer.raw_reply(FORWARD, whole)
+                if replies["after letting go"][0] == "ok":
+                    break
+                await asyncio.sleep(0.2)
+            return replies
+        finally:
+            for writer in held:
+                writer.close()
+            await second.shutdown()
+
+    replies = peer.run(attack())
+    assert "this backbone forwards at most 2 streams at once for one caller" in replies["over its share"], replies
+    assert replies["second caller"] == ("ok", {"bytes": 1000}), replies
+    assert replies["refusals counted"] == 1
+    assert replies["after letting go"] == ("ok", {"bytes": 1000}), replies
+    peer.run(peer.still_serving())
+
+
+@pytest.mark.timeout(120)
+def test_a_silent_caller_holds_no_forwarding_slot_past_the_header_timeout(peer):
+    """Attack: a slowloris caller opens streams to the relay's forward and to forwarded and never writes a
+    header. Each is refused with a reason after the header timeout, its forwarding slot freed and the refusal
+    counted."""
+
+    async def attack():
+        started = asyncio.get_running_loop().time()
+        replies = await asyncio.gather(*(peer.raw(handler, b"") for handler in (FORWARD, FORWARDED)))
+        return replies, asyncio.get_running_loop().time() - started
+
+    refusals = nat_refusals(peer)
+    replies, seconds = peer.run(attack())
+    assert all(f"no header within {HEADER_TIMEOUT:.0f}s" in reply for reply in replies), replies
+    assert HEADER_TIMEOUT <= seconds < HEADER_TIMEOUT + 8
+    assert nat_refusals(peer) == refusals + 2 and peer.relay.stats["forwarded_streams"] == 0
+    peer.run(peer.still_serving())
 
 
 def forward_metadata(microbatch, count=4, **overrides):

@@ -1,5 +1,6 @@
 """A backbone's side of NAT traversal (see :mod:`ravnest_swarm.net.routes` for the volunteer's side): passing
-reversal requests and forwarding streams between two peers behind NAT, capped per stream and in number."""
+reversal requests and forwarding streams between two peers behind NAT, capped per stream, in number, and in
+number per caller (so one caller cannot take every forwarding slot)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.net.messages import Handler, decode_message, register_handler
-from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, REVERSE_CONNECT, REVERSE_TIMEOUT,
+from ravnest_swarm.net.messages import Handler, MessageError, decode_message, register_handler
+from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, REVERSE_CONNECT, REVERSE_TIMEOUT,
                                       DialMeReply, DialRequest, ForwardedHeader, ForwardHeader, Relayed,
                                       ReverseConnectReply, error_text, read_header, refuse_stream)
 from ravnest_swarm.net.transport import UNARY_MAX_BYTES, make_request, make_response
@@ -22,6 +23,10 @@ from ravnest_swarm.net.transport import UNARY_MAX_BYTES, make_request, make_resp
 logger = logging.getLogger(__name__)
 
 MAX_FORWARD_BYTES = 256 * 1024**2
+MAX_FORWARD_STREAMS = 16
+# an honest NATed peer forwards 2 stripes per ring it averages in and a pipeline message or two at once; half the
+# slots leaves it room and leaves the other half to everyone else
+MAX_FORWARD_STREAMS_PER_CALLER = MAX_FORWARD_STREAMS // 2
 
 register_handler(Handler(REVERSE_CONNECT, DialRequest, ReverseConnectReply, UNARY_MAX_BYTES,
                          callers="any peer that cannot dial a peer behind NAT (Routes.connect)", owner=__name__))
@@ -37,16 +42,21 @@ class RelayServices:
     :param max_forward_bytes: a forwarded stream that sends more than this towards the target is cut off
     :param max_forward_streams: forwarded streams served at once; more are refused (the backbone carries
         every forwarded byte twice, in and out)
+    :param max_forward_streams_per_caller: forwarded streams served at once for one caller (by its
+        authenticated peer id); more from that caller are refused while the others keep their slots
     :param forward_timeout: seconds a forwarded stream may stay open
     """
 
-    def __init__(self, p2p: P2P, max_forward_bytes: int = MAX_FORWARD_BYTES, max_forward_streams: int = 16,
-                 forward_timeout: float = 300.0):
+    def __init__(self, p2p: P2P, max_forward_bytes: int = MAX_FORWARD_BYTES,
+                 max_forward_streams: int = MAX_FORWARD_STREAMS,
+                 max_forward_streams_per_caller: int = MAX_FORWARD_STREAMS_PER_CALLER, forward_timeout: float = 300.0):
         self.p2p = p2p
         self.max_forward_bytes, self.max_forward_streams = max_forward_bytes, max_forward_streams
+        self.max_forward_streams_per_caller = max_forward_streams_per_caller
         self.forward_timeout = forward_timeout
         self.stats: Counter = Counter()  # reversals, forwarded_streams, forwarded_bytes, refused
         self._active = 0
+        self._active_by_caller: Counter = Counter()  # caller -> its forwarded streams open now
 
     async def add_handlers(self) -> None:
         await self.p2p.add_protobuf_handler(REVERSE_CONNECT, self.rpc_reverse_connect, runtime_pb2.ExpertRequest)
@@ -66,7 +76,11 @@ class RelayServices:
         Only the caller's addresses on the IPs it is connected from are passed on, so nobody can make a
         volunteer dial third parties through us.
         """
-        asked = decode_message(DialRequest, request.metadata, REVERSE_CONNECT)
+        try:
+            asked = decode_message(DialRequest, request.metadata, REVERSE_CONNECT)
+        except MessageError as e:
+            self._refuse(context.remote_id, str(e))
+            raise
         target = PeerID.from_base58(asked.peer)
         if not await self._observed_hosts(target):
             return make_response(ReverseConnectReply(connected=False).as_metadata())
@@ -87,32 +101,52 @@ class RelayServices:
 
     async def serve_forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Pipe the caller's stream into the target's ``forwarded`` handler and its reply back, within the caps."""
+        caller = info.peer_id
         with closing(writer):
             if self._active >= self.max_forward_streams:
-                self.stats["refused"] += 1
-                await refuse_stream(writer, f"this backbone forwards at most {self.max_forward_streams} streams at once")
+                reason = f"this backbone forwards at most {self.max_forward_streams} streams at once"
+            elif self._active_by_caller[caller] >= self.max_forward_streams_per_caller:
+                reason = (f"this backbone forwards at most {self.max_forward_streams_per_caller} streams at once "
+                          f"for one caller")
+            else:
+                self._active += 1
+                self._active_by_caller[caller] += 1
+                try:
+                    await self._forward(info, reader, writer)
+                finally:
+                    self._active -= 1
+                    self._active_by_caller[caller] -= 1
+                    if not self._active_by_caller[caller]:
+                        del self._active_by_caller[caller]  # callers come and go: keep only those with streams
                 return
-            self._active += 1
-            try:
-                await self._forward(info, reader, writer)
-            finally:
-                self._active -= 1
+            self._refuse(caller, reason)
+            await refuse_stream(reader, writer, reason)
+
+    def _refuse(self, caller: PeerID, reason: str) -> None:
+        """Count a refused request and say why, in one line."""
+        self.stats["refused"] += 1
+        logger.info(f"relay: refused a request from {caller}: {reason}")
 
     async def _forward(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            header = await asyncio.wait_for(read_header(reader, ForwardHeader, FORWARD), HEADER_TIMEOUT)
+            header = await read_header(reader, ForwardHeader, FORWARD)
             target, name = PeerID.from_base58(header.to), header.handler
             if not await self._observed_hosts(target):
-                raise ValueError(f"{target} is not connected to this backbone")
+                raise ValueError(f"cannot forward to {target}: it is not connected to this backbone")
             _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(target, FORWARDED)
-        except Exception as e:
-            self.stats["refused"] += 1
-            await refuse_stream(writer, f"cannot forward: {type(e).__name__}: {e}")
+        except Exception as e:  # a ValueError says what is wrong; anything else is a stream or target that broke off
+            reason = str(e) if isinstance(e, ValueError) else f"cannot forward: {error_text(e)}"
+            self._refuse(info.peer_id, reason)
+            await refuse_stream(reader, writer, reason)
             return
         self.stats["forwarded_streams"] += 1
         with closing(target_writer):
             piped = ForwardedHeader(**{"from": info.peer_id.to_base58(), "handler": name})
-            await P2P.send_protobuf(make_request(piped.as_metadata()), target_writer)
+            try:
+                await P2P.send_protobuf(make_request(piped.as_metadata()), target_writer)
+            except ConnectionError as e:  # the target went away: its fault, not the caller's, so not counted
+                await refuse_stream(reader, writer, f"cannot forward: the stream to {target} closed ({error_text(e)})")
+                return
             upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
             downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
             try:
@@ -120,8 +154,9 @@ class RelayServices:
                 done, _ = await asyncio.wait({upstream, downstream}, timeout=self.forward_timeout,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if upstream in done and upstream.exception() is not None:
-                    self.stats["refused"] += 1
-                    await refuse_stream(writer, str(upstream.exception()))
+                    downstream.cancel()  # our refusal is the caller's answer: no bytes of the target's may mix in
+                    self._refuse(info.peer_id, str(upstream.exception()))
+                    await refuse_stream(reader, writer, str(upstream.exception()))
                 elif upstream in done:
                     await asyncio.wait_for(downstream, self.forward_timeout)
             except (asyncio.TimeoutError, ConnectionError):

@@ -1,5 +1,8 @@
 """Reaching peers behind NAT through a backbone: connection reversal, and forwarding as the fallback.
 
+Over 400 lines because the routes, the schemas of the NAT handlers (which the backbone's side in
+``relay.py`` shares) and the probe that measures a route are one protocol, read together.
+
 Measured on hivemind 1.1.12's p2pd (see docs/nat.md): the libp2p relay resets every relayed connection
 after 128 KiB, so tensors never go through it. What works is the connection a NATed volunteer keeps
 open to its backbone (its initial peer): over it the backbone can call the volunteer's handlers.
@@ -34,11 +37,11 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.multiaddr import Multiaddr
-from pydantic import ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field
 
-from ravnest_swarm.net.messages import Handler, Message, MessageT, decode_message, register_handler
+from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, make_request,
-                                         make_response)
+                                         make_response, send_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,13 @@ StreamHandler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter
 # ---- message schemas: of these handlers and of the backbone's (relay.py), which share the field types ----
 
 PeerIdText = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[1-9A-HJ-NP-Za-km-z]+$")]  # base58
-MaddrText = Annotated[str, Field(min_length=2, max_length=256, pattern=r"^/[!-~]+$")]  # printable ASCII
+def _parses_as_multiaddr(text: str) -> str:
+    Multiaddr(text)  # its parse error is a ValueError naming the bad part, which the schema reports as the field's
+    return text
+
+
+MaddrText = Annotated[str, Field(min_length=2, max_length=256, pattern=r"^/[!-~]+$"),  # printable ASCII
+                      AfterValidator(_parses_as_multiaddr)]
 HandlerNameText = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^ravnest\.[a-z0-9_.]+$")]
 ErrorText = Annotated[str, Field(max_length=MAX_ERROR_CHARS)]
 
@@ -140,22 +149,28 @@ async def start_routes(p2p: P2P, backbones: Sequence[PeerID]) -> "Routes":
 
 
 async def read_header(reader: asyncio.StreamReader, schema: Type[MessageT], handler: str) -> MessageT:
-    """One hivemind frame holding an ``ExpertRequest`` whose metadata is the header, read exactly (the
-    bytes after it stay in ``reader`` for whoever handles the rest of the stream)."""
-    marker = await reader.readexactly(1)
-    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-    if marker != P2P.MESSAGE_MARKER or length > MAX_HEADER_BYTES:
-        raise ValueError("a forwarded stream must start with one small header frame")
-    frame = runtime_pb2.ExpertRequest()
-    frame.ParseFromString(await reader.readexactly(length))
-    return decode_message(schema, frame.metadata, handler)
+    """One hivemind frame holding an ``ExpertRequest`` whose metadata is the header, read exactly within
+    ``HEADER_TIMEOUT`` (the bytes after it stay in ``reader`` for whoever handles the rest of the stream).
+    ``ValueError`` says what is wrong with it."""
 
+    async def read() -> MessageT:
+        marker = await reader.readexactly(1)
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        if marker != P2P.MESSAGE_MARKER or length > MAX_HEADER_BYTES:
+            raise ValueError(f"{handler}: a forwarded stream must start with one small header frame")
+        frame = runtime_pb2.ExpertRequest()
+        frame.ParseFromString(await reader.readexactly(length))
+        return decode_message(schema, frame.metadata, handler)
 
-async def refuse_stream(writer: asyncio.StreamWriter, reason: str) -> None:
     try:
-        await P2P.send_protobuf(RPCError(message=reason), writer)
-    except ConnectionError:
-        pass
+        return await asyncio.wait_for(read(), HEADER_TIMEOUT)
+    except asyncio.TimeoutError:
+        raise ValueError(f"{handler}: no header within {HEADER_TIMEOUT:.0f}s") from None
+
+
+async def refuse_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reason: str) -> None:
+    """Refuse a stream with a one-line reason that reaches the caller even while it is still writing."""
+    await send_reply(RPCError(message=reason), reader, writer)
 
 
 def _strip_peer_id(maddrs: Sequence[Multiaddr]) -> List[str]:
@@ -178,7 +193,7 @@ class Routes:
         self.direct_timeout, self.reverse_timeout = direct_timeout, reverse_timeout
         self.reachability = "unknown"  # ours, as a backbone's dial-back found it (check_reachability sets it)
         self.chosen: Dict[PeerID, Tuple[str, Optional[PeerID]]] = {}  # peer -> (direct|reversed|forward, backbone)
-        self.counts: Counter = Counter()  # routes established, by kind, and calls made over them
+        self.counts: Counter = Counter()  # routes established, by kind, calls made over them, requests refused
         self._forwardable: Dict[str, StreamHandler] = {}
         self._locks: Dict[PeerID, asyncio.Lock] = {}
 
@@ -313,10 +328,14 @@ class Routes:
 
     async def _rpc_dial_me(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """A backbone passes on a peer's request that we dial it (we are the one behind NAT)."""
-        if context.remote_id not in self.backbones:
-            raise ValueError("dial_me is accepted from our backbones only")
-        dial = decode_message(DialRequest, request.metadata, DIAL_ME)
-        peer_id, maddrs = PeerID.from_base58(dial.peer), [Multiaddr(m) for m in dial.maddrs]
+        try:
+            if context.remote_id not in self.backbones:
+                raise MessageError(f"{DIAL_ME} is accepted from our backbones only")
+            dial = decode_message(DialRequest, request.metadata, DIAL_ME)
+            peer_id, maddrs = PeerID.from_base58(dial.peer), [Multiaddr(m) for m in dial.maddrs]
+        except MessageError as e:
+            self._refuse(context.remote_id, str(e))
+            raise
         # p2pd would reuse a relayed connection (reset after 128 KiB) instead of dialling: drop it first
         for info in await self.p2p.list_peers():
             if info.peer_id == peer_id and any("p2p-circuit" in str(a) for a in info.addrs):
@@ -329,25 +348,26 @@ class Routes:
 
     async def _serve_forwarded(self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A backbone pipes another peer's stream to us: hand it to the named handler as if it came directly."""
-        if info.peer_id not in self.backbones:
-            logger.info(f"refused a forwarded stream from {info.peer_id}: not one of our backbones")
-            with closing(writer):
-                await refuse_stream(writer, "forwarded streams are accepted from our backbones only")
-            return
         try:
-            header = await asyncio.wait_for(read_header(reader, ForwardedHeader, FORWARDED), HEADER_TIMEOUT)
-            sender, name = PeerID.from_base58(header.sender), header.handler
-        except Exception as e:
+            if info.peer_id not in self.backbones:
+                raise ValueError("forwarded streams are accepted from our backbones only")
+            header = await read_header(reader, ForwardedHeader, FORWARDED)
+            serve = self._forwardable.get(header.handler)
+            if serve is None:
+                raise ValueError(f"handler {header.handler!r} does not take forwarded streams here")
+        except Exception as e:  # a ValueError says what is wrong; anything else is a stream that broke off
+            reason = str(e) if isinstance(e, ValueError) else f"bad forwarded stream header: {error_text(e)}"
+            self._refuse(info.peer_id, reason)
             with closing(writer):
-                await refuse_stream(writer, f"bad forwarded stream header: {type(e).__name__}: {e}")
-            return
-        serve = self._forwardable.get(name)
-        if serve is None:
-            with closing(writer):
-                await refuse_stream(writer, f"handler {name!r} does not take forwarded streams here")
+                await refuse_stream(reader, writer, reason)
             return
         self.counts["forwarded_in"] += 1
-        await serve(StreamInfo(sender, info.addr, name), reader, writer)
+        await serve(StreamInfo(PeerID.from_base58(header.sender), info.addr, header.handler), reader, writer)
+
+    def _refuse(self, caller: PeerID, reason: str) -> None:
+        """Count a refused ``dial_me`` or ``forwarded`` request (``counts["refused"]``) and say why, in one line."""
+        self.counts["refused"] += 1
+        logger.info(f"routes: refused a request from {caller}: {reason}")
 
 
 def error_text(error: Exception) -> str:
