@@ -178,6 +178,8 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
             await nodes[0].routes.connect(PeerID.from_base58(ids[1]), await nodes[1].p2p.get_visible_maddrs(),
                                                  "direct")
             ring = Ring(0, 0, 1000, tuple(ids))
+            for averager in averagers:
+                averager.expect([ring], 5)
             values = [torch.full((1000,), float(k)) for k in range(2)]
             started = time.monotonic()
             asked = []

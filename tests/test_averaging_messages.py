@@ -1,15 +1,26 @@
-"""The ring's message schemas (averaging/wire.py): what honest members send parses, on the wire as the same
-msgpack maps as before the schemas, and every bound the hand checks had refuses in one line naming the field.
+"""The ring's messages: their schemas (averaging/wire.py), and who may send what to the mailbox (mailbox.py).
 
-No network: metadata is fed as msgpack bytes, as the handler reads it.
+What honest members send parses, on the wire as the same msgpack maps as before the schemas, and every bound
+the hand checks had refuses in one line naming the field. The mailbox takes a message, note or abort only from
+a member of the ring it names, for a round in its window, and holds at most each member's share.
+
+No network: metadata is fed as msgpack bytes, as the handler reads it; the mailbox is called as the handler
+calls it.
 """
 
 import msgpack
 import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.averaging.wire import (FAILURE_CHARS, MAX_STRIPES, RING_HANDLER, RingAbort, RingArrive, RingPart,
-                                          RingReply, RingRequest, decode_ring_message)
-from ravnest_swarm.net.messages import HANDLERS, MessageError
+from ravnest_swarm.averaging.averager import TURNED_AWAY
+from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
+                                             OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox)
+from ravnest_swarm.averaging.segments import Ring
+from ravnest_swarm.averaging.wire import (FAILURE_CHARS, MAX_STRIPES, RING_HANDLER, ROUND_OVER, RingAbort, RingArrive,
+                                          RingPart, RingReply, RingRequest, decode_ring_message)
+from ravnest_swarm.net.messages import HANDLERS, MessageError, decode_message
 
 PEER = "QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
 BASE = dict(run="demo", step=3, ring=1, position=0, attempt=[])
@@ -67,3 +78,137 @@ def test_a_ring_message_outside_its_schema_is_refused_naming_the_field(metadata,
 
 def test_metadata_that_is_not_a_map_is_refused():
     assert "metadata must be a msgpack map" in refusal([1, 2])
+
+
+def test_an_arrive_note_is_answered_with_whether_the_receiver_is_in_that_round():
+    assert RingReply(arrived=True).as_metadata() == {"arrived": True}
+    assert RingReply(arrived=False).as_metadata() == {"arrived": False}
+    with pytest.raises(MessageError, match="field 'arrived'"):
+        decode_message(RingReply, msgpack.packb({"arrived": 1}), "ring reply")
+
+
+# ---- who may send what to the mailbox ----------------------------------------------------------------------
+
+ME, B, C, D, STRANGER = "peer-me", "peer-bee", "peer-cee", "peer-dee", "stranger"
+# our rings (0 with B and C, 1 with B), and one of the plan's rings we are not in (D's)
+RINGS = [Ring(0, 0, 1000, (ME, B, C)), Ring(1, 1000, 2000, (ME, B)), Ring(2, 2000, 3000, (D,))]
+ROUND = 40
+
+
+def mailbox(max_buffered_bytes=2 * 1024**3, first_step=ROUND - 20, last_step=ROUND + 20) -> Mailbox:
+    box = Mailbox(max_buffered_bytes)
+    expected = Expected(RINGS, ME, first_step, last_step)
+    box.expecting = lambda: expected
+    return box
+
+
+def note(**fields):
+    return dict(run="demo", step=ROUND, ring=0, position=0, attempt=[]) | fields
+
+
+def part(**fields) -> RingPart:
+    return RingPart(**dict(note(phase="reduce"), **fields))
+
+
+def refused(call, *args) -> str:
+    with pytest.raises(ValueError) as refusal:
+        call(*args)
+    reason = str(refusal.value)
+    assert "\n" not in reason, reason
+    return reason
+
+
+def tensor_part(elements: int) -> runtime_pb2.Tensor:
+    return serialize_torch_tensor(torch.zeros(elements))
+
+
+def test_an_abort_from_a_stranger_is_refused_and_excludes_nobody():
+    """The attack of issue #19: an abort naming an honest member as excluded, from a peer outside the ring."""
+    box = mailbox()
+    assert NOT_A_MEMBER in refused(box.note, RingAbort(**note(excluded=[B])), STRANGER)
+    assert NOT_A_MEMBER in refused(box.note, RingAbort(**note(failure="ended by a stranger")), STRANGER)
+    # a peer of the plan in another ring is turned away too (it, or we, follow another plan for a moment)
+    assert OTHER_RING in refused(box.note, RingAbort(**note(excluded=[B])), D)
+    assert OTHER_RING in refused(box.note, RingAbort(**note(ring=1, excluded=[B])), C)  # C is not in ring 1
+    state = box.ring_state(ROUND, 0)
+    assert not state.excluded and state.failure is None and not state.changed.is_set()
+    # a member may exclude a member (it refused that member's chunk), never a peer outside the ring
+    assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)
+    assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[C], attempt=[STRANGER])), B)
+    box.note(RingAbort(**note(excluded=[C])), B)
+    assert state.excluded == {C} and state.changed.is_set()
+
+
+def test_arrive_notes_and_parts_count_only_from_members_of_the_ring_they_name():
+    box = mailbox()
+    assert NOT_A_MEMBER in refused(box.note, RingArrive(**note()), STRANGER)
+    assert NOT_A_MEMBER in refused(box.inbox_for, part(), STRANGER)
+    assert OTHER_RING in refused(box.inbox_for, part(ring=1), C)
+    assert NOT_A_MEMBER in refused(box.inbox_for, part(ring=7), STRANGER)
+    assert OTHER_RING in refused(box.inbox_for, part(ring=7), B)  # no ring 7 of ours
+    assert not box.inboxes and box.ring_state(ROUND, 0).arrived == set()
+    state = box.note(RingArrive(**note()), B)
+    assert state.arrived == {B} and not state.here  # the reply tells B we have not reached the round yet
+    assert box.inbox_for(part(), B) is not None and len(box.inboxes) == 1
+
+
+def test_messages_outside_the_window_of_rounds_are_refused_and_nothing_is_kept():
+    box = mailbox()
+    for step in (ROUND + 21, 10**12):
+        reason = refused(box.note, RingArrive(**note(step=step)), B)
+        assert TOO_FAR_AHEAD in reason and f"up to {ROUND + 20}" in reason
+        assert TOO_FAR_AHEAD in refused(box.inbox_for, part(step=step), B)
+    # a round this peer passed without taking part is over for the sender, as one it finished
+    assert ROUND_OVER in refused(box.note, RingArrive(**note(step=ROUND - 21)), B)
+    box.finish_round(ROUND)
+    assert ROUND_OVER in refused(box.note, RingArrive(**note()), B)
+    assert not box.inboxes and not box._rings
+    # a peer that trains no stage of a plan expects nothing
+    box.expecting = lambda: None
+    assert NOT_EXPECTING in refused(box.note, RingArrive(**note(step=ROUND + 1)), B)
+
+
+def test_each_member_holds_at_most_its_share_of_the_mailbox_and_the_others_keep_theirs():
+    """A member floods the mailbox with ring data for a round not started here: past its share (the mailbox
+    divided among our two partners, B and C) it is refused, and C's messages still fit."""
+    one_part = tensor_part(1000)
+    size = one_part.ByteSize()
+    box = mailbox(max_buffered_bytes=10 * size)  # five parts per partner
+    filed = 0
+    with pytest.raises(ValueError, match=OVER_SHARE):
+        for position in range(100):
+            inbox = box.inbox_for(part(position=position), B)
+            inbox.join(1)
+            box.file(inbox, 0, 0, one_part)
+            filed += 1
+    assert filed == 5
+    for position in range(5):
+        inbox = box.inbox_for(part(position=position), C)
+        inbox.join(1)
+        box.file(inbox, 0, 0, one_part)
+    # message counts are shared the same way: half of MAX_MAILBOX_ENTRIES each
+    box = mailbox()
+    for position in range(MAX_MAILBOX_ENTRIES // 2):
+        box.inbox_for(part(position=position), B)
+    assert OVER_SHARE in refused(box.inbox_for, part(position=10**6), B)
+    assert box.inbox_for(part(position=0), C) is not None
+    # a finished round frees its messages, and the member's share with them
+    box.finish_round(ROUND)
+    assert box.inbox_for(part(step=ROUND + 1), B) is not None
+
+
+def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected():
+    """The averager counts a refusal in ``turned_away`` when an honest member can cause it (a round over here,
+    another plan for a moment), else in ``rejected``, the peer's record's count of hostile input."""
+    box = mailbox(max_buffered_bytes=0)
+    honest = [refused(box.note, RingArrive(**note()), D), refused(box.note, RingArrive(**note(step=1)), B)]
+    hostile = [refused(box.note, RingAbort(**note(excluded=[B])), STRANGER),
+               refused(box.note, RingArrive(**note(step=10**9)), B),
+               refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)]
+    inbox = box.inbox_for(part(), B)
+    inbox.join(1)
+    hostile.append(refused(box.file, inbox, 0, 0, tensor_part(10)))
+    box.expecting = lambda: None
+    honest.append(refused(box.note, RingArrive(**note()), B))
+    assert all(any(marker in reason for marker in TURNED_AWAY) for reason in honest), honest
+    assert not any(marker in reason for reason in hostile for marker in TURNED_AWAY), hostile

@@ -18,10 +18,13 @@ import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.averaging.averager import RING_HANDLER, MultiRingAverager
+from ravnest_swarm.averaging.mailbox import OVER_SHARE
+from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, BackboneServices
 from ravnest_swarm.pipeline import wire
@@ -37,6 +40,7 @@ from ravnest_swarm.net.transport import make_request, unpack_metadata
 RUN = "fuzz"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 LIMIT = 1024 * 1024  # every stream handler here refuses messages over 1 MiB
+RING_BUFFER = 8 * LIMIT  # ring chunks the averager holds for rounds it has not started
 TIMEOUT = 4.0  # ... and streams that stay silent this long
 MAX_RSS_GROWTH = 300 * 1024**2
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -62,7 +66,8 @@ class Peer:
         p2p = self.node.p2p
         self.relay = RelayServices(p2p, max_forward_bytes=LIMIT, forward_timeout=3 * TIMEOUT)
         await BackboneServices(p2p, probe_timeout=TIMEOUT, relay=self.relay).add_handlers()
-        self.averager = MultiRingAverager(self.node.routes, RUN, timeout=TIMEOUT, max_message_bytes=LIMIT)
+        self.averager = MultiRingAverager(self.node.routes, RUN, timeout=TIMEOUT, max_message_bytes=LIMIT,
+                                          max_buffered_bytes=RING_BUFFER)
         await self.averager.start()
         config = StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(1, 3), max_in_flight=4,
                              send_timeout=TIMEOUT, microbatch_timeout=60.0, max_message_bytes=LIMIT)
@@ -72,6 +77,8 @@ class Peer:
                                request_timeout=TIMEOUT).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id
+        # the attacker is the victim's partner in ring 0 of round 5: the ring handler takes its messages
+        self.averager.expect([Ring(0, 0, 10, (self.peer_id.to_base58(), self.attacker.peer_id.to_base58()))], 5)
         # the attacker as a volunteer behind the victim's relay (serving layers, so that forwarded streams reach
         # a handler that reads them), and as one of the victim's backbones
         attacker_routes = await start_routes(self.attacker, [self.peer_id])
@@ -151,7 +158,7 @@ class Peer:
         assert await self.raw(LAYER_STATE_MESSAGE, frames_bytes([layer_request]) + END_OF_STREAM) == "ok"
         probe = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(1000))])
         assert await self.raw(BANDWIDTH_PROBE, frames_bytes([probe]) + END_OF_STREAM) == "ok"
-        abort = make_request(dict(run=RUN, step=10**6, ring=0, phase="abort", position=0, attempt=[]))
+        abort = make_request(dict(run=RUN, step=5, ring=0, phase="abort", position=0, attempt=[]))
         assert await self.raw(RING_HANDLER, frames_bytes([abort]) + END_OF_STREAM) == "ok"
         await self.nat_still_serving(probe)
         return status
@@ -461,6 +468,50 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
     assert any("too many microbatches" in r for r in flood)
     peer.run(peer.still_serving())
     assert rss() - before < MAX_RSS_GROWTH
+
+
+@pytest.mark.timeout(120)
+def test_a_ring_member_flooding_the_mailbox_gets_its_share_and_the_other_member_keeps_its_own(peer):
+    """Attack: a member of one of the victim's rings (the attacker) floods its averaging handler with chunks for
+    a round the victim has not started, each a new message of 256 KiB. Past its share (the victim's buffer for
+    early chunks, divided between its two partners in the ring) every further one is refused in one line and
+    counted in the averager's ``rejected``; the other partner's chunk still fits, and memory stays bounded."""
+    chunk = serialize_torch_tensor(torch.ones(64 * 1024))
+    share = RING_BUFFER // 2
+
+    def message(position):
+        metadata = dict(run=RUN, step=5, ring=0, phase="reduce", position=position, attempt=[])
+        return frames_bytes([make_request(metadata), runtime_pb2.ExpertRequest(tensors=[chunk])]) + END_OF_STREAM
+
+    async def send_as(caller, payload):
+        _, reader, writer = await caller.call_binary_stream_handler(peer.peer_id, RING_HANDLER)
+        try:
+            writer.write(payload)
+            await writer.drain()
+            _, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), TIMEOUT + 10)
+            return "ok" if error is None else error.message
+        finally:
+            writer.close()
+
+    async def attack():
+        partner = await P2P.create(initial_peers=await peer.node.p2p.get_visible_maddrs(), host_maddrs=LOCAL)
+        try:
+            members = (peer.peer_id.to_base58(), peer.attacker.peer_id.to_base58(), partner.peer_id.to_base58())
+            peer.averager.expect([Ring(0, 0, 10**6, members)], 5)
+            flood = [await send_as(peer.attacker, message(position)) for position in range(40)]
+            return flood, await send_as(partner, message(0))
+        finally:
+            await partner.shutdown()
+
+    before = rss()
+    flood, partner_reply = peer.run(attack(), timeout=90)
+    kept = share // chunk.ByteSize()
+    assert flood[:kept] == ["ok"] * kept, flood
+    assert all(OVER_SHARE in reply for reply in flood[kept:]), flood
+    assert partner_reply == "ok"
+    assert peer.averager.rejected == len(flood) - kept and OVER_SHARE in peer.averager.last_rejected
+    assert rss() - before < MAX_RSS_GROWTH
+    peer.run(peer.still_serving())
 
 
 @pytest.mark.timeout(120)

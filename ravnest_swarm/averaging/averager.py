@@ -13,9 +13,12 @@ all rings at once. The parts, each in its own module:
   for them, finish the round in the mailbox, report a :class:`RoundResult`).
 
 Every round is named by its training step: a message for a step that is over here is refused, one for a
-later step waits in the mailbox. The handler reads frames itself (within ``max_message_bytes`` and the ring
-timeout): a message over the limit, metadata that fits no schema, a truncated protobuf or a silent stream
-gets an error with a reason.
+later step waits in the mailbox. Only members of the rings this peer expects (:meth:`MultiRingAverager.expect`,
+or the ``expecting`` its owner gives) may send, for rounds in its window (``mailbox.Mailbox.admit``). The
+handler reads frames itself (within ``max_message_bytes`` and the ring timeout): a message over the limit,
+metadata that fits no schema, a truncated protobuf, a sender outside the ring or a silent stream gets an error
+with a reason, a log line and a count: ``turned_away`` for what honest members cause (a round over here, a plan
+one of us has not adopted yet, a stalled stream), ``rejected`` for the rest, which only a hostile peer sends.
 """
 
 from __future__ import annotations
@@ -26,26 +29,30 @@ import math
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Coroutine, List, Optional, Sequence, Set, Union
+from typing import Callable, Coroutine, List, Optional, Sequence, Set, Union
 
 import torch
 from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from ravnest_swarm.averaging.mailbox import Inbox, Mailbox
+from ravnest_swarm.averaging.mailbox import NOT_EXPECTING, OTHER_RING, Expected, Inbox, Mailbox
 from ravnest_swarm.averaging.ring import Patience, RingPeer, RingRound, RoundLog, SegmentResult
 from ravnest_swarm.averaging.robust import MEAN
 from ravnest_swarm.averaging.robust_ring import attempt_for
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PART_BYTES, RING_HANDLER,
+from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PART_BYTES, RING_HANDLER, ROUND_OVER,
                                           STREAMS_PER_STEP, RingAbort, RingArrive, RingPart, RingReply, RingSender,
                                           decode_ring_message)
 from ravnest_swarm.net.messages import MessageError
 from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.net.transport import iterate_frames, make_response, message_reply, send_reply
+from ravnest_swarm.net.transport import INCOMPLETE, iterate_frames, make_response, message_reply, send_reply
 
 logger = logging.getLogger(__name__)
+
+# refusals honest members cause: a round this peer finished or passed, a plan one of us has not adopted yet, a
+# stream stalled on a busy machine; counted as `turned_away`, apart from the hostile input `rejected` counts
+TURNED_AWAY = (ROUND_OVER, NOT_EXPECTING, OTHER_RING, INCOMPLETE)
 
 # a stopping peer stays this long after the last ring stream it was sent: a sender whose reply was lost sends
 # the stripe again after RESEND_BACKOFF plus a dial, and a peer that had gone would fail its complete ring
@@ -99,7 +106,7 @@ class MultiRingAverager:
     :param part_bytes: size of the streamed parts of a serialized chunk
     :param streams_per_step: concurrent streams one ring message is dealt over (see "Stripes" in ``wire.py``)
     :param max_buffered_bytes: cap on chunks held for rings that have not asked for them yet (early
-        peers), so a stranger cannot make us hold unbounded memory
+        peers), shared among our ring partners, so no member can make us hold unbounded memory
     :param max_message_bytes: a larger stream of a ring message is refused before it is read
     :param max_scale: a received chunk whose largest magnitude exceeds this many times the sum its
         contributions could reach at our own values' scale (at least 1 per element) is refused as poisoned
@@ -123,10 +130,24 @@ class MultiRingAverager:
         self._control_tasks: Set[asyncio.Task] = set()  # notes still being sent
         self._serving: Set[asyncio.Task] = set()  # handler calls still reading a message or sending its reply
         self._last_stream = -math.inf  # time.monotonic() when the last ring stream reached us
+        self.rejected = 0  # messages refused as hostile input: malformed, from outside the ring, out of bounds
+        self.last_rejected: Optional[str] = None  # the last of them, with its reason
+        self.on_rejected: Callable[[str], None] = lambda what: None  # told each of them (the peer's record counts)
+        self.turned_away = 0  # messages refused for when they came (TURNED_AWAY)
 
     @property
     def last_finished_step(self) -> int:
         return self.mailbox.last_finished_step
+
+    def follow(self, expecting: Callable[[], Optional[Expected]]) -> None:
+        """Take ring messages as ``expecting()`` says at the time each arrives (None: none): the owner's rings
+        in the plan it follows, and the rounds near its training step."""
+        self.mailbox.expecting = expecting
+
+    def expect(self, rings: Sequence[Ring], step: int) -> None:
+        """Take ring messages for round ``step`` only, from the members of those of ``rings`` we are in."""
+        expected = Expected(rings, self.peer_id, step, step)
+        self.follow(lambda: expected)
 
     async def start(self) -> None:
         # forwardable: a ring partner behind another NAT reaches us through a backbone (reversal.py)
@@ -185,7 +206,7 @@ class MultiRingAverager:
         with closing(writer):
             reply = await message_reply(RING_HANDLER, stream_info.peer_id,
                                         lambda: self._read_message(reader, sender, filling), self.timeout,
-                                        on_broken=broken)
+                                        on_refused=lambda reason: self._refused(sender, reason), on_broken=broken)
             if reply is None:
                 return
             if isinstance(reply, RPCError):
@@ -213,11 +234,24 @@ class MultiRingAverager:
                 index += 1
         if message is None:
             raise ValueError("empty message: no frames before end of stream")
+        reply = RingReply()
         if not isinstance(message, RingPart):
-            self.mailbox.note(message, sender)
+            state = self.mailbox.note(message, sender)
+            if isinstance(message, RingArrive):
+                reply = RingReply(arrived=state.here)
         elif inbox is not None and not inbox.taken:
             inbox.end_stripe(message.stripe, index)  # a stripe may be empty, the whole message may not
-        return make_response(RingReply().as_metadata())
+        return make_response(reply.as_metadata())
+
+    def _refused(self, sender: str, reason: str) -> None:
+        if any(marker in reason for marker in TURNED_AWAY):
+            self.turned_away += 1
+            logger.info(f"{RING_HANDLER}: turned away a message from {sender[-8:]}: {reason}")
+            return
+        self.rejected += 1
+        self.last_rejected = f"ring message from {sender[-8:]}: {reason}"
+        logger.warning(f"{RING_HANDLER}: rejected a message from {sender}: {reason}")
+        self.on_rejected(self.last_rejected)
 
     def _decode(self, raw: bytes) -> Union[RingPart, RingArrive, RingAbort]:
         """The first frame's metadata, refused unless it fits its schema and is of our run (the mailbox checks
@@ -241,15 +275,20 @@ class MultiRingAverager:
         :param step: the training step that names this round; every member must use the same one
         :param local: this peer's flat float32 range of the vector; averaged segments are written in place
         :param local_start: the flat-vector index of ``local[0]``
-        :param rings: the rings this peer is a member of (see ``segments.rings_of``)
+        :param rings: the rings this peer is a member of (see ``segments.rings_of``); it must be expecting their
+            messages for this round (:meth:`expect`, :meth:`follow`), or their members could not reach it
         :param patience: asked, once the wait for missing members passed the timeout, how many seconds more
             to wait for them; None gives up then
         """
         if step <= self.last_finished_step:
             raise ValueError(f"step {step} is not after the last averaged step {self.last_finished_step}")
+        expected = self.mailbox.expecting()
         for ring in rings:
             if not (local_start <= ring.start and ring.end <= local_start + local.numel()):
                 raise ValueError(f"ring {ring.index} [{ring.start}, {ring.end}) is not inside this peer's range")
+            if expected is None or not expected.first_step <= step <= expected.last_step \
+                    or expected.rings.get(ring.index) != frozenset(ring.members):
+                raise ValueError(f"ring {ring.index} of round {step} is not one this peer expects messages for")
         started = time.monotonic()
         log = RoundLog()
         results = await asyncio.gather(*(

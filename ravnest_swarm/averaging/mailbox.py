@@ -6,25 +6,41 @@ starts its round early never waits for a late one to be listening, and a message
 from the ring's expected predecessor. Notes (who arrived, who was excluded, whether the ring was ended) go
 to the ring's :class:`RingState`, keyed by (step, ring).
 
-A round is named by its training step: a message for a step that is over here is refused, one for a later
-step waits (at most ``max_buffered_bytes`` of parts and ``MAX_MAILBOX_ENTRIES`` inboxes and ring states, so a
-stranger cannot make us hold unbounded memory). When a round ends, everything of that step and earlier is
-dropped, and the keys of its messages that were complete are kept for one more round: a resend whose first
-copy arrived is acknowledged and dropped, not refused.
+Who may send what (:meth:`Mailbox.admit`, before anything is kept): what the peer's owner says it expects now
+(:class:`Expected`: its rings in the plan it follows, and a window of rounds around its training step). A
+message, note or abort counts only from a member of the ring it names, for a round in that window, and may
+name (as excluded before its attempt, or excluded now) only members of that ring. Each ring partner holds at
+most its share of the mailbox (``MAX_MAILBOX_ENTRIES`` inboxes and ``max_buffered_bytes`` of parts, divided
+by the number of partners), so neither a stranger nor a member can make us hold unbounded memory or crowd the
+others out. When a round ends, everything of that step and earlier is dropped, and the keys of its messages
+that were complete are kept for one more round: a resend whose first copy arrived is acknowledged and
+dropped, not refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Dict, List, Optional, Set, Tuple, Union
+from collections import Counter
+from typing import AsyncIterator, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.averaging.wire import ROUND_OVER, RingAbort, RingArrive, RingPart, decode_part
+from ravnest_swarm.averaging.segments import Ring
+from ravnest_swarm.averaging.wire import ROUND_OVER, RingAbort, RingArrive, RingMessage, RingPart, decode_part
 
 MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
+
+# How the mailbox refuses a message for who sent it or when. An honest member can cause the first two (one of us
+# follows a plan the other has not adopted yet, or we are still fetching our layers), and a round over here
+# (wire.ROUND_OVER), so the averager counts those apart from hostile input.
+NOT_EXPECTING = "this peer expects no ring messages now: it trains no stage of a plan yet"
+OTHER_RING = "shares no ring"
+NOT_A_MEMBER = "is in no ring of the plan this peer follows"
+TOO_FAR_AHEAD = "is too far ahead"
+OUTSIDE_THE_RING = "names peers outside ring"
+OVER_SHARE = "holds its share of this mailbox"
 
 # step, ring, attempt (the peers excluded before it), phase, position, sender
 MessageKey = Tuple[int, int, Tuple[str, ...], str, int, str]
@@ -32,6 +48,23 @@ MessageKey = Tuple[int, int, Tuple[str, ...], str, int, str]
 
 def message_key(message: RingPart, sender: str) -> MessageKey:
     return message.step, message.ring, tuple(message.attempt), message.phase, message.position, sender
+
+
+class Expected:
+    """The ring messages this peer takes now: from the members of its rings in the plan it follows, for the
+    rounds ``first_step`` to ``last_step`` (those it has finished are refused anyway).
+
+    :param rings: every ring of the plan (``segments.plan_rings``), or at least this peer's
+    :param peer_id: this peer
+    """
+
+    def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int):
+        self.first_step, self.last_step = first_step, last_step
+        # our rings' members by ring index; everyone the plan puts in a ring (a sender in none is a stranger)
+        self.rings: Dict[int, FrozenSet[str]] = {ring.index: frozenset(ring.members) for ring in rings
+                                                 if peer_id in ring.members}
+        self.planned: FrozenSet[str] = frozenset(member for ring in rings for member in ring.members)
+        self.partners = len(set().union(*self.rings.values()) - {peer_id})
 
 
 class Inbox:
@@ -42,7 +75,8 @@ class Inbox:
     every stream of stripe j is the same part (index j + k x stripes), and only the first copy is kept.
     """
 
-    def __init__(self):
+    def __init__(self, sender: str):
+        self.sender = sender  # whose share of the mailbox it takes
         self.parts: Dict[int, Tuple[torch.Tensor, runtime_pb2.Tensor, int]] = {}  # index: (values, as sent, bytes)
         self.stripes: Optional[int] = None  # set by the first stream of the message that arrives
         self.accepted: List[int] = []  # per stripe: parts kept so far, whichever stream brought them
@@ -93,8 +127,14 @@ class RingState:
         self.arrived: Set[str] = set()
         self.excluded: Set[str] = set()
         self.failure: Optional[str] = None
+        self.here = False  # this peer reached the round: a member's arrive note is answered so
         self.changed = asyncio.Event()  # exclusions or failure: a running attempt must start over or end
         self.arrival = asyncio.Event()  # someone new arrived: only the wait before the first attempt cares
+
+    def arrive(self, member: str) -> None:
+        if member not in self.arrived:
+            self.arrived.add(member)
+            self.arrival.set()
 
     def end(self, failure: str) -> None:
         if self.failure is None:
@@ -113,19 +153,48 @@ class RingState:
 
 
 class Mailbox:
-    """Every inbox and ring state of this peer, bounded, and the rounds it has finished."""
+    """Every inbox and ring state of this peer, bounded, and the rounds it has finished.
+
+    ``expecting`` says what this peer expects now (None: nothing, every message is refused); its owner sets it.
+    """
 
     def __init__(self, max_buffered_bytes: int):
         self.max_buffered_bytes = max_buffered_bytes
+        self.expecting: Callable[[], Optional[Expected]] = lambda: None
         self.last_finished_step = -1
         self.inboxes: Dict[MessageKey, Inbox] = {}
         self._delivered: Set[MessageKey] = set()  # complete when the last round ended: their resends are acked
         self._buffered_bytes = 0
         self._rings: Dict[Tuple[int, int], RingState] = {}
+        self._held_inboxes: Counter = Counter()  # per sender
+        self._held_bytes: Counter = Counter()  # per sender: parts filed and not yet taken
+        self._share = (MAX_MAILBOX_ENTRIES, max_buffered_bytes)  # each partner's, as of the last message admitted
 
     def refuse_if_over(self, step: int) -> None:
         if step <= self.last_finished_step:
             raise ValueError(f"round {step} {ROUND_OVER} (last finished {self.last_finished_step})")
+
+    def admit(self, message: RingMessage, sender: str) -> None:
+        """Refuse, in one line, a message ``sender`` may not send now: for a round over here or outside the
+        window of rounds we expect, for a ring we do not share with it, or naming peers outside that ring."""
+        self.refuse_if_over(message.step)
+        expected = self.expecting()
+        if expected is None:
+            raise ValueError(NOT_EXPECTING)
+        members = expected.rings.get(message.ring)
+        if members is None or sender not in members:
+            if sender in expected.planned:  # a partner in another ring: one of us follows another plan
+                raise ValueError(f"{sender[-8:]} {OTHER_RING} {message.ring} with this peer in the plan it follows")
+            raise ValueError(f"{sender[-8:]} {NOT_A_MEMBER}")
+        if message.step < expected.first_step:  # a round we passed without taking part: it ends for the sender
+            raise ValueError(f"round {message.step} {ROUND_OVER} (this peer is at round {expected.first_step} or later)")
+        if message.step > expected.last_step:
+            raise ValueError(f"round {message.step} {TOO_FAR_AHEAD} (this peer takes rounds up to {expected.last_step})")
+        named = set(message.attempt) | set(getattr(message, "excluded", None) or ())
+        if not named <= members:
+            raise ValueError(f"{message.phase} message {OUTSIDE_THE_RING} {message.ring}")
+        self._share = (MAX_MAILBOX_ENTRIES // max(1, expected.partners),
+                       self.max_buffered_bytes // max(1, expected.partners))
 
     # ---- the handler's side ------------------------------------------------------------------------
 
@@ -134,9 +203,12 @@ class Mailbox:
         key = message_key(message, sender)
         if message.step <= self.last_finished_step and key in self._delivered:
             return None  # the sender lost our reply: acknowledge again, keep nothing
-        self.refuse_if_over(message.step)
-        if key not in self.inboxes and len(self.inboxes) >= MAX_MAILBOX_ENTRIES:
-            raise ValueError("too many ring messages waiting here; retry later")
+        self.admit(message, sender)
+        if key not in self.inboxes:
+            if self._held_inboxes[sender] >= self._share[0]:
+                raise ValueError(f"{sender[-8:]} {OVER_SHARE}: {self._held_inboxes[sender]} ring messages")
+            if len(self.inboxes) >= MAX_MAILBOX_ENTRIES:
+                raise ValueError("too many ring messages waiting here; retry later")
         return self._inbox(key)
 
     def file(self, inbox: Inbox, stripe: int, index: int, part: runtime_pb2.Tensor) -> None:
@@ -149,29 +221,31 @@ class Mailbox:
         if index > inbox.accepted[stripe]:
             raise ValueError(f"ring stripe part {index} arrived before part {inbox.accepted[stripe]}")
         size = part.ByteSize()  # reading .buffer would copy the bytes out of the protobuf just to count them
+        if self._held_bytes[inbox.sender] + size > self._share[1]:
+            raise ValueError(f"{inbox.sender[-8:]} {OVER_SHARE}: {self._share[1]} bytes of ring data")
         if self._buffered_bytes + size > self.max_buffered_bytes:
             raise ValueError("too much ring data buffered here; retry later")
         inbox.parts[stripe + index * inbox.stripes] = (decode_part(part), part, size)
         inbox.accepted[stripe] += 1
         self._buffered_bytes += size
+        self._held_bytes[inbox.sender] += size
         inbox.notify()
 
-    def note(self, note: Union[RingArrive, RingAbort], sender: str) -> None:
-        """A member arrived, or excluded peers from the ring or ended it."""
-        self.refuse_if_over(note.step)
+    def note(self, note: Union[RingArrive, RingAbort], sender: str) -> RingState:
+        """A member arrived, or excluded peers from the ring or ended it; the ring's state (is this peer there)."""
+        self.admit(note, sender)
         if (note.step, note.ring) not in self._rings and len(self._rings) >= MAX_MAILBOX_ENTRIES:
             raise ValueError("too many rings pending here; retry later")
         state = self.ring_state(note.step, note.ring)
         if isinstance(note, RingArrive):
-            if sender not in state.arrived:
-                state.arrived.add(sender)
-                state.arrival.set()
-            return
+            state.arrive(sender)
+            return state
         if note.excluded and not set(note.excluded) <= state.excluded:
             state.excluded |= set(note.excluded)
             state.changed.set()
         if note.failure:
             state.end(f"ended by {sender[-8:]}: {note.failure}")
+        return state
 
     # ---- the rings' side ---------------------------------------------------------------------------
 
@@ -187,6 +261,7 @@ class Mailbox:
                     tensor, part, size = inbox.parts.pop(inbox.next)
                     inbox.next += 1
                     self._buffered_bytes -= size
+                    self._held_bytes[inbox.sender] -= size
                     yield tensor, part
                 elif inbox.error is not None:
                     raise ConnectionError(f"the {key[3]} step {key[4]} message from {key[-1][-8:]} {inbox.error}")
@@ -211,16 +286,21 @@ class Mailbox:
         for key in [key for key in self.inboxes if key[0] <= step]:
             inbox = self.inboxes.pop(key)
             self._drop_parts(inbox)
+            self._held_inboxes[inbox.sender] -= 1
             inbox.error = inbox.error or "arrived after its round ended"
             inbox.notify()
         for key in [key for key in self._rings if key[0] <= step]:
             del self._rings[key]
+        self._held_inboxes, self._held_bytes = +self._held_inboxes, +self._held_bytes  # forget senders holding none
 
     def _inbox(self, key: MessageKey) -> Inbox:
         if key not in self.inboxes:
-            self.inboxes[key] = Inbox()
+            self.inboxes[key] = Inbox(key[-1])
+            self._held_inboxes[key[-1]] += 1
         return self.inboxes[key]
 
     def _drop_parts(self, inbox: Inbox) -> None:
-        self._buffered_bytes -= sum(size for _, _, size in inbox.parts.values())
+        size = sum(size for _, _, size in inbox.parts.values())
+        self._buffered_bytes -= size
+        self._held_bytes[inbox.sender] -= size
         inbox.parts.clear()

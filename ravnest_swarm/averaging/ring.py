@@ -200,12 +200,16 @@ class RingRound:
 
     def _say_arrived(self, deadline: float) -> None:
         """Tell every other member, in the background, that we reached the round: each starts the ring once
-        all have. A member that refuses it as a round it has finished will never come: that ends the ring."""
+        all have. A member that refuses it as a round it has finished will never come: that ends the ring. One
+        that answers it is here already counts as arrived: its own note may have reached us before we expected
+        this round's messages, and been refused."""
         note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[])
+        self.state.here = True
 
         async def tell(member: str) -> None:
             try:
-                await self.peer.sender.send_note(member, note, deadline)
+                if (await self.peer.sender.send_note(member, note, deadline)).arrived:
+                    self.state.arrive(member)
             except P2PHandlerError as e:
                 if ROUND_OVER in str(e):
                     self.state.end(f"{member[-8:]} is past round {self.step}")

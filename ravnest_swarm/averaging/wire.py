@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Annotated, AsyncIterator, Callable, List, Literal, Optional, Union
+from typing import Annotated, AsyncIterator, Callable, List, Literal, Optional, Tuple, Union
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -120,13 +120,21 @@ class RingRequest(RootModel[Annotated[
 
 
 class RingReply(Message):
-    """A ring message is answered with empty metadata: it was filed (or was a resend of one already here)."""
+    """A ring message was filed (or was a resend of one already here). An arrive note is answered with whether
+    the receiver has reached that round too (``arrived``): a note of its own may have come before we expected
+    messages of that round, and been refused; every other message with empty metadata."""
+
+    arrived: Optional[bool] = None
+
+    def as_metadata(self) -> dict:
+        return self.model_dump(exclude_none=True)
 
 
 register_handler(Handler(
     name=RING_HANDLER, request=RingRequest, reply=RingReply, max_bytes=MAX_MESSAGE_BYTES,
-    callers="members of a ring of ours in the adopted plan: a chunk counts only from the ring's expected "
-            "predecessor and an arrive note only from a member; an abort note is not checked against the members",
+    callers="members of a ring of ours in the plan we follow: every message (part, arrive or abort note) only from "
+            "a member of the ring it names, for a round in our window, naming only that ring's members; a chunk "
+            "counts only from the ring's expected predecessor",
     owner=__name__))
 
 
@@ -215,7 +223,7 @@ class RingSender:
             peer, message.model_copy(update=dict(stripe=stripe, stripes=stripes)),
             lambda stripe=stripe: outbox.stripe(stripe, stripes), deadline)) for stripe in range(stripes)]
         try:
-            resends = sum(await asyncio.gather(*sends))
+            resends = sum(resent for _, resent in await asyncio.gather(*sends))
         finally:
             for send in sends:
                 send.cancel()
@@ -223,17 +231,19 @@ class RingSender:
         outbox.delivered()
         return resends
 
-    async def send_note(self, peer: str, note: Union[RingArrive, RingAbort], deadline: float) -> int:
-        """A note, on one stream, resent like a stripe; returns how many times it was sent again."""
-        return await self._send_stream(peer, note, None, deadline)
+    async def send_note(self, peer: str, note: Union[RingArrive, RingAbort], deadline: float) -> RingReply:
+        """A note, on one stream, resent like a stripe; the receiver's reply."""
+        response, _ = await self._send_stream(peer, note, None, deadline)
+        return decode_message(RingReply, response.metadata, "ring reply")
 
     async def _send_stream(self, peer: str, message: RingMessage,
-                           parts: Optional[Callable[[], AsyncIterator[runtime_pb2.Tensor]]], deadline: float) -> int:
+                           parts: Optional[Callable[[], AsyncIterator[runtime_pb2.Tensor]]],
+                           deadline: float) -> Tuple[runtime_pb2.ExpertResponse, int]:
         """One stream: the metadata, then every part ``parts()`` yields as soon as it is ready (None: none).
 
         A transport failure (the stream closed or reset, the reply lost) sends it again from its first part, up
         to ``MAX_RESENDS`` times within ``deadline``; the receiver keeps each part once. A refusal from the
-        receiver is final. Returns how many times the stream was sent again.
+        receiver is final. Returns the receiver's reply and how many times the stream was sent again.
         """
         metadata = message.as_metadata()
         routes, peer_id = self.routes, PeerID.from_base58(peer)
@@ -249,9 +259,10 @@ class RingSender:
         resends = 0
         while True:
             try:
-                await asyncio.wait_for(routes.call(peer_id, RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
-                                       max(0.0, deadline - time.monotonic()))
-                return resends
+                response = await asyncio.wait_for(
+                    routes.call(peer_id, RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
+                    max(0.0, deadline - time.monotonic()))
+                return response, resends
             except (P2PHandlerError, asyncio.TimeoutError):
                 raise
             except Exception as e:

@@ -239,7 +239,9 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
             await publish_plan_when_placed(node, options.run, options.publish_plan, deadline)
         plan = await read_plan(node, options.run, deadline)
         me = node.peer_id.to_base58()
-        rings = rings_of(me, plan_rings(plan, options.layer_sizes))
+        every_ring = plan_rings(plan, options.layer_sizes)
+        rings = rings_of(me, every_ring)
+        averager.expect(every_ring, options.step)  # before the others reach the round: their notes count here
         await connect_members(node, options.run, rings)
         local = synthetic_range(options.seed, options.cluster, options.layer_sizes, options.layers)
         if options.poison:

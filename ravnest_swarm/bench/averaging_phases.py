@@ -49,7 +49,9 @@ async def run_bench_phases(node, averager, options, plan: dict, local: torch.Ten
                          for k in range(config["clusters"])]).mean(0)
     original = local.clone()
 
-    rings = rings_of(me, plan_rings(plan, options.layer_sizes))
+    every_ring = plan_rings(plan, options.layer_sizes)
+    rings = rings_of(me, every_ring)
+    averager.expect(every_ring, 1)
     print("ready multiring", flush=True)
     await asyncio.to_thread(wait_for_signal, directory, "go-multiring")
     result = await averager.average(1, local, start, rings)
@@ -61,7 +63,9 @@ async def run_bench_phases(node, averager, options, plan: dict, local: torch.Ten
 
     report["hivemind"] = await _hivemind_phase(options, plan, original.clone(), start, config)
 
-    single = rings_of(me, plan_rings(single_ring_plan(plan, options.layer_sizes), options.layer_sizes))
+    every_single = plan_rings(single_ring_plan(plan, options.layer_sizes), options.layer_sizes)
+    single = rings_of(me, every_single)
+    averager.expect(every_single, 2)
     whole = synthetic_range(options.seed, options.cluster, options.layer_sizes, (0, len(options.layer_sizes))) \
         if single else None
     await connect_members(node, options.run, single)
@@ -92,11 +96,13 @@ async def run_robust_phases(node, averager, options, plan: dict, local: torch.Te
     exact = torch.stack([synthetic_range(options.seed, k, options.layer_sizes, options.layers).double()
                          for k in range(config["clusters"])]).mean(0)
     spread = (honest - exact).abs().max().item()
-    rings = rings_of(me, plan_rings(plan, options.layer_sizes))
+    every_ring = plan_rings(plan, options.layer_sizes)
+    rings = rings_of(me, every_ring)
     for step, phase in enumerate(ROBUST_PHASES, start=1):
         aggregation = config["robust"] if phase.startswith("robust") else MEAN
         # the same averager (its handler, its mailbox), its rings told to aggregate this phase's way
         averager.ring_peer = dataclasses.replace(averager.ring_peer, attempt=attempt_for(aggregation))
+        averager.expect(every_ring, step)
         values = (attacked if phase.endswith("attacked") else local).clone()
         print(f"ready {phase}", flush=True)
         await asyncio.to_thread(wait_for_signal, directory, f"go-{phase}")

@@ -41,7 +41,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.partners import connect_members
-from ravnest_swarm.averaging.segments import plan_rings
+from ravnest_swarm.averaging.mailbox import Expected
+from ravnest_swarm.averaging.segments import Ring, plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
@@ -144,6 +145,9 @@ class Volunteer:
                                           aggregation=run_spec.aggregation)
         self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
         self._adopted = asyncio.Event()
+        self.averager.follow(self._expected_ring_messages)
+        self.averager.on_rejected = self._ring_message_rejected
+        self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
         self._rate_worker: Optional[StageWorker] = None
@@ -445,6 +449,23 @@ class Volunteer:
             self._averaging_failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
         self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
                               averaging_failures=self.averaging_failures)
+
+    def _expected_ring_messages(self) -> Optional[Expected]:
+        """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
+        rounds from one averaging period before our worker's step to two after it (a faster cluster waits at
+        its next round, or goes on to the one after if that round failed); none while we train no stage."""
+        worker, plan = self.worker, self.plan
+        if worker is None or plan is None:
+            return None
+        if self._plan_rings[0] is not plan:
+            self._plan_rings = (plan, plan_rings(plan, self.layer_sizes))
+        period = self.spec.averaging_period
+        return Expected(self._plan_rings[1], self.peer_id, worker.version - period, worker.version + 2 * period)
+
+    def _ring_message_rejected(self, reason: str) -> None:
+        """The averager refused hostile input: our record counts it and its note says what it was."""
+        self.rejected_before += 1
+        self._note(f"{REFUSAL_NOTE} {reason}")
 
     def _averaging_failed(self, step: int, cause: str, summary: Optional[str] = None) -> None:
         self.averaging_failures += 1
