@@ -91,3 +91,24 @@ def test_one_plausibly_scaled_row_of_four_moves_the_result_less_than_the_honest_
 def test_the_choices_are_the_run_specs():
     assert AGGREGATIONS == ("mean", TRIMMED_MEAN, CENTERED_CLIP)
     assert set(ROBUST_AGGREGATES) == set(AGGREGATIONS) - {"mean"}
+
+
+def test_the_run_spec_carries_the_aggregation_signed_and_refuses_another():
+    """A run started with a robust aggregation publishes it in the owner-signed spec every joiner reads (and
+    builds its averager from: ``swarm/volunteer.py``); changing it breaks the signature; a record naming an
+    aggregation this version lacks is refused by the schema."""
+    import pydantic.v1 as pydantic
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from ravnest_swarm.membership.owner import spec_owner
+    from ravnest_swarm.membership.records import RunSpecRecord
+    from ravnest_swarm.swarm.spec import RunSpec
+
+    record = RunSpec("mlp-digits", aggregation=CENTERED_CLIP).record(RSAPrivateKey())
+    assert RunSpec.from_record(RunSpecRecord.parse_obj(record).dict()).aggregation == CENTERED_CLIP
+    assert spec_owner(record) is not None and spec_owner(dict(record, aggregation="mean")) is None
+    assert RunSpec.from_record(RunSpec("mlp-digits").record(RSAPrivateKey())).aggregation == "mean"
+    for aggregation in AGGREGATIONS:
+        RunSpecRecord.parse_obj(dict(record, aggregation=aggregation))
+    with pytest.raises(pydantic.ValidationError, match="aggregation"):
+        RunSpecRecord.parse_obj(dict(record, aggregation="median"))
