@@ -134,7 +134,7 @@ register_handler(Handler(
     name=RING_HANDLER, request=RingRequest, reply=RingReply, max_bytes=MAX_MESSAGE_BYTES,
     callers="members of a ring of ours in the plan we follow: every message (part, arrive or abort note) only from "
             "a member of the ring it names, for a round in our window, naming only that ring's members; a chunk "
-            "counts only from the ring's expected predecessor",
+            "counts only from the ring's expected predecessor (robust aggregation: a reduce chunk from each member)",
     owner=__name__))
 
 
