@@ -7,15 +7,19 @@ import time
 
 import pytest
 import torch
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import CompressionType
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import split_for_streaming
+from hivemind.utils.timed_storage import get_dht_time
 
 from pipeline_helpers import read_report, start_stages, wait_all
-from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.records import StageEndpoint, make_validators, stage_subkey_prefix, stages_key
 from ravnest_swarm.pipeline import wire
+from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.endpoints import EndpointResolver
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
@@ -381,3 +385,71 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
         check_targets(out_of_range, 10)
     check_targets(torch.tensor([0, 9, -100]), 10)  # cross-entropy's ignore_index is no error
     check_targets(torch.tensor([0.5, 99.0]), 10)  # float targets are the loss's to judge
+
+
+@pytest.mark.timeout(180)
+def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolve_to_a_stranger(backbone, caplog):
+    """Stage 0 and stage 1 name each other, as a plan names them. A stranger writes a newer endpoint record
+    for stage 1's slot (the old rule, newest ``time`` wins, sent stage 0 there on every re-resolve). Stage 1
+    then dies; the next plan puts a standby in its slot, and stage 0 follows that plan's neighbours. Every
+    re-resolve finds only the peer named for the slot: the stranger gets nothing, the standby takes the
+    traffic, and the run ends with every microbatch completed or dropped and counted."""
+    run, total, in_flight = "named", 120, 2
+    ranges = [(0, 5), (5, 9)]
+
+    def config(stage, neighbours):
+        return StageConfig(run=run, stage=stage, stages=2, model="mlp-digits", layers=ranges[stage],
+                           microbatches=total, microbatch_size=8, max_in_flight=in_flight, microbatch_timeout=4,
+                           send_timeout=60, heartbeat=5, neighbours=neighbours)
+
+    async def until(condition, timeout, what):
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.1)
+
+    async def scenario():
+        # the stranger signs with a key of its own (the stages here share this process's), as a stranger would
+        stranger_key = RSASignatureValidator(RSAPrivateKey())
+        nodes, workers, caught = [], [], []
+
+        async def catch(info, reader, writer):
+            caught.append(info.peer_id.to_base58())
+            writer.close()
+
+        try:
+            for index in range(4):
+                nodes.append(await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                              record_validators=make_validators(run) if index < 3 else
+                                              [stranger_key, *make_validators(run)[1:]]))
+            first_id, dying_id, standby_id, stranger_id = (node.peer_id.to_base58() for node in nodes)
+            await nodes[3].p2p.add_binary_stream_handler(wire.FORWARD, catch)
+            # the stranger's endpoint for stage 1, newer than any honest renewal, for as long as the test runs
+            record = StageEndpoint(peer_id=stranger_id, model="mlp-digits", layers=list(ranges[1]), version=0,
+                                   maddrs=[str(m) for m in await nodes[3].p2p.get_visible_maddrs()],
+                                   time=time.time() + 10**6).dict()
+            assert await nodes[3].store(stages_key(run), record, get_dht_time() + 600,
+                                        subkey=stage_subkey_prefix(0, 1) + stranger_key.local_public_key)
+            first = StageWorker(config(0, Neighbours(next=dying_id)), nodes[0])
+            dying = StageWorker(config(1, Neighbours(previous=first_id)), nodes[1])
+            workers += [first, dying]
+            await dying.start()
+            await first.start()
+            await until(lambda: first.counters.completed >= 10, 60, "no progress before stage 1 died")
+            await dying.shutdown()
+            workers.remove(dying)
+            standby = StageWorker(config(1, Neighbours(previous=first_id)), nodes[2])
+            workers.append(standby)
+            await standby.start()
+            first.follow_neighbours(Neighbours(next=standby_id))  # the plan that placed the standby
+            await asyncio.wait_for(first.finished.wait(), 120)
+            return first.counters, standby.counters, caught, stranger_id
+        finally:
+            await shutdown(workers, nodes)
+
+    torch.set_num_threads(1)
+    with caplog.at_level(logging.WARNING, logger="ravnest_swarm.pipeline"):
+        first, standby, caught, stranger = asyncio.run(scenario())
+    assert caught == [] and first.rejected == 0 and standby.rejected == 0
+    assert first.completed + first.dropped == total and first.dropped <= 2 * in_flight and standby.forwards >= 1
+    assert not any(stranger in record.message for record in caplog.records)
