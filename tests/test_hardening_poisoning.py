@@ -18,7 +18,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.averaging.robust import CENTERED_CLIP, ROBUST_AGGREGATES, TRIMMED_MEAN
+from ravnest_swarm.averaging.robust import CENTERED_CLIP, ROBUST_AGGREGATES, TRIMMED_MEAN, trimmed_mean
 from ravnest_swarm.averaging.segments import chunk_bounds
 from ravnest_swarm.models import get_model
 from ravnest_swarm.pipeline import wire
@@ -97,6 +97,36 @@ def test_a_plausibly_scaled_contribution_is_bounded_by_the_robust_aggregate(proc
             got = values[lo - result["start"]:hi - result["start"]]
             assert (got - expected).abs().max() <= 1e-5, (name, segment)
             assert (got - unscaled[lo:hi]).abs().max() < spread, (name, segment)
+
+
+@pytest.mark.timeout(150)
+def test_a_nan_contribution_to_a_robust_ring_is_refused_and_the_rest_aggregate_without_it(processes, backbone,
+                                                                                       tmp_path):
+    """Attack: with trimmed_mean, c3s1 puts a NaN in the middle of its layers 3-6 (element 1850, in the chunk
+    of ring 1 that c1s0 owns). Its owner receives it straight from c3s1, refuses it naming c3s1 (nobody
+    forwards another's values here), and ring 1 runs again with the three others, whose trimmed mean is their
+    median; ring 0, where c3 is honest c3s0, aggregates all four."""
+    layouts = [[0, 6], [0, 6], [0, 6], [0, 3, 6]]
+    extra = {name: ["--aggregation", TRIMMED_MEAN] for name in ("c0s0", "c1s0", "c2s0", "c3s0")}
+    extra["c3s1"] = ["--aggregation", TRIMMED_MEAN, "--poison", "nan"]
+    peers = start_swarm(processes, backbone, layouts, "avgrobustnan", tmp_path, extra=extra)
+    results = {name: finish(peer) for name, peer in peers.items()}
+    culprit = results["c3s1"]["peer_id"]
+    reports = [r for result in results.values() for r in result["rejected"]]
+    assert reports and all(r["peer"] == culprit and "NaN" in r["reason"] for r in reports), reports
+    every = torch.stack([exact_mean([k]) for k in range(4)]).float()
+    boundary = results["c3s1"]["start"]  # ring 1 starts where c3s1's range does
+    for name, result in results.items():
+        for segment in result["segments"]:
+            hit = segment["start"] >= boundary
+            if name == "c3s1":
+                assert segment["status"] == "excluded", segment
+                continue
+            assert segment["status"] == "ok" and segment["members"] == (3 if hit else 4), (name, segment)
+            lo, hi = segment["start"], segment["end"]
+            expected = trimmed_mean(every[:3 if hit else 4, lo:hi]).double()
+            got = averaged(tmp_path, name)[lo - result["start"]:hi - result["start"]]
+            assert (got - expected).abs().max() <= 1e-5, (name, segment)
 
 
 @pytest.mark.timeout(240)
