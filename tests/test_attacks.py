@@ -427,8 +427,8 @@ def test_far_future_ring_messages_fill_the_mailbox(attacked_run):
     memory_before = process.memory_info().rss
     stranger, replies = asyncio.run(send_ring_messages(victim, [(metadata, [chunk]) for metadata in far + near]))
     grown = process.memory_info().rss - memory_before
-    assert len(replies) == 96 and all(NOT_A_MEMBER in reply for reply in replies), set(replies)
     print(f"v0's memory while refusing 96 MiB of ring chunks: {grown / 1024**2:+.1f} MiB")
+    assert len(replies) == 96 and all(NOT_A_MEMBER in reply for reply in replies), set(replies)
     assert grown < 32 * 1024**2, f"the victim grew by {grown / 1024**2:.0f} MiB while refusing 96 MiB"
     wait_for_ring_refusals(attacked_run, victim, 96, stranger)
     attacked_run.keeps_training()
