@@ -27,12 +27,12 @@ from hivemind.utils.timed_storage import get_dht_time
 from run_observer import RunObserver
 from ravnest_swarm.averaging.mailbox import NOT_A_MEMBER
 from ravnest_swarm.averaging.wire import RING_HANDLER
-from ravnest_swarm.membership.reader import read_peers
+from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
-from ravnest_swarm.membership.records import (StageEndpoint, make_validators, spec_key, stage_subkey_prefix,
-                                           stages_key)
+from ravnest_swarm.membership.records import (PeerRecord, StageEndpoint, make_validators, peers_key, spec_key,
+                                           stage_subkey_prefix, stages_key)
 from ravnest_swarm.models import get_model
-from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.transport import make_request, unpack_metadata
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
@@ -41,6 +41,7 @@ from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.processes import ProcessGroup
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec, read_specs
+from ravnest_swarm.swarm.state_transfer import LayerStateServer, fill_layer, offered_layers, offers_of
 from test_hardening_handlers import END_OF_STREAM, frames_bytes
 
 RUN = "attacked"
@@ -432,6 +433,97 @@ def test_far_future_ring_messages_fill_the_mailbox(attacked_run):
     assert grown < 32 * 1024**2, f"the victim grew by {grown / 1024**2:.0f} MiB while refusing 96 MiB"
     wait_for_ring_refusals(attacked_run, victim, 96, stranger)
     attacked_run.keeps_training()
+
+
+HUGE_STEP = 10**15
+
+
+class HostileHolder(LayerStateServer):
+    """A holder of every layer that serves them altered; counts the requests it gets."""
+
+    asked = 0
+
+    def _snapshot(self, *args):
+        self.asked += 1
+        return super()._snapshot(*args)
+
+
+@pytest.mark.timeout(240)
+def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attacked_run):
+    """Attack: a raw libp2p peer of the test's own writes a signed peer record offering every layer of the
+    model at step 10^15 (as a peer that hands its layers over as it leaves, so that no planner places it)
+    and serves ``ravnest.layer_state`` with every tensor altered, live and as an averaged copy. A joiner that
+    fills the model's layers from the run's holders as ``join`` does (``state_transfer.fill_layer`` with the
+    run's records and adopted plan) sees the offer, yet takes each layer from v0 or v1, which the plan
+    names, at their step: the hostile is never asked, no layer holds its values, and v0 and v1 train on."""
+    model = get_model("mlp-digits")
+    layers = len(model.layers)
+    altered = model.build_stage(0, layers)
+    with torch.no_grad():
+        for parameter in altered.parameters():
+            parameter.fill_(1000.0)
+    local = ["/ip4/127.0.0.1/tcp/0"]
+
+    async def attack():
+        key = RSAPrivateKey()
+        signer = RSASignatureValidator(key)
+        hostile = await start_node(parse_maddrs([attacked_run.maddr]), host_maddrs=local,
+                                   record_validators=[signer, *make_validators(RUN)[1:]])
+        joiner = None
+        try:
+            server = HostileHolder(hostile.routes, RUN, lambda: offered_layers(0, altered, HUGE_STEP))
+            server.keep_averaged(offered_layers(0, altered, HUGE_STEP))
+            await server.start()
+            record = PeerRecord.parse_obj(dict(
+                peer_id=hostile.peer_id.to_base58(), name="hostile-holder", state="leaving", ram_gb=1.0,
+                bandwidth_mbps=100.0, gflops=20.0, reachability="direct", version="0",
+                maddrs=[str(m) for m in await hostile.p2p.get_visible_maddrs()], time=time.time(), layers=None,
+                held=[0, layers, HUGE_STEP])).dict()
+            assert await hostile.store(peers_key(RUN), record, get_dht_time() + 30, subkey=signer.local_public_key)
+
+            joiner = await start_node(parse_maddrs([attacked_run.maddr]), host_maddrs=local, client_mode=True,
+                                      record_validators=make_validators(RUN))
+            for _ in range(20):
+                records = await read_peers(joiner, RUN)
+                if any(r["name"] == "hostile-holder" for r in records):
+                    break
+                await asyncio.sleep(0.5)
+            plan = await read_adopted_plan(joiner, RUN)
+            by_id = {r["peer_id"]: r for r in records}
+
+            async def reach(holder: PeerID) -> str:
+                found = by_id[holder.to_base58()]
+                return await joiner.routes.connect(holder, maddrs_without_peer_id(found["maddrs"], holder),
+                                                   found.get("reachability"))
+
+            fresh = model.build_stage(0, layers)
+            offers = [offers_of(records, plan, layer) for layer in range(layers)]
+            filled = [await fill_layer(joiner.routes, RUN, fresh[layer], layer, offers[layer], 30.0, reach=reach)
+                      for layer in range(layers)]
+            return offers, filled, fresh, server.asked, hostile.peer_id
+        finally:
+            for node in (joiner, hostile):
+                if node is not None:
+                    await stop_node(node)
+
+    before = attacked_run.training()
+    offers, filled, fresh, asked, hostile_id = asyncio.run(attack())
+    # the attack was in view: every layer was offered by the hostile at its huge step
+    assert all(any(o.holder == hostile_id and o.step == HUGE_STEP and not o.planned for o in layer_offers)
+               for layer_offers in offers), offers
+    assert all(f.loaded and f.step > 0 for f in filled), [(f.step, f.problem) for f in filled]
+    assert asked == 0
+    # each step is one that v0 or v1 reached (their records, renewed every heartbeat, catch up with it)
+    attacked_run.wait_for(lambda peers: max(peers[name].get("step") or 0 for name in ("v0", "v1")) >=
+                          max(f.step for f in filled), 60, "v0's or v1's record reaches the steps the joiner took")
+    seeded = model.build_stage(0, layers)
+    for layer in range(layers):
+        for name, tensor in fresh[layer].state_dict().items():
+            assert not torch.equal(tensor, altered[layer].state_dict()[name]), (layer, name)
+            if tensor.is_floating_point() and name.endswith("weight"):
+                assert not torch.equal(tensor, seeded[layer].state_dict()[name]), (layer, name)  # v0's or v1's
+    after = attacked_run.keeps_training()
+    assert all(after[name]["cluster"] == before[name]["cluster"] for name in ("v0", "v1"))
 
 
 # --- attacks go above this line, each a test named after its attack ---

@@ -183,7 +183,6 @@ class Peer:
         assert await self.raw_reply(PROBE, frames_bytes([probe]) + END_OF_STREAM) == ("ok", {"bytes": 1000})
 
 
-
 @pytest.fixture
 def peer():
     victim = Peer()

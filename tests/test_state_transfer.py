@@ -1,20 +1,82 @@
-"""Layer downloads between two real P2P nodes: a stream cut short is retried; a holder that keeps
-cutting it is reported and the layer keeps its local weights."""
+"""Layer downloads between real P2P nodes, and whom a joiner believes.
+
+A stream cut short is retried; a holder that keeps cutting it is reported and the layer keeps its local
+weights. Hostile holders (raw libp2p peers serving ``ravnest.layer_state``) are not trusted: one outside
+the plan that claims a huge step with altered tensors is never asked while a holder the plan names
+offers the layer; where two or more holders count, the layer is loaded only when two serve the same
+averaged copy, and the step is the median of their claims.
+"""
 
 import asyncio
 import copy
+from typing import List
 
 import torch
-from hivemind.p2p import P2P
-
-from ravnest_swarm.net.routes import Routes
+from hivemind.p2p import P2P, PeerID
 
 from ravnest_swarm.models import get_model
-from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
+from ravnest_swarm.net.routes import Routes
+from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, content_digest,
+                                                counted_offers, fill_layer, offered_layers, offers_of)
 
 RUN = "transfer"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+HUGE_STEP = 10**15
 
+
+def trained_stage(shift: float) -> torch.nn.Sequential:
+    """Layers 0:3 of mlp-digits moved away from the seeded weights by ``shift``."""
+    stage = get_model("mlp-digits").build_stage(0, 3)
+    with torch.no_grad():
+        for parameter in stage.parameters():
+            parameter.add_(shift)
+    return stage
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(tensor, b.state_dict()[name]) for name, tensor in a.state_dict().items())
+
+
+# ---- whom to believe: pure rules ----------------------------------------------------------------------
+
+PEERS = [PeerID.from_base58(text) for text in ("QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco",
+                                                "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+                                                "QmSoLnSGccFuZQJzRadHn95W2CrSFmZuTdDWP8HXaHca9z")]
+
+
+def test_the_step_is_the_median_of_the_planned_holders_claims_never_the_highest():
+    honest = [LayerOffer(PEERS[0], 100, True), LayerOffer(PEERS[1], 104, True)]
+    stranger = LayerOffer(PEERS[2], HUGE_STEP, False)
+    assert counted_offers(honest + [stranger]) == honest and agreed_step(counted_offers(honest + [stranger])) == 100
+    # a holder the plan names can lie too: one claim among three moves nothing
+    assert agreed_step([honest[0], LayerOffer(PEERS[2], HUGE_STEP, True), honest[1]]) == 104
+    assert agreed_step([honest[0], LayerOffer(PEERS[2], 0, True), honest[1]]) == 100
+    # where the plan names no holder (a leaver handing over), the others count
+    assert counted_offers([stranger]) == [stranger]
+    # two records naming one peer make one witness, at the lower claim
+    assert counted_offers([honest[0], LayerOffer(PEERS[0], HUGE_STEP, True)]) == [honest[0]]
+
+
+def test_offers_come_from_the_records_layers_and_held_ranges_and_are_marked_by_the_plan():
+    records = [dict(peer_id=PEERS[0].to_base58(), layers=[0, 4], step=30, held=None),
+               dict(peer_id=PEERS[1].to_base58(), layers=None, step=None, held=[2, 6, 50]),
+               dict(peer_id=PEERS[2].to_base58(), layers=[4, 6], step=HUGE_STEP, held=None)]
+    plan = {"clusters": [[{"peer_id": PEERS[0].to_base58(), "layers": [0, 4]}]]}
+    assert offers_of(records, plan, 3) == [LayerOffer(PEERS[0], 30, True), LayerOffer(PEERS[1], 50, False)]
+    assert offers_of(records, None, 5) == [LayerOffer(PEERS[1], 50, False), LayerOffer(PEERS[2], HUGE_STEP, False)]
+
+
+def test_the_content_digest_changes_with_any_value_name_or_dtype():
+    state = {"weight": torch.ones(3, 2), "bias": torch.zeros(2)}
+    assert content_digest(state) == content_digest({name: t.clone() for name, t in reversed(state.items())})
+    nudged = {"weight": state["weight"].clone(), "bias": state["bias"]}
+    nudged["weight"][2, 1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    assert content_digest(nudged) != content_digest(state)
+    assert content_digest({"weight2": state["weight"], "bias": state["bias"]}) != content_digest(state)
+    assert content_digest({"weight": state["weight"].double(), "bias": state["bias"]}) != content_digest(state)
+
+
+# ---- downloads between real nodes ---------------------------------------------------------------------
 
 class CutShortServer(LayerStateServer):
     """Ends its first ``cuts`` streams after their first message, as a relay that resets the connection
@@ -35,43 +97,112 @@ class CutShortServer(LayerStateServer):
             yield response
 
 
-def download(cuts: int):
-    """A holder of layers 0:3 at step 7 (its weights moved away from the seeded ones), a fresh peer that
-    downloads them; returns both modules, the fresh one's weights before, the step and any error."""
+class CountingServer(LayerStateServer):
+    """Counts the requests it is asked (a holder that must never be asked shows it was not)."""
+
+    asked = 0
+
+    def _snapshot(self, *args):
+        self.asked += 1
+        return super()._snapshot(*args)
+
+
+def fill(holders: List[dict], fresh: torch.nn.Sequential):
+    """Start one P2P per holder (``server``: a LayerStateServer subclass and its kwargs; ``live``/``averaged``:
+    the stage it serves and at which step; ``step``, ``planned``: its offer) and fill ``fresh``'s layers from
+    them as a joiner does; returns each layer's LayerFill and the servers."""
 
     async def scenario():
-        spec = get_model("mlp-digits")
-        held = spec.build_stage(0, 3)
-        with torch.no_grad():
-            for parameter in held.parameters():
-                parameter.add_(1.0)
-        server_p2p = await P2P.create(host_maddrs=LOCAL)
-        client_p2p = await P2P.create(initial_peers=await server_p2p.get_visible_maddrs(), host_maddrs=LOCAL)
+        nodes = [await P2P.create(host_maddrs=LOCAL)]
+        nodes += [await P2P.create(initial_peers=await nodes[0].get_visible_maddrs(), host_maddrs=LOCAL)
+                  for _ in holders]
+        joiner, holder_nodes = nodes[0], nodes[1:]
         try:
-            await CutShortServer(Routes(server_p2p, []), RUN, lambda: offered_layers(0, held, 7), cuts=cuts).start()
-            fresh = spec.build_stage(0, 3)
-            before = copy.deepcopy(fresh.state_dict())
-            holders = {layer: [server_p2p.peer_id] for layer in range(3)}
-            try:
-                return held, fresh, before, await download_layers(Routes(client_p2p, []), RUN, fresh, 0, holders, 30.0), None
-            except StateTransferError as e:
-                return held, fresh, before, None, e
+            servers = []
+            for node, holder in zip(holder_nodes, holders):
+                cls, kwargs = holder.get("server", (LayerStateServer, {}))
+                live, live_step = holder["live"]
+                server = cls(Routes(node, []), RUN, lambda live=live, step=live_step: offered_layers(0, live, step),
+                             **kwargs)
+                if "averaged" in holder:
+                    server.keep_averaged(offered_layers(0, *holder["averaged"]))
+                await server.start()
+                servers.append(server)
+            offers = [LayerOffer(node.peer_id, holder["step"], holder.get("planned", True))
+                      for node, holder in zip(holder_nodes, holders)]
+            filled = [await fill_layer(Routes(joiner, []), RUN, fresh[layer], layer, offers, 30.0)
+                      for layer in range(len(fresh))]
+            return filled, servers
         finally:
-            await client_p2p.shutdown()
-            await server_p2p.shutdown()
+            for node in nodes:
+                await node.shutdown()
 
     return asyncio.run(scenario())
 
 
 def test_a_stream_cut_short_is_asked_again_and_the_layer_arrives_whole():
-    held, fresh, _, step, error = download(cuts=1)
-    assert error is None and step == 7
-    for name, tensor in held.state_dict().items():
-        assert torch.equal(tensor, fresh.state_dict()[name]), name
+    held, fresh = trained_stage(1.0), get_model("mlp-digits").build_stage(0, 3)
+    filled, _ = fill([dict(live=(held, 7), step=7, server=(CutShortServer, dict(cuts=1)))], fresh)
+    assert all(f.loaded and f.step == 7 for f in filled), filled
+    assert same_weights(held, fresh)
 
 
 def test_a_holder_that_keeps_cutting_its_stream_is_named_and_the_layer_keeps_its_weights():
-    _, fresh, before, _, error = download(cuts=100)
-    assert "no holder could give layer 0" in str(error) and "sent ['linear.weight'] of layer 0" in str(error)
-    for name, tensor in before.items():
-        assert torch.equal(tensor, fresh.state_dict()[name]), name
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    before = copy.deepcopy(fresh)
+    filled, _ = fill([dict(live=(trained_stage(1.0), 7), step=7, server=(CutShortServer, dict(cuts=100)))], fresh)
+    assert not filled[0].loaded and "sent ['linear.weight'] of layer 0" in filled[0].problem, filled[0]
+    assert filled[0].step == 7  # the step still follows the holder's, so the stage stays in step with its cluster
+    assert same_weights(before, fresh)
+
+
+def test_a_holder_outside_the_plan_claiming_a_huge_step_with_altered_tensors_is_never_asked():
+    """Attack: a raw libp2p peer, not in the plan, offers every layer at step 10^15 and serves altered
+    tensors. Beside a holder the plan names it is not asked at all: the joiner gets the planned holder's
+    weights at its step."""
+    honest = trained_stage(1.0)
+    hostile = dict(live=(trained_stage(500.0), HUGE_STEP), step=HUGE_STEP, planned=False,
+                   server=(CountingServer, {}))
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, servers = fill([hostile, dict(live=(honest, 7), step=7)], fresh)
+    assert all(f.loaded and f.step == 7 for f in filled), filled
+    assert same_weights(honest, fresh) and servers[0].asked == 0
+
+
+def test_two_holders_must_serve_the_same_averaged_copy_and_a_third_is_asked_when_they_differ():
+    """Attack: a holder the plan names (a Sybil volunteer) serves an altered averaged copy; its claim is as
+    close to the median as an honest holder's, so it is asked second. It disagrees with the first, so a
+    third is asked; the two honest ones agree, and their averaged copy is loaded at the median step, never
+    the live weights of either."""
+    averaged = trained_stage(1.0)
+    hostile = dict(live=(trained_stage(500.0), 21), averaged=(trained_stage(500.0), 20), step=21)
+    honest = [dict(live=(trained_stage(2.0), 23), averaged=(averaged, 20), step=23),
+              dict(live=(trained_stage(3.0), 22), averaged=(averaged, 20), step=22)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, _ = fill([hostile, *honest], fresh)
+    assert all(f.loaded and f.step == 22 for f in filled), filled
+    assert same_weights(averaged, fresh)
+
+
+def test_two_holders_that_disagree_with_no_third_leave_the_local_weights_and_say_so():
+    """Attack: of the two holders the plan names for each layer, one serves altered tensors and claims a huge
+    step. With nobody to break the tie, the joiner keeps its own weights, says why, and takes the lower of
+    the two claims as the step."""
+    averaged = trained_stage(1.0)
+    holders = [dict(live=(averaged, 20), averaged=(averaged, 20), step=20),
+               dict(live=(trained_stage(500.0), HUGE_STEP), averaged=(trained_stage(500.0), HUGE_STEP), step=HUGE_STEP)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    before = copy.deepcopy(fresh)
+    filled, _ = fill(holders, fresh)
+    assert all(not f.loaded and f.step == 20 for f in filled), filled
+    assert "no two of its 2 holders serve the same averaged copy (2 different ones)" in filled[0].problem
+    assert same_weights(before, fresh)
+
+
+def test_holders_without_an_averaged_copy_are_not_compared_and_the_layer_keeps_its_weights():
+    """Two holders that have not averaged yet have no copy in common: the joiner keeps its weights and says
+    that neither holds an averaged copy."""
+    holders = [dict(live=(trained_stage(1.0), 5), step=5), dict(live=(trained_stage(2.0), 6), step=6)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, _ = fill(holders, fresh)
+    assert not filled[0].loaded and "does not hold an averaged copy of layers [0]" in filled[0].problem, filled[0]

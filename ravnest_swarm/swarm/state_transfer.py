@@ -1,8 +1,18 @@
 """Downloading the current parameters of a layer range from peers that hold them (as in DeDLOC).
 
 A late joiner, a standby that replaces a dead stage, and a peer whose layer range changed with a new
-plan all do the same thing: for every layer they now own, ask a peer whose record says it holds
-that layer (the one with the highest step) for that layer's tensors.
+plan all do the same thing: for every layer they now own, ask the peers whose records say they hold
+that layer for its tensors (:func:`fill_layer`). Records are self-declared, so a holder is not believed
+alone where others can be asked:
+
+* the holders that count are those the adopted plan names (any stage of any cluster); holders outside
+  the plan (a peer leaving, a stranger) count only when the plan names none that offers the layer;
+* the layer's step is the median of their claims (the lower of the middle two): only a majority of
+  them can move it, never the highest claim alone;
+* where two or more count, two of them must serve the same content (sha256 of every tensor): each
+  serves the layer as its last averaging round left it (identical on every member of the rings, while
+  the live weights of two clusters drift apart), and we ask holder after holder until two agree;
+  if none do, we keep our own weights and say so. One holder alone is asked for its live weights.
 
 Wire format: a server-streaming handler ``ravnest.layer_state``. The request (one frame, read bounded)
 names the run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts
@@ -19,9 +29,11 @@ order of ``names``, bounded by the backbone's per-stream byte cap.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from contextlib import closing
-from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from dataclasses import dataclass
+from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -32,11 +44,12 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
-from ravnest_swarm.membership.records import MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
+from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.net.transport import (INCOMPLETE, bounded_stream_handler, make_request, make_response, read_frames,
                                          send_reply)
+from ravnest_swarm.swarm.placement import offered_step
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +68,11 @@ Step = Annotated[int, Field(ge=0)]
 
 
 class LayerStateRequest(Message):
-    """The layers of ``run`` whose tensors the caller wants."""
+    """The layers of ``run`` whose tensors the caller wants: live, or as the last averaging round left them."""
 
     run: RunNameText
     layers: List[LayerIndex] = Field(min_length=1, max_length=MAX_LAYERS_PER_REQUEST)
+    averaged: bool = False
 
 
 class LayerStateMessageRequest(Message):
@@ -66,6 +80,7 @@ class LayerStateMessageRequest(Message):
 
     run: RunNameText
     layers: List[LayerIndex] = Field(min_length=1, max_length=1)
+    averaged: bool = False
 
 
 class LayerStateTensorHeader(Message):
@@ -92,10 +107,11 @@ register_handler(Handler(LAYER_STATE_MESSAGE, LayerStateMessageRequest, LayerSta
                          callers="any peer of the run, directly or through a backbone's forward", owner=__name__))
 
 # what a server offers right now: layer index -> (that layer's state dict, the optimizer step it is at)
-StateProvider = Callable[[], Dict[int, Tuple[Dict[str, torch.Tensor], int]]]
+LayerStates = Dict[int, Tuple[Dict[str, torch.Tensor], int]]
+StateProvider = Callable[[], LayerStates]
 
 
-def offered_layers(start: int, module: torch.nn.Sequential, step: int) -> Dict[int, Tuple[Dict[str, torch.Tensor], int]]:
+def offered_layers(start: int, module: torch.nn.Sequential, step: int) -> LayerStates:
     """A stage's layers (``start`` onwards) in the form a :data:`StateProvider` returns."""
     return {start + offset: (layer.state_dict(), step) for offset, layer in enumerate(module)}
 
@@ -116,6 +132,13 @@ class LayerStateServer:
     def __init__(self, routes: Routes, run: str, provider: StateProvider, request_timeout: float = 60.0):
         self.routes, self.p2p = routes, routes.p2p
         self.run, self.provider, self.request_timeout = run, provider, request_timeout
+        self.averaged: LayerStates = {}  # the layers as our last averaging rounds left them (keep_averaged)
+
+    def keep_averaged(self, layers: LayerStates) -> None:
+        """Keep a copy of ``layers`` as an averaging round in which all our rings finished left them: the
+        same on every member, so what two holders of a layer in different clusters serve can be compared."""
+        self.averaged.update({index: ({name: t.detach().to("cpu", copy=True) for name, t in state.items()}, step)
+                              for index, (state, step) in layers.items()})
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(LAYER_STATE, self._serve_layer_state)
@@ -131,10 +154,11 @@ class LayerStateServer:
         if asked.run != self.run:
             raise ValueError(f"this peer serves run {self.run!r}")
         layers = asked.layers
-        offered = self.provider()
+        offered = self.averaged if asked.averaged else self.provider()
         missing = [i for i in layers if i not in offered]
         if missing:
-            raise ValueError(f"this peer does not hold layers {missing}")
+            what = "an averaged copy of layers" if asked.averaged else "layers"
+            raise ValueError(f"this peer does not hold {what} {missing}")
         return [(i, {name: t.detach().to("cpu", copy=True) for name, t in offered[i][0].items()}, offered[i][1])
                 for i in layers]
 
@@ -183,13 +207,14 @@ class LayerStateServer:
 
 
 async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
-                      timeout: float) -> Tuple[Dict[str, torch.Tensor], int]:
-    """One layer's tensors from ``holder``, checked against ``expected`` (the layer as built locally)."""
+                      timeout: float, averaged: bool = False) -> Tuple[Dict[str, torch.Tensor], int]:
+    """One layer's tensors from ``holder`` (its averaged copy if ``averaged``), checked against ``expected``
+    (the layer as built locally)."""
 
     async def collect() -> Tuple[Dict[str, torch.Tensor], int]:
         received: Dict[str, torch.Tensor] = {}
         step = 0
-        request = make_request(LayerStateRequest(run=run, layers=[layer]).as_metadata())
+        request = make_request(LayerStateRequest(run=run, layers=[layer], averaged=averaged).as_metadata())
         stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, request, runtime_pb2.ExpertResponse)
         header, parts = None, []
         async for response in stream:
@@ -209,11 +234,11 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
 
 
 async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
-                              timeout: float) -> Tuple[Dict[str, torch.Tensor], int]:
+                              timeout: float, averaged: bool = False) -> Tuple[Dict[str, torch.Tensor], int]:
     """:func:`fetch_layer` in one reply message, over the route :class:`Routes` chose (forwarding included)."""
 
     async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield make_request(LayerStateMessageRequest(run=run, layers=[layer]).as_metadata())
+        yield make_request(LayerStateMessageRequest(run=run, layers=[layer], averaged=averaged).as_metadata())
 
     response = await asyncio.wait_for(routes.call(holder, LAYER_STATE_MESSAGE, request()), timeout)
     reply = _reply(LayerStateMessageReply, response.metadata, LAYER_STATE_MESSAGE, holder)
@@ -253,38 +278,113 @@ def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor],
     return received
 
 
-async def download_layers(routes: Routes, run: str, module: torch.nn.Sequential, start: int,
-                          holders: Dict[int, Sequence[PeerID]], timeout: float,
-                          on_progress: Optional[Callable[[int, int], None]] = None,
-                          reach: Optional[Callable[[PeerID], Awaitable[str]]] = None) -> int:
-    """Fill ``module`` (layers ``start..``) from the holders, trying each holder of a layer in turn.
+@dataclass(frozen=True)
+class LayerOffer:
+    """A peer whose record offers a layer: the step it claims, and whether the adopted plan names it."""
+
+    holder: PeerID
+    step: int
+    planned: bool
+
+
+@dataclass(frozen=True)
+class LayerFill:
+    """What :func:`fill_layer` did: the step training goes on from, whether the layer was loaded, and if not why."""
+
+    step: int
+    loaded: bool
+    problem: Optional[str] = None
+
+
+def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int) -> List[LayerOffer]:
+    """Who offers ``layer`` by their peer records (``layers`` and ``held``), each marked with whether ``plan``
+    (the adopted plan, if any) names it."""
+    planned = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster} if plan else set()
+    return [LayerOffer(PeerID.from_base58(record["peer_id"]), offered_step(record, layer), record["peer_id"] in planned)
+            for record in records if offered_step(record, layer) is not None]
+
+
+def counted_offers(offers: Sequence[LayerOffer]) -> List[LayerOffer]:
+    """The offers that count: those of holders the plan names, or all of them where the plan names none; one
+    per holder (its lowest claim, should two records name one peer: it is one witness)."""
+    counted: Dict[PeerID, LayerOffer] = {}
+    for offer in [offer for offer in offers if offer.planned] or offers:
+        if offer.holder not in counted or offer.step < counted[offer.holder].step:
+            counted[offer.holder] = offer
+    return list(counted.values())
+
+
+def agreed_step(offers: Sequence[LayerOffer]) -> int:
+    """The median of the offers' claimed steps, the lower of the middle two: a step that only a majority of
+    the holders can move (one holder claiming a huge step, or 0, among honest ones changes nothing)."""
+    steps = sorted(offer.step for offer in offers)
+    return steps[(len(steps) - 1) // 2]
+
+
+def content_digest(tensors: Dict[str, torch.Tensor]) -> str:
+    """sha256 of a layer's tensors: names, dtypes, shapes and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}:".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, layer: int, offers: Sequence[LayerOffer],
+                     timeout: float, reach: Optional[Callable[[PeerID], Awaitable[str]]] = None) -> LayerFill:
+    """Load ``layer_module`` (layer ``layer``) from its holders, trusting no single claim where others can be
+    asked (module docstring); on failure it keeps its weights and :attr:`LayerFill.problem` says why.
 
     ``reach`` connects to a holder before it is asked and returns the route (``Routes.connect``): a
     holder behind NAT dials us back at a backbone's request; one reachable only through a backbone's
     forwarding (both behind NAT) gives the layer in one message (:func:`fetch_layer_message`).
-    Returns the highest step among the holders used. Raises :class:`StateTransferError` if a layer has
-    no holder left; layers already loaded stay loaded.
     """
-    step = 0
-    layers = list(range(start, start + len(module)))
-    for done, layer in enumerate(layers):
-        expected = module[layer - start].state_dict()
-        errors: List[str] = []
-        # each holder twice: a stream that ran on a relayed connection ends when the relay resets it (after
-        # 128 KiB, docs/nat.md), and the next one runs on the direct connection the reversal opened
-        for holder in [holder for holder in holders.get(layer, ()) for _ in range(ATTEMPTS_PER_HOLDER)]:
-            try:
-                forwarded = reach is not None and await reach(holder) == "forward"
-                fetch = fetch_layer_message if forwarded else fetch_layer
-                tensors, holder_step = await fetch(routes, run, holder, layer, expected, timeout)
-            except Exception as e:  # a holder that left or misbehaved: try again, then the next one
-                errors.append(f"{holder}: {e}")
-                continue
-            module[layer - start].load_state_dict(tensors)
-            step = max(step, holder_step)
-            break
-        else:
-            raise StateTransferError(f"no holder could give layer {layer}: {'; '.join(errors) or 'nobody holds it'}")
-        if on_progress is not None:
-            on_progress(done + 1, len(layers))
-    return step
+    counted = counted_offers(offers)
+    if not counted:
+        return LayerFill(0, False, f"nobody holds layer {layer}")
+    step, expected = agreed_step(counted), layer_module.state_dict()
+    averaged = len(counted) > 1
+    copies: Dict[str, Set[PeerID]] = {}  # content digest -> the holders that served it
+    errors: List[str] = []
+    for offer in sorted(counted, key=lambda offer: abs(offer.step - step)):  # the likeliest to agree first
+        try:
+            tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach,
+                                                     averaged)
+        except StateTransferError as e:
+            errors.append(str(e))
+            continue
+        if not averaged:  # the only holder that counts: its live weights, at the step it serves them at
+            layer_module.load_state_dict(tensors)
+            return LayerFill(served_step, True)
+        agreeing = copies.setdefault(content_digest(tensors), set())
+        agreeing.add(offer.holder)
+        if len(agreeing) == 2:
+            layer_module.load_state_dict(tensors)
+            return LayerFill(step, True)
+    if averaged:
+        errors.insert(0, f"no two of its {len(counted)} holders serve the same averaged copy "
+                         f"({len(copies)} different ones)")
+    # the errors quote what holders sent back: no control characters reach our terminal or note
+    return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"))
+
+
+async def _fetch_from(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
+                      timeout: float, reach: Optional[Callable[[PeerID], Awaitable[str]]],
+                      averaged: bool) -> Tuple[Dict[str, torch.Tensor], int]:
+    """One holder's copy of the layer, asked twice: a stream that ran on a relayed connection ends when the
+    relay resets it (after 128 KiB, docs/nat.md), and the next one runs on the direct connection the reversal
+    opened. :class:`StateTransferError` names the holder and what went wrong."""
+    problems: List[str] = []
+    for _ in range(ATTEMPTS_PER_HOLDER):
+        try:
+            forwarded = reach is not None and await reach(holder) == "forward"
+            fetch = fetch_layer_message if forwarded else fetch_layer
+            return await fetch(routes, run, holder, layer, expected, timeout, averaged)
+        except StateTransferError as e:  # it misbehaved (the error names it), or its stream was cut short
+            problems.append(str(e))
+        except asyncio.TimeoutError:
+            problems.append(f"{holder} gave no answer within {timeout:.0f}s")
+        except Exception as e:  # it left, or refused: ask again, then give up on it
+            problems.append(f"{holder}: {type(e).__name__}: {e}")
+    raise StateTransferError(problems[-1])

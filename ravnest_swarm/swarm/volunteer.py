@@ -9,7 +9,8 @@ whose steps share the worker, the layer cache and the plan; its pure rules are i
    placement (cluster, stage, layer range), it stops its old stage worker, keeps that worker's
    layers in a local cache, and starts a new one.
 2. Before the new worker trains, every layer it owns is filled from the freshest source: a peer whose
-   record says it holds that layer (highest step first, over ``ravnest.layer_state``), else its own
+   record says it holds that layer (``state_transfer.fill_layer``: holders the plan names, two agreeing where
+   two count, over ``ravnest.layer_state``), else its own
    cache or checkpoint, else the model's seeded initial weights (identical on every peer). The
    worker starts counting optimizer steps from that source's step, so clusters stay aligned.
 3. Between optimizer steps, every ``averaging_period`` steps, the stage averages its layers with the
@@ -60,7 +61,8 @@ from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_r
 from ravnest_swarm.swarm.placement import (Placement, arrival_wait, holders_of, layer_offers, model_workload,
                                            neighbours_in, offered_step, placement_in)
 from ravnest_swarm.swarm.spec import RunSpec, read_spec
-from ravnest_swarm.swarm.state_transfer import LayerStateServer, StateTransferError, download_layers, offered_layers
+from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
+                                                offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
@@ -341,31 +343,28 @@ class Volunteer:
                 break  # in the first plan nobody has trained yet: the seeded weights are the state
             await asyncio.sleep(1.0)  # holders re-publish what they hold right after adopting a plan
         step = 0
-        remote: Dict[int, List[PeerID]] = {}
-        advertised: Dict[int, int] = {}  # layer -> the step its freshest holder's record names
+        remote: Dict[int, List[LayerOffer]] = {}
         for layer in range(start, end):
-            offers = sorted(((offered_step(p, layer), p) for p in peers if offered_step(p, layer) is not None),
-                            key=lambda offer: -offer[0])
+            offers = offers_of(peers, self.plan, layer)
             cached = self.cache.get(layer)
-            if offers and (cached is None or offers[0][0] > cached[1]):
-                remote[layer] = [PeerID.from_base58(p["peer_id"]) for _, p in offers]
-                advertised[layer] = offers[0][0]
+            if offers and (cached is None or agreed_step(counted_offers(offers)) > cached[1]):
+                remote[layer] = offers
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
         if remote:
-            step = max(step, await self._download(module, start, remote, advertised,
-                                                  {p["peer_id"]: p for p in peers}))
+            step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers}))
         return step, bool(remote)
 
-    async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[PeerID]],
-                        advertised: Dict[int, int], records: Dict[str, Dict]) -> int:
-        """Fetch the layers in ``remote`` (each from the first holder that answers), with a progress bar.
+    async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[LayerOffer]],
+                        records: Dict[str, Dict]) -> int:
+        """Fetch the layers in ``remote`` from the holders that offer them (``fill_layer``), with a progress bar.
 
-        A layer no holder gives keeps its local weights, but the step still follows ``advertised``: the
-        rest of the cluster is there, and a stage that restarted its count at 0 would wait for
-        microbatches its neighbours, done with their steps, never send. ``records``: the holders' peer
-        records, whose addresses and reachability choose the route (a holder behind NAT dials us back).
+        A layer no holder gives, or whose holders disagree, keeps its local weights (said in our log and note),
+        but the step still follows the holders': the rest of the cluster is there, and a stage that restarted
+        its count at 0 would wait for microbatches its neighbours, done with their steps, never send.
+        ``records``: the holders' peer records, whose addresses and reachability choose the route (a holder
+        behind NAT dials us back).
         """
         links = self.node.routes
 
@@ -378,14 +377,13 @@ class Volunteer:
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       console=self.console, transient=False) as progress:
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
-            for layer, holders in sorted(remote.items()):
-                single = torch.nn.Sequential(module[layer - start])
-                try:
-                    step = max(step, await download_layers(self.node.routes, self.run, single, layer, {layer: holders},
-                                                           self.options.transfer_timeout, reach=reach))
-                except StateTransferError as e:
-                    self.say(f"{self.name}: {e}; keeping this layer's local weights")
-                    step = max(step, advertised[layer])
+            for layer, offers in sorted(remote.items()):
+                filled = await fill_layer(links, self.run, module[layer - start], layer, offers,
+                                          self.options.transfer_timeout, reach=reach)
+                if not filled.loaded:
+                    self.say(f"{self.name}: {filled.problem}; keeping this layer's local weights")
+                    self._note(f"kept the local weights of {filled.problem}")
+                step = max(step, filled.step)
                 progress.advance(task)
         return step
 
@@ -444,6 +442,8 @@ class Volunteer:
                        f"{first['peer'][-8:]}: {first['reason']}")
         if result.ok:
             self.averaging_rounds += 1
+            # as every member of our rings now holds them: what a joiner compares across holders
+            self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
         else:
             failed = next(segment for segment in result.segments if segment.status != "ok")
             self._averaging_failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
