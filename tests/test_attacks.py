@@ -29,8 +29,8 @@ from ravnest_swarm.averaging.mailbox import NOT_A_MEMBER
 from ravnest_swarm.averaging.wire import RING_HANDLER
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
-from ravnest_swarm.membership.records import (PeerRecord, StageEndpoint, make_validators, peers_key, spec_key,
-                                           stage_subkey_prefix, stages_key)
+from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, StageEndpoint, make_validators, peers_key,
+                                           plan_key, plan_subkey_prefix, spec_key, stage_subkey_prefix, stages_key)
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.transport import make_request, unpack_metadata
@@ -526,15 +526,50 @@ def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attack
     assert all(after[name]["cluster"] == before[name]["cluster"] for name in ("v0", "v1"))
 
 
+@pytest.mark.timeout(180)
+def test_plan_for_a_far_future_round_is_ignored(attacked_run):
+    """Attack: a stock hivemind DHT client writes well-formed plan records under its own signed subkey: the
+    run's own placement under round 10^15 (which used to stop planning for good: "none of 0 proposal(s) is
+    valid", round after round), and the next round placing a made-up peer. Neither counts: the peers keep
+    their plan round and train, readers still see the honest plan, and the late joiner below is placed by
+    a round numbered after the honest one."""
+    before = attacked_run.training()
+    honest_round = before["v0"]["plan_round"]
+    honest = attacked_run.observer.call(read_adopted_plan(attacked_run.observer.node, RUN))
+    assert honest is not None and honest["round"] == honest_round
+
+    async def attack():
+        client = await start_node(parse_maddrs([attacked_run.maddr]), record_validators=[RSASignatureValidator()],
+                                  client_mode=True)
+        try:
+            own = RSASignatureValidator().local_public_key
+            for round_number, clusters in ((10**15, honest["clusters"]),
+                                           (honest_round + 1, [[dict(peer_id="12D3KooWMallory", layers=[0, 9])]])):
+                value = PlanRecord(round=round_number, time=time.time(), clusters=clusters).dict()
+                assert await client.store(plan_key(RUN), value, get_dht_time() + 600,
+                                          subkey=plan_subkey_prefix(round_number) + own)
+        finally:
+            await stop_node(client)
+
+    asyncio.run(attack())
+    peers = attacked_run.keeps_training()
+    assert all(peers[name]["plan_round"] == honest_round for name in ("v0", "v1")), peers
+    assert attacked_run.observer.call(read_adopted_plan(attacked_run.observer.node, RUN))["round"] == honest_round
+
+
 # --- attacks go above this line, each a test named after its attack ---
 
 
 @pytest.mark.timeout(240)
 def test_a_peer_joining_after_the_attacks_is_placed_and_trains(attacked_run):
-    """After every attack above, a newcomer that can hold the whole model is placed and trains, and the
-    first two volunteers are still training."""
+    """After every attack above, a newcomer that can hold the whole model is placed by a new planning round
+    (numbered after the honest plan, not after any round a stranger wrote) and trains. The planner may move
+    v0 and v1 to standby (one peer that holds the whole model is as fast as their cluster of two), so only
+    the newcomer's training is required of it."""
+    rounds_before = {p["plan_round"] for p in attacked_run.training().values()}
     attacked_run.join("late", ram_fraction=1.3)
-    attacked_run.wait_for(lambda peers: "late" in attacked_run.training() and
-                          (attacked_run.training()["late"].get("step") or 0) > 0,
-                          180, "the late joiner placed and training")
-    attacked_run.keeps_training(("v0", "v1", "late"))
+    peers = attacked_run.wait_for(lambda peers: "late" in attacked_run.training() and
+                                  (attacked_run.training()["late"].get("step") or 0) > 0,
+                                  180, "the late joiner placed and training")
+    assert max(rounds_before) < peers["late"]["plan_round"] <= max(rounds_before) + 3, (rounds_before, peers["late"])
+    attacked_run.keeps_training(("late",))

@@ -41,8 +41,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
-from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.mailbox import Expected
+from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.segments import Ring, plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.errors import UserError
@@ -145,11 +145,11 @@ class Volunteer:
         self.rejected_before = 0
         self.averager = MultiRingAverager(self.node.routes, self.run, timeout=options.averaging_timeout,
                                           aggregation=run_spec.aggregation)
-        self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
-        self._adopted = asyncio.Event()
         self.averager.follow(self._expected_ring_messages)
         self.averager.on_rejected = self._ring_message_rejected
         self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
+        self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
+        self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
         self._rate_worker: Optional[StageWorker] = None
