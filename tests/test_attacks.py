@@ -125,6 +125,7 @@ def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_foll
     spec = RunSpec("mlp-digits", lr=9.0)
     stranger_key = RSAPrivateKey()
     hijack = dict(spec.record(stranger_key), created=time.time() - 3600)
+    owners_key = attacked_run.owner_spec()["owner"]  # read before the attack's event loop runs
 
     async def attack():
         client = await start_node(parse_maddrs([attacked_run.maddr]), record_validators=[RSASignatureValidator()],
@@ -132,7 +133,7 @@ def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_foll
         try:
             own = RSASignatureValidator().local_public_key
             stored = [await client.store(spec_key(RUN), value, get_dht_time() + 600, subkey=own)
-                      for value in (hijack, dict(hijack, owner=attacked_run.owner_spec()["owner"]))]
+                      for value in (hijack, dict(hijack, owner=owners_key))]
             return stored
         finally:
             await stop_node(client)
