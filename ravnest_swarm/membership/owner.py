@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16}\Z")
 OWNER_KEYS_ENV = "RAVNEST_OWNER_KEYS"  # where owner keys live; default ~/.config/ravnest-swarm/owners
+MAX_SIGNERS_COUNTED = 64  # distinct signers of refused specs a validator names; the rest count as "others"
 
 
 def fingerprint(public_key: bytes) -> str:
@@ -137,6 +138,8 @@ class OwnerSpecValidator(RecordValidatorBase):
         if signed_by is not None and (self.owner is None or signed_by == self.owner):
             return True
         culprit = signed_by or "unsigned"
+        if culprit not in self.refused and len(self.refused) >= MAX_SIGNERS_COUNTED:
+            culprit = "others"  # keys are free: a stranger making a new one per record must not grow this map
         if culprit not in self.refused:  # one line per signer: a stranger repeating itself does not flood the log
             logger.warning(f"refused a {self.spec_key} record signed by {culprit}, not by the run's owner "
                            f"{self.owner or '(any valid signature)'}")
