@@ -336,6 +336,22 @@ def test_a_plan_names_each_stages_neighbours_and_a_stage_takes_messages_only_fro
     worker.compute.close()
 
 
+def test_a_forward_that_comes_again_after_its_microbatch_was_dropped_is_trained_again():
+    """A new plan restarts both stages of a cluster: stage 1 computed microbatch m from the old stage 0, whose
+    successor refuses its gradient (it has not sent m yet), so stage 1 drops m. When the new stage 0 sends m,
+    stage 1 must train it, not acknowledge it as a resend, or the run ends a step short (test_run_length saw it)."""
+    worker = StageWorker(StageConfig(run=RUN, stage=1, stages=2, model="mlp-digits", layers=(5, 9)), node=None)
+    scheduler = worker.scheduler
+    x, targets = torch.randn(4, 64), torch.zeros(4, dtype=torch.long)
+    try:
+        scheduler.queue_forward(7, [0, 1, 2, 3], x, targets, 0)
+        assert 7 in scheduler.seen_forward  # a resend now would only be acknowledged
+        scheduler.drop(7, "backward of microbatch 7 to stage 0 refused")
+        assert 7 not in scheduler.seen_forward  # the new stage 0's forward of it will be trained
+    finally:
+        worker.compute.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_stage_goes_on():
     """The last stage gets a microbatch with targets outside the model's 10 classes, one whose loss raises,

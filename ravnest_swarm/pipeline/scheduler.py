@@ -318,6 +318,9 @@ class Scheduler:
 
     def drop(self, microbatch: int, reason: str) -> None:
         was_pending = self.pending.pop(microbatch, None) is not None
+        # its forward may come again (stage 0 restarted by a new plan injects it anew): then it is new work, not
+        # a resend to acknowledge, or the microbatch, and the run's step it makes, would be lost for good
+        self.seen_forward.discard(microbatch)
         self.counters.dropped += 1
         logger.warning(f"stage {self.config.stage}: dropped microbatch {microbatch}: {reason}")
         if self.is_first and was_pending:
