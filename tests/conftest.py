@@ -27,6 +27,45 @@ def lab_required() -> bool:
     return os.environ.get(LAB_REQUIRED_VARIABLE) == "1"
 
 
+# The suite runs on two xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``): most tests wait on real
+# processes, so one core sits idle while a test waits. These tests share one xdist group, so one worker runs
+# them one after another and the other worker runs everything else beside them:
+# - big swarms (many processes each, about half the suite's time): two at once on two cores would starve
+#   each other's heartbeats and deadlines;
+# - every network-lab test (namespaces, cgroups, timed links): one lab at a time, and none timed beside another;
+# - modules with a module-scoped swarm (test_attacks' one attacked run), which must start once, on one worker.
+# A module's path takes all its tests; a ``path::test`` takes that test with all its parameters.
+SERIAL_GROUP = "one-swarm-at-a-time"
+SERIAL_TESTS = (
+    "tests/test_attacks.py",
+    "tests/test_nat.py",
+    "tests/test_netlab.py",
+    "tests/test_speedup_bench.py",
+    "tests/test_run_length.py",
+    "tests/test_sized_model.py",
+    "tests/test_pipeline_bench.py::test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab",
+    "tests/test_local_resume.py::test_kill_every_process_of_a_local_run_then_resume_loses_nothing",
+    "tests/test_local.py::test_local_beside_a_cpu_hog_averages_and_reports_only_what_happened",
+    "tests/test_local.py::test_local_swarm_forms_clusters_averages_and_halves_the_loss",
+    "tests/test_leave.py::test_sigint_hands_the_layers_over_to_the_standby_at_the_leavers_step",
+    "tests/test_swarm.py::test_sigkilled_stage_is_replaced_by_a_standby_and_training_goes_on",
+    "tests/test_swarm.py::test_kill_everything_then_resume_continues_from_the_checkpoints",
+)
+
+
+def runs_alone(item) -> bool:
+    test = item.nodeid.split("[", 1)[0]
+    module = test.split("::", 1)[0]
+    return item.get_closest_marker("netns") is not None or module in SERIAL_TESTS or test in SERIAL_TESTS
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (it appends each one to its tests' ids)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if runs_alone(item):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("netns") is None:
         return

@@ -66,3 +66,12 @@ def test_where_the_lab_is_required_but_cannot_be_built_lab_tests_fail_with_the_r
     result.stdout.fnmatch_lines(["RAVNEST_REQUIRE_LAB=1 and this network-lab test skipped: "
                                  "network lab unavailable: simulated: no namespaces"] * 2)
     result.stdout.fnmatch_lines(["SKIPPED*not a lab test"])
+
+
+def test_lab_tests_share_the_group_that_one_xdist_worker_runs_alone(lab_tests):
+    """Two labs at once would be timed against each other: every lab test joins the group that one worker runs."""
+    items, _ = lab_tests.inline_genitems()
+    groups = {item.name: [mark.args for mark in item.iter_markers("xdist_group")] for item in items}
+    assert groups == {"test_in_the_lab": [("one-swarm-at-a-time",)],
+                      "test_in_the_lab_that_skips_itself": [("one-swarm-at-a-time",)],
+                      "test_elsewhere_that_skips_itself": []}
