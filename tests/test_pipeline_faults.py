@@ -17,6 +17,7 @@ from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from pipeline_helpers import read_report, start_stages, wait_all
+from waiting import wait_until_async
 from ravnest_swarm.membership.records import StageEndpoint, make_validators, stage_subkey_prefix, stages_key
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
@@ -197,12 +198,6 @@ def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_it
                            layers=ranges[stage], microbatches=total, microbatch_size=8, max_in_flight=in_flight,
                            microbatch_timeout=4, send_timeout=60, heartbeat=5)
 
-    async def until(condition, timeout, what):
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.1)
-
     async def scenario():
         nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
@@ -212,14 +207,14 @@ def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_it
             workers += [first, moving]
             for worker in workers:
                 await worker.start()
-            await until(lambda: first.counters.completed >= 10, 60, "no progress before the move")
+            await wait_until_async(lambda: first.counters.completed >= 10, 60, "no progress before the move")
             # a new plan moves peer 1 to stage 1 of cluster 1; a third peer takes cluster 0's stage 1 later
             await moving.shutdown()
             workers.remove(moving)
             moved = StageWorker(config(1, 1), nodes[1])
             workers.append(moved)
             await moved.start()
-            await until(lambda: moved.counters.turned_away >= 1, 30, "the moved stage turned nothing away")
+            await wait_until_async(lambda: moved.counters.turned_away >= 1, 30, "the moved stage turned nothing away")
             successor = StageWorker(config(0, 1), nodes[2])
             workers.append(successor)
             await successor.start()
@@ -418,12 +413,6 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
                            microbatches=total, microbatch_size=8, max_in_flight=in_flight, microbatch_timeout=4,
                            send_timeout=60, heartbeat=5, neighbours=neighbours)
 
-    async def until(condition, timeout, what):
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.1)
-
     async def scenario():
         # the stranger signs with a key of its own (the stages here share this process's), as a stranger would
         stranger_key = RSASignatureValidator(RSAPrivateKey())
@@ -451,7 +440,7 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
             workers += [first, dying]
             await dying.start()
             await first.start()
-            await until(lambda: first.counters.completed >= 10, 60, "no progress before stage 1 died")
+            await wait_until_async(lambda: first.counters.completed >= 10, 60, "no progress before stage 1 died")
             await dying.shutdown()
             workers.remove(dying)
             standby = StageWorker(config(1, Neighbours(previous=first_id)), nodes[2])

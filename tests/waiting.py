@@ -1,5 +1,6 @@
 """Waiting for something to happen, with a deadline, instead of sleeping for a guess of how long it takes."""
 
+import asyncio
 import os
 import stat
 import time
@@ -18,6 +19,18 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, period: fl
             return value
         assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
         time.sleep(period)
+
+
+async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str, period: float = 0.1) -> T:
+    """:func:`wait_until` inside an event loop: sleeps with ``asyncio.sleep``, so the loop's other tasks (the
+    stages under test) run while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        await asyncio.sleep(period)
 
 
 def output_of(pid: int, stream: int) -> str:
