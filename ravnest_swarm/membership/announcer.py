@@ -1,11 +1,17 @@
-"""Publishing this peer's record under ``{run}_peers`` (``membership.reader`` reads them)."""
+"""Publishing this peer's record in its bucket of ``{run}_peers``, and keeping its view of the run.
+
+Every heartbeat a peer renews its record, reads the buckets it keeps a view of (all of them in a run of at most
+:data:`FULL_VIEW_BUCKETS` buckets, else its own), writes its bucket's summary when it is the bucket's writer, and
+moves to another bucket count when its own bucket says the swarm grew or shrank (``membership/buckets.py``). Its
+heartbeat slows as the swarm grows (``membership/view.py``, :func:`timing_for`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -13,40 +19,70 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
 from ravnest_swarm.devices import peak_memory
+from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
 from ravnest_swarm.membership.capabilities import Capabilities
-from ravnest_swarm.membership.records import PeerRecord, peers_key
+from ravnest_swarm.membership.reader import read_buckets, read_summary
+from ravnest_swarm.membership.records import PeerRecord, peers_key, summary_key, summary_subkey_prefix
+from ravnest_swarm.membership.view import PeerView, Timing, timing_for
 from ravnest_swarm.net.node import store_record
 
 logger = logging.getLogger(__name__)
 
+# Up to this many buckets (256 peers) every peer reads them all each heartbeat and knows everyone; beyond, it reads
+# its own bucket, and the buckets of the peers it works with when it needs them (``read_peers(peer_ids=...)``).
+FULL_VIEW_BUCKETS = 4
+
 
 class PeerAnnouncer:
-    """Keeps this peer's signed record alive in the DHT.
+    """Keeps this peer's signed record alive in the DHT, and its view of the run's peers.
 
-    The record expires ``2 * heartbeat`` seconds after each renewal, so a peer that dies vanishes from
-    everyone's view within two heartbeats without anyone having to notice.
+    The record expires one lifetime (three heartbeats) after each renewal, so a peer that dies vanishes from
+    everyone's view without anyone having to notice, and one renewal that comes late removes nobody.
 
     :param node: this peer's DHT node (its validators must include the run's)
     :param run: run name
     :param name: human-readable peer name
     :param capabilities: measured or overridden capabilities
-    :param heartbeat: seconds between renewals
+    :param heartbeat: seconds between renewals in a swarm of up to ``view.PEERS_AT_BASE_HEARTBEAT`` peers
     """
 
     def __init__(self, node: DHTNode, run: str, name: str, capabilities: Capabilities, heartbeat: float = 5.0):
-        self.node, self.run, self.heartbeat = node, run, heartbeat
+        self.node, self.run, self.base_heartbeat = node, run, heartbeat
         self.subkey = RSASignatureValidator().local_public_key
+        self.peer_id = node.peer_id.to_base58()
         self.record: Dict = dict(
-            peer_id=node.peer_id.to_base58(),
+            peer_id=self.peer_id,
             name=name,
             state="joining",
             version=__version__,
             maddrs=[],
             **capabilities.as_dict(),
         )
+        self.view = PeerView()
+        self.timing: Timing = timing_for(1, heartbeat)
+        self.buckets = 1
+        self._moved_from: Optional[Tuple[int, float]] = None  # (bucket count, DHT time until which we write there)
+
+    @property
+    def heartbeat(self) -> float:
+        return self.timing.heartbeat
 
     def update(self, **fields) -> None:
         self.record.update(fields)
+
+    async def find_bucket_count(self) -> None:
+        """Start at the bucket count the run's summary names (a joiner of a large run must not write to the
+        one-bucket key that nobody reads)."""
+        summary = await read_summary(self.node, self.run)
+        if summary is not None:
+            self.buckets = bucket_count_for(summary["peers"] + 1)
+            self.timing = timing_for(summary["peers"] + 1, self.base_heartbeat)
+
+    def _bucket_counts(self) -> List[int]:
+        """The bucket counts we write our record at: ours, and the one we moved from for one lifetime."""
+        if self._moved_from is not None and self._moved_from[1] > get_dht_time():
+            return [self.buckets, self._moved_from[0]]
+        return [self.buckets]
 
     async def publish(self, lifetime: Optional[float] = None) -> bool:
         """Store the record now; returns whether at least one DHT node accepted it."""
@@ -55,8 +91,34 @@ class PeerAnnouncer:
         self.record["peak_memory_gb"], self.record["device_peak_gb"] = peak_memory(self.record.get("device") or "cpu")
         # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
         value = PeerRecord.parse_obj(self.record).dict()
-        expiration = get_dht_time() + (lifetime if lifetime is not None else 2 * self.heartbeat)
-        return await store_record(self.node, peers_key(self.run), value, expiration, subkey=self.subkey)
+        expiration = get_dht_time() + (lifetime if lifetime is not None else self.timing.lifetime)
+        stored = await asyncio.gather(*(
+            store_record(self.node, peers_key(self.run, buckets, bucket_of(self.peer_id, buckets)), value,
+                         expiration, subkey=self.subkey) for buckets in self._bucket_counts()))
+        return stored[0]  # where readers of our bucket count look; the bucket we moved from is a courtesy
+
+    async def refresh_view(self) -> None:
+        """Read the buckets we keep a view of, write our bucket's summary if it falls to us, and move to
+        another bucket count when our own bucket says the swarm grew or shrank."""
+        buckets, own = self.buckets, bucket_of(self.peer_id, self.buckets)
+        self.view.merge(await read_buckets(self.node, self.run, buckets,
+                                           None if buckets <= FULL_VIEW_BUCKETS else [own]))
+        now = get_dht_time()
+        members = self.view.members(now)
+        own_members = [r for r in members if bucket_of(r["peer_id"], buckets) == own]
+        if writes_summary(self.peer_id, own_members):
+            await store_record(self.node, summary_key(self.run), summarize(buckets, own, own_members, time.time()),
+                               now + self.timing.lifetime, subkey=summary_subkey_prefix(buckets, own) + self.subkey)
+        moved = next_bucket_count(buckets, len(own_members))
+        if moved != buckets:
+            logger.info(f"{len(own_members)} peer(s) in our bucket of {buckets}: moving to {moved} bucket(s)")
+            self._moved_from, self.buckets = (buckets, now + self.timing.lifetime), moved
+        estimate = len(members) if buckets <= FULL_VIEW_BUCKETS else len(own_members) * buckets
+        self.timing = timing_for(estimate, self.base_heartbeat)
+
+    def members(self) -> List[Dict]:
+        """The peers in our view now (``PeerView.members``): where ``join`` learns who is in the run."""
+        return self.view.members(get_dht_time())
 
     async def heartbeat_forever(self) -> None:
         while True:
@@ -64,18 +126,18 @@ class PeerAnnouncer:
             try:
                 if not await self.publish():
                     logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
+                await self.refresh_view()
             except Exception as e:  # a transient DHT error must not stop the heartbeats
-                logger.warning(f"publishing the peer record failed: {e}")
+                logger.warning(f"renewing the peer record failed: {e}")
             # every heartbeat from the last one's start: a store that took seconds (a busy machine, a slow DHT
-            # node) must not stretch the gap between renewals past the record's lifetime of two heartbeats
+            # node) must not stretch the gap between renewals past the record's lifetime
             await asyncio.sleep(max(0.0, self.heartbeat - (time.monotonic() - started)))
 
     async def leave(self) -> None:
         """Say ``leaving`` so others see a graceful exit, not a disappearance.
 
         A DHT value is only replaced by one that expires later, so this record must outlive the last
-        heartbeat's; it still vanishes two heartbeats after we go.
+        heartbeat's; it still vanishes one lifetime after we go.
         """
         self.update(state="leaving")
-        await self.publish(lifetime=2 * self.heartbeat + 0.5)
-
+        await self.publish(lifetime=self.timing.lifetime + 0.5)

@@ -14,31 +14,60 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.records import peers_key, plan_key, round_key
+from ravnest_swarm.membership.buckets import add_up, bucket_of
+from ravnest_swarm.membership.records import peers_key, plan_key, round_key, summary_key
+from ravnest_swarm.membership.view import PeerView
 
 RECORD_SNAPSHOTS_ENV = "RAVNEST_RECORD_SNAPSHOTS"
 
 
-async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None) -> List[Dict]:
-    """Every live peer record of ``run``, sorted by name, each with ``expires_in`` (seconds until it expires).
-
-    :param alive_at: only records still valid at this DHT time (a planning round's view of who is alive)
-    """
-    found = await node.get(peers_key(run), latest=True)
+def _entries(found) -> List[Tuple[Any, Dict, float]]:
+    """``(subkey, value, expiration)`` of every subkey of a dictionary value ``node.get`` returned (None: none)."""
     if found is None or not isinstance(found.value, dict):
         return []
-    now = get_dht_time()
-    peers = []
-    for item in found.value.values():
-        if alive_at is not None and item.expiration_time <= alive_at:
-            continue
-        peers.append(dict(item.value, expires_in=round(item.expiration_time - now, 1)))
-    return sorted(peers, key=lambda record: (record["name"], record["peer_id"]))
+    return [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items()]
+
+
+async def read_buckets(node: DHTNode, run: str, buckets: int,
+                       only: Optional[Iterable[int]] = None) -> List[Tuple[Any, Dict, float]]:
+    """``(writer, record, expiration)`` of every peer record in the run's buckets at ``buckets`` (or in ``only``)."""
+    keys = [peers_key(run, buckets, bucket) for bucket in (range(buckets) if only is None else sorted(set(only)))]
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))  # latest, as node.get(latest=True)
+    return [entry for key in keys for entry in _entries(found.get(key))]
+
+
+async def read_summary(node: DHTNode, run: str) -> Optional[Dict]:
+    """The run's totals, added up from its buckets' summaries (``membership.buckets.add_up``), or None."""
+    return add_up(value for _, value, _ in _entries(await node.get(summary_key(run), latest=True)))
+
+
+async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
+                     view: Optional[PeerView] = None, peer_ids: Optional[Iterable[str]] = None) -> List[Dict]:
+    """Every live peer record of ``run``, sorted by name, each with ``expires_in`` (seconds until it expires).
+
+    Reads the summary and the one-bucket key at once; where the summary says the run has more buckets, reads
+    those (only the buckets of ``peer_ids`` where given: a trainer needs only its neighbours).
+
+    :param alive_at: only records still valid at this DHT time (a planning round's view of who is alive)
+    :param view: a view kept between reads (``membership.view``): the read is merged into it and its records
+        returned, so a peer a read missed stays until its record expires
+    :param peer_ids: only these peers are needed (others may be returned too)
+    """
+    found = await node.get_many([summary_key(run), peers_key(run)], sufficient_expiration_time=float("inf"))
+    entries = _entries(found.get(peers_key(run)))
+    summary = add_up(value for _, value, _ in _entries(found.get(summary_key(run))))
+    if summary is not None and summary["buckets"] > 1:
+        buckets = summary["buckets"]
+        only = None if peer_ids is None else [bucket_of(peer_id, buckets) for peer_id in peer_ids]
+        entries += await read_buckets(node, run, buckets, only)
+    view = view if view is not None else PeerView()
+    view.merge(entries)
+    return view.records(get_dht_time(), alive_at)
 
 
 async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Dict]:
@@ -47,13 +76,11 @@ async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Di
     One read can miss the records held by a DHT node that did not answer in time (a busy machine makes
     that common); for a one-shot view (``status``) a second look is cheaper than a peer shown as gone.
     """
-    found: Dict[str, Dict] = {}
+    view = PeerView()
+    records: List[Dict] = []
     for _ in range(looks):
-        for record in await read_peers(node, run):
-            known = found.get(record["peer_id"])
-            if known is None or record["time"] > known["time"]:
-                found[record["peer_id"]] = record
-    return sorted(found.values(), key=lambda record: (record["name"], record["peer_id"]))
+        records = await read_peers(node, run, view=view)
+    return records
 
 
 def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int] = None) -> Optional[Dict]:

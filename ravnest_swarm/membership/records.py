@@ -21,6 +21,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
 
@@ -244,14 +245,39 @@ class RunSpecRecord(pydantic.BaseModel):
         return layout
 
 
-class RunRecords(pydantic.BaseModel):
-    """The run's DHT keys (fields) and the type of each value."""
+class BucketSummary(pydantic.BaseModel):
+    """One bucket's counts, under ``{run}_summary``, written by the bucket's member with the smallest peer id
+    (``membership/buckets.py``); ``status`` and the dashboard add them up instead of reading every record."""
 
-    peers: Dict[BytesWithPublicKey, PeerRecord]
+    buckets: pydantic.conint(strict=True, ge=1, le=2**16)
+    bucket: pydantic.conint(strict=True, ge=0, le=2**16)
+    peers: pydantic.conint(strict=True, ge=0, le=10**6)
+    states: Dict[pydantic.constr(strict=True, regex="^(" + "|".join(PEER_STATES) + ")$"),
+                 pydantic.conint(strict=True, ge=0, le=10**6)]
+    clusters: Dict[pydantic.constr(strict=True, regex="^[0-9]{1,6}$"), pydantic.conint(strict=True, ge=0, le=10**6)]
+    samples_per_s: _bounded_float(0.0, 1e12)
+    time: _bounded_float(0.0, 1e11)
+
+    @pydantic.validator("clusters")  # pydantic v1 has no bounded dict type
+    def _bounded_clusters(cls, clusters):
+        if len(clusters) > MAX_SUMMARY_CLUSTERS:
+            raise ValueError(f"a bucket's summary names at most {MAX_SUMMARY_CLUSTERS} clusters")
+        return clusters
+
+
+class _RunKeys(pydantic.BaseModel):
+    peers: Dict[BytesWithPublicKey, PeerRecord]  # the one bucket of a run with one (``bucket_field(1, 0)``)
     plan: Dict[BytesWithPublicKey, PlanRecord]
     stages: Dict[BytesWithPublicKey, StageEndpoint]
     round: Dict[BytesWithPublicKey, RoundProposal]
     spec: Dict[BytesWithPublicKey, RunSpecRecord]
+    summary: Dict[BytesWithPublicKey, BucketSummary]
+
+
+# The run's DHT keys (fields) and the type of each value: the keys above and every bucket of peer records
+RunRecords = pydantic.create_model(
+    "RunRecords", __base__=_RunKeys,
+    **{field: (Dict[BytesWithPublicKey, PeerRecord], None) for field in bucket_fields() if field != "peers"})
 
 
 def make_validators(run: str, owner: Optional[str] = None) -> List:
@@ -265,8 +291,18 @@ def spec_key(run: str) -> str:
     return f"{run}_spec"
 
 
-def peers_key(run: str) -> str:
-    return f"{run}_peers"
+def peers_key(run: str, buckets: int = 1, bucket: int = 0) -> str:
+    """The key of one bucket of peer records (``membership/buckets.py``); ``{run}_peers`` in a run of one."""
+    return f"{run}_{bucket_field(buckets, bucket)}"
+
+
+def summary_key(run: str) -> str:
+    return f"{run}_summary"
+
+
+def summary_subkey_prefix(buckets: int, bucket: int) -> bytes:
+    """Subkeys of a bucket's summary start with this; the writer's public key follows."""
+    return f"{buckets}.{bucket}.".encode()
 
 
 def plan_key(run: str) -> str:

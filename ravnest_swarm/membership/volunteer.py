@@ -122,6 +122,7 @@ class Membership:
                                        self.options.heartbeat)
         maddrs = [str(m) for m in await self.node.p2p.get_visible_maddrs()]
         self.announcer.update(state="standby", maddrs=maddrs[:16])
+        await self.announcer.find_bucket_count()
         await self.announcer.publish()
         self._heartbeat_task = asyncio.create_task(self.announcer.heartbeat_forever())
         return self.announcer
