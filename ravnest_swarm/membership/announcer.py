@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -44,10 +43,15 @@ class PeerAnnouncer:
     :param name: human-readable peer name
     :param capabilities: measured or overridden capabilities
     :param heartbeat: seconds between renewals in a swarm of up to ``view.PEERS_AT_BASE_HEARTBEAT`` peers
+    :param store: how a record is stored (:func:`~ravnest_swarm.net.node.store_record`); with ``clock``, what the
+        membership simulation (``bench/simulation.py``) replaces to drive this code under virtual time
+    :param clock: DHT time, which records' ``time`` and expirations are taken from
     """
 
-    def __init__(self, node: DHTNode, run: str, name: str, capabilities: Capabilities, heartbeat: float = 5.0):
+    def __init__(self, node: DHTNode, run: str, name: str, capabilities: Capabilities, heartbeat: float = 5.0, *,
+                 store: Callable[..., Awaitable[bool]] = store_record, clock: Callable[[], float] = get_dht_time):
         self.node, self.run, self.base_heartbeat = node, run, heartbeat
+        self.store, self.clock = store, clock
         self.subkey = RSASignatureValidator().local_public_key
         self.peer_id = node.peer_id.to_base58()
         self.record: Dict = dict(
@@ -80,21 +84,21 @@ class PeerAnnouncer:
 
     def _bucket_counts(self) -> List[int]:
         """The bucket counts we write our record at: ours, and the one we moved from for one lifetime."""
-        if self._moved_from is not None and self._moved_from[1] > get_dht_time():
+        if self._moved_from is not None and self._moved_from[1] > self.clock():
             return [self.buckets, self._moved_from[0]]
         return [self.buckets]
 
     async def publish(self, lifetime: Optional[float] = None) -> bool:
         """Store the record now; returns whether at least one DHT node accepted it."""
-        self.record["time"] = time.time()
+        self.record["time"] = self.clock()
         # measured, not declared: what this process has taken at most so far, renewed with every record
         self.record["peak_memory_gb"], self.record["device_peak_gb"] = peak_memory(self.record.get("device") or "cpu")
         # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
         value = PeerRecord.parse_obj(self.record).dict()
-        expiration = get_dht_time() + (lifetime if lifetime is not None else self.timing.lifetime)
+        expiration = self.clock() + (lifetime if lifetime is not None else self.timing.lifetime)
         stored = await asyncio.gather(*(
-            store_record(self.node, peers_key(self.run, buckets, bucket_of(self.peer_id, buckets)), value,
-                         expiration, subkey=self.subkey) for buckets in self._bucket_counts()))
+            self.store(self.node, peers_key(self.run, buckets, bucket_of(self.peer_id, buckets)), value,
+                       expiration, subkey=self.subkey) for buckets in self._bucket_counts()))
         return stored[0]  # where readers of our bucket count look; the bucket we moved from is a courtesy
 
     async def refresh_view(self) -> None:
@@ -103,12 +107,12 @@ class PeerAnnouncer:
         buckets, own = self.buckets, bucket_of(self.peer_id, self.buckets)
         self.view.merge(await read_buckets(self.node, self.run, buckets,
                                            None if buckets <= FULL_VIEW_BUCKETS else [own]))
-        now = get_dht_time()
+        now = self.clock()
         members = self.view.members(now)
         own_members = [r for r in members if bucket_of(r["peer_id"], buckets) == own]
         if writes_summary(self.peer_id, own_members):
-            await store_record(self.node, summary_key(self.run), summarize(buckets, own, own_members, time.time()),
-                               now + self.timing.lifetime, subkey=summary_subkey_prefix(buckets, own) + self.subkey)
+            await self.store(self.node, summary_key(self.run), summarize(buckets, own, own_members, now),
+                             now + self.timing.lifetime, subkey=summary_subkey_prefix(buckets, own) + self.subkey)
         moved = next_bucket_count(buckets, len(own_members))
         if moved != buckets:
             logger.info(f"{len(own_members)} peer(s) in our bucket of {buckets}: moving to {moved} bucket(s)")
@@ -118,11 +122,12 @@ class PeerAnnouncer:
 
     def members(self) -> List[Dict]:
         """The peers in our view now (``PeerView.members``): where ``join`` learns who is in the run."""
-        return self.view.members(get_dht_time())
+        return self.view.members(self.clock())
 
     async def heartbeat_forever(self) -> None:
+        loop = asyncio.get_running_loop()  # virtual time in the simulation
         while True:
-            started = time.monotonic()
+            started = loop.time()
             try:
                 if not await self.publish():
                     logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
@@ -131,7 +136,7 @@ class PeerAnnouncer:
                 logger.warning(f"renewing the peer record failed: {e}")
             # every heartbeat from the last one's start: a store that took seconds (a busy machine, a slow DHT
             # node) must not stretch the gap between renewals past the record's lifetime
-            await asyncio.sleep(max(0.0, self.heartbeat - (time.monotonic() - started)))
+            await asyncio.sleep(max(0.0, self.heartbeat - (loop.time() - started)))
 
     async def leave(self) -> None:
         """Say ``leaving`` so others see a graceful exit, not a disappearance.
