@@ -19,6 +19,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from run_observer import RunObserver
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.records import make_validators, peers_key
 from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node
 
@@ -97,6 +98,27 @@ def test_graceful_stop_shows_leaving_then_exits_zero(processes, backbone, observ
     observer.wait_for(lambda peers: peers.get("polite", {}).get("state") == "leaving", 10, period=0.1)
     assert volunteer.wait(30) == 0
     observer.wait_for(lambda peers: "polite" not in peers, 3 * heartbeat + 2)
+
+
+@pytest.mark.timeout(150)
+def test_a_peer_restarted_with_its_identity_is_one_peer_again_and_its_leaving_removes_it_at_once(
+        processes, backbone, observer, tmp_path):
+    heartbeat = 2.0
+    args = join_args(backbone, "phoenix", VOLUNTEERS["alice"], heartbeat) + ["--identity", str(tmp_path / "id.key")]
+    first = processes.start(args, "phoenix")
+    before = observer.wait_for(lambda peers: peers.get("phoenix", {}).get("state") == "standby", 60)["phoenix"]
+    first.kill_group()  # no leaving: its record stays until it expires
+    second = processes.start(args, "phoenix-again")
+    # back with the same identity, under a new record key (a new process): one peer, shown by its newest record
+    after = observer.wait_for(lambda peers: peers.get("phoenix", {}).get("time", 0) > before["time"], 60,
+                              "the restarted peer's record")["phoenix"]
+    assert after["peer_id"] == before["peer_id"]
+    assert [p["peer_id"] for p in observer.call(read_peers(observer.node, RUN))].count(before["peer_id"]) == 1
+    observer.wait_for(lambda peers: peers["phoenix"]["state"] == "standby", 30)
+    second.signal(signal.SIGTERM)
+    observer.wait_for(lambda peers: peers.get("phoenix", {}).get("state") == "leaving", 10, period=0.1)
+    assert second.wait(30) == 0
+    observer.wait_for(lambda peers: "phoenix" not in peers, 3 * heartbeat + 2)
 
 
 async def _attack(maddr, victim_subkey, honest_value):
