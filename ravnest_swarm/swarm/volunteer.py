@@ -485,7 +485,7 @@ class Volunteer:
         records: Dict[str, Dict] = {}
         for _ in range(2):
             try:
-                records.update({p["peer_id"]: p for p in await read_peers(self.node, self.run)})
+                records.update({p["peer_id"]: p for p in await read_peers(self.node, self.run, peer_ids=missing)})
             except Exception as e:  # no news of the member is no sign that it is coming
                 logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
             if all(member in records for member in missing):
