@@ -8,6 +8,8 @@ from hivemind.p2p import P2P, PeerID
 
 from run_observer import RunObserver
 
+P2P_ID_OF_NOBODY = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"  # a well-formed id nobody holds
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -34,6 +36,22 @@ def test_join_waits_for_a_backbone_that_is_not_up_yet_and_joins_once_it_answers(
     observer = RunObserver(maddr, "patient")
     try:
         observer.wait_for(lambda peers: "early" in peers, 60, "the early volunteer's record")
+    finally:
+        observer.close()
+    assert volunteer.popen.poll() is None and "Traceback" not in volunteer.stderr()
+
+
+@pytest.mark.timeout(150)
+def test_join_given_a_dead_backbone_and_a_live_one_joins_through_the_live_one(processes, backbone):
+    """Several backbones: one that never answers does not stop a volunteer that another one answers."""
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{P2P_ID_OF_NOBODY}"
+    volunteer = processes.start(["join", "--initial-peers", dead, "--initial-peers", backbone, "--run", "test-run", "--name", "two-ways",
+                                 "--ram-gb", "1", "--gflops", "10", "--bandwidth-mbps", "100", "--timeout", "5",
+                                 "--no-dashboard", "--heartbeat", "2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                                "two-ways")
+    observer = RunObserver(backbone, "test-run")
+    try:
+        observer.wait_for(lambda peers: "two-ways" in peers, 60, "the volunteer's record")
     finally:
         observer.close()
     assert volunteer.popen.poll() is None and "Traceback" not in volunteer.stderr()

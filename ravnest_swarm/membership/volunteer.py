@@ -22,7 +22,7 @@ from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, measure_bandwidth
-from ravnest_swarm.net.node import peer_id_of, start_node_patiently, stop_node
+from ravnest_swarm.net.node import answering_initial_peer, start_node_patiently, stop_node
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class MembershipOptions:
 
 async def measure(options: MembershipOptions, node: DHTNode, console: Console) -> Capabilities:
     """Measure what is not overridden, with a progress display; reachability is always asked of a backbone."""
-    backbone = peer_id_of(options.initial_peers[0]) if options.initial_peers else None
+    backbone = await answering_initial_peer(node, options.initial_peers)  # not one that is down
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[result]}"),
                   console=console, transient=False) as progress:
         ram_task = progress.add_task("RAM", total=1, result="")

@@ -215,6 +215,14 @@ async def start_node(
     return node
 
 
+async def answering_initial_peer(node: DHTNode, initial_peers: Sequence[Multiaddr]) -> Optional[PeerID]:
+    """The first of ``initial_peers`` we are connected to (the one that answered), else the first of them."""
+    if not initial_peers:
+        return None
+    connected = {info.peer_id for info in await node.p2p.list_peers()}
+    return next((peer_id_of(m) for m in initial_peers if peer_id_of(m) in connected), peer_id_of(initial_peers[0]))
+
+
 async def start_node_patiently(initial_peers: Sequence[Multiaddr], patience: float,
                                on_wait: Callable[[str, int, float, float], None], **options) -> "SwarmNode":
     """:func:`start_node`, tried again with backoff while no initial peer answers, for up to ``patience`` seconds.
