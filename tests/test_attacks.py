@@ -290,10 +290,10 @@ def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_
                                     layers=list(second["layers"]), version=second["step"],
                                     time=time.time() + 10**6).dict()
             # it outlives this test, so the late joiner's placement meets it too
-            stored = await node.store(stages_key(RUN), hostile, get_dht_time() + 600,
+            stored = await node.store(stages_key(RUN, slot[0]), hostile, get_dht_time() + 600,
                                       subkey=stage_subkey_prefix(*slot) + RSASignatureValidator().local_public_key)
-            newest = (await read_endpoints(node, RUN)).get(slot)
-            named = (await read_endpoints(node, RUN, {slot: second["peer_id"]})).get(slot)
+            newest = (await read_endpoints(node, RUN, slot[0])).get(slot)
+            named = (await read_endpoints(node, RUN, slot[0], {slot: second["peer_id"]})).get(slot)
             resolver = EndpointResolver(node, RUN, slot[0], 0, lambda: Neighbours(next=second["peer_id"]))
             resolved = (await resolver.resolve(1, refresh=True)).to_base58()
             steps = {}

@@ -67,11 +67,11 @@ def malformed_values():
         (peers_key(RUN), OWN, [1, 2, 3], "peers: not a dict"),
         (peers_key(RUN), OWN, GARBAGE, "peers: raw bytes"),
         (peers_key(RUN), b"anonymous", PEER, "peers: unsigned subkey"),
-        (stages_key(RUN), OWN_STAGE, dict(STAGE, layers=[0, 1, 2]), "stages: wrong shape"),
-        (stages_key(RUN), OWN_STAGE, dict(STAGE, time=float("nan")), "stages: NaN"),
-        (stages_key(RUN), OWN_STAGE, dict(STAGE, model=HUGE), "stages: huge string"),
-        (stages_key(RUN), OWN_STAGE, GARBAGE, "stages: raw bytes"),
-        (stages_key(RUN), b"0.0", STAGE, "stages: unsigned subkey"),
+        (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, layers=[0, 1, 2]), "stages: wrong shape"),
+        (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, time=float("nan")), "stages: NaN"),
+        (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, model=HUGE), "stages: huge string"),
+        (stages_key(RUN, 0), OWN_STAGE, GARBAGE, "stages: raw bytes"),
+        (stages_key(RUN, 0), b"0.0", STAGE, "stages: unsigned subkey"),
         (round_key(RUN), OWN, dict(PROPOSAL, fitness=float("inf")), "round: Inf"),
         (round_key(RUN), OWN, dict(PROPOSAL, fitness=-1.0), "round: out of range"),
         (round_key(RUN), OWN, dict(PROPOSAL, clusters=[["p"]] * 1000), "round: huge list"),
@@ -111,7 +111,7 @@ async def write_as_attacker(attacker, signature, victim_subkeys):
             subkey, subkey)
         outcomes[label] = await attacker.store(key, value, expiration, subkey=subkey)
     forged = {peers_key(RUN): dict(PEER, name="mallory", ram_gb=4000.0),
-              stages_key(RUN): dict(STAGE, peer_id="12D3KooWMallory"),
+              stages_key(RUN, 0): dict(STAGE, peer_id="12D3KooWMallory"),
               round_key(RUN): dict(PROPOSAL, peer_id="12D3KooWMallory", fitness=1e11),
               plan_key(RUN): dict(PLAN, clusters=[[dict(peer_id="12D3KooWMallory", layers=[0, 2])]])}
     for key, value in forged.items():
@@ -130,7 +130,7 @@ async def honest_view(node):
     spec = await read_spec(node, RunAddress(RUN, OWNER_FINGERPRINT))
     return dict(
         peers=await read_peers(node, RUN),
-        stages=await read_endpoints(node, RUN),
+        stages=await read_endpoints(node, RUN, 0),
         proposals=await PlanningRounds.read_proposals(rounds, 1),
         alive=sorted(await PlanningRounds.read_alive(rounds, get_dht_time())),
         plan=await read_adopted_plan(node, RUN),
@@ -183,9 +183,9 @@ def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
         try:
             own = RSASignatureValidator().local_public_key  # this process's key: the honest writer's
             expiration = get_dht_time() + 120
-            victim_subkeys = {peers_key(RUN): own, stages_key(RUN): stage_subkey_prefix(0, 0) + own,
+            victim_subkeys = {peers_key(RUN): own, stages_key(RUN, 0): stage_subkey_prefix(0, 0) + own,
                               round_key(RUN): own, plan_key(RUN): plan_subkey_prefix(1) + own}
-            for key, value in [(peers_key(RUN), PEER), (stages_key(RUN), STAGE), (round_key(RUN), PROPOSAL)]:
+            for key, value in [(peers_key(RUN), PEER), (stages_key(RUN, 0), STAGE), (round_key(RUN), PROPOSAL)]:
                 assert await honest.store(key, value, expiration, subkey=victim_subkeys[key])
             assert await honest.store(plan_key(RUN), PLAN, expiration, subkey=plan_subkey_prefix(1) + own)
             assert await honest.store(spec_key(RUN), SPEC, expiration, subkey=own)

@@ -433,7 +433,7 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
             record = StageEndpoint(peer_id=stranger_id, model="mlp-digits", layers=list(ranges[1]), version=0,
                                    maddrs=[str(m) for m in await nodes[3].p2p.get_visible_maddrs()],
                                    time=time.time() + 10**6).dict()
-            assert await nodes[3].store(stages_key(run), record, get_dht_time() + 600,
+            assert await nodes[3].store(stages_key(run, 0), record, get_dht_time() + 600,
                                         subkey=stage_subkey_prefix(0, 1) + stranger_key.local_public_key)
             first = StageWorker(config(0, Neighbours(next=dying_id)), nodes[0])
             dying = StageWorker(config(1, Neighbours(previous=first_id)), nodes[1])

@@ -18,7 +18,9 @@ from typing import Dict, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.utils.crypto import RSAPrivateKey
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
@@ -134,7 +136,8 @@ def planning_memory_gb(record: Dict) -> float:
 
 
 class StageEndpoint(pydantic.BaseModel):
-    """Where a pipeline stage serves, under ``{run}_stages`` with subkey ``b"{cluster}.{stage}" + owner key``.
+    """Where a pipeline stage serves, under ``{run}_stages_{cluster mod 64}`` (``stages_key``) with subkey
+    ``b"{cluster}.{stage}" + owner key``.
 
     Neighbours resolve a stage here and again whenever a send to it fails or their plan names another peer
     for it: they count only records naming that peer (anyone can write a record for any slot), the newest
@@ -268,23 +271,42 @@ class BucketSummary(pydantic.BaseModel):
 class _RunKeys(pydantic.BaseModel):
     peers: Dict[BytesWithPublicKey, PeerRecord]  # the one bucket of a run with one (``bucket_field(1, 0)``)
     plan: Dict[BytesWithPublicKey, PlanRecord]
-    stages: Dict[BytesWithPublicKey, StageEndpoint]
     round: Dict[BytesWithPublicKey, RoundProposal]
     spec: Dict[BytesWithPublicKey, RunSpecRecord]
     summary: Dict[BytesWithPublicKey, BucketSummary]
 
 
-# The run's DHT keys (fields) and the type of each value: the keys above and every bucket of peer records
+# Stage endpoints spread over this many keys by cluster: a neighbour reads its own cluster's key only, and no key
+# holds every stage of a large run
+STAGE_KEYS = 64
+
+# The run's DHT keys (fields) and the type of each value: the keys above, every bucket of peer records and every
+# key of stage endpoints
 RunRecords = pydantic.create_model(
     "RunRecords", __base__=_RunKeys,
-    **{field: (Dict[BytesWithPublicKey, PeerRecord], None) for field in bucket_fields() if field != "peers"})
+    **{field: (Dict[BytesWithPublicKey, PeerRecord], None) for field in bucket_fields() if field != "peers"},
+    **{f"stages_{index}": (Dict[BytesWithPublicKey, StageEndpoint], None) for index in range(STAGE_KEYS)})
 
 
-def make_validators(run: str, owner: Optional[str] = None) -> List:
+def make_validators(run: str, owner: Optional[str] = None, signing_key: Optional[RSAPrivateKey] = None) -> List:
     """The record validators every node of ``run`` installs (signature first, then schema, then the spec's
-    owner: any spec must be signed by the key it names, and by ``owner``'s, a fingerprint, where it is known)."""
-    return [RSASignatureValidator(), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run),
+    owner: any spec must be signed by the key it names, and by ``owner``'s, a fingerprint, where it is known).
+
+    :param signing_key: the key this node signs its records with; by default the process-wide key (a process is
+        one peer). Several peers in one process (``bench/light.py``) each need their own, or their records,
+        written under the same subkey, would replace one another.
+    """
+    return [RSASignatureValidator(signing_key), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run),
             OwnerSpecValidator(spec_key(run), owner)]
+
+
+def signing_validator(node: DHTNode) -> RSASignatureValidator:
+    """The validator that signs ``node``'s records (its subkey, ``local_public_key``, is the node's identity as a
+    writer): the one among the node's validators, else the process-wide key's, which signs nothing a node without
+    one would store."""
+    validator = node.protocol.record_validator
+    parts = getattr(validator, "_validators", [validator])  # hivemind's CompositeValidator keeps its parts there
+    return next((part for part in parts if isinstance(part, RSASignatureValidator)), RSASignatureValidator())
 
 
 def spec_key(run: str) -> str:
@@ -314,8 +336,9 @@ def plan_subkey_prefix(round_number: int) -> bytes:
     return f"{round_number}.".encode()
 
 
-def stages_key(run: str) -> str:
-    return f"{run}_stages"
+def stages_key(run: str, cluster: int) -> str:
+    """The key holding the endpoints of ``cluster``'s stages (with those of every 64th cluster beside it)."""
+    return f"{run}_stages_{cluster % STAGE_KEYS}"
 
 
 def stage_subkey_prefix(cluster: int, stage: int) -> bytes:

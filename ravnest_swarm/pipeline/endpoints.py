@@ -1,4 +1,4 @@
-"""Publishing a stage's endpoint under ``{run}_stages`` and resolving neighbours there."""
+"""Publishing a stage's endpoint under its cluster's ``{run}_stages_{k}`` key and resolving neighbours there."""
 
 from __future__ import annotations
 
@@ -26,28 +26,29 @@ async def publish_endpoint(node: DHTNode, run: str, cluster: int, stage: int, mo
     value = StageEndpoint(peer_id=node.peer_id.to_base58(), maddrs=maddrs, model=model, layers=list(layers),
                           version=version, time=time.time()).dict()
     subkey = stage_subkey_prefix(cluster, stage) + RSASignatureValidator().local_public_key
-    return bool(await node.store(stages_key(run), value, get_dht_time() + lifetime, subkey=subkey))
+    return bool(await node.store(stages_key(run, cluster), value, get_dht_time() + lifetime, subkey=subkey))
 
 
-async def read_endpoints(node: DHTNode, run: str, named: Optional[Dict[Tuple[int, int], str]] = None
+async def read_endpoints(node: DHTNode, run: str, cluster: int, named: Optional[Dict[Tuple[int, int], str]] = None
                          ) -> Dict[Tuple[int, int], Dict]:
-    """The endpoint of every ``(cluster, stage)`` of ``run`` (records are validated by the node): the newest by its
+    """The endpoint of every stage of ``cluster`` (records are validated by the node): the newest by its
     ``time``, except that a slot in ``named`` counts only records from the peer named for it there. A record's
     subkey binds it to its writer's RSA key, not to a slot's peer, and its ``time`` is what the writer says: anyone
     could otherwise take a slot by writing a newer record for it."""
     named = named or {}
     newest: Dict[Tuple[int, int], Dict] = {}
-    found = await node.get(stages_key(run), latest=True)
+    found = await node.get(stages_key(run, cluster), latest=True)
     if found is None or not isinstance(found.value, dict):
         return newest
     for subkey, item in found.value.items():
         if not isinstance(subkey, bytes) or b"[" not in subkey:
             continue
         try:
-            cluster, stage = (int(part) for part in subkey.split(b"[", 1)[0].decode().split("."))
+            slot = tuple(int(part) for part in subkey.split(b"[", 1)[0].decode().split("."))
         except ValueError:
             continue
-        slot = (cluster, stage)
+        if len(slot) != 2 or slot[0] != cluster:
+            continue  # malformed, or a stage of another cluster sharing the key
         if slot in named and item.value["peer_id"] != named[slot]:
             continue
         if slot not in newest or item.value["time"] > newest[slot]["time"]:
@@ -82,11 +83,12 @@ class EndpointResolver:
         if not refresh and cached is not None and expected in (None, cached.to_base58()):
             return cached
         slot = (self.cluster, stage)
-        endpoint = (await read_endpoints(self.node, self.run, {slot: expected} if expected else None)).get(slot)
+        endpoint = (await read_endpoints(self.node, self.run, self.cluster,
+                                         {slot: expected} if expected else None)).get(slot)
         if endpoint is None:
             whose = f" from {expected}, the peer named for it," if expected else ""
             raise LookupError(f"no endpoint{whose} for stage {stage} of cluster {self.cluster} under "
-                              f"{stages_key(self.run)}")
+                              f"{stages_key(self.run, self.cluster)}")
         peer_id = PeerID.from_base58(endpoint["peer_id"])
         # dial the announced addresses explicitly (p2pd's own routing does not know them); a stage behind NAT
         # is reached through a backbone instead (reversal or forwarding, see net/routes.py)
