@@ -197,7 +197,7 @@ def status(
     configure_logging(verbose)
     from ravnest_swarm.swarm.status import show_status
 
-    sys.exit(run_async(show_status(initial_peers, run, as_json, watch, timeout)))
+    sys.exit(run_async(show_status(initial_peers, run, as_json, watch, timeout, show_all)))
 
 
 @app.command("update-spec")

@@ -202,7 +202,7 @@ def test_status_of_a_run_nobody_is_in(backbone):
     result = cli("status", "--initial-peers", backbone, "--run", "nobody-here", "--json", timeout=60)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
-    assert (document["run"], document["peers"]) == ("nobody-here", [])
+    assert (document["run"], document["peers"], document["summary"]) == ("nobody-here", [], None)
 
 
 def test_missing_identity_directory():

@@ -7,14 +7,17 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from rich.console import Console
 
 from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
-from ravnest_swarm.dashboard.peers_table import peers_table
+from ravnest_swarm.dashboard.peers_table import SCREENFUL_ROWS, peers_table, status_document, status_view
 from ravnest_swarm.dashboard.state import SwarmState, load_recording
 from ravnest_swarm.dashboard.view import render, render_text
+from ravnest_swarm.membership.buckets import bucket_of
+from ravnest_swarm.swarm.observe import FULL_READ_BUCKETS, ROTATING_BUCKETS, SnapshotReader, neighbour_ids
 
 # what the dashboard was fed during a real run: RAVNEST_RECORD_SNAPSHOTS=FILE ravnest-swarm local --peers 5
 # --steps 200 --averaging-period 20 (docs/dashboard.md): 5 peers, 2 clusters, plan round 1, 10 averaging rounds
@@ -354,3 +357,120 @@ def test_the_dashboard_imports_no_network_code():
     network = [name for name in imported if name.startswith(("hivemind.", "ravnest_swarm.net"))
                or name in ("ravnest_swarm.membership.reader", "ravnest_swarm.membership.records")]
     assert network == []
+
+
+# --- a large run: 1,000 peers in 250 clusters of 4 stages, made in the test -----------------------------------------
+
+def large_run(clusters=250, stages=4):
+    """Every peer training at its slot (cluster c's stages run at 10 + c % 7 samples/s, its last stage reports a
+    loss), except that cluster 200's stage 1 is leaving; and the summary its buckets add up to (16 buckets)."""
+    peers = [peer(f"v{c}-{s}", "leaving" if (c, s) == (200, 1) else "training", c, s, samples_per_s=10.0 + c % 7,
+                  step=100, loss=2.0 if s == stages - 1 else None) for c in range(clusters) for s in range(stages)]
+    live = [p for p in peers if p["state"] != "leaving"]
+    summary = dict(buckets=16, buckets_summarized=16, peers=len(live), states={"training": len(live)},
+                   clusters=clusters, peers_by_cluster={str(c): stages for c in range(clusters)},
+                   samples_per_s=sum(p["samples_per_s"] for p in live), time=1.0)
+    return peers, summary
+
+
+def rendered(state, width, height, me=None):
+    """The dashboard as text at ``width`` x ``height``, and the seconds its drawing took (a redraw: rich's one-time
+    start-up paid before)."""
+    render_text(SwarmState("warm-up"), width)
+    console = Console(width=width, height=height, file=io.StringIO(), record=True, color_system=None)
+    started = time.perf_counter()
+    console.print(render(state, width, height, me))
+    return console.export_text(), time.perf_counter() - started
+
+
+@pytest.mark.parametrize("width,height", [(80, 24), (120, 40)])
+def test_a_thousand_peers_fit_the_screen_with_the_viewers_cluster(width, height):
+    """1,000 peers in 250 clusters: the dashboard fits the terminal (one row of clusters, one line for the rest),
+    shows the viewer's cluster, its ring neighbours and the failing one, adds up the whole run, and draws fast."""
+    peers, summary = large_run()
+    state = SwarmState("big")
+    state.update(peers, at=1.0, summary=summary)
+    text, seconds = rendered(state, width, height, me="v100-2")
+    lines = lines_of(text)
+    assert len(lines) <= height - 1 and max(len(line) for line in lines) <= width
+    assert seconds < 0.5, seconds
+    assert "peers 999 (999 train)" in text and "clusters 250" in text and "avg rounds 0 done" in text
+    last_stages = sum(10.0 + c % 7 for c in range(250))  # each cluster's last stage: the dashboard's own figure
+    assert f"{last_stages:.0f} samples/s" in text and "sum over peers" not in text
+    for cluster in (99, 100, 101, 200):  # the viewer's, its ring neighbours, the failing one
+        assert f"cluster {cluster} " in text, cluster
+    assert "v100-2" in text and "v200-1" in text
+    shown = len(re.findall(r"cluster \d+ ", text))
+    assert f"swarm map: {shown} of 250 clusters" in text and f"{250 - shown} more clusters" in text
+    assert re.search(r"more clusters, failing and slowest first: c\d+ 10/s, c\d+ 10/s", text)  # the slowest left out
+    assert len(re.findall(r"\bv\d+-\d+\b", text)) <= 6 * 4 + 2
+
+
+def test_a_snapshot_holding_part_of_a_large_run_shows_the_summarys_figures():
+    """A large run's dashboard reads some buckets: the totals are the summary's (peers by state, clusters, samples/s
+    summed over peers), with how many records were read; an observer (no viewer) gets the failing and slowest
+    clusters among those read; the peers that came into view are one event, not one each."""
+    peers, summary = large_run()
+    summary = dict(summary, states={"training": 900, "standby": 60, "joining": 39})
+    state = SwarmState("big")
+    state.feed(dict(run="big", at=1.0, peers=peers[:100], plan=None, summary=summary))
+    events = state.feed(dict(run="big", at=2.0, peers=peers[:300], plan=None, summary=None))
+    assert [e.text for e in events] == ["200 peers joined or came into view"]
+    assert state.summary == summary and state.sees_part()  # a read that found no summary keeps the last one
+    text, _ = rendered(state, 80, 24)
+    assert "peers 999 (900 train, 60 spare, 39 join)" in text and "clusters 250" in text
+    assert f"{summary['samples_per_s'] / 1000:.0f}k samples/s (sum over peers)" in text and "300 records read" in text
+    assert "cluster 0 " in text and "more clusters" in text
+    assert len(lines_of(text)) <= 23
+    restored = SwarmState.from_json(json.loads(json.dumps(state.to_json())))
+    assert restored.summary == summary and render_text(restored, 80) == render_text(state, 80)
+
+
+def test_status_shows_the_summary_and_a_screenful_of_the_peers_that_matter():
+    """``status`` on a large run: a line adding up the run (its summary), then at most a screenful of rows, the
+    peers with a note, refusals, failed averaging rounds or no slot first; ``--all`` a row for every peer; and
+    ``--json`` the summary beside every record."""
+    peers, summary = large_run()
+    peers[5] = dict(peers[5], note="averaging step 40: ring 0 timeout", averaging_failures=1)
+    peers[6] = dict(peers[6], rejected=3)
+    peers[7] = dict(peers[7], state="standby", cluster=-1, stage=-1)
+    line, table = status_view("big", summary, peers)
+    console = Console(width=80, file=io.StringIO(), record=True, color_system=None)
+    console.print(line)
+    console.print(table)
+    text = console.export_text()
+    assert f"999 peer(s) (999 training) │ 250 cluster(s) │ {summary['samples_per_s']:.1f} samples/s" in text
+    assert f"showing {SCREENFUL_ROWS} of 1000 peers read, those that matter first" in text
+    assert f"run big: {SCREENFUL_ROWS} of 1000 peer(s)" in text
+    rows = [row.strip() for row in lines_of(text) if re.match(r"\s*v\d+-\d+ ", row)]
+    assert len(rows) == SCREENFUL_ROWS
+    assert [row.split()[0] for row in rows[:3]] == [peers[5]["name"], peers[6]["name"], peers[7]["name"]]
+    assert "v200-1" in text  # leaving: not placed any more
+    assert max(len(row) for row in lines_of(text)) <= 80
+    assert status_view("big", summary, peers, show_all=True)[1].row_count == 1000
+    small_line, small_table = status_view("small", None, peers[:4])
+    assert small_table.row_count == 4 and "showing" not in small_line.plain
+    assert small_line.plain == "4 peer(s) (4 training) │ 1 cluster(s)"
+    document = json.loads(json.dumps(status_document("big", 300, False, summary, peers)))
+    assert document["summary"] == summary and len(document["peers"]) == 1000 and document["steps"] == 300
+
+
+def test_a_large_runs_dashboard_reads_its_viewers_buckets_and_a_few_in_turn():
+    """A small run's dashboard reads every bucket; a large one's, the viewer's own, its neighbours' (its cluster's
+    stages and the same stage in the clusters beside it, by the plan) and a few more in turn, so that every
+    bucket is read within a few dozen redraws."""
+    plan = dict(round=1, time=0.0, clusters=[[dict(peer_id=f"id-{c}-{s}", layers=[s, s + 1]) for s in range(3)]
+                                             for c in range(10)])
+    assert neighbour_ids(plan, "id-4-1") == {"id-4-0", "id-4-1", "id-4-2", "id-3-1", "id-5-1"}
+    assert neighbour_ids(plan, "id-0-2") == {"id-0-0", "id-0-1", "id-0-2", "id-9-2", "id-1-2"}
+    assert neighbour_ids(plan, "stranger") == set() and neighbour_ids(None, "id-4-1") == set()
+    reader = SnapshotReader(node=None, run="big", viewer="id-4-1")
+    assert reader.buckets_to_read(FULL_READ_BUCKETS) == list(range(FULL_READ_BUCKETS))
+    reader.plan = plan
+    own = {bucket_of(peer_id, 256) for peer_id in neighbour_ids(plan, "id-4-1")}
+    met = set()
+    for _ in range(256 // ROTATING_BUCKETS):
+        read = reader.buckets_to_read(256)
+        assert own <= set(read) and len(read) <= len(own) + ROTATING_BUCKETS
+        met.update(read)
+    assert met == set(range(256))

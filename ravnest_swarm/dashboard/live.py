@@ -1,6 +1,6 @@
 """The live dashboard: take a snapshot of the run every period and redraw, until asked to stop.
 
-The snapshots come from the caller (``membership.reader.read_snapshot`` reads them from the DHT):
+The snapshots come from the caller (``swarm.observe.SnapshotReader`` reads them from the DHT):
 the dashboard draws plain records and never touches the network.
 
 While a live view is up, log records must not be written to the terminal it redraws (each one would

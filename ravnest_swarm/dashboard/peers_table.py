@@ -1,20 +1,86 @@
-"""A rich table of the peers of a run: what ``status`` prints once (the live views use the dashboard)."""
+"""A rich table of the peers of a run: what ``status`` prints once (the live views use the dashboard).
+
+A large run's table would scroll thousands of rows past: above :data:`SCREENFUL_ROWS` peers it shows the peers
+that matter (:func:`peers_that_matter`: a note, refusals, failed averaging rounds, not placed or leaving), under a
+line that adds up the whole run (its summary, ``membership/buckets.py``) and one that says how many rows it shows
+(``--all``: every one). :func:`status_document` is what ``status --json`` prints.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
 
 from rich import box
 from rich.table import Table
 from rich.text import Text
 
 # (header, justify): short headers so that the table fits 80 columns with names up to ~16 characters
+# a table this long (plus its title, header and caption) fits a 24-row terminal
+SCREENFUL_ROWS = 18
 COLUMNS = (("name", "left"), ("state", "left"), ("mem GB", "right"), ("Mb/s", "right"), ("GF/s", "right"),
            ("reach", "left"), ("c/s", "left"), ("step", "right"), ("loss", "right"), ("ttl", "right"))
 
 
-def peers_table(run: str, peers: List[Dict]) -> Table:
+def status_document(run: str, steps: Optional[int], finished: bool, summary: Optional[Dict],
+                    peers: List[Dict]) -> Dict:
+    """What ``status --json`` prints: the run's length and whether it is finished, its summary (the buckets'
+    counts added up, ``membership.buckets.add_up``; None while no peer has written one) and every record read."""
+    return dict(run=run, steps=steps, finished=finished, summary=summary, peers=peers)
+
+
+def _matters(peer: Dict) -> int:
+    """How much a peer's row matters to someone debugging a run: 0 (most) to 4 (a peer placed and quiet)."""
+    if peer.get("note"):
+        return 0  # the cause of its last failure or refusal
+    if peer.get("rejected"):
+        return 1
+    if peer.get("averaging_failures"):
+        return 2
+    if peer["state"] in ("joining", "standby", "leaving") or (
+            peer["state"] != "done" and (peer.get("cluster") is None or peer["cluster"] < 0)):
+        return 3  # not (yet) placed, or going
+    return 4
+
+
+def peers_that_matter(peers: List[Dict], limit: int) -> List[Dict]:
+    """At most ``limit`` of ``peers``: those with a note, then refusals, failed averaging rounds, not placed (joining,
+    standby) or leaving, then the rest, each group by name."""
+    return sorted(peers, key=lambda peer: (_matters(peer), peer["name"], peer["peer_id"]))[:limit]
+
+
+def swarm_line(summary: Optional[Dict], peers: List[Dict]) -> str:
+    """One line that adds up the run: peers by state, clusters and samples/s from its summary (every bucket's
+    counts), or from the records read where it has none yet."""
+    if summary is not None:
+        total, states, clusters = summary["peers"], summary["states"], summary["clusters"]
+        rate = f" │ {summary['samples_per_s']:.1f} samples/s (sum over peers)"
+        coverage = (f" │ {summary['buckets_summarized']} of {summary['buckets']} buckets summarized"
+                    if summary["buckets_summarized"] < summary["buckets"] else "")
+    else:
+        live = [p for p in peers if p["state"] != "leaving"]
+        total, states = len(live), Counter(p["state"] for p in live)
+        clusters = len({p["cluster"] for p in live if p.get("cluster") is not None and p["cluster"] >= 0})
+        rate, coverage = "", ""
+    by_state = ", ".join(f"{count} {state}" for state, count in sorted(states.items(), key=lambda item: -item[1]))
+    return f"{total} peer(s){f' ({by_state})' if by_state else ''} │ {clusters} cluster(s){rate}{coverage}"
+
+
+def status_view(run: str, summary: Optional[Dict], peers: List[Dict], show_all: bool = False) -> Tuple[Text, Table]:
+    """What ``status`` prints: a line adding up the run (and one saying how many rows the table shows, where not
+    every one), and the table of the peers that matter (every peer of a run of at most :data:`SCREENFUL_ROWS`, or
+    with ``show_all``), in the order :func:`peers_that_matter` ranks them."""
+    shown = peers if show_all or len(peers) <= SCREENFUL_ROWS else peers_that_matter(peers, SCREENFUL_ROWS)
+    line = swarm_line(summary, peers)
+    if len(shown) < len(peers):
+        line += f"\nshowing {len(shown)} of {len(peers)} peers read, those that matter first (--all: every one)"
+    return Text(line, style="bold"), peers_table(run, shown, len(peers))
+
+
+def peers_table(run: str, peers: List[Dict], read: Optional[int] = None) -> Table:
     """One row per peer: capabilities, placement (cluster/stage), progress, and seconds until its record expires.
+
+    :param read: how many peer records were read, where ``peers`` are only some of them (the title says both)
 
     The caption names every peer that refused poisoned or malformed input, with its count. Only the
     name column may shrink (cut with an ellipsis, or wrapped at its spaces); every other cell
@@ -24,7 +90,9 @@ def peers_table(run: str, peers: List[Dict]) -> Table:
     refusing = [f"{peer['name']} {peer['rejected']}" for peer in peers if peer.get("rejected")]
     caption = (Text(f"refused poisoned or malformed input: {', '.join(refusing)}", style="table.caption")
                if refusing else None)
-    table = Table(title=f"run {run}: {len(peers)} peer(s)", caption=caption, box=box.SIMPLE_HEAD, pad_edge=False,
+    title = f"run {run}: {len(peers)} peer(s)" if read is None or read == len(peers) else \
+        f"run {run}: {len(peers)} of {read} peer(s)"
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1, 0, 0), expand=False)
     for header, justify in COLUMNS:
         shrinkable = header == "name"

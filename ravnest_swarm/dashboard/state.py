@@ -1,11 +1,13 @@
 """What the dashboard knows about a swarm, derived from successive snapshots of the peer records.
 
-The dashboard is fed snapshots of the ``{run}_peers`` records and, when there is one, the adopted
-``{run}_plan`` record; ``membership.reader.read_snapshot`` reads them, the dashboard never touches the
-network. Everything it shows is derived here from those snapshots: the cluster map, the standby peers,
-the totals, a loss history and the events between two snapshots. Memory stays bounded whatever the
-run's length: one snapshot is kept for diffing, the loss history and the events are fixed-length
-deques, and the names of peers seen are capped.
+The dashboard is fed snapshots of the run's peer records, the adopted ``{run}_plan`` record when there
+is one, and the run's summary (``{run}_summary``: every bucket's counts added up, ``membership/buckets.py``);
+``swarm.observe.SnapshotReader`` reads them, the dashboard never touches the network. In a large run a
+snapshot holds only some of the peer records (the viewer's bucket, its neighbours', a few more in turn):
+the summary says how many there are in all. Everything it shows is derived here from those snapshots:
+the cluster map, the standby peers, the totals, a loss history and the events between two snapshots.
+Memory stays bounded whatever the run's length: one snapshot is kept for diffing, the loss history and
+the events are fixed-length deques, and the names of peers seen are capped.
 
 A DHT read can miss records (a node that holds some of them did not answer in time, which a busy
 machine makes common): a read is merged into what is known, and a record missing from it stays until
@@ -29,6 +31,9 @@ REFUSAL_NOTE = "refused"
 
 TRAINING_STATES = ("training", "averaging")  # the loss curve's peers: a finished ("done") peer's loss is old
 EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected")
+# beyond this many peers joining (or vanishing) in one snapshot, one event counts them: a large run's dashboard
+# reads its buckets in turn, and each new bucket brings dozens of peers it had not seen
+PEER_EVENTS = 8
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class SwarmState:
         self.losses: Deque[Tuple[float, float]] = deque(maxlen=max_losses)  # (at, mean loss)
         self.peers: List[Dict] = []
         self.plan: Optional[Dict] = None
+        self.summary: Optional[Dict] = None  # the run's totals (membership.buckets.add_up), the last one read
         self.at: Optional[float] = None
         self.snapshots = 0
         # the last peer seen at each slot, kept while the slot is vacant, so a stand-in that arrives after
@@ -105,6 +111,9 @@ class SwarmState:
         self.last_holders: Dict[Slot, Dict] = {}
         self.expiry: Dict[str, float] = {}  # peer id -> wall-clock time its known record expires
         self.names: Dict[str, str] = {}  # peer id -> name, most recently seen last
+        # the cluster map and totals of the latest snapshot, derived once: a large run's redraw asks for them often
+        self._clusters: Optional[Dict[int, Dict[int, List[Dict]]]] = None
+        self._totals: Optional[Totals] = None
 
     @property
     def finished(self) -> bool:
@@ -114,11 +123,13 @@ class SwarmState:
     # --- feeding -------------------------------------------------------------------------------
 
     def feed(self, snapshot: Dict) -> List[Event]:
-        """Take one snapshot as ``membership.reader.read_snapshot`` makes it and recordings hold it:
-        ``{"run", "at", "peers", "plan"}`` (see :meth:`update`)."""
-        return self.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"])
+        """Take one snapshot as ``swarm.observe.SnapshotReader`` makes it and recordings hold it:
+        ``{"run", "at", "peers", "plan", "summary"}`` (see :meth:`update`; recordings made before the summary
+        existed have none)."""
+        return self.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"], snapshot.get("summary"))
 
-    def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None) -> List[Event]:
+    def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None,
+               summary: Optional[Dict] = None) -> List[Event]:
         """Take a new snapshot; returns the events it caused (also appended to :attr:`events`).
 
         :param peers: peer records as ``read_peers`` returns them (dicts). With ``expires_in`` (seconds
@@ -127,14 +138,20 @@ class SwarmState:
         :param plan: the adopted plan record, or None when the read found none (the last one known stays,
             as does a newer one than an older round read from a lagging node)
         :param at: wall-clock time of the snapshot; now when omitted (recordings pass their own)
+        :param summary: the run's totals (``membership.buckets.add_up``), or None when the read found none (the
+            last one known stays)
         """
         at = time.time() if at is None else at
         before_round, before_adopted = self.plan_round(), self.adopted_round()
         previous = {p["peer_id"]: p for p in self.peers}
         first = self.snapshots == 0
         self.peers = self._merge(peers, previous, at)
+        self._clusters = self._totals = None
         if plan is not None and (self.plan is None or plan["round"] >= self.plan["round"]):
             self.plan = plan
+            self._clusters = self._totals = None
+        if summary is not None:
+            self.summary = summary
         self.at = at
         self.snapshots += 1
 
@@ -186,17 +203,21 @@ class SwarmState:
               at: float) -> List[Event]:
         events = []
         current = {p["peer_id"]: p for p in self.peers}
+        joined = [peer for peer_id, peer in current.items() if peer_id not in previous]
+        if len(joined) > PEER_EVENTS:
+            events.append(Event(at, "joined", f"{len(joined)} peers joined or came into view"))
+        else:
+            events += [Event(at, "joined", f"{peer['name']} joined ({peer['state']}{_where(peer)})") for peer in joined]
         for peer_id, peer in current.items():
             old = previous.get(peer_id)
-            if old is None:
-                where = _where(peer)
-                events.append(Event(at, "joined", f"{peer['name']} joined ({peer['state']}{where})"))
-            elif peer["state"] == "leaving" and old["state"] != "leaving":
+            if old is not None and peer["state"] == "leaving" and old["state"] != "leaving":
                 events.append(Event(at, "left", f"{peer['name']} is leaving{_where(old)}"))
-        for peer_id, old in previous.items():
-            if peer_id not in current and old["state"] != "leaving":
-                # a peer that said "leaving" was already reported; its record expiring is expected
-                events.append(Event(at, "left", f"{old['name']} vanished{_where(old)} (record expired)"))
+        # a peer that said "leaving" was already reported; its record expiring is expected
+        vanished = [old for peer_id, old in previous.items() if peer_id not in current and old["state"] != "leaving"]
+        if len(vanished) > PEER_EVENTS:
+            events.append(Event(at, "left", f"{len(vanished)} peers vanished (records expired)"))
+        else:
+            events += [Event(at, "left", f"{old['name']} vanished{_where(old)} (record expired)") for old in vanished]
 
         adopted = self.adopted_round()
         if adopted is not None and (before_adopted is None or adopted > before_adopted):
@@ -239,7 +260,13 @@ class SwarmState:
         return {slot: holders[0] for slot, holders in self.slots().items()}
 
     def clusters(self) -> Dict[int, Dict[int, List[Dict]]]:
-        """Cluster -> stage -> peers serving it, including the plan's slots that no live peer serves (empty lists)."""
+        """Cluster -> stage -> peers serving it, including the plan's slots that no live peer serves (empty lists).
+        Derived once per snapshot: not to be changed by the caller."""
+        if self._clusters is None:
+            self._clusters = self._derive_clusters()
+        return self._clusters
+
+    def _derive_clusters(self) -> Dict[int, Dict[int, List[Dict]]]:
         clusters: Dict[int, Dict[int, List[Dict]]] = {}
         for cluster, stages in enumerate((self.plan or {}).get("clusters", [])):
             for stage in range(len(stages)):
@@ -285,12 +312,22 @@ class SwarmState:
         rounds = [p["plan_round"] for p in self.peers if p.get("plan_round") is not None]
         return max(rounds) if rounds else None
 
+    def sees_part(self) -> bool:
+        """Whether the peers known are only part of the run: its summary counts more (a large run's dashboard
+        reads some of its buckets)."""
+        return self.summary is not None and self.summary["peers"] > sum(p["state"] != "leaving" for p in self.peers)
+
     def cluster_samples_per_s(self, stages: Dict[int, List[Dict]]) -> Optional[float]:
         """A cluster's throughput: what its last stage reports, since every sample passes it exactly once."""
         served = [stage for stage, holders in stages.items() if holders]
         return stages[max(served)][0].get("samples_per_s") if served else None
 
     def totals(self) -> Totals:
+        if self._totals is None:
+            self._totals = self._derive_totals()
+        return self._totals
+
+    def _derive_totals(self) -> Totals:
         clusters = {k: v for k, v in self.clusters().items() if any(v.values())}
         rates = [self.cluster_samples_per_s(stages) for stages in clusters.values()]
         unplaced = self.unplaced()
@@ -313,7 +350,7 @@ class SwarmState:
         return dict(
             run=self.run, steps=self.steps, max_events=self.max_events, max_losses=self.max_losses,
             max_names=self.max_names,
-            snapshots=self.snapshots, at=self.at, peers=self.peers, plan=self.plan,
+            snapshots=self.snapshots, at=self.at, peers=self.peers, plan=self.plan, summary=self.summary,
             losses=[list(point) for point in self.losses], events=[asdict(e) for e in self.events],
             last_holders=[[cluster, stage, holder] for (cluster, stage), holder in sorted(self.last_holders.items())],
             expiry=self.expiry, names=self.names,
@@ -323,7 +360,7 @@ class SwarmState:
     def from_json(cls, data: Dict) -> "SwarmState":
         state = cls(data.get("run", ""), data["max_events"], data["max_losses"], data["max_names"], data.get("steps"))
         state.snapshots, state.at = data["snapshots"], data["at"]
-        state.peers, state.plan = data["peers"], data["plan"]
+        state.peers, state.plan, state.summary = data["peers"], data["plan"], data.get("summary")
         state.losses.extend(tuple(point) for point in data["losses"])
         state.events.extend(Event(**e) for e in data["events"])
         state.last_holders = {(cluster, stage): holder for cluster, stage, holder in data["last_holders"]}

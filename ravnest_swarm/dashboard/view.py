@@ -2,7 +2,9 @@
 
 Every line is laid out for the width it is given and never folded: cells and event lines are cut with
 an ellipsis instead, and clusters that do not fit side by side wrap into further rows of columns, so
-the dashboard stays readable from 80 columns up, with 30 peers or more.
+the dashboard stays readable from 80 columns up, with 30 peers or more. A large run (``focus.py``: more
+than 64 peers, or a snapshot holding only part of the run) shows the run's summary, one row of the
+clusters that matter to the viewer and one line for the rest.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from ravnest_swarm.dashboard.focus import clusters_that_matter, is_large, run_figures, slowest, trouble
 from ravnest_swarm.dashboard.state import Event, SwarmState
 
 STATE_STYLES = {"training": "green", "averaging": "cyan", "standby": "yellow", "joining": "magenta",
@@ -38,16 +41,23 @@ def render(state: SwarmState, width: int, height: Optional[int] = None, me: Opti
     :param width: columns to lay out for (80 and up stays tidy)
     :param height: terminal rows; when given, map cells drop to two lines and the event log shrinks as
         far as needed to keep everything on screen
-    :param me: this volunteer's name, highlighted in the map
+    :param me: this volunteer's name, highlighted in the map (and in a large run, its cluster and neighbours shown)
     """
-    head = [_title(state, width), _totals(state, width)]
-    loss = _loss_curve(state, width)
-    parts = head + _swarm_map(state, width, me, compact=False) + loss
+    large = is_large(state)
+    head = [_title(state, width), _run_totals(state, width) if large else _totals(state, width)]
+
+    def layout(compact: bool, loss_rows: int) -> List[RenderableType]:
+        return head + _swarm_map(state, width, me, compact, large) + _loss_curve(state, width, loss_rows)
+
+    parts = layout(False, LOSS_ROWS)
     event_lines = MAX_EVENT_LINES
     if height is not None:
         rows = height - 1 - 1  # Live keeps the terminal's last row free; the event log has a rule
-        if _height(parts, width) + MIN_EVENT_LINES > rows:
-            parts = head + _swarm_map(state, width, me, compact=True) + loss
+        # shorter and shorter: two-line cells, then a one-row loss curve
+        for compact, loss_rows in ((True, LOSS_ROWS), (True, 1)):
+            if _height(parts, width) + MIN_EVENT_LINES <= rows:
+                break
+            parts = layout(compact, loss_rows)
         event_lines = max(MIN_EVENT_LINES, min(MAX_EVENT_LINES, rows - _height(parts, width)))
     parts += _events(state, width, event_lines)
     return Group(*parts)
@@ -85,12 +95,36 @@ def _totals(state: SwarmState, width: int) -> Text:
     return _pack(items, width, " │ ")
 
 
-def _pack(items: Sequence[str], width: int, separator: str) -> Text:
-    """Items on as few lines as fit ``width``, never splitting one."""
+def _run_totals(state: SwarmState, width: int) -> Text:
+    """A large run's totals: peers by state and clusters from its summary, and how many records this view read."""
+    figures, totals = run_figures(state), state.totals()
+    by_state = ", ".join(f"{count} {STATE_SHORT.get(name, name)}"
+                         for name, count in sorted(figures.states.items(), key=lambda item: -item[1]))
+    summed = " (sum over peers)" if figures.summed_over_peers else ""
+    items = [f"peers {figures.peers} ({by_state})" if by_state else f"peers {figures.peers}",
+             f"clusters {figures.clusters}",
+             f"{_rate(figures.samples_per_s)} samples/s{summed}",
+             f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed",
+             f"plan round {'-' if totals.plan_round is None else totals.plan_round}"]
+    if figures.read < figures.peers:
+        items.append(f"{figures.read} records read")
+    return _pack(items, width, " │ ")
+
+
+def _pack(items: Sequence[str], width: int, separator: str, max_lines: Optional[int] = None) -> Text:
+    """Items on as few lines as fit ``width``, never splitting one; with ``max_lines``, those that do not fit in
+    them are counted at the end (``, 12 more``)."""
     lines, line = [], ""
-    for item in items:
+    for index, item in enumerate(items):
         candidate = item if not line else line + separator + item
         if line and len(candidate) > width:
+            if max_lines is not None and len(lines) + 1 == max_lines:
+                more = f"{separator}{len(items) - index} more"
+                while line and len(line) + len(more) > width and separator in line:
+                    line, index = line.rsplit(separator, 1)[0], index - 1
+                    more = f"{separator}{len(items) - index} more"
+                line += more
+                break
             lines.append(line)
             candidate = item
         line = candidate
@@ -98,25 +132,57 @@ def _pack(items: Sequence[str], width: int, separator: str) -> Text:
     return Text("\n".join(lines), no_wrap=True, overflow="ellipsis")
 
 
-def _swarm_map(state: SwarmState, width: int, me: Optional[str], compact: bool) -> List[RenderableType]:
+def _swarm_map(state: SwarmState, width: int, me: Optional[str], compact: bool,
+               large: bool = False) -> List[RenderableType]:
     clusters = state.clusters()
-    parts: List[RenderableType] = [Rule("swarm map: clusters → columns, stages ↓ rows", style="dim")]
+    title = "swarm map: clusters → columns, stages ↓ rows"
+    shown = clusters
+    if large and clusters:
+        # one row of clusters: those that matter to the viewer
+        chosen = sorted(clusters_that_matter(state, me, _per_row(clusters, width)))
+        shown = {k: clusters[k] for k in chosen}
+        title = (f"swarm map: {len(shown)} of {run_figures(state).clusters} clusters "
+                 "(yours, neighbours, failing, slowest)")
+    parts: List[RenderableType] = [Rule(title, style="dim")]
     if not clusters:
         parts.append(Text("no cluster yet: waiting for a planning round", style="dim"))
-    for chunk, cell_width in _chunks(clusters, width):
-        parts.append(_cluster_table(state, {k: clusters[k] for k in chunk}, cell_width, me, compact))
-    parts += _spares(state, width)
+    for chunk, cell_width in _chunks(shown, width):
+        parts.append(_cluster_table(state, {k: shown[k] for k in chunk}, cell_width, me, compact))
+    if large:
+        parts += _more_clusters(state, clusters, shown, width)
+    parts += _spares(state, width, max_lines=1 if large else None)
     return parts
 
 
-def _chunks(clusters: Dict[int, Dict[int, List[Dict]]], width: int):
-    """Groups of clusters shown side by side, as even as possible, and the cell width for each group."""
+def _more_clusters(state: SwarmState, clusters: Dict[int, Dict[int, List[Dict]]], shown: Dict,
+                   width: int) -> List[Text]:
+    """One line for the clusters the map leaves out: how many, the failing ones and the slowest of them."""
+    hidden = {k: stages for k, stages in clusters.items() if k not in shown}
+    unknown = max(0, run_figures(state).clusters - len(clusters))  # counted by the summary, no record read
+    if not hidden and not unknown:
+        return []
+    rates = {k: state.cluster_samples_per_s(stages) for k, stages in hidden.items()}
+    named = [f"c{k} {trouble(hidden[k])} slot(s) down" for k in hidden if trouble(hidden[k])]
+    named += [f"c{k} {_rate(rates[k])}/s" for k in slowest(state, hidden) if rates[k] is not None]
+    items = [f"{len(hidden) + unknown} more clusters"]
+    if named:
+        items = [f"{items[0]}, failing and slowest first: {named[0]}"] + named[1:]
+    return [_pack(items, width, ", ", max_lines=1)]
+
+
+def _per_row(clusters: Dict[int, Dict[int, List[Dict]]], width: int) -> int:
+    """How many clusters fit side by side at ``width`` with the longest name of ``clusters`` whole."""
     longest = max((len(p["name"]) for stages in clusters.values() for holders in stages.values() for p in holders),
                   default=MIN_CELL)
     wanted = min(MAX_CELL, max(MIN_CELL, longest))
     # a column costs its cell, a divider and a column of padding, except that the table's last column has
     # no padding; the stage label column comes first
-    per_row = max(1, (width - STAGE_LABEL + 1) // (wanted + 2))
+    return max(1, (width - STAGE_LABEL + 1) // (wanted + 2))
+
+
+def _chunks(clusters: Dict[int, Dict[int, List[Dict]]], width: int):
+    """Groups of clusters shown side by side, as even as possible, and the cell width for each group."""
+    per_row = _per_row(clusters, width)
     keys = list(clusters)
     if not keys:
         return
@@ -194,16 +260,18 @@ def _lines(lines, width: int) -> Text:
     return text
 
 
-def _spares(state: SwarmState, width: int) -> List[RenderableType]:
+def _spares(state: SwarmState, width: int, max_lines: Optional[int] = None) -> List[RenderableType]:
     unplaced = state.unplaced()
     if not unplaced:
         return []
     items = [f"{p['name']} ({STATE_SHORT.get(p['state'], p['state'])})" for p in unplaced]
     items[0] = f"outside clusters ({len(unplaced)}): {items[0]}"
-    return [_pack(items, width, ", ")]
+    return [_pack(items, width, ", ", max_lines)]
 
 
-def _loss_curve(state: SwarmState, width: int) -> List[RenderableType]:
+def _loss_curve(state: SwarmState, width: int, rows: int = LOSS_ROWS) -> List[RenderableType]:
+    """The curve in ``rows`` rows of blocks with the highest and lowest point, and a caption; in one row, the
+    last value is its label and there is no caption."""
     parts: List[RenderableType] = [Rule("loss (mean over training peers)", style="dim")]
     values = [loss for _, loss in state.losses]
     if not values:
@@ -215,12 +283,16 @@ def _loss_curve(state: SwarmState, width: int) -> List[RenderableType]:
     # a short history is stretched (up to 4 columns a point) so that its slope stays visible
     points = [v for v in points for _ in range(max(1, min(4, columns // len(points))))]
     span = (high - low) or 1.0
-    levels = [round((v - low) / span * (LOSS_ROWS * 8 - 1)) + 1 for v in points]  # 1..rows*8 eighths
+    levels = [round((v - low) / span * (rows * 8 - 1)) + 1 for v in points]  # 1..rows*8 eighths
     lines = []
-    for row in range(LOSS_ROWS - 1, -1, -1):
+    for row in range(rows - 1, -1, -1):
         bar = "".join(BLOCKS[min(8, max(0, level - row * 8))] for level in levels)
-        axis = _loss(high) if row == LOSS_ROWS - 1 else _loss(low) if row == 0 and high > low else ""
+        axis = _loss(high) if row == rows - 1 else _loss(low) if row == 0 and high > low else ""
+        if rows == 1:
+            axis = _loss(values[-1])
         lines.append(Text(f"{axis:>{label}} ", style="dim") + Text(bar, style="green"))
+    if rows == 1:
+        return parts + lines
     caption = Text(f"{'':>{label}} last {_loss(values[-1])} over {len(values)} snapshot(s)", style="dim",
                    no_wrap=True, overflow="ellipsis")
     return parts + [Text("\n").join(lines), caption]

@@ -25,6 +25,8 @@ from rich.console import Console
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, log_to_file, run_async
 
+LOGGED_NAMES = 64  # peers named in a `--no-dashboard` log line
+
 
 @dataclass
 class JoinOptions:
@@ -120,7 +122,8 @@ async def join(options: JoinOptions) -> None:
         work = asyncio.create_task(take_part(membership, options.requested_spec(), volunteer_options(options), stop,
                                              console, leave_now, facts))
     watch = asyncio.create_task(watch_peers(membership.node, run, stop, options.heartbeat,
-                                            live=options.dashboard, console=console, me=options.name))
+                                            live=options.dashboard, console=console, me=options.name,
+                                            viewer=membership.announcer.peer_id))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work.done() and work.exception() is not None:
@@ -201,16 +204,19 @@ def volunteer_options(options: JoinOptions):
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,
-                      steps=None) -> None:
+                      steps=None, viewer=None) -> None:
     """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
-    ``steps``: the run's length, for the dashboard to say when the run is finished."""
+    ``steps``: the run's length, for the dashboard to say when the run is finished; ``me`` and ``viewer``: the
+    volunteer's name and peer id (None for an observer), whose cluster and neighbours a large run's dashboard
+    shows."""
     from ravnest_swarm.dashboard.state import SwarmState
-    from ravnest_swarm.membership.reader import read_peers, read_snapshot
+    from ravnest_swarm.membership.reader import read_peers
 
     if live:
         from ravnest_swarm.dashboard.live import watch_swarm
+        from ravnest_swarm.swarm.observe import SnapshotReader
 
-        await watch_swarm(lambda: read_snapshot(node, run), run, stop, period, console, me, steps)
+        await watch_swarm(SnapshotReader(node, run, viewer).snapshot, run, stop, period, console, me, steps)
         return
 
     last_names = None
@@ -228,7 +234,10 @@ async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: 
         state.update(await read_peers(node, run))
         names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
         if names != last_names:
-            console.print(f"{me or 'observer'} sees {len(names)} peer(s): {', '.join(names)}", markup=False,
+            # a large run's line names a screenful, not thousands of peers
+            listed = ", ".join(names[:LOGGED_NAMES]) + (f", and {len(names) - LOGGED_NAMES} more"
+                                                        if len(names) > LOGGED_NAMES else "")
+            console.print(f"{me or 'observer'} sees {len(names)} peer(s): {listed}", markup=False,
                           highlight=False, soft_wrap=True)
             last_names = names
         await wait()

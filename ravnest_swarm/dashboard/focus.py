@@ -1,0 +1,96 @@
+"""What a large run's dashboard shows: the clusters that matter to the viewer, and the run in numbers.
+
+Beyond :data:`LARGE_SWARM` peers (or when the snapshot holds only part of the run, whose summary counts more), a
+map of every cluster would scroll off any terminal. The dashboard then shows one row of clusters, chosen in this
+order (:func:`clusters_that_matter`): the viewer's own, its ring neighbours (the clusters just before and after
+it: averaging rings run through the clusters in order), the failing ones (a slot its plan has that no live peer
+serves, or a peer leaving it), then the slowest (the least samples/s); and one line for the rest. The figures of
+the whole run come from its summary (:func:`run_figures`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ravnest_swarm.dashboard.state import SwarmState, placement
+
+LARGE_SWARM = 64
+
+
+def is_large(state: SwarmState) -> bool:
+    """Whether the dashboard shows the clusters that matter rather than every one."""
+    return len(state.peers) > LARGE_SWARM or state.sees_part()
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """The whole run in numbers, from its summary where there is one (else from the records known).
+
+    :param peers: peers in the run, leaving ones left out
+    :param states: peers by state
+    :param clusters: the adopted plan's clusters, else the most the summary or the records name
+    :param samples_per_s: the summary's (every peer's samples/s summed) where the records known are only part of
+        the run; else the dashboard's own figure (each cluster's last stage, ``SwarmState.totals``)
+    :param summed_over_peers: whether ``samples_per_s`` is the summary's sum over peers
+    :param read: peer records in the snapshot (the rest are counted by the summary only)
+    """
+
+    peers: int
+    states: Dict[str, int]
+    clusters: int
+    samples_per_s: float
+    summed_over_peers: bool
+    read: int
+
+
+def run_figures(state: SwarmState) -> RunFigures:
+    totals, summary = state.totals(), state.summary
+    part = state.sees_part()
+    if summary is not None and part:
+        peers, states = summary["peers"], dict(summary["states"])
+    else:
+        live = [p for p in state.peers if p["state"] != "leaving"]
+        peers, states = len(live), dict(Counter(p["state"] for p in live))
+    clusters = totals.clusters
+    if state.plan is None and summary is not None:
+        clusters = max(clusters, summary["clusters"])
+    rate = summary["samples_per_s"] if summary is not None and part else totals.samples_per_s
+    return RunFigures(peers=peers, states=states, clusters=clusters, samples_per_s=rate,
+                      summed_over_peers=summary is not None and part, read=len(state.peers))
+
+
+def own_cluster(state: SwarmState, me: Optional[str]) -> Optional[int]:
+    """The cluster the viewer (named ``me``) serves, or None."""
+    mine = next((p for p in state.peers if me is not None and p["name"] == me), None)
+    slot = None if mine is None else placement(mine)
+    return None if slot is None else slot[0]
+
+
+def trouble(stages: Dict[int, List[Dict]]) -> int:
+    """How badly a cluster fails: its slots that no live peer serves, and its peers leaving."""
+    return sum(not holders for holders in stages.values()) + sum(
+        holders[0]["state"] == "leaving" for holders in stages.values() if holders)
+
+
+def clusters_that_matter(state: SwarmState, me: Optional[str], limit: int) -> List[int]:
+    """At most ``limit`` clusters, in the module's order: the viewer's, its ring neighbours, failing, slowest."""
+    clusters = state.clusters()
+    keys = list(clusters)
+    chosen: List[int] = []
+    mine = own_cluster(state, me)
+    if mine is not None and mine in clusters:
+        at = keys.index(mine)
+        chosen += [mine] + [keys[(at + step) % len(keys)] for step in (-1, 1)]
+    failing = sorted((k for k in keys if trouble(clusters[k])), key=lambda k: -trouble(clusters[k]))
+    chosen += failing + slowest(state, clusters)
+    unique = list(dict.fromkeys(chosen))
+    return unique[:limit]
+
+
+def slowest(state: SwarmState, clusters: Dict[int, Dict[int, List[Dict]]]) -> List[int]:
+    """The clusters of ``clusters`` (``SwarmState.clusters``) from the slowest up; those whose last stage reports
+    no rate yet come last."""
+    rates = {k: state.cluster_samples_per_s(stages) for k, stages in clusters.items()}
+    return sorted(clusters, key=lambda k: (rates[k] is None, rates[k] or 0.0, k))

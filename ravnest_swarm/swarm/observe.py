@@ -1,0 +1,120 @@
+"""What ``status`` and the dashboards read from the DHT: the run's summary, and the peer records they show.
+
+A run's peer records spread over buckets (``membership/buckets.py``), up to 256 keys at 10,000 peers, and the
+run's summary adds up every bucket's counts. ``status`` reads every bucket once, all reads at once
+(:func:`read_status`). A dashboard redraws every period for as long as it is up, so in a run of more than
+:data:`FULL_READ_BUCKETS` buckets it reads (:class:`SnapshotReader`) the summary, the viewer's own bucket, the
+buckets of its pipeline and ring neighbours (from the plan it follows), and :data:`ROTATING_BUCKETS` more in turn:
+a bounded read whatever the run's size, which still meets every bucket within a few dozen periods, so the slowest
+and failing clusters it shows are found among all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from hivemind.dht.node import DHTNode
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm.membership.buckets import bucket_of
+from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, read_buckets, read_peers, read_plans,
+                                             read_summary)
+from ravnest_swarm.membership.view import PeerView
+
+# up to this many buckets (256 peers) a dashboard reads every one at each redraw, as the peers themselves do
+# (membership/announcer.py, FULL_VIEW_BUCKETS)
+FULL_READ_BUCKETS = 4
+# beyond, each redraw also reads this many buckets in turn: 256 buckets are all met within 32 redraws (160 s at
+# join's 5 s), well inside a record's lifetime at that size (three heartbeats of 100 s: membership/view.py)
+ROTATING_BUCKETS = 8
+
+
+async def read_status(node: DHTNode, run: str, looks: int = 2) -> Tuple[Optional[Dict], List[Dict]]:
+    """The run's summary (None while it has none) and every live peer record that any of ``looks`` reads finds,
+    the newest copy of each, sorted by name: every read at once (one read can miss records that a DHT node
+    did not answer in time; a second costs no time when it runs beside the first)."""
+    view = PeerView()
+    summary, *_ = await asyncio.gather(read_summary(node, run), *(read_peers(node, run, view=view)
+                                                                   for _ in range(looks)))
+    return summary, view.records(get_dht_time())
+
+
+def neighbour_ids(plan: Optional[Dict], peer_id: str) -> Set[str]:
+    """The peers ``peer_id`` works with under ``plan``: its cluster's other stages (its pipeline), and the same
+    stage in the clusters just before and after its own (its neighbours in the averaging rings' order)."""
+    clusters = (plan or {}).get("clusters", [])
+    for index, cluster in enumerate(clusters):
+        stages = [entry["peer_id"] for entry in cluster]
+        if peer_id in stages:
+            stage = stages.index(peer_id)
+            around = [clusters[(index + step) % len(clusters)] for step in (-1, 1)]
+            return set(stages) | {other[stage]["peer_id"] for other in around if stage < len(other)}
+    return set()
+
+
+class SnapshotReader:
+    """Reads a dashboard's snapshots, ``{"run", "at", "peers", "plan", "summary"}`` (``SwarmState.feed``).
+
+    With ``RAVNEST_RECORD_SNAPSHOTS=FILE`` every snapshot is also appended to FILE as a JSON line, the recording the
+    dashboard test replays (docs/dashboard.md).
+
+    :param viewer: the peer id of the volunteer whose dashboard this is (None: an observer, ``status --watch``)
+    """
+
+    def __init__(self, node: DHTNode, run: str, viewer: Optional[str] = None):
+        self.node, self.run, self.viewer = node, run, viewer
+        self.view = PeerView()  # kept between reads: a bucket read in turn stays shown until its records expire
+        self.plan: Optional[Dict] = None
+        self.turn = 0  # the next bucket read in turn
+
+    def buckets_to_read(self, buckets: int) -> List[int]:
+        """The buckets of a run of ``buckets`` that the next snapshot reads (every one in a small run)."""
+        if buckets <= FULL_READ_BUCKETS:
+            return list(range(buckets))
+        wanted = {bucket_of(peer_id, buckets) for peer_id in self._viewers_peers()}
+        wanted.update((self.turn + offset) % buckets for offset in range(ROTATING_BUCKETS))
+        self.turn = (self.turn + ROTATING_BUCKETS) % buckets
+        return sorted(wanted)
+
+    def _viewers_peers(self) -> Iterable[str]:
+        if self.viewer is None:
+            return []
+        return {self.viewer} | neighbour_ids(self.plan, self.viewer)
+
+    def _followed_plan(self, plans: List[Dict], peers: List[Dict]) -> Optional[Dict]:
+        """The plan the viewer's own record says it follows (its round, placing it at its slot), where the peers
+        read are too few to confirm any plan (a large run read in part): it names the viewer's neighbours."""
+        own = next((p for p in peers if p["peer_id"] == self.viewer and p.get("plan_round") is not None), None)
+        if own is None or own.get("cluster") is None or own.get("stage") is None:
+            return None
+        cluster, stage = own["cluster"], own["stage"]
+        for plan in plans:
+            clusters = plan["clusters"]
+            if plan["round"] == own["plan_round"] and 0 <= cluster < len(clusters) and \
+                    0 <= stage < len(clusters[cluster]) and clusters[cluster][stage]["peer_id"] == self.viewer:
+                return plan
+        return None
+
+    async def snapshot(self) -> Dict:
+        summary, plans, small_run = await asyncio.gather(read_summary(self.node, self.run),
+                                                         read_plans(self.node, self.run),
+                                                         read_buckets(self.node, self.run, 1))
+        self.view.merge(small_run)
+        if summary is not None and summary["buckets"] > 1:
+            self.view.merge(await read_buckets(self.node, self.run, summary["buckets"],
+                                               self.buckets_to_read(summary["buckets"])))
+        peers = self.view.records(get_dht_time())
+        plan = adopted_plan(plans, peers)
+        followed = plan if plan is not None else self._followed_plan(plans, peers)
+        if followed is not None and (self.plan is None or followed["round"] >= self.plan["round"]):
+            self.plan = followed
+        snapshot = dict(run=self.run, at=time.time(), peers=peers, plan=plan, summary=summary)
+        recording = os.environ.get(RECORD_SNAPSHOTS_ENV)
+        if recording:
+            with open(recording, "a") as f:
+                f.write(json.dumps(snapshot) + "\n")
+        return snapshot
