@@ -184,10 +184,12 @@ def status(
     run: str = typer.Option(..., "--run", help="Run name or address (name@owner)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document and exit."),
     watch: bool = typer.Option(False, "--watch", help="The live dashboard (docs/dashboard.md) until Ctrl-C."),
+    show_all: bool = typer.Option(False, "--all", help="A row for every peer (without: at most a screenful, the "
+                                                       "peers that matter, under a line adding up the run)."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     verbose: bool = Verbose,
 ):
-    """Observe a run (DHT client, trains nothing): a table of its peers, --json, or --watch.
+    """Observe a run (DHT client, trains nothing): its summary and a table of its peers, --json, or --watch.
 
     \b
     Example:
