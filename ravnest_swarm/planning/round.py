@@ -7,8 +7,8 @@ deadline any proposal names. Until shortly before the deadline each participant 
 island (seed from run, round and peer id), republishes its best plan under ``{run}_round`` and
 migrates the others' best plans into its population. Shortly after the deadline every peer reads all
 proposals of round r and adopts the best one whose clustered peers are all alive at the deadline
-(fitness recomputed from the peer records; ties by hash), writes it under ``{run}_plan`` and updates
-its own peer record. A peer that dies mid-round only drops out: its record expires, the others
+(fitness recomputed from the peer records; ties by hash), updates its own peer record, and writes the
+plan under ``{run}_plan`` if it is one of the first three participants, or finds no copy (``keep_plan_copy``). A peer that dies mid-round only drops out: its record expires, the others
 exclude it from their islands, and proposals that still use it lose.
 """
 
@@ -31,7 +31,7 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
-from ravnest_swarm.membership.reader import read_adopted_plan, read_peers, read_proposals
+from ravnest_swarm.membership.reader import read_adopted_plan, read_peers, read_plans, read_proposals
 from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
 )
@@ -43,6 +43,7 @@ from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_f
 logger = logging.getLogger(__name__)
 
 GONE_POLLS = 3
+PLAN_COPIES = 3  # adopters that write a copy of each round's plan; the others only where none is readable
 MIN_GAIN = 0.05  # a new round for standbys only when the greedy plan is this much faster: moving layers costs
 ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=10**9)
 
@@ -352,9 +353,6 @@ class PlanningRounds:
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
         ]).dict()
         self.adopted = record
-        # our own copy under our own signed subkey: another adopter's, or a stranger's, cannot replace it
-        await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
-                              subkey=plan_subkey_prefix(round_number) + self.subkey)
         placement = dict(cluster=-1, stage=None, layers=None)
         for number, (_, stages) in enumerate(plan.clusters):
             for stage in stages:
@@ -369,6 +367,24 @@ class PlanningRounds:
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "
                  f"clusters {len(clusters)} members {member_names}")
+        await self.keep_plan_copy(record, sorted(alive))
+
+
+    async def keep_plan_copy(self, record: dict, participants: List[str]) -> None:
+        """Write our copy of the adopted plan, under our own signed subkey (nobody can replace it), if we are one of
+        the first :data:`PLAN_COPIES` participants by peer id, or if no copy equal to ours is readable.
+
+        Every adopter writing a copy made ``{run}_plan`` a value of one copy per peer per round (hundreds of
+        kilobytes at a hundred peers) that every reader of the plan fetched. A copy only has to be found: a plan
+        counts by the peer records that confirm it, not by its copies, so a stranger's copy cannot stand for ours.
+        """
+        if self.peer_id not in participants[:PLAN_COPIES]:
+            await asyncio.sleep(self.options.settle)  # the first participants' copies
+            plans = await read_plans(self.node, self.run)
+            if any(p["round"] == record["round"] and p["clusters"] == record["clusters"] for p in plans):
+                return
+        await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
+                              subkey=plan_subkey_prefix(record["round"]) + self.subkey)
 
 
 def _evolve_for(ga: IslandGA, seconds: float) -> None:
