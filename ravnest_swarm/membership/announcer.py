@@ -12,7 +12,6 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -21,7 +20,8 @@ from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_buckets, read_summary
-from ravnest_swarm.membership.records import PeerRecord, peers_key, summary_key, summary_subkey_prefix
+from ravnest_swarm.membership.records import (PeerRecord, peers_key, signing_validator, summary_key,
+                                              summary_subkey_prefix)
 from ravnest_swarm.membership.view import PeerView, Timing, timing_for
 from ravnest_swarm.net.node import store_record
 
@@ -52,7 +52,8 @@ class PeerAnnouncer:
                  store: Callable[..., Awaitable[bool]] = store_record, clock: Callable[[], float] = get_dht_time):
         self.node, self.run, self.base_heartbeat = node, run, heartbeat
         self.store, self.clock = store, clock
-        self.subkey = RSASignatureValidator().local_public_key
+        # the key the node signs with: a process's own key for ``join``, each light peer's own in a bench
+        self.subkey = signing_validator(node).local_public_key
         self.peer_id = node.peer_id.to_base58()
         self.record: Dict = dict(
             peer_id=self.peer_id,
