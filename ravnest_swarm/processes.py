@@ -37,10 +37,12 @@ class PeerProcess:
     :param env: extra environment variables
     :param prefix: a command to run it under, e.g. ``NetLab.exec_prefix(host)`` to enter a namespace
     :param python_args: what the interpreter runs; ``ravnest-swarm`` unless a script is given
+    :param stdin_pipe: give it a pipe on stdin, for commands sent with :meth:`send` (else /dev/null)
     """
 
     def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None,
-                 prefix: Sequence[str] = (), python_args: Sequence[str] = ("-m", "ravnest_swarm")):
+                 prefix: Sequence[str] = (), python_args: Sequence[str] = ("-m", "ravnest_swarm"),
+                 stdin_pipe: bool = False):
         self.args, self.name = list(args), name
         self.stdout_path = os.path.join(log_dir, f"{name}.out")
         self.stderr_path = os.path.join(log_dir, f"{name}.err")
@@ -48,7 +50,8 @@ class PeerProcess:
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(
                 [*prefix, sys.executable, *python_args, *self.args],
-                stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=environment, start_new_session=True,
+                stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                env=environment, start_new_session=True,
             )
         self.pid = self.popen.pid
 
@@ -78,6 +81,15 @@ class PeerProcess:
         self.wait_for_output(r"^/ip[46]/\S+/p2p/\S+$", timeout)
         return [line for line in self.stdout().splitlines() if MADDR_RE.match(line)]
 
+    def send(self, line: str) -> bool:
+        """Write one command line to its stdin (started with ``stdin_pipe``); False if it is no longer reading."""
+        try:
+            self.popen.stdin.write((line + "\n").encode())
+            self.popen.stdin.flush()
+            return True
+        except (BrokenPipeError, ValueError):  # exited, or its pipe already closed
+            return False
+
     def signal(self, sig: int) -> None:
         if self.popen.poll() is None:
             os.kill(self.pid, sig)
@@ -95,6 +107,11 @@ class PeerProcess:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
+        if self.popen.stdin is not None:
+            try:
+                self.popen.stdin.close()
+            except BrokenPipeError:
+                pass
 
     def stop(self, grace: float = 10.0) -> Optional[int]:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL the group; return the exit code if it exited."""
@@ -127,12 +144,12 @@ class ProcessGroup:
         return process
 
     def start_library(self, function: Callable[[Any], int], options: Any, name: str, env: Optional[dict] = None,
-                      prefix: Sequence[str] = ()) -> PeerProcess:
+                      prefix: Sequence[str] = (), stdin_pipe: bool = False) -> PeerProcess:
         """A process that runs ``function(options)`` and exits with its return value; ``options`` is a
         dataclass of plain values (it travels as JSON), the type of ``function``'s one parameter."""
         call = {"function": f"{function.__module__}:{function.__qualname__}", "options": dataclasses.asdict(options)}
         return self._add(PeerProcess([json.dumps(call)], self.log_dir, name, env, prefix,
-                                     python_args=("-m", "ravnest_swarm.processes")))
+                                     python_args=("-m", "ravnest_swarm.processes"), stdin_pipe=stdin_pipe))
 
     def start_python(self, script: str, args: Sequence[str], name: str) -> PeerProcess:
         """A process running a Python script given as text (e.g. a plain hivemind peer to compare with)."""
