@@ -80,8 +80,12 @@ class PeerAnnouncer:
         one-bucket key that nobody reads)."""
         summary = await read_summary(self.node, self.run)
         if summary is not None:
-            self.buckets = bucket_count_for(summary["peers"] + 1)
-            self.timing = timing_for(summary["peers"] + 1, self.base_heartbeat)
+            # a summary that misses a bucket (its writer just died; another takes over within a heartbeat or so)
+            # counts only part of the run: scaled up, and never below the bucket count the run uses, or a joiner
+            # would start at too few buckets, write where nobody reads, and from there see too few to move
+            peers = summary["peers"] * summary["buckets"] / max(1, summary["buckets_summarized"]) + 1
+            self.buckets = max(summary["buckets"], bucket_count_for(round(peers)))
+            self.timing = timing_for(round(peers), self.base_heartbeat)
 
     def _bucket_counts(self) -> List[int]:
         """The bucket counts we write our record at: ours, and the one we moved from for one lifetime."""
