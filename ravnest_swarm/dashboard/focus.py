@@ -2,7 +2,7 @@
 
 Beyond :data:`LARGE_SWARM` peers (or when the snapshot holds only part of the run, whose summary counts more), a
 map of every cluster would scroll off any terminal. The dashboard then shows one row of clusters, chosen in this
-order (:func:`clusters_that_matter`): the viewer's own, its ring neighbours (the clusters just before and after
+order (:func:`focus`): the viewer's own, its ring neighbours (the clusters just before and after
 it: averaging rings run through the clusters in order), the failing ones (a slot its plan has that no live peer
 serves, or a peer leaving it), then the slowest (the least samples/s); and one line for the rest. The figures of
 the whole run come from its summary (:func:`run_figures`).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ravnest_swarm.dashboard.state import SwarmState, placement
 
@@ -74,23 +74,38 @@ def trouble(stages: Dict[int, List[Dict]]) -> int:
         holders[0]["state"] == "leaving" for holders in stages.values() if holders)
 
 
-def clusters_that_matter(state: SwarmState, me: Optional[str], limit: int) -> List[int]:
+@dataclass(frozen=True)
+class Focus:
+    """What the map of a large run shows, worked out once per redraw.
+
+    :param shown: the clusters drawn, in cluster order
+    :param failing: those left out that fail, with how many of their slots are down, worst first
+    :param slowest: those left out that report samples/s, with it, slowest first
+    :param hidden: clusters left out, those the summary counts but no record read names included
+    """
+
+    shown: List[int]
+    failing: List[Tuple[int, int]]
+    slowest: List[Tuple[int, float]]
+    hidden: int
+
+
+def focus(state: SwarmState, me: Optional[str], limit: int) -> Focus:
     """At most ``limit`` clusters, in the module's order: the viewer's, its ring neighbours, failing, slowest."""
     clusters = state.clusters()
     keys = list(clusters)
+    troubles = {k: trouble(stages) for k, stages in clusters.items()}
+    rates = {k: state.cluster_samples_per_s(stages) for k, stages in clusters.items()}
+    failing = sorted((k for k in keys if troubles[k]), key=lambda k: (-troubles[k], k))
+    # clusters whose last stage reports no rate yet come last
+    slowest = sorted(keys, key=lambda k: (rates[k] is None, rates[k] or 0.0, k))
     chosen: List[int] = []
     mine = own_cluster(state, me)
     if mine is not None and mine in clusters:
         at = keys.index(mine)
         chosen += [mine] + [keys[(at + step) % len(keys)] for step in (-1, 1)]
-    failing = sorted((k for k in keys if trouble(clusters[k])), key=lambda k: -trouble(clusters[k]))
-    chosen += failing + slowest(state, clusters)
-    unique = list(dict.fromkeys(chosen))
-    return unique[:limit]
-
-
-def slowest(state: SwarmState, clusters: Dict[int, Dict[int, List[Dict]]]) -> List[int]:
-    """The clusters of ``clusters`` (``SwarmState.clusters``) from the slowest up; those whose last stage reports
-    no rate yet come last."""
-    rates = {k: state.cluster_samples_per_s(stages) for k, stages in clusters.items()}
-    return sorted(clusters, key=lambda k: (rates[k] is None, rates[k] or 0.0, k))
+    shown = list(dict.fromkeys(chosen + failing + slowest))[:limit]
+    left = set(shown)
+    return Focus(shown=sorted(shown), failing=[(k, troubles[k]) for k in failing if k not in left],
+                 slowest=[(k, rates[k]) for k in slowest if k not in left and rates[k] is not None],
+                 hidden=max(len(keys), run_figures(state).clusters) - len(shown))

@@ -20,7 +20,7 @@ import json
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 from ravnest_swarm.membership.progress import run_finished
 
@@ -111,9 +111,9 @@ class SwarmState:
         self.last_holders: Dict[Slot, Dict] = {}
         self.expiry: Dict[str, float] = {}  # peer id -> wall-clock time its known record expires
         self.names: Dict[str, str] = {}  # peer id -> name, most recently seen last
-        # the cluster map and totals of the latest snapshot, derived once: a large run's redraw asks for them often
-        self._clusters: Optional[Dict[int, Dict[int, List[Dict]]]] = None
-        self._totals: Optional[Totals] = None
+        # the slots, cluster map and totals of the latest snapshot, derived once (by name): a large run's update
+        # and redraw ask for them often
+        self._derived: Dict[str, Any] = {}
 
     @property
     def finished(self) -> bool:
@@ -146,10 +146,10 @@ class SwarmState:
         previous = {p["peer_id"]: p for p in self.peers}
         first = self.snapshots == 0
         self.peers = self._merge(peers, previous, at)
-        self._clusters = self._totals = None
+        self._derived = {}
         if plan is not None and (self.plan is None or plan["round"] >= self.plan["round"]):
             self.plan = plan
-            self._clusters = self._totals = None
+            self._derived = {}
         if summary is not None:
             self.summary = summary
         self.at = at
@@ -195,8 +195,8 @@ class SwarmState:
         for peer_id, record in merged.items():
             self.names.pop(peer_id, None)
             self.names[peer_id] = record["name"]
-        while len(self.names) > self.max_names:
-            del self.names[next(iter(self.names))]
+        if len(self.names) > self.max_names:  # the oldest dropped at once: one by one is quadratic at 10,000 peers
+            self.names = dict(list(self.names.items())[-self.max_names:])
         return sorted(merged.values(), key=lambda p: (p["name"], p["peer_id"]))
 
     def _diff(self, previous: Dict[str, Dict], before_round: Optional[int], before_adopted: Optional[int],
@@ -245,8 +245,17 @@ class SwarmState:
 
     # --- derived views ------------------------------------------------------------------------
 
+    def _once(self, name: str, derive: Callable[[], Any]) -> Any:
+        if name not in self._derived:
+            self._derived[name] = derive()
+        return self._derived[name]
+
     def slots(self) -> Dict[Slot, List[Dict]]:
-        """Peers by the (cluster, stage) they serve; several only during a handover, newest record first."""
+        """Peers by the (cluster, stage) they serve; several only during a handover, newest record first.
+        Derived once per snapshot, as are :meth:`clusters` and :meth:`totals`: not to be changed by the caller."""
+        return self._once("slots", self._derive_slots)
+
+    def _derive_slots(self) -> Dict[Slot, List[Dict]]:
         slots: Dict[Slot, List[Dict]] = {}
         for peer in self.peers:
             slot = placement(peer)
@@ -260,11 +269,8 @@ class SwarmState:
         return {slot: holders[0] for slot, holders in self.slots().items()}
 
     def clusters(self) -> Dict[int, Dict[int, List[Dict]]]:
-        """Cluster -> stage -> peers serving it, including the plan's slots that no live peer serves (empty lists).
-        Derived once per snapshot: not to be changed by the caller."""
-        if self._clusters is None:
-            self._clusters = self._derive_clusters()
-        return self._clusters
+        """Cluster -> stage -> peers serving it, including the plan's slots that no live peer serves (empty lists)."""
+        return self._once("clusters", self._derive_clusters)
 
     def _derive_clusters(self) -> Dict[int, Dict[int, List[Dict]]]:
         clusters: Dict[int, Dict[int, List[Dict]]] = {}
@@ -323,9 +329,7 @@ class SwarmState:
         return stages[max(served)][0].get("samples_per_s") if served else None
 
     def totals(self) -> Totals:
-        if self._totals is None:
-            self._totals = self._derive_totals()
-        return self._totals
+        return self._once("totals", self._derive_totals)
 
     def _derive_totals(self) -> Totals:
         clusters = {k: v for k, v in self.clusters().items() if any(v.values())}

@@ -19,7 +19,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from ravnest_swarm.dashboard.focus import clusters_that_matter, is_large, run_figures, slowest, trouble
+from ravnest_swarm.dashboard.focus import Focus, focus, is_large, run_figures
 from ravnest_swarm.dashboard.state import Event, SwarmState
 
 STATE_STYLES = {"training": "green", "averaging": "cyan", "standby": "yellow", "joining": "magenta",
@@ -45,9 +45,12 @@ def render(state: SwarmState, width: int, height: Optional[int] = None, me: Opti
     """
     large = is_large(state)
     head = [_title(state, width), _run_totals(state, width) if large else _totals(state, width)]
+    # one row of the clusters that matter in a large run
+    shown = focus(state, me, _per_row(state.clusters(), width)) if large else None
+    spares = _spares(state, width, max_lines=1 if large else None)
 
     def layout(compact: bool, loss_rows: int) -> List[RenderableType]:
-        return head + _swarm_map(state, width, me, compact, large) + _loss_curve(state, width, loss_rows)
+        return head + _swarm_map(state, width, me, compact, shown) + spares + _loss_curve(state, width, loss_rows)
 
     parts = layout(False, LOSS_ROWS)
     event_lines = MAX_EVENT_LINES
@@ -133,41 +136,33 @@ def _pack(items: Sequence[str], width: int, separator: str, max_lines: Optional[
 
 
 def _swarm_map(state: SwarmState, width: int, me: Optional[str], compact: bool,
-               large: bool = False) -> List[RenderableType]:
+               shown: Optional[Focus] = None) -> List[RenderableType]:
+    """Every cluster, or in a large run the ``shown`` ones and a line for the rest."""
     clusters = state.clusters()
     title = "swarm map: clusters → columns, stages ↓ rows"
-    shown = clusters
-    if large and clusters:
-        # one row of clusters: those that matter to the viewer
-        chosen = sorted(clusters_that_matter(state, me, _per_row(clusters, width)))
-        shown = {k: clusters[k] for k in chosen}
-        title = (f"swarm map: {len(shown)} of {run_figures(state).clusters} clusters "
+    drawn = clusters
+    if shown is not None and clusters:
+        drawn = {k: clusters[k] for k in shown.shown}
+        title = (f"swarm map: {len(drawn)} of {len(drawn) + shown.hidden} clusters "
                  "(yours, neighbours, failing, slowest)")
     parts: List[RenderableType] = [Rule(title, style="dim")]
     if not clusters:
         parts.append(Text("no cluster yet: waiting for a planning round", style="dim"))
-    for chunk, cell_width in _chunks(shown, width):
-        parts.append(_cluster_table(state, {k: shown[k] for k in chunk}, cell_width, me, compact))
-    if large:
-        parts += _more_clusters(state, clusters, shown, width)
-    parts += _spares(state, width, max_lines=1 if large else None)
+    for chunk, cell_width in _chunks(drawn, width):
+        parts.append(_cluster_table(state, {k: drawn[k] for k in chunk}, cell_width, me, compact))
+    if shown is not None and shown.hidden:
+        parts.append(_more_clusters(shown, width))
     return parts
 
 
-def _more_clusters(state: SwarmState, clusters: Dict[int, Dict[int, List[Dict]]], shown: Dict,
-                   width: int) -> List[Text]:
+def _more_clusters(shown: Focus, width: int) -> Text:
     """One line for the clusters the map leaves out: how many, the failing ones and the slowest of them."""
-    hidden = {k: stages for k, stages in clusters.items() if k not in shown}
-    unknown = max(0, run_figures(state).clusters - len(clusters))  # counted by the summary, no record read
-    if not hidden and not unknown:
-        return []
-    rates = {k: state.cluster_samples_per_s(stages) for k, stages in hidden.items()}
-    named = [f"c{k} {trouble(hidden[k])} slot(s) down" for k in hidden if trouble(hidden[k])]
-    named += [f"c{k} {_rate(rates[k])}/s" for k in slowest(state, hidden) if rates[k] is not None]
-    items = [f"{len(hidden) + unknown} more clusters"]
+    named = [f"c{k} {down} slot(s) down" for k, down in shown.failing]
+    named += [f"c{k} {_rate(rate)}/s" for k, rate in shown.slowest]
+    items = [f"{shown.hidden} more clusters"]
     if named:
         items = [f"{items[0]}, failing and slowest first: {named[0]}"] + named[1:]
-    return [_pack(items, width, ", ", max_lines=1)]
+    return _pack(items, width, ", ", max_lines=1)
 
 
 def _per_row(clusters: Dict[int, Dict[int, List[Dict]]], width: int) -> int:
