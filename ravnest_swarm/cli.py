@@ -423,6 +423,36 @@ def bench_membership(
     sys.exit(run_async(run(peers, heartbeat, churn_seconds, churn_period, as_json)))
 
 
+@bench_app.command("simulate")
+def bench_simulate(
+    peers: List[str] = typer.Option(["100,1000,10000"], "--peers", help="Swarm sizes: repeatable, or a list (100,1000)."),
+    seconds: Optional[float] = typer.Option(None, "--seconds", min=1.0, help="Steady state measured (simulated seconds; default 3 heartbeats)."),
+    churn_fraction: float = typer.Option(0.1, "--churn-fraction", min=0.0, max=0.9, help="Share of the peers killed and replaced at once."),
+    loss: float = typer.Option(0.02, "--loss", min=0.0, max=0.9, help="Share of DHT RPCs lost (each costs the caller a 3 s timeout)."),
+    latency_ms: float = typer.Option(100.0, "--latency-ms", min=0.0, help="Mean round trip of a DHT RPC."),
+    heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, help="Base heartbeat, as join's (slower beyond 500 peers)."),
+    seed: int = typer.Option(0, "--seed"),
+    cold_start: bool = typer.Option(False, "--cold-start", help="All peers start from an empty DHT, not a running swarm's."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Membership at 100 to 10,000 peers, simulated: the real heartbeat and view code on a simulated DHT.
+
+    \b
+    Example:
+      ravnest-swarm bench simulate --peers 100,1000,10000 --loss 0.02 --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.simulation import SimulationConfig, parse_peer_counts, run_bench_simulate
+
+    def verb() -> int:
+        counts = parse_peer_counts(peers)
+        config = SimulationConfig(peers=counts[0], heartbeat=heartbeat, seconds=seconds, churn_fraction=churn_fraction,
+                                  loss=loss, latency_ms=latency_ms, seed=seed, cold_start=cold_start)
+        return run_bench_simulate(counts, config, as_json)
+
+    sys.exit(run_blocking(verb))
+
+
 @bench_app.command("backbone")
 def bench_backbone(
     seconds: float = typer.Option(5.0, "--seconds", min=1.0, help="Settle time before measuring."),
