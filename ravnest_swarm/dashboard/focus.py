@@ -1,11 +1,11 @@
 """What a large run's dashboard shows: the clusters that matter to the viewer, and the run in numbers.
 
-Beyond :data:`LARGE_SWARM` peers (or when the snapshot holds only part of the run, whose summary counts more), a
-map of every cluster would scroll off any terminal. The dashboard then shows one row of clusters, chosen in this
-order (:func:`focus`): the viewer's own, its ring neighbours (the clusters just before and after
-it: averaging rings run through the clusters in order), the failing ones (a slot its plan has that no live peer
-serves, or a peer leaving it), then the slowest (the least samples/s); and one line for the rest. The figures of
-the whole run come from its summary (:func:`run_figures`).
+Beyond :data:`LARGE_SWARM` peers (or in a run of more than :data:`FULL_READ_BUCKETS` buckets, whose snapshots hold
+only part of its records: :func:`sees_part`), a map of every cluster would scroll off any terminal. The dashboard
+then shows one row of clusters, chosen in this order (:func:`focus`): the viewer's own, its ring neighbours (the
+clusters just before and after it: averaging rings run through the clusters in order), the failing ones (a slot
+its plan has that no live peer serves, or a peer leaving it), then the slowest (the least samples/s); and one line
+for the rest. The figures of a run read in part come from its summary (:func:`run_figures`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,20 @@ from typing import Dict, List, Optional, Tuple
 from ravnest_swarm.dashboard.state import SwarmState, placement
 
 LARGE_SWARM = 64
+# a run of more than this many buckets (256 peers) is read in part (swarm/observe.py: the viewer's buckets and some
+# in turn), and its summary gives its figures; a smaller one is read whole at every snapshot
+FULL_READ_BUCKETS = 4
+
+
+def sees_part(state: SwarmState) -> bool:
+    """Whether the snapshots hold only part of the run's records: its summary names more than
+    :data:`FULL_READ_BUCKETS` buckets."""
+    return state.summary is not None and state.summary["buckets"] > FULL_READ_BUCKETS
 
 
 def is_large(state: SwarmState) -> bool:
     """Whether the dashboard shows the clusters that matter rather than every one."""
-    return len(state.peers) > LARGE_SWARM or state.sees_part()
+    return len(state.peers) > LARGE_SWARM or sees_part(state)
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class RunFigures:
 
 def run_figures(state: SwarmState) -> RunFigures:
     totals, summary = state.totals(), state.summary
-    part = state.sees_part()
+    part = sees_part(state)
     if summary is not None and part:
         peers, states = summary["peers"], dict(summary["states"])
     else:

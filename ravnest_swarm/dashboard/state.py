@@ -31,8 +31,7 @@ REFUSAL_NOTE = "refused"
 
 TRAINING_STATES = ("training", "averaging")  # the loss curve's peers: a finished ("done") peer's loss is old
 EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected")
-# beyond this many peers joining (or vanishing) in one snapshot, one event counts them: a large run's dashboard
-# reads its buckets in turn, and each new bucket brings dozens of peers it had not seen
+# beyond this many peers joining (or vanishing) in one snapshot, one event counts them: each bucket read in turn
 PEER_EVENTS = 8
 
 
@@ -317,11 +316,6 @@ class SwarmState:
             return self.plan["round"]
         rounds = [p["plan_round"] for p in self.peers if p.get("plan_round") is not None]
         return max(rounds) if rounds else None
-
-    def sees_part(self) -> bool:
-        """Whether the peers known are only part of the run: its summary counts more (a large run's dashboard
-        reads some of its buckets)."""
-        return self.summary is not None and self.summary["peers"] > sum(p["state"] != "leaving" for p in self.peers)
 
     def cluster_samples_per_s(self, stages: Dict[int, List[Dict]]) -> Optional[float]:
         """A cluster's throughput: what its last stage reports, since every sample passes it exactly once."""

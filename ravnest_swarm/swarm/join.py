@@ -209,20 +209,20 @@ async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: 
     ``steps``: the run's length, for the dashboard to say when the run is finished; ``me`` and ``viewer``: the
     volunteer's name and peer id (None for an observer), whose cluster and neighbours a large run's dashboard
     shows."""
+    from ravnest_swarm.dashboard.focus import sees_part
     from ravnest_swarm.dashboard.state import SwarmState
-    from ravnest_swarm.membership.reader import read_peers
+    from ravnest_swarm.swarm.observe import SnapshotReader
 
     if live:
         from ravnest_swarm.dashboard.live import watch_swarm
-        from ravnest_swarm.swarm.observe import SnapshotReader
 
         await watch_swarm(SnapshotReader(node, run, viewer).snapshot, run, stop, period, console, me, steps)
         return
 
     last_names = None
-    # merges each read into what is known, as the dashboard does: a read that missed some records (a DHT node
-    # that did not answer in time) is no change to report
-    state = SwarmState(run)
+    # reads as the dashboard does (a large run's in part), and merges each read into what is known: a read that
+    # missed some records (a DHT node that did not answer in time) is no change to report
+    reader, state = SnapshotReader(node, run, viewer, with_plan=False), SwarmState(run)
 
     async def wait():
         try:
@@ -231,13 +231,14 @@ async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: 
             pass
 
     while not stop.is_set():
-        state.update(await read_peers(node, run))
+        state.feed(await reader.snapshot())
         names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
         if names != last_names:
             # a large run's line names a screenful, not thousands of peers
             listed = ", ".join(names[:LOGGED_NAMES]) + (f", and {len(names) - LOGGED_NAMES} more"
                                                         if len(names) > LOGGED_NAMES else "")
-            console.print(f"{me or 'observer'} sees {len(names)} peer(s): {listed}", markup=False,
+            of_run = f" (of {state.summary['peers']} in the run)" if sees_part(state) else ""
+            console.print(f"{me or 'observer'} sees {len(names)} peer(s){of_run}: {listed}", markup=False,
                           highlight=False, soft_wrap=True)
             last_names = names
         await wait()

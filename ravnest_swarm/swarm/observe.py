@@ -20,14 +20,12 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
+from ravnest_swarm.dashboard.focus import FULL_READ_BUCKETS  # as the peers' own views (announcer.FULL_VIEW_BUCKETS)
 from ravnest_swarm.membership.buckets import bucket_of
 from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, read_buckets, read_peers, read_plans,
                                              read_summary)
 from ravnest_swarm.membership.view import PeerView
 
-# up to this many buckets (256 peers) a dashboard reads every one at each redraw, as the peers themselves do
-# (membership/announcer.py, FULL_VIEW_BUCKETS)
-FULL_READ_BUCKETS = 4
 # beyond, each redraw also reads this many buckets in turn: 256 buckets are all met within 32 redraws (160 s at
 # join's 5 s), well inside a record's lifetime at that size (three heartbeats of 100 s: membership/view.py)
 ROTATING_BUCKETS = 8
@@ -63,10 +61,12 @@ class SnapshotReader:
     dashboard test replays (docs/dashboard.md).
 
     :param viewer: the peer id of the volunteer whose dashboard this is (None: an observer, ``status --watch``)
+    :param with_plan: whether snapshots hold the adopted plan (``join --no-dashboard``'s log lines need none, and
+        without it a large run's reader knows no neighbours: it reads the viewer's bucket and buckets in turn)
     """
 
-    def __init__(self, node: DHTNode, run: str, viewer: Optional[str] = None):
-        self.node, self.run, self.viewer = node, run, viewer
+    def __init__(self, node: DHTNode, run: str, viewer: Optional[str] = None, with_plan: bool = True):
+        self.node, self.run, self.viewer, self.with_plan = node, run, viewer, with_plan
         self.view = PeerView()  # kept between reads: a bucket read in turn stays shown until its records expire
         self.plan: Optional[Dict] = None
         self.turn = 0  # the next bucket read in turn
@@ -99,9 +99,11 @@ class SnapshotReader:
                 return plan
         return None
 
+    async def _plans(self) -> List[Dict]:
+        return await read_plans(self.node, self.run) if self.with_plan else []
+
     async def snapshot(self) -> Dict:
-        summary, plans, small_run = await asyncio.gather(read_summary(self.node, self.run),
-                                                         read_plans(self.node, self.run),
+        summary, plans, small_run = await asyncio.gather(read_summary(self.node, self.run), self._plans(),
                                                          read_buckets(self.node, self.run, 1))
         self.view.merge(small_run)
         if summary is not None and summary["buckets"] > 1:
