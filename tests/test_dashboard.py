@@ -457,7 +457,7 @@ def test_status_shows_the_summary_and_a_screenful_of_the_peers_that_matter():
     assert status_view("big", summary, peers, show_all=True)[1].row_count == 1000
     small_line, small_table = status_view("small", None, peers[:4])
     assert small_table.row_count == 4 and "showing" not in small_line.plain
-    assert small_line.plain == "4 peer(s) (4 training) │ 1 cluster(s)"
+    assert small_line.plain == "4 peer(s) (4 training) │ 1 cluster(s) │ 40.0 samples/s (sum over peers)"
     document = json.loads(json.dumps(status_document("big", 300, False, summary, peers)))
     assert document["summary"] == summary and len(document["peers"]) == 1000 and document["steps"] == 300
 

@@ -61,7 +61,8 @@ def swarm_line(summary: Optional[Dict], peers: List[Dict]) -> str:
         live = [p for p in peers if p["state"] != "leaving"]
         total, states = len(live), Counter(p["state"] for p in live)
         clusters = len({p["cluster"] for p in live if p.get("cluster") is not None and p["cluster"] >= 0})
-        rate, coverage = "", ""
+        rate = f" │ {sum(p.get('samples_per_s') or 0.0 for p in live):.1f} samples/s (sum over peers)"
+        coverage = ""
     by_state = ", ".join(f"{count} {state}" for state, count in sorted(states.items(), key=lambda item: -item[1]))
     return f"{total} peer(s){f' ({by_state})' if by_state else ''} │ {clusters} cluster(s){rate}{coverage}"
 
