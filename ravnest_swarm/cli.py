@@ -405,22 +405,31 @@ def bench_quality(
 
 @bench_app.command("membership")
 def bench_membership(
-    peers: int = typer.Option(24, "--peers", min=2, max=200, help="Real volunteer processes."),
-    heartbeat: float = typer.Option(2.0, "--heartbeat", min=0.5),
-    churn_seconds: float = typer.Option(60.0, "--churn-seconds", min=0.0, help="0 skips the churn run."),
-    churn_period: float = typer.Option(3.0, "--churn-period", min=0.5, help="Seconds between kill+restart."),
+    peers: int = typer.Option(100, "--peers", min=2, max=5000, help="Light peers (real DHT nodes and p2pd)."),
+    peers_per_process: int = typer.Option(20, "--peers-per-process", min=1, max=200,
+                                          help="Light peers hosted by one OS process."),
+    heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, help="Seconds between renewals (join's default)."),
+    stable_seconds: float = typer.Option(300.0, "--stable-seconds", min=0.0,
+                                         help="How long every view must stay complete once converged."),
+    churn_seconds: float = typer.Option(300.0, "--churn-seconds", min=0.0, help="0 skips the churn."),
+    churn_every: float = typer.Option(60.0, "--churn-every", min=1.0, help="Seconds between churn rounds."),
+    churn_fraction: float = typer.Option(0.1, "--churn-fraction", min=0.0, max=1.0,
+                                         help="Share of the peers killed (no 'leaving') and replaced each round."),
     as_json: bool = typer.Option(False, "--json"),
 ):
-    """Load and churn: N volunteers on one backbone; convergence, DHT get latency, backbone memory.
+    """Membership at scale: light peers on one backbone; convergence, stability, churn, memory, DHT latency.
 
     \b
     Example:
-      ravnest-swarm bench membership --peers 24 --churn-seconds 60 --json
+      ravnest-swarm bench membership --peers 100 --json
     """
     configure_logging(False)
-    from ravnest_swarm.bench.backbone import bench_membership as run
+    from ravnest_swarm.bench.backbone import MembershipBenchOptions, bench_membership as run
 
-    sys.exit(run_async(run(peers, heartbeat, churn_seconds, churn_period, as_json)))
+    options = MembershipBenchOptions(peers=peers, peers_per_process=peers_per_process, heartbeat=heartbeat,
+                                     stable_seconds=stable_seconds, churn_seconds=churn_seconds,
+                                     churn_every=churn_every, churn_fraction=churn_fraction)
+    sys.exit(run_async(run(options, as_json)))
 
 
 @bench_app.command("simulate")

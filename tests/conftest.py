@@ -43,6 +43,7 @@ SERIAL_TESTS = (
     "tests/test_speedup_bench.py",
     "tests/test_run_length.py",
     "tests/test_sized_model.py",
+    "tests/test_light_peers.py",
     "tests/test_pipeline_bench.py::test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab",
     "tests/test_local_resume.py::test_kill_every_process_of_a_local_run_then_resume_loses_nothing",
     "tests/test_local.py::test_local_beside_a_cpu_hog_averages_and_reports_only_what_happened",

@@ -1,137 +1,342 @@
-"""``bench membership``: many real volunteers on one backbone, then churn; how fast views converge.
+"""``bench membership``: a hundred light peers on one backbone, then churn; how fast and how exactly views follow.
 
-Reports, in one run:
-* ``converge_s``: from the first volunteer's start until every volunteer's own view lists all of them
-  (each volunteer logs ``sees N peer(s)`` whenever its view changes);
-* ``get_latency_ms``: median and p95 of ``get({run}_peers, latest=True)`` from an observer node;
-* ``backbone_pss_mb``: the backbone's process tree at full load;
-* ``errors``: lines with ``error``/``Traceback`` in any process's stderr;
-* churn: every ``churn_period`` seconds one volunteer is SIGKILLed and a fresh one joins, for
-  ``churn_seconds``; then ``churn_converge_s`` is how long until the observer's view equals the set
-  of live volunteers exactly (killed ones expired, new ones present).
+The peers are light peers (``bench/light.py``): real DHT nodes on their own p2pd running the real
+``PeerAnnouncer``, many to an OS process, no trainer. Every host reports each peer's view (its ``members()``)
+at least once a heartbeat; the bench compares every view with the set of live peers. It measures, in one run:
+
+* ``converge``: from the last peer's start (its first record published) until every peer's view lists all of
+  them (target: 2 heartbeats);
+* ``stable``: for ``stable_seconds`` after that, every report of a view that missed a live peer (count, worst);
+* ``churn``: every ``churn_every`` seconds ``churn_fraction`` of the peers are killed (no ``leaving`` record)
+  and as many fresh ones started, ``churn_seconds / churn_every`` rounds, the first at once; the churn stops
+  with the last round. From then: when every view lists every live peer (``new_seen_s``), when no view lists a
+  killed one (``killed_gone_s``) and when every view equals the live set exactly (``exact_s``). A killed peer's
+  record lives a full lifetime (three heartbeats) after its last renewal, and the view rule keeps it until then
+  (``membership/view.py``), so ``killed_gone_s`` cannot be less than that record's remaining lifetime
+  (``last_killed_expiry_s``, from the hosts' report of each killed peer's last renewal): the exact target of
+  2 heartbeats is below what the rule allows, and the figures say by how much;
+* the backbone's and the hosts' memory (PSS of each process tree, p2pd included), p2pd RSS per peer, the load
+  average, the latency of ``read_peers`` from an observer node through the run, and ``status --json``'s wall time.
+
+Every process it starts (backbone, hosts and their p2pd) is stopped by pid, on failure and Ctrl-C too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
+import subprocess
+import sys
 import time
-from typing import Dict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
 
+import psutil
 from rich.console import Console
 from rich.progress import Progress
 
-from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.reader import read_peers
+from ravnest_swarm.bench.light import LightHosts
 from ravnest_swarm.bench.membership import tree_memory_mb
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.announcer import FULL_VIEW_BUCKETS
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
+from ravnest_swarm.membership.buckets import PEERS_PER_BUCKET
+from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.records import make_validators
-from ravnest_swarm.swarm.join import JoinOptions, run_join
-from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+from ravnest_swarm.processes import ProcessGroup
 
 RUN = "load"
 ERROR_RE = re.compile(r"^(error:|Traceback)", re.MULTILINE)
+# beyond this many peers a peer reads only its own bucket (membership/announcer.py): no view lists everyone
+FULL_VIEW_PEERS = FULL_VIEW_BUCKETS * PEERS_PER_BUCKET
+POLL_PERIOD = 0.5
 
 
-def _join_options(maddr: str, name: str, heartbeat: float) -> JoinOptions:
-    return JoinOptions(initial_peers=[maddr], run=RUN, name=name, ram_gb=4.0, gflops=10.0, bandwidth_mbps=100.0,
-                       heartbeat=heartbeat, dashboard=False, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+@dataclass
+class MembershipBenchOptions:
+    peers: int = 100
+    peers_per_process: int = 20
+    heartbeat: float = 5.0
+    stable_seconds: float = 300.0
+    churn_seconds: float = 300.0
+    churn_every: float = 60.0
+    churn_fraction: float = 0.1
+    seed: int = 0
 
 
-def _sees_all(process: PeerProcess, count: int) -> bool:
-    return re.search(rf"sees {count} peer\(s\)", process.stderr()) is not None
+def _percentiles(values: List[float]) -> Optional[Dict]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return {"median": round(statistics.median(ordered), 1), "p95": round(ordered[int(0.95 * (len(ordered) - 1))], 1),
+            "max": round(ordered[-1], 1), "samples": len(ordered)}
 
 
-def _view_sizes(processes, count: int) -> str:
-    """How far the views got: ``"20 of 24 have seen all 24; the others at most 21, 23, 23, 23"``."""
-    best = []
-    for process in processes:
-        best.append(max(map(int, re.findall(r"sees (\d+) peer\(s\)", process.stderr())), default=0))
-    behind = sorted(size for size in best if size < count)
-    return (f"{len(best) - len(behind)} of {len(best)} have seen all {count}; "
-            f"the others at most {', '.join(map(str, behind))}")
+@dataclass
+class Samples:
+    """What the background tasks measure through the run."""
+
+    get_ms: List[float] = field(default_factory=list)
+    get_failures: int = 0
+    load: List[float] = field(default_factory=list)
 
 
-async def _observed_names(node) -> set:
-    return {peer["name"] for peer in await read_peers(node, RUN) if peer["state"] != "leaving"}
+class MembershipBench:
+    def __init__(self, options: MembershipBenchOptions, console: Console):
+        self.options, self.console = options, console
+        self.group = ProcessGroup()
+        self.rng = random.Random(options.seed)
+        self.samples = Samples()
+        self.hosts: Optional[LightHosts] = None
+        self.backbone = None
+        self.result: Dict = {}
 
+    async def run(self) -> Dict:
+        options = self.options
+        observer, samplers = None, []
+        try:
+            self.backbone = self.group.start_library(
+                run_backbone_process, BackboneOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"], runs=[RUN]), "backbone")
+            maddr = self.backbone.maddrs(60)[0]
+            self.hosts = LightHosts(self.group, [maddr], RUN, options.heartbeat,
+                                    report_period=min(options.heartbeat / 2, 2.5))
+            observer = await start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN),
+                                        client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            samplers = [asyncio.create_task(self._sample_gets(observer)), asyncio.create_task(self._sample_load())]
+            with Progress(console=self.console, transient=True) as progress:
+                self.progress = progress
+                await self._start_all()
+                await self._stable()
+                self.result["status"] = self._time_status(maddr)
+                self.result["memory"] = self._memory()
+                if options.churn_seconds > 0 and options.churn_fraction > 0:
+                    await self._churn()
+            self.result["errors_in_stderr"] = sum(len(ERROR_RE.findall(p.stderr())) for p in self.group.processes)
+        finally:
+            for task in samplers:
+                task.cancel()
+            await asyncio.gather(*samplers, return_exceptions=True)
+            if observer is not None:
+                await stop_node(observer)
+            self.group.stop_all(grace=30.0)  # hosts publish 'leaving' for each peer, then stop their p2pd
+        self.result["dht_read_peers_ms"] = dict(_percentiles(self.samples.get_ms) or {},
+                                                failures=self.samples.get_failures)
+        self.result["load_average_1min"] = _percentiles(self.samples.load)
+        return self.result
 
-async def bench_membership(peers: int, heartbeat: float, churn_seconds: float, churn_period: float,
-                           as_json: bool, seed: int = 0) -> int:
-    console = Console(stderr=True)
-    rng = random.Random(seed)
-    group = ProcessGroup()
-    observer = None
-    try:
-        backbone = group.start_library(run_backbone_process, BackboneOptions(host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                                                             runs=[RUN]), "backbone")
-        maddr = backbone.maddrs()[0]
-        live: Dict[str, PeerProcess] = {}
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(f"{peers} volunteers joining", total=peers)
-            started = time.monotonic()
-            for index in range(peers):
-                name = f"v{index:02d}"
-                live[name] = group.start_library(run_join, _join_options(maddr, name, heartbeat), name)
-            while sum(_sees_all(p, peers) for p in live.values()) < peers:
-                progress.update(task, completed=sum(_sees_all(p, peers) for p in live.values()))
-                if time.monotonic() - started > 60 + 10 * peers:
-                    raise UserError(f"views did not converge within {60 + 10 * peers} s: "
-                                    f"{_view_sizes(live.values(), peers)} (logs in {group.log_dir})", 1)
-                await asyncio.sleep(0.2)
-            converge_s = time.monotonic() - started
+    async def _poll_until(self, deadline: float, on_report=None, done=None) -> Optional[float]:
+        """Read the hosts' reports until ``done()`` (then return the report time at which it became true) or
+        ``deadline`` (wall clock; returns None)."""
+        while time.time() < deadline:
+            for report in self.hosts.poll():
+                if on_report is not None:
+                    on_report(report)
+                if done is not None and done():
+                    return report["t"]
+            await asyncio.sleep(POLL_PERIOD)
+        return None
 
-        observer = await start_node(parse_maddrs([maddr]), record_validators=make_validators(RUN), client_mode=True)
-        latencies = []
-        for _ in range(50):
+    def _views_equal_live(self, exact: bool) -> bool:
+        live = self.hosts.live()
+        for name in live:
+            view = self.hosts.peers[name].view
+            if view is None or not (view == live if exact else view >= live):
+                return False
+        return True
+
+    def _how_far(self) -> Dict:
+        live = self.hosts.live()
+        sizes = [len(self.hosts.peers[name].view or ()) for name in live]
+        return {"views_complete": sum(size >= len(live) for size in sizes), "of": len(live),
+                "smallest_view": min(sizes, default=0)}
+
+    async def _start_all(self) -> None:
+        options = self.options
+        names = [f"p{index:04d}" for index in range(options.peers)]
+        task = self.progress.add_task(f"starting {options.peers} light peers", total=options.peers)
+        issued = time.time()
+        for first in range(0, len(names), options.peers_per_process):
+            self.hosts.start_host(names[first:first + options.peers_per_process])
+
+        def started():
+            peers = self.hosts.peers.values()
+            self.progress.update(task, completed=sum(p.started is not None or p.failed is not None for p in peers))
+            return all(p.started is not None or p.failed is not None for p in peers)
+
+        if await self._poll_until(issued + 120 + 5 * options.peers, done=started) is None:
+            raise UserError(f"not every light peer started within {120 + 5 * options.peers} s "
+                            f"(logs in {self.group.log_dir})", 1)
+        failed = {name: peer.failed for name, peer in self.hosts.peers.items() if peer.failed is not None}
+        last_start = max(peer.started for peer in self.hosts.peers.values() if peer.started is not None)
+        self.result.update(peers=options.peers, peers_per_process=options.peers_per_process,
+                           heartbeat_s=options.heartbeat, start_s=round(last_start - issued, 1),
+                           failed_to_start=len(failed), first_start_failure=next(iter(failed.values()), None))
+        self.progress.update(task, visible=False)
+        if options.peers > FULL_VIEW_PEERS:
+            self.result["converge"] = {"note": f"beyond {FULL_VIEW_PEERS} peers a peer's view is its own bucket"}
+            return
+        task = self.progress.add_task("until every view lists every peer", total=None)
+        limit = max(120.0, 20 * options.heartbeat)
+        converged = await self._poll_until(last_start + limit, done=lambda: self._views_equal_live(exact=False))
+        self.progress.update(task, visible=False)
+        self.result["converge"] = {
+            "from_last_start_s": None if converged is None else round(converged - last_start, 1),
+            "heartbeats": None if converged is None else round((converged - last_start) / options.heartbeat, 2),
+            "target_heartbeats": 2, "limit_s": limit, **({} if converged is not None else self._how_far())}
+
+    async def _stable(self) -> None:
+        options = self.options
+        if options.stable_seconds <= 0:
+            return
+        task = self.progress.add_task(f"stable for {options.stable_seconds:.0f} s", total=options.stable_seconds)
+        began = time.time()
+        misses = dict(reports=0, reports_with_a_miss=0, missing_entries=0, worst_missing_in_one_view=0,
+                      phantom_entries=0)
+        missed: Set[str] = set()
+
+        def on_report(report):
+            live = self.hosts.live()
+            self.progress.update(task, completed=min(options.stable_seconds, time.time() - began))
+            for viewer, members in report["views"].items():
+                if viewer not in live or report["t"] < began:
+                    continue
+                missing, phantoms = live - set(members), set(members) - live
+                misses["reports"] += 1
+                misses["phantom_entries"] += len(phantoms)
+                if missing:
+                    misses["reports_with_a_miss"] += 1
+                    misses["missing_entries"] += len(missing)
+                    misses["worst_missing_in_one_view"] = max(misses["worst_missing_in_one_view"], len(missing))
+                    missed.update(missing)
+
+        await self._poll_until(began + options.stable_seconds, on_report=on_report)
+        self.progress.update(task, visible=False)
+        self.result["stable"] = dict(seconds=options.stable_seconds, peers_ever_missed=len(missed), **misses)
+
+    async def _churn(self) -> None:
+        options = self.options
+        rounds = max(1, int(options.churn_seconds // options.churn_every))
+        per_round = max(1, round(options.churn_fraction * options.peers))
+        task = self.progress.add_task(f"churn: {rounds} round(s) of {per_round} killed and replaced", total=rounds)
+        began, started_count = time.time(), 0
+        last_killed: List[str] = []
+        for number in range(rounds):
+            await self._poll_until(began + number * options.churn_every)
+            running = sorted(self.hosts.running())  # one still starting cannot be killed yet
+            victims = self.rng.sample(running, min(per_round, len(running)))
+            for victim in victims:
+                host = self.hosts.peers[victim].host
+                self.hosts.kill_peer(victim)
+                self.hosts.start_peer(f"c{started_count:04d}", host)  # on the same host: hosts stay as loaded
+                started_count += 1
+            last_killed = victims
+            self.progress.update(task, completed=number + 1)
+        stopped = time.time()
+        self.progress.update(task, visible=False)
+        task = self.progress.add_task("after churn: until every view equals the live set", total=None)
+        killed = set(self.hosts.killed) | set(last_killed)
+        marks: Dict[str, Optional[float]] = {"new_seen": None, "killed_gone": None}
+
+        def fresh_views():
+            # only reports made after the churn stopped count, and every live peer must have started
+            return all(peer.started is not None and peer.view_time is not None and peer.view_time >= stopped
+                       for peer in (self.hosts.peers[name] for name in self.hosts.live()))
+
+        def on_report(report):
+            if not fresh_views():
+                return
+            live = self.hosts.live()
+            views = [self.hosts.peers[name].view for name in live]
+            if marks["new_seen"] is None and all(view >= live for view in views):
+                marks["new_seen"] = report["t"]
+            if marks["killed_gone"] is None and not any(view & killed for view in views):
+                marks["killed_gone"] = report["t"]
+
+        limit = max(120.0, 20 * options.heartbeat)
+        exact = await self._poll_until(stopped + limit, on_report=on_report,
+                                       done=lambda: fresh_views() and self._views_equal_live(exact=True))
+        self.progress.update(task, visible=False)
+        self.hosts.poll()
+        expiries = [publish + lifetime for name, (publish, lifetime) in self.hosts.killed.items()
+                    if name in last_killed and publish is not None]
+
+        def since_stop(moment):
+            return None if moment is None else round(moment - stopped, 1)
+
+        self.result["churn"] = dict(
+            rounds=rounds, killed_per_round=per_round, every_s=options.churn_every, kills=started_count,
+            failed_to_start=sum(1 for name, peer in self.hosts.peers.items()
+                                if name.startswith("c") and peer.failed is not None),
+            new_seen_s=since_stop(marks["new_seen"]), killed_gone_s=since_stop(marks["killed_gone"]),
+            exact_s=since_stop(exact), exact_heartbeats=None if exact is None else
+            round((exact - stopped) / options.heartbeat, 2),
+            last_killed_expiry_s=since_stop(max(expiries)) if expiries else None,
+            target_heartbeats=2, limit_s=limit, **({} if exact is not None else self._how_far()))
+
+    def _time_status(self, maddr: str) -> Dict:
+        """``ravnest-swarm status --json`` against the run: its wall time and how many peers it listed."""
+        began = time.monotonic()
+        try:
+            done = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run",
+                                   RUN, "--json"], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            return {"wall_s": None, "error": "no answer within 120 s"}
+        wall = round(time.monotonic() - began, 2)
+        try:
+            document = json.loads(done.stdout)
+        except ValueError:
+            return {"wall_s": wall, "error": done.stderr.strip()[-300:]}
+        summary = document.get("summary") or {}
+        return {"wall_s": wall, "peers_listed": len(document["peers"]), "summary_peers": summary.get("peers"),
+                "summary_buckets": summary.get("buckets"), "target_s": 10}
+
+    def _memory(self) -> Dict:
+        """At full load: the backbone's and each host's process tree (PSS, p2pd included), p2pd RSS per peer."""
+        hosts = [tree_memory_mb(host.pid) for host in self.hosts.hosts if host.popen.poll() is None]
+        p2pd_rss = []
+        for peer in self.hosts.peers.values():
+            try:
+                p2pd_rss.append(psutil.Process(peer.p2pd_pid).memory_info().rss / 2**20)
+            except (psutil.Error, TypeError, ValueError):
+                continue  # gone, or never started
+        host_python_rss = []
+        for host in self.hosts.hosts:
+            try:
+                host_python_rss.append(psutil.Process(host.pid).memory_info().rss / 2**20)
+            except psutil.Error:
+                continue
+        return {"backbone_mb": tree_memory_mb(self.backbone.pid),
+                "hosts_pss_mb_total": round(sum(h["pss"] for h in hosts), 1),
+                "host_processes": len(hosts),
+                "host_python_rss_mb": _percentiles(host_python_rss),
+                "p2pd_rss_mb_per_peer": _percentiles(p2pd_rss),
+                "machine_used_mb": round((psutil.virtual_memory().total - psutil.virtual_memory().available) / 2**20)}
+
+    async def _sample_gets(self, observer) -> None:
+        while True:
             began = time.perf_counter()
-            await read_peers(observer, RUN)
-            latencies.append((time.perf_counter() - began) * 1000)
-        backbone_memory = tree_memory_mb(backbone.pid)
+            try:
+                await asyncio.wait_for(read_peers(observer, RUN), 30)
+                self.samples.get_ms.append((time.perf_counter() - began) * 1000)
+            except Exception:  # a read that fails or hangs is counted, and the next one tried
+                self.samples.get_failures += 1
+            await asyncio.sleep(2.0)
 
-        kills = 0
-        if churn_seconds > 0:
-            with Progress(console=console, transient=True) as progress:
-                task = progress.add_task("churn: kill one, start one", total=churn_seconds)
-                churn_started = time.monotonic()
-                while time.monotonic() - churn_started < churn_seconds:
-                    victim = rng.choice(sorted(live))
-                    live.pop(victim).kill_group()
-                    kills += 1
-                    name = f"c{kills:03d}"
-                    live[name] = group.start_library(run_join, _join_options(maddr, name, heartbeat), name)
-                    await asyncio.sleep(churn_period)
-                    progress.update(task, completed=min(churn_seconds, time.monotonic() - churn_started))
-            churn_stopped = time.monotonic()
-            while await _observed_names(observer) != set(live):
-                if time.monotonic() - churn_stopped > 120:
-                    raise UserError(f"after churn the view never matched the {len(live)} live volunteers within 120 s "
-                                    f"(logs in {group.log_dir})", 1)
-                await asyncio.sleep(0.25)
-            churn_converge_s = time.monotonic() - churn_stopped
-        errors = sum(len(ERROR_RE.findall(p.stderr())) for p in group.processes)
-    finally:
-        if observer is not None:
-            await stop_node(observer)
-        group.stop_all()
+    async def _sample_load(self) -> None:
+        while True:
+            self.samples.load.append(os.getloadavg()[0])
+            await asyncio.sleep(5.0)
 
-    latencies.sort()
-    result = {
-        "benchmark": "membership",
-        "peers": peers,
-        "heartbeat_s": heartbeat,
-        "converge_s": round(converge_s, 2),
-        "get_latency_ms": {"median": round(statistics.median(latencies), 2),
-                           "p95": round(latencies[int(0.95 * (len(latencies) - 1))], 2)},
-        "backbone_pss_mb": backbone_memory["pss"],
-        "errors": errors,
-        "churn": {"seconds": churn_seconds, "period_s": churn_period, "kills": kills,
-                  "converge_s": round(churn_converge_s, 2) if churn_seconds > 0 else None},
-    }
+
+async def bench_membership(options: MembershipBenchOptions, as_json: bool) -> int:
+    console = Console(stderr=True)
+    result = await MembershipBench(options, console).run()
+    result = {"benchmark": "membership", "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
     if as_json:
         print(json.dumps(result), flush=True)
     else:
