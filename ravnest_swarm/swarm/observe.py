@@ -1,8 +1,8 @@
 """What ``status`` and the dashboards read from the DHT: the run's summary, and the peer records they show.
 
 A run's peer records spread over buckets (``membership/buckets.py``), up to 256 keys at 10,000 peers, and the
-run's summary adds up every bucket's counts. ``status`` reads every bucket once, all reads at once
-(:func:`read_status`). A dashboard redraws every period for as long as it is up, so in a run of more than
+run's summary adds up every bucket's counts. ``status`` reads the summary and every bucket at once, and
+every bucket again only where it found fewer peers than the summary counts (:func:`read_status`). A dashboard redraws every period for as long as it is up, so in a run of more than
 :data:`FULL_READ_BUCKETS` buckets it reads (:class:`SnapshotReader`) the summary, the viewer's own bucket, the
 buckets of its pipeline and ring neighbours (from the plan it follows), and :data:`ROTATING_BUCKETS` more in turn:
 a bounded read whatever the run's size, which still meets every bucket within a few dozen periods, so the slowest
@@ -31,13 +31,16 @@ from ravnest_swarm.membership.view import PeerView
 ROTATING_BUCKETS = 8
 
 
-async def read_status(node: DHTNode, run: str, looks: int = 2) -> Tuple[Optional[Dict], List[Dict]]:
-    """The run's summary (None while it has none) and every live peer record that any of ``looks`` reads finds,
-    the newest copy of each, sorted by name: every read at once (one read can miss records that a DHT node
-    did not answer in time; a second costs no time when it runs beside the first)."""
+async def read_status(node: DHTNode, run: str) -> Tuple[Optional[Dict], List[Dict]]:
+    """The run's summary (None while it has none) and every live peer record found, the newest copy of each,
+    sorted by name: the summary and every bucket at once, then, where that found fewer peers than the summary
+    counts (or there is no summary to tell), every bucket once more (one read can miss records that a DHT node did
+    not answer in time). Not two looks always: checking a record's schema costs milliseconds (membership/records.py),
+    so a look at 10,000 records costs seconds of CPU."""
     view = PeerView()
-    summary, *_ = await asyncio.gather(read_summary(node, run), *(read_peers(node, run, view=view)
-                                                                   for _ in range(looks)))
+    summary, _ = await asyncio.gather(read_summary(node, run), read_peers(node, run, view=view))
+    if summary is None or len(view.members(get_dht_time())) < summary["peers"]:
+        await read_peers(node, run, view=view)
     return summary, view.records(get_dht_time())
 
 
