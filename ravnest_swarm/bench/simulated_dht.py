@@ -16,8 +16,9 @@ The model, as hivemind 1.1.12 behaves with ravnest-swarm's settings (``net/node.
 * after a get that found something, the reader caches the merged value on the nearest node (hivemind's
   ``cache_nearest=1``): one store RPC carrying the whole value, counted, its content not modelled (a cached copy
   only adds older subkeys, which the view rule ignores);
-* an RPC's round trip is uniform between half and one and a half times ``latency``; an RPC is lost with probability ``loss``, and the
-  caller then waits hivemind's ``wait_timeout`` (3 s) for it; a lost RPC is counted at the node (an upper bound);
+* an RPC's round trip is uniform between half and one and a half times ``latency``; an RPC is lost with probability
+  ``loss``, and the caller then waits hivemind's ``wait_timeout`` (3 s) for it; a lost RPC is counted at the node
+  (an upper bound);
 * routing tables are perfect: lookups only ask live nodes (a real one also times out on peers that left).
 """
 
@@ -66,7 +67,8 @@ class NetworkModel:
 class NodeLoad:
     """What one DHT node served (RPCs, bytes) and, for a peer's node, what its peer sent and received."""
 
-    __slots__ = ("node_id", "storage", "alive", "finds", "stores", "sent", "received", "served", "taken")
+    __slots__ = ("node_id", "storage", "alive", "finds", "stores", "sent", "received", "served", "taken",
+                 "renewed")
 
     def __init__(self, node_id: int):
         self.node_id, self.alive = node_id, True
@@ -74,6 +76,7 @@ class NodeLoad:
         self.finds = self.stores = 0  # RPCs served as a DHT node
         self.sent = self.received = 0  # bytes of the requests its peer made, and of their replies
         self.served = self.taken = 0  # bytes of its replies as a DHT node, and of the store requests it took
+        self.renewed: Optional[float] = None  # when its peer last began to store its record
 
 
 class PeerIdText:
@@ -107,6 +110,7 @@ class SimulatedDHT:
         self._version = 0  # of the set of live nodes
         self.rpcs_by_key: Dict[str, int] = {}
         self.get_durations: List[float] = []
+        self.renewal_gaps: List[float] = []  # seconds between a peer's successive stores of its record
 
     # --- membership of the DHT itself
 
@@ -246,6 +250,11 @@ class SimulatedDHT:
     async def store(self, client: NodeLoad, key: str, value: Any, expiration: float, subkey: Any) -> bool:
         """``store_record``: to the ``replicas`` nearest nodes and straight to every backbone; whether any took it."""
         key_id, network = self.key_id(key), self.network
+        if "peer_id" in value:  # a peer record: how long since the last one (two at once while changing buckets)
+            now = self.clock()
+            if client.renewed is not None and now > client.renewed:
+                self.renewal_gaps.append(now - client.renewed)
+            client.renewed = now
         size = entry_bytes(value, self.subkey_bytes, self.signature_bytes)
         elapsed, beam = self._walk(key, key_id, client)
         arrivals: List[Tuple[float, NodeLoad]] = []

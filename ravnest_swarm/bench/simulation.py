@@ -8,9 +8,11 @@ Records are the real ``PeerRecord`` dicts (validated by the schema in every ``pu
 msgpack's plus a real RSA subkey and signature.
 
 A run, in heartbeats ``H`` (``timing_for(N, --heartbeat)``): N peers start at random times over the first H; the
-views settle until 3 H; the steady state is measured for ``--seconds`` (default 3 H); then ``--churn-fraction`` of
-the peers are killed (no ``leaving``: their DHT nodes and what they stored vanish) and as many new ones start; the
-run ends when every view equals the live set (or 8 H after the churn). A view "equals the live set" when its
+views settle until 3 H (5 H from a cold start); the steady state is measured for ``--seconds`` (default 3 H); then
+``--churn-fraction`` of the peers are killed (no ``leaving``: their DHT nodes and what they stored vanish) and as
+many new ones start; the run ends when every view equals the live set (or 8 H after the churn). A few figures are
+also taken over the heartbeat after the churn (``churn_*``: the joiners' reads of the summary, their stores).
+A view "equals the live set" when its
 members are exactly the live peers it should know: everyone while the run has at most ``FULL_VIEW_BUCKETS``
 buckets, else the live peers of its own bucket. The swarm starts from what a running swarm of N leaves in the DHT
 (every peer's record, renewed within the last heartbeat, and the buckets' summaries), so the steady state is that
@@ -47,8 +49,13 @@ from ravnest_swarm.membership.view import timing_for
 
 RUN = "sim"
 EPOCH = 1.8e9  # DHT time when a simulation starts (in 2027): valid record times, and runs that repeat exactly
-SETTLE_HEARTBEATS = 5.0  # the steady state is measured from here (the last peer started before 1)
+# the steady state is measured from here (the last peer started before 1): a swarm started from nothing moves
+# through bucket counts first
+SETTLE_HEARTBEATS, COLD_SETTLE_HEARTBEATS = 3.0, 5.0
 CONVERGE_LIMIT_HEARTBEATS = 8.0  # after churn, give up waiting for the views after this many heartbeats
+# the figures of the heartbeat after the churn: the joiners' first reads (the summary) and stores
+CHURN_FIGURES = ("hottest_node_gets_s", "hottest_node_stores_s", "hottest_key", "hottest_key_rpcs_s",
+                 "download_kb_per_peer_min", "backbone0_stores_s")
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 
@@ -181,7 +188,8 @@ class Swarm:
                 for node_id, n in self.dht.nodes.items()}
 
 
-def _rates(swarm: Swarm, before: Dict, after: Dict, seconds: float, keys_before: Dict, gets_from: int) -> Dict:
+def _rates(swarm: Swarm, before: Dict, after: Dict, seconds: float, keys_before: Dict, gets_from: int,
+           renewals_from: int) -> Dict:
     """Per-node RPC rates, per-peer bytes and the hottest key over a window."""
     backbone_ids = {node.node_id for node in swarm.dht.backbones}
     delta = {node_id: tuple(a - b for a, b in zip(after[node_id], before[node_id]))
@@ -195,6 +203,7 @@ def _rates(swarm: Swarm, before: Dict, after: Dict, seconds: float, keys_before:
     keys = {key: (count - keys_before.get(key, 0)) / seconds for key, count in swarm.dht.rpcs_by_key.items()}
     hot_key = max(keys, key=keys.get)
     gets = sorted(swarm.dht.get_durations[gets_from:])
+    gaps = sorted(swarm.dht.renewal_gaps[renewals_from:])
     result = dict(
         gets_per_node_s=round(statistics.mean(finds), 3), stores_per_node_s=round(statistics.mean(stores), 3),
         hottest_node_gets_s=round(hottest[0] / seconds, 3), hottest_node_stores_s=round(hottest[1] / seconds, 3),
@@ -203,7 +212,9 @@ def _rates(swarm: Swarm, before: Dict, after: Dict, seconds: float, keys_before:
         max_upload_kb_per_peer_min=round(max(upload) / 1000, 1),
         hottest_key=hot_key.removeprefix(RUN + "_"), hottest_key_rpcs_s=round(keys[hot_key], 2),
         get_latency_median_s=round(gets[len(gets) // 2], 3) if gets else None,
-        get_latency_p95_s=round(gets[int(len(gets) * 0.95)], 3) if gets else None)
+        get_latency_p95_s=round(gets[int(len(gets) * 0.95)], 3) if gets else None,
+        renewal_gap_p95_s=round(gaps[int(len(gaps) * 0.95)], 2) if gaps else None,
+        renewal_gap_max_s=round(gaps[-1], 2) if gaps else None)
     for index, node_id in enumerate(sorted(backbone_ids)):
         d = delta[node_id]
         result[f"backbone{index}_gets_s"] = round(d[0] / seconds, 3)
@@ -215,7 +226,7 @@ async def _simulate(config: SimulationConfig, sizes: Tuple[int, int],
                     on_progress: Callable[[float], None]) -> Dict:
     swarm = Swarm(config, sizes)
     loop, heartbeat = swarm.loop, swarm.timing.heartbeat
-    steady_from = SETTLE_HEARTBEATS * heartbeat
+    steady_from = (COLD_SETTLE_HEARTBEATS if config.cold_start else SETTLE_HEARTBEATS) * heartbeat
     window = config.seconds if config.seconds is not None else 3 * heartbeat
     churn_at = steady_from + window
     total = churn_at + 4 * heartbeat  # for the progress bar: convergence usually takes about a lifetime
@@ -243,6 +254,7 @@ async def _simulate(config: SimulationConfig, sizes: Tuple[int, int],
 
     await until(steady_from)
     before, keys_before, gets_from = swarm.counters(), dict(swarm.dht.rpcs_by_key), len(swarm.dht.get_durations)
+    renewals_from = len(swarm.dht.renewal_gaps)
     shares, worst, last_read_shares = [], 1.0, []
     t = steady_from
     while t < churn_at:
@@ -252,21 +264,29 @@ async def _simulate(config: SimulationConfig, sizes: Tuple[int, int],
         worst = min(worst, smallest)
         t += heartbeat / 2
     await until(churn_at)
-    steady = _rates(swarm, before, swarm.counters(), window, keys_before, gets_from)
+    steady = _rates(swarm, before, swarm.counters(), window, keys_before, gets_from, renewals_from)
 
     killed = swarm.rng.sample(swarm.live, round(config.churn_fraction * len(swarm.live)))
     for peer in killed:
         swarm.kill(peer)
     for _ in killed:
         swarm.start(swarm.add_peer())
-    churn_converge = None
+    before, keys_before, gets_from = swarm.counters(), dict(swarm.dht.rpcs_by_key), len(swarm.dht.get_durations)
+    renewals_from = len(swarm.dht.renewal_gaps)
+    churn_converge, churn = None, None
     t = churn_at
     while t <= churn_at + CONVERGE_LIMIT_HEARTBEATS * heartbeat:
         await until(t)
+        if churn is None and loop.time() >= churn_at + heartbeat:
+            churn = _rates(swarm, before, swarm.counters(), loop.time() - churn_at, keys_before, gets_from,
+                           renewals_from)
         if swarm.converged():
             churn_converge = loop.time() - churn_at
             break
         t += heartbeat / 10
+    if churn is None:
+        churn = _rates(swarm, before, swarm.counters(), loop.time() - churn_at, keys_before, gets_from,
+                       renewals_from)
     for peer in swarm.live:
         peer.task.cancel()
     await asyncio.gather(*(peer.task for peer in swarm.live), return_exceptions=True)
@@ -278,7 +298,7 @@ async def _simulate(config: SimulationConfig, sizes: Tuple[int, int],
         buckets=buckets, initial_converge_s=None if initial_converge is None else round(initial_converge, 1),
         steady_seconds=round(window, 1), view_share=round(statistics.mean(shares), 4),
         worst_view_share=round(worst, 4), last_read_share=round(statistics.mean(last_read_shares), 4),
-        **steady, killed=len(killed),
+        **steady, killed=len(killed), **{f"churn_{name}": churn[name] for name in CHURN_FIGURES},
         churn_converge_s=None if churn_converge is None else round(churn_converge, 1),
         churn_converge_heartbeats=None if churn_converge is None else round(churn_converge / heartbeat, 2),
         simulated_s=round(loop.time(), 1))
@@ -330,7 +350,8 @@ def run_bench_simulate(counts: List[int], base: SimulationConfig, as_json: bool)
                         f"{base.heartbeat:g} s, churn {base.churn_fraction:.0%}")
     rows = [("heartbeat / lifetime (s)", lambda r: f"{r['heartbeat_s']:g} / {r['lifetime_s']:g}"),
             ("bucket counts at the end", lambda r: ", ".join(map(str, r["buckets"]))),
-            ("gets / stores per node per s, mean", lambda r: f"{r['gets_per_node_s']:.1f} / {r['stores_per_node_s']:.1f}"),
+            ("gets / stores per node per s, mean", lambda r: f"{r['gets_per_node_s']:.1f} / "
+                                                            f"{r['stores_per_node_s']:.1f}"),
             ("gets / stores per s, hottest node", lambda r: f"{r['hottest_node_gets_s']:.1f} / "
                                                            f"{r['hottest_node_stores_s']:.1f}"),
             ("gets / stores per s, backbone", lambda r: f"{r['backbone0_gets_s']:.1f} / {r['backbone0_stores_s']:.1f}"),
@@ -338,6 +359,8 @@ def run_bench_simulate(counts: List[int], base: SimulationConfig, as_json: bool)
             ("upload / download per peer (kB/min)", lambda r: f"{r['upload_kb_per_peer_min']:,.0f} / "
                                                              f"{r['download_kb_per_peer_min']:,.0f}"),
             ("get latency median / p95 (s)", lambda r: f"{r['get_latency_median_s']} / {r['get_latency_p95_s']}"),
+            ("record renewed every, p95 / max (s)", lambda r: f"{r.get('renewal_gap_p95_s')} / "
+                                                             f"{r.get('renewal_gap_max_s')}"),
             ("views: share held, worst view", lambda r: f"{r['view_share']:.2%}, {r['worst_view_share']:.0%}"),
             ("views complete after the last start (s)", lambda r: str(r["initial_converge_s"])),
             ("views equal the live set after churn (s)", lambda r: str(r["churn_converge_s"]))]
