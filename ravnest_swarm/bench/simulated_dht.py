@@ -322,7 +322,7 @@ class SimulatedNode:
         else:
             found = dict(zip(keys, await asyncio.gather(*(self.dht.get(self.load, key) for key in keys))))
         self.last_read = {item.value["peer_id"] for value in found.values() if value is not None
-                          for item in value.value.values()}
+                          for item in value.value.values() if "peer_id" in item.value}  # not the summaries
         return found
 
 

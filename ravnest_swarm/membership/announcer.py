@@ -1,7 +1,7 @@
 """Publishing this peer's record in its bucket of ``{run}_peers``, and keeping its view of the run.
 
 Every heartbeat a peer renews its record, reads the buckets it keeps a view of (all of them in a run of at most
-:data:`FULL_VIEW_BUCKETS` buckets, else its own), writes its bucket's summary when it is the bucket's writer, and
+:data:`FULL_VIEW_BUCKETS` buckets, else its own; at every bucket count the summaries say is in use), writes its bucket's summary when it is the bucket's writer, and
 moves to another bucket count when its own bucket says the swarm grew or shrank (``membership/buckets.py``). Its
 heartbeat slows as the swarm grows (``membership/view.py``, :func:`timing_for`).
 """
@@ -19,7 +19,7 @@ from ravnest_swarm import __version__
 from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
 from ravnest_swarm.membership.capabilities import Capabilities
-from ravnest_swarm.membership.reader import read_buckets, read_summary
+from ravnest_swarm.membership.reader import read_bucket_counts, read_summary
 from ravnest_swarm.membership.records import (PeerRecord, peers_key, signing_validator, summary_key,
                                               summary_subkey_prefix)
 from ravnest_swarm.membership.view import PeerView, Timing, timing_for
@@ -106,12 +106,28 @@ class PeerAnnouncer:
                        expiration, subkey=self.subkey) for buckets in self._bucket_counts()))
         return stored[0]  # where readers of our bucket count look; the bucket we moved from is a courtesy
 
+    def _buckets_read(self, count: int) -> Optional[List[int]]:
+        """Which buckets of ``count`` we read: all of them while we know everyone, else the one that holds us."""
+        if self.buckets <= FULL_VIEW_BUCKETS and count <= FULL_VIEW_BUCKETS:
+            return None
+        return [bucket_of(self.peer_id, count)]
+
     async def refresh_view(self) -> None:
         """Read the buckets we keep a view of, write our bucket's summary if it falls to us, and move to
-        another bucket count when our own bucket says the swarm grew or shrank."""
+        another bucket count when our own bucket says the swarm grew or shrank.
+
+        Each peer moves on what its own bucket holds, so while a swarm splits or merges some peers write at another
+        bucket count than ours: a reader of its own count alone lost them (a bucket of 60 taken past 64 by churn
+        split in two while the other bucket stayed, and neither half saw the other). So we read, with our own
+        count's buckets, the summaries, and then the buckets of every other count a summary says is in use.
+        """
         buckets, own = self.buckets, bucket_of(self.peer_id, self.buckets)
-        self.view.merge(await read_buckets(self.node, self.run, buckets,
-                                           None if buckets <= FULL_VIEW_BUCKETS else [own]))
+        summaries, entries = await read_bucket_counts(self.node, self.run, {buckets: self._buckets_read(buckets)})
+        others = {summary["buckets"] for summary in summaries} - {buckets}
+        if others:
+            entries += (await read_bucket_counts(self.node, self.run,
+                                                 {count: self._buckets_read(count) for count in others}))[1]
+        self.view.merge(entries)
         now = self.clock()
         members = self.view.members(now)
         own_members = [r for r in members if bucket_of(r["peer_id"], buckets) == own]
