@@ -27,8 +27,8 @@ def lab_required() -> bool:
     return os.environ.get(LAB_REQUIRED_VARIABLE) == "1"
 
 
-# The suite runs on two xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``): most tests wait on real
-# processes, so one core sits idle while a test waits. These tests share one xdist group, so one worker runs
+# On two xdist workers (``-n 2 --dist loadgroup``; not the default, README says when it pays: most tests wait on
+# real processes, so one core sits idle while a test waits) these tests share one xdist group, so one worker runs
 # them one after another and the other worker runs everything else beside them:
 # - big swarms (many processes each, about half the suite's time): two at once on two cores would starve
 #   each other's heartbeats and deadlines;

@@ -7,9 +7,9 @@ deadline any proposal names. Until shortly before the deadline each participant 
 island (seed from run, round and peer id), republishes its best plan under ``{run}_round`` and
 migrates the others' best plans into its population. Shortly after the deadline every peer reads all
 proposals of round r and adopts the best one whose clustered peers are all alive at the deadline
-(fitness recomputed from the peer records; ties by hash), updates its own peer record, and writes the
-plan under ``{run}_plan`` if it is one of the first three participants, or finds no copy (``keep_plan_copy``). A peer that dies mid-round only drops out: its record expires, the others
-exclude it from their islands, and proposals that still use it lose.
+(fitness recomputed from the peer records; ties by hash), updates its peer record, and writes the plan
+under ``{run}_plan`` if it is one of the first three participants or finds no copy (``keep_plan_copy``).
+A peer dying mid-round only drops out: the others exclude it, and proposals that still use it lose.
 """
 
 from __future__ import annotations
@@ -371,17 +371,12 @@ class PlanningRounds:
 
 
     async def keep_plan_copy(self, record: dict, participants: List[str]) -> None:
-        """Write our copy of the adopted plan, under our own signed subkey (nobody can replace it), if we are one of
-        the first :data:`PLAN_COPIES` participants by peer id, or if no copy equal to ours is readable.
-
-        Every adopter writing a copy made ``{run}_plan`` a value of one copy per peer per round (hundreds of
-        kilobytes at a hundred peers) that every reader of the plan fetched. A copy only has to be found: a plan
-        counts by the peer records that confirm it, not by its copies, so a stranger's copy cannot stand for ours.
-        """
+        """Write our copy of the plan (own signed subkey) if we are one of the first :data:`PLAN_COPIES` participants,
+        or find no equal copy after ``settle`` s: a plan counts by the records confirming it (docs/planning.md)."""
         if self.peer_id not in participants[:PLAN_COPIES]:
             await asyncio.sleep(self.options.settle)  # the first participants' copies
-            plans = await read_plans(self.node, self.run)
-            if any(p["round"] == record["round"] and p["clusters"] == record["clusters"] for p in plans):
+            if any(p["round"] == record["round"] and p["clusters"] == record["clusters"]
+                   for p in await read_plans(self.node, self.run)):
                 return
         await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
                               subkey=plan_subkey_prefix(record["round"]) + self.subkey)
