@@ -157,6 +157,7 @@ async def start_node(
     announce_maddrs: Optional[Sequence[str]] = None,
     identity_path: Optional[str] = None,
     timeout: float = 15.0,
+    rpc_timeout: Optional[float] = None,
     **p2p_kwargs,
 ) -> "SwarmNode":
     """Start p2pd and a DHT node in this process's event loop, with the routes to its peers.
@@ -168,6 +169,9 @@ async def start_node(
     :param announce_maddrs: addresses others should dial (a server's public address)
     :param identity_path: private key file; created if missing, so the peer id stays the same
     :param timeout: seconds to wait for p2pd and the initial peers
+    :param rpc_timeout: seconds to wait for one DHT request (hivemind's ``wait_timeout``, 3 s by default); a node
+        that does not answer in time is left out of that read and of the next ones for a while (hivemind's
+        blacklist), so a one-shot reader of many records on a busy backbone (``status``) waits longer
     :param p2p_kwargs: passed to ``hivemind.P2P.create`` (relay and NAT options)
     """
     if identity_path is not None:
@@ -203,6 +207,7 @@ async def start_node(
                 client_mode=client_mode,
                 record_validator=_merge_validators(record_validators),
                 ensure_bootstrap_success=bool(initial_peers),
+                **({} if rpc_timeout is None else dict(wait_timeout=rpc_timeout)),
             ),
             timeout=timeout,
         )

@@ -1,12 +1,13 @@
 """What ``status`` and the dashboards read from the DHT: the run's summary, and the peer records they show.
 
 A run's peer records spread over buckets (``membership/buckets.py``), up to 256 keys at 10,000 peers, and the
-run's summary adds up every bucket's counts. ``status`` reads the summary and every bucket at once, and
-every bucket again only where it found fewer peers than the summary counts (:func:`read_status`). A dashboard redraws every period for as long as it is up, so in a run of more than
-:data:`FULL_READ_BUCKETS` buckets it reads (:class:`SnapshotReader`) the summary, the viewer's own bucket, the
-buckets of its pipeline and ring neighbours (from the plan it follows), and :data:`ROTATING_BUCKETS` more in turn:
-a bounded read whatever the run's size, which still meets every bucket within a few dozen periods, so the slowest
-and failing clusters it shows are found among all of them.
+run's summary adds up every bucket's counts. ``status`` reads the summary and every bucket at once, and every
+bucket again only where it found fewer peers than the summary counts (:func:`read_status`). A dashboard redraws
+every period for as long as it is up, so in a run of more than :data:`FULL_READ_BUCKETS` buckets it reads
+(:class:`SnapshotReader`) the summary, the viewer's own bucket, the buckets of its pipeline and ring neighbours
+(from the plan it follows), and :data:`ROTATING_BUCKETS` more in turn: a bounded read whatever the run's size,
+which still meets every bucket within a few dozen periods, so the slowest and failing clusters it shows are found
+among all of them.
 """
 
 from __future__ import annotations

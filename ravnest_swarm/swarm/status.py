@@ -27,7 +27,7 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
     address = parse_run_address(run)
     run = address.name
     node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(run, address.owner),
-                            client_mode=True, timeout=timeout)
+                            client_mode=True, timeout=timeout, rpc_timeout=timeout)
 
     async def spec_or_none():
         try:
