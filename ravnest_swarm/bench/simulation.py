@@ -8,11 +8,11 @@ Records are the real ``PeerRecord`` dicts (validated by the schema in every ``pu
 msgpack's plus a real RSA subkey and signature.
 
 A run, in heartbeats ``H`` (``timing_for(N, --heartbeat)``): N peers start at random times over the first H; the
-views settle until 3 H (5 H from a cold start); the steady state is measured for ``--seconds`` (default 3 H); then
-``--churn-fraction`` of the peers are killed (no ``leaving``: their DHT nodes and what they stored vanish) and as
-many new ones start; the run ends when every view equals the live set (or 8 H after the churn). A few figures are
-also taken over the heartbeat after the churn (``churn_*``: the joiners' reads of the summary, their stores).
-A view "equals the live set" when its
+views settle until 3 H (5 H from a cold start), and at least 30 s after the last start; the steady state is
+measured for ``--seconds`` (default 3 H); then ``--churn-fraction`` of the peers are killed (no ``leaving``: their
+DHT nodes and what they stored vanish) and as many new ones start; the run ends when every view equals the live
+set (or 8 H after the churn). A few figures are also taken over the heartbeat after the churn (``churn_*``: the
+joiners' reads of the summary, their stores). A view "equals the live set" when its
 members are exactly the live peers it should know: everyone while the run has at most ``FULL_VIEW_BUCKETS``
 buckets, else the live peers of its own bucket. The swarm starts from what a running swarm of N leaves in the DHT
 (every peer's record, renewed within the last heartbeat, and the buckets' summaries), so the steady state is that
@@ -52,6 +52,9 @@ EPOCH = 1.8e9  # DHT time when a simulation starts (in 2027): valid record times
 # the steady state is measured from here (the last peer started before 1): a swarm started from nothing moves
 # through bucket counts first
 SETTLE_HEARTBEATS, COLD_SETTLE_HEARTBEATS = 3.0, 5.0
+# and at least this long after the last start: a joiner's first view takes four lookups in a row (the summary, two
+# publishes, the read), each of which may wait out a 3 s timeout
+STARTUP_SECONDS = 30.0
 CONVERGE_LIMIT_HEARTBEATS = 8.0  # after churn, give up waiting for the views after this many heartbeats
 # the figures of the heartbeat after the churn: the joiners' first reads (the summary) and stores
 CHURN_FIGURES = ("hottest_node_gets_s", "hottest_node_stores_s", "hottest_key", "hottest_key_rpcs_s",
@@ -226,7 +229,8 @@ async def _simulate(config: SimulationConfig, sizes: Tuple[int, int],
                     on_progress: Callable[[float], None]) -> Dict:
     swarm = Swarm(config, sizes)
     loop, heartbeat = swarm.loop, swarm.timing.heartbeat
-    steady_from = (COLD_SETTLE_HEARTBEATS if config.cold_start else SETTLE_HEARTBEATS) * heartbeat
+    settle = COLD_SETTLE_HEARTBEATS if config.cold_start else SETTLE_HEARTBEATS
+    steady_from = max(settle * heartbeat, heartbeat + STARTUP_SECONDS)
     window = config.seconds if config.seconds is not None else 3 * heartbeat
     churn_at = steady_from + window
     total = churn_at + 4 * heartbeat  # for the progress bar: convergence usually takes about a lifetime
