@@ -288,6 +288,37 @@ RunRecords = pydantic.create_model(
     **{f"stages_{index}": (Dict[BytesWithPublicKey, StageEndpoint], None) for index in range(STAGE_KEYS)})
 
 
+class RunSchemaValidator(SchemaValidator):
+    """hivemind's ``SchemaValidator`` over :data:`RunRecords`, checking each record against a model of its own key
+    alone: ``RunRecords`` has a field per bucket of every bucket count (579 in all), and parsing a record into the
+    whole model, then dumping it, took about 2 ms a record, against 0.1 ms here; every store, and every read of a
+    bucket of 64 records, paid it. The rules are hivemind's: the key's type, strictly, with no conversion."""
+
+    def __init__(self, run: str):
+        super().__init__(RunRecords, allow_extra_keys=True, prefix=run)
+        self._models = {name: pydantic.create_model(f"RunRecords_{name}", __config__=_ForbidExtra,
+                                                    **{name: (field.outer_type_, None)})
+                        for name, field in RunRecords.__fields__.items()}
+
+    def validate(self, record) -> bool:
+        if record.key not in self._key_id_to_field_name:
+            return self._allow_extra_keys
+        try:
+            value = self._deserialize_record(record)
+            [name] = value
+            parsed = self._models[name].parse_obj(value)
+        except (ValueError, pydantic.ValidationError):  # pydantic's error is a ValueError too; said for the reader
+            return False
+        return parsed.dict(by_alias=True)[name] == value[name]
+
+    def merge_with(self, other) -> bool:
+        return False  # its models are its own keys': another schema's keys stay with that schema's validator
+
+
+class _ForbidExtra(pydantic.BaseConfig):
+    extra = pydantic.Extra.forbid
+
+
 def make_validators(run: str, owner: Optional[str] = None, signing_key: Optional[RSAPrivateKey] = None) -> List:
     """The record validators every node of ``run`` installs (signature first, then schema, then the spec's
     owner: any spec must be signed by the key it names, and by ``owner``'s, a fingerprint, where it is known).
@@ -296,8 +327,7 @@ def make_validators(run: str, owner: Optional[str] = None, signing_key: Optional
         one peer). Several peers in one process (``bench/light.py``) each need their own, or their records,
         written under the same subkey, would replace one another.
     """
-    return [RSASignatureValidator(signing_key), SchemaValidator(RunRecords, allow_extra_keys=True, prefix=run),
-            OwnerSpecValidator(spec_key(run), owner)]
+    return [RSASignatureValidator(signing_key), RunSchemaValidator(run), OwnerSpecValidator(spec_key(run), owner)]
 
 
 def signing_validator(node: DHTNode) -> RSASignatureValidator:
