@@ -81,19 +81,6 @@ async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
     return view.records(get_dht_time(), alive_at)
 
 
-async def read_peers_settled(node: DHTNode, run: str, looks: int = 2) -> List[Dict]:
-    """Every live peer record that any of ``looks`` reads finds, the newest copy of each, sorted by name.
-
-    One read can miss the records held by a DHT node that did not answer in time (a busy machine makes
-    that common); for a one-shot view (``status``) a second look is cheaper than a peer shown as gone.
-    """
-    view = PeerView()
-    records: List[Dict] = []
-    for _ in range(looks):
-        records = await read_peers(node, run, view=view)
-    return records
-
-
 def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int] = None) -> Optional[Dict]:
     """The newest of ``plans`` that the peers it places follow, or None.
 
