@@ -13,8 +13,9 @@ A host process (:func:`run_light_host`, started by :class:`LightHosts` with ``Pr
 writes JSON lines on stdout:
 
 * ``{"event": "started", "peer": NAME, "peer_id": ..., "t": ...}`` once its first record is published;
-* ``{"event": "views", "t": ..., "views": {NAME: [names of its members], ...}}`` every report period (at most a
-  heartbeat): each peer's ``announcer.members()`` at that moment;
+* ``{"event": "views", "t": ..., "views": {NAME: [names of its members], ...}, "record_ages": {NAME: seconds}}``
+  every report period (at most a heartbeat): each peer's ``announcer.members()`` at that moment, and how long ago
+  it last renewed its own record;
 * ``{"event": "killed", "peer": ..., "last_publish": ..., "lifetime": ...}``, ``{"event": "left", ...}``,
   ``{"event": "failed", "peer": ..., "error": ...}``;
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
 from ravnest_swarm.membership.announcer import PeerAnnouncer
@@ -169,9 +171,12 @@ class LightHost:
     async def report_forever(self) -> None:
         while True:
             await asyncio.sleep(self.options.report_period)
-            views = {name: sorted(record["name"] for record in peer.announcer.members())
-                     for name, peer in self.peers.items() if peer.ready}
-            _say("views", views=views)
+            ready = {name: peer for name, peer in self.peers.items() if peer.ready}
+            views = {name: sorted(record["name"] for record in peer.announcer.members()) for name, peer in ready.items()}
+            # how long ago each peer last renewed its record: past a lifetime, a busy machine has let it expire
+            now = get_dht_time()
+            ages = {name: round(now - peer.announcer.record["time"], 1) for name, peer in ready.items()}
+            _say("views", views=views, record_ages=ages)
 
     async def read_commands(self, stop: asyncio.Event) -> None:
         reader = asyncio.StreamReader()
@@ -248,6 +253,7 @@ class LightHosts:
     peers: Dict[str, HostedPeer] = field(default_factory=dict)
     hosts: List[PeerProcess] = field(default_factory=list)
     killed: Dict[str, Tuple[float, float]] = field(default_factory=dict)  # name: (last publish, lifetime)
+    record_ages: List[float] = field(default_factory=list)  # every reported age of a peer's own record
     _offsets: Dict[int, int] = field(default_factory=dict)
     _partial: Dict[int, bytes] = field(default_factory=dict)
 
@@ -288,6 +294,7 @@ class LightHosts:
                 peer = self.peers.get(name)
                 if event["event"] == "views":
                     reports.append(event)
+                    self.record_ages.extend(event.get("record_ages", {}).values())
                     for viewer, members in event["views"].items():
                         if viewer in self.peers:
                             self.peers[viewer].view, self.peers[viewer].view_time = set(members), event["t"]
