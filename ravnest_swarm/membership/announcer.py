@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 # Up to this many buckets (256 peers) every peer reads them all each heartbeat and knows everyone; beyond, it reads
 # its own bucket, and the buckets of the peers it works with when it needs them (``read_peers(peer_ids=...)``).
 FULL_VIEW_BUCKETS = 4
+# Beyond FULL_VIEW_BUCKETS, a peer reads the summaries (which bucket counts are in use) every this many heartbeats,
+# not every one: at 1,000 peers every peer reading them each heartbeat made the summary key's holders serve
+# 5,279 RPCs a second in the simulation (docs/benchmarks.md); counts in use change over lifetimes, not heartbeats
+SUMMARY_EVERY = 10
 
 
 class PeerAnnouncer:
@@ -67,6 +71,8 @@ class PeerAnnouncer:
         self.timing: Timing = timing_for(1, heartbeat)
         self.buckets = 1
         self._moved_from: Optional[Tuple[int, float]] = None  # (bucket count, DHT time until which we write there)
+        self._counts_in_use: Set[int] = set()  # other bucket counts the last summaries we read named
+        self._refreshes = 0
 
     @property
     def heartbeat(self) -> float:
@@ -122,8 +128,13 @@ class PeerAnnouncer:
         count's buckets, the summaries, and then the buckets of every other count a summary says is in use.
         """
         buckets, own = self.buckets, bucket_of(self.peer_id, self.buckets)
-        summaries, entries = await read_bucket_counts(self.node, self.run, {buckets: self._buckets_read(buckets)})
-        others = {summary["buckets"] for summary in summaries} - {buckets}
+        with_summaries = buckets <= FULL_VIEW_BUCKETS or self._refreshes % SUMMARY_EVERY == 0
+        self._refreshes += 1
+        summaries, entries = await read_bucket_counts(self.node, self.run, {buckets: self._buckets_read(buckets)},
+                                                      summaries=with_summaries)
+        if with_summaries:
+            self._counts_in_use = {summary["buckets"] for summary in summaries}
+        others = self._counts_in_use - {buckets}
         if others:
             entries += (await read_bucket_counts(self.node, self.run,
                                                  {count: self._buckets_read(count) for count in others}))[1]
@@ -146,15 +157,24 @@ class PeerAnnouncer:
         return self.view.members(self.clock())
 
     async def heartbeat_forever(self) -> None:
+        """Renew our record and refresh our view, each every heartbeat, side by side: one after the other, a read
+        that waited on lost RPCs (3 s each) delayed the next renewal, and in the simulation renewals at 2 % loss came
+        11 s apart at worst against a 5 s heartbeat."""
+        await asyncio.gather(self._every_heartbeat(self._renew, "renewing the peer record"),
+                             self._every_heartbeat(self.refresh_view, "reading the run's peer records"))
+
+    async def _renew(self) -> None:
+        if not await self.publish():
+            logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
+
+    async def _every_heartbeat(self, work: Callable[[], Awaitable[None]], what: str) -> None:
         loop = asyncio.get_running_loop()  # virtual time in the simulation
         while True:
             started = loop.time()
             try:
-                if not await self.publish():
-                    logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
-                await self.refresh_view()
+                await work()
             except Exception as e:  # a transient DHT error must not stop the heartbeats
-                logger.warning(f"renewing the peer record failed: {e}")
+                logger.warning(f"{what} failed: {e}")
             # every heartbeat from the last one's start: a store that took seconds (a busy machine, a slow DHT
             # node) must not stretch the gap between renewals past the record's lifetime
             await asyncio.sleep(max(0.0, self.heartbeat - (loop.time() - started)))
