@@ -153,8 +153,12 @@ class PeerAnnouncer:
         self.timing = timing_for(estimate, self.base_heartbeat)
 
     def members(self) -> List[Dict]:
-        """The peers in our view now (``PeerView.members``): where ``join`` learns who is in the run."""
+        """The peers in our view now (``PeerView.members``)."""
         return self.view.members(self.clock())
+
+    def records(self) -> List[Dict]:
+        """The records in our view now, ``leaving`` ones included (``PeerView.records``): what ``join`` logs."""
+        return self.view.records(self.clock())
 
     async def heartbeat_forever(self) -> None:
         """Renew our record and refresh our view, each every heartbeat, side by side: one after the other, a read

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
 
@@ -123,7 +123,7 @@ async def join(options: JoinOptions) -> None:
                                              console, leave_now, facts))
     watch = asyncio.create_task(watch_peers(membership.node, run, stop, options.heartbeat,
                                             live=options.dashboard, console=console, me=options.name,
-                                            viewer=membership.announcer.peer_id))
+                                            viewer=membership.announcer.peer_id, known=membership.announcer.records))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if work.done() and work.exception() is not None:
@@ -204,11 +204,12 @@ def volunteer_options(options: JoinOptions):
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,
-                      steps=None, viewer=None) -> None:
+                      steps=None, viewer=None, known: Optional[Callable[[], List[Dict]]] = None) -> None:
     """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
     ``steps``: the run's length, for the dashboard to say when the run is finished; ``me`` and ``viewer``: the
     volunteer's name and peer id (None for an observer), whose cluster and neighbours a large run's dashboard
-    shows."""
+    shows; ``known``: the records a volunteer's own view holds (``PeerAnnouncer.records``), which the log lines
+    then report without reading the DHT again (the announcer reads it every heartbeat already)."""
     from ravnest_swarm.dashboard.focus import sees_part
     from ravnest_swarm.dashboard.state import SwarmState
     from ravnest_swarm.swarm.observe import SnapshotReader
@@ -231,7 +232,10 @@ async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: 
             pass
 
     while not stop.is_set():
-        state.feed(await reader.snapshot())
+        if known is not None:
+            state.update(known())
+        else:
+            state.feed(await reader.snapshot())
         names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
         if names != last_names:
             # a large run's line names a screenful, not thousands of peers
