@@ -45,7 +45,8 @@ def test_join_waits_for_a_backbone_that_is_not_up_yet_and_joins_once_it_answers(
 def test_join_given_a_dead_backbone_and_a_live_one_joins_through_the_live_one(processes, backbone):
     """Several backbones: one that never answers does not stop a volunteer that another one answers."""
     dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{P2P_ID_OF_NOBODY}"
-    volunteer = processes.start(["join", "--initial-peers", dead, "--initial-peers", backbone, "--run", "test-run", "--name", "two-ways",
+    volunteer = processes.start(["join", "--initial-peers", dead, "--initial-peers", backbone, "--run", "test-run",
+                                 "--name", "two-ways",
                                  "--ram-gb", "1", "--gflops", "10", "--bandwidth-mbps", "100", "--timeout", "5",
                                  "--no-dashboard", "--heartbeat", "2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
                                 "two-ways")

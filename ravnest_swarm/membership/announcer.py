@@ -1,9 +1,10 @@
 """Publishing this peer's record in its bucket of ``{run}_peers``, and keeping its view of the run.
 
-Every heartbeat a peer renews its record, reads the buckets it keeps a view of (all of them in a run of at most
-:data:`FULL_VIEW_BUCKETS` buckets, else its own; at every bucket count the summaries say is in use), writes its bucket's summary when it is the bucket's writer, and
-moves to another bucket count when its own bucket says the swarm grew or shrank (``membership/buckets.py``). Its
-heartbeat slows as the swarm grows (``membership/view.py``, :func:`timing_for`).
+Every heartbeat a peer renews its record and, side by side, reads the buckets it keeps a view of (all of them in a
+run of at most :data:`FULL_VIEW_BUCKETS` buckets, else its own; at every bucket count the summaries say is in use),
+writes its bucket's summary when it is the bucket's writer, and moves to another bucket count when its own bucket
+says the swarm grew or shrank (``membership/buckets.py``). Its heartbeat slows as the swarm grows
+(``membership/view.py``, :func:`timing_for`).
 """
 
 from __future__ import annotations
