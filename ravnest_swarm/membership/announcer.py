@@ -132,7 +132,7 @@ class PeerAnnouncer:
         with_summaries = buckets <= FULL_VIEW_BUCKETS or self._refreshes % SUMMARY_EVERY == 0
         self._refreshes += 1
         summaries, entries = await read_bucket_counts(self.node, self.run, {buckets: self._buckets_read(buckets)},
-                                                      summaries=with_summaries)
+                                                      with_summaries=with_summaries)
         if with_summaries:
             self._counts_in_use = {summary["buckets"] for summary in summaries}
         others = self._counts_in_use - {buckets}

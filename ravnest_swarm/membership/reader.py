@@ -42,13 +42,14 @@ async def read_buckets(node: DHTNode, run: str, buckets: int,
 
 
 async def read_bucket_counts(node: DHTNode, run: str, wanted: Dict[int, Optional[Iterable[int]]],
-                             summaries: bool = True) -> Tuple[List[Dict], List[Tuple[Any, Dict, float]]]:
-    """One read of the run's bucket summaries (unless not ``summaries``) and, for each bucket count in ``wanted``,
+                             with_summaries: bool = True) -> Tuple[List[Dict], List[Tuple[Any, Dict, float]]]:
+    """One read of the run's bucket summaries (where ``with_summaries``) and, for each bucket count in ``wanted``,
     its buckets (all where None, else those listed): ``(summaries, (writer, record, expiration) of each record)``."""
     keys = [peers_key(run, count, bucket) for count, only in wanted.items()
             for bucket in (range(count) if only is None else sorted(set(only)))]
-    found = await node.get_many([summary_key(run)] * summaries + keys, sufficient_expiration_time=float("inf"))
-    summaries = [value for _, value, _ in _entries(found.get(summary_key(run)))]
+    asked = [summary_key(run)] + keys if with_summaries else keys
+    found = await node.get_many(asked, sufficient_expiration_time=float("inf"))
+    summaries = [value for _, value, _ in _entries(found.get(summary_key(run)))] if with_summaries else []
     return summaries, [entry for key in keys for entry in _entries(found.get(key))]
 
 
