@@ -246,7 +246,12 @@ def test_backward_from_a_stranger(attacked_run):
     async def attack():
         stranger = await open_stranger(victim)
         try:
+            # between averaging rounds the stage has microbatches in flight; during one it may have none
             status = await stage_status(stranger, victim)
+            deadline = time.monotonic() + 30
+            while status["pending"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                status = await stage_status(stranger, victim)
             ids = range(max(0, status["injected"] - 8), status["injected"] + 8)
             replies = [await send_as(stranger, victim, wire.BACKWARD,
                                      dict(run=RUN, cluster=victim["cluster"], stage=0, microbatch=microbatch,
