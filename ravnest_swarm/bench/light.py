@@ -7,7 +7,9 @@ heartbeat, ``heartbeat_forever``). It has no trainer and measures nothing: its c
 imports torch, so the host process imports it too; it does no torch work.
 
 Each light peer signs with a key of its own: peers sharing a process would otherwise write under one subkey and
-replace one another's records.
+replace one another's records. The peers of a process share the digests of the records their validators accepted
+(``net.node.ValidRecords``): a record that one of them checked, the others take without a second RSA check, as a
+peer on a machine of its own would pay for its own reads only.
 
 A host process (:func:`run_light_host`, started by :class:`LightHosts` with ``ProcessGroup.start_library``)
 writes JSON lines on stdout:
@@ -43,7 +45,7 @@ from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import make_validators
-from ravnest_swarm.net.node import parse_maddrs, start_node_patiently, stop_node
+from ravnest_swarm.net.node import ValidRecords, parse_maddrs, start_node_patiently, stop_node
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 
 logger = logging.getLogger(__name__)
@@ -84,14 +86,14 @@ class LightPeer:
         self.ready = False  # its first record is published and its heartbeats run
         self._heartbeats: Optional[asyncio.Task] = None
 
-    async def start(self, options: LightHostOptions) -> None:
+    async def start(self, options: LightHostOptions, valid_records: ValidRecords) -> None:
         """As ``Membership.start`` does, without measuring: node, record, bucket count, first publish, heartbeats."""
         def waiting(reason: str, attempt: int, wait: float, left: float) -> None:
             logger.info(f"{self.name}: waiting for the initial peers (attempt {attempt}: {reason}); again in {wait:.0f}s")
 
         self.node = await start_node_patiently(
             parse_maddrs(options.initial_peers), options.patience, waiting,
-            record_validators=make_validators(options.run, signing_key=RSAPrivateKey()),
+            record_validators=make_validators(options.run, signing_key=RSAPrivateKey()), valid_records=valid_records,
             host_maddrs=[f"/ip4/{options.host}/tcp/0"], timeout=options.timeout)
         self.announcer = PeerAnnouncer(self.node, options.run, self.name, CAPABILITIES, options.heartbeat)
         maddrs = [str(m) for m in await self.node.p2p.get_visible_maddrs()]
@@ -135,6 +137,9 @@ class LightHost:
         self.peers: Dict[str, LightPeer] = {}
         self._starting = asyncio.Semaphore(options.concurrency)
         self._tasks: Set[asyncio.Task] = set()
+        # one run's validators, alike but for the signing key: a record one peer here checked, the others take
+        # without checking it again (on the internet each peer has a CPU of its own for its reads)
+        self.valid_records = ValidRecords()
 
     def start_peer(self, name: str) -> None:
         if name in self.peers:
@@ -148,7 +153,7 @@ class LightHost:
     async def _start(self, peer: LightPeer) -> None:
         async with self._starting:
             try:
-                await peer.start(self.options)
+                await peer.start(self.options, self.valid_records)
             except Exception as e:  # one peer that cannot start is reported; the others go on
                 self.peers.pop(peer.name, None)
                 await peer.kill()

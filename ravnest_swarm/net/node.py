@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import logging
 import os
 import socket
+import struct
 import time
+from collections import OrderedDict
 from contextlib import closing
 from typing import Any, Callable, List, Optional, Sequence
 
 from hivemind.dht.node import DHTID, DHTNode
-from hivemind.dht.validation import DHTRecord
+from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -26,6 +29,55 @@ class SwarmNode(DHTNode):
     """hivemind's DHT node, with the :class:`~ravnest_swarm.net.routes.Routes` of its p2pd (set by :func:`start_node`)."""
 
     routes: Routes
+
+
+class ValidRecords:
+    """Digests of the records a node's validators accepted, the newest ``capacity`` of them.
+
+    hivemind validates every record of every answer: a read of a bucket of 64 records asks each of the key's
+    holders and checks the whole bucket from each (and again where it caches the merged bucket on the nearest
+    node), so the same signed record is checked five times or more per read, an RSA verification each time. A
+    record's validity depends on its bytes alone (key, subkey, value and expiration are what is signed; the
+    run's schema and owner are fixed per node), so a record once accepted is accepted again by its digest.
+    Refusals are not remembered: they are cheap, and our validators count them.
+    """
+
+    def __init__(self, capacity: int = 65536):
+        self.capacity = capacity
+        self._digests: "OrderedDict[bytes, None]" = OrderedDict()
+
+    @staticmethod
+    def digest(record: DHTRecord) -> bytes:
+        lengths = struct.pack("<dII", record.expiration_time, len(record.subkey), len(record.value))
+        return hashlib.blake2b(lengths + record.key + record.subkey + record.value, digest_size=32).digest()
+
+    def __contains__(self, digest: bytes) -> bool:
+        if digest in self._digests:
+            self._digests.move_to_end(digest)
+            return True
+        return False
+
+    def add(self, digest: bytes) -> None:
+        self._digests[digest] = None
+        if len(self._digests) > self.capacity:
+            self._digests.popitem(last=False)
+
+
+class RememberingValidator(CompositeValidator):
+    """hivemind's composite of a node's validators that checks each distinct record once (:class:`ValidRecords`)."""
+
+    def __init__(self, validators: Sequence, valid_records: ValidRecords):
+        super().__init__(validators)
+        self.valid_records = valid_records
+
+    def validate(self, record: DHTRecord) -> bool:
+        digest = ValidRecords.digest(record)
+        if digest in self.valid_records:
+            return True
+        valid = super().validate(record)
+        if valid:
+            self.valid_records.add(digest)
+        return valid
 
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
@@ -158,6 +210,7 @@ async def start_node(
     identity_path: Optional[str] = None,
     timeout: float = 15.0,
     rpc_timeout: Optional[float] = None,
+    valid_records: Optional[ValidRecords] = None,
     **p2p_kwargs,
 ) -> "SwarmNode":
     """Start p2pd and a DHT node in this process's event loop, with the routes to its peers.
@@ -172,6 +225,8 @@ async def start_node(
     :param rpc_timeout: seconds to wait for one DHT request (hivemind's ``wait_timeout``, 3 s by default); a node
         that does not answer in time is left out of that read and of the next ones for a while (hivemind's
         blacklist), so a one-shot reader of many records on a busy backbone (``status``) waits longer
+    :param valid_records: the records this node's validators accepted; nodes of one run in one process (light
+        peers) may share one, so a record is checked once per process. By default the node's own.
     :param p2p_kwargs: passed to ``hivemind.P2P.create`` (relay and NAT options)
     """
     if identity_path is not None:
@@ -205,8 +260,13 @@ async def start_node(
                 p2p=p2p,
                 initial_peers=[str(m) for m in initial_peers],
                 client_mode=client_mode,
-                record_validator=_merge_validators(record_validators),
+                record_validator=(RememberingValidator(record_validators, valid_records or ValidRecords())
+                                  if record_validators else None),
                 ensure_bootstrap_success=bool(initial_peers),
+                # hivemind stores each value it finds on the nearest node that lacked it: for a bucket of peer
+                # records, one more upload of the whole bucket per read, to the key's busiest node, and one more
+                # validation of it there; every record is already on its key's replicas and our backbones
+                cache_nearest=0,
                 **({} if rpc_timeout is None else dict(wait_timeout=rpc_timeout)),
             ),
             timeout=timeout,
@@ -292,10 +352,3 @@ async def store_record(node: "SwarmNode", key: str, value: Any, expiration: floa
         *(protocol.call_store(peer, [key_id], [signed], expiration, subkeys=[subkey]) for peer in backbones))
     return bool(stored) or any(reply and reply[0] for reply in replies)
 
-
-def _merge_validators(validators: Sequence):
-    if not validators:
-        return None
-    from hivemind.dht.validation import CompositeValidator
-
-    return CompositeValidator(list(validators))
