@@ -415,6 +415,8 @@ def bench_membership(
     churn_every: float = typer.Option(60.0, "--churn-every", min=1.0, help="Seconds between churn rounds."),
     churn_fraction: float = typer.Option(0.1, "--churn-fraction", min=0.0, max=1.0,
                                          help="Share of the peers killed (no 'leaving') and replaced each round."),
+    records: int = typer.Option(1000, "--records", min=0, max=100_000,
+                                help="status --json is also timed on a run of this many written records (0: not)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Membership at scale: light peers on one backbone; convergence, stability, churn, memory, DHT latency.
@@ -428,7 +430,7 @@ def bench_membership(
 
     options = MembershipBenchOptions(peers=peers, peers_per_process=peers_per_process, heartbeat=heartbeat,
                                      stable_seconds=stable_seconds, churn_seconds=churn_seconds,
-                                     churn_every=churn_every, churn_fraction=churn_fraction)
+                                     churn_every=churn_every, churn_fraction=churn_fraction, records=records)
     sys.exit(run_async(run(options, as_json)))
 
 

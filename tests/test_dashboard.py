@@ -11,19 +11,17 @@ import sys
 import time
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
 
+from ravnest_swarm.bench.records import write_run_records
 from ravnest_swarm.dashboard.focus import FULL_READ_BUCKETS, sees_part
 from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
 from ravnest_swarm.dashboard.peers_table import SCREENFUL_ROWS, peers_table, status_document, status_view
 from ravnest_swarm.dashboard.state import SwarmState, load_recording
 from ravnest_swarm.dashboard.view import render, render_text
-from ravnest_swarm.membership.buckets import bucket_of, summarize
-from ravnest_swarm.membership.records import PeerRecord, make_validators, peers_key, summary_key, summary_subkey_prefix
-from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node, store_record
+from ravnest_swarm.membership.buckets import bucket_of
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.swarm.observe import ROTATING_BUCKETS, SnapshotReader, neighbour_ids
 
 # what the dashboard was fed during a real run: RAVNEST_RECORD_SNAPSHOTS=FILE ravnest-swarm local --peers 5
@@ -492,32 +490,6 @@ def test_a_large_runs_dashboard_reads_its_viewers_buckets_and_a_few_in_turn():
 LARGE_RUN, LARGE_PEERS, LARGE_BUCKETS = "large", 320, 16  # 20 a bucket: a large run's layout, cheap to write
 
 
-async def write_large_run(maddr: str) -> None:
-    """LARGE_PEERS training records of LARGE_RUN in its 16 buckets, and each bucket's summary, as a large run
-    writes them; by one client (a signer may own several subkeys: a prefix of its own, then its public key)."""
-    signature = RSASignatureValidator(RSAPrivateKey())
-    node = await start_node(parse_maddrs([maddr]), record_validators=[signature],
-                            host_maddrs=["/ip4/127.0.0.1/tcp/0"], client_mode=True)
-    try:
-        own, expiration = signature.local_public_key, get_dht_time() + 600
-        records = [PeerRecord(**peer(f"w{c}-{s}", cluster=c, stage=s, samples_per_s=10.0, step=5,
-                                     peer_id=f"QmLarge{c}x{s}", maddrs=[], version="0.1.0")).dict()
-                   for c in range(LARGE_PEERS // 4) for s in range(4)]
-        for start in range(0, len(records), 40):  # forty stores at a time
-            stored = await asyncio.gather(*(
-                store_record(node, peers_key(LARGE_RUN, LARGE_BUCKETS, bucket_of(r["peer_id"], LARGE_BUCKETS)), r,
-                             expiration, subkey=f"{start + i}.".encode() + own)
-                for i, r in enumerate(records[start:start + 40])))
-            assert all(stored)
-        for bucket in range(LARGE_BUCKETS):
-            members = [r for r in records if bucket_of(r["peer_id"], LARGE_BUCKETS) == bucket]
-            assert await store_record(node, summary_key(LARGE_RUN), summarize(LARGE_BUCKETS, bucket, members,
-                                                                             get_dht_time()),
-                                      expiration, subkey=summary_subkey_prefix(LARGE_BUCKETS, bucket) + own)
-    finally:
-        await stop_node(node)
-
-
 def status_of_large_run(backbone, *flags):
     return subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run",
                            LARGE_RUN, *flags], capture_output=True, text=True, timeout=120,
@@ -529,7 +501,7 @@ def test_status_and_the_dashboard_read_a_large_runs_buckets_from_the_network(pro
     """A run laid out in 16 buckets on a real backbone: ``status --json`` has the summary and every record;
     ``status`` draws the summary's line and a screenful; a viewer's dashboard reads its own bucket and 8 more in
     turn, not all 16, meets the rest at the next period, and draws the summary's figures."""
-    asyncio.run(write_large_run(backbone))
+    asyncio.run(write_run_records(backbone, LARGE_RUN, LARGE_PEERS, LARGE_BUCKETS))
     started = time.monotonic()
     result = status_of_large_run(backbone, "--json")
     print(f"status --json of {LARGE_PEERS} records in {LARGE_BUCKETS} buckets: {time.monotonic() - started:.1f} s, "
@@ -549,13 +521,13 @@ def test_status_and_the_dashboard_read_a_large_runs_buckets_from_the_network(pro
         node = await start_node(parse_maddrs([backbone]), record_validators=make_validators(LARGE_RUN),
                                 client_mode=True)
         try:
-            reader = SnapshotReader(node, LARGE_RUN, viewer="QmLarge50x2")
+            reader = SnapshotReader(node, LARGE_RUN, viewer="QmPeer50x2")
             return [await reader.snapshot() for _ in range(2)]
         finally:
             await stop_node(node)
 
     first, second = asyncio.run(dashboard_reads())
-    own = bucket_of("QmLarge50x2", LARGE_BUCKETS)
+    own = bucket_of("QmPeer50x2", LARGE_BUCKETS)
     read = {bucket_of(p["peer_id"], LARGE_BUCKETS) for p in first["peers"]}
     assert read == set(range(ROTATING_BUCKETS)) | {own} and first["summary"]["peers"] == LARGE_PEERS
     assert len(second["peers"]) == LARGE_PEERS  # the second period's buckets in turn, merged: all 16 met

@@ -16,7 +16,10 @@ at least once a heartbeat; the bench compares every view with the set of live pe
   (``last_killed_expiry_s``, from the hosts' report of each killed peer's last renewal): the exact target of
   2 heartbeats is below what the rule allows, and the figures say by how much;
 * the backbone's and the hosts' memory (PSS of each process tree, p2pd included), p2pd RSS per peer, the load
-  average, the latency of ``read_peers`` from an observer node through the run, and ``status --json``'s wall time.
+  average, the latency of ``read_peers`` from an observer node through the run, and ``status --json``'s wall time;
+* ``status --json``'s wall time against a run of ``records`` peers (1,000 by default), whose records and
+  summaries one signer writes into the light peers' DHT (``bench/records.py``): this machine hosts about 200 light
+  peers, not a thousand, and ``status`` reads a large run's records, not its nodes.
 
 Every process it starts (backbone, hosts and their p2pd) is stopped by pid, on failure and Ctrl-C too.
 """
@@ -41,6 +44,7 @@ from rich.progress import Progress
 
 from ravnest_swarm.bench.light import LightHosts
 from ravnest_swarm.bench.membership import tree_memory_mb
+from ravnest_swarm.bench.records import write_run_records
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import FULL_VIEW_BUCKETS
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
@@ -52,6 +56,7 @@ from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.processes import ProcessGroup
 
 RUN = "load"
+RECORDS_RUN = "recorded"  # the run of ``records`` written records, beside the light peers' own
 ERROR_RE = re.compile(r"^(error:|Traceback)", re.MULTILINE)
 # beyond this many peers a peer reads only its own bucket (membership/announcer.py): no view lists everyone
 FULL_VIEW_PEERS = FULL_VIEW_BUCKETS * PEERS_PER_BUCKET
@@ -67,6 +72,7 @@ class MembershipBenchOptions:
     churn_seconds: float = 300.0
     churn_every: float = 60.0
     churn_fraction: float = 0.1
+    records: int = 1000
     seed: int = 0
 
 
@@ -113,7 +119,11 @@ class MembershipBench:
                 self.progress = progress
                 await self._start_all()
                 await self._stable()
-                self.result["status"] = self._time_status(maddr)
+                self.result["status"] = self._time_status(maddr, RUN)
+                if options.records > 0:
+                    buckets = await write_run_records(maddr, RECORDS_RUN, options.records)
+                    self.result["status_of_records"] = dict(self._time_status(maddr, RECORDS_RUN),
+                                                            records=options.records, buckets=buckets)
                 self.result["memory"] = self._memory()
                 if options.churn_seconds > 0 and options.churn_fraction > 0:
                     await self._churn()
@@ -283,12 +293,12 @@ class MembershipBench:
             last_killed_expiry_s=since_stop(max(expiries)) if expiries else None,
             target_heartbeats=2, limit_s=limit, **({} if exact is not None else self._how_far()))
 
-    def _time_status(self, maddr: str) -> Dict:
-        """``ravnest-swarm status --json`` against the run: its wall time and how many peers it listed."""
+    def _time_status(self, maddr: str, run: str) -> Dict:
+        """``ravnest-swarm status --json`` against ``run``: its wall time and how many peers it listed."""
         began = time.monotonic()
         try:
             done = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run",
-                                   RUN, "--json"], capture_output=True, text=True, timeout=120)
+                                   run, "--json"], capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired:
             return {"wall_s": None, "error": "no answer within 120 s"}
         wall = round(time.monotonic() - began, 2)
