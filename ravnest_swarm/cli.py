@@ -444,6 +444,7 @@ def bench_simulate(
     heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, help="Base heartbeat, as join's (slower beyond 500 peers)."),
     seed: int = typer.Option(0, "--seed"),
     cold_start: bool = typer.Option(False, "--cold-start", help="All peers start from an empty DHT, not a running swarm's."),
+    cache_nearest: int = typer.Option(0, "--cache-nearest", min=0, max=1, help="Cache each get's result on the nearest node (hivemind's default 1; ours 0)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
     """Membership at 100 to 10,000 peers, simulated: the real heartbeat and view code on a simulated DHT.
@@ -458,7 +459,8 @@ def bench_simulate(
     def verb() -> int:
         counts = parse_peer_counts(peers)
         config = SimulationConfig(peers=counts[0], heartbeat=heartbeat, seconds=seconds, churn_fraction=churn_fraction,
-                                  loss=loss, latency_ms=latency_ms, seed=seed, cold_start=cold_start)
+                                  loss=loss, latency_ms=latency_ms, seed=seed, cold_start=cold_start,
+                                  cache_nearest=cache_nearest)
         return run_bench_simulate(counts, config, as_json)
 
     sys.exit(run_blocking(verb))

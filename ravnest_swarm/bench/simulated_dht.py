@@ -13,9 +13,9 @@ The model, as hivemind 1.1.12 behaves with ravnest-swarm's settings (``net/node.
 * a store then sends the value to the ``replicas`` (5) nearest nodes, moving on to the next nearest for each one
   lost; ``store_record`` also sends it straight to every backbone; a node keeps a subkey's value only if it expires
   later than the one it has (hivemind's rule);
-* after a get that found something, the reader caches the merged value on the nearest node (hivemind's
-  ``cache_nearest=1``): one store RPC carrying the whole value, counted, its content not modelled (a cached copy
-  only adds older subkeys, which the view rule ignores);
+* with ``cache_nearest`` (hivemind's default 1; ``net/node.py`` sets 0), after a get that found something, the
+  reader caches the merged value on the nearest node: one store RPC carrying the whole value, counted, its content
+  not modelled (a cached copy only adds older subkeys, which the view rule ignores);
 * an RPC's round trip is uniform between half and one and a half times ``latency``; an RPC is lost with probability
   ``loss``, and the caller then waits hivemind's ``wait_timeout`` (3 s) for it; a lost RPC is counted at the node
   (an upper bound);
@@ -62,6 +62,7 @@ class NetworkModel:
     replicas: int = 5  # hivemind's num_replicas
     beam: int = 20  # hivemind's bucket_size: the beam of a lookup
     workers: int = 4  # hivemind's num_workers: RPCs of a lookup in flight at once
+    cache_nearest: int = 0  # hivemind's: nodes a get stores its result on (1 by default; ours set 0)
 
 
 class NodeLoad:
@@ -239,8 +240,8 @@ class SimulatedDHT:
         if not merged:
             return None
         value_bytes = sum(entry.size for entry in merged.values())
-        cache = next((node for node, answered in beam if node is not client), None)  # hivemind's cache_nearest=1
-        if cache is not None:
+        cache = next((node for node, answered in beam if node is not client), None)
+        if cache is not None and self.network.cache_nearest:
             cache.stores += 1
             cache.taken += STORE_REQUEST_BYTES + value_bytes
             client.sent += STORE_REQUEST_BYTES + value_bytes

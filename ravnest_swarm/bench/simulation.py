@@ -74,6 +74,7 @@ class SimulationConfig:
     backbones: int = 1
     # start from nothing, as a new run does, instead of from what a running swarm of this size leaves
     cold_start: bool = False
+    cache_nearest: int = 0  # as net/node.py sets it; 1 is hivemind's default
 
 
 def signature_sizes() -> Tuple[int, int]:
@@ -113,7 +114,8 @@ class Swarm:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.rng = random.Random(config.seed)
-        network = NetworkModel(latency=config.latency_ms / 1000.0, loss=config.loss)
+        network = NetworkModel(latency=config.latency_ms / 1000.0, loss=config.loss,
+                               cache_nearest=config.cache_nearest)
         self.dht = SimulatedDHT(network, self.rng, self.clock, *sizes)
         for _ in range(config.backbones):
             self.dht.add_node(backbone=True)
