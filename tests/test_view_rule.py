@@ -86,6 +86,9 @@ def test_buckets_split_a_full_bucket_in_two_and_merge_back_with_a_gap():
     assert next_bucket_count(2, 10) == 2  # a quarter of a bucket, with its sibling: stays
     assert next_bucket_count(2, 7) == 1
     assert next_bucket_count(MAX_BUCKETS, 10_000) == MAX_BUCKETS
+    # a split counts the peers renewed lately only: the killed ones whose records live on are not counted
+    assert next_bucket_count(2, PEERS_PER_BUCKET + 6, fresh_peers=PEERS_PER_BUCKET) == 2
+    assert next_bucket_count(2, PEERS_PER_BUCKET + 6, fresh_peers=PEERS_PER_BUCKET + 1) == 4
 
 
 def test_a_buckets_smallest_peer_writes_its_summary_and_the_run_adds_them_up():

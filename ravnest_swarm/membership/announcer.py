@@ -35,6 +35,8 @@ FULL_VIEW_BUCKETS = 4
 # not every one: at 1,000 peers every peer reading them each heartbeat made the summary key's holders serve
 # 5,279 RPCs a second in the simulation (docs/benchmarks.md); counts in use change over lifetimes, not heartbeats
 SUMMARY_EVERY = 10
+# A record is fresh when renewed within this many heartbeats: its writer is surely alive (a late renewal included)
+FRESH_HEARTBEATS = 1.5
 
 
 class PeerAnnouncer:
@@ -74,6 +76,7 @@ class PeerAnnouncer:
         self._moved_from: Optional[Tuple[int, float]] = None  # (bucket count, DHT time until which we write there)
         self._counts_in_use: Set[int] = set()  # other bucket counts the last summaries we read named
         self._refreshes = 0
+        self._over_since: Optional[float] = None  # since when our bucket has held too many fresh peers
 
     @property
     def heartbeat(self) -> float:
@@ -146,7 +149,17 @@ class PeerAnnouncer:
         if writes_summary(self.peer_id, own_members):
             await self.store(self.node, summary_key(self.run), summarize(buckets, own, own_members, now),
                              now + self.timing.lifetime, subkey=summary_subkey_prefix(buckets, own) + self.subkey)
-        moved = next_bucket_count(buckets, len(own_members))
+        renewed_within = FRESH_HEARTBEATS * self.timing.heartbeat
+        fresh = sum(record["expires_in"] >= self.timing.lifetime - renewed_within for record in own_members)
+        moved = next_bucket_count(buckets, len(own_members), fresh)
+        # a split waits until the bucket has been over for a lifetime: a swarm that grew stays grown, a moment of
+        # churn (a killed peer renewed just before, its replacement already in) passes
+        if moved <= buckets:
+            self._over_since = None
+        elif self._over_since is None:
+            self._over_since = now
+        if moved > buckets and now - self._over_since < self.timing.lifetime:
+            moved = buckets
         if moved != buckets:
             logger.info(f"{len(own_members)} peer(s) in our bucket of {buckets}: moving to {moved} bucket(s)")
             self._moved_from, self.buckets = (buckets, now + self.timing.lifetime), moved

@@ -55,9 +55,14 @@ def bucket_count_for(peers: int) -> int:
     return MAX_BUCKETS
 
 
-def next_bucket_count(buckets: int, own_bucket_peers: int) -> int:
-    """The bucket count a peer moves to, given how many live peers its own bucket holds at ``buckets``."""
-    if own_bucket_peers > PEERS_PER_BUCKET and buckets < MAX_BUCKETS:
+def next_bucket_count(buckets: int, own_bucket_peers: int, fresh_peers: Optional[int] = None) -> int:
+    """The bucket count a peer moves to, given how many live peers its own bucket holds at ``buckets``.
+
+    :param fresh_peers: how many of them renewed their record lately (by default all): a split counts only those.
+        Peers killed a moment ago stay in views until their records expire, while their replacements are in at
+        once; counted together, churn took a bucket of 60 past 64 and split it for no growth at all.
+    """
+    if (own_bucket_peers if fresh_peers is None else fresh_peers) > PEERS_PER_BUCKET and buckets < MAX_BUCKETS:
         return buckets * 2
     # own bucket below a quarter of its share: the swarm shrank (its sibling is about the same size)
     if buckets > 1 and 2 * own_bucket_peers < MERGE_BELOW:
