@@ -434,6 +434,25 @@ def bench_membership(
     sys.exit(run_async(run(options, as_json)))
 
 
+@bench_app.command("neighbours")
+def bench_neighbours(
+    peers: int = typer.Option(1000, "--peers", min=4, max=20_000, help="Peer records (4 stages to a cluster)."),
+    nodes: int = typer.Option(8, "--nodes", min=0, max=64, help="DHT nodes beside the backbone."),
+    reads: int = typer.Option(30, "--reads", min=1, help="Reads of each kind in each layout."),
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """A trainer's reads of its stage neighbours and ring partners: the layout before issue #20 beside today's.
+
+    \b
+    Example:
+      ravnest-swarm bench neighbours --peers 1000 --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.neighbours import bench_neighbours as run
+
+    sys.exit(run_async(run(peers, nodes, reads, as_json)))
+
+
 @bench_app.command("simulate")
 def bench_simulate(
     peers: List[str] = typer.Option(["100,1000,10000"], "--peers", help="Swarm sizes: repeatable, or a list (100,1000)."),
