@@ -339,8 +339,11 @@ class Volunteer:
                      if p["peer_id"] != self.peer_id and layer_offers(p)]
             covered = all(layer in self.cache or any(offered_step(p, layer) is not None for p in peers)
                           for layer in range(start, end))
-            if covered or self.plan is None or self.plan["round"] == 1:
-                break  # in the first plan nobody has trained yet: the seeded weights are the state
+            # in a run's first plan nobody has trained yet and the seeded weights are the state, unless a peer
+            # offers a trained layer: a swarm restarted from its checkpoints, whose holders are worth waiting for
+            trained = any(step > 0 for p in peers for _, _, step in layer_offers(p))
+            if covered or self.plan is None or (self.plan["round"] == 1 and not trained):
+                break
             await asyncio.sleep(1.0)  # holders re-publish what they hold right after adopting a plan
         step = 0
         remote: Dict[int, List[LayerOffer]] = {}
@@ -642,9 +645,11 @@ class Volunteer:
         for offset, layer in enumerate(module):
             self.cache[start + offset] = ({k: v.detach().clone() for k, v in layer.state_dict().items()},
                                           int(info["step"]))
-        # offer them at once: after a restart of the whole swarm, the checkpoints are the only state left
+        # offer them at once: after a restart of the whole swarm, the checkpoints are the only state left. As held
+        # layers too: a plan that puts us on other layers changes our record's ``layers``, and a peer placed on
+        # these then found nobody offering them and started them from step 0 (test_swarm, kill and resume)
         self.held = (start, module, int(info["step"]))
-        self.announcer.update(layers=[start, end], step=int(info["step"]))
+        self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
 
