@@ -119,7 +119,7 @@ class MembershipBench:
                 self.progress = progress
                 await self._start_all()
                 await self._stable()
-                self.result["status"] = self._time_status(maddr, RUN)
+                self.result["status"] = await self._time_status(maddr, RUN)
                 if options.records > 0:
                     self.result["status_of_records"] = await self._time_status_of_records(maddr)
                 self.result["memory"] = self._memory()
@@ -291,19 +291,26 @@ class MembershipBench:
             last_killed_expiry_s=since_stop(max(expiries)) if expiries else None,
             target_heartbeats=2, limit_s=limit, **({} if exact is not None else self._how_far()))
 
-    def _time_status(self, maddr: str, run: str) -> Dict:
-        """``ravnest-swarm status --json`` against ``run``: its wall time and how many peers it listed."""
+    async def _time_status(self, maddr: str, run: str) -> Dict:
+        """``ravnest-swarm status --json`` against ``run``: its wall time and how many peers it listed. Awaited, not
+        run blocking: a Ctrl-C meanwhile stops it and the bench at once, not after its 120 s."""
         began = time.monotonic()
+        status = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run", run, "--json",
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            done = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run",
-                                   run, "--json"], capture_output=True, text=True, timeout=120)
-        except subprocess.TimeoutExpired:
+            stdout, stderr = await asyncio.wait_for(status.communicate(), 120)
+        except asyncio.TimeoutError:
             return {"wall_s": None, "error": "no answer within 120 s"}
+        finally:
+            if status.returncode is None:
+                status.kill()
+                await status.wait()
         wall = round(time.monotonic() - began, 2)
         try:
-            document = json.loads(done.stdout)
+            document = json.loads(stdout)
         except ValueError:
-            return {"wall_s": wall, "error": done.stderr.strip()[-300:]}
+            return {"wall_s": wall, "error": stderr.decode(errors="replace").strip()[-300:]}
         summary = document.get("summary") or {}
         return {"wall_s": wall, "peers_listed": len(document["peers"]), "summary_peers": summary.get("peers"),
                 "summary_buckets": summary.get("buckets"), "target_s": 10}
@@ -314,7 +321,7 @@ class MembershipBench:
             buckets = await write_run_records(maddr, RECORDS_RUN, self.options.records)
         except Exception as e:  # the light peers' figures stand without this one
             return {"error": f"writing {self.options.records} records failed: {e}"}
-        return dict(self._time_status(maddr, RECORDS_RUN), records=self.options.records, buckets=buckets)
+        return dict(await self._time_status(maddr, RECORDS_RUN), records=self.options.records, buckets=buckets)
 
     def _memory(self) -> Dict:
         """At full load: the backbone's and each host's process tree (PSS, p2pd included), p2pd RSS per peer."""
