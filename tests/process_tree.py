@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import psutil
 
@@ -37,3 +38,18 @@ def kill_pids(pids):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def exits_leaving_nothing(process, timeout):
+    """Wait up to ``timeout`` seconds for ``process`` (a ``ProcessGroup`` process) to exit, noting every process it
+    starts meanwhile; assert that it exited with 0 and that none of those is left running (they are killed if so)."""
+    started = set()
+    deadline = time.monotonic() + timeout
+    while process.popen.poll() is None and time.monotonic() < deadline:
+        started |= descendants(process.pid)
+        time.sleep(0.5)
+    try:
+        assert process.popen.poll() == 0, process.stderr()[-3000:]
+        assert not alive(started), f"left running: {alive(started)}"
+    finally:
+        kill_pids(alive(started))

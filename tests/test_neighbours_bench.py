@@ -1,27 +1,17 @@
 """``bench neighbours`` end to end in a small configuration: a real backbone and DHT nodes, both layouts read."""
 
 import json
-import time
 
 import pytest
 
-from process_tree import alive, descendants, kill_pids
+from process_tree import exits_leaving_nothing
 
 
 @pytest.mark.timeout(180)
 def test_bench_neighbours_reads_both_layouts_and_leaves_nothing_running(processes):
     bench = processes.start(["bench", "neighbours", "--json", "--peers", "80", "--nodes", "2", "--reads", "3"],
                             "bench")
-    started = set()  # the backbone, its p2pd and the p2pd of the bench's own nodes
-    deadline = time.monotonic() + 160
-    while bench.popen.poll() is None and time.monotonic() < deadline:
-        started |= descendants(bench.pid)
-        time.sleep(0.5)
-    try:
-        assert bench.popen.poll() == 0, bench.stderr()[-3000:]
-        assert not alive(started), f"left running: {alive(started)}"
-    finally:
-        kill_pids(alive(started))
+    exits_leaving_nothing(bench, 160)  # the backbone, its p2pd and the p2pd of the bench's own nodes
     report = json.loads(bench.stdout().strip().splitlines()[-1])
     # 80 peers: two buckets now, one key before; every read of both layouts found what it looked for
     assert report["benchmark"] == "neighbours" and report["buckets_now"] == 2 and report["clusters"] == 20

@@ -3,11 +3,10 @@
 import json
 import math
 import subprocess
-import time
 
 import pytest
 
-from process_tree import alive, descendants, kill_pids
+from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
 from ravnest_swarm.bench.speedup import parse_clusters, steps_per_cluster
 from ravnest_swarm.errors import UserError
@@ -29,16 +28,7 @@ def test_every_k_trains_the_same_samples_in_whole_steps_and_bad_settings_are_one
 def test_bench_speedup_reports_each_k_and_leaves_nothing_running(processes):
     bench = processes.start(["bench", "speedup", "--json", "--clusters", "1,2", "--samples", "2560",
                              "--averaging-period", "10"], "bench")
-    started = set()  # every process the bench started: the peers, their p2pd, the backbones, the relays
-    deadline = time.monotonic() + 220
-    while bench.popen.poll() is None and time.monotonic() < deadline:
-        started |= descendants(bench.pid)
-        time.sleep(0.5)
-    try:
-        assert bench.popen.poll() == 0, bench.stderr()[-3000:]
-        assert not alive(started), f"left running: {alive(started)}"
-    finally:
-        kill_pids(alive(started))
+    exits_leaving_nothing(bench, 220)  # the peers, their p2pd, the backbones, the relays
     report = json.loads(bench.stdout().strip().splitlines()[-1])
     assert report["benchmark"] == "speedup" and report["clusters"] == [1, 2] and report["stages"] == 2
     assert report["link"]["mode"] == "netns" and report["link"]["mbps"] == 100.0
