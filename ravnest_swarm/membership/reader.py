@@ -36,9 +36,7 @@ def _entries(found) -> List[Tuple[Any, Dict, float]]:
 async def read_buckets(node: DHTNode, run: str, buckets: int,
                        only: Optional[Iterable[int]] = None) -> List[Tuple[Any, Dict, float]]:
     """``(writer, record, expiration)`` of every peer record in the run's buckets at ``buckets`` (or in ``only``)."""
-    keys = [peers_key(run, buckets, bucket) for bucket in (range(buckets) if only is None else sorted(set(only)))]
-    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))  # latest, as node.get(latest=True)
-    return [entry for key in keys for entry in _entries(found.get(key))]
+    return (await read_bucket_counts(node, run, {buckets: only}, with_summaries=False))[1]
 
 
 async def read_bucket_counts(node: DHTNode, run: str, wanted: Dict[int, Optional[Iterable[int]]],
