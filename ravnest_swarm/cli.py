@@ -16,7 +16,7 @@ from typer._click import exceptions as click_exceptions
 from rich.console import Console
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.lifecycle import (configure_logging, log_to_file, run_async, run_blocking,
+from ravnest_swarm.lifecycle import (configure_logging, log_to_file, run_async, run_blocking, survive_a_closed_terminal,
                                      unexpected_error_as_one_line)
 
 # click's plain help, not typer's rich panels: typer 0.29's panels show every flag as taking a value
@@ -735,6 +735,7 @@ def stage(
 
 def main() -> None:
     """Entry point: click's usage errors become one line too, like our own :class:`UserError`."""
+    survive_a_closed_terminal()
     try:
         app(standalone_mode=False)
     except click_exceptions.NoArgsIsHelpError:

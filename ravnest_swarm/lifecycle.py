@@ -36,6 +36,48 @@ def install_stop_signals(on_stop: Optional[Callable[[], None]] = None,
     return stop
 
 
+class OutputOutlivingItsReader:
+    """``sys.stdout`` or ``sys.stderr`` for a process whose reader may go first: Ctrl-C on ``join ... | tee log``
+    ends ``tee`` too, and the peer's next line ("stopping...") raised BrokenPipeError in the middle of its
+    graceful leave, which then neither handed its layers over nor published ``leaving``. The first write to a
+    closed pipe points the descriptor at /dev/null, so every later line, ours or a library's, is dropped and the
+    leave goes on."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop_from_now_on()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop_from_now_on()
+
+    def _drop_from_now_on(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def survive_a_closed_terminal() -> None:
+    """Wrap stdout and stderr in :class:`OutputOutlivingItsReader` (before logging or rich take them)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, OutputOutlivingItsReader):
+            setattr(sys, name, OutputOutlivingItsReader(stream))
+
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -2,6 +2,7 @@
 10 s (it trains alone, so there is nobody to hand its layers to), keeps them in a checkpoint, prints no traceback
 and leaves no process. SIGTERM stops a backbone even after its p2pd died."""
 
+import os
 import shlex
 import signal
 import subprocess
@@ -11,6 +12,8 @@ import time
 import psutil
 import pytest
 
+from process_tree import alive, descendants, kill_pids
+from run_observer import RunObserver
 from test_swarm import MODEL_GB
 from waiting import wait_until
 
@@ -85,6 +88,36 @@ def test_ctrl_c_says_stopping_within_a_second_and_leaves_within_ten(processes, t
     assert "Traceback" not in screen and "Error" not in screen, screen
     assert "me: nobody took layers 0:9" in screen and "me left run ctrl-c" in screen, screen
     assert "exit status 0" in screen, screen
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_join_piped_into_tee_still_leaves_gracefully(processes, tmp_path):
+    """Ctrl-C reaches the whole pipeline: ``tee`` ends first, and the peer's "stopping..." then went to a closed
+    pipe; the BrokenPipeError cut its leave short (no ``leaving``, no exit 0; its record just expired)."""
+    run = "ctrl-c-tee"
+    maddr = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", run], "backbone").maddrs()[0]
+    checkpoints = tmp_path / "checkpoints"
+    join = [sys.executable, "-m", "ravnest_swarm", "join", "--initial-peers", maddr, "--run", run, "--name", "me",
+            "--model", "mlp-digits", "--steps", "100000", "--min-peers", "1", "--ram-gb", f"{MODEL_GB * 1.5:.9f}",
+            "--gflops", "20", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--heartbeat", "2",
+            "--checkpoint-dir", str(checkpoints)]
+    statuses = tmp_path / "statuses"
+    script = f'{shlex.join(join)} 2>&1 | tee {tmp_path / "tee.log"}; echo "${{PIPESTATUS[0]}}" > {statuses}'
+    # a new session is the terminal's foreground process group: the signal below reaches join and tee at once
+    pipeline = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    observer = RunObserver(maddr, run)
+    tree = set()
+    try:
+        observer.wait_for(lambda peers: peers.get("me", {}).get("state") == "training", 120, "the peer trains")
+        tree = {pipeline.pid, *descendants(pipeline.pid)}
+        os.killpg(pipeline.pid, signal.SIGINT)
+        observer.wait_for(lambda peers: peers.get("me", {}).get("state") == "leaving", 10, "leaving", period=0.1)
+        assert pipeline.wait(30) == 0
+        assert statuses.read_text().strip() == "0"  # join's own exit status, not tee's
+        assert [path.suffix for path in checkpoints.iterdir()] == [".safetensors"]
+    finally:
+        observer.close()
+        kill_pids(alive(tree | descendants(pipeline.pid) | {pipeline.pid}))
 
 
 @pytest.mark.timeout(60)
