@@ -181,7 +181,7 @@ class SpeedupRun:
             pipeline_compression=self.spec.pipeline_compression, ram_gb=ram_gb, gflops=GFLOPS, bandwidth_mbps=self.mbps,
             host_maddrs=[lab.host_maddr(host)], announce_maddrs=[lab.announce_maddr(host)],
             report=self.report_path(self.names[host]),
-            # records live two heartbeats: at 2 s, a peer on a 0.2-core quota of a machine at load 20 missed its
+            # when records lived two heartbeats, at 2 s a peer on a 0.2-core quota of a machine at load 20 missed its
             # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
             min_peers=len(self.names), heartbeat=4.0, handover_timeout=0.0, checkpoint_dir=self.checkpoints,
             checkpoint_every=max(1, self.steps // 10))

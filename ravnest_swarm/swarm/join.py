@@ -107,7 +107,7 @@ async def join(options: JoinOptions) -> None:
     stop = install_stop_signals(lambda: console.print(f"{options.name}: stopping...", markup=False, highlight=False),
                                 again=leave_now)
     # imported before the first record is published: on a busy machine importing torch's training modules
-    # blocks the event loop longer than a record lives (two heartbeats), and the peer would seem to vanish
+    # blocks the event loop longer than a record lives (three heartbeats), and the peer would seem to vanish
     from ravnest_swarm.membership.volunteer import Membership
     from ravnest_swarm.planning.round import PlanningRounds
     from ravnest_swarm.swarm.volunteer import take_part
