@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Iterable, Optional, Sequence
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
@@ -15,16 +15,19 @@ from ravnest_swarm.net.node import maddrs_without_peer_id
 logger = logging.getLogger(__name__)
 
 
-async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring]) -> None:
+async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring],
+                          bucket_counts: Optional[Iterable[int]] = None) -> None:
     """Dial our ring partners at the addresses in their peer records.
 
     p2pd's own routing cannot find peers whose addresses it treats as non-public (a LAN, the bench's
     198.18.0.0/15 lab), so we connect explicitly, as the pipeline does for its neighbours; a partner
     behind NAT is reached through a backbone (reversal or forwarding, see reversal.py).
+
+    :param bucket_counts: the run's bucket counts as our announcer knows them (``read_peers``)
     """
     me = node.peer_id.to_base58()
     wanted = {member for ring in rings for member in ring.members if member != me}
-    for record in await read_peers(node, run, peer_ids=wanted):  # only our partners' buckets in a large run
+    for record in await read_peers(node, run, peer_ids=wanted, bucket_counts=bucket_counts):  # only our partners' buckets in a large run
         if record.get("peer_id") in wanted and record.get("maddrs"):
             peer_id = PeerID.from_base58(record["peer_id"])
             maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)

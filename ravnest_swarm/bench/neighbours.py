@@ -3,7 +3,8 @@ before issue #20 and in today's, side by side in one DHT.
 
 Before: every peer record under one ``{run}_peers`` key and every stage endpoint under one ``{run}_stages`` key;
 a trainer read each whole. Now: peer records in buckets with a summary (``membership/buckets.py``), a trainer
-reading the summary and its partners' buckets (``reader.read_peers(peer_ids=...)``), and endpoints under
+reading its partners' buckets at the bucket counts its announcer knows (``reader.read_peers(peer_ids=...,
+bucket_counts=...)``, one key in a run of one bucket), and endpoints under
 ``{run}_stages_{cluster mod 64}`` (``pipeline.endpoints.read_endpoints``). The same records are written in both
 layouts, under two run names, onto a backbone and ``nodes`` DHT nodes on 127.0.0.1; then the reads of both
 layouts alternate, each for a random cluster and three random ring partners (the same stage in other clusters),
@@ -78,7 +79,8 @@ async def bench_neighbours(peers: int, nodes: int, reads: int, as_json: bool, se
                 await _timed(took, "endpoints_before", reader.get(f"{BEFORE}_stages", latest=True))
                 await _timed(took, "endpoints_now", read_endpoints(reader, NOW, cluster))
                 await _timed(took, "partners_before", reader.get(peers_key(BEFORE), latest=True))
-                await _timed(took, "partners_now", read_peers(reader, NOW, peer_ids=partners))
+                await _timed(took, "partners_now", read_peers(reader, NOW, peer_ids=partners,
+                                                                        bucket_counts=[buckets]))
                 progress.advance(task)
     finally:
         for node in ([reader] if reader is not None else []) + dht_nodes:

@@ -97,6 +97,11 @@ class PeerAnnouncer:
             self.buckets = max(summary["buckets"], bucket_count_for(round(peers)))
             self.timing = timing_for(round(peers), self.base_heartbeat)
 
+    def bucket_counts_in_use(self) -> List[int]:
+        """The bucket counts the run's records are at, as of our last read: ours, and any other a summary named
+        (``reader.read_peers(bucket_counts=...)``: a trainer's reads of its partners skip the summary)."""
+        return [self.buckets, *sorted(self._counts_in_use - {self.buckets})]
+
     def _bucket_counts(self) -> List[int]:
         """The bucket counts we write our record at: ours, and the one we moved from for one lifetime."""
         if self._moved_from is not None and self._moved_from[1] > self.clock():

@@ -428,7 +428,7 @@ class Volunteer:
         try:
             # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
             # dial them at the addresses their records announce, as the pipeline does for its neighbours
-            await connect_members(self.node, self.run, rings)
+            await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
             result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self._averaging_failed(step, f"{type(e).__name__}: {e}")
@@ -488,7 +488,8 @@ class Volunteer:
         records: Dict[str, Dict] = {}
         for _ in range(2):
             try:
-                records.update({p["peer_id"]: p for p in await read_peers(self.node, self.run, peer_ids=missing)})
+                records.update({p["peer_id"]: p for p in await read_peers(
+                    self.node, self.run, peer_ids=missing, bucket_counts=self.announcer.bucket_counts_in_use())})
             except Exception as e:  # no news of the member is no sign that it is coming
                 logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
             if all(member in records for member in missing):
