@@ -19,7 +19,7 @@ from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
 from ravnest_swarm.dashboard.peers_table import SCREENFUL_ROWS, peers_table, status_document, status_view
 from ravnest_swarm.dashboard.state import SwarmState, load_recording
 from ravnest_swarm.dashboard.view import render, render_text
-from ravnest_swarm.membership.buckets import bucket_of
+from ravnest_swarm.membership.buckets import bucket_of, run_samples_per_s
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.swarm.observe import ROTATING_BUCKETS, SnapshotReader, neighbour_ids
@@ -374,7 +374,7 @@ def large_run(clusters=250, stages=4):
     live = [p for p in peers if p["state"] != "leaving"]
     summary = dict(buckets=16, buckets_summarized=16, peers=len(live), states={"training": len(live)},
                    clusters=clusters, peers_by_cluster={str(c): stages for c in range(clusters)},
-                   samples_per_s=sum(p["samples_per_s"] for p in live), time=1.0)
+                   samples_per_s=run_samples_per_s(live), time=1.0)
     return peers, summary
 
 
@@ -401,7 +401,7 @@ def test_a_thousand_peers_fit_the_screen_with_the_viewers_cluster(width, height)
     assert len(lines) <= height - 1 and max(len(line) for line in lines) <= width
     assert seconds < 0.5, seconds
     assert "peers 999 (999 train)" in text and "clusters 250" in text and "avg rounds 0 done" in text
-    assert f"{summary['samples_per_s'] / 1000:.0f}k samples/s (sum over peers)" in text
+    assert f"{summary['samples_per_s']:.0f} samples/s" in text
     for cluster in (99, 100, 101, 200):  # the viewer's, its ring neighbours, the failing one
         assert f"cluster {cluster} " in text, cluster
     assert "v100-2" in text and "v200-1" in text
@@ -414,12 +414,13 @@ def test_a_thousand_peers_fit_the_screen_with_the_viewers_cluster(width, height)
     text, _ = rendered(own, width, height, me="v100-2")
     last_stages = sum(10.0 + c % 7 for c in range(250))  # each cluster's last stage: the dashboard's own figure
     assert "peers 999 (999 train)" in text and f"{last_stages:.0f} samples/s" in text and "cluster 100 " in text
-    assert "sum over peers" not in text
+    # the summary counts each cluster once too (its first stage), not once per stage
+    assert summary["samples_per_s"] == last_stages
 
 
 def test_a_snapshot_holding_part_of_a_large_run_shows_the_summarys_figures():
     """A large run's dashboard reads some buckets: the totals are the summary's (peers by state, clusters, samples/s
-    summed over peers), with how many records were read; an observer (no viewer) gets the failing and slowest
+    of each cluster's first stage), with how many records were read; an observer (no viewer) gets the failing and slowest
     clusters among those read; the peers that came into view are one event, not one each."""
     peers, summary = large_run()
     summary = dict(summary, states={"training": 900, "standby": 60, "joining": 39})
@@ -430,7 +431,7 @@ def test_a_snapshot_holding_part_of_a_large_run_shows_the_summarys_figures():
     assert state.summary == summary and sees_part(state)  # a read that found no summary keeps the last one
     text, _ = rendered(state, 80, 24)
     assert "peers 999 (900 train, 60 spare, 39 join)" in text and "clusters 250" in text
-    assert f"{summary['samples_per_s'] / 1000:.0f}k samples/s (sum over peers)" in text and "300 records read" in text
+    assert f"{summary['samples_per_s']:.0f} samples/s" in text and "300 records read" in text
     assert "cluster 0 " in text and "more clusters" in text
     assert len(lines_of(text)) <= 23
     restored = SwarmState.from_json(json.loads(json.dumps(state.to_json())))
@@ -461,7 +462,7 @@ def test_status_shows_the_summary_and_a_screenful_of_the_peers_that_matter():
     assert status_view("big", summary, peers, show_all=True)[1].row_count == 1000
     small_line, small_table = status_view("small", None, peers[:4])
     assert small_table.row_count == 4 and "showing" not in small_line.plain
-    assert small_line.plain == "4 peer(s) (4 training) │ 1 cluster(s) │ 40.0 samples/s (sum over peers)"
+    assert small_line.plain == "4 peer(s) (4 training) │ 1 cluster(s) │ 10.0 samples/s"  # one pipeline of 4 stages
     document = json.loads(json.dumps(status_document("big", 300, False, summary, peers)))
     assert document["summary"] == summary and len(document["peers"]) == 1000 and document["steps"] == 300
 
@@ -534,5 +535,5 @@ def test_status_and_the_dashboard_read_a_large_runs_buckets_from_the_network(pro
     state = SwarmState(LARGE_RUN)
     state.feed(first)
     text = render_text(state, 80, me="w50-2")
-    assert f"peers {LARGE_PEERS} ({LARGE_PEERS} train)" in text and "(sum over peers)" in text
+    assert f"peers {LARGE_PEERS} ({LARGE_PEERS} train)" in text and "samples/s" in text
     assert "cluster 50 " in text

@@ -92,15 +92,17 @@ def test_buckets_split_a_full_bucket_in_two_and_merge_back_with_a_gap():
 
 
 def test_a_buckets_smallest_peer_writes_its_summary_and_the_run_adds_them_up():
-    members = [dict(record(f"p{i}", 1.0), cluster=i % 2, samples_per_s=2.0) for i in range(5)]
+    # two pipelines: p0, p2, p4 are cluster 0's stages 0-2, p1 and p3 cluster 1's stages 0-1; each at 2 samples/s
+    members = [dict(record(f"p{i}", 1.0), cluster=i % 2, stage=i // 2, samples_per_s=2.0) for i in range(5)]
     members.append(record("p9", 1.0, state="leaving"))
     assert writes_summary("p0", members) and not writes_summary("p1", members)
     first = summarize(2, 0, members, now=50.0)
     assert first["peers"] == 5 and first["states"] == {"training": 5} and first["clusters"] == {"0": 3, "1": 2}
-    second = summarize(2, 1, [dict(record("q", 1.0), cluster=1, samples_per_s=1.0)], now=51.0)
+    assert first["samples_per_s"] == 4.0  # each pipeline counted once (its first stage), not once per stage
+    second = summarize(2, 1, [dict(record("q", 1.0), cluster=1, stage=0, samples_per_s=1.0)], now=51.0)
     older = dict(second, peers=0, time=40.0)
     stale_level = summarize(1, 0, members[:2], now=30.0)  # from before the swarm split in two buckets
     totals = add_up([first, older, second, stale_level])
     assert totals["buckets"] == 2 and totals["peers"] == 6 and totals["clusters"] == 2
-    assert totals["peers_by_cluster"] == {"0": 3, "1": 3} and totals["samples_per_s"] == 11.0
+    assert totals["peers_by_cluster"] == {"0": 3, "1": 3} and totals["samples_per_s"] == 5.0
     assert add_up([]) is None

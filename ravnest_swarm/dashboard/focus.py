@@ -40,9 +40,9 @@ class RunFigures:
     :param peers: peers in the run, leaving ones left out
     :param states: peers by state
     :param clusters: the adopted plan's clusters, else the most the summary or the records name
-    :param samples_per_s: the summary's (every peer's samples/s summed) where the records known are only part of
-        the run; else the dashboard's own figure (each cluster's last stage, ``SwarmState.totals``)
-    :param summed_over_peers: whether ``samples_per_s`` is the summary's sum over peers
+    :param samples_per_s: the summary's (each cluster's first stage, ``buckets.run_samples_per_s``) where the
+        records known are only part of the run; else the dashboard's own figure (each cluster's last stage,
+        ``SwarmState.totals``): in step, every stage of a pipeline trains at its pipeline's rate
     :param read: peer records in the snapshot (the rest are counted by the summary only)
     """
 
@@ -50,7 +50,6 @@ class RunFigures:
     states: Dict[str, int]
     clusters: int
     samples_per_s: float
-    summed_over_peers: bool
     read: int
 
 
@@ -66,8 +65,7 @@ def run_figures(state: SwarmState) -> RunFigures:
     if state.plan is None and summary is not None:
         clusters = max(clusters, summary["clusters"])
     rate = summary["samples_per_s"] if summary is not None and part else totals.samples_per_s
-    return RunFigures(peers=peers, states=states, clusters=clusters, samples_per_s=rate,
-                      summed_over_peers=summary is not None and part, read=len(state.peers))
+    return RunFigures(peers=peers, states=states, clusters=clusters, samples_per_s=rate, read=len(state.peers))
 
 
 def own_cluster(state: SwarmState, me: Optional[str]) -> Optional[int]:

@@ -15,6 +15,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from ravnest_swarm.membership.buckets import run_samples_per_s
+
 # (header, justify): short headers so that the table fits 80 columns with names up to ~16 characters
 # a table this long (plus its title, header and caption) fits a 24-row terminal
 SCREENFUL_ROWS = 18
@@ -54,14 +56,14 @@ def swarm_line(summary: Optional[Dict], peers: List[Dict]) -> str:
     counts), or from the records read where it has none yet."""
     if summary is not None:
         total, states, clusters = summary["peers"], summary["states"], summary["clusters"]
-        rate = f" │ {summary['samples_per_s']:.1f} samples/s (sum over peers)"
+        rate = f" │ {summary['samples_per_s']:.1f} samples/s"
         coverage = (f" │ {summary['buckets_summarized']} of {summary['buckets']} buckets summarized"
                     if summary["buckets_summarized"] < summary["buckets"] else "")
     else:
         live = [p for p in peers if p["state"] != "leaving"]
         total, states = len(live), Counter(p["state"] for p in live)
         clusters = len({p["cluster"] for p in live if p.get("cluster") is not None and p["cluster"] >= 0})
-        rate = f" │ {sum(p.get('samples_per_s') or 0.0 for p in live):.1f} samples/s (sum over peers)"
+        rate = f" │ {run_samples_per_s(live):.1f} samples/s"
         coverage = ""
     by_state = ", ".join(f"{count} {state}" for state, count in sorted(states.items(), key=lambda item: -item[1]))
     return f"{total} peer(s){f' ({by_state})' if by_state else ''} │ {clusters} cluster(s){rate}{coverage}"

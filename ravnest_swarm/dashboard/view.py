@@ -103,10 +103,9 @@ def _run_totals(state: SwarmState, width: int) -> Text:
     figures, totals = run_figures(state), state.totals()
     by_state = ", ".join(f"{count} {STATE_SHORT.get(name, name)}"
                          for name, count in sorted(figures.states.items(), key=lambda item: -item[1]))
-    summed = " (sum over peers)" if figures.summed_over_peers else ""
     items = [f"peers {figures.peers} ({by_state})" if by_state else f"peers {figures.peers}",
              f"clusters {figures.clusters}",
-             f"{_rate(figures.samples_per_s)} samples/s{summed}",
+             f"{_rate(figures.samples_per_s)} samples/s",
              f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed",
              f"plan round {'-' if totals.plan_round is None else totals.plan_round}"]
     if figures.read < figures.peers:

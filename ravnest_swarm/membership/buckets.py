@@ -71,13 +71,23 @@ def next_bucket_count(buckets: int, own_bucket_peers: int, fresh_peers: Optional
 
 
 def summarize(buckets: int, bucket: int, records: Iterable[Dict], now: float) -> Dict:
-    """A bucket's summary (``records.BucketSummary``) from its members' records (``leaving`` ones excluded)."""
+    """A bucket's summary (``records.BucketSummary``) from its members' records (``leaving`` ones excluded).
+
+    Its samples/s is the sum of its first stages' (:func:`run_samples_per_s`)."""
     members = [r for r in records if r["state"] != "leaving"]
     clusters = Counter(str(r["cluster"]) for r in members if r.get("cluster") is not None and r["cluster"] >= 0)
     return dict(buckets=buckets, bucket=bucket, peers=len(members),
                 states=dict(Counter(r["state"] for r in members)),
                 clusters=dict(clusters.most_common(MAX_SUMMARY_CLUSTERS)),
-                samples_per_s=float(sum(r.get("samples_per_s") or 0.0 for r in members)), time=now)
+                samples_per_s=run_samples_per_s(members), time=now)
+
+
+def run_samples_per_s(records: Iterable[Dict]) -> float:
+    """The samples a second that ``records`` train, counted once per cluster: every stage of a pipeline reports its
+    pipeline's rate (steps times the microbatch), so a sum over every peer was the rate times the stage count; each
+    cluster has one first stage, and a sum over those adds up the clusters, bucket by bucket."""
+    return float(sum(r.get("samples_per_s") or 0.0 for r in records
+                     if r.get("stage") == 0 and (r.get("cluster") if r.get("cluster") is not None else -1) >= 0))
 
 
 def writes_summary(peer_id: str, bucket_members: Iterable[Dict]) -> bool:
