@@ -420,8 +420,8 @@ def test_a_thousand_peers_fit_the_screen_with_the_viewers_cluster(width, height)
 
 def test_a_snapshot_holding_part_of_a_large_run_shows_the_summarys_figures():
     """A large run's dashboard reads some buckets: the totals are the summary's (peers by state, clusters, samples/s
-    of each cluster's first stage), with how many records were read; an observer (no viewer) gets the failing and slowest
-    clusters among those read; the peers that came into view are one event, not one each."""
+    of each cluster's first stage), with how many records were read; an observer (no viewer) gets the failing and
+    slowest clusters among those read; the peers that came into view are one event, not one each."""
     peers, summary = large_run()
     summary = dict(summary, states={"training": 900, "standby": 60, "joining": 39})
     state = SwarmState("big")

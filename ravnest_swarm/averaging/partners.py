@@ -27,7 +27,8 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring],
     """
     me = node.peer_id.to_base58()
     wanted = {member for ring in rings for member in ring.members if member != me}
-    for record in await read_peers(node, run, peer_ids=wanted, bucket_counts=bucket_counts):  # only our partners' buckets in a large run
+    # only our partners' buckets in a large run
+    for record in await read_peers(node, run, peer_ids=wanted, bucket_counts=bucket_counts):
         if record.get("peer_id") in wanted and record.get("maddrs"):
             peer_id = PeerID.from_base58(record["peer_id"])
             maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
