@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
@@ -20,7 +20,7 @@ from ravnest_swarm import __version__
 from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
 from ravnest_swarm.membership.capabilities import Capabilities
-from ravnest_swarm.membership.reader import read_bucket_counts, read_summary
+from ravnest_swarm.membership.reader import read_bucket_counts, read_peers, read_summary
 from ravnest_swarm.membership.records import (PeerRecord, peers_key, signing_validator, summary_key,
                                               summary_subkey_prefix)
 from ravnest_swarm.membership.view import PeerView, Timing, timing_for
@@ -95,12 +95,22 @@ class PeerAnnouncer:
             # would start at too few buckets, write where nobody reads, and from there see too few to move
             peers = summary["peers"] * summary["buckets"] / max(1, summary["buckets_summarized"]) + 1
             self.buckets = max(summary["buckets"], bucket_count_for(round(peers)))
-            self.timing = timing_for(round(peers), self.base_heartbeat)
+            # the timing follows our own view from the first read on (refresh_view), not the summary's claim: a
+            # stranger's summary of 10,000 peers set a joiner's first renewal 100 s away
 
     def bucket_counts_in_use(self) -> List[int]:
         """The bucket counts the run's records are at, as of our last read: ours, and any other a summary named
         (``reader.read_peers(bucket_counts=...)``: a trainer's reads of its partners skip the summary)."""
         return [self.buckets, *sorted(self._counts_in_use - {self.buckets})]
+
+    async def read_peers(self, alive_at: Optional[float] = None,
+                         peer_ids: Optional[Iterable[str]] = None) -> List[Dict]:
+        """The run's live peer records (``reader.read_peers``) at :meth:`bucket_counts_in_use`, for a peer of the
+        run: our own count is never one a summary named. Anyone can write summaries, and a reader that took the
+        count from them alone read where a stranger said: 256 forged summaries won ``add_up``'s tie against a run
+        of 2 buckets, and such a reader read 256 empty buckets and none of the run's."""
+        return await read_peers(self.node, self.run, alive_at=alive_at, peer_ids=peer_ids,
+                                bucket_counts=self.bucket_counts_in_use())
 
     def _bucket_counts(self) -> List[int]:
         """The bucket counts we write our record at: ours, and the one we moved from for one lifetime."""

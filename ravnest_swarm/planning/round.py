@@ -31,7 +31,7 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
-from ravnest_swarm.membership.reader import read_adopted_plan, read_peers, read_plans, read_proposals
+from ravnest_swarm.membership.reader import read_adopted_plan, read_plans, read_proposals
 from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
 )
@@ -201,7 +201,7 @@ class PlanningRounds:
     async def read_alive(self, at: float) -> Dict[str, Peer]:
         """Peers whose records are still valid at DHT time ``at`` and not leaving, by peer id."""
         alive = {}
-        for record in await read_peers(self.node, self.run, alive_at=at):
+        for record in await self.announcer.read_peers(alive_at=at):
             if record["state"] != "leaving":
                 self.names[record["peer_id"]] = record["name"]
                 # stages are sized by the memory of the device that holds them: a GPU peer's is its GPU's
@@ -218,7 +218,7 @@ class PlanningRounds:
         """The plan in force: the newest that its peers follow (``reader.adopted_plan``: a plan record anyone
         wrote, for any round, does not count by itself), or the one we adopted if that is newer."""
         live_round = None if self.adopted is None else self.adopted["round"]
-        plan = await read_adopted_plan(self.node, self.run, live_round=live_round)
+        plan = await read_adopted_plan(self.node, self.run, await self.announcer.read_peers(), live_round)
         if self.adopted is not None and (plan is None or plan["round"] < live_round):
             return self.adopted
         return plan

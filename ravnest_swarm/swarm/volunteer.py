@@ -49,7 +49,6 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.progress import run_finished
-from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress
 from ravnest_swarm.membership.volunteer import Membership
@@ -335,7 +334,7 @@ class Volunteer:
         start, end = layers
         for attempt in range(HOLDER_LOOKUPS):
             # a leaving peer counts: it serves the layers it trained until someone has them (_hand_over)
-            peers = [p for p in await read_peers(self.node, self.run)
+            peers = [p for p in await self.announcer.read_peers()
                      if p["peer_id"] != self.peer_id and layer_offers(p)]
             covered = all(layer in self.cache or any(offered_step(p, layer) is not None for p in peers)
                           for layer in range(start, end))
@@ -488,8 +487,7 @@ class Volunteer:
         records: Dict[str, Dict] = {}
         for _ in range(2):
             try:
-                records.update({p["peer_id"]: p for p in await read_peers(
-                    self.node, self.run, peer_ids=missing, bucket_counts=self.announcer.bucket_counts_in_use())})
+                records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
             except Exception as e:  # no news of the member is no sign that it is coming
                 logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
             if all(member in records for member in missing):
@@ -555,7 +553,7 @@ class Volunteer:
             return True
         if self.worker is not None and self.announcer.record.get("state") != "done":
             return False  # we still train: the run cannot be finished
-        if not run_finished(await read_peers(self.node, self.run), self.spec.steps):
+        if not run_finished(await self.announcer.read_peers(), self.spec.steps):
             return False
         self._finished = True
         if self.worker is None:
@@ -601,7 +599,7 @@ class Volunteer:
                     break
                 progress.update(task, completed=elapsed, left=f"{self.options.handover_timeout - elapsed:.0f}s left")
                 try:
-                    peers = [p for p in await read_peers(self.node, self.run) if p["peer_id"] != self.peer_id]
+                    peers = [p for p in await self.announcer.read_peers() if p["peer_id"] != self.peer_id]
                 except Exception as e:  # a DHT hiccup: look again, the timeout still bounds the wait
                     logger.warning(f"reading the peer records while handing over failed: {e}")
                     peers = None
@@ -688,7 +686,7 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
     spec, owner = found
     # a user's model imports their code: off the event loop, which must keep our record renewed meanwhile
     model = await asyncio.get_running_loop().run_in_executor(None, spec.build_model, options.data)
-    if run_finished(await read_peers(membership.node, run), spec.steps):
+    if run_finished(await membership.announcer.read_peers(), spec.steps):
         console.print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length; nothing left "
                       f"to train (`ravnest-swarm status` shows who still holds its layers)", markup=False,
                       highlight=False, soft_wrap=True)
