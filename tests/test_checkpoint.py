@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import ravnest_swarm.swarm.volunteer
 from ravnest_swarm.checkpoint import (TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_stage_layers, read_stage,
                                       remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.errors import UserError
@@ -45,13 +44,18 @@ def train(worker: StageWorker, batches) -> None:
 
 
 def resuming_volunteer(path: str) -> SimpleNamespace:
-    """What a :class:`Volunteer`'s checkpoint and resume methods read of it: a peer alone in its first plan."""
+    """What a :class:`Volunteer`'s checkpoint and resume methods read of it: a peer alone in its first plan (its
+    announcer reads no other peer)."""
+    async def no_peers(**reads):
+        return []
+
+    announcer = SimpleNamespace(update=lambda **fields: None, read_peers=no_peers)
     return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
                            spec=SimpleNamespace(model="mlp-digits"), model=get_model("mlp-digits"), cache={},
-                           held=None, announcer=SimpleNamespace(update=lambda **fields: None), say=lambda line: None)
+                           held=None, announcer=announcer, say=lambda line: None)
 
 
-def test_resume_restores_a_stage_exactly(tmp_path, monkeypatch):
+def test_resume_restores_a_stage_exactly(tmp_path):
     """Through the very methods `join --resume` runs: the volunteer writes its stage's checkpoint, reads it back
     into its layer cache (load_stage_layers), and fills a new stage from that cache; then both train on."""
     batches = [torch.randn(4, 64) for _ in range(4)]
@@ -62,10 +66,6 @@ def test_resume_restores_a_stage_exactly(tmp_path, monkeypatch):
     Volunteer._save_checkpoint(volunteer, trained)
     Volunteer._load_checkpoint_into_cache(volunteer)
 
-    async def no_peers(node, run):
-        return []
-
-    monkeypatch.setattr(ravnest_swarm.swarm.volunteer, "read_peers", no_peers)
     resumed = stage_worker()
     step, downloaded = asyncio.run(Volunteer._fill_layers(volunteer, resumed.module, LAYERS))
     resumed.resume_at(step)
