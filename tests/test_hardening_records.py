@@ -19,6 +19,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, RoundProposal, RunAddress, StageEndpoint,
                                               make_validators, peers_key, plan_key, plan_subkey_prefix, round_key, spec_key,
@@ -125,8 +127,10 @@ async def write_as_attacker(attacker, signature, victim_subkeys):
 
 
 async def honest_view(node):
-    """What each project reader makes of the run's records (the planner's reads need only node and run)."""
-    rounds = SimpleNamespace(node=node, run=RUN, names={})
+    """What each project reader makes of the run's records (the planner's reads need its node, run and announcer:
+    a peer reads the run's records at the bucket counts its announcer knows)."""
+    announcer = PeerAnnouncer(node, RUN, "honest", Capabilities(ram_gb=1.0, gflops=1.0, bandwidth_mbps=10.0))
+    rounds = SimpleNamespace(node=node, run=RUN, names={}, announcer=announcer)
     spec = await read_spec(node, RunAddress(RUN, OWNER_FINGERPRINT))
     return dict(
         peers=await read_peers(node, RUN),
