@@ -87,7 +87,7 @@ def run_samples_per_s(records: Iterable[Dict]) -> float:
     pipeline's rate (steps times the microbatch), so a sum over every peer was the rate times the stage count; each
     cluster has one first stage, and a sum over those adds up the clusters, bucket by bucket."""
     return float(sum(r.get("samples_per_s") or 0.0 for r in records
-                     if r.get("stage") == 0 and (r.get("cluster") if r.get("cluster") is not None else -1) >= 0))
+                     if r.get("stage") == 0 and r.get("cluster") is not None and r["cluster"] >= 0))
 
 
 def writes_summary(peer_id: str, bucket_members: Iterable[Dict]) -> bool:

@@ -73,18 +73,16 @@ async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
         without the summary, one key in a run of one bucket. The summary beside it made a trainer's read of its
         ring partners 1.5 times as slow as the single key before buckets (``bench neighbours``, 64 peers).
     """
-    if bucket_counts is not None:
-        wanted = {count: None if peer_ids is None else [bucket_of(peer_id, count) for peer_id in peer_ids]
-                  for count in bucket_counts}
-        entries = (await read_bucket_counts(node, run, wanted, with_summaries=False))[1]
-    else:
+    entries = []
+    if bucket_counts is None:
         found = await node.get_many([summary_key(run), peers_key(run)], sufficient_expiration_time=float("inf"))
         entries = _entries(found.get(peers_key(run)))
         summary = add_up(value for _, value, _ in _entries(found.get(summary_key(run))))
-        if summary is not None and summary["buckets"] > 1:
-            buckets = summary["buckets"]
-            only = None if peer_ids is None else [bucket_of(peer_id, buckets) for peer_id in peer_ids]
-            entries += await read_buckets(node, run, buckets, only)
+        bucket_counts = [summary["buckets"]] if summary is not None and summary["buckets"] > 1 else []
+    wanted = {count: None if peer_ids is None else [bucket_of(peer_id, count) for peer_id in peer_ids]
+              for count in bucket_counts}
+    if wanted:
+        entries += (await read_bucket_counts(node, run, wanted, with_summaries=False))[1]
     view = view if view is not None else PeerView()
     view.merge(entries)
     return view.records(get_dht_time(), alive_at)
