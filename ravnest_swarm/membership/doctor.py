@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, List, Sequence, TypeVar
+from typing import List, Sequence
 
 from hivemind.p2p import P2P, P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
@@ -11,10 +11,8 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.capabilities import measure_gflops, measure_ram_gb
-from ravnest_swarm.membership.services import check_reachability, measure_bandwidth, ping
+from ravnest_swarm.membership.services import check_reachability, failure_reason, measure_bandwidth, ping, retried
 from ravnest_swarm.net.node import peer_id_of, start_node, stop_node
-
-T = TypeVar("T")
 
 
 async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console: Console) -> int:
@@ -55,10 +53,10 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
             return 1
         backbone = peer_id_of(answering[0])
         try:
-            reachability = await _twice(lambda: check_reachability(node.routes, backbone, timeout))
+            reachability = await retried(lambda: check_reachability(node.routes, backbone, timeout))
         except Exception as e:
             problems.append("reachability unknown")
-            report(False, "reachability", f"the backbone's dial-back check failed twice ({_reason(e)})")
+            report(False, "reachability", f"the backbone's dial-back check failed ({failure_reason(e, timeout)})")
         else:
             if reachability == "direct":
                 relay_note = "others can dial this peer; no relay is used"
@@ -71,11 +69,11 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
         ram = measure_ram_gb()
         gflops = await asyncio.get_running_loop().run_in_executor(None, measure_gflops)
         try:
-            mbps = await _twice(lambda: measure_bandwidth(node.p2p, backbone, 4 * 2**20, timeout))
+            mbps = await retried(lambda: measure_bandwidth(node.p2p, backbone, 4 * 2**20, timeout))
             bandwidth = f"{mbps:.0f} Mbit/s to the backbone"
         except Exception as e:
             problems.append("bandwidth not measured")
-            bandwidth = f"bandwidth not measured: the probe to the backbone failed twice ({_reason(e)})"
+            bandwidth = f"bandwidth not measured: the probe to the backbone failed ({failure_reason(e, timeout)})"
         report(True, "capabilities", f"{ram:.1f} GB RAM, {gflops:.1f} GFLOP/s, {bandwidth}")
     finally:
         await stop_node(node)
@@ -84,17 +82,3 @@ async def run_doctor(initial_peers: Sequence[Multiaddr], timeout: float, console
     else:
         console.print("verdict: can join")
     return 0
-
-
-async def _twice(call: Callable[[], Awaitable[T]]) -> T:
-    """A call that a stream closed without a reply can fail once (a connection reset under it): retry it."""
-    try:
-        return await call()
-    except Exception:
-        return await call()
-
-
-def _reason(error: Exception) -> str:
-    if isinstance(error, ValueError) and "asingle()" in str(error):
-        return "the stream closed without a reply"  # what hivemind reports as an empty response iterable
-    return f"{type(error).__name__}: {error}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Dict, List, Optional
+from typing import Annotated, Awaitable, Callable, Dict, List, Optional, TypeVar
 
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
@@ -29,6 +29,8 @@ DIAL_BACK_TIMEOUT = 3.0
 MAX_DIAL_BACK_PORTS = 4  # of the ports a caller lists, the first this many are tried
 MAX_LISTED_PORTS = 64  # more than a node listens on
 MAX_TRIED_ADDRESSES = 256
+MEASUREMENT_TRIES = 3  # a backbone's reply can be lost under load (below); a lost reply costs a try, not the join
+RETRY_PAUSE = 1.0  # seconds before the second try, twice that before the third
 AddressText = Annotated[str, Field(max_length=100)]  # host:port
 
 
@@ -142,6 +144,34 @@ async def _tcp_connects(host: str, port: int) -> bool:
         return False
     writer.close()
     return True
+
+
+T = TypeVar("T")
+
+
+async def retried(call: Callable[[], Awaitable[T]], tries: int = MEASUREMENT_TRIES) -> T:
+    """``call()``, tried again when it fails other than by a timeout: p2pd under load closes a stream now and then
+    before the reply (hivemind's "asingle() ... empty iterable"), as when several volunteers measure themselves
+    against one backbone at once. A timeout is not tried again: the caller's patience is already spent."""
+    for attempt in range(1, tries + 1):
+        try:
+            return await call()
+        except asyncio.TimeoutError:
+            raise
+        except Exception:
+            if attempt == tries:
+                raise
+        await asyncio.sleep(RETRY_PAUSE * attempt)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def failure_reason(error: Exception, timeout: float) -> str:
+    """One line on why a call to a backbone failed (``timeout``: the seconds it was given)."""
+    if isinstance(error, ValueError) and "asingle()" in str(error):
+        return f"the stream closed without a reply, {MEASUREMENT_TRIES} times"  # hivemind's empty response iterable
+    if isinstance(error, asyncio.TimeoutError):
+        return f"no reply within {timeout:.0f}s"
+    return f"{type(error).__name__}: {error}"
 
 
 async def ping(p2p: P2P, peer_id: PeerID, timeout: float) -> float:

@@ -21,7 +21,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.records import make_validators
-from ravnest_swarm.membership.services import check_reachability, measure_bandwidth
+from ravnest_swarm.membership.services import check_reachability, failure_reason, measure_bandwidth, retried
 from ravnest_swarm.net.node import answering_initial_peer, start_node_patiently, stop_node
 
 logger = logging.getLogger(__name__)
@@ -75,17 +75,27 @@ async def measure(options: MembershipOptions, node: DHTNode, console: Console) -
         bandwidth_task = progress.add_task("bandwidth", total=1, result="")
         bandwidth = options.bandwidth_mbps
         if bandwidth is None and backbone is not None:
-            bandwidth = await measure_bandwidth(
-                node.p2p, backbone, int(options.probe_mb * 2**20), options.timeout,
-                on_progress=lambda done, total: progress.update(bandwidth_task, completed=done, total=total),
-            )
+            try:
+                bandwidth = await retried(lambda: measure_bandwidth(
+                    node.p2p, backbone, int(options.probe_mb * 2**20), options.timeout,
+                    on_progress=lambda done, total: progress.update(bandwidth_task, completed=done, total=total),
+                ))
+            except Exception as e:
+                reason = failure_reason(e, options.timeout)
+                raise UserError(f"the bandwidth probe to backbone {backbone} failed ({reason}); "
+                                f"try again, or give --bandwidth-mbps to skip the probe", 1)
         bandwidth = bandwidth if bandwidth is not None else 0.0
         progress.update(bandwidth_task, completed=progress.tasks[bandwidth_task].total, result=f"{bandwidth:.0f} Mbit/s")
 
         reach_task = progress.add_task("reachability", total=1, result="")
         reachability = "unknown"
         if backbone is not None:
-            reachability = await check_reachability(node.routes, backbone, options.timeout)
+            try:
+                reachability = await retried(lambda: check_reachability(node.routes, backbone, options.timeout))
+            except Exception as e:
+                reason = failure_reason(e, options.timeout)
+                raise UserError(f"the reachability check by backbone {backbone} failed ({reason}); "
+                                f"try again, or run ravnest-swarm doctor", 1)
         progress.update(reach_task, completed=1, result=reachability)
     return Capabilities(ram_gb=float(ram), gflops=float(gflops), bandwidth_mbps=float(bandwidth), reachability=reachability,
                         device=options.device, device_memory_gb=float(device_memory))
@@ -115,9 +125,9 @@ class Membership:
         )
         try:
             capabilities = await measure(self.options, self.node, self.console)
-        except asyncio.TimeoutError:
+        except UserError:
             await stop_node(self.node)
-            raise UserError(f"the backbone did not answer the measurement within {self.options.timeout:.0f}s", 1)
+            raise
         self.announcer = PeerAnnouncer(self.node, self.options.run, self.options.name, capabilities,
                                        self.options.heartbeat)
         maddrs = [str(m) for m in await self.node.p2p.get_visible_maddrs()]
