@@ -62,6 +62,9 @@ def test_three_volunteers_with_their_capabilities_are_read_back_by_status(proces
         processes.start(join_args(backbone, name, overrides), name)
     for process in processes.processes[1:]:
         process.wait_for_output(r"sees 3 peer", 90, stream="stderr")
+        # its first line comes after its first read, which holds at least its own record: a joiner said "sees 0
+        # peer(s)" before that read while the run's peers were live
+        assert "sees 0 peer(s)" not in process.stderr(), process.stderr()
 
     document = status_json(backbone)
     assert document["run"] == RUN

@@ -76,6 +76,7 @@ class PeerAnnouncer:
         self._moved_from: Optional[Tuple[int, float]] = None  # (bucket count, DHT time until which we write there)
         self._counts_in_use: Set[int] = set()  # other bucket counts the last summaries we read named
         self._refreshes = 0
+        self._has_read = False  # whether a read of the run's records has come back yet
         self._over_since: Optional[float] = None  # since when our bucket has held too many fresh peers
 
     @property
@@ -158,6 +159,7 @@ class PeerAnnouncer:
             entries += (await read_bucket_counts(self.node, self.run,
                                                  {count: self._buckets_read(count) for count in others}))[1]
         self.view.merge(entries)
+        self._has_read = True
         now = self.clock()
         members = self.view.members(now)
         own_members = [r for r in members if bucket_of(r["peer_id"], buckets) == own]
@@ -185,9 +187,10 @@ class PeerAnnouncer:
         """The peers in our view now (``PeerView.members``)."""
         return self.view.members(self.clock())
 
-    def records(self) -> List[Dict]:
-        """The records in our view now, ``leaving`` ones included (``PeerView.records``): what ``join`` logs."""
-        return self.view.records(self.clock())
+    def records(self) -> Optional[List[Dict]]:
+        """The records in our view now, ``leaving`` ones included (``PeerView.records``): what ``join`` logs.
+        None until our first read has come back: an empty view then is not a run of nobody."""
+        return self.view.records(self.clock()) if self._has_read else None
 
     async def heartbeat_forever(self) -> None:
         """Renew our record and refresh our view, each every heartbeat, side by side: one after the other, a read

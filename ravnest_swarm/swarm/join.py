@@ -26,6 +26,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, log_to_file, run_async
 
 LOGGED_NAMES = 64  # peers named in a `--no-dashboard` log line
+FIRST_READ_POLL = 0.2  # seconds between looks for the announcer's first read, before the first log line
 
 
 @dataclass
@@ -204,12 +205,13 @@ def volunteer_options(options: JoinOptions):
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,
-                      steps=None, viewer=None, known: Optional[Callable[[], List[Dict]]] = None) -> None:
+                      steps=None, viewer=None, known: Optional[Callable[[], Optional[List[Dict]]]] = None) -> None:
     """Show the run until ``stop`` is set: the live dashboard (docs/dashboard.md), or one log line per change.
     ``steps``: the run's length, for the dashboard to say when the run is finished; ``me`` and ``viewer``: the
     volunteer's name and peer id (None for an observer), whose cluster and neighbours a large run's dashboard
-    shows; ``known``: the records a volunteer's own view holds (``PeerAnnouncer.records``), which the log lines
-    then report without reading the DHT again (the announcer reads it every heartbeat already)."""
+    shows; ``known``: the records a volunteer's own view holds (``PeerAnnouncer.records``, None before its first
+    read), which the log lines then report without reading the DHT again (the announcer reads it every heartbeat
+    already)."""
     from ravnest_swarm.dashboard.focus import sees_part
     from ravnest_swarm.dashboard.state import SwarmState
     from ravnest_swarm.swarm.observe import SnapshotReader
@@ -233,7 +235,11 @@ async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: 
 
     while not stop.is_set():
         if known is not None:
-            state.update(known())
+            records = known()
+            if records is None:  # a late joiner said "sees 0 peer(s)" here while the run's peers were live
+                await asyncio.sleep(FIRST_READ_POLL)
+                continue
+            state.update(records)
         else:
             state.feed(await reader.snapshot())
         names = sorted(f"{p['name']}:{p['state']}" for p in state.peers)
