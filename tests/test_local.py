@@ -124,6 +124,9 @@ def test_local_beside_a_cpu_hog_averages_and_reports_only_what_happened(processe
     assert len([e for e in events if e.startswith("joined")]) == 5, events
     sentences = local.stderr().strip().splitlines()[-6:]
     assert sentences[0].startswith("Trained mlp-digits with 5 peers in") and "Nothing else failed." in sentences
+    # the peak memory it reports is the peers' own, as the dashboard shows it (no peer left, so all are in records)
+    peak_mb = round(max(r["peak_memory_gb"] for r in records.values()) * 1000, 1)
+    assert summary["peak_peer_memory_mb"] == peak_mb and f"peak peer memory {peak_mb:.0f} MB." in "\n".join(sentences)
 
 
 @pytest.mark.timeout(180)

@@ -27,7 +27,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
-import psutil
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
@@ -161,7 +160,9 @@ class LocalSwarm:
         self.state = SwarmState(RUN)
         self.volunteers: Dict[str, PeerProcess] = {}
         self.loss_history: List[float] = []
-        self.peak_memory_mb = 0.0
+        # the highest peak RSS any peer's record reported (GB, each peer's own high-water mark): the figure the
+        # dashboard shows per peer; sampling the processes' RSS here missed spikes and said MiB as "MB"
+        self.peak_memory_gb = 0.0
         # (time, steps the clusters' last stages report in all) at the first look with a training stage and the
         # last look at which those steps grew: the samples trained over the time they took
         self.trained: List[Tuple[float, int]] = []
@@ -263,12 +264,7 @@ class LocalSwarm:
             self.trained = [(time.monotonic(), steps)] * 2
         elif self.trained and steps > self.trained[1][1]:
             self.trained[1] = (time.monotonic(), steps)
-        for process in self.volunteers.values():
-            try:
-                rss = sum(q.memory_info().rss for q in [psutil.Process(process.pid)]) / 2**20
-            except psutil.Error:
-                continue
-            self.peak_memory_mb = max(self.peak_memory_mb, rss)
+        self.peak_memory_gb = max([self.peak_memory_gb, *(p.get("peak_memory_gb") or 0.0 for p in peers)])
 
     async def _maybe_chaos(self, peers: List[dict], plan: Optional[dict], maddr: str) -> None:
         """One more peer joins as soon as the first plan is adopted (so it is late); once training is a
@@ -347,7 +343,7 @@ class LocalSwarm:
             "peers_replaced": self.peers_replaced(),
             "plan_rounds": sorted(self.plans),
             "samples_per_s": self.training_rate(),
-            "peak_peer_memory_mb": round(self.peak_memory_mb, 1),
+            "peak_peer_memory_mb": round(self.peak_memory_gb * 1000, 1),
             "peer_tensor_bytes": memory,
             "peer_memory_fraction": fractions,
             "max_peer_memory_fraction": max(fractions.values(), default=None),
