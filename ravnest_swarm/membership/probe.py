@@ -22,7 +22,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
 from ravnest_swarm.membership.reader import read_peers
 from ravnest_swarm.membership.records import make_validators, parse_run_address
-from ravnest_swarm.membership.services import check_reachability, relay_stats
+from ravnest_swarm.membership.services import check_reachability, relay_stats, retried
 from ravnest_swarm.net.routes import probe_peer
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, peer_id_of, start_node, stop_node
 
@@ -65,7 +65,9 @@ async def run_probe(initial_peers: Sequence[Multiaddr], run: str, peer: str, tot
     try:
         backbones = [peer_id_of(m) for m in initial_peers]
         # our own verdict decides whether a NATed target is asked to dial us or the backbone forwards
-        reachability = await check_reachability(node.routes, backbones[0], timeout) if backbones else "unknown"
+        reachability = "unknown"
+        if backbones:  # a lost reply is tried again, as join's own check is (membership.services.retried)
+            reachability = await retried(lambda: check_reachability(node.routes, backbones[0], timeout))
         deadline = time.monotonic() + record_timeout
         record = None
         while record is None:
