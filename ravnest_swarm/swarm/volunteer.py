@@ -303,11 +303,13 @@ class Volunteer:
         worker.between_steps = self._between_steps
         self.worker = worker
         await worker.start()
-        self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
-        await self.announcer.publish()
+        # said before it is published: a reader who sees the record (a test, an operator's `status`) then finds the
+        # line in the log too; published first, the record's step came before the line that says where it started
         precision = f" with {worker.autocast_dtype} autocast".replace("torch.", "") if worker.autocast_dtype else ""
         self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
                  f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}")
+        self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
+        await self.announcer.publish()
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
