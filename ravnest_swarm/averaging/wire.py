@@ -31,7 +31,7 @@ from pydantic import Discriminator, Field, RootModel, Tag, model_validator
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.net.transport import MAX_METADATA_BYTES, make_request
+from ravnest_swarm.net.transport import MAX_METADATA_BYTES, make_request, reply_lost
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,6 @@ REDUCE, GATHER, ABORT, ARRIVE = "reduce", "gather", "abort", "arrive"
 CONTROL_TIMEOUT = 2.0  # how long a note may take to reach a member
 MAX_RESENDS = 3  # per stripe; each waits RESEND_BACKOFF x its number first
 RESEND_BACKOFF = 0.1
-# hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
-EMPTY_REPLY = "got an empty iterable"
 ROUND_OVER = "is over here"  # how a peer refuses a message for a round it has finished
 
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -281,5 +279,4 @@ class RingSender:
 
 def _lost_on_the_way(error: Exception) -> bool:
     """Whether a failed call lost the stream or its reply (worth a resend) rather than being refused."""
-    return isinstance(error, (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError)) or (
-        isinstance(error, ValueError) and EMPTY_REPLY in str(error))
+    return isinstance(error, (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError)) or reply_lost(error)

@@ -17,7 +17,8 @@ from pydantic import Field
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.relay import RelayServices
 from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_counter, send_probe
-from ravnest_swarm.net.transport import UNARY_MAX_BYTES, bounded_stream_handler, make_request, make_response
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, bounded_stream_handler, make_request, make_response,
+                                         reply_lost)
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
@@ -167,8 +168,8 @@ async def retried(call: Callable[[], Awaitable[T]], tries: int = MEASUREMENT_TRI
 
 def failure_reason(error: Exception, timeout: float) -> str:
     """One line on why a call to a backbone failed (``timeout``: the seconds it was given)."""
-    if isinstance(error, ValueError) and "asingle()" in str(error):
-        return f"the stream closed without a reply, {MEASUREMENT_TRIES} times"  # hivemind's empty response iterable
+    if reply_lost(error):
+        return f"the stream closed without a reply, {MEASUREMENT_TRIES} times"
     if isinstance(error, asyncio.TimeoutError):
         return f"no reply within {timeout:.0f}s"
     return f"{type(error).__name__}: {error}"

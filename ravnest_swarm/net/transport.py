@@ -27,6 +27,14 @@ MAX_METADATA_BYTES = 64 * 1024
 # unary calls travel over p2pd's persistent connection, whose messages (the request and its envelope) p2pd caps
 UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE
 DISCARD_SECONDS = 2.0
+# hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
+EMPTY_REPLY = "got an empty iterable"
+
+
+def reply_lost(error: Exception) -> bool:
+    """Whether a call failed because its stream closed before the reply came (hivemind raises a ValueError from
+    ``asingle()``): the message may never have been handled, so sending it again is safe and worth it."""
+    return isinstance(error, ValueError) and EMPTY_REPLY in str(error)
 
 
 def pack_metadata(metadata: Dict[str, Any]) -> bytes:
