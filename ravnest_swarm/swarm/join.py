@@ -123,7 +123,10 @@ async def join(options: JoinOptions) -> None:
         work = asyncio.create_task(take_part(membership, options.requested_spec(), volunteer_options(options), stop,
                                              console, leave_now, facts))
     watch = asyncio.create_task(watch_peers(membership.node, run, stop, options.heartbeat,
-                                            live=options.dashboard, console=console, me=options.name,
+                                            # a live view drawn into a pipe or a file shows nothing (rich draws
+                                            # only on a terminal): `join ... | tee log` got no line on the peers
+                                            live=options.dashboard and console.is_terminal, console=console,
+                                            me=options.name,
                                             viewer=membership.announcer.peer_id, known=membership.announcer.records))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
