@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
@@ -14,7 +15,8 @@ from ravnest_swarm.errors import UserError
 
 def install_stop_signals(on_stop: Optional[Callable[[], None]] = None,
                          again: Optional[asyncio.Event] = None) -> asyncio.Event:
-    """SIGINT and SIGTERM set the returned event, so the caller can leave cleanly and exit 0.
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal) set the returned event, so the caller can leave cleanly and
+    exit 0 (stopping its p2pd, which no signal from a terminal reaches: ``net.node.spare_p2pd_from_ctrl_c``).
 
     :param on_stop: called at the first signal, at once (to say "stopping..." before any slow cleanup)
     :param again: set by a second signal, to cut a long cleanup (a hand-over) short
@@ -31,7 +33,7 @@ def install_stop_signals(on_stop: Optional[Callable[[], None]] = None,
             on_stop()
 
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
     return stop
 
@@ -41,7 +43,7 @@ class OutputOutlivingItsReader:
     ends ``tee`` too, and the peer's next line ("stopping...") raised BrokenPipeError in the middle of its
     graceful leave, which then neither handed its layers over nor published ``leaving``. The first write to a
     closed pipe points the descriptor at /dev/null, so every later line, ours or a library's, is dropped and the
-    leave goes on."""
+    leave goes on. So does a write to a closed terminal (EIO), whose SIGHUP started that leave."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -49,17 +51,19 @@ class OutputOutlivingItsReader:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._drop_from_now_on()
+        except OSError as e:
+            self._drop_from_now_on(e)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._drop_from_now_on()
+        except OSError as e:
+            self._drop_from_now_on(e)
 
-    def _drop_from_now_on(self) -> None:
+    def _drop_from_now_on(self, error: OSError) -> None:
+        if not isinstance(error, BrokenPipeError) and error.errno != errno.EIO:
+            raise error
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(devnull, self._stream.fileno())
@@ -108,16 +112,17 @@ def log_to_file(path: str) -> None:
 def run_async(coroutine: Awaitable) -> int:
     """Run a verb's coroutine; a :class:`UserError` becomes ``error: ...`` on stderr and its exit code.
 
-    SIGTERM cancels it as Ctrl-C does (its ``finally`` blocks stop what it started; exit code 130), unless
-    the verb handles SIGTERM itself (:func:`install_stop_signals`). Python's default would end the process
-    at once and orphan every process and namespace it started.
+    SIGTERM and SIGHUP cancel it as Ctrl-C does (its ``finally`` blocks stop what it started; exit code 130),
+    unless the verb handles them itself (:func:`install_stop_signals`). Python's default would end the process
+    at once and orphan every process and namespace it started, p2pd included.
     """
     return _exit_code(lambda: asyncio.run(_cancelled_by_sigterm(coroutine)))
 
 
 async def _cancelled_by_sigterm(coroutine: Awaitable):
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, asyncio.current_task().cancel)
     loop.set_exception_handler(_ignore_stopped_handlers)
     return await coroutine
 
@@ -156,19 +161,21 @@ def run_blocking(verb: Callable[[], Optional[int]]) -> int:
     """Run a verb that blocks instead of awaiting (the benches that start processes and wait for them).
 
     Not under ``asyncio.run``, whose Ctrl-C only cancels the main task at its next await: a verb that never
-    awaits would ignore Ctrl-C until done. Here Ctrl-C, and SIGTERM too, interrupt it wherever it waits, its
+    awaits would ignore Ctrl-C until done. Here Ctrl-C, SIGTERM and SIGHUP interrupt it wherever it waits, its
     cleanup (``finally``, context managers: the processes it started, the lab's namespaces) runs, and the
     exit code is 130. Python's default SIGTERM would end the process at once and orphan all of that.
     """
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _exit_code(verb)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _interrupt(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a second signal must not cut the cleanup short
     raise KeyboardInterrupt
 
 

@@ -4,9 +4,10 @@ A process is described either by the library's own option object (:meth:`Process
 ``python -m ravnest_swarm.processes`` calls ``function(options)``, the options sent as JSON), or, for
 the tests of the command line itself, by ``ravnest-swarm`` arguments (:meth:`ProcessGroup.start`).
 
-Each process starts in its own session, so its p2pd shares its process group: stopping the group by
-the leader's pid stops p2pd too, even when the peer itself was killed with SIGKILL and could not
-clean up.
+Each process starts in its own session, and its p2pd stays in that session (in a process group of its
+own, so that a terminal's Ctrl-C does not reach it: ``net.node.spare_p2pd_from_ctrl_c``): killing every
+process of the session, found by its id (the leader's pid), stops p2pd too, even when the peer itself was
+killed with SIGKILL and could not clean up.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable, List, Optional, Sequence, get_origin, get_type_hints
+
+import psutil
 
 from ravnest_swarm.lifecycle import unexpected_error_as_one_line
 
@@ -98,11 +101,12 @@ class PeerProcess:
         return self.popen.wait(timeout)
 
     def kill_group(self) -> None:
-        """SIGKILL the whole process group (the peer and its p2pd), by the leader's pid."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL every process of the peer's session (the peer and its p2pd), by the leader's pid."""
+        for pid in session_members(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
@@ -126,6 +130,18 @@ class PeerProcess:
             code = self.popen.returncode
         self.kill_group()
         return code
+
+
+def session_members(session_id: int) -> List[int]:
+    """The pids of every process in the session ``session_id``, its leader's orphans included."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == session_id:
+                members.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return members
 
 
 class ProcessGroup:

@@ -5,6 +5,7 @@ and iptables), so CI cannot stay green with none of them run."""
 
 import functools
 import os
+import signal
 from typing import Optional
 
 import pytest
@@ -15,6 +16,12 @@ from ravnest_swarm.processes import ProcessGroup
 pytest_plugins = ["pytester"]  # test_conftest.py runs this conftest's lab rule in a throwaway pytest
 
 LAB_REQUIRED_VARIABLE = "RAVNEST_REQUIRE_LAB"
+
+# A suite started in the background of a non-interactive shell inherits SIGINT ignored, and so would every peer
+# and p2pd it starts: Ctrl-C tests would then pass without Ctrl-C doing anything. A terminal's commands start
+# with SIGINT at its default; so do ours.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @functools.cache

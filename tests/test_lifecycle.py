@@ -1,11 +1,16 @@
-"""What asyncio would print as a traceback reaches a volunteer's terminal as one line at most (issue #20: hivemind's
-p2pd reader raised ``InvalidStateError`` at a hundred peers and printed a traceback)."""
+"""``lifecycle``'s process plumbing. What asyncio would print as a traceback reaches a volunteer's terminal as one
+line at most (issue #20: hivemind's p2pd reader raised ``InvalidStateError`` at a hundred peers and printed a
+traceback); a closed terminal stops a peer as Ctrl-C does, and its output is dropped, not raised."""
 
+import io
 import os
+import pty
 import subprocess
 import sys
 
 import pytest
+
+from ravnest_swarm.lifecycle import OutputOutlivingItsReader
 
 FAILING_TASKS = """
 import asyncio, gc
@@ -36,3 +41,38 @@ def test_an_unretrieved_task_exception_is_one_line_and_the_p2pd_readers_invalid_
     debug = subprocess.run([sys.executable, "-c", FAILING_TASKS], capture_output=True, text=True, timeout=50,
                            env={**os.environ, "RAVNEST_DEBUG": "1"})
     assert "Traceback" in debug.stderr  # the traceback is there for whoever asks for it
+
+
+CLOSED_TERMINAL = """
+import asyncio, os, signal
+from ravnest_swarm.lifecycle import install_stop_signals, run_async
+
+async def main():
+    stop = install_stop_signals(lambda: print("stopping...", flush=True))
+    os.kill(os.getpid(), signal.SIGHUP)
+    await asyncio.wait_for(stop.wait(), 5)
+    print("left cleanly", flush=True)
+
+raise SystemExit(run_async(main()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_terminals_sighup_is_a_stop_like_ctrl_c():
+    """A terminal's SIGHUP no longer reaches p2pd (a process group of its own), so the peer must stop it: SIGHUP
+    is a graceful stop, not Python's default death that would orphan p2pd."""
+    result = subprocess.run([sys.executable, "-c", CLOSED_TERMINAL], capture_output=True, text=True, timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["stopping...", "left cleanly"]
+
+
+def test_output_to_a_closed_terminal_is_dropped_not_raised():
+    """After a terminal closes, a write to it fails with EIO; the peer's leave must go on (as with a closed pipe)."""
+    controller, terminal = pty.openpty()
+    stream = OutputOutlivingItsReader(io.TextIOWrapper(io.FileIO(terminal, "w", closefd=False), line_buffering=True))
+    stream.write("before\n")
+    os.close(controller)
+    stream.write("after the terminal closed\n")  # EIO, dropped
+    stream.flush()
+    assert os.readlink(f"/proc/self/fd/{terminal}") == os.devnull
+    os.close(terminal)

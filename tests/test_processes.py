@@ -3,7 +3,10 @@ the benches start them: the options survive the trip as JSON, and a failure in t
 
 import dataclasses
 import json
+import os
 import signal
+
+import psutil
 
 from ravnest_swarm.bench.averaging_peer import AveragingPeerOptions
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
@@ -36,3 +39,17 @@ def test_bad_options_in_a_child_are_one_line_and_a_nonzero_exit(processes):
     assert child.wait(60) != 0
     lines = child.stderr().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "--host-maddrs" in lines[0], lines
+
+
+def test_kill_group_stops_the_p2pd_of_a_peer_killed_alone(processes):
+    """A peer's p2pd runs in a process group of its own (so a terminal's Ctrl-C does not reach it), but in the
+    peer's session: after ``kill -9`` of the peer alone, its orphaned p2pd is still found and stopped."""
+    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "backbone")
+    backbone.maddrs()
+    (p2pd,) = [p for p in psutil.Process(backbone.pid).children() if p.name() == "p2pd"]
+    assert os.getpgid(p2pd.pid) != backbone.pid and os.getsid(p2pd.pid) == backbone.pid
+    os.kill(backbone.pid, signal.SIGKILL)
+    backbone.wait(10)
+    assert p2pd.is_running()  # orphaned, still serving
+    backbone.kill_group()
+    p2pd.wait(10)

@@ -18,6 +18,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from hivemind.dht.node import DHTID, DHTNode
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.p2p.p2p_daemon import P2PD_FILENAME
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.errors import UserError
@@ -233,18 +234,16 @@ async def start_node(
         check_identity_file(identity_path)
     check_ports_free(host_maddrs)
     try:
-        p2p = await asyncio.wait_for(
-            P2P.create(
-                initial_peers=list(initial_peers),
-                host_maddrs=list(host_maddrs),
-                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
-                identity_path=identity_path,
-                startup_timeout=timeout,
-                dht_mode="client" if client_mode else "server",
-                **p2p_kwargs,
-            ),
-            timeout=timeout + 5,
-        )
+        spare_p2pd_from_ctrl_c(asyncio.get_running_loop())
+        p2p = await asyncio.wait_for(P2P.create(
+            initial_peers=list(initial_peers),
+            host_maddrs=list(host_maddrs),
+            announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+            identity_path=identity_path,
+            startup_timeout=timeout,
+            dht_mode="client" if client_mode else "server",
+            **p2p_kwargs,
+        ), timeout=timeout + 5)
     except asyncio.TimeoutError:
         tried = ", ".join(str(m) for m in initial_peers)
         raise InitialPeersUnavailable(
@@ -278,6 +277,31 @@ async def start_node(
                                       f"{e or 'timeout'}")
     node.routes = routes
     return node
+
+
+def spare_p2pd_from_ctrl_c(loop: asyncio.AbstractEventLoop) -> None:
+    """Every p2pd that hivemind starts on ``loop`` from now on runs in a process group of its own.
+
+    Ctrl-C (and a closed terminal's SIGHUP) signals the terminal's foreground process group, and p2pd was in
+    ours: it closed at once, so a volunteer's graceful leave had no network left to hand its layers over with
+    or to say ``leaving`` (a race the one ``leaving`` record sometimes won). Neither SIG_IGN nor a blocked
+    mask survives p2pd's own start (it traps SIGINT itself); only a group the signal is not sent to does.
+    We stop p2pd ourselves when we stop (hivemind's ``P2P.shutdown``, or its finaliser at exit), and every
+    stop signal is a stop for us (``lifecycle``); what kills a peer's processes from outside must name p2pd
+    too (``processes.PeerProcess.kill_group``). hivemind has no option for it: its
+    ``asyncio.create_subprocess_exec`` calls the loop's ``subprocess_exec``, wrapped here for p2pd alone.
+    """
+    spawn = loop.subprocess_exec
+    if getattr(spawn, "spares_p2pd", False):
+        return
+
+    async def spawn_sparing_p2pd(protocol_factory, program, *args, **kwargs):
+        if os.path.basename(str(program)) == P2PD_FILENAME:
+            kwargs["process_group"] = 0
+        return await spawn(protocol_factory, program, *args, **kwargs)
+
+    spawn_sparing_p2pd.spares_p2pd = True
+    loop.subprocess_exec = spawn_sparing_p2pd
 
 
 async def answering_initial_peer(node: DHTNode, initial_peers: Sequence[Multiaddr]) -> Optional[PeerID]:
