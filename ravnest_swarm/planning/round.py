@@ -339,8 +339,10 @@ class PlanningRounds:
         chosen = self.choose(proposals, alive)
         if chosen is None:
             fresh = ",".join(sorted(self.names.get(i, i) for i in alive))
+            # round 1 is the run's first (a round is 1 + the plan in force): there is no plan to keep
+            kept = "keeping the previous plan" if round_number > 1 else "no plan yet; the round opens again"
             self.say(f"round {round_number}: none of {len(proposals)} proposal(s) is valid at the deadline "
-                     f"(live participants: {fresh or 'none'}); keeping the previous plan")
+                     f"(live participants: {fresh or 'none'}); {kept}")
             return
         fitness, digest, clusters = chosen
         peers = list(alive.values())
