@@ -163,6 +163,17 @@ def test_joined_and_left_events():
     assert kinds(events) == ["left"] and "b vanished" in events[0].text
 
 
+def test_a_peer_leaving_a_finished_run_is_said_to_leave_because_it_is_finished():
+    state = SwarmState(steps=100)
+    state.update([peer("a", "done", 0, 0, step=100), peer("s", "standby")], at=1)
+    (event,) = state.update([peer("a", "done", 0, 0, step=100), peer("s", "leaving")], at=2)
+    assert event.text == "s is leaving (the run is finished)"
+    unfinished = SwarmState(steps=100)
+    unfinished.update([peer("a", "training", 0, 0, step=50), peer("s", "standby")], at=1)
+    (event,) = unfinished.update([peer("a", "training", 0, 0, step=50), peer("s", "leaving")], at=2)
+    assert event.text == "s is leaving"
+
+
 def test_replaced_even_after_the_slot_was_vacant():
     state = SwarmState()
     state.update([peer("a", cluster=0, stage=1), peer("spare", "standby")], at=1)

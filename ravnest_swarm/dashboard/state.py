@@ -207,10 +207,12 @@ class SwarmState:
             events.append(Event(at, "joined", f"{len(joined)} peers joined or came into view"))
         else:
             events += [Event(at, "joined", f"{peer['name']} joined ({peer['state']}{_where(peer)})") for peer in joined]
+        # standbys and done peers leave when the run is finished; the event says so, as their own logs do
+        why = " (the run is finished)" if self.finished else ""
         for peer_id, peer in current.items():
             old = previous.get(peer_id)
             if old is not None and peer["state"] == "leaving" and old["state"] != "leaving":
-                events.append(Event(at, "left", f"{peer['name']} is leaving{_where(old)}"))
+                events.append(Event(at, "left", f"{peer['name']} is leaving{_where(old)}{why}"))
         # a peer that said "leaving" was already reported; its record expiring is expected
         vanished = [old for peer_id, old in previous.items() if peer_id not in current and old["state"] != "leaving"]
         if len(vanished) > PEER_EVENTS:
