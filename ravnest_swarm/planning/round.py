@@ -338,11 +338,9 @@ class PlanningRounds:
                  for p in proposals if p["time"] >= frozen_at - self.fresh_within}
         chosen = self.choose(proposals, alive)
         if chosen is None:
-            fresh = ",".join(sorted(self.names.get(i, i) for i in alive))
-            # round 1 is the run's first (a round is 1 + the plan in force): there is no plan to keep
-            kept = "keeping the previous plan" if round_number > 1 else "no plan yet; the round opens again"
+            fresh, kept = ",".join(sorted(self.names.get(i, i) for i in alive)), "keeping the previous plan"
             self.say(f"round {round_number}: none of {len(proposals)} proposal(s) is valid at the deadline "
-                     f"(live participants: {fresh or 'none'}); {kept}")
+                     f"(live participants: {fresh or 'none'}); {kept if round_number > 1 else 'no plan yet'}")
             return
         fitness, digest, clusters = chosen
         peers = list(alive.values())
