@@ -26,9 +26,11 @@ from typing import Any, Callable, List, Optional, Sequence, get_origin, get_type
 
 import psutil
 
+from ravnest_swarm.launcher import ENTRY_POINTS, LaunchedProcess, Launcher
 from ravnest_swarm.lifecycle import unexpected_error_as_one_line
 
 MADDR_RE = re.compile(r"^/ip[46]/\S+/p2p/\S+$")
+FRESH_PROCESSES_ENV = "RAVNEST_FRESH_PROCESSES"  # "1": every process a fresh interpreter, none forked (launcher.py)
 
 
 class PeerProcess:
@@ -41,22 +43,41 @@ class PeerProcess:
     :param prefix: a command to run it under, e.g. ``NetLab.exec_prefix(host)`` to enter a namespace
     :param python_args: what the interpreter runs; ``ravnest-swarm`` unless a script is given
     :param stdin_pipe: give it a pipe on stdin, for commands sent with :meth:`send` (else /dev/null)
+    :param launcher: fork it from this :class:`~ravnest_swarm.launcher.Launcher` where the launcher can start
+        it as a fresh interpreter would (``python -m`` of an entry point, no prefix); else a fresh interpreter
     """
 
     def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None,
                  prefix: Sequence[str] = (), python_args: Sequence[str] = ("-m", "ravnest_swarm"),
-                 stdin_pipe: bool = False):
+                 stdin_pipe: bool = False, launcher: Optional[Launcher] = None):
         self.args, self.name = list(args), name
         self.stdout_path = os.path.join(log_dir, f"{name}.out")
         self.stderr_path = os.path.join(log_dir, f"{name}.err")
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120", **(env or {})}
+        forked = (launcher is not None and not prefix and python_args[0] == "-m" and python_args[1] in ENTRY_POINTS
+                  and launcher.can_start(environment))
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.popen = subprocess.Popen(
-                [*prefix, sys.executable, *python_args, *self.args],
-                stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-                env=environment, start_new_session=True,
-            )
+            if forked:
+                self.popen = self._fork(launcher, python_args[1], environment, out, err, stdin_pipe)
+            else:
+                self.popen = subprocess.Popen(
+                    [*prefix, sys.executable, *python_args, *self.args],
+                    stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+                    env=environment, start_new_session=True,
+                )
         self.pid = self.popen.pid
+
+    def _fork(self, launcher: Launcher, module: str, environment: dict, out, err, stdin_pipe: bool) -> LaunchedProcess:
+        if stdin_pipe:
+            child_stdin, ours = os.pipe()
+            stdin = os.fdopen(ours, "wb")
+        else:
+            child_stdin, stdin = os.open(os.devnull, os.O_RDONLY), None
+        try:
+            pid = launcher.start(module, self.args, environment, child_stdin, out.fileno(), err.fileno())
+        finally:
+            os.close(child_stdin)
+        return LaunchedProcess(launcher, pid, [sys.executable, "-m", module, *self.args], stdin)
 
     def stdout(self) -> str:
         with open(self.stdout_path, errors="replace") as f:
@@ -147,13 +168,23 @@ def session_members(session_id: int) -> List[int]:
 class ProcessGroup:
     """Every process a test, benchmark or ``local`` run starts; :meth:`stop_all` stops each by pid."""
 
-    def __init__(self, log_dir: Optional[str] = None):
+    def __init__(self, log_dir: Optional[str] = None, launcher: Optional[Launcher] = None):
+        """:param launcher: fork the processes from this launcher, which the caller stops; without one the group
+            starts its own with its first process and stops it in :meth:`stop_all`"""
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="ravnest-")
         self.processes: List[PeerProcess] = []
+        self.launcher, self.owns_launcher = launcher, launcher is None
+
+    def _launcher(self) -> Optional[Launcher]:
+        if os.environ.get(FRESH_PROCESSES_ENV) == "1":
+            return None
+        if self.launcher is None:
+            self.launcher = Launcher()
+        return self.launcher
 
     def start(self, args: Sequence[str], name: str, env: Optional[dict] = None,
               prefix: Sequence[str] = ()) -> PeerProcess:
-        return self._add(PeerProcess(args, self.log_dir, name, env, prefix))
+        return self._add(PeerProcess(args, self.log_dir, name, env, prefix, launcher=self._launcher()))
 
     def _add(self, process: PeerProcess) -> PeerProcess:
         self.processes.append(process)
@@ -165,7 +196,8 @@ class ProcessGroup:
         dataclass of plain values (it travels as JSON), the type of ``function``'s one parameter."""
         call = {"function": f"{function.__module__}:{function.__qualname__}", "options": dataclasses.asdict(options)}
         return self._add(PeerProcess([json.dumps(call)], self.log_dir, name, env, prefix,
-                                     python_args=("-m", "ravnest_swarm.processes"), stdin_pipe=stdin_pipe))
+                                     python_args=("-m", "ravnest_swarm.processes"), stdin_pipe=stdin_pipe,
+                                     launcher=self._launcher()))
 
     def start_python(self, script: str, args: Sequence[str], name: str) -> PeerProcess:
         """A process running a Python script given as text (e.g. a plain hivemind peer to compare with)."""
@@ -184,6 +216,9 @@ class ProcessGroup:
             except subprocess.TimeoutExpired:
                 pass
             process.kill_group()
+        if self.owns_launcher and self.launcher is not None:
+            self.launcher.close()
+            self.launcher = None
 
 
 def run_library_call(text: str) -> int:
@@ -210,8 +245,12 @@ def options_from_json(options_type: type, values: dict) -> Any:
     return options_type(**fields)
 
 
-if __name__ == "__main__":
+def main() -> None:
     try:
         sys.exit(run_library_call(sys.argv[1]))
     except Exception as error:
         sys.exit(unexpected_error_as_one_line(error))
+
+
+if __name__ == "__main__":
+    main()

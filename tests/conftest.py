@@ -11,6 +11,7 @@ from typing import Optional
 import pytest
 
 from ravnest_swarm.bench.natlab import nat_lab_available
+from commands import shared_launcher
 from ravnest_swarm.processes import ProcessGroup
 
 pytest_plugins = ["pytester"]  # test_conftest.py runs this conftest's lab rule in a throwaway pytest
@@ -94,9 +95,17 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"{LAB_REQUIRED_VARIABLE}=1 and this network-lab test skipped: {reason}"
 
 
+@pytest.fixture(scope="session")
+def launcher():
+    """One fork server for the whole session (ravnest_swarm/launcher.py, started by tests/commands.py): a test's
+    peers start in a fraction of a second instead of importing torch and hivemind each, 3-4 CPU-seconds that
+    made most of the suite's time."""
+    return shared_launcher()
+
+
 @pytest.fixture
-def processes(tmp_path):
-    group = ProcessGroup(str(tmp_path))
+def processes(tmp_path, launcher):
+    group = ProcessGroup(str(tmp_path), launcher)
     try:
         yield group
     finally:

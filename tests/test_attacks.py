@@ -9,8 +9,6 @@ late joiner last.
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -25,6 +23,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from run_observer import RunObserver
+from commands import ravnest
 from ravnest_swarm.averaging.mailbox import NOT_A_MEMBER
 from ravnest_swarm.averaging.wire import RING_HANDLER
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
@@ -146,9 +145,8 @@ def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_foll
     for name in ("v0", "v1"):
         assert "spec version" not in attacked_run.volunteers[name].stderr() + attacked_run.volunteers[name].stdout()
 
-    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "update-spec", "--initial-peers", attacked_run.maddr,
-                             "--run", attacked_run.address, "--lr", "0.02"], capture_output=True, text=True,
-                            timeout=60, env={**os.environ, **attacked_run.owner_env})
+    result = ravnest("update-spec", "--initial-peers", attacked_run.maddr, "--run", attacked_run.address, "--lr", "0.02",
+                     timeout=60, env=attacked_run.owner_env)
     assert result.returncode == 0 and "spec version 2" in result.stdout, result.stderr
     published = time.monotonic()
     for name in ("v0", "v1"):
@@ -157,10 +155,8 @@ def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_foll
     assert time.monotonic() - published < 4 * 2 + 10  # a heartbeat or two (2 s here), on a loaded 2-core machine
     attacked_run.keeps_training()
 
-    stranger = subprocess.run([sys.executable, "-m", "ravnest_swarm", "update-spec", "--initial-peers",
-                               attacked_run.maddr, "--run", attacked_run.address, "--lr", "0.5"],
-                              capture_output=True, text=True, timeout=60,
-                              env={**os.environ, OWNER_KEYS_ENV: attacked_run.owner_env[OWNER_KEYS_ENV] + "-none"})
+    stranger = ravnest("update-spec", "--initial-peers", attacked_run.maddr, "--run", attacked_run.address, "--lr", "0.5",
+                       timeout=60, env={OWNER_KEYS_ENV: attacked_run.owner_env[OWNER_KEYS_ENV] + "-none"})
     assert stranger.returncode != 0 and "no run owner key" in stranger.stderr and "Traceback" not in stranger.stderr
 
 

@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+from commands import ravnest
 
 DEAD_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt"
 VERBS = ["backbone", "join", "status", "local", "probe", "doctor", "plan", "bench", "bench plan", "bench quality",
@@ -18,8 +19,7 @@ PLANNER_TEST_OPTIONS = ["--model-gb", "--gflop-per-sample", "--activation-mb", "
 
 
 def cli(*args, timeout=90):
-    return subprocess.run([sys.executable, "-m", "ravnest_swarm", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return ravnest(*args, timeout=timeout)
 
 
 def assert_one_line_error(result, *fragments, code=None):
@@ -173,8 +173,11 @@ def test_bad_identity_file_is_one_line(verb, kind, what, tmp_path):
     flags = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity", path]
     if verb == "join":
         flags += ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a"]
-    result = subprocess.run([*prefix, sys.executable, "-m", "ravnest_swarm", verb, *flags], capture_output=True,
-                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    if prefix:  # run under setpriv: a fresh interpreter
+        result = subprocess.run([*prefix, sys.executable, "-m", "ravnest_swarm", verb, *flags], capture_output=True,
+                                text=True, timeout=60, stdin=subprocess.DEVNULL)
+    else:
+        result = ravnest(verb, *flags, timeout=60)
     assert_one_line_error(result, f"--identity {path}", what, code=2)
 
 

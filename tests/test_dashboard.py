@@ -13,6 +13,7 @@ import time
 import pytest
 from rich.console import Console
 
+from commands import ravnest
 from ravnest_swarm.bench.records import write_run_records
 from ravnest_swarm.dashboard.focus import FULL_READ_BUCKETS, sees_part
 from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
@@ -503,9 +504,7 @@ LARGE_RUN, LARGE_PEERS, LARGE_BUCKETS = "large", 320, 16  # 20 a bucket: a large
 
 
 def status_of_large_run(backbone, *flags):
-    return subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run",
-                           LARGE_RUN, *flags], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "COLUMNS": "80"})
+    return ravnest("status", "--initial-peers", backbone, "--run", LARGE_RUN, *flags, env={"COLUMNS": "80"})
 
 
 @pytest.mark.timeout(400)

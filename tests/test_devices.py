@@ -10,14 +10,13 @@ import json
 import math
 import re
 import signal
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from commands import ravnest
 from ravnest_swarm.devices import autocast_dtype, peak_memory, resolve_device
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.capabilities import measure_gflops, measure_layer_gflops
@@ -163,11 +162,6 @@ def model_gb() -> float:
     from ravnest_swarm.swarm.placement import model_workload
 
     return model_workload(worker_for(0, 1, (0, 9), "cpu", "fp32").spec, RunSpec(model="mlp-digits"), 8)[0].model_gb
-
-
-def ravnest(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ravnest_swarm", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.mark.timeout(120)

@@ -8,9 +8,6 @@ poisoned activations and gradients against a bare stage worker: ``test_hardening
 
 import asyncio
 import math
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,6 +15,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from commands import ravnest
 from ravnest_swarm.averaging.robust import CENTERED_CLIP, ROBUST_AGGREGATES, TRIMMED_MEAN, trimmed_mean
 from ravnest_swarm.averaging.segments import chunk_bounds
 from ravnest_swarm.models import get_model
@@ -185,6 +183,5 @@ def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_re
             break
         time.sleep(2)
     assert record["rejected"] == 2 and record["step"] > victim["step"], record  # and it kept training
-    table = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone, "--run", run],
-                           capture_output=True, text=True, timeout=60, env=dict(os.environ, COLUMNS="120"))
+    table = ravnest("status", "--initial-peers", backbone, "--run", run, timeout=60, env={"COLUMNS": "120"})
     assert f"refused poisoned or malformed input: {victim['name']} 2" in table.stdout, table.stdout

@@ -8,9 +8,7 @@ skips the run's schema (a backbone started without ``--run`` stores them; reader
 import asyncio
 import io
 import json
-import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +18,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from rich.cells import cell_len
 from rich.console import Console
 
+from commands import ravnest
 from ravnest_swarm.dashboard.peers_table import peers_table
 from ravnest_swarm.dashboard.state import SwarmState
 from ravnest_swarm.dashboard.view import render_text
@@ -93,15 +92,12 @@ async def write_records(maddr: str):
 
 
 def status(maddr, *flags):
-    return subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run", RUN,
-                           *flags], capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "COLUMNS": "120"})
+    return ravnest("status", "--initial-peers", maddr, "--run", RUN, *flags, timeout=90, env={"COLUMNS": "120"})
 
 
 @pytest.mark.timeout(240)
 def test_status_watch_and_join_show_hostile_names_from_the_network(processes, backbone):
-    refused = subprocess.run([sys.executable, "-m", "ravnest_swarm", "join", "--initial-peers", backbone, "--run", RUN,
-                              "--name", CONTROL], capture_output=True, text=True, timeout=90)
+    refused = ravnest("join", "--initial-peers", backbone, "--run", RUN, "--name", CONTROL, timeout=90)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert refused.stderr.strip().splitlines() == [
         r"error: --name must not contain control characters: '\x1b' at position 4"]

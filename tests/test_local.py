@@ -15,6 +15,7 @@ import pytest
 
 from process_tree import alive, descendants, kill_pids
 from waiting import output_of, wait_until
+from commands import ravnest
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 
@@ -67,9 +68,8 @@ def test_dashboard_of_a_real_local_run_in_a_terminal(tmp_path):
 
 @pytest.mark.timeout(420)
 def test_local_swarm_forms_clusters_averages_and_halves_the_loss(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "local", "--peers", "6", "--steps", "300",
-                             "--json", "--no-dashboard", "--time-limit", "360"],
-                            capture_output=True, text=True, timeout=400)
+    result = ravnest("local", "--peers", "6", "--steps", "300", "--json", "--no-dashboard", "--time-limit", "360",
+                     timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["clusters"] >= 2, summary

@@ -4,8 +4,6 @@ import asyncio
 import json
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,6 +15,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from run_observer import RunObserver
+from commands import ravnest
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_peers
@@ -41,8 +40,7 @@ def join_args(maddr, name, overrides, heartbeat=1.0):
 
 
 def status_json(maddr, run=RUN):
-    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", maddr, "--run", run,
-                             "--json"], capture_output=True, text=True, timeout=60)
+    result = ravnest("status", "--initial-peers", maddr, "--run", run, "--json", timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -1,10 +1,11 @@
 """The arithmetic of ``bench pipeline``'s figures, on traces whose answers are known."""
 
+import os
+import re
 import signal
 import subprocess
 import time
 
-import psutil
 import pytest
 
 from process_tree import alive, descendants, kill_pids
@@ -75,8 +76,9 @@ def test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab(proc
 
 
 def _is_stage(pid: int) -> bool:
-    """A stage process: the bench starts it from its options, ``python -m ravnest_swarm.processes {...}``."""
+    """A stage process: the bench names its log ``<schedule>-stage<i>.out`` (its command line is the launcher's
+    where it is forked, ravnest_swarm/launcher.py)."""
     try:
-        return any("run_stage_process" in argument for argument in psutil.Process(pid).cmdline())
-    except psutil.Error:
+        return re.search(r"-stage\d+\.out$", os.readlink(f"/proc/{pid}/fd/1")) is not None
+    except OSError:
         return False

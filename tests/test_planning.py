@@ -7,12 +7,11 @@ breakpoint pass), so these tests do not share code with what they check.
 import json
 import math
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from commands import ravnest
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
 from ravnest_swarm.planning.cost import Peer, Workload, cluster_throughput, stage_split, water_fill
@@ -118,9 +117,8 @@ def test_reported_throughput_is_the_objective_of_the_listed_clusters(tmp_path):
     peers = random_swarm(rng, 60)
     path = tmp_path / "peers.json"
     path.write_text(json.dumps([p.__dict__ for p in peers]))
-    out = subprocess.run([sys.executable, "-m", "ravnest_swarm", "plan", str(path), "--model-gb", "20",
-                          "--gflop-per-sample", "40", "--activation-mb", "0.5", "--time-limit", "3", "--json"],
-                         capture_output=True, text=True, timeout=60)
+    out = ravnest("plan", str(path), "--model-gb", "20", "--gflop-per-sample", "40", "--activation-mb", "0.5",
+                  "--time-limit", "3", "--json", timeout=60)
     assert out.returncode == 0, out.stderr
     document = json.loads(out.stdout.strip().splitlines()[-1])
     by_id = {p.peer_id: dict(ram_gb=p.ram_gb, gflops=p.gflops, bandwidth_mbps=p.bandwidth_mbps) for p in peers}
@@ -187,8 +185,7 @@ def test_same_seed_same_plan_and_never_worse_than_greedy():
 
 
 def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "ravnest_swarm", "plan", *args], capture_output=True, text=True,
-                          timeout=60)
+    return ravnest("plan", *args, timeout=60)
 
 
 GOOD_PEER = {"peer_id": "a", "ram_gb": 8, "gflops": 10, "bandwidth_mbps": 100}

@@ -2,12 +2,11 @@
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
+from commands import ravnest
 from ravnest_swarm.planning.cost import Peer, Workload
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.planning.round import GONE_POLLS, RoundTriggers, improvement, standby_reason
@@ -56,8 +55,7 @@ def test_five_peers_adopt_the_identical_plan(processes, backbone):
     # each volunteer wrote its placement into its own peer record
     deadline = time.monotonic() + 30
     while True:
-        out = subprocess.run([sys.executable, "-m", "ravnest_swarm", "status", "--initial-peers", backbone,
-                              "--run", "round5", "--json"], capture_output=True, text=True, timeout=60)
+        out = ravnest("status", "--initial-peers", backbone, "--run", "round5", "--json", timeout=60)
         assert out.returncode == 0, out.stderr
         records = {p["name"]: p for p in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
         if all(records.get(n, {}).get("layers") for n in CAPABILITIES) or time.monotonic() > deadline:

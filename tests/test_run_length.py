@@ -3,7 +3,6 @@ volunteer joining mid-run, placed within 90 s, and every peer and `status` sayin
 
 import json
 import re
-import subprocess
 import sys
 import time
 
@@ -12,14 +11,10 @@ import pytest
 from run_observer import RunObserver
 from test_dashboard import PTY_WRAPPER
 from test_swarm import MODEL_GB, placed
+from commands import ravnest
 
 RUN = "readme-flow"
 STEPS = 6000
-
-
-def ravnest(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "ravnest_swarm", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.mark.timeout(480)

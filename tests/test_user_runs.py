@@ -13,6 +13,7 @@ from process_tree import alive, descendants, kill_pids
 from run_observer import RunObserver
 from test_user_models import USER_MODELS, features_dir, text_dir
 
+from commands import ravnest
 from ravnest_swarm.membership.records import RunAddress
 from ravnest_swarm.swarm.spec import read_spec
 
@@ -110,8 +111,7 @@ def test_bad_data_is_one_line_before_anything_starts(tmp_path, verb):
     (tmp_path / "empty").mkdir()
     peer_flags = ["--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
                   "--run", "r", "--name", "a"] if verb == "join" else []
-    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", verb, *peer_flags, "--model", "gpt-tiny",
-                             "--data", str(tmp_path / "empty")], capture_output=True, text=True, timeout=60)
+    result = ravnest(verb, *peer_flags, "--model", "gpt-tiny", "--data", str(tmp_path / "empty"), timeout=60)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "holds no files" in errors[0], result.stderr

@@ -1,0 +1,218 @@
+"""A fork server for ``ravnest-swarm`` processes: one process imports torch, hivemind and the peer's modules
+once, then forks a child for each process a :class:`~ravnest_swarm.processes.ProcessGroup` starts.
+
+Why: importing torch and hivemind costs a fresh interpreter 3-4 CPU-seconds, more than most short peer
+processes spend on anything else. ``local`` starts a backbone and N peers at once, so on a 2-core machine
+its peers spent their first 10-20 seconds importing; a forked child starts with every module in place.
+
+A child is a real process: its own pid and session (like ``start_new_session``), the stdin, stdout and
+stderr its starter opened (passed over the socket), the starter's environment and working directory, the
+default signal handlers, its own random seeds; it runs the command line as ``python -m`` would, and exits
+through the normal interpreter shutdown (atexit handlers, non-daemon threads). What differs from a fresh
+interpreter is only what interpreter start-up reads: ``PYTHON*`` variables and the working directory in
+``sys.path``. :meth:`Launcher.can_start` refuses a request where those differ from the launcher's own,
+and the starter falls back to a fresh interpreter (so does anything run under a prefix, e.g. ``ip netns
+exec``). ``ps`` shows a child under the launcher's command line.
+
+The launcher serves one starter over a socket pair: requests in, ``started``/``exited`` notices out. It
+reaps its children and reports each exit code (``-N`` for a signal, as :class:`subprocess.Popen`), ignores
+the terminal's Ctrl-C (its starter stops it), and exits when its starter closes the socket.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+# every module a peer process imports on its way to training, averaging or serving as a backbone
+PRELOAD = ("torch", "hivemind", "numpy", "ravnest_swarm.cli", "ravnest_swarm.processes", "ravnest_swarm.swarm.join",
+           "ravnest_swarm.membership.volunteer", "ravnest_swarm.membership.backbone", "ravnest_swarm.planning.round",
+           "ravnest_swarm.swarm.volunteer", "ravnest_swarm.swarm.status", "ravnest_swarm.swarm.local")
+ENTRY_POINTS = {"ravnest_swarm": "ravnest_swarm.cli:main", "ravnest_swarm.processes": "ravnest_swarm.processes:main"}
+MAX_REQUEST_BYTES = 1 << 20
+REAP_PERIOD = 0.02  # seconds between looks for exited children
+
+
+class LaunchedProcess:
+    """A forked child as the starter sees it: the parts of :class:`subprocess.Popen` that processes.py uses."""
+
+    def __init__(self, launcher: "Launcher", pid: int, args: List[str], stdin):
+        self.launcher, self.pid, self.args, self.stdin = launcher, pid, args, stdin
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self.launcher.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(REAP_PERIOD)
+        return self.returncode
+
+
+class Launcher:
+    """The starter's side: starts the launcher process, then asks it for children."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.environment = {key: value for key, value in os.environ.items() if key.startswith("PYTHON")}
+        self.cwd = os.getcwd()
+        self.process = subprocess.Popen([sys.executable, "-u", "-m", "ravnest_swarm.launcher", str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        theirs.close()
+        self.socket = ours
+        self.lock = threading.Lock()
+        self.exits: Dict[int, int] = {}
+        self.closed = False
+
+    def can_start(self, env: dict) -> bool:
+        """Whether a child would start as a fresh interpreter would: same ``PYTHON*`` variables, same directory."""
+        asked = {key: value for key, value in env.items() if key.startswith("PYTHON") and key != "PYTHONUNBUFFERED"}
+        ours = {key: value for key, value in self.environment.items() if key != "PYTHONUNBUFFERED"}
+        return asked == ours and os.getcwd() == self.cwd and self.process.poll() is None
+
+    def start(self, module: str, args: Sequence[str], env: dict, stdin: int, stdout: int, stderr: int) -> int:
+        """Fork a child that runs ``python -m module args``; returns its pid."""
+        request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": os.getcwd()}).encode()
+        with self.lock:
+            socket.send_fds(self.socket, [request], [stdin, stdout, stderr])
+            while True:
+                notice = self._read(block=True)
+                if "started" in notice:
+                    return notice["started"]
+
+    def exit_code(self, pid: int) -> Optional[int]:
+        """A child's exit code, or None while it runs."""
+        with self.lock:
+            while pid not in self.exits and not self.closed:
+                if self._read(block=False) is None:
+                    break
+            if pid not in self.exits and self.closed and not pid_exists(pid):
+                return -signal.SIGKILL  # it outlived the launcher, which could not tell how it ended
+            return self.exits.get(pid)
+
+    def _read(self, block: bool) -> Optional[dict]:
+        if not block and not select.select([self.socket], [], [], 0)[0]:
+            return None
+        data = self.socket.recv(MAX_REQUEST_BYTES)
+        if not data:
+            self.closed = True
+            raise LauncherGone(f"the process launcher (pid {self.process.pid}) exited with {self.process.wait()}")
+        notice = json.loads(data)
+        if "exited" in notice:
+            self.exits[notice["exited"]] = notice["code"]
+        return notice
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the launcher, keeping the exit codes it reports last; children still running are their
+        starters' to stop."""
+        with self.lock:
+            if self.closed:
+                return
+            self.socket.shutdown(socket.SHUT_WR)
+            try:
+                while True:
+                    self._read(block=True)
+            except LauncherGone:
+                pass
+            self.socket.close()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class LauncherGone(RuntimeError):
+    """The launcher process exited (its starter closed it, or it was killed)."""
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def serve(channel: socket.socket) -> Optional[dict]:
+    """The launcher's loop; returns (in a forked child only) the request that child is to run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the starter, which stops us
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    children = set()
+    while True:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        if not select.select([channel], [], [], REAP_PERIOD)[0]:
+            continue
+        data, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST_BYTES, 3)
+        if not data:  # the starter closed its end: it is done with us
+            channel.close()
+            return None
+        pid = os.fork()
+        if pid == 0:
+            channel.close()
+            request = json.loads(data)
+            request["fds"] = fds
+            return request
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        channel.send(json.dumps({"started": pid}).encode())
+
+
+def become(request: dict) -> None:
+    """In the forked child: take the session, files, environment and signal handlers a fresh process has."""
+    import tempfile
+
+    import numpy
+
+    os.setsid()
+    for target, fd in enumerate(request["fds"]):
+        os.dup2(fd, target)
+        os.close(fd)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    numpy.random.seed()  # a fresh interpreter seeds numpy from the OS; `random` reseeds itself after a fork
+    sys.argv = [request["module"], *request["args"]]
+
+
+def main() -> None:
+    request = serve(socket.socket(fileno=int(sys.argv[1])))
+    if request is None:
+        return
+    become(request)
+    module, function = ENTRY_POINTS[request["module"]].split(":")
+    getattr(importlib.import_module(module), function)()
+
+
+if __name__ == "__main__":
+    main()
