@@ -22,6 +22,7 @@ the terminal's Ctrl-C (its starter stops it), and exits when its starter closes 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -202,7 +203,15 @@ def become(request: dict) -> None:
     os.chdir(request["cwd"])
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     numpy.random.seed()  # a fresh interpreter seeds numpy from the OS; `random` reseeds itself after a fork
-    sys.argv = [request["module"], *request["args"]]
+    sys.argv = [main_file(request["module"]), *request["args"]]
+
+
+def main_file(module: str) -> str:
+    """What ``python -m module`` puts in ``sys.argv[0]`` (click names the program from it)."""
+    spec = importlib.util.find_spec(module)
+    if spec.submodule_search_locations is not None:  # a package runs as its __main__
+        spec = importlib.util.find_spec(f"{module}.__main__")
+    return spec.origin
 
 
 def main() -> None:
