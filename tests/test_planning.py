@@ -7,6 +7,8 @@ breakpoint pass), so these tests do not share code with what they check.
 import json
 import math
 import random
+import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -283,3 +285,22 @@ def test_a_swarm_that_holds_the_model_only_beyond_the_share_limit_is_one_clear_e
     # but with the limit 1.2 a 2-stage cluster's stages hold at most 6 GB each: 6 + 3 < 10
     with pytest.raises(UserError, match=r"only if a stage takes more than 1.2 x an even split"):
         check_feasible(peers, Workload(10.0, 1.0, 0.1, 8, 1.2))
+
+
+def test_a_round_island_that_stopped_improving_rests_until_a_peer_is_excluded():
+    """A planning round's island stops evolving once its best stood for the stall limit (planning/ga.py
+    evolve_for): every peer of a round evolved until the deadline, so a round kept every core busy."""
+    peers = random_swarm(random.Random(3), 12)
+    arrays = SwarmArrays(peers, Workload(12.0, 30.0, 0.3, 4))
+    ga = IslandGA(arrays, greedy_plan(arrays), seed=1, config=replace(ROUND_GA, stall_generations=50))
+    ga.evolve_for(5.0)  # converges within a second on 12 peers, then rests
+    assert ga.stalled >= 50
+    generations, cpu, wall = ga.generation, time.process_time(), time.perf_counter()
+    ga.evolve_for(1.0)
+    assert ga.generation == generations and time.process_time() - cpu < 0.2 and time.perf_counter() - wall >= 0.99
+    ga.inject([np.full(arrays.size, -1, dtype=np.int32)])  # a worse migrant: it rests on
+    assert ga.stalled >= 50
+    ga.exclude([int(column) for column in np.flatnonzero(ga.best >= 0)[:1]])  # a peer of its best plan is gone
+    assert ga.stalled == 0
+    ga.evolve_for(0.3)
+    assert ga.generation > generations and ga.best[np.flatnonzero(ga.excluded)].tolist() == [-1]

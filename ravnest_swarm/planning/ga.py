@@ -223,6 +223,7 @@ class IslandGA:
         self.fitness, self.margin, self.clusters = arrays.evaluate(population)
         self.best_fitness = -1.0
         self.best = population[0].copy()
+        self.stalled = 0  # generations since the best last improved
         self._record_best()
 
     def _record_best(self) -> bool:
@@ -230,6 +231,7 @@ class IslandGA:
         if self.fitness[leader] > self.best_fitness:
             self.best_fitness = float(self.fitness[leader])
             self.best = self.population[leader].copy()
+            self.stalled = 0
             return True
         return False
 
@@ -291,7 +293,9 @@ class IslandGA:
         self.generation += 1
         if cfg.islands > 1 and self.generation % cfg.migration_every == 0:
             self._migrate()
-        return self._record_best() if size else False
+        improved = self._record_best() if size else False
+        self.stalled = 0 if improved else self.stalled + 1
+        return improved
 
     def _crossover(self, parents: np.ndarray, mates: np.ndarray, parent_clusters: np.ndarray) -> np.ndarray:
         """Keep a parent's fastest ``cut`` clusters whole and fill in the mate's clusters ranked ``cut`` or slower."""
@@ -406,11 +410,22 @@ class IslandGA:
             on_generation: Optional[Callable[[int, float], None]] = None) -> np.ndarray:
         """Evolve until the generation budget, the stall limit or ``time_limit`` seconds; return the best plan."""
         cfg = self.config
-        started, stalled = time.perf_counter(), 0
-        while self.generation < cfg.max_generations and stalled < cfg.stall_generations:
+        started = time.perf_counter()
+        while self.generation < cfg.max_generations and self.stalled < cfg.stall_generations:
             if time_limit is not None and time.perf_counter() - started >= time_limit:
                 break
-            stalled = 0 if self.step() else stalled + 1
+            self.step()
             if on_generation is not None:
                 on_generation(self.generation, self.best_fitness)
         return self.best
+
+    def evolve_for(self, seconds: float) -> None:
+        """Evolve for ``seconds`` (a planning round's slice); once the best has stood for the stall limit, rest
+        for the rest of it instead: a migrant better than our best, or peers excluded, start it again. Every peer
+        of a round evolved until the deadline, so a round of a few peers kept every core busy for its 10 s."""
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            if self.stalled >= self.config.stall_generations:
+                time.sleep(max(0.0, seconds - (time.perf_counter() - started)))
+                return
+            self.step()

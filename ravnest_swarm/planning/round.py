@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -38,14 +38,15 @@ from ravnest_swarm.membership.records import (
 from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
-from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_feasible, memory, uniform_layers
+from ravnest_swarm.planning.plan import (assignment_clusters, build_plan, check_feasible, ga_config_for, memory,
+                                         uniform_layers)
 
 logger = logging.getLogger(__name__)
 
 GONE_POLLS = 3
 PLAN_COPIES = 3  # adopters that write a copy of each round's plan; the others only where none is readable
 MIN_GAIN = 0.05  # a new round for standbys only when the greedy plan is this much faster: moving layers costs
-ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=10**9)
+ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9)
 
 
 @dataclass
@@ -253,7 +254,8 @@ class PlanningRounds:
         column_of = {snapshot[i].peer_id: column for column, i in enumerate(arrays.peer_index)}
         joined = get_dht_time()
         seed = zlib.crc32(f"{self.run}/{round_number}/{self.peer_id}".encode())
-        ga = IslandGA(arrays, greedy_plan(arrays), seed=seed, config=ROUND_GA)
+        ga = IslandGA(arrays, greedy_plan(arrays), seed=seed, config=replace(ROUND_GA, stall_generations=2 * ga_config_for(
+            arrays.size).stall_generations))  # a converged island rests (IslandGA.evolve_for): a round takes no more CPU
         loop = asyncio.get_running_loop()
         state = {"deadline": deadline}
         # proposals are renewed by their own task: a DHT call that waits on a dead peer's timeout must
@@ -262,7 +264,7 @@ class PlanningRounds:
         try:
             while get_dht_time() < state["deadline"] - options.settle:
                 chunk = min(0.5, state["deadline"] - options.settle - get_dht_time())
-                await loop.run_in_executor(None, _evolve_for, ga, chunk)
+                await loop.run_in_executor(None, ga.evolve_for, chunk)
                 now = get_dht_time()
                 others = await self.read_proposals(round_number, deadline_after=now)
                 state["deadline"] = min([state["deadline"]] + [p["deadline"] for p in others])
@@ -380,12 +382,6 @@ class PlanningRounds:
                 return
         await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
                               subkey=plan_subkey_prefix(record["round"]) + self.subkey)
-
-
-def _evolve_for(ga: IslandGA, seconds: float) -> None:
-    started = time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        ga.step()
 
 
 def _as_assignment(clusters: Sequence[Sequence[str]], column_of: Dict[str, int], slots: int,
