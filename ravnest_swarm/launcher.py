@@ -99,12 +99,16 @@ class Launcher:
     def exit_code(self, pid: int) -> Optional[int]:
         """A child's exit code, or None while it runs."""
         with self.lock:
-            while pid not in self.exits and not self.closed:
-                if self._read(block=False) is None:
-                    break
-            if pid not in self.exits and self.closed and not pid_exists(pid):
+            try:
+                while pid not in self.exits and not self.closed and self._read(block=False) is not None:
+                    pass
+            except LauncherGone:  # killed: its children live on, orphaned
+                pass
+            if pid in self.exits:
+                return self.exits[pid]
+            if self.closed and not pid_exists(pid):
                 return -signal.SIGKILL  # it outlived the launcher, which could not tell how it ended
-            return self.exits.get(pid)
+            return None
 
     def _read(self, block: bool) -> Optional[dict]:
         if not block and not select.select([self.socket], [], [], 0)[0]:
@@ -122,14 +126,14 @@ class Launcher:
         """Stop the launcher, keeping the exit codes it reports last; children still running are their
         starters' to stop."""
         with self.lock:
-            if self.closed:
-                return
-            self.socket.shutdown(socket.SHUT_WR)
-            try:
-                while True:
-                    self._read(block=True)
-            except LauncherGone:
-                pass
+            if not self.closed:
+                self.socket.settimeout(timeout)
+                try:
+                    self.socket.shutdown(socket.SHUT_WR)
+                    while True:
+                        self._read(block=True)
+                except (LauncherGone, OSError):  # gone, or no answer within the timeout (killed below)
+                    self.closed = True
             self.socket.close()
         try:
             self.process.wait(timeout)

@@ -175,8 +175,10 @@ class ProcessGroup:
         self.processes: List[PeerProcess] = []
         self.launcher, self.owns_launcher = launcher, launcher is None
 
-    def _launcher(self) -> Optional[Launcher]:
-        if os.environ.get(FRESH_PROCESSES_ENV) == "1":
+    def _launcher(self, prefix: Sequence[str]) -> Optional[Launcher]:
+        """The launcher to fork from, started on first use; None where the process runs under a prefix (the
+        launcher cannot fork it into ``ip netns exec``) or every process is to be a fresh interpreter."""
+        if prefix or os.environ.get(FRESH_PROCESSES_ENV) == "1":
             return None
         if self.launcher is None:
             self.launcher = Launcher()
@@ -184,7 +186,7 @@ class ProcessGroup:
 
     def start(self, args: Sequence[str], name: str, env: Optional[dict] = None,
               prefix: Sequence[str] = ()) -> PeerProcess:
-        return self._add(PeerProcess(args, self.log_dir, name, env, prefix, launcher=self._launcher()))
+        return self._add(PeerProcess(args, self.log_dir, name, env, prefix, launcher=self._launcher(prefix)))
 
     def _add(self, process: PeerProcess) -> PeerProcess:
         self.processes.append(process)
@@ -197,7 +199,7 @@ class ProcessGroup:
         call = {"function": f"{function.__module__}:{function.__qualname__}", "options": dataclasses.asdict(options)}
         return self._add(PeerProcess([json.dumps(call)], self.log_dir, name, env, prefix,
                                      python_args=("-m", "ravnest_swarm.processes"), stdin_pipe=stdin_pipe,
-                                     launcher=self._launcher()))
+                                     launcher=self._launcher(prefix)))
 
     def start_python(self, script: str, args: Sequence[str], name: str) -> PeerProcess:
         """A process running a Python script given as text (e.g. a plain hivemind peer to compare with)."""
