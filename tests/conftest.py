@@ -35,8 +35,8 @@ def lab_required() -> bool:
     return os.environ.get(LAB_REQUIRED_VARIABLE) == "1"
 
 
-# On two xdist workers (``-n 2 --dist loadgroup``; not the default, README says when it pays: most tests wait on
-# real processes, so one core sits idle while a test waits) these tests share one xdist group, so one worker runs
+# On two xdist workers (``-n 2 --dist loadgroup``; not the default: on 2 cores the suite is CPU-bound, README gives
+# the figures; it pays where cores are to spare) these tests share one xdist group, so one worker runs
 # them one after another and the other worker runs everything else beside them:
 # - big swarms (many processes each, about half the suite's time): two at once on two cores would starve
 #   each other's heartbeats and deadlines;
