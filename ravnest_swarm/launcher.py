@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+import psutil
+
 # every module a peer process imports on its way to training, averaging or serving as a backbone
 PRELOAD = ("torch", "hivemind", "numpy", "ravnest_swarm.cli", "ravnest_swarm.processes", "ravnest_swarm.swarm.join",
            "ravnest_swarm.membership.volunteer", "ravnest_swarm.membership.backbone", "ravnest_swarm.planning.round",
@@ -69,7 +71,7 @@ class Launcher:
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.environment = {key: value for key, value in os.environ.items() if key.startswith("PYTHON")}
+        self.startup_environment = startup_variables(os.environ)
         self.cwd = os.getcwd()
         self.process = subprocess.Popen([sys.executable, "-u", "-m", "ravnest_swarm.launcher", str(theirs.fileno())],
                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
@@ -82,9 +84,8 @@ class Launcher:
 
     def can_start(self, env: dict) -> bool:
         """Whether a child would start as a fresh interpreter would: same ``PYTHON*`` variables, same directory."""
-        asked = {key: value for key, value in env.items() if key.startswith("PYTHON") and key != "PYTHONUNBUFFERED"}
-        ours = {key: value for key, value in self.environment.items() if key != "PYTHONUNBUFFERED"}
-        return asked == ours and os.getcwd() == self.cwd and self.process.poll() is None
+        return (startup_variables(env) == self.startup_environment and os.getcwd() == self.cwd
+                and self.process.poll() is None)
 
     def start(self, module: str, args: Sequence[str], env: dict, stdin: int, stdout: int, stderr: int) -> int:
         """Fork a child that runs ``python -m module args``; returns its pid."""
@@ -106,7 +107,7 @@ class Launcher:
                 pass
             if pid in self.exits:
                 return self.exits[pid]
-            if self.closed and not pid_exists(pid):
+            if self.closed and not psutil.pid_exists(pid):
                 return -signal.SIGKILL  # it outlived the launcher, which could not tell how it ended
             return None
 
@@ -146,12 +147,9 @@ class LauncherGone(RuntimeError):
     """The launcher process exited (its starter closed it, or it was killed)."""
 
 
-def pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def startup_variables(env: dict) -> dict:
+    """The variables interpreter start-up reads (PYTHONUNBUFFERED aside: the launcher and every child run unbuffered)."""
+    return {key: value for key, value in env.items() if key.startswith("PYTHON") and key != "PYTHONUNBUFFERED"}
 
 
 def serve(channel: socket.socket) -> Optional[dict]:

@@ -9,18 +9,12 @@ import sys
 import psutil
 import pytest
 
+from process_tree import alive, kill_pids
 from ravnest_swarm import __version__
 from ravnest_swarm.processes import FRESH_PROCESSES_ENV, ProcessGroup
 from waiting import wait_until
 
 BACKBONE = ["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.mark.timeout(120)
@@ -51,7 +45,7 @@ def test_a_forked_peer_has_its_own_session_files_and_exit_code_and_the_launcher_
     finally:
         group.stop_all()
     assert group.launcher is None
-    wait_until(lambda: gone(launcher), 10, "the launcher exits when its group stops")
+    wait_until(lambda: not alive({launcher}), 10, "the launcher exits when its group stops")
 
 
 @pytest.mark.timeout(120)
@@ -90,8 +84,7 @@ def test_the_launcher_exits_when_its_starter_dies_without_stopping_it():
     try:
         starter.kill()
         starter.wait(10)
-        wait_until(lambda: gone(launcher), 30, "the launcher exits once its starter is gone")
+        wait_until(lambda: not alive({launcher}), 30, "the launcher exits once its starter is gone")
     finally:
         starter.kill()
-        if not gone(launcher):
-            os.kill(launcher, signal.SIGKILL)
+        kill_pids(alive({launcher}))
