@@ -11,8 +11,9 @@ default signal handlers, its own random seeds; it runs the command line as ``pyt
 through the normal interpreter shutdown (atexit handlers, non-daemon threads). What differs from a fresh
 interpreter is only what interpreter start-up reads: ``PYTHON*`` variables and the working directory in
 ``sys.path``. :meth:`Launcher.can_start` refuses a request where those differ from the launcher's own,
-and the starter falls back to a fresh interpreter (so does anything run under a prefix, e.g. ``ip netns
-exec``). ``ps`` shows a child under the launcher's command line.
+and the starter falls back to a fresh interpreter (so does anything run under a command prefix). A lab's
+host (:class:`LabHost`: a network namespace, a CPU cgroup) the child enters itself, as ``ip netns exec``
+would have put it there. ``ps`` shows a child under the launcher's command line.
 
 The launcher serves one starter over a socket pair: requests in, ``started``/``exited`` notices out. It
 reaps its children and reports each exit code (``-N`` for a signal, as :class:`subprocess.Popen`), ignores
@@ -21,6 +22,8 @@ the terminal's Ctrl-C (its starter stops it), and exits when its starter closes 
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -43,6 +46,41 @@ PRELOAD = ("torch", "hivemind", "numpy", "ravnest_swarm.cli", "ravnest_swarm.pro
 ENTRY_POINTS = {"ravnest_swarm": "ravnest_swarm.cli:main", "ravnest_swarm.processes": "ravnest_swarm.processes:main"}
 MAX_REQUEST_BYTES = 1 << 20
 REAP_PERIOD = 0.02  # seconds between looks for exited children
+NETNS_DIR = "/var/run/netns"  # where `ip netns add` binds a namespace
+CLONE_NEWNET = 0x40000000
+
+
+@dataclasses.dataclass(frozen=True)
+class LabHost:
+    """Where a network lab runs a process: inside a network namespace (``ip netns add``), and in a CPU
+    cgroup that it and its children (p2pd) join."""
+
+    netns: Optional[str] = None
+    cgroup: Optional[str] = None  # a cgroup v1 directory, e.g. /sys/fs/cgroup/cpu/<lab>-<host>
+
+    def prefix(self) -> List[str]:
+        """The command prefix that puts a fresh process there (an empty list for no namespace and no cgroup)."""
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        if self.cgroup:
+            # a shell joins the cgroup, then becomes the command, whose children stay in the cgroup; it goes
+            # first because `ip netns exec` mounts a /sys of the namespace's own, without the cgroups
+            prefix = ["sh", "-c", f'echo $$ > {self.cgroup}/cgroup.procs && exec "$@"', "sh"] + prefix
+        return prefix
+
+    def enter(self) -> None:
+        """Move this process there (a forked child, before it starts anything)."""
+        if self.cgroup:
+            with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        if self.netns:
+            # os.setns is Python 3.12's; the network namespace is all `ip netns exec` changes that a peer sees
+            descriptor = os.open(os.path.join(NETNS_DIR, self.netns), os.O_RDONLY)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(descriptor, CLONE_NEWNET) != 0:
+                    error = ctypes.get_errno()
+                    raise OSError(error, f"cannot enter network namespace {self.netns}: {os.strerror(error)}")
+            finally:
+                os.close(descriptor)
 
 
 class LaunchedProcess:
@@ -87,9 +125,11 @@ class Launcher:
         return (startup_variables(env) == self.startup_environment and os.getcwd() == self.cwd
                 and self.process.poll() is None)
 
-    def start(self, module: str, args: Sequence[str], env: dict, stdin: int, stdout: int, stderr: int) -> int:
-        """Fork a child that runs ``python -m module args``; returns its pid."""
-        request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": os.getcwd()}).encode()
+    def start(self, module: str, args: Sequence[str], env: dict, stdin: int, stdout: int, stderr: int,
+              lab_host: Optional[LabHost] = None) -> int:
+        """Fork a child that runs ``python -m module args`` (on ``lab_host`` if given); returns its pid."""
+        request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": os.getcwd(),
+                              "lab_host": dataclasses.asdict(lab_host) if lab_host else None}).encode()
         with self.lock:
             socket.send_fds(self.socket, [request], [stdin, stdout, stderr])
             while True:
@@ -206,6 +246,8 @@ def become(request: dict) -> None:
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     numpy.random.seed()  # a fresh interpreter seeds numpy from the OS; `random` reseeds itself after a fork
     sys.argv = [main_file(request["module"]), *request["args"]]
+    if request["lab_host"]:
+        LabHost(**request["lab_host"]).enter()
 
 
 def main_file(module: str) -> str:
@@ -220,7 +262,11 @@ def main() -> None:
     request = serve(socket.socket(fileno=int(sys.argv[1])))
     if request is None:
         return
-    become(request)
+    try:
+        become(request)
+    except OSError as error:  # a lab host it cannot enter: what `ip netns exec` would have said, in one line
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
     module, function = ENTRY_POINTS[request["module"]].split(":")
     getattr(importlib.import_module(module), function)()
 

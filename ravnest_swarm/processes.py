@@ -26,7 +26,7 @@ from typing import Any, Callable, List, Optional, Sequence, get_origin, get_type
 
 import psutil
 
-from ravnest_swarm.launcher import ENTRY_POINTS, LaunchedProcess, Launcher
+from ravnest_swarm.launcher import ENTRY_POINTS, LabHost, LaunchedProcess, Launcher
 from ravnest_swarm.lifecycle import unexpected_error_as_one_line
 
 MADDR_RE = re.compile(r"^/ip[46]/\S+/p2p/\S+$")
@@ -40,7 +40,8 @@ class PeerProcess:
     :param log_dir: where ``<name>.out`` and ``<name>.err`` are written
     :param name: a label for the log files
     :param env: extra environment variables
-    :param prefix: a command to run it under, e.g. ``NetLab.exec_prefix(host)`` to enter a namespace
+    :param prefix: a command to run it under (e.g. a terminal); such a process is never forked
+    :param lab_host: the lab host it runs on (``NetLab.lab_host(host)``: a namespace, a cgroup)
     :param python_args: what the interpreter runs; ``ravnest-swarm`` unless a script is given
     :param stdin_pipe: give it a pipe on stdin, for commands sent with :meth:`send` (else /dev/null)
     :param launcher: fork it from this :class:`~ravnest_swarm.launcher.Launcher` where the launcher can start
@@ -49,7 +50,7 @@ class PeerProcess:
 
     def __init__(self, args: Sequence[str], log_dir: str, name: str, env: Optional[dict] = None,
                  prefix: Sequence[str] = (), python_args: Sequence[str] = ("-m", "ravnest_swarm"),
-                 stdin_pipe: bool = False, launcher: Optional[Launcher] = None):
+                 stdin_pipe: bool = False, launcher: Optional[Launcher] = None, lab_host: Optional[LabHost] = None):
         self.args, self.name = list(args), name
         self.stdout_path = os.path.join(log_dir, f"{name}.out")
         self.stderr_path = os.path.join(log_dir, f"{name}.err")
@@ -58,23 +59,24 @@ class PeerProcess:
                   and launcher.can_start(environment))
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             if forked:
-                self.popen = self._fork(launcher, python_args[1], environment, out, err, stdin_pipe)
+                self.popen = self._fork(launcher, python_args[1], environment, out, err, stdin_pipe, lab_host)
             else:
                 self.popen = subprocess.Popen(
-                    [*prefix, sys.executable, *python_args, *self.args],
+                    [*prefix, *(lab_host.prefix() if lab_host else ()), sys.executable, *python_args, *self.args],
                     stdout=out, stderr=err, stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
                     env=environment, start_new_session=True,
                 )
         self.pid = self.popen.pid
 
-    def _fork(self, launcher: Launcher, module: str, environment: dict, out, err, stdin_pipe: bool) -> LaunchedProcess:
+    def _fork(self, launcher: Launcher, module: str, environment: dict, out, err, stdin_pipe: bool,
+              lab_host: Optional[LabHost]) -> LaunchedProcess:
         if stdin_pipe:
             child_stdin, ours = os.pipe()
             stdin = os.fdopen(ours, "wb")
         else:
             child_stdin, stdin = os.open(os.devnull, os.O_RDONLY), None
         try:
-            pid = launcher.start(module, self.args, environment, child_stdin, out.fileno(), err.fileno())
+            pid = launcher.start(module, self.args, environment, child_stdin, out.fileno(), err.fileno(), lab_host)
         finally:
             os.close(child_stdin)
         return LaunchedProcess(launcher, pid, [sys.executable, "-m", module, *self.args], stdin)
@@ -176,8 +178,8 @@ class ProcessGroup:
         self.launcher, self.owns_launcher = launcher, launcher is None
 
     def _launcher(self, prefix: Sequence[str]) -> Optional[Launcher]:
-        """The launcher to fork from, started on first use; None where the process runs under a prefix (the
-        launcher cannot fork it into ``ip netns exec``) or every process is to be a fresh interpreter."""
+        """The launcher to fork from, started on first use; None where the process runs under a command prefix
+        (the launcher cannot fork it into another command) or every process is to be a fresh interpreter."""
         if prefix or os.environ.get(FRESH_PROCESSES_ENV) == "1":
             return None
         if self.launcher is None:
@@ -185,21 +187,22 @@ class ProcessGroup:
         return self.launcher
 
     def start(self, args: Sequence[str], name: str, env: Optional[dict] = None,
-              prefix: Sequence[str] = ()) -> PeerProcess:
-        return self._add(PeerProcess(args, self.log_dir, name, env, prefix, launcher=self._launcher(prefix)))
+              prefix: Sequence[str] = (), lab_host: Optional[LabHost] = None) -> PeerProcess:
+        return self._add(PeerProcess(args, self.log_dir, name, env, prefix, launcher=self._launcher(prefix),
+                                     lab_host=lab_host))
 
     def _add(self, process: PeerProcess) -> PeerProcess:
         self.processes.append(process)
         return process
 
     def start_library(self, function: Callable[[Any], int], options: Any, name: str, env: Optional[dict] = None,
-                      prefix: Sequence[str] = (), stdin_pipe: bool = False) -> PeerProcess:
+                      lab_host: Optional[LabHost] = None, stdin_pipe: bool = False) -> PeerProcess:
         """A process that runs ``function(options)`` and exits with its return value; ``options`` is a
         dataclass of plain values (it travels as JSON), the type of ``function``'s one parameter."""
         call = {"function": f"{function.__module__}:{function.__qualname__}", "options": dataclasses.asdict(options)}
-        return self._add(PeerProcess([json.dumps(call)], self.log_dir, name, env, prefix,
+        return self._add(PeerProcess([json.dumps(call)], self.log_dir, name, env,
                                      python_args=("-m", "ravnest_swarm.processes"), stdin_pipe=stdin_pipe,
-                                     launcher=self._launcher(prefix)))
+                                     launcher=self._launcher(()), lab_host=lab_host))
 
     def start_python(self, script: str, args: Sequence[str], name: str) -> PeerProcess:
         """A process running a Python script given as text (e.g. a plain hivemind peer to compare with)."""

@@ -25,7 +25,7 @@ ALLOWED = {
     "swarm": {"net", "membership", "planning", "pipeline", "averaging", "models", "dashboard", "checkpoint",
               "processes"},
     "bench": {"net", "membership", "planning", "pipeline", "averaging", "models", "dashboard", "checkpoint",
-              "processes", "swarm"},
+              "processes", "launcher", "swarm"},
     "cli": {"net", "membership", "planning", "pipeline", "averaging", "models", "dashboard", "checkpoint",
             "processes", "swarm", "bench"},
     "__main__": {"cli"},

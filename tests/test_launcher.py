@@ -11,7 +11,9 @@ import pytest
 
 from process_tree import alive, kill_pids
 from ravnest_swarm import __version__
-from ravnest_swarm.processes import FRESH_PROCESSES_ENV, ProcessGroup
+from ravnest_swarm.bench.netlab import NetLab, cpu_quota_unavailable
+from ravnest_swarm.launcher import NETNS_DIR, LabHost
+from ravnest_swarm.processes import FRESH_PROCESSES_ENV, ProcessGroup, session_members
 from waiting import wait_until
 
 BACKBONE = ["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
@@ -64,6 +66,37 @@ def test_what_the_launcher_cannot_start_as_a_fresh_interpreter_would_starts_a_fr
         assert psutil.Process(asked.pid).ppid() == os.getpid() and asked.wait(30) == 0
         assert asked.stdout() == f"ravnest-swarm {__version__}\n"
         assert psutil.Process(forked.pid).ppid() == group.launcher.process.pid
+    finally:
+        group.stop_all()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.netns
+def test_a_peer_forked_onto_a_lab_host_runs_in_its_namespace_and_cgroup_with_its_p2pd(tmp_path):
+    """The NAT tests and lab benches fork their peers too: the child enters the host as `ip netns exec` would
+    have put a fresh interpreter there (and the host's CPU cgroup, where this machine has cgroup v1's)."""
+    quota = cpu_quota_unavailable() is None
+    group = ProcessGroup(str(tmp_path))
+    try:
+        with NetLab(1, cpus=0.5 if quota else None) as lab:
+            host = lab.lab_host(0)
+            backbone = group.start(["backbone", "--host-maddrs", lab.host_maddr(0)], "backbone", lab_host=host)
+            assert all(maddr.startswith(lab.host_maddr(0)) for maddr in backbone.maddrs())  # bound inside the host
+            assert psutil.Process(backbone.pid).ppid() == group.launcher.process.pid
+            namespace = os.stat(os.path.join(NETNS_DIR, host.netns)).st_ino
+            members = session_members(backbone.pid)
+            assert any(psutil.Process(pid).name() == "p2pd" for pid in members), members
+            for pid in members:  # the peer, its DHT process and its p2pd
+                assert os.stat(f"/proc/{pid}/ns/net").st_ino == namespace, psutil.Process(pid).cmdline()
+                if quota:
+                    with open(f"/proc/{pid}/cgroup") as f:
+                        assert os.path.basename(host.cgroup) in f.read()
+            assert backbone.stop(grace=20) == 0
+
+            nowhere = group.start(["--version"], "nowhere", lab_host=LabHost(netns=f"{host.netns}-missing"))
+            assert nowhere.wait(30) == 1 and nowhere.stdout() == ""
+            assert nowhere.stderr().strip().splitlines() == [
+                f"error: [Errno 2] No such file or directory: '{NETNS_DIR}/{host.netns}-missing'"]
     finally:
         group.stop_all()
 

@@ -45,19 +45,19 @@ def make_lab(processes):
 
 def start_backbone(processes, lab):
     return processes.start(["backbone", "--host-maddrs", lab.public_maddr(0)], "backbone",
-                           prefix=lab.public_prefix(0)).maddrs()[0]
+                           lab_host=lab.public_host(0)).maddrs()[0]
 
 
-def start_volunteer(processes, backbone, name, host_maddr, prefix):
+def start_volunteer(processes, backbone, name, host_maddr, lab_host):
     """A real ``join`` (planning-only mode, measurements overridden except reachability, which it asks the
     backbone for); it idles as a standby and serves its probe handler."""
     return processes.start(["join", "--initial-peers", backbone, "--run", RUN, "--name", name, "--host-maddrs",
                             host_maddr, "--model-gb", "1", "--min-peers", "50", "--no-dashboard", "--ram-gb", "4",
-                            "--gflops", "10", "--bandwidth-mbps", "100", "--heartbeat", "2"], name, prefix=prefix)
+                            "--gflops", "10", "--bandwidth-mbps", "100", "--heartbeat", "2"], name, lab_host=lab_host)
 
 
-def run_json(processes, args, name, prefix, timeout=90):
-    process = processes.start(args, name, prefix=prefix)
+def run_json(processes, args, name, lab_host, timeout=90):
+    process = processes.start(args, name, lab_host=lab_host)
     assert process.wait(timeout) == 0, process.stderr()[-3000:]
     return json.loads(process.stdout().strip().splitlines()[-1])
 
@@ -73,7 +73,7 @@ def observe_until(processes, backbone, lab, name, check, what, timeout):
     deadline = time.monotonic() + timeout
     while True:
         peers = run_json(processes, ["status", "--json", "--run", RUN, "--initial-peers", backbone],
-                         f"status{len(processes.processes)}", lab.public_prefix(1))["peers"]
+                         f"status{len(processes.processes)}", lab.public_host(1))["peers"]
         record = next((p for p in peers if p["name"] == name), None)
         if record is not None and check(record):
             return record
@@ -81,10 +81,10 @@ def observe_until(processes, backbone, lab, name, check, what, timeout):
         time.sleep(1.0)
 
 
-def connects(prefix, ip, port, timeout=2.0) -> bool:
+def connects(lab_host, ip, port, timeout=2.0) -> bool:
     """Whether a TCP connection from inside a namespace to ``ip:port`` succeeds."""
     code = f"import socket; socket.create_connection(({ip!r}, {port}), {timeout})"
-    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True).returncode == 0
+    return subprocess.run([*lab_host.prefix(), sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 @pytest.mark.timeout(60)
@@ -92,16 +92,16 @@ def test_lab_nat_lets_home_out_and_nothing_in(processes):
     listeners = []
     with NatLab(1, 1) as lab:
         try:
-            for prefix in (lab.public_prefix(0), lab.home_prefix(0)):
-                listeners.append(subprocess.Popen([*prefix, sys.executable, "-c",
+            for lab_host in (lab.public_host(0), lab.home_host(0)):
+                listeners.append(subprocess.Popen([*lab_host.prefix(), sys.executable, "-c",
                     "import socket,time; s=socket.create_server(('0.0.0.0', 40000)); print('listening', flush=True); "
                     "time.sleep(60)"], stdout=subprocess.PIPE, text=True))
             for listener in listeners:  # else the refusals below would prove nothing
                 assert listener.stdout.readline() == "listening\n"
-            assert connects(lab.home_prefix(0), lab.public_ip(0), 40000), "home host cannot reach the public side"
+            assert connects(lab.home_host(0), lab.public_ip(0), 40000), "home host cannot reach the public side"
             # the router's public address answers nothing unsolicited, and home LANs are not routed publicly
-            assert not connects(lab.public_prefix(0), lab.router_ip(0), 40000)
-            assert not connects(lab.public_prefix(0), lab.home_ip(0), 40000)
+            assert not connects(lab.public_host(0), lab.router_ip(0), 40000)
+            assert not connects(lab.public_host(0), lab.home_ip(0), 40000)
             names = lab.namespaces()
         finally:
             for listener in listeners:
@@ -115,11 +115,11 @@ def test_lab_nat_lets_home_out_and_nothing_in(processes):
 def test_volunteer_behind_nat_is_relay_and_answers_a_public_peer(processes, make_lab):
     lab = make_lab(3, 1)
     backbone = start_backbone(processes, lab)
-    start_volunteer(processes, backbone, "home", lab.home_maddr(0), lab.home_prefix(0))
-    doctor = processes.start(["doctor", "--initial-peers", backbone], "doctor", prefix=lab.home_prefix(0))
+    start_volunteer(processes, backbone, "home", lab.home_maddr(0), lab.home_host(0))
+    doctor = processes.start(["doctor", "--initial-peers", backbone], "doctor", lab_host=lab.home_host(0))
     observe(processes, backbone, lab, "home", "relay")
     result = run_json(processes, ["probe", "--initial-peers", backbone, "--run", RUN, "--peer", "home", "--mb", "1",
-                                  "--host-maddrs", lab.public_maddr(2)], "probe", lab.public_prefix(2))
+                                  "--host-maddrs", lab.public_maddr(2)], "probe", lab.public_host(2))
     # the public peer's tensor reached the NATed volunteer, which counted every byte in its reply
     assert result["bytes"] == 2**20 and result["route"] == "reversed"
     assert next(iter(result["backbones"].values())).get("reversals", 0) >= 1
@@ -132,10 +132,10 @@ def test_volunteer_behind_nat_is_relay_and_answers_a_public_peer(processes, make
 def test_public_volunteer_is_direct_and_uses_no_relay(processes, make_lab):
     lab = make_lab(3, 0)
     backbone = start_backbone(processes, lab)
-    start_volunteer(processes, backbone, "public", lab.public_maddr(2), lab.public_prefix(2))
+    start_volunteer(processes, backbone, "public", lab.public_maddr(2), lab.public_host(2))
     observe(processes, backbone, lab, "public", "direct")
     result = run_json(processes, ["probe", "--initial-peers", backbone, "--run", RUN, "--peer", "public", "--mb", "1",
-                                  "--host-maddrs", lab.public_maddr(1)], "probe", lab.public_prefix(1))
+                                  "--host-maddrs", lab.public_maddr(1)], "probe", lab.public_host(1))
     assert result["bytes"] == 2**20 and result["route"] == "direct"
     # the backbone passed no reversal and forwarded nothing
     stats = next(iter(result["backbones"].values()))
@@ -148,12 +148,12 @@ def test_two_stage_pipeline_with_a_stage_behind_nat_trains(processes, make_lab, 
     backbone = start_backbone(processes, lab)
     common = ["--initial-peers", backbone, "--run", RUN, "--stages", "2", "--model", "mlp-digits",
               "--microbatches", "60", "--microbatch-size", "32", "--max-in-flight", "4", "--lr", "0.1"]
-    places = [(lab.public_maddr(1), lab.public_prefix(1)), (lab.home_maddr(0), lab.home_prefix(0))]
+    places = [(lab.public_maddr(1), lab.public_host(1)), (lab.home_maddr(0), lab.home_host(0))]
     stages = []
-    for index, (layers, (maddr, prefix)) in enumerate(zip(("0:5", "5:9"), places)):
+    for index, (layers, (maddr, lab_host)) in enumerate(zip(("0:5", "5:9"), places)):
         stages.append(processes.start(
             ["stage", *common, "--stage", str(index), "--layers", layers, "--host-maddrs", maddr,
-             "--report", str(tmp_path / f"report{index}.json")], f"stage{index}", prefix=prefix))
+             "--report", str(tmp_path / f"report{index}.json")], f"stage{index}", lab_host=lab_host))
     for index, stage in enumerate(stages):
         assert stage.wait(200) == 0, f"stage {index}: {stage.stderr()[-3000:]}"
     first, last = read_report(str(tmp_path), 0), read_report(str(tmp_path), 1)
@@ -177,7 +177,7 @@ def test_two_volunteers_behind_two_nats_average_through_the_backbone(processes, 
                 "--host-maddrs", lab.home_maddr(cluster), "--out", str(tmp_path / f"c{cluster}.safetensors")]
         if cluster == 0:
             args += ["--publish-plan", "2"]
-        peers.append(processes.start(args, f"c{cluster}", prefix=lab.home_prefix(cluster)))
+        peers.append(processes.start(args, f"c{cluster}", lab_host=lab.home_host(cluster)))
     expected = torch.stack([torch.cat([synthetic_layer(seed, k, j, n) for j, n in enumerate(sizes)])
                             for k in range(2)]).mean(0)
     for cluster, peer in enumerate(peers):
@@ -194,26 +194,27 @@ def test_two_volunteers_behind_two_nats_average_through_the_backbone(processes, 
 @pytest.mark.parametrize("joiner", ["public", "behind-nat"])
 def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes, make_lab, tmp_path, joiner):
     """The only holder of the trained layers is behind NAT (no inbound connection reaches it). A public
-    late joiner has the backbone ask it to dial back (connection reversal); a joiner behind another NAT,
+    late joiner has the backbone ask it to dial back (connection reversal), unless the holder's own first
+    averaging call reached it first and its connection is already open; a joiner behind another NAT,
     which the holder cannot dial either, gets each layer in one message through the backbone's
     forwarding. Either downloads every layer mid-run and continues at the holder's step."""
     behind_nat = joiner == "behind-nat"
     lab = make_lab(2, 2) if behind_nat else make_lab(3, 1)
     backbone = start_backbone(processes, lab)
 
-    def join(name, maddr, prefix):
+    def join(name, maddr, lab_host):
         # each can hold the whole model: a cluster of its own; a checkpoint only at placement and at exit
         return processes.start(["join", "--initial-peers", backbone, "--run", RUN, "--name", name, "--no-dashboard",
                                 "--model", "mlp-digits", "--steps", "100000", "--min-peers", "1", "--heartbeat", "2",
                                 "--round-seconds", "6", "--ram-gb", f"{MODEL_GB * 1.5:.9f}", "--gflops", "20",
                                 "--bandwidth-mbps", "100", "--host-maddrs", maddr, "--checkpoint-dir", str(tmp_path),
-                                "--checkpoint-every", "100000"], name, prefix=prefix)
+                                "--checkpoint-every", "100000"], name, lab_host=lab_host)
 
-    home = join("home", lab.home_maddr(0), lab.home_prefix(0))
+    home = join("home", lab.home_maddr(0), lab.home_host(0))
     observe_until(processes, backbone, lab, "home", lambda r: r["reachability"] == "relay" and (r.get("step") or 0) >= 40,
                   "behind NAT past step 40", 150)
-    late = join("late", *((lab.home_maddr(1), lab.home_prefix(1)) if behind_nat else
-                          (lab.public_maddr(2), lab.public_prefix(2))))
+    late = join("late", *((lab.home_maddr(1), lab.home_host(1)) if behind_nat else
+                          (lab.public_maddr(2), lab.public_host(2))))
     started = late.wait_for_output(r"late: training cluster \d+ stage 0/1 layers 0:\d+ from step (\d+)", 150,
                                    stream="stderr")
     step = int(started.group(1))
@@ -221,7 +222,9 @@ def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes,
     every_layer = list(range(len(get_model("mlp-digits").layers)))
     log = late.stderr()
     assert f"late: downloading layers {every_layer}" in log and "keeping this layer's local weights" not in log, log[-3000:]
-    assert (": forward via backbone" if behind_nat else ": reversed via backbone") in log, log[-3000:]
+    routes = ([": forward via backbone"] if behind_nat else
+              [": reversed via backbone", ": direct over a connection already open"])
+    assert any(route in log for route in routes), log[-3000:]
     # its checkpoint, written right after the download, holds the holder's trained layers at that step
     late_layers, late_step = checkpoint_layers(tmp_path / f"{RUN}-late.safetensors")
     assert late_step == step and sorted(late_layers) == every_layer

@@ -32,7 +32,7 @@ CPU_QUOTA_UNAVAILABLE = namespaces_unavailable() or cpu_quota_unavailable()
 @pytest.mark.skipif(CPU_QUOTA_UNAVAILABLE is not None, reason=f"needs namespaces and a cgroup v1 cpu controller: {CPU_QUOTA_UNAVAILABLE}")
 def test_a_host_with_a_cpu_quota_gets_that_share_and_nothing_is_left_behind():
     with NetLab(2, cpus=0.25) as lab:
-        done = subprocess.run(lab.exec_prefix(1) + [sys.executable, "-c", BURN], capture_output=True, text=True,
+        done = subprocess.run(lab.lab_host(1).prefix() + [sys.executable, "-c", BURN], capture_output=True, text=True,
                               timeout=30)
         cgroup = lab.cgroup(1)
         assert os.path.isdir(cgroup)

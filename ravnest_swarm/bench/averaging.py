@@ -101,7 +101,7 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
             started = progress.add_task("starting peers", total=clusters * stages)
             backbone = group.start_library(run_backbone_process, BackboneOptions(
                 host_maddrs=[lab.host_maddr(0)], announce_maddrs=[lab.announce_maddr(0)]), "backbone",
-                prefix=lab.exec_prefix(0))
+                lab_host=lab.lab_host(0))
             initial = next(m for m in backbone.maddrs(60) if m.startswith(lab.announce_maddr(0)))
             host = 1
             for k, cuts in enumerate(layouts):
@@ -118,7 +118,7 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
                         host_maddrs=[lab.host_maddr(host)], announce_maddrs=[lab.announce_maddr(host)],
                         plan_timeout=120.0, publish_plan=0 if peers else clusters * stages)
                     peers[name] = group.start_library(run_averaging_peer_process, options, name,
-                                                      prefix=lab.exec_prefix(host))
+                                                      lab_host=lab.lab_host(host))
                     host += 1
             times = {}
             for phase in phases:

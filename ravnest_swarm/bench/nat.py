@@ -29,22 +29,22 @@ def bench_nat(size_mb: float, repeats: int, mbps: Optional[float], as_json: bool
     try:
         with NatLab(public=3, homes=2, mbps=mbps) as lab:
             backbone = group.start_library(run_backbone_process, BackboneOptions(host_maddrs=[lab.public_maddr(0)]),
-                                           "backbone", prefix=lab.public_prefix(0)).maddrs()[0]
-            volunteers = (("public", lab.public_maddr(2), lab.public_prefix(2)),
-                          ("home", lab.home_maddr(0), lab.home_prefix(0)))
-            for name, maddr, prefix in volunteers:
+                                           "backbone", lab_host=lab.public_host(0)).maddrs()[0]
+            volunteers = (("public", lab.public_maddr(2), lab.public_host(2)),
+                          ("home", lab.home_maddr(0), lab.home_host(0)))
+            for name, maddr, host in volunteers:
                 group.start_library(run_join, JoinOptions(
                     initial_peers=[backbone], run=RUN, name=name, host_maddrs=[maddr], model_gb=1.0, min_peers=50,
-                    dashboard=False, ram_gb=4.0, gflops=10.0, bandwidth_mbps=100.0), name, prefix=prefix)
-            paths = (("direct", "public", lab.public_maddr(1), lab.public_prefix(1)),
-                     ("reversed", "home", lab.public_maddr(1), lab.public_prefix(1)),
-                     ("forward", "home", lab.home_maddr(1), lab.home_prefix(1)))
+                    dashboard=False, ram_gb=4.0, gflops=10.0, bandwidth_mbps=100.0), name, lab_host=host)
+            paths = (("direct", "public", lab.public_maddr(1), lab.public_host(1)),
+                     ("reversed", "home", lab.public_maddr(1), lab.public_host(1)),
+                     ("forward", "home", lab.home_maddr(1), lab.home_host(1)))
             for repeat in range(repeats):
-                for path, target, maddr, prefix in paths:
+                for path, target, maddr, host in paths:
                     # a fresh prober each time: the route is chosen from scratch, as by a new neighbour
                     probe = group.start_library(run_probe_process, ProbeOptions(
                         initial_peers=[backbone], run=RUN, peer=target, mb=size_mb, host_maddrs=[maddr], timeout=30.0),
-                        f"probe-{path}-{repeat}", prefix=prefix)
+                        f"probe-{path}-{repeat}", lab_host=host)
                     if probe.wait(240) != 0:
                         raise RuntimeError(f"probe over {path} failed: {probe.stderr()[-2000:]}")
                     result = json.loads(probe.stdout().strip().splitlines()[-1])

@@ -29,6 +29,7 @@ import shutil
 from typing import List, Optional
 
 from ravnest_swarm.bench.netlab import LAB_PREFIX, _run, remove_stale_labs, tbf_args
+from ravnest_swarm.launcher import LabHost
 
 LISTEN_PORT = 40000
 
@@ -105,12 +106,13 @@ class NatLab:
     def home_maddr(self, home: int, port: int = LISTEN_PORT) -> str:
         return f"/ip4/{self.home_ip(home)}/tcp/{port}"
 
-    def public_prefix(self, host: int) -> List[str]:
-        """Prefix that runs a command on public host ``host`` (``ProcessGroup.start(prefix=...)``)."""
-        return ["ip", "netns", "exec", self.public(host)]
+    def public_host(self, host: int) -> LabHost:
+        """Where a process on public host ``host`` runs (``ProcessGroup.start(lab_host=...)``; ``.prefix()`` for
+        a command)."""
+        return LabHost(netns=self.public(host))
 
-    def home_prefix(self, home: int) -> List[str]:
-        return ["ip", "netns", "exec", self.home(home)]
+    def home_host(self, home: int) -> LabHost:
+        return LabHost(netns=self.home(home))
 
     def describe(self) -> dict:
         return {"mode": "netns+nat", "public": self.public_count, "homes": self.home_count, "mbps": self.mbps,

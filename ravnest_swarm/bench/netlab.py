@@ -18,7 +18,7 @@ Topology (root needed; addresses only inside 198.18.0.0/15)::
 * Without root (or without ``ip``), the lab runs on 127.0.0.1 with the same relays and no rate limit,
   and :attr:`NetLab.mode` says ``"loopback"``.
 * Optionally each host also gets its own CPU (``cpus``): a cgroup with a CFS quota of that many cores,
-  which every process started with :meth:`NetLab.exec_prefix` (and its children, such as p2pd) joins.
+  which every process started on :meth:`NetLab.lab_host` (and its children, such as p2pd) joins.
   Hosts on one machine otherwise share its cores, so a host that idles lends its CPU to the others,
   which separate computers cannot do. The relays stay outside: they are the network.
 
@@ -40,6 +40,8 @@ import sys
 import tempfile
 from collections import deque
 from typing import List, Optional, Sequence
+
+from ravnest_swarm.launcher import LabHost
 
 LAB_PREFIX = "rvlab"
 HUB_SUFFIX = "hub"
@@ -172,14 +174,11 @@ class NetLab:
     def cgroup(self, host: int) -> str:
         return os.path.join(CPU_CGROUP, f"{self.tag}-{host}")
 
-    def exec_prefix(self, host: int) -> List[str]:
-        """Prefix for a command that must run inside ``host`` (empty on loopback without a CPU quota)."""
-        prefix = ["ip", "netns", "exec", self.namespace(host)] if self.mode == "netns" else []
-        if self.cpus is not None:
-            # a shell joins the host's cgroup, then becomes the command, whose children stay in the cgroup; it
-            # goes first because `ip netns exec` mounts a /sys of the namespace's own, without the cgroups
-            prefix = ["sh", "-c", f'echo $$ > {self.cgroup(host)}/cgroup.procs && exec "$@"', "sh"] + prefix
-        return prefix
+    def lab_host(self, host: int) -> LabHost:
+        """Where a process of ``host`` runs (``ProcessGroup.start(lab_host=...)``; ``.prefix()`` for a command):
+        its namespace and CPU cgroup, neither on loopback without a CPU quota."""
+        return LabHost(netns=self.namespace(host) if self.mode == "netns" else None,
+                       cgroup=self.cgroup(host) if self.cpus is not None else None)
 
     def describe(self) -> dict:
         description = {"mode": self.mode, "hosts": self.hosts, "mbps": self.mbps, "delay_ms": self.delay_ms,

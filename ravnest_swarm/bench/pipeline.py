@@ -109,17 +109,17 @@ def measure_transfer(group, lab, name: str, megabytes: float, emulated: bool) ->
                                         lab.listen_port(1, TRANSFER_TCP_PORT), lab.announce_maddr(1, TRANSFER_P2P_PORT))
         dial_p2p = lab.announce_maddr(1, TRANSFER_P2P_PORT)
         dial_tcp = (lab.hub_ip(1), lab.relay_port(1, TRANSFER_TCP_PORT))
-        sender_maddr, prefixes = lab.host_maddr(0, TRANSFER_P2P_PORT), (lab.exec_prefix(1), lab.exec_prefix(0))
+        sender_maddr, hosts = lab.host_maddr(0, TRANSFER_P2P_PORT), (lab.lab_host(1), lab.lab_host(0))
     else:
         port = lab.listen_port(1, TRANSFER_TCP_PORT) + 7
         dial_p2p = f"/ip4/127.0.0.1/tcp/{port + 1}"
         receiver = TransferServeOptions(dial_p2p, "127.0.0.1", port)
-        dial_tcp, sender_maddr, prefixes = ("127.0.0.1", port), "/ip4/127.0.0.1/tcp/0", ([], [])
-    server = group.start_library(run_transfer_serve, receiver, f"{name}-serve", prefix=prefixes[0])
+        dial_tcp, sender_maddr, hosts = ("127.0.0.1", port), "/ip4/127.0.0.1/tcp/0", (None, None)
+    server = group.start_library(run_transfer_serve, receiver, f"{name}-serve", lab_host=hosts[0])
     try:
         peer = server.wait_for_output(r"^ready (\S+)$", 120).group(1)
         sender = group.start_library(run_transfer_send, TransferSendOptions(
-            sender_maddr, peer, dial_p2p, *dial_tcp, megabytes=megabytes), f"{name}-send", prefix=prefixes[1])
+            sender_maddr, peer, dial_p2p, *dial_tcp, megabytes=megabytes), f"{name}-send", lab_host=hosts[1])
         sender.wait(300)
         if sender.popen.returncode != 0:
             raise UserError(f"transfer probe failed: {sender.stderr()[-500:]}", 1)
@@ -167,7 +167,7 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
             backbone_host = stages
             backbone = group.start_library(run_backbone_process, BackboneOptions(
                 host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)]),
-                "backbone", prefix=lab.exec_prefix(backbone_host))
+                "backbone", lab_host=lab.lab_host(backbone_host))
             initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
             for schedule in ("async", "sync"):
                 task = progress.add_task(f"{schedule} pipeline", total=microbatches)
@@ -224,7 +224,7 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
                                   next=peer_ids[index + 1] if index + 1 < len(ranges) else None))
         processes.append(group.start_library(run_stage_process, StageProcessOptions(
             config, [initial], host_maddrs=[lab.host_maddr(index)], announce_maddrs=[lab.announce_maddr(index)],
-            report=report, identity=identities[index]), f"{schedule}-stage{index}", prefix=lab.exec_prefix(index)))
+            report=report, identity=identities[index]), f"{schedule}-stage{index}", lab_host=lab.lab_host(index)))
     first = processes[0]
     deadline = time.monotonic() + 600
     while any(p.popen.poll() is None for p in processes):

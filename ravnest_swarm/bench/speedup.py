@@ -203,10 +203,10 @@ class SpeedupRun:
                 on_progress(f"starting {backbone_host} peers and a backbone", 0)
                 backbone = group.start_library(run_backbone_process, BackboneOptions(
                     host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)],
-                    runs=[RUN]), "backbone", prefix=lab.exec_prefix(backbone_host))
+                    runs=[RUN]), "backbone", lab_host=lab.lab_host(backbone_host))
                 initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
                 peers = {name: group.start_library(run_join, self._join_options(lab, host, initial), name,
-                                                   prefix=lab.exec_prefix(host))
+                                                   lab_host=lab.lab_host(host))
                          for host, name in enumerate(self.names)}
                 cgroups = {name: lab.cgroup(host) for host, name in enumerate(self.names)} if lab.cpus else {}
                 placements = self._watch(peers, cgroups, on_progress)

@@ -223,6 +223,8 @@ class Routes:
                 return "forward"
             if await self._connected(peer_id):
                 # a connection it opened to us counts as direct too: either side dialling is enough
+                if route is None:
+                    logger.info(f"route to {peer_id}: direct over a connection already open")
                 self.chosen[peer_id] = route or ("direct", None)
                 return self.chosen[peer_id][0]
             problems = []
