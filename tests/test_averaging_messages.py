@@ -8,17 +8,22 @@ No network: metadata is fed as msgpack bytes, as the handler reads it; the mailb
 calls it.
 """
 
+import asyncio
+import time
+
 import msgpack
 import pytest
 import torch
-from hivemind.compression import serialize_torch_tensor
+from hivemind.compression import NoCompression, serialize_torch_tensor
+from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.averaging.averager import TURNED_AWAY
 from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
                                              OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox)
+from ravnest_swarm.averaging.ring import RingPeer, RingRound, RoundLog
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.averaging.wire import (FAILURE_CHARS, MAX_STRIPES, RING_HANDLER, ROUND_OVER, RingAbort, RingArrive,
+from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, MAX_STRIPES, RING_HANDLER, ROUND_OVER, RingAbort, RingArrive,
                                           RingPart, RingReply, RingRequest, decode_ring_message)
 from ravnest_swarm.net.messages import HANDLERS, MessageError, decode_message
 
@@ -212,3 +217,77 @@ def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected()
     honest.append(refused(box.note, RingArrive(**note()), B))
     assert all(any(marker in reason for marker in TURNED_AWAY) for reason in honest), honest
     assert not any(marker in reason for reason in hostile for marker in TURNED_AWAY), hostile
+
+
+# ---- a ring round meeting a member whose round is over --------------------------------------------------------
+
+class NotesTo:
+    """The ring's sender as RingRound uses it for notes: every member is here; the notes sent are kept."""
+
+    run = "demo"
+
+    def __init__(self):
+        self.sent = []
+
+    async def send_note(self, member, note, deadline):
+        self.sent.append((member, note))
+        return RingReply(arrived=True)
+
+
+def ring_round(attempt, timeout=5.0):
+    box = mailbox()
+    peer = RingPeer(peer_id=ME, mailbox=box, sender=NotesTo(), background=asyncio.get_running_loop().create_task,
+                    timeout=timeout, compression=NoCompression(), part_bytes=1 << 20, max_scale=100.0,
+                    attempt=attempt)
+    return RingRound(peer, ROUND, RINGS[0], torch.zeros(1000), RoundLog())
+
+
+class Attempt:
+    def __init__(self, run):
+        self.run = run
+
+
+def test_a_member_past_the_round_because_another_excluded_it_is_left_out_once_that_note_comes():
+    """B refused C's contribution and told the ring in the background; C's round ended when its note came. Our
+    attempt reaches C before B's note reaches us: C answers that the round is over. That is not the ring's
+    failure: the note is on its way, and the ring runs again with B alone, as every other member does."""
+    async def scenario():
+        attempts = []
+
+        def attempt(ring, members, deadline):
+            attempts.append(members)
+
+            async def run():
+                if len(attempts) == 1:
+                    loop = asyncio.get_running_loop()
+                    loop.call_later(0.3, ring.peer.mailbox.note, RingAbort(**note(excluded=[C])), B)
+                    raise P2PHandlerError(f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER} "
+                                          f"(last finished {ROUND})")
+                return torch.ones(1000)
+            return Attempt(run)
+
+        round_ = ring_round(attempt)
+        result = await round_.run(time.monotonic(), None)
+        assert attempts == [[ME, B, C], [ME, B]]
+        assert (result.status, result.members) == ("ok", 2) and torch.equal(round_.segment, torch.ones(1000))
+        assert not [note for _, note in round_.peer.sender.sent if isinstance(note, RingAbort)]  # nobody told to stop
+
+    asyncio.run(scenario())
+
+
+def test_a_member_past_the_round_with_no_note_after_it_fails_the_ring_and_tells_the_others():
+    async def scenario():
+        def attempt(ring, members, deadline):
+            async def run():
+                raise P2PHandlerError(f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER}")
+            return Attempt(run)
+
+        round_ = ring_round(attempt)
+        started = time.monotonic()
+        result = await round_.run(started, None)
+        assert result.status == "failed" and ROUND_OVER in result.detail
+        assert CONTROL_TIMEOUT <= time.monotonic() - started < CONTROL_TIMEOUT + 2  # waited for a note, no longer
+        await asyncio.sleep(0.1)  # the notes go in the background
+        assert {member for member, note in round_.peer.sender.sent if isinstance(note, RingAbort)} == {B, C}
+
+    asyncio.run(scenario())

@@ -14,7 +14,9 @@ in time ends that ring only, the segment keeps its local value, and the other me
 once. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
-receiver names that sender, tells the ring, and the remaining members run the ring again without it.
+receiver names that sender, tells the ring, and the remaining members run the ring again without it; a
+member still in the first attempt when the sender, already told, answers that the round is over for it waits
+for that note instead of failing the ring.
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ class RingRound:
             self._exclude(e, members)
             return None
         except (asyncio.TimeoutError, Exception) as e:
+            if ROUND_OVER in str(e) and await self._note_on_its_way(deadline):
+                return None  # the member that is past the round was excluded, or ended the ring: decide again
             status = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
             reason = str(e) or type(e).__name__
             logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) {status}: {reason}")
@@ -189,6 +193,17 @@ class RingRound:
             return self._result("excluded", len(members), "our own values are not finite")
         self.segment.copy_(averaged)
         return self._result("ok", len(members))
+
+    async def _note_on_its_way(self, deadline: float) -> bool:
+        """A member of our attempt answered that the round is over for it. It cannot have completed the ring
+        without us: another member refused its contribution (its own round ended when it was told) or it ended
+        the ring, and either way a note to us is on its way, which may come after its answer (it was sent in the
+        background). Wait for it, at most as long as a note may take; whether it came."""
+        try:
+            await asyncio.wait_for(self.state.changed.wait(), max(0.0, min(CONTROL_TIMEOUT, deadline - time.monotonic())))
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def _exclude(self, rejected: ContributionRejected, members: List[str]) -> None:
         self.log.rejected.append(dict(peer=rejected.peer, ring=self.ring.index, reason=str(rejected)))
