@@ -39,10 +39,12 @@ from typing import Dict, List, Optional, Sequence
 
 import psutil
 
-# every module a peer process imports on its way to training, averaging or serving as a backbone
+# every module a peer process imports on its way to training, averaging or serving as a backbone; scikit-learn's
+# datasets too, for mlp-digits' data: its import cost each training peer a CPU-second after the others
 PRELOAD = ("torch", "hivemind", "numpy", "ravnest_swarm.cli", "ravnest_swarm.processes", "ravnest_swarm.swarm.join",
            "ravnest_swarm.membership.volunteer", "ravnest_swarm.membership.backbone", "ravnest_swarm.planning.round",
-           "ravnest_swarm.swarm.volunteer", "ravnest_swarm.swarm.status", "ravnest_swarm.swarm.local")
+           "ravnest_swarm.swarm.volunteer", "ravnest_swarm.swarm.status", "ravnest_swarm.swarm.local",
+           "sklearn.datasets")
 ENTRY_POINTS = {"ravnest_swarm": "ravnest_swarm.cli:main", "ravnest_swarm.processes": "ravnest_swarm.processes:main"}
 MAX_REQUEST_BYTES = 1 << 20
 REAP_PERIOD = 0.02  # seconds between looks for exited children

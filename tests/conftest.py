@@ -35,9 +35,8 @@ def lab_required() -> bool:
     return os.environ.get(LAB_REQUIRED_VARIABLE) == "1"
 
 
-# On two xdist workers (``-n 2 --dist loadgroup``; not the default: on 2 cores the suite is CPU-bound, README gives
-# the figures; it pays where cores are to spare) these tests share one xdist group, so one worker runs
-# them one after another and the other worker runs everything else beside them:
+# The suite runs on two xdist workers (``-n 2 --dist loadgroup``, pyproject.toml; README gives the figures). These
+# tests share one xdist group, so one worker runs them one after another while the other runs the rest:
 # - big swarms (many processes each, about half the suite's time): two at once on two cores would starve
 #   each other's heartbeats and deadlines;
 # - every network-lab test (namespaces, cgroups, timed links): one lab at a time, and none timed beside another;
