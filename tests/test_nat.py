@@ -210,7 +210,7 @@ def test_a_late_joiner_downloads_every_layer_from_a_holder_behind_nat(processes,
                                 "--bandwidth-mbps", "100", "--host-maddrs", maddr, "--checkpoint-dir", str(tmp_path),
                                 "--checkpoint-every", "100000"], name, lab_host=lab_host)
 
-    home = join("home", lab.home_maddr(0), lab.home_host(0))
+    join("home", lab.home_maddr(0), lab.home_host(0))
     observe_until(processes, backbone, lab, "home", lambda r: r["reachability"] == "relay" and (r.get("step") or 0) >= 40,
                   "behind NAT past step 40", 150)
     late = join("late", *((lab.home_maddr(1), lab.home_host(1)) if behind_nat else
