@@ -86,7 +86,7 @@ def test_a_peer_forked_onto_a_lab_host_runs_in_its_namespace_and_cgroup_with_its
             namespace = os.stat(os.path.join(NETNS_DIR, host.netns)).st_ino
             members = session_members(backbone.pid)
             assert any(psutil.Process(pid).name() == "p2pd" for pid in members), members
-            for pid in members:  # the peer, its DHT process and its p2pd
+            for pid in members:  # the peer and its p2pd
                 assert os.stat(f"/proc/{pid}/ns/net").st_ino == namespace, psutil.Process(pid).cmdline()
                 if quota:
                     with open(f"/proc/{pid}/cgroup") as f:
