@@ -218,7 +218,8 @@ def test_forward_from_a_stranger(attacked_run):
             forward = dict(address, microbatch=10**6, sample_ids=list(range(4)), version=victim["step"])
             replies = [await send_as(stranger, victim, wire.FORWARD, forward,
                                      [torch.randn(4, width), torch.zeros(4, dtype=torch.long)]),
-                       await send_as(stranger, victim, wire.FORWARD, dict(address, op="finish", completed=0), [])]
+                       await send_as(stranger, victim, wire.FORWARD,
+                                     dict(address, op="finish", completed=0, step=victim["step"]), [])]
             return stranger.peer_id.to_base58(), replies
         finally:
             await stranger.shutdown()

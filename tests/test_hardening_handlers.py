@@ -577,8 +577,9 @@ def test_poisoned_activations_and_gradients_are_refused_and_parameters_unaffecte
 
 @pytest.mark.timeout(120)
 def test_a_stage_takes_messages_only_from_the_neighbours_its_plan_names(peer):
-    """Attack: a stranger (the attacker, in no plan) sends a stage that names its neighbours, as every
-    volunteer's stage does, a gradient for a microbatch that really awaits one, then the finish that ends a
+    """Attack: a stranger to the slot it sends for (the attacker) sends a stage that names its neighbours, as
+    every volunteer's stage does, a gradient for a microbatch that really awaits one (the attacker is its
+    stage 0, not its stage 2), then, after a new plan names other peers on both sides, the finish that ends a
     stage's run. Each is refused in one line as not from the neighbour, counted in ``rejected``; the stage's
     parameters are bit-for-bit unchanged and it has not finished. A new plan that names the same peer as the
     stage's next neighbour (a standby replacing a dead one) makes its gradient count at once."""
@@ -586,23 +587,27 @@ def test_a_stage_takes_messages_only_from_the_neighbours_its_plan_names(peer):
     attacker, elsewhere = peer.attacker.peer_id.to_base58(), peer.peer_id.to_base58()
     stage = peer.stage
 
+    async def forward(microbatch):
+        assert await send(peer, wire.FORWARD, forward_metadata(microbatch), [x, targets]) == "ok"
+        for _ in range(100):
+            if microbatch in stage.pending:
+                return stage.pending[microbatch].output_shape
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"microbatch {microbatch} never reached the stage's pending ones")
+
     async def attack():
         stage.follow_neighbours(Neighbours(previous=attacker, next=elsewhere))  # it plays stage 0 for a moment
-        assert await send(peer, wire.FORWARD, forward_metadata(3), [x, targets]) == "ok"
-        for _ in range(100):
-            if 3 in stage.pending:
-                break
-            await asyncio.sleep(0.05)
-        shape = stage.pending[3].output_shape
-        stage.follow_neighbours(Neighbours(previous=elsewhere, next=elsewhere))  # a new plan: now a stranger
+        shape = await forward(3)
         before = peer.parameters()
-        replies = {"gradient": await send(peer, wire.BACKWARD, backward_metadata(3), [torch.randn(shape) * 0.1]),
-                   "finish": await send(peer, wire.FORWARD, dict(run=RUN, cluster=0, stage=1, op="finish",
-                                                                 completed=0), [])}
-        # at once: with no stage 2 anywhere, the stage drops microbatch 3 when its send gives up (TIMEOUT)
+        replies = {"gradient": await send(peer, wire.BACKWARD, backward_metadata(3), [torch.randn(shape) * 0.1])}
+        # a new plan: now a stranger on both sides (microbatch 3, from the stage 0 it replaced, is dropped)
+        stage.follow_neighbours(Neighbours(previous=elsewhere, next=elsewhere))
+        replies["finish"] = await send(peer, wire.FORWARD, dict(run=RUN, cluster=0, stage=1, op="finish",
+                                                                completed=0, step=0), [])
         unchanged = all(torch.equal(a, b) for a, b in zip(before, peer.parameters()))
-        stage.follow_neighbours(Neighbours(previous=elsewhere, next=attacker))  # the plan after: its neighbour
-        replies["as neighbour"] = await send(peer, wire.BACKWARD, backward_metadata(3), [torch.randn(shape) * 0.1])
+        stage.follow_neighbours(Neighbours(previous=attacker, next=attacker))  # the plan after: its neighbour
+        shape = await forward(4)
+        replies["as neighbour"] = await send(peer, wire.BACKWARD, backward_metadata(4), [torch.randn(shape) * 0.1])
         for _ in range(100):
             if stage.version > 0:
                 break

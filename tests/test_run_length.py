@@ -52,7 +52,7 @@ def test_a_fourth_joiner_is_placed_mid_run_and_everyone_says_when_the_run_is_fin
         peers = watcher.wait_for(lambda peers: len(placed(peers)) == 4 and
                                  all(p["state"] == "done" for p in placed(peers).values()), 300,
                                  "every volunteer trains until the run's length")
-        assert all(p["step"] == STEPS for p in placed(peers).values()), peers
+        assert all(p["step"] == STEPS for p in placed(peers).values()), {name: p["step"] for name, p in peers.items()}
         for name, process in volunteers.items():
             process.wait_for_output(rf"^{name}: run {RUN} is finished", 30, stream="stderr")
         table = ravnest("status", "--initial-peers", maddr, "--run", RUN)

@@ -181,7 +181,7 @@ class Inbox:
                           tensors: List[runtime_pb2.Tensor]) -> wire.ForwardReply:
         scheduler = self.scheduler
         if isinstance(request, wire.FinishRequest):
-            scheduler.receive_finish()
+            scheduler.receive_finish(request.step)
             return wire.ForwardReply()
         if scheduler.is_first:
             raise MessageError("stage 0 takes no forward messages: it draws its own microbatches")

@@ -108,6 +108,8 @@ class Scheduler:
         self.in_flight = 0
         self.step_open = True  # sync schedule: stage 0 may still inject into the current step
         self.finish_received = False
+        self.final_step: Optional[int] = None  # the step stage 0 ended the run at, from its finish message
+        self.paused_since: Optional[float] = None  # while the between_steps hook runs (see watchdog)
         self.finished = asyncio.Event()
         self.wakeup = asyncio.Event()
         self.sends: Set[asyncio.Task] = set()
@@ -142,8 +144,8 @@ class Scheduler:
         self.wakeup.set()
         return len(self.backward_queue)
 
-    def receive_finish(self) -> None:
-        self.finish_received = True
+    def receive_finish(self, final_step: int) -> None:
+        self.finish_received, self.final_step = True, final_step
         self.wakeup.set()
 
     def follow_sender_steps(self, version: int) -> None:
@@ -159,6 +161,23 @@ class Scheduler:
                         f"{self.config.stage - 1} does (this stage's weights came from step {self.compute.version})")
             self.compute.version = self.hooked_version = version
 
+    def sender_replaced(self) -> None:
+        """A new plan put another peer before us. What the old one sent cannot complete: its gradient would go
+        to a stage 0 that never sent that microbatch, or that sends the same id anew and would take a gradient
+        of other activations for it. Dropped now; the new sender's first microbatch sets our step count."""
+        for microbatch in list(self.queued_forward) + list(self.pending):
+            self.drop(microbatch, "the stage before us was replaced")
+        self.forward_queue.clear()
+        self.queued_forward.clear()
+        self.seen_forward.clear()
+
+    def receiver_replaced(self) -> None:
+        """A new plan put another peer after us, and we take gradients only from it now: a microbatch the old
+        one took will never complete, so it is dropped now rather than after ``microbatch_timeout`` (stage 0
+        draws another in its place). One still being sent goes to the new peer."""
+        for microbatch in [m for m, p in self.pending.items() if p.since is not None and m not in self.queued_backward]:
+            self.drop(microbatch, "the stage after us was replaced before its gradient came back")
+
     # ---------------------------------------------------------------- the loop
 
     async def run(self) -> None:
@@ -166,7 +185,7 @@ class Scheduler:
         while True:
             if self.between_steps is not None and self.compute.version != self.hooked_version:
                 self.hooked_version = self.compute.version
-                await self.between_steps(self.compute.version)
+                await self._between_steps()
             if self.backward_queue:
                 await self.run_backward(*self.backward_queue.popleft())
             elif self.forward_queue:
@@ -180,13 +199,29 @@ class Scheduler:
                 self.wakeup.clear()
                 await self.wakeup.wait()
 
+    async def _between_steps(self) -> None:
+        """Run the hook (the volunteer averages there, which can wait long for a slower cluster). Our neighbours
+        average at the same step, so a gradient cannot be expected back while we pause: the wait for it
+        (``microbatch_timeout``) resumes with us, or every microbatch in flight would be dropped for it."""
+        self.paused_since = time.time()
+        try:
+            await self.between_steps(self.compute.version)
+        finally:
+            paused, self.paused_since = time.time() - self.paused_since, None
+            for pending in self.pending.values():
+                if pending.since is not None:
+                    pending.since += paused
+
     def _can_inject(self) -> bool:
         config = self.config
-        if not self.is_first or self.counters.injected >= config.microbatches:
+        if not self.is_first:
             return False
         if config.schedule == "async":
-            return self.in_flight < config.max_in_flight
-        return self.step_open
+            # the run's length counts steps, not microbatches drawn: a dropped one made no step here, so another
+            # takes its place (the data stream goes on) and the cluster still reaches the run's length
+            return (self.in_flight < config.max_in_flight and
+                    self.compute.version + self.in_flight < config.microbatches)
+        return self.counters.injected < config.microbatches and self.step_open
 
     def _draw(self) -> Tuple[int, List[int], torch.Tensor, torch.Tensor]:
         microbatch = self.counters.injected
@@ -201,18 +236,26 @@ class Scheduler:
         return microbatch, sample_ids, inputs, targets
 
     def _done(self) -> bool:
-        if self.sends:
+        if self.sends or self.in_flight:
             return False
-        if self.is_first:
-            return self.counters.injected >= self.config.microbatches and self.in_flight == 0
-        return self.finish_received
+        if not self.is_first:
+            return self.finish_received
+        # async: the steps taken (see _can_inject); sync: the microbatches drawn
+        done = self.compute.version if self.config.schedule == "async" else self.counters.injected
+        return done >= self.config.microbatches
 
     async def _finish(self) -> None:
         for microbatch in list(self.pending):
             self.drop(microbatch, "the run finished before its gradient came back")
+        if self.final_step is not None and self.final_step != self.compute.version:
+            # a microbatch we stepped on whose gradient stage 0 dropped (late, or refused) is a step we took and
+            # it did not: the cluster's step is stage 0's count (as in follow_sender_steps)
+            logger.info(f"stage {self.config.stage}: ends at step {self.final_step}, as stage 0 counts (its own "
+                        f"count was {self.compute.version})")
+            self.compute.version = self.hooked_version = self.final_step
         if not self.is_last:
             message = wire.FinishRequest(**self._address(self.config.stage + 1), op="finish",
-                                         completed=self.counters.completed)
+                                         completed=self.counters.completed, step=self.compute.version)
             await self._send(wire.FORWARD, self.config.stage + 1, message, [], microbatch=None)
         self.finished.set()
 
@@ -310,6 +353,8 @@ class Scheduler:
         """Drop microbatches whose gradient never came back, so a lost one frees its slot and is counted."""
         while True:
             await asyncio.sleep(min(1.0, self.config.microbatch_timeout / 4))
+            if self.paused_since is not None:
+                continue  # the wait resumes with us (_between_steps)
             deadline = time.time() - self.config.microbatch_timeout
             # a send still retrying has its own deadline: the wait for a gradient starts at delivery
             for microbatch in [m for m, p in self.pending.items()

@@ -71,6 +71,7 @@ class FinishRequest(StageAddress):
 
     op: Literal["finish"]
     completed: Count
+    step: Count  # the step the run ended at, as stage 0 counts it: every later stage ends at it too
 
 
 class BackwardRequest(StageAddress):

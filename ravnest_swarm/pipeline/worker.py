@@ -49,6 +49,7 @@ class StageWorker:
                                    dataset if config.stage == 0 else None, sampler)
         self.inbox = Inbox(config, self.scheduler, self.spec.layers[self.start_layer], dataset.targets)
         self.pending, self.finished = self.scheduler.pending, self.scheduler.finished
+        self.resumed_at = 0  # the step this worker started from (resume_at)
         self._tasks: List[asyncio.Task] = []
 
     @property
@@ -82,17 +83,22 @@ class StageWorker:
     def resume_at(self, step: int) -> None:
         """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
         data stream where that step left it and injects only the microbatches still to train."""
-        self.compute.version = self.scheduler.hooked_version = step
+        self.resumed_at = self.compute.version = self.scheduler.hooked_version = step
         if self.config.stage == 0:
             self.counters.injected = min(step, self.config.microbatches)
 
     def follow_neighbours(self, neighbours: Neighbours) -> None:
         """Take messages from, and send to, the peers a new plan puts beside this stage (a standby that replaced
         a dead neighbour): the handlers and the endpoint resolution read them at every message."""
-        if neighbours != self.config.neighbours:
-            logger.info(f"stage {self.config.stage}: neighbours now {neighbours.previous} (before) and "
-                        f"{neighbours.next} (after)")
-        self.config.neighbours = neighbours
+        if neighbours == self.config.neighbours:
+            return
+        logger.info(f"stage {self.config.stage}: neighbours now {neighbours.previous} (before) and "
+                    f"{neighbours.next} (after)")
+        before, self.config.neighbours = self.config.neighbours, neighbours
+        if neighbours.previous != before.previous:
+            self.scheduler.sender_replaced()
+        if neighbours.next != before.next:
+            self.scheduler.receiver_replaced()
 
     async def shutdown(self) -> None:
         # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go

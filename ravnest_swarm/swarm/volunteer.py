@@ -519,9 +519,12 @@ class Volunteer:
         if worker.counters.last_failed != self._noted_failure:
             self._noted_failure = worker.counters.last_failed
             self._note(f"dropped {worker.counters.last_failed}")
-        if (worker.finished.is_set() or version >= self.spec.steps) and self.announcer.record["state"] != "averaging":
+        if (worker.finished.is_set() or worker.resumed_at >= self.spec.steps) and \
+                self.announcer.record["state"] != "averaging":
             # a stage placed after its cluster already trained its steps has nothing left to do; one still in
-            # its last averaging round is done when that round is (its record then counts it)
+            # its last averaging round is done when that round is (its record then counts it). A later stage
+            # whose count reached the run's length is not done before the finish: it may be ahead of stage 0
+            # (a step on a microbatch stage 0 dropped), which draws another in its place (docs/pipeline.md)
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
     async def _explain_stall(self) -> None:
