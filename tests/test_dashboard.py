@@ -184,14 +184,25 @@ def test_replaced_even_after_the_slot_was_vacant():
 
 
 def test_new_round_is_one_event_not_a_flood_of_replacements():
+    """A round that moves every peer is one event, with the counts of its plan record, not a replacement per
+    slot. Peers' records alone make no round event: they say a round before their place in it (three
+    standbys reporting round 1, which placed two of them, once gave ``0 cluster(s), 0 placed, 3 standby``)."""
     state = SwarmState()
-    state.update([peer("a", cluster=0, stage=0, plan_round=1), peer("b", cluster=0, stage=1, plan_round=1)], at=1)
-    events = state.update([peer("a", cluster=0, stage=1, plan_round=2), peer("b", cluster=0, stage=0, plan_round=2)],
-                          at=2)
-    assert kinds(events) == ["round"] and "planning round 2 adopted" in events[0].text
-    plan = dict(round=3, time=0.0, clusters=[[dict(peer_id="id-a", layers=[0, 4])]])
-    assert kinds(state.update(state.peers, plan, at=3)) == ["round"]  # the plan record alone also counts
-    assert state.update(state.peers, plan, at=4) == []
+    state.update([peer(name, "standby") for name in "abc"], at=0)
+    assert state.update([peer(name, "standby", plan_round=1) for name in "abc"], at=1) == []
+    assert state.totals().plan_round == 1
+    first = dict(round=1, time=0.0, clusters=[[dict(peer_id="id-a", layers=[0, 4]), dict(peer_id="id-b", layers=[4, 8])]])
+    placed = [peer("a", cluster=0, stage=0, plan_round=1), peer("b", cluster=0, stage=1, plan_round=1),
+              peer("c", "standby", plan_round=1)]
+    events = state.update(placed, first, at=2)
+    assert [e.text for e in events] == ["planning round 1 adopted: 1 cluster(s), 2 placed, 1 standby"]
+    moved = [peer("a", cluster=0, stage=1, plan_round=2), peer("b", cluster=0, stage=0, plan_round=2),
+             peer("c", "standby", plan_round=2)]
+    assert state.update(moved, at=3) == [] and state.totals().plan_round == 2  # no flood of replacements
+    second = dict(round=2, time=0.0, clusters=[[dict(peer_id="id-b", layers=[0, 4]), dict(peer_id="id-a", layers=[4, 8])]])
+    events = state.update(moved, second, at=4)
+    assert [e.text for e in events] == ["planning round 2 adopted: 1 cluster(s), 2 placed, 1 standby"]
+    assert state.update(moved, second, at=5) == []
 
 
 def test_averaging_failures_and_refusals_are_events_with_their_cause():

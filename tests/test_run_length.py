@@ -1,5 +1,6 @@
 """The run decides its length: the README's flow (backbone, doctor, three `join`, `status`) with a fourth
-volunteer joining mid-run, placed within 90 s, and every peer and `status` saying when the run is finished."""
+volunteer joining mid-run, placed within 90 s, and every peer and `status` saying when the run is finished (the
+dashboard of `status --watch` too, started before the run's owner published its spec)."""
 
 import json
 import re
@@ -23,6 +24,9 @@ def test_a_fourth_joiner_is_placed_mid_run_and_everyone_says_when_the_run_is_fin
     doctor = ravnest("doctor", "--initial-peers", maddr)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     watcher = RunObserver(maddr, RUN, period=1.0)
+    # a dashboard started before the run's owner published its spec learns the run's length when it does
+    watching = processes.start(["status", "--initial-peers", maddr, "--run", RUN, "--watch"], "watching",
+                               prefix=[sys.executable, "-c", PTY_WRAPPER])
 
     def join(name, *extra):
         # each offers RAM for 0.6 of the model, so a cluster needs two of them (a home PC would measure its own)
@@ -59,8 +63,6 @@ def test_a_fourth_joiner_is_placed_mid_run_and_everyone_says_when_the_run_is_fin
         assert table.returncode == 0 and f"run {RUN} is finished" in table.stdout, table.stdout + table.stderr
         document = json.loads(ravnest("status", "--initial-peers", maddr, "--run", RUN, "--json").stdout)
         assert document["finished"] is True and document["steps"] == STEPS
-        watching = processes.start(["status", "--initial-peers", maddr, "--run", RUN, "--watch"], "watching",
-                                   prefix=[sys.executable, "-c", PTY_WRAPPER])
         watching.wait_for_output(rf"finished at step {STEPS}", 60)  # in the title, between colour codes
         assert watching.stop(grace=20) == 0
 

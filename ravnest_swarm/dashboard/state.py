@@ -124,7 +124,10 @@ class SwarmState:
     def feed(self, snapshot: Dict) -> List[Event]:
         """Take one snapshot as ``swarm.observe.SnapshotReader`` makes it and recordings hold it:
         ``{"run", "at", "peers", "plan", "summary"}`` (see :meth:`update`; recordings made before the summary
-        existed have none)."""
+        existed have none), and ``"steps"``, the run's length, where the reader learned it only after the
+        dashboard started (``status --watch`` started before the run's spec was published)."""
+        if snapshot.get("steps") is not None:
+            self.steps = snapshot["steps"]
         return self.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"], snapshot.get("summary"))
 
     def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None,
@@ -312,12 +315,12 @@ class SwarmState:
         return max(rounds) if rounds else None
 
     def adopted_round(self) -> Optional[int]:
-        """The round the counts come from: the plan record's, or without one the highest a peer reports. A peer
-        that adopted a round before the plan record was read is not the plan: its round event waits for it."""
-        if self.plan is not None:
-            return self.plan["round"]
-        rounds = [p["plan_round"] for p in self.peers if p.get("plan_round") is not None]
-        return max(rounds) if rounds else None
+        """The round of the adopted plan record, which a round event announces with the plan's counts. Peers'
+        records alone never make one: a peer publishes the round it adopted before it takes its place in it
+        (a placed one fetches its layers first), so their counts are the last round's (such an event once said
+        ``0 cluster(s), 0 placed, 3 standby`` for a round that placed two). The header's plan round follows the
+        peers (:meth:`plan_round`)."""
+        return None if self.plan is None else self.plan["round"]
 
     def cluster_samples_per_s(self, stages: Dict[int, List[Dict]]) -> Optional[float]:
         """A cluster's throughput: what its last stage reports, since every sample passes it exactly once."""

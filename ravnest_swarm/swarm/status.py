@@ -20,8 +20,8 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
     from ravnest_swarm.membership.progress import run_finished
     from ravnest_swarm.membership.records import make_validators, parse_run_address
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
-    from ravnest_swarm.swarm.join import watch_peers
-    from ravnest_swarm.swarm.observe import read_status
+    from ravnest_swarm.dashboard.live import watch_swarm
+    from ravnest_swarm.swarm.observe import SnapshotReader, read_status
     from ravnest_swarm.swarm.spec import read_spec
 
     address = parse_run_address(run)
@@ -37,9 +37,15 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
 
     try:
         if watch:
-            spec = await spec_or_none()
-            await watch_peers(node, run, install_stop_signals(), 2.0, live=True, console=Console(),
-                              steps=spec.steps if spec else None)
+            reader, spec = SnapshotReader(node, run), await spec_or_none()
+
+            async def snapshot():
+                nonlocal spec
+                if spec is None:  # the owner may publish it after we started: its length says when the run ends
+                    spec = await spec_or_none()
+                return dict(await reader.snapshot(), steps=spec.steps if spec else None)
+
+            await watch_swarm(snapshot, run, install_stop_signals(), 2.0, Console())
             return
         # every read at once: the spec, the summary and every bucket of peer records (twice: one read can miss some)
         spec, (summary, peers) = await asyncio.gather(spec_or_none(), read_status(node, run))
