@@ -32,7 +32,8 @@ from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.channel import MessageChannel
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.pipeline.endpoints import EndpointResolver
-from ravnest_swarm.pipeline.scheduler import BusyTime, Counters, Scheduler
+from ravnest_swarm.pipeline.counters import BusyTime, Counters
+from ravnest_swarm.pipeline.scheduler import Scheduler
 from ravnest_swarm.pipeline.wire import MessageError
 
 logger = logging.getLogger(__name__)

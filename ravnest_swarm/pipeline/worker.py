@@ -19,7 +19,8 @@ from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import Neighbours, StageConfig, check_config
 from ravnest_swarm.pipeline.endpoints import publish_endpoint
 from ravnest_swarm.pipeline.messaging import Inbox, Outbox
-from ravnest_swarm.pipeline.scheduler import BusyTime, Counters, Scheduler
+from ravnest_swarm.pipeline.counters import BusyTime, Counters
+from ravnest_swarm.pipeline.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
