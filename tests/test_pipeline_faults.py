@@ -255,23 +255,12 @@ def test_a_stage_resumed_at_another_step_counts_steps_as_stage_0_and_ends_with_i
         return StageConfig(run=run, stage=stage, stages=2, model="mlp-digits", layers=[(0, 5), (5, 9)][stage],
                            microbatches=total, microbatch_size=8, max_in_flight=2, send_timeout=30, heartbeat=5)
 
-    async def scenario():
-        nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
-                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-        workers = [StageWorker(config(0), nodes[0]), StageWorker(config(1), nodes[1])]
-        try:
-            workers[0].resume_at(resumed_at)
-            workers[1].resume_at(stage1_step)
-            for worker in workers:
-                await worker.start()
-            await asyncio.wait_for(workers[0].finished.wait(), 90)
-            await asyncio.wait_for(workers[1].finished.wait(), 30)
-            return [(worker.version, worker.counters) for worker in workers]
-        finally:
-            await shutdown(workers, nodes)
+    def resume(workers):
+        workers[0].resume_at(resumed_at)
+        workers[1].resume_at(stage1_step)
 
     torch.set_num_threads(1)
-    (first_version, first), (second_version, second) = asyncio.run(scenario())
+    (first_version, first), (second_version, second) = asyncio.run(train_two_stages(backbone, run, config, resume))
     assert first.injected == total and first.completed == total - resumed_at and first.dropped == 0
     assert second.backwards == total - resumed_at
     assert first_version == second_version == total
@@ -287,7 +276,7 @@ def test_a_run_reaches_its_length_in_steps_whatever_stage_0_drops(backbone, capl
     both stages end at the run's length, stage 1 at stage 0's count (before, every drop was a step the run never
     took: a volunteer run ended a step short and was never finished; test_run_length saw it). Both: stage 0's
     wait for a gradient resumes with it, and nothing is dropped."""
-    run, total, pause_at, pause = "steps", 40, 10, 5.0
+    run, total, pause_at, pause_seconds = "steps", 40, 10, 5.0
 
     def config(stage):
         return StageConfig(run=run, stage=stage, stages=2, model="mlp-digits", layers=[(0, 5), (5, 9)][stage],
@@ -296,26 +285,15 @@ def test_a_run_reaches_its_length_in_steps_whatever_stage_0_drops(backbone, capl
 
     async def pause_between_steps(step):
         if step == pause_at:
-            await asyncio.sleep(pause)
+            await asyncio.sleep(pause_seconds)
 
-    async def scenario():
-        nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
-                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-        workers = [StageWorker(config(0), nodes[0]), StageWorker(config(1), nodes[1])]
-        try:
-            for worker in workers[1:] if pausing == "stage 1" else workers:
-                worker.between_steps = pause_between_steps
-            for worker in workers:
-                await worker.start()
-            await asyncio.wait_for(workers[0].finished.wait(), 90)
-            await asyncio.wait_for(workers[1].finished.wait(), 30)
-            return [(worker.version, worker.counters) for worker in workers]
-        finally:
-            await shutdown(workers, nodes)
+    def pause(workers):
+        for worker in workers[1:] if pausing == "stage 1" else workers:
+            worker.between_steps = pause_between_steps
 
     torch.set_num_threads(1)
     with caplog.at_level(logging.INFO, logger="ravnest_swarm.pipeline"):
-        (first_version, first), (second_version, second) = asyncio.run(scenario())
+        (first_version, first), (second_version, second) = asyncio.run(train_two_stages(backbone, run, config, pause))
     assert first_version == second_version == total and first.completed == total
     assert first.injected == total + first.dropped
     said = [r.message for r in caplog.records if f"ends at step {total}, as stage 0 counts" in r.message]
@@ -324,6 +302,23 @@ def test_a_run_reaches_its_length_in_steps_whatever_stage_0_drops(backbone, capl
         assert said == [f"stage 1: ends at step {total}, as stage 0 counts (its own count was {second.backwards})"]
     else:
         assert first.dropped == 0 and second.backwards == total and said == []
+
+
+async def train_two_stages(backbone, run, config, prepare):
+    """Stage 0 and stage 1 of ``run`` (``config(stage)``), each on a DHT node of its own, until the run ends;
+    ``prepare(workers)`` sets them up before they start. Each stage's final step and counters."""
+    nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
+                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    workers = [StageWorker(config(0), nodes[0]), StageWorker(config(1), nodes[1])]
+    try:
+        prepare(workers)
+        for worker in workers:
+            await worker.start()
+        await asyncio.wait_for(workers[0].finished.wait(), 90)
+        await asyncio.wait_for(workers[1].finished.wait(), 30)
+        return [(worker.version, worker.counters) for worker in workers]
+    finally:
+        await shutdown(workers, nodes)
 
 
 async def shutdown(workers, nodes):
