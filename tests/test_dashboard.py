@@ -203,6 +203,13 @@ def test_new_round_is_one_event_not_a_flood_of_replacements():
     events = state.update(moved, second, at=4)
     assert [e.text for e in events] == ["planning round 2 adopted: 1 cluster(s), 2 placed, 1 standby"]
     assert state.update(moved, second, at=5) == []
+    # a peer leaving its slot is no spare: the next round's event counts the two placed and nobody else
+    left = [peer("a", "leaving", cluster=0, stage=1, plan_round=2), peer("b", cluster=0, stage=0, plan_round=3),
+            peer("c", cluster=0, stage=1, plan_round=3)]
+    third = dict(round=3, time=0.0, clusters=[[dict(peer_id="id-b", layers=[0, 4]), dict(peer_id="id-c", layers=[4, 8])]])
+    events = state.update(left, third, at=6)
+    assert [e.text for e in events if e.kind == "round"] == ["planning round 3 adopted: 1 cluster(s), 2 placed, 0 standby"]
+    assert (state.totals().peers, state.totals().standby) == (3, 0)
 
 
 def test_averaging_failures_and_refusals_are_events_with_their_cause():

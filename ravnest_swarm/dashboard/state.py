@@ -56,7 +56,8 @@ class Totals:
     :param peers: live peer records, leaving ones included
     :param clusters: the adopted plan's clusters (without a plan: clusters with at least one placed peer)
     :param placed: live peers the adopted plan places (without a plan: live peers that report a slot)
-    :param standby: live peers the adopted plan leaves out (without a plan: live peers that report no slot)
+    :param standby: live peers the adopted plan leaves out, leaving ones not counted (a round's event said
+        ``1 standby`` for a peer that had just left its slot); without a plan: live peers that report no slot
     :param samples_per_s: sum over clusters of the last stage's ``samples_per_s``
     :param averaging_done: highest ``averaging_rounds`` any peer reports (rounds it averaged in full)
     :param averaging_running: peers in state ``averaging`` now
@@ -338,7 +339,7 @@ class SwarmState:
             peers=len(self.peers),
             clusters=len(clusters) if self.plan is None else len(self.plan["clusters"]),
             placed=len(self.peers) - len(unplaced),
-            standby=len(unplaced),
+            standby=sum(p["state"] != "leaving" for p in unplaced),
             samples_per_s=sum(r for r in rates if r is not None),
             averaging_done=max((p.get("averaging_rounds") or 0 for p in self.peers), default=0),
             averaging_running=sum(p["state"] == "averaging" for p in self.peers),
