@@ -134,6 +134,13 @@ def join(
     aggregation: Optional[str] = typer.Option(None, "--aggregation", help="Run spec: how averaging combines the "
                                               "clusters' values: mean (default), or trimmed_mean or centered_clip, "
                                               "which bound what one hostile peer of a ring can do (docs/averaging.md)."),
+    lr_scaling: Optional[str] = typer.Option(None, "--lr-scaling", help="Run spec: how a cluster's lr follows the "
+                                             "number of clusters: none (default), sqrt, linear or warmup "
+                                             "(docs/swarm.md; `bench lr-scaling` compares them)."),
+    divergence_factor: Optional[float] = typer.Option(None, "--divergence-factor", min=0.0, max=1e6, help="Run "
+                                                      "spec: a loss above this many times a stage's level skips its "
+                                                      "step, three in a row restore its last good state (default 10; "
+                                                      "0: only a loss that is not finite)."),
     device: str = typer.Option("auto", "--device", help="Where this peer's stages compute: auto (the first GPU "
                                "torch sees, else the CPU), cpu, or cuda (cuda:N)."),
     device_memory_gb: Optional[float] = typer.Option(None, "--device-memory-gb", min=0.0, help="Override the "
@@ -172,7 +179,8 @@ def join(
         owner_key=owner_key, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,
-        precision=precision, backward=backward, aggregation=aggregation, data=data, handover_timeout=handover_timeout,
+        precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling,
+        divergence_factor=divergence_factor, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,
         min_peers=min_peers, round_period=round_period, round_seconds=round_seconds, num_layers=num_layers,
@@ -640,6 +648,34 @@ def bench_pipeline(
                                       transfer_mb, mode, as_json, compression=compression, cpus_per_stage=cpus_per_stage)))
 
 
+@bench_app.command("lr-scaling")
+def bench_lr_scaling(
+    model: str = typer.Option("mlp-digits", "--model", help="Zoo model."),
+    clusters: int = typer.Option(4, "--clusters", min=1, max=64, help="Clusters K after the re-plan."),
+    lrs: str = typer.Option("0.05,0.1,0.2", "--lrs", help="The run's learning rates to compare, comma-separated."),
+    rules: str = typer.Option("none,sqrt,linear,warmup", "--rules", help="The rules to compare, comma-separated."),
+    solo: int = typer.Option(1800, "--solo", min=0, help="Steps the first cluster trains alone before the re-plan."),
+    samples: int = typer.Option(96_000, "--samples", min=1, help="Samples the K clusters train on after it, in all."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """The lr rules across clusters side by side: one cluster alone, then K from its state, averaging.
+
+    \b
+    Example:
+      ravnest-swarm bench lr-scaling --clusters 4 --lrs 0.05,0.2 --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.lr_scaling import LrScalingOptions, bench_lr_scaling as run
+
+    try:
+        rates = [float(part) for part in lrs.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--lrs must be numbers separated by commas, like 0.05,0.2, not {lrs!r}")
+    options = LrScalingOptions(model=model, clusters=clusters, lrs=rates, solo=solo, samples=samples,
+                               rules=[part.strip() for part in rules.split(",") if part.strip()])
+    sys.exit(run(options, as_json))
+
+
 @bench_app.command("speedup")
 def bench_speedup(
     clusters: str = typer.Option("1,2,4", "--clusters", help="Cluster counts K to compare, comma-separated; 1 among "
@@ -669,6 +705,45 @@ def bench_speedup(
 
     sys.exit(run_blocking(lambda: run(parse_clusters(clusters), stages, model, samples, mbps, delay_ms,
                                       averaging_period, cpus_per_peer, time_limit, as_json)))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    peers: int = typer.Option(8, "--peers", min=2, max=200, help="Volunteers at once, a lab host each."),
+    minutes: float = typer.Option(30.0, "--minutes", min=0.5, help="How long the soak runs."),
+    churn_every: float = typer.Option(180.0, "--churn-every", min=10.0, help="Seconds between churn events: "
+                                      "alternately Ctrl-C and SIGKILL of a random placed volunteer, then a new one "
+                                      "joins."),
+    mbps: float = typer.Option(100.0, "--mbps", min=0.1, help="Access-link rate of every peer, each direction."),
+    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between peers."),
+    model: str = typer.Option("mlp-digits", "--model", help="Zoo model the run trains."),
+    stages: int = typer.Option(2, "--stages", min=1, max=5, help="Stages per cluster (RAM for 1.2 / stages of "
+                               "the model per peer)."),
+    steps: int = typer.Option(10**9, "--steps", min=1, max=2**53, help="The run's length (default: more than any "
+                              "soak trains)."),
+    averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging "
+                                         "rounds."),
+    cpus_per_peer: Optional[float] = typer.Option(None, "--cpus-per-peer", min=0.0, help="CPU cores each peer's host "
+                                                  "may use (default: 0.9 x the machine's cores / (peers + 1), at "
+                                                  "most 1; 0: no limit)."),
+    out: Optional[str] = typer.Option(None, "--out", help="A new directory for every peer's log and checkpoints "
+                                      "(default: a temporary one, printed)."),
+    seed: int = typer.Option(0, "--seed", help="Which volunteers the churn picks."),
+):
+    """A long run of real join volunteers in the network lab with churn on a schedule: did any peer hit an
+    unexpected error? A table, then one JSON object on the last line.
+
+    \b
+    Example:
+      sudo ravnest-swarm bench soak --peers 8 --minutes 30 --churn-every 180 --out ./soak
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.soak import SoakOptions, bench_soak as run
+
+    options = SoakOptions(peers=peers, minutes=minutes, churn_every=churn_every, mbps=mbps, delay_ms=delay_ms,
+                          model=model, stages=stages, steps=steps, averaging_period=averaging_period,
+                          cpus_per_peer=cpus_per_peer, out=out, seed=seed)
+    sys.exit(run_blocking(lambda: run(options)))
 
 
 @app.command("stage", hidden=True)

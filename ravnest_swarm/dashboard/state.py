@@ -28,9 +28,14 @@ Slot = Tuple[int, int]  # (cluster, stage)
 # a volunteer's record ``note`` says what last went wrong, starting with one of these
 AVERAGING_NOTE = "averaging"
 REFUSAL_NOTE = "refused"
+DIVERGED_NOTE = "diverged"
 
 TRAINING_STATES = ("training", "averaging")  # the loss curve's peers: a finished ("done") peer's loss is old
-EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected")
+EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected", "diverged")
+# a peer's counter that grew: (field, event kind, text, its note's kind, only for a peer seen before: a joiner's)
+COUNTED_EVENTS = (("averaging_failures", "avg-fail", "averaging failed on", AVERAGING_NOTE, True),
+                  ("rejected", "rejected", "poisoned or malformed input refused by", REFUSAL_NOTE, False),
+                  ("divergences", "diverged", "training diverged and restored on", DIVERGED_NOTE, False))
 # beyond this many peers joining (or vanishing) in one snapshot, one event counts them: each bucket read in turn
 PEER_EVENTS = 8
 
@@ -240,12 +245,9 @@ class SwarmState:
         # one event per peer, with the cause it gives: several at once are usually one ring's members
         for peer_id, peer in current.items():
             old = previous.get(peer_id, {})
-            if old and (peer.get("averaging_failures") or 0) > (old.get("averaging_failures") or 0):
-                events.append(Event(at, "avg-fail", f"averaging failed on {peer['name']} "
-                                                    f"({peer['averaging_failures']} so far){_cause(peer, AVERAGING_NOTE)}"))
-            if (peer.get("rejected") or 0) > (old.get("rejected") or 0):
-                events.append(Event(at, "rejected", f"poisoned or malformed input refused by {peer['name']} "
-                                                    f"({peer['rejected']} so far){_cause(peer, REFUSAL_NOTE)}"))
+            for field, kind, what, note, seen_before in COUNTED_EVENTS:
+                if (old or not seen_before) and (peer.get(field) or 0) > (old.get(field) or 0):
+                    events.append(Event(at, kind, f"{what} {peer['name']} ({peer[field]} so far){_cause(peer, note)}"))
         return events
 
     # --- derived views ------------------------------------------------------------------------

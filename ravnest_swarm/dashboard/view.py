@@ -26,7 +26,8 @@ STATE_STYLES = {"training": "green", "averaging": "cyan", "standby": "yellow", "
                 "leaving": "red"}
 STATE_SHORT = {"training": "train", "averaging": "avg", "standby": "spare", "joining": "join", "leaving": "bye"}
 EVENT_STYLES = {"start": "dim", "joined": "green", "left": "red", "replaced": "yellow", "round": "bold cyan",
-                "avg-fail": "bold red", "rejected": "bold magenta"}
+                "avg-fail": "bold red", "rejected": "bold magenta",
+                "diverged": "bold red"}
 BLOCKS = " ▁▂▃▄▅▆▇█"
 MIN_CELL, MAX_CELL = 17, 24  # a cell's third line ("#12.3k 123/s 2.31") needs 17 columns
 STAGE_LABEL = 3  # "s12"

@@ -21,7 +21,8 @@ from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_bucket_counts, read_peers, read_summary
-from ravnest_swarm.membership.records import (PeerRecord, peers_key, signing_validator, summary_key,
+from ravnest_swarm.membership.own_record import publishable
+from ravnest_swarm.membership.records import (peers_key, signing_validator, summary_key,
                                               summary_subkey_prefix)
 from ravnest_swarm.membership.view import PeerView, Timing, timing_for
 from ravnest_swarm.net.node import store_record
@@ -37,6 +38,9 @@ FULL_VIEW_BUCKETS = 4
 SUMMARY_EVERY = 10
 # A record is fresh when renewed within this many heartbeats: its writer is surely alive (a late renewal included)
 FRESH_HEARTBEATS = 1.5
+# A renewal that failed is tried again after this many seconds, not a heartbeat later: the record must be renewed
+# before it expires, or everyone's view loses a peer that is still there
+RENEWAL_RETRY_S = 1.0
 
 
 class PeerAnnouncer:
@@ -79,6 +83,11 @@ class PeerAnnouncer:
         self._has_read = False  # whether a read of the run's records has come back yet
         # (the count our bucket calls for, since when it has called for it without a pause)
         self._calls_for: Optional[Tuple[int, float]] = None
+        self.renewal_failures = 0  # renewals that failed, for any reason, since we started
+        self.renewal_problem: Optional[str] = None  # why the last renewal failed; None once one succeeded again
+        # told of each change of ``renewal_problem`` (a reason, or None when renewals work again): the volunteer
+        # says it in its log and on its dashboard, so a record that cannot be renewed is never a silent vanishing
+        self.on_renewal_problem: Optional[Callable[[Optional[str]], None]] = None
 
     @property
     def heartbeat(self) -> float:
@@ -125,8 +134,9 @@ class PeerAnnouncer:
         self.record["time"] = self.clock()
         # measured, not declared: what this process has taken at most so far, renewed with every record
         self.record["peak_memory_gb"], self.record["device_peak_gb"] = peak_memory(self.record.get("device") or "cpu")
-        # the schema validator compares the stored dict with its parsed form, so absent optionals go as None
-        value = PeerRecord.parse_obj(self.record).dict()
+        # the schema validator compares the stored dict with its parsed form, so absent optionals go as None; a
+        # figure out of its bounds goes clamped and named in ``out_of_range``, never as a renewal that fails
+        value = publishable(self.record)
         expiration = self.clock() + (lifetime if lifetime is not None else self.timing.lifetime)
         stored = await asyncio.gather(*(
             self.store(self.node, peers_key(self.run, buckets, bucket_of(self.peer_id, buckets)), value,
@@ -198,12 +208,34 @@ class PeerAnnouncer:
         """Renew our record and refresh our view, each every heartbeat, side by side: one after the other, a read
         that waited on lost RPCs (3 s each) delayed the next renewal, and in the simulation renewals at 2 % loss came
         11 s apart at worst against a 5 s heartbeat."""
-        await asyncio.gather(self._every_heartbeat(self._renew, "renewing the peer record"),
+        await asyncio.gather(self._renew_forever(),
                              self._every_heartbeat(self.refresh_view, "reading the run's peer records"))
 
-    async def _renew(self) -> None:
-        if not await self.publish():
-            logger.warning("no DHT node accepted our peer record; retrying next heartbeat")
+    async def renew(self, lifetime: Optional[float] = None) -> bool:
+        """:meth:`publish` that never raises: a failure (a DHT error, no node accepting it, a record of ours that
+        cannot be made valid) is counted, logged as an error and passed on (``on_renewal_problem``); whether the
+        record was stored. The heartbeat retries a failed renewal within :data:`RENEWAL_RETRY_S`."""
+        try:
+            problem = None if await self.publish(lifetime) else "no DHT node accepted it"
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem is not None:
+            self.renewal_failures += 1
+            logger.error(f"renewing our peer record failed ({problem}); trying again in {RENEWAL_RETRY_S:.0f}s")
+        if problem != self.renewal_problem:
+            self.renewal_problem = problem
+            if self.on_renewal_problem is not None:
+                self.on_renewal_problem(problem)
+        return problem is None
+
+    async def _renew_forever(self) -> None:
+        """Renew our record every heartbeat; after a renewal that failed, every :data:`RENEWAL_RETRY_S` until one
+        works."""
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            wait = self.heartbeat if await self.renew() else RENEWAL_RETRY_S
+            await asyncio.sleep(max(0.0, wait - (loop.time() - started)))
 
     async def _every_heartbeat(self, work: Callable[[], Awaitable[None]], what: str) -> None:
         loop = asyncio.get_running_loop()  # virtual time in the simulation
@@ -224,4 +256,4 @@ class PeerAnnouncer:
         heartbeat's; it still vanishes one lifetime after we go.
         """
         self.update(state="leaving")
-        await self.publish(lifetime=self.timing.lifetime + 0.5)
+        await self.renew(lifetime=self.timing.lifetime + 0.5)

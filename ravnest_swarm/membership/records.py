@@ -126,6 +126,12 @@ class PeerRecord(pydantic.BaseModel):
     device_memory_gb: Optional[_bounded_float(0.0, 4096.0)] = None  # what the planner sizes its stages by
     peak_memory_gb: Optional[_bounded_float(0.0, 4096.0)] = None  # the process's peak RSS
     device_peak_gb: Optional[_bounded_float(0.0, 4096.0)] = None  # the GPU's peak allocation; None on a CPU
+    # the peer's own figures that fell outside their bounds and were published clamped (a bound) or as None (not
+    # finite): a loss of 10^7 reads as "above 10^6", not as a record that failed to renew (``own_record.py``)
+    out_of_range: Optional[pydantic.conlist(pydantic.constr(strict=True, regex=r"^[a-z_]{1,32}\Z"),
+                                            max_items=16)] = None
+    divergences: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # restores after a divergence
+
 
 
 def planning_memory_gb(record: Dict) -> float:
@@ -232,6 +238,8 @@ class RunSpecRecord(pydantic.BaseModel):
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     backward: pydantic.constr(strict=True, regex="^(stash|recompute)$") = "stash"
     aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust
+    lr_scaling: pydantic.constr(strict=True, regex="^(none|sqrt|linear|warmup)$") = "none"  # swarm.spec.cluster_lr
+    divergence_factor: _bounded_float(0.0, 1e6) = 10.0  # pipeline/guard.py
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)

@@ -23,6 +23,7 @@ from torch.func import functional_call
 from ravnest_swarm.devices import autocast, autocast_dtype
 from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.pipeline.guard import Diverged, DivergenceGuard, RestorePoint, SkippedStep
 
 Result = TypeVar("Result")
 
@@ -61,6 +62,9 @@ class StageCompute:
         self.version = 0  # optimizer steps taken (or counted from, see Scheduler.follow_sender_steps)
         self.gradients = 0  # gradients this stage applied or accumulated (the sync schedule steps on every n-th)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.guard = DivergenceGuard(config.divergence_factor)  # judges the loss on the last stage
+        self.restore_point: Optional[RestorePoint] = None  # what a divergence goes back to (mark_restore_point)
+        self.divergences = 0  # restores after a divergence
 
     async def run(self, function: Callable[..., Result], *args) -> Result:
         """``function(*args)`` in the compute thread, awaited from the event loop."""
@@ -79,6 +83,9 @@ class StageCompute:
             params = None
             with torch.no_grad():
                 output = self._compute(x)
+        if not torch.isfinite(output.detach()).all():
+            # finite inputs (the wire refuses others) and an output that is not: our own weights are poisoned
+            self.restore("its output is not finite")
         return Pending(x, output, list(output.shape), params, None, self.version), to_host(output)
 
     def backward(self, pending: Pending, grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -104,8 +111,11 @@ class StageCompute:
             output = self.module(x)
             check_targets(targets, output.shape[-1])
             loss = self.spec.loss(output, targets.to(self.device))
-        if not torch.isfinite(loss.detach()).all():
-            raise ValueError(f"the loss is {loss.item()}, not finite: its gradient would poison the weights")
+        verdict = self.guard.judge(loss.item())  # before any gradient: a bad one would poison the weights
+        if verdict.kind == "spike":
+            raise SkippedStep(verdict.reason)
+        if verdict.kind == "diverged":
+            self.restore(verdict.reason)
         loss.backward()  # outside autocast, as torch advises: each op's backward runs in its forward's dtype
         self._apply_gradients()
         return loss.item(), (to_host(x.grad) if x.requires_grad else None)
@@ -122,8 +132,33 @@ class StageCompute:
         inputs = inputs.to(self.device)
         return inputs if self.is_first else inputs.detach().requires_grad_()
 
+    def mark_restore_point(self, source: str) -> None:
+        """Keep a copy of the layers as they are now, to go back to on a divergence (kept only when finite, and
+        only while the loss is at its level: a state taken during a spike is no better than the one before)."""
+        if self.guard.spikes:
+            return
+        point = RestorePoint.of(self.module, self.version, source)
+        if point is not None:
+            self.restore_point = point
+
+    def restore(self, reason: str) -> None:
+        """Go back to the restore point (the optimizer's state goes too: it was built on the diverged weights);
+        raises :class:`Diverged`, which says what happened, so the microbatch that showed it is dropped."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+        self.guard.reset()
+        self.divergences += 1
+        point = self.restore_point
+        if point is None:
+            raise Diverged(f"{reason}; no good state to go back to (none marked yet)")
+        point.load_into(self.module)
+        raise Diverged(f"{reason}; restored layers {self.config.layers[0]}:{self.config.layers[1]} from "
+                       f"{point.source} of step {point.step}")
+
     def _apply_gradients(self) -> None:
         """Async: step on every gradient. Sync: step once per ``microbatches_per_step`` on the mean."""
+        if not all(torch.isfinite(p.grad).all() for p in self.module.parameters() if p.grad is not None):
+            self.restore("its gradient is not finite")
         self.gradients += 1
         if self.config.schedule == "sync":
             if self.gradients % self.config.microbatches_per_step:

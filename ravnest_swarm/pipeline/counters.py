@@ -20,6 +20,9 @@ class Counters:
     turned_away: int = 0  # messages refused for when or where they arrived (messaging.TURNED_AWAY)
     failed: int = 0  # microbatches whose forward, loss or backward raised here (dropped too)
     last_failed: Optional[str] = None  # which the last of them was and why
+    skipped: int = 0  # steps the divergence guard skipped: a loss far above the stage's level (pipeline/guard.py)
+    divergences: int = 0  # restores after a divergence, this stage's own or its cluster's (told by a later stage)
+    last_divergence: Optional[str] = None  # what the last of them was and what the stage went back to
     resends: int = 0
     max_staleness: int = 0
     losses: List[Tuple[int, float]] = dataclass_field(default_factory=list)

@@ -5,7 +5,11 @@ new microbatch while fewer than ``max_in_flight`` are in flight (async; bounded 
 current synchronous step still has room (sync, GPipe-style). Sends run as background tasks, so compute
 and transfers overlap. A microbatch leaves this stage's books by completing, or by being dropped and
 counted (a failed send, no gradient within ``microbatch_timeout``, the end of the run, its own compute
-raising: bad targets, a loss that fails or is not finite, anything): never silently, and the loop goes on.
+raising: bad targets, a loss that fails, anything): never silently, and the loop goes on.
+
+A loss the divergence guard judges diverged (``pipeline/guard.py``) restores the last stage's layers, and its
+backward message goes on with a zero gradient and ``diverged`` set: every stage before it restores its own
+layers in turn instead of stepping, so the whole cluster goes back to a good state, not only the stage that saw it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.compute import Pending, StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.pipeline.counters import BusyTime, Counters
+from ravnest_swarm.pipeline.guard import Diverged, SkippedStep
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,8 @@ class Scheduler:
         self.between_steps: Optional[Callable[[int], Awaitable[None]]] = None
         self.hooked_version = 0
         self.forward_queue: Deque[Tuple[int, List[int], torch.Tensor, torch.Tensor]] = deque()
-        self.backward_queue: Deque[Tuple[int, torch.Tensor]] = deque()
+        # (microbatch, gradient, why the cluster diverged: a later stage's word that we restore, not step)
+        self.backward_queue: Deque[Tuple[int, torch.Tensor, Optional[str]]] = deque()
         self.queued_forward: Set[int] = set()
         self.pending: Dict[int, Pending] = {}
         self.queued_backward: Set[int] = set()
@@ -93,11 +99,11 @@ class Scheduler:
         self.wakeup.set()
         return len(self.forward_queue)
 
-    def queue_backward(self, microbatch: int, grad: torch.Tensor) -> int:
+    def queue_backward(self, microbatch: int, grad: torch.Tensor, diverged: Optional[str] = None) -> int:
         """Take a checked gradient for a pending microbatch; how many wait in the backward queue now."""
         self.queued_backward.add(microbatch)
         self.seen_backward.add(microbatch)
-        self.backward_queue.append((microbatch, grad))
+        self.backward_queue.append((microbatch, grad, diverged))
         self.trace("backward_arrived", microbatch)
         self.wakeup.set()
         return len(self.backward_queue)
@@ -228,6 +234,13 @@ class Scheduler:
                     loss, input_grad = await compute.run(compute.forward_backward_last, inputs, targets)
                 else:
                     pending, output = await compute.run(compute.forward, inputs)
+            except SkippedStep as e:
+                self.counters.skipped += 1
+                self._fail(microbatch, "step", e)
+                return
+            except Diverged as e:
+                self._diverged(microbatch, str(e), inputs if self.is_last else None)
+                return
             except Exception as e:
                 self._fail(microbatch, "forward", e)
                 return
@@ -246,7 +259,7 @@ class Scheduler:
                                       sample_ids=sample_ids, version=compute.version)
         self.spawn(wire.FORWARD, self.config.stage + 1, message, [output, targets], microbatch)
 
-    async def run_backward(self, microbatch: int, grad: torch.Tensor) -> None:
+    async def run_backward(self, microbatch: int, grad: torch.Tensor, diverged: Optional[str] = None) -> None:
         self.queued_backward.discard(microbatch)
         pending = self.pending.pop(microbatch, None)
         if pending is None:
@@ -254,7 +267,12 @@ class Scheduler:
         self.trace("backward_started", microbatch)
         with self.busy.measure(), self._computing():
             try:
+                if diverged is not None:
+                    await self.compute.run(self.compute.restore, f"a later stage: {diverged}")
                 input_grad = await self.compute.run(self.compute.backward, pending, grad)
+            except Diverged as e:
+                self._diverged(microbatch, str(e), pending.inputs)
+                return
             except Exception as e:
                 self._fail(microbatch, "backward", e)
                 return
@@ -339,6 +357,23 @@ class Scheduler:
         self.drop(microbatch, reason)
         if self.is_first:
             self._release_slot()  # stage 0 injected it, and it was out of `pending` while it computed
+
+    def _diverged(self, microbatch: int, reason: str, inputs: Optional[torch.Tensor]) -> None:
+        """Our compute restored the stage (``StageCompute.restore``): counted and said; the microbatch is dropped,
+        and, where we had its input from the stage before us (the last stage, or one told by a later stage), that
+        stage is told to restore too, with a zero gradient that steps nothing."""
+        self.counters.divergences += 1
+        self.counters.last_divergence = f"at step {self.compute.version}: {reason}"
+        logger.warning(f"stage {self.config.stage}: diverged at microbatch {microbatch}: {reason}")
+        self.counters.dropped += 1
+        self.seen_forward.discard(microbatch)
+        if self.is_first:
+            self._release_slot()  # stage 0 injected it; it is out of ``pending`` while it computes
+        elif inputs is not None:
+            message = wire.BackwardRequest(**self._address(self.config.stage - 1), microbatch=microbatch,
+                                           version=self.compute.version, diverged=reason[-wire.MAX_REASON_LEN:])
+            self.spawn(wire.BACKWARD, self.config.stage - 1, message, [torch.zeros(inputs.shape, dtype=inputs.dtype)],
+                       microbatch)
 
     def _release_slot(self) -> None:
         self.in_flight -= 1

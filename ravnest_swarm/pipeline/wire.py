@@ -28,6 +28,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
 from ravnest_swarm.membership.records import RUN_NAME_RE
+from ravnest_swarm.membership.text import CONTROL_CHARACTERS
 from ravnest_swarm.net.messages import Message, MessageError
 from ravnest_swarm.net.transport import make_request, read_frames, unpack_metadata
 
@@ -39,6 +40,7 @@ CHUNK_BYTES = 512 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 4
 MAX_SAMPLES = 4096
+MAX_REASON_LEN = 300
 # what a stage may send, and all it accepts: hivemind's 8-bit codecs carry lookup tables a sender chooses
 COMPRESSIONS = {"none": CompressionType.NONE, "float16": CompressionType.FLOAT16,
                 "meanstd16": CompressionType.MEANSTD_16BIT}
@@ -75,10 +77,13 @@ class FinishRequest(StageAddress):
 
 
 class BackwardRequest(StageAddress):
-    """Frame 0 of a backward message: the gradient of the output this stage sent for ``microbatch``."""
+    """Frame 0 of a backward message: the gradient of the output this stage sent for ``microbatch``.
+    ``diverged``: a later stage's loss says the cluster diverged (``pipeline/guard.py``): the gradient is
+    zero, and this stage restores its layers instead of stepping, then tells the stage before it."""
 
     microbatch: Count
     version: Count
+    diverged: Optional[Annotated[str, Field(max_length=MAX_REASON_LEN, pattern=f"^[^{CONTROL_CHARACTERS}]*$")]] = None
 
 
 class Accepted(Message):

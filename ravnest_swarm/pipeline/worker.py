@@ -76,6 +76,7 @@ class StageWorker:
         self.scheduler.print_progress = value
 
     async def start(self) -> None:
+        self.mark_restore_point("the layers it started from")  # loaded by now: what a divergence goes back to first
         await self.inbox.add_handlers(self.node)
         await self._publish()
         self._tasks = [asyncio.create_task(coroutine) for coroutine in
@@ -87,6 +88,11 @@ class StageWorker:
         self.resumed_at = self.compute.version = self.scheduler.hooked_version = step
         if self.config.stage == 0:
             self.counters.injected = min(step, self.config.microbatches)
+
+    def mark_restore_point(self, source: str) -> None:
+        """What a divergence restores from now on: the layers as they are (``StageCompute.mark_restore_point``).
+        Called while no compute runs: before the start, or from the ``between_steps`` hook."""
+        self.compute.mark_restore_point(source)
 
     def follow_neighbours(self, neighbours: Neighbours) -> None:
         """Take messages from, and send to, the peers a new plan puts beside this stage (a standby that replaced

@@ -364,7 +364,7 @@ class PlanningRounds:
             self.on_adopt(record)  # a training volunteer places itself: it knows what layers it still holds
         else:
             self.announcer.update(plan_round=round_number, **placement)
-            await self.announcer.publish()
+            await self.announcer.renew()
         self.triggers.adopted(snapshot_ids, set(alive))
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "

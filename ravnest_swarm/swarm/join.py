@@ -63,6 +63,8 @@ class JoinOptions:
     precision: Optional[str] = None
     backward: Optional[str] = None
     aggregation: Optional[str] = None
+    lr_scaling: Optional[str] = None
+    divergence_factor: Optional[float] = None
     # training
     data: Optional[str] = None
     handover_timeout: float = 90.0
@@ -85,7 +87,8 @@ class JoinOptions:
     verbose: bool = False
 
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
-                   "pipeline_compression", "precision", "backward", "aggregation", "steps")
+                   "pipeline_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
+                   "steps")
 
     def requested_spec(self) -> dict:
         """The spec fields we were given, for a run that has no spec yet."""
@@ -152,7 +155,7 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     from ravnest_swarm.membership.capabilities import check_override
     from ravnest_swarm.membership.records import parse_run_address, validate_peer_name
     from ravnest_swarm.net.node import parse_maddrs
-    from ravnest_swarm.swarm.spec import check_spec_choices, model_facts, scan_user_data
+    from ravnest_swarm.swarm.spec import LR_SCALINGS, check_spec_choices, model_facts, scan_user_data
 
     parse_run_address(options.run)
     for flag, value in (("ram-gb", options.ram_gb), ("max-ram-gb", options.max_ram_gb), ("gflops", options.gflops),
@@ -170,6 +173,8 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
                        options.aggregation or "mean")
     check_precision(options.precision or "fp32")
+    if options.lr_scaling is not None and options.lr_scaling not in LR_SCALINGS:
+        raise UserError(f"--lr-scaling must be one of {', '.join(LR_SCALINGS)}, not {options.lr_scaling!r}")
     return facts
 
 

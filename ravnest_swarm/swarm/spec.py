@@ -9,6 +9,7 @@ differs, refuses with one line, as does one that lacks the model or asked for di
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Tuple
@@ -27,6 +28,23 @@ from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
 FOLLOWED = ("lr",)  # what the owner may change in a running run: every peer follows it from its next step
+# how a cluster's learning rate follows the number of clusters (``cluster_lr``); ``bench lr-scaling`` measures them
+LR_SCALINGS = ("none", "sqrt", "linear", "warmup")
+LR_WARMUP_STEPS = 200  # ``warmup``: steps after a stage starts over which its lr goes from the run's to K x it
+
+
+def cluster_lr(lr: float, clusters: int, rule: str, steps_since_start: int, warmup_steps: int = LR_WARMUP_STEPS) -> float:
+    """A cluster's learning rate when the run's is ``lr`` and ``clusters`` train: ``none`` keeps it, ``sqrt`` and
+    ``linear`` multiply it by sqrt K and K, ``warmup`` goes from lr to K x lr over ``warmup_steps`` steps after the
+    stage started (a re-plan starts every stage anew). docs/swarm.md, "The learning rate across clusters"."""
+    if rule == "none" or clusters <= 1:
+        return lr
+    if rule == "sqrt":
+        return lr * math.sqrt(clusters)
+    if rule == "linear":
+        return lr * clusters
+    ramp = min(1.0, steps_since_start / max(1, warmup_steps))
+    return lr * (1 + (clusters - 1) * ramp)
 
 
 @dataclass
@@ -52,6 +70,9 @@ class RunSpec:
     :param aggregation: how each averaging ring combines its members' values (``averaging.robust.AGGREGATIONS``):
       ``mean``, or ``trimmed_mean`` / ``centered_clip``, which bound what one hostile member of a ring can do
       at some cost in time (docs/averaging.md, "Aggregation")
+    :param lr_scaling: how a cluster's lr follows the number of clusters (:data:`LR_SCALINGS`, ``cluster_lr``)
+    :param divergence_factor: a loss above this many times a stage's level skips its step; a few in a row
+      restore the stage's last good state (``pipeline/guard.py``); 0: only a loss that is not finite does
     :param precision: ``fp32``, or ``bf16`` / ``fp16``: stages compute their forward under a 16-bit autocast
       (weights, gradients, optimizer state and what travels stay float32; ``devices.autocast_dtype`` says what
       a device that lacks the dtype runs instead)
@@ -81,6 +102,8 @@ class RunSpec:
     # the mean by default: exact and the fastest; with two clusters no aggregate can tell which member is hostile,
     # and with three the trimmed mean is the median (docs/averaging.md, "Aggregation")
     aggregation: str = "mean"
+    lr_scaling: str = "none"
+    divergence_factor: float = 10.0
     steps: int = 300
     protocol: int = PROTOCOL_VERSION
     version: int = 1
@@ -92,7 +115,7 @@ class RunSpec:
 
     @classmethod
     def from_record(cls, value: dict) -> "RunSpec":
-        fields = {key: value[key] for key in cls.__dataclass_fields__}
+        fields = {key: value[key] for key in cls.__dataclass_fields__ if key in value}
         return cls(**fields)
 
     def check_usable(self) -> "RunSpec":

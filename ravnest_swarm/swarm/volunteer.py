@@ -47,7 +47,7 @@ from ravnest_swarm.averaging.segments import Ring, plan_rings
 from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
-from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
+from ravnest_swarm.dashboard.state import AVERAGING_NOTE, DIVERGED_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress
@@ -59,7 +59,7 @@ from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, arrival_wait, holders_of, layer_offers, model_workload,
                                            neighbours_in, offered_step, placement_in)
-from ravnest_swarm.swarm.spec import RunSpec, read_spec
+from ravnest_swarm.swarm.spec import RunSpec, cluster_lr, read_spec
 from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
                                                 offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id
@@ -72,6 +72,7 @@ LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", 
 HOLDER_LOOKUPS = 5
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
+DIVERGING_REPEATS, DIVERGING_STEPS = 3, 500  # this many restores within so many steps: a cluster that keeps diverging
 
 
 @dataclass
@@ -136,7 +137,10 @@ class Volunteer:
         self._finished = False  # the run reached its length (said once)
         self.held: Optional[Tuple[int, torch.nn.Sequential, int]] = None  # layers of the last stopped worker
         self.placement: Optional[Placement] = None
+        # the plan we follow (our placement is in it), and the newest one adopted, which we follow next: read
+        # together with our placement, a newer plan of fewer clusters than ours was an IndexError (issue 29)
         self.plan: Optional[dict] = None
+        self.adopted: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
         self.averaging_rounds = self.averaging_failures = 0
         self.averaging_times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
@@ -157,6 +161,10 @@ class Volunteer:
         self._progress_seen = (time.monotonic(), -1)  # when our worker's step last changed, and to what
         self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
         self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
+        self.announcer.on_renewal_problem = self._renewal_problem
+        self.divergences_before = 0  # restores of stage workers already stopped
+        self._noted_divergence: Optional[str] = None
+        self._recent_divergences: List[int] = []  # the steps of our stage's recent restores
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -200,7 +208,7 @@ class Volunteer:
                     self._adopted.clear()
                     if not await self._run_finished():  # a plan adopted as the run ended would only move layers
                         # a placement may download for a while: a stop must not wait for it
-                        await _until_set(self._follow_plan(self.plan), stop)
+                        await _until_set(self._follow_plan(self.adopted), stop)
                     continue
                 await _until_set(self._adopted.wait(), stop, timeout=2.0)
                 await self._follow_spec()
@@ -230,9 +238,7 @@ class Volunteer:
         self.say(f"{self.name}: run {self.run} spec version {spec.version} from its owner: lr {self.spec.lr} -> {spec.lr}")
         self.spec = replace(self.spec, version=spec.version, lr=spec.lr)
         if self.worker is not None:
-            # the compute thread reads it at its next step; as at the worker's start, lr scales with the clusters
-            for group in self.worker.optimizer.param_groups:
-                group["lr"] = self.spec.lr * self.worker.config.clusters
+            self._set_lr(self.worker)  # the compute thread reads it at its next step
 
     def _prepare_model(self) -> Tuple[Workload, Tuple[List[float], List[float]], Optional[float]]:
         """The planner's view of the model, its data set loaded (cached for the stage workers), and our compute
@@ -245,7 +251,7 @@ class Volunteer:
         return model_workload(self.model, self.spec, self.options.max_stages) + (gflops,)
 
     def _on_adopt(self, plan: dict) -> None:
-        self.plan = plan
+        self.adopted = plan
         self._adopted.set()
 
     async def _follow_plan(self, plan: dict) -> None:
@@ -254,17 +260,18 @@ class Volunteer:
         if placement == self.placement and self.worker is not None:
             # same slot: the worker goes on, taking messages from (and sending to) whoever the plan now puts
             # beside it, such as a standby that replaced a dead neighbour
+            self.plan = plan
             self.worker.follow_neighbours(neighbours_in(plan, placement[0], placement[1]))
-            await self.announcer.publish()
+            await self.announcer.renew()
             return
         await self._stop_worker()
-        self.placement = placement
+        self.plan, self.placement = plan, placement
         if placement is None:
             # a standby keeps offering the layers it last trained, so others can still fetch them
             held = dict(layers=[self.held[0], self.held[0] + len(self.held[1])], step=self.held[2]) if self.held \
                 else dict(layers=None, step=None)
             self.announcer.update(state="standby", cluster=-1, stage=None, loss=None, samples_per_s=None, **held)
-            await self.announcer.publish()
+            await self.announcer.renew()
             self.say(f"{self.name}: standby in plan round {plan['round']}: {await self._standby_reason(plan)}")
             return
         await self._start_worker(placement, plan)
@@ -281,8 +288,6 @@ class Volunteer:
     # ------------------------------------------------------------------ stage workers
     async def _start_worker(self, placement: Placement, plan: dict) -> None:
         cluster, stage, stages, layers, clusters = placement
-        # linear scaling: averaging C replicas keeps the mean of their moves, a C-th of one process's
-        # move on the same samples (docs/swarm.md, Train)
         config = StageConfig(run=self.run, stage=stage, stages=stages, model=self.spec.model, layers=layers,
                              model_config=self.spec.model_config, data=self.options.data,
                              cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
@@ -290,7 +295,9 @@ class Volunteer:
                              compression=self.spec.pipeline_compression,
                              device=self.membership.options.device, precision=self.spec.precision,
                              mode=self.spec.backward,
-                             lr=self.spec.lr * clusters, heartbeat=self.membership.options.heartbeat,
+                             lr=cluster_lr(self.spec.lr, clusters, self.spec.lr_scaling, 0),
+                             divergence_factor=self.spec.divergence_factor,
+                             heartbeat=self.membership.options.heartbeat,
                              neighbours=neighbours_in(plan, cluster, stage))
         worker = StageWorker(config, self.node)
         if worker.precision_note is not None and worker.precision_note != self._precision_said:
@@ -309,7 +316,7 @@ class Volunteer:
         self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
                  f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}")
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
-        await self.announcer.publish()
+        await self.announcer.renew()
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -325,6 +332,7 @@ class Volunteer:
         # say so: a peer placed on these layers in the same round finds them here, not only in the cache
         self.announcer.update(held=[worker.start_layer, worker.end_layer, worker.version])
         self.rejected_before += worker.counters.rejected
+        self.divergences_before += worker.counters.divergences
         for offset, layer in enumerate(worker.module):
             self.cache[worker.start_layer + offset] = (
                 {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}, worker.version)
@@ -404,20 +412,31 @@ class Volunteer:
         return offered
 
     # ------------------------------------------------------------------ between optimizer steps
+    def _set_lr(self, worker: StageWorker) -> None:
+        """Our stage's lr: the run's, as the spec's rule scales it with the clusters (``spec.cluster_lr``;
+        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start."""
+        lr = cluster_lr(self.spec.lr, worker.config.clusters, self.spec.lr_scaling, worker.version - worker.resumed_at)
+        for group in worker.optimizer.param_groups:
+            group["lr"] = lr
+
     async def _between_steps(self, step: int) -> None:
+        if self.spec.lr_scaling == "warmup":
+            self._set_lr(self.worker)
         if self.spec.averaging_period and step % self.spec.averaging_period == 0 and self.plan is not None \
                 and len(self.plan["clusters"]) > 1:
             await self._average(step)
         if self.checkpoint_path and step % self.options.checkpoint_every == 0:
             self._save_checkpoint(self.worker)
+            if self.averager.last_finished_step < step - self.spec.averaging_period:
+                self.worker.mark_restore_point("its checkpoint")  # an averaged state is fresher where there is one
 
     async def _average(self, step: int) -> None:
         """One averaging round. ``averaging_rounds`` counts the rounds in which every ring of ours averaged,
         ``averaging_failures`` those in which one did not (its segment kept the local values), and the record's
         note says why; a round this worker has no part in any more (a new plan moves us) is neither."""
         worker = self.worker
-        if placement_in(self.plan, self.peer_id) != self.placement:
-            return  # the plan just adopted moves us: this worker stops next, and the plan's rings are not its own
+        if self.adopted is not self.plan and placement_in(self.adopted, self.peer_id) != self.placement:
+            return  # the plan just adopted moves us: this worker stops next, and its partners moved too
         rings = rings_of(self.peer_id, plan_rings(self.plan, self.layer_sizes))
         if not rings or step <= self.averager.last_finished_step:
             return  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
@@ -446,6 +465,7 @@ class Volunteer:
                        f"{first['peer'][-8:]}: {first['reason']}")
         if result.ok:
             self.averaging_rounds += 1
+            worker.mark_restore_point("the averaged state")
             # as every member of our rings now holds them: what a joiner compares across holders
             self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
         else:
@@ -476,6 +496,17 @@ class Volunteer:
         self.say(f"{self.name}: averaging at step {step} failed: {summary or cause}")
         self.announcer.update(averaging_failures=self.averaging_failures)
         self._note(f"{AVERAGING_NOTE} step {step}: {cause}")
+
+    def _renewal_problem(self, problem: Optional[str]) -> None:
+        """Say when our record stops being renewed (others lose us from their view once it expires) and when it
+        is renewed again: the heartbeat keeps trying every second meanwhile."""
+        if problem is None:
+            self.say(f"{self.name}: our peer record is renewed again ({self.announcer.renewal_failures} renewal(s) "
+                     f"failed)")
+            self._note(f"record renewal failed {self.announcer.renewal_failures} time(s), renewed again")
+        else:
+            self.say(f"{self.name}: error: our peer record could not be renewed ({problem}); others lose us from "
+                     f"their view if this lasts; trying again every second")
 
     def _note(self, text: str) -> None:
         """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
@@ -519,6 +550,7 @@ class Volunteer:
         if worker.counters.last_failed != self._noted_failure:
             self._noted_failure = worker.counters.last_failed
             self._note(f"dropped {worker.counters.last_failed}")
+        self._report_divergences(worker)
         if (worker.finished.is_set() or worker.resumed_at >= self.spec.steps) and \
                 self.announcer.record["state"] != "averaging":
             # a stage placed after its cluster already trained its steps has nothing left to do; one still in
@@ -526,6 +558,27 @@ class Volunteer:
             # whose count reached the run's length is not done before the finish: it may be ahead of stage 0
             # (a step on a microbatch stage 0 dropped), which draws another in its place (docs/pipeline.md)
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
+
+    def _report_divergences(self, worker: StageWorker) -> None:
+        """Our record counts the times our stage diverged and restored; its note and our log say the last; a
+        stage that keeps diverging says so once in each run of :data:`DIVERGING_REPEATS` (its cluster's learning
+        rate is likely too high for it: the owner lowers it with ``update-spec``)."""
+        self.announcer.update(divergences=self.divergences_before + worker.counters.divergences)
+        last = worker.counters.last_divergence
+        if last is None or last == self._noted_divergence:
+            return
+        self._noted_divergence = last
+        self._recent_divergences.append(worker.version)
+        self.say(f"{self.name}: cluster {self.placement[0] if self.placement else '?'} stage "
+                 f"{worker.config.stage} diverged {last}")
+        self._note(f"{DIVERGED_NOTE} {last}")
+        recent = [step for step in self._recent_divergences if step >= worker.version - DIVERGING_STEPS]
+        self._recent_divergences = recent
+        if len(recent) >= DIVERGING_REPEATS:
+            self._recent_divergences = []
+            self.say(f"{self.name}: error: cluster {self.placement[0] if self.placement else '?'} keeps diverging "
+                     f"({len(recent)} restores within {DIVERGING_STEPS} steps, at lr {worker.config.lr:g}): the "
+                     f"run's owner may lower its lr (`ravnest-swarm update-spec --lr ...`)")
 
     async def _explain_stall(self) -> None:
         """When our stage has not stepped for STALL_SECONDS, say what the cluster waits for: the slots of the
@@ -588,7 +641,7 @@ class Volunteer:
         start, end, step = worker.start_layer, worker.end_layer, worker.version
         self.announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step,
                               samples_per_s=None)
-        await self.announcer.publish()
+        await self.announcer.renew()
         waiting = f"{self.name}: handing over layers {start}:{end} (step {step}): waiting for a peer to take them " \
                   f"(Ctrl-C again to leave now)"
         self.say(waiting)  # the bar below shows only on a terminal; logs get this line
