@@ -3,7 +3,7 @@
 One run: a ``local`` swarm (real processes) trains for ``steps`` optimizer steps per stage; then, in
 this process, the same model is trained with the same optimizer, learning rate and microbatch size on
 the same number of samples (steps x microbatch size x clusters), drawn in order from one shard; and
-once more at the learning rate the swarm's stages use (the run's x clusters, the linear scaling rule).
+once more at the learning rate the swarm's stages use (the run's, scaled by its ``lr_scaling``: ``spec.cluster_lr``).
 Both are evaluated on the held-out split. Also reported: the largest share of the model (parameters
 and optimizer state, in bytes of tensors held) that any peer holds, relative to 1/stages.
 
@@ -24,7 +24,7 @@ from rich.progress import Progress
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.swarm.local import LocalOptions, LocalSwarm
-from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec import RunSpec, cluster_lr
 
 
 def train_single_process(spec: RunSpec, microbatches: int, seed: int = 0, progress=None) -> float:
@@ -58,7 +58,7 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
                             f"accuracy would not compare with the baseline's, so nothing is reported", exit_code=1)
         clusters = swarm_result["clusters"] or 1
         microbatches = steps * clusters
-        scaled = RunSpec(model=model, lr=spec.lr * clusters)
+        scaled = RunSpec(model=model, lr=cluster_lr(spec.lr, clusters, spec.lr_scaling, steps))
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"single-process baselines, seed {repeat}", total=2 * microbatches)
             baselines.append(train_single_process(spec, microbatches, seed=repeat,
@@ -79,7 +79,7 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
         "accuracy_gap_points": None if swarm_accuracy is None else round(100 * (baseline_accuracy - swarm_accuracy), 2),
         "swarm_accuracies": accuracies,
         "baseline_accuracies": [round(b, 4) for b in baselines],
-        # the swarm's stages run at lr x clusters (linear scaling): the single process at that lr too
+        # the swarm's stages run at the run's lr scaled for the clusters (spec.cluster_lr): the single process too
         "baseline_scaled_lr_accuracy": round(statistics.fmean(scaled_baselines), 4),
         "samples": microbatches * spec.microbatch_size,
         "clusters": [r["clusters"] for r in swarm_results],

@@ -6,8 +6,8 @@ peer were a separate computer. K x S real ``join`` processes and a backbone trai
 RAM for 1.2 / S of the model (the planner's stage share limit), so S - 1 peers cannot hold it and S can, and
 all offer the same compute and bandwidth: the plan is K clusters of S stages (checked; anything else is an
 error). Each K trains the same number of samples (``samples``): a stage's length is samples / (K x microbatch
-size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at 4 x the lr: the swarm's
-linear scaling rule, ``docs/swarm.md``).
+size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at the run's lr as its
+``lr_scaling`` scales it for K: ``docs/swarm.md``).
 
 Throughput: the samples every cluster's stage 0 completed, over the time from the first injection of any
 cluster to the last completion of any (the peers' reports, ``join --report``): averaging rounds, and a

@@ -12,7 +12,8 @@ alone where others can be asked:
 * where two or more count, two of them must serve the same content (sha256 of every tensor): each
   serves the layer as its last averaging round left it (identical on every member of the rings, while
   the live weights of two clusters drift apart), and we ask holder after holder until two agree;
-  if none do, we keep our own weights and say so. One holder alone is asked for its live weights.
+  if none do, we keep our own weights and say so. One holder alone is asked for its live weights, which it
+  copies once for our whole download, so all the layers we get from it are of one step.
 
 Wire format: a server-streaming handler ``ravnest.layer_state``. The request (one frame, read bounded)
 names the run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts
@@ -20,10 +21,9 @@ from hivemind's ``split_for_streaming`` of a ``serialize_torch_tensor`` protobuf
 ``{"layer", "name", "parts", "step"}``. The receiver checks every tensor's name, shape, dtype and
 finiteness against the layers it built itself, so a holder can serve only numbers, never structure.
 
-A holder that we can reach only through a backbone's forwarding (both of us behind NAT) is asked with
-``ravnest.layer_state_message`` instead: forwarded calls carry one reply message, so the request names
-one layer and the reply holds all its tensors, ``{"layer", "names", "step"}`` with the tensors in the
-order of ``names``, bounded by the backbone's per-stream byte cap.
+A holder reached only through a backbone's forwarding (both of us behind NAT) is asked with
+``ravnest.layer_state_message``: forwarded calls carry one reply, so the request names one layer and the reply
+holds its tensors, ``{"layer", "names", "step"}`` in the order of ``names``, within the backbone's byte cap.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 LAYER_STATE = "ravnest.layer_state"
 LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, for forwarded calls
 PART_BYTES = 1 << 20
+HELD_COPY_SECONDS = 60.0  # how long a copy of our layers serves one requester (a stage's download: _held_copy)
 MAX_PARTS = 1 << 16  # of one tensor: 64 GiB in parts of PART_BYTES
 MAX_LAYERS_PER_REQUEST = MAX_LAYOUT_LAYERS
 MAX_REQUEST_BYTES = 64 * 1024
@@ -133,6 +135,7 @@ class LayerStateServer:
         self.routes, self.p2p = routes, routes.p2p
         self.run, self.provider, self.request_timeout = run, provider, request_timeout
         self.averaged: LayerStates = {}  # the layers as our last averaging rounds left them (keep_averaged)
+        self._copies: Dict[PeerID, Tuple[float, LayerStates]] = {}  # each requester's: (when, what) (_held_copy)
 
     def keep_averaged(self, layers: LayerStates) -> None:
         """Keep a copy of ``layers`` as an averaging round in which all our rings finished left them: the
@@ -146,27 +149,35 @@ class LayerStateServer:
             LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES,
             self.request_timeout))
 
-    def _snapshot(self, request: runtime_pb2.ExpertRequest, schema: Type[MessageT],
-                  handler: str) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
-        """The requested layers' tensors, copied to host memory (training may go on while they are sent, and
-        serialization reads the host), and steps."""
+    def _snapshot(self, request: runtime_pb2.ExpertRequest, schema: Type[MessageT], handler: str,
+                  requester: PeerID) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
+        """The requested layers' tensors, copies in host memory (training goes on while they are sent), and steps."""
         asked = decode_message(schema, request.metadata, handler)
         if asked.run != self.run:
             raise ValueError(f"this peer serves run {self.run!r}")
-        layers = asked.layers
-        offered = self.averaged if asked.averaged else self.provider()
-        missing = [i for i in layers if i not in offered]
+        offered = self.averaged if asked.averaged else self._held_copy(asked.layers, requester)
+        missing = [i for i in asked.layers if i not in offered]
         if missing:
-            what = "an averaged copy of layers" if asked.averaged else "layers"
-            raise ValueError(f"this peer does not hold {what} {missing}")
-        return [(i, {name: t.detach().to("cpu", copy=True) for name, t in offered[i][0].items()}, offered[i][1])
-                for i in layers]
+            raise ValueError(f"this peer does not hold {'an averaged copy of layers' if asked.averaged else 'layers'} "
+                             f"{missing}")
+        return [(i, offered[i][0], offered[i][1]) for i in asked.layers]
+
+    def _held_copy(self, layers: List[int], requester: PeerID) -> LayerStates:
+        """A copy of all we hold, taken at a peer's request and served to it for :data:`HELD_COPY_SECONDS`: copied
+        at each of a joiner's requests, layers came from several steps, a state no cluster had (issue 29)."""
+        now = time.monotonic()
+        self._copies = {peer: copy for peer, copy in self._copies.items() if now - copy[0] <= HELD_COPY_SECONDS}
+        if (copy := self._copies.get(requester)) is None or any(i not in copy[1] for i in layers):
+            copy = self._copies[requester] = (now, {i: ({n: t.detach().to("cpu", copy=True) for n, t in state.items()},
+                                                        step) for i, (state, step) in self.provider().items()})
+        return copy[1]
 
     async def _rpc_layer_state_message(self, frames: List[runtime_pb2.ExpertRequest],
                                        context: P2PContext) -> runtime_pb2.ExpertResponse:
         if len(frames) != 1:
             raise ValueError(f"{LAYER_STATE_MESSAGE} takes one request frame, got {len(frames)}")
-        (layer, tensors, step), = self._snapshot(frames[0], LayerStateMessageRequest, LAYER_STATE_MESSAGE)
+        (layer, tensors, step), = self._snapshot(frames[0], LayerStateMessageRequest, LAYER_STATE_MESSAGE,
+                                                 context.remote_id)
         names = list(tensors)
         reply = LayerStateMessageReply(layer=layer, names=names, step=int(step))
         return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
@@ -198,7 +209,7 @@ class LayerStateServer:
 
     async def rpc_layer_state(self, request: runtime_pb2.ExpertRequest,
                               context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for layer, tensors, step in self._snapshot(request, LayerStateRequest, LAYER_STATE):
+        for layer, tensors, step in self._snapshot(request, LayerStateRequest, LAYER_STATE, context.remote_id):
             for name, tensor in tensors.items():
                 parts = list(split_for_streaming(serialize_torch_tensor(tensor), PART_BYTES))
                 header = LayerStateTensorHeader(layer=layer, name=name, parts=len(parts), step=int(step))

@@ -1,0 +1,178 @@
+"""A run that survives its own training (issue 29): the divergence guard, a stage that restores and goes on, and a
+peer record that publishes whatever the peer's own figures did."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from hivemind.utils.timed_storage import get_dht_time
+
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.membership.capabilities import Capabilities
+from ravnest_swarm.membership.own_record import RecordError, publishable
+from ravnest_swarm.membership.reader import read_peers
+from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.net.node import start_node, stop_node
+from ravnest_swarm.pipeline.compute import StageCompute
+from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.pipeline.guard import LEVEL_WINDOW, PATIENCE, Diverged, DivergenceGuard, SkippedStep
+from ravnest_swarm.models import ShardedSampler, get_model
+from ravnest_swarm.swarm.spec import cluster_lr
+
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+RUN = "diverge"
+
+
+def settled_guard(factor=10.0, level=2.0):
+    guard = DivergenceGuard(factor)
+    for _ in range(LEVEL_WINDOW):
+        assert guard.judge(level).kind == "ok"
+    assert guard.level == level
+    return guard
+
+
+def test_a_loss_that_is_not_finite_diverges_at_once_even_before_the_level_is_known():
+    guard = DivergenceGuard(10.0)
+    for value in (math.nan, math.inf):
+        verdict = guard.judge(value)
+        assert verdict.kind == "diverged" and "not finite" not in verdict.reason and str(value) in verdict.reason
+
+
+def test_a_spike_skips_its_step_and_only_a_run_of_them_diverges():
+    guard = settled_guard()
+    assert guard.judge(19.9).kind == "ok"
+    assert guard.judge(25.0).kind == "spike"
+    assert guard.judge(1.0).kind == "ok"  # one spike, then back at the level: nothing to restore
+    kinds = [guard.judge(1e4).kind for _ in range(PATIENCE)]
+    assert kinds == ["spike"] * (PATIENCE - 1) + ["diverged"]
+
+
+def test_a_loss_that_grows_a_little_each_step_diverges_once_far_above_where_it_started():
+    """Issue 29's lab run: the loss passed 10^6 in 7 s, growing a few percent a step. A trailing level would follow it
+    up; the stage's starting level does not."""
+    guard = settled_guard(level=2.3)
+    loss, verdicts = 2.3, []
+    while not verdicts or verdicts[-1] != "diverged":
+        loss *= 1.02
+        verdicts.append(guard.judge(loss).kind)
+        assert loss < 1e3
+    assert loss > 10 * 2.3 and loss < 10 * 2.3 * 1.02 ** PATIENCE
+
+
+def test_factor_zero_judges_only_finiteness():
+    guard = settled_guard(factor=0.0)
+    assert guard.judge(1e9).kind == "ok" and guard.judge(math.nan).kind == "diverged"
+
+
+def single_stage(lr=0.05):
+    model = get_model("mlp-digits")
+    config = StageConfig(run=RUN, stage=0, stages=1, model="mlp-digits", layers=(0, len(model.layers)), lr=lr)
+    return StageCompute(config, model), model
+
+
+def test_a_stage_fed_a_microbatch_whose_loss_is_nan_restores_its_last_good_state_and_trains_on():
+    compute, model = single_stage()
+    data = model.dataset()
+    sampler = ShardedSampler(data.size, 0, 1, 32)
+    for microbatch in range(30):
+        compute.forward_backward_last(*data.get(sampler.sample_ids(microbatch)))
+    compute.mark_restore_point("the averaged state")
+    good = {k: v.clone() for k, v in compute.module.state_dict().items()}
+    version = compute.version
+    inputs, targets = data.get(sampler.sample_ids(30))
+    poisoned = inputs.clone()
+    poisoned[0, 0] = math.nan  # one sample with a NaN feature: the loss is NaN
+    with pytest.raises(Diverged) as raised:
+        compute.forward_backward_last(poisoned, targets)
+    assert "the loss is nan" in str(raised.value) and f"the averaged state of step {version}" in str(raised.value)
+    assert compute.divergences == 1 and compute.version == version
+    assert all(torch.equal(good[k], v) for k, v in compute.module.state_dict().items())
+    loss, _ = compute.forward_backward_last(inputs, targets)  # the next microbatch trains as before
+    assert math.isfinite(loss) and compute.version == version + 1
+
+
+def test_a_gradient_that_is_not_finite_restores_instead_of_stepping():
+    model = get_model("mlp-digits")
+    compute = StageCompute(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=(0, 4)), model)
+    inputs, _ = model.dataset().get(range(32))
+    compute.mark_restore_point("its checkpoint")
+    before = {k: v.clone() for k, v in compute.module.state_dict().items()}
+    pending, output = compute.forward(inputs)
+    with pytest.raises(Diverged, match="its gradient is not finite; restored layers 0:4 from its checkpoint of step 0"):
+        compute.backward(pending, torch.full_like(output, 3e38))  # finite (the wire's bound aside), its products not
+    assert compute.version == 0
+    assert all(torch.equal(before[k], v) for k, v in compute.module.state_dict().items())
+
+
+def test_a_loss_spike_skips_the_step_and_leaves_the_weights():
+    compute, model = single_stage()
+    data = model.dataset()
+    for microbatch in range(LEVEL_WINDOW):
+        compute.forward_backward_last(*data.get(range(32 * microbatch, 32 * microbatch + 32)))
+    weights = {k: v.clone() for k, v in compute.module.state_dict().items()}
+    inputs, targets = data.get(range(32))
+    with pytest.raises(SkippedStep, match="step skipped"):
+        compute.forward_backward_last(inputs * 1e3, targets)
+    assert all(torch.equal(weights[k], v) for k, v in compute.module.state_dict().items())
+
+
+def test_a_restore_point_is_never_a_state_that_is_not_finite():
+    compute, _ = single_stage()
+    compute.mark_restore_point("the layers it started from")
+    first = compute.restore_point
+    with torch.no_grad():
+        next(compute.module.parameters())[0] = math.inf
+    compute.mark_restore_point("the averaged state")
+    assert compute.restore_point is first
+
+
+def test_the_lr_rules():
+    assert cluster_lr(0.05, 4, "none", 0) == 0.05
+    assert cluster_lr(0.05, 4, "linear", 0) == pytest.approx(0.2)
+    assert cluster_lr(0.05, 4, "sqrt", 0) == pytest.approx(0.1)
+    assert [cluster_lr(0.05, 4, "warmup", s, 200) for s in (0, 100, 200, 900)] == pytest.approx([0.05, 0.125, 0.2, 0.2])
+    assert cluster_lr(0.05, 1, "linear", 0) == 0.05
+
+
+RECORD = dict(peer_id="12D3KooWOwn", name="own", state="training", ram_gb=8.0, bandwidth_mbps=100.0, gflops=20.0,
+              reachability="direct", maddrs=[], version="0.1.0", time=1.0, layers=[0, 9], step=1825)
+
+
+def test_figures_out_of_the_schema_publish_clamped_and_flagged():
+    value = publishable(dict(RECORD, loss=3.2e7, samples_per_s=math.nan, note="diverged\nat step 3"))
+    assert value["loss"] == 1e6 and value["samples_per_s"] is None
+    assert value["out_of_range"] == ["loss", "samples_per_s"] and value["note"] == "diverged at step 3"
+    assert publishable(dict(RECORD, loss=0.5))["out_of_range"] is None
+    with pytest.raises(RecordError, match="state"):
+        publishable(dict(RECORD, state="exploding"))  # no figure of ours: our own bug, said in one line
+
+
+def test_a_record_with_an_out_of_range_loss_publishes_and_others_read_it():
+    """The peer of issue 29 whose loss passed 10^6 failed every renewal and vanished from everyone's view; through
+    a real DHT node that validates the run's records, its record is stored and read back, flagged."""
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
+        peer = await start_node(await server.get_visible_maddrs(), record_validators=make_validators(RUN),
+                                host_maddrs=LOCAL, client_mode=True)
+        try:
+            announcer = PeerAnnouncer(peer, RUN, "own", Capabilities(ram_gb=8.0, gflops=20.0, bandwidth_mbps=100.0))
+            problems = []
+            announcer.on_renewal_problem = problems.append
+            announcer.update(state="training", loss=5.7e8, samples_per_s=float("inf"), step=1825)
+            assert await announcer.renew()
+            assert announcer.renewal_failures == 0 and problems == []
+            records = await read_peers(server, RUN, alive_at=get_dht_time())
+            assert [(r["name"], r["loss"], r["samples_per_s"], r["out_of_range"]) for r in records] == \
+                [("own", 1e6, None, ["loss", "samples_per_s"])]
+            announcer.update(state="exploding")  # a record that cannot be valid: counted and said, never raised
+            assert not await announcer.renew()
+            assert announcer.renewal_failures == 1 and "state" in problems[-1]
+            announcer.update(state="training")
+            assert await announcer.renew() and problems[-1] is None
+        finally:
+            await stop_node(peer)
+            await stop_node(server)
+
+    asyncio.run(scenario())
