@@ -3,6 +3,10 @@ peer record that publishes whatever the peer's own figures did."""
 
 import asyncio
 import math
+import os
+import re
+
+import numpy as np
 
 import pytest
 import torch
@@ -19,6 +23,8 @@ from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.pipeline.guard import LEVEL_WINDOW, PATIENCE, Diverged, DivergenceGuard, SkippedStep
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.swarm.spec import cluster_lr
+from run_observer import RunObserver
+from test_user_models import USER_MODELS, features_dir
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 RUN = "diverge"
@@ -176,3 +182,33 @@ def test_a_record_with_an_out_of_range_loss_publishes_and_others_read_it():
             await stop_node(server)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(240)
+def test_a_volunteer_whose_data_drives_its_loss_to_nan_restores_says_so_and_trains_to_the_end(tmp_path, processes,
+                                                                                            backbone):
+    """A real ``join`` of a user's model whose data holds a sample with a NaN feature: each time a microbatch draws
+    it, the loss is NaN, the stage restores its last good state, its log and its record's note say so, its record
+    counts it; and the run still trains to its length."""
+    data = features_dir(tmp_path / "data")
+    inputs = np.load(os.path.join(data, "inputs.npy"))
+    inputs[[1, 2], 3] = np.nan  # two training samples (the held-out ones are the last of every HELDOUT_EVERY)
+    np.save(os.path.join(data, "inputs.npy"), inputs)
+    peer = processes.start(["join", "--initial-peers", backbone, "--run", RUN, "--name", "nan", "--no-dashboard",
+                            "--model", "tabular:build", "--data", data, "--steps", "300", "--min-peers", "1",
+                            "--round-seconds", "3", "--heartbeat", "2", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                           "nan", env={"PYTHONPATH": USER_MODELS})
+    observer = RunObserver(backbone, RUN, period=1.0)
+    try:
+        record = observer.wait_for(lambda peers: peers.get("nan", {}).get("state") == "done", 200,
+                                   "the volunteer trained its 300 steps")["nan"]
+    finally:
+        observer.close()
+    assert record["step"] == 300 and record["divergences"] >= 1, record
+    assert record["note"].startswith("diverged at step ") and "the loss is nan; restored layers 0:4 from" in \
+        record["note"], record
+    assert record["loss"] is not None and math.isfinite(record["loss"]) and record["loss"] < 2.0
+    log = peer.stderr()
+    assert re.search(r"nan: cluster 0 stage 0 diverged at step \d+: the loss is nan; restored layers 0:4 from", log)
+    assert "keeps diverging" in log  # a NaN sample in every epoch: reported, not hidden
+    assert "unexpected" not in log and "Traceback" not in log, log[-3000:]

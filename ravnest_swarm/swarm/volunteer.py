@@ -164,7 +164,8 @@ class Volunteer:
         self.announcer.on_renewal_problem = self._renewal_problem
         self.divergences_before = 0  # restores of stage workers already stopped
         self._noted_divergence: Optional[str] = None
-        self._recent_divergences: List[int] = []  # the steps of our stage's recent restores
+        self._divergence_looks: List[Tuple[int, int]] = []  # (step, restores) each time we saw a new one
+        self._diverging_said = 0  # the restores counted when we last said the cluster keeps diverging
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -309,6 +310,7 @@ class Volunteer:
             self._save_checkpoint(worker)  # fetched layers are work a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
         self.worker = worker
+        self._divergence_looks, self._diverging_said = [], 0  # its restores count from 0
         await worker.start()
         # said before it is published: a reader who sees the record (a test, an operator's `status`) then finds the
         # line in the log too; published first, the record's step came before the line that says where it started
@@ -420,26 +422,29 @@ class Volunteer:
             group["lr"] = lr
 
     async def _between_steps(self, step: int) -> None:
+        if self.worker is None:
+            return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
         if self.spec.lr_scaling == "warmup":
             self._set_lr(self.worker)
-        if self.spec.averaging_period and step % self.spec.averaging_period == 0 and self.plan is not None \
-                and len(self.plan["clusters"]) > 1:
-            await self._average(step)
+        if self.spec.averaging_period and step % self.spec.averaging_period == 0:
+            averaged = self.plan is not None and len(self.plan["clusters"]) > 1 and await self._average(step)
+            # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (one
+            # cluster, a failed round) our own, kept only while the loss is at its level
+            self.worker.mark_restore_point("the averaged state" if averaged else "its own state")
         if self.checkpoint_path and step % self.options.checkpoint_every == 0:
             self._save_checkpoint(self.worker)
-            if self.averager.last_finished_step < step - self.spec.averaging_period:
-                self.worker.mark_restore_point("its checkpoint")  # an averaged state is fresher where there is one
 
-    async def _average(self, step: int) -> None:
+    async def _average(self, step: int) -> bool:
         """One averaging round. ``averaging_rounds`` counts the rounds in which every ring of ours averaged,
         ``averaging_failures`` those in which one did not (its segment kept the local values), and the record's
-        note says why; a round this worker has no part in any more (a new plan moves us) is neither."""
+        note says why; a round this worker has no part in any more (a new plan moves us) is neither. Whether every
+        ring of ours averaged."""
         worker = self.worker
         if self.adopted is not self.plan and placement_in(self.adopted, self.peer_id) != self.placement:
-            return  # the plan just adopted moves us: this worker stops next, and its partners moved too
+            return False  # the plan just adopted moves us: this worker stops next, and its partners moved too
         rings = rings_of(self.peer_id, plan_rings(self.plan, self.layer_sizes))
         if not rings or step <= self.averager.last_finished_step:
-            return  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
+            return False  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state="averaging")
         started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
         parameters = list(worker.module.parameters())
@@ -453,7 +458,7 @@ class Volunteer:
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self._averaging_failed(step, f"{type(e).__name__}: {e}")
             self.announcer.update(state="training")
-            return
+            return False
         finally:
             self.averaging_times.append((started, time.time()))  # a failed round costs its time too
         with torch.no_grad():
@@ -465,7 +470,6 @@ class Volunteer:
                        f"{first['peer'][-8:]}: {first['reason']}")
         if result.ok:
             self.averaging_rounds += 1
-            worker.mark_restore_point("the averaged state")
             # as every member of our rings now holds them: what a joiner compares across holders
             self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
         else:
@@ -473,6 +477,7 @@ class Volunteer:
             self._averaging_failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
         self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
                               averaging_failures=self.averaging_failures)
+        return result.ok
 
     def _expected_ring_messages(self) -> Optional[Expected]:
         """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
@@ -561,24 +566,27 @@ class Volunteer:
 
     def _report_divergences(self, worker: StageWorker) -> None:
         """Our record counts the times our stage diverged and restored; its note and our log say the last; a
-        stage that keeps diverging says so once in each run of :data:`DIVERGING_REPEATS` (its cluster's learning
-        rate is likely too high for it: the owner lowers it with ``update-spec``)."""
-        self.announcer.update(divergences=self.divergences_before + worker.counters.divergences)
+        stage with :data:`DIVERGING_REPEATS` restores within :data:`DIVERGING_STEPS` steps says its cluster keeps
+        diverging (its learning rate is likely too high for it: the owner lowers it with ``update-spec``)."""
+        total = worker.counters.divergences
+        self.announcer.update(divergences=self.divergences_before + total)
         last = worker.counters.last_divergence
         if last is None or last == self._noted_divergence:
             return
         self._noted_divergence = last
-        self._recent_divergences.append(worker.version)
-        self.say(f"{self.name}: cluster {self.placement[0] if self.placement else '?'} stage "
-                 f"{worker.config.stage} diverged {last}")
+        cluster = self.placement[0] if self.placement else "?"
+        self.say(f"{self.name}: cluster {cluster} stage {worker.config.stage} diverged {last} ({total} so far)")
         self._note(f"{DIVERGED_NOTE} {last}")
-        recent = [step for step in self._recent_divergences if step >= worker.version - DIVERGING_STEPS]
-        self._recent_divergences = recent
-        if len(recent) >= DIVERGING_REPEATS:
-            self._recent_divergences = []
-            self.say(f"{self.name}: error: cluster {self.placement[0] if self.placement else '?'} keeps diverging "
-                     f"({len(recent)} restores within {DIVERGING_STEPS} steps, at lr {worker.config.lr:g}): the "
-                     f"run's owner may lower its lr (`ravnest-swarm update-spec --lr ...`)")
+        # (step, restores so far) at each look: the restores within the window are those since the last look before it
+        self._divergence_looks = [(step, count) for step, count in self._divergence_looks if count >= self._diverging_said]
+        before = [count for step, count in self._divergence_looks if step < worker.version - DIVERGING_STEPS]
+        self._divergence_looks.append((worker.version, total))
+        recent = total - max(before + [self._diverging_said])
+        if recent >= DIVERGING_REPEATS:
+            self._diverging_said = total
+            self.say(f"{self.name}: error: cluster {cluster} keeps diverging ({recent} restores within "
+                     f"{DIVERGING_STEPS} steps, at lr {worker.optimizer.param_groups[0]['lr']:g}): the run's owner "
+                     f"may lower its lr (`ravnest-swarm update-spec --lr ...`)")
 
     async def _explain_stall(self) -> None:
         """When our stage has not stepped for STALL_SECONDS, say what the cluster waits for: the slots of the
