@@ -198,3 +198,17 @@ def unexpected_error_as_one_line(error: Exception) -> int:
     print(f"error: unexpected {type(error).__name__}: {error} (set RAVNEST_DEBUG=1 for the traceback)",
           file=sys.stderr, flush=True)
     return 1
+
+
+async def until_set(awaitable, event: asyncio.Event, timeout: Optional[float] = None) -> None:
+    """Await ``awaitable`` until it is done, ``event`` is set (then cancel it) or ``timeout`` passes."""
+    task, waiter = asyncio.ensure_future(awaitable), asyncio.create_task(event.wait())
+    try:
+        await asyncio.wait({task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        raise task.exception()

@@ -124,7 +124,6 @@ class StateTransferError(Exception):
 
 class LayerStateServer:
     """Serves this peer's current layers to peers that need them.
-
     :param routes: the peer's routes (its P2P and backbones)
     :param run: run name; requests for other runs are refused
     :param provider: returns what this peer holds right now, by layer
@@ -163,8 +162,8 @@ class LayerStateServer:
         return [(i, offered[i][0], offered[i][1]) for i in asked.layers]
 
     def _held_copy(self, layers: List[int], requester: PeerID) -> LayerStates:
-        """A copy of all we hold, taken at a peer's request and served to it for :data:`HELD_COPY_SECONDS`: copied
-        at each of a joiner's requests, layers came from several steps, a state no cluster had (issue 29)."""
+        """A copy of all we hold, served to one requester for :data:`HELD_COPY_SECONDS` (issue 29: a copy at each request
+        gave a joiner layers of several steps, a state no cluster had)."""
         now = time.monotonic()
         self._copies = {peer: copy for peer, copy in self._copies.items() if now - copy[0] <= HELD_COPY_SECONDS}
         if (copy := self._copies.get(requester)) is None or any(i not in copy[1] for i in layers):

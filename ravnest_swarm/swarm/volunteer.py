@@ -1,7 +1,8 @@
 """The volunteer's whole lifecycle: placed by a planning round, fetch state, train a stage, average, leave.
 
-Over 400 lines because :class:`Volunteer` is one state machine (plan, stage worker, averaging, hand-over)
-whose steps share the worker, the layer cache and the plan; its pure rules are in ``placement.py``.
+Over 400 lines because :class:`Volunteer` is one state machine (plan, stage worker, layers, progress) whose steps
+share the worker, the layer cache and the plan; its pure rules are in ``placement.py``, its averaging rounds in
+``stage_averaging.py`` and its graceful leave in ``hand_over.py``.
 
 ``join`` = membership (measure, advertise, heartbeat) + this :class:`Volunteer`:
 
@@ -14,7 +15,7 @@ whose steps share the worker, the layer cache and the plan; its pure rules are i
    cache or checkpoint, else the model's seeded initial weights (identical on every peer). The
    worker starts counting optimizer steps from that source's step, so clusters stay aligned.
 3. Between optimizer steps, every ``averaging_period`` steps, the stage averages its layers with the
-   peers of other clusters that hold the same parameters (``averaging``, rings from the adopted plan,
+   peers of other clusters that hold the same parameters (``stage_averaging.py``: rings from the adopted plan,
    the round named by the step); every ``checkpoint_every`` steps and on exit it writes a checkpoint.
 4. A stage that dies makes its neighbours' sends fail; its record expires; the next planning round
    (triggered by "a planned peer gone") places a standby in its slot, or re-forms the clusters, and
@@ -27,7 +28,6 @@ import asyncio
 import json
 import logging
 import os
-import shlex
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -37,17 +37,12 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
-from ravnest_swarm.averaging.averager import MultiRingAverager
-from ravnest_swarm.averaging.mailbox import Expected
-from ravnest_swarm.averaging.partners import connect_members
-from ravnest_swarm.averaging.segments import Ring, plan_rings
-from ravnest_swarm.averaging.segments import element_range, flatten, rings_of, unflatten_into
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.lifecycle import until_set
 from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
-from ravnest_swarm.dashboard.state import AVERAGING_NOTE, DIVERGED_NOTE, REFUSAL_NOTE
+from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress
@@ -57,17 +52,16 @@ from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
-from ravnest_swarm.swarm.placement import (Placement, arrival_wait, holders_of, layer_offers, model_workload,
+from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
                                            neighbours_in, offered_step, placement_in)
+from ravnest_swarm.swarm.hand_over import hand_over
 from ravnest_swarm.swarm.spec import RunSpec, cluster_lr, read_spec
+from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
 from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
                                                 offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id
 
 logger = logging.getLogger(__name__)
-
-# where a leave that nobody took the layers from keeps them, when the volunteer has no --checkpoint-dir
-LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", "ravnest-swarm")
 
 HOLDER_LOOKUPS = 5
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
@@ -80,7 +74,7 @@ class VolunteerOptions:
     """How this volunteer trains (beyond the run's spec, which sets the run's length).
 
     :param checkpoint_dir: where this peer's checkpoint lives (None: no checkpoints, except the one a leave
-        that nobody took the layers from writes to :data:`LEAVE_CHECKPOINT_DIR`)
+        that nobody took the layers from writes to ``hand_over.LEAVE_CHECKPOINT_DIR``)
     :param checkpoint_every: steps between checkpoints
     :param resume: start from this peer's checkpoint
     :param min_peers: open the first planning round once this many peers are live
@@ -142,16 +136,14 @@ class Volunteer:
         self.plan: Optional[dict] = None
         self.adopted: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
-        self.averaging_rounds = self.averaging_failures = 0
-        self.averaging_times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
-        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=options.averaging_timeout,
-                                          aggregation=run_spec.aggregation)
-        self.averager.follow(self._expected_ring_messages)
-        self.averager.on_rejected = self._ring_message_rejected
-        self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
         self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
+        self.averaging = StageAveraging(self.announcer, self.state_server, lambda: Following(self.worker, self.plan),
+                                        self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
+                                        membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
+                                        say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
+                                        on_rejected=self._count_rejected)
         self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
@@ -183,7 +175,7 @@ class Volunteer:
 
         :param leave_now: set (a second Ctrl-C) to cut a graceful leave's hand-over short
         """
-        await self.averager.start()
+        await self.averaging.start()
         await self.state_server.start()
         if self.checkpoint_path is not None and os.path.isdir(self.options.checkpoint_dir):
             # a write of ours that a kill cut short; other peers may share the directory and write now
@@ -209,9 +201,9 @@ class Volunteer:
                     self._adopted.clear()
                     if not await self._run_finished():  # a plan adopted as the run ended would only move layers
                         # a placement may download for a while: a stop must not wait for it
-                        await _until_set(self._follow_plan(self.adopted), stop)
+                        await until_set(self._follow_plan(self.adopted), stop)
                     continue
-                await _until_set(self._adopted.wait(), stop, timeout=2.0)
+                await until_set(self._adopted.wait(), stop, timeout=2.0)
                 await self._follow_spec()
                 self._publish_progress()
                 await self._explain_stall()
@@ -226,7 +218,7 @@ class Volunteer:
             await self._stop_worker()
             if graceful:
                 await self._hand_over(leave_now or asyncio.Event())
-            await self.averager.shutdown()
+            await self.averaging.shutdown()
 
     async def _follow_spec(self) -> None:
         """Follow the owner's newest spec version: its learning rate applies from our next optimizer step."""
@@ -427,7 +419,7 @@ class Volunteer:
         if self.spec.lr_scaling == "warmup":
             self._set_lr(self.worker)
         if self.spec.averaging_period and step % self.spec.averaging_period == 0:
-            averaged = self.plan is not None and len(self.plan["clusters"]) > 1 and await self._average(step)
+            averaged = await self._average(step)
             # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (one
             # cluster, a failed round) our own, kept only while the loss is at its level
             self.worker.mark_restore_point("the averaged state" if averaged else "its own state")
@@ -435,72 +427,15 @@ class Volunteer:
             self._save_checkpoint(self.worker)
 
     async def _average(self, step: int) -> bool:
-        """One averaging round. ``averaging_rounds`` counts the rounds in which every ring of ours averaged,
-        ``averaging_failures`` those in which one did not (its segment kept the local values), and the record's
-        note says why; a round this worker has no part in any more (a new plan moves us) is neither. Whether every
-        ring of ours averaged."""
-        worker = self.worker
+        """Average our stage in the plan we follow (``stage_averaging.py``); whether every ring of ours averaged."""
+        if self.plan is None or len(self.plan["clusters"]) < 2:
+            return False
         if self.adopted is not self.plan and placement_in(self.adopted, self.peer_id) != self.placement:
             return False  # the plan just adopted moves us: this worker stops next, and its partners moved too
-        rings = rings_of(self.peer_id, plan_rings(self.plan, self.layer_sizes))
-        if not rings or step <= self.averager.last_finished_step:
-            return False  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
-        self.announcer.update(state="averaging")
-        started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
-        parameters = list(worker.module.parameters())
-        local = flatten([p.detach().cpu() for p in parameters])  # rings read and write host memory
-        local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
-        try:
-            # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
-            # dial them at the addresses their records announce, as the pipeline does for its neighbours
-            await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
-            result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
-        except Exception as e:  # averaging must never stop training: keep the local values, say why
-            self._averaging_failed(step, f"{type(e).__name__}: {e}")
-            self.announcer.update(state="training")
-            return False
-        finally:
-            self.averaging_times.append((started, time.time()))  # a failed round costs its time too
-        with torch.no_grad():
-            unflatten_into(local, parameters)
-        if result.rejected:
-            self.rejected_before += len(result.rejected)
-            first = result.rejected[0]
-            self._note(f"{REFUSAL_NOTE} in ring {first['ring']} at step {step} the contribution of "
-                       f"{first['peer'][-8:]}: {first['reason']}")
-        if result.ok:
-            self.averaging_rounds += 1
-            # as every member of our rings now holds them: what a joiner compares across holders
-            self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
-        else:
-            failed = next(segment for segment in result.segments if segment.status != "ok")
-            self._averaging_failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
-        self.announcer.update(state="training", averaging_rounds=self.averaging_rounds,
-                              averaging_failures=self.averaging_failures)
-        return result.ok
+        return await self.averaging.average(self.worker, self.plan, step)
 
-    def _expected_ring_messages(self) -> Optional[Expected]:
-        """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
-        rounds from one averaging period before our worker's step to two after it (a faster cluster waits at
-        its next round, or goes on to the one after if that round failed); none while we train no stage."""
-        worker, plan = self.worker, self.plan
-        if worker is None or plan is None:
-            return None
-        if self._plan_rings[0] is not plan:
-            self._plan_rings = (plan, plan_rings(plan, self.layer_sizes))
-        period = self.spec.averaging_period
-        return Expected(self._plan_rings[1], self.peer_id, worker.version - period, worker.version + 2 * period)
-
-    def _ring_message_rejected(self, reason: str) -> None:
-        """The averager refused hostile input: our record counts it and its note says what it was."""
-        self.rejected_before += 1
-        self._note(f"{REFUSAL_NOTE} {reason}")
-
-    def _averaging_failed(self, step: int, cause: str, summary: Optional[str] = None) -> None:
-        self.averaging_failures += 1
-        self.say(f"{self.name}: averaging at step {step} failed: {summary or cause}")
-        self.announcer.update(averaging_failures=self.averaging_failures)
-        self._note(f"{AVERAGING_NOTE} step {step}: {cause}")
+    def _count_rejected(self, count: int) -> None:
+        self.rejected_before += count
 
     def _renewal_problem(self, problem: Optional[str]) -> None:
         """Say when our record stops being renewed (others lose us from their view once it expires) and when it
@@ -518,19 +453,6 @@ class Volunteer:
         A cause quotes error messages and other peers' input, so control characters become spaces: the record
         refuses them, and a record that fails validation would stop our heartbeats."""
         self.announcer.update(note=CONTROL_CHARACTER_RE.sub(" ", text)[:MAX_NOTE_LEN])
-
-    async def _arrival_patience(self, step: int, missing: List[str]) -> float:
-        """How much longer a ring waits for members that have not reached round ``step`` (:func:`arrival_wait`),
-        from their peer records; a read that misses one of them is tried once more before giving up on it."""
-        records: Dict[str, Dict] = {}
-        for _ in range(2):
-            try:
-                records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
-            except Exception as e:  # no news of the member is no sign that it is coming
-                logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
-            if all(member in records for member in missing):
-                break
-        return arrival_wait(step, missing, records, self.spec.microbatch_size, self.membership.options.heartbeat)
 
     # ------------------------------------------------------------------ progress and checkpoints
     def _publish_progress(self) -> None:
@@ -636,54 +558,14 @@ class Volunteer:
 
     # ------------------------------------------------------------------ leaving
     async def _hand_over(self, leave_now: asyncio.Event) -> None:
-        """Keep serving the layers we trained until another peer holds them at our step, then return.
-
-        We say ``leaving`` at once (with our layers and step), so the planners replace us at their next poll
-        and the replacement downloads from us (``_fill_layers`` counts a leaving holder too). Bounded by
-        ``handover_timeout`` and by ``leave_now``; nothing to wait for when the run is finished or no live
-        peer is left to take them. If nobody took them, the checkpoint keeps them, and we say how to resume.
-        """
+        """Serve the layers we trained until another peer holds them (``hand_over.py``), unless we trained nothing
+        since we started (a resumed checkpoint stays on disk) or the run is finished (nothing to keep)."""
         worker = self.stopped_worker
         if worker is None or self._finished:
-            return  # nothing trained here since we started (a resumed checkpoint stays on disk), or nothing to keep
-        start, end, step = worker.start_layer, worker.end_layer, worker.version
-        self.announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step,
-                              samples_per_s=None)
-        await self.announcer.renew()
-        waiting = f"{self.name}: handing over layers {start}:{end} (step {step}): waiting for a peer to take them " \
-                  f"(Ctrl-C again to leave now)"
-        self.say(waiting)  # the bar below shows only on a terminal; logs get this line
-        taker: Optional[List[str]] = None
-        started = time.monotonic()
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"),
-                      console=self.console, transient=True) as progress:
-            task = progress.add_task(f"{escape(self.name)}: handing over", total=self.options.handover_timeout,
-                                     left="")
-            while not leave_now.is_set():
-                elapsed = time.monotonic() - started
-                if elapsed >= self.options.handover_timeout:
-                    break
-                progress.update(task, completed=elapsed, left=f"{self.options.handover_timeout - elapsed:.0f}s left")
-                try:
-                    peers = [p for p in await self.announcer.read_peers() if p["peer_id"] != self.peer_id]
-                except Exception as e:  # a DHT hiccup: look again, the timeout still bounds the wait
-                    logger.warning(f"reading the peer records while handing over failed: {e}")
-                    peers = None
-                if peers is not None:
-                    taker = holders_of(peers, start, end, step)
-                    if taker is not None or not any(p["state"] != "leaving" for p in peers):
-                        break  # handed over, or nobody is left who could take them
-                await _until_set(leave_now.wait(), leave_now, timeout=1.0)
-        if taker is not None:
-            self.say(f"{self.name}: layers {start}:{end} handed over at step {step} to {', '.join(taker)}")
             return
-        path = self.checkpoint_path  # _stop_worker wrote it there; without --checkpoint-dir, write one now
-        if path is None:
-            path = os.path.join(LEAVE_CHECKPOINT_DIR, f"{self.run}-{self.name}.safetensors")
-            self._save_checkpoint(worker, path)
-        self.say(f"{self.name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: "
-                 f"bring them back with `ravnest-swarm join ... --run {self.run} --name "
-                 f"{shlex.quote(self.name)} --checkpoint-dir {shlex.quote(os.path.dirname(path))} --resume`")
+        # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
+        await hand_over(self.announcer, worker, self.name, self.console, self.options.handover_timeout, leave_now,
+                        self.checkpoint_path, self._save_checkpoint)
 
     def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
         path = path or self.checkpoint_path
@@ -696,8 +578,8 @@ class Volunteer:
     def _write_report(self, worker: StageWorker) -> None:
         if self.options.report is None:
             return
-        report = dict(worker.report(), averaging=self.averaging_times, averaging_rounds=self.averaging_rounds,
-                      averaging_failures=self.averaging_failures)
+        report = dict(worker.report(), averaging=self.averaging.times, averaging_rounds=self.averaging.rounds,
+                      averaging_failures=self.averaging.failures)
         # whole or not at all: a bench reads the file as soon as it appears
         write_atomically(self.options.report, json.dumps(report).encode())
 
@@ -716,20 +598,6 @@ class Volunteer:
         self.held = (start, module, int(info["step"]))
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
-
-
-async def _until_set(awaitable, event: asyncio.Event, timeout: Optional[float] = None) -> None:
-    """Await ``awaitable`` until it is done, ``event`` is set (then cancel it) or ``timeout`` passes."""
-    task, waiter = asyncio.ensure_future(awaitable), asyncio.create_task(event.wait())
-    try:
-        await asyncio.wait({task, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.done() and not task.cancelled() and task.exception() is not None:
-        raise task.exception()
 
 
 async def take_part(membership: Membership, requested: Dict, options: VolunteerOptions, stop: asyncio.Event,

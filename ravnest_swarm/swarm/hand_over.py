@@ -1,0 +1,75 @@
+"""A volunteer's graceful leave: it serves the layers it trained until another peer holds them at its step.
+
+It says ``leaving`` at once (with its layers and step), so the planners replace it at their next poll and the
+replacement downloads from it (``Volunteer._fill_layers`` counts a leaving holder too). Bounded by
+``handover_timeout`` and by a second Ctrl-C; nothing to wait for when no live peer is left to take them. If nobody
+took them, a checkpoint keeps them, and it says how to resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import time
+from typing import Callable, List, Optional
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn
+
+from ravnest_swarm.lifecycle import until_set
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.pipeline.stage import StageWorker
+from ravnest_swarm.swarm.placement import holders_of
+
+logger = logging.getLogger(__name__)
+
+# where a leave that nobody took the layers from keeps them, when the volunteer has no --checkpoint-dir
+LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", "ravnest-swarm")
+
+
+async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
+                    leave_now: asyncio.Event, checkpoint_path: Optional[str],
+                    save: Callable[[StageWorker, str], None]) -> None:
+    """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
+    seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer), or
+    write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume."""
+    say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    start, end, step = worker.start_layer, worker.end_layer, worker.version
+    announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
+    await announcer.renew()
+    # the bar below shows only on a terminal; logs get this line
+    say(f"{name}: handing over layers {start}:{end} (step {step}): waiting for a peer to take them "
+        f"(Ctrl-C again to leave now)")
+    taker: Optional[List[str]] = None
+    started = time.monotonic()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(f"{escape(name)}: handing over", total=timeout, left="")
+        while not leave_now.is_set():
+            elapsed = time.monotonic() - started
+            if elapsed >= timeout:
+                break
+            progress.update(task, completed=elapsed, left=f"{timeout - elapsed:.0f}s left")
+            try:
+                peers = [p for p in await announcer.read_peers() if p["peer_id"] != announcer.peer_id]
+            except Exception as e:  # a DHT hiccup: look again, the timeout still bounds the wait
+                logger.warning(f"reading the peer records while handing over failed: {e}")
+                peers = None
+            if peers is not None:
+                taker = holders_of(peers, start, end, step)
+                if taker is not None or not any(p["state"] != "leaving" for p in peers):
+                    break  # handed over, or nobody is left who could take them
+            await until_set(leave_now.wait(), leave_now, timeout=1.0)
+    if taker is not None:
+        say(f"{name}: layers {start}:{end} handed over at step {step} to {', '.join(taker)}")
+        return
+    path = checkpoint_path
+    if path is None:
+        path = os.path.join(LEAVE_CHECKPOINT_DIR, f"{announcer.run}-{name}.safetensors")
+        save(worker, path)
+    say(f"{name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: bring them back with "
+        f"`ravnest-swarm join ... --run {announcer.run} --name {shlex.quote(name)} --checkpoint-dir "
+        f"{shlex.quote(os.path.dirname(path))} --resume`")

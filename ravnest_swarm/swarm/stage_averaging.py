@@ -1,0 +1,150 @@
+"""Averaging a volunteer's stage with the other clusters, between the stage's optimizer steps.
+
+Every ``averaging_period`` steps the volunteer's hook (``Volunteer._between_steps``) calls
+:meth:`StageAveraging.average` with its running worker and the plan it follows: the rings are the plan's
+(``averaging.segments``), the round is named by the step, and the averaged vector is written back into the
+stage's parameters. A round never stops training: what fails keeps the local values, is counted, said and noted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ravnest_swarm.averaging.averager import MultiRingAverager
+from ravnest_swarm.averaging.mailbox import Expected
+from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
+from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.pipeline.stage import StageWorker
+from ravnest_swarm.swarm.placement import arrival_wait
+from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Following:
+    """What the volunteer trains now: its running worker (None: none) and the plan it follows (None: none yet)."""
+
+    worker: Optional[StageWorker]
+    plan: Optional[dict]
+
+
+class StageAveraging:
+    """The averager of one volunteer, and what its rounds counted.
+
+    :param announcer: our record (state ``averaging`` during a round, the counts, the note) and the run's records
+    :param state_server: keeps each averaged state, which joiners compare across holders
+    :param following: what we train now (:class:`Following`), asked whenever ring messages arrive
+    :param layer_sizes: every layer's parameter count (the flat vector's layout)
+    :param period: the run's ``averaging_period``
+    :param microbatch_size: the run's, to tell how long a member still needs to reach a round
+    :param heartbeat: how old a member's record may be
+    :param say: a line in our log
+    :param note: our record's note
+    :param on_rejected: told how many hostile contributions or messages were refused
+    """
+
+    def __init__(self, announcer: PeerAnnouncer, state_server: LayerStateServer, following: Callable[[], Following],
+                 layer_sizes: List[int], period: int, microbatch_size: int, heartbeat: float, timeout: float,
+                 aggregation: str, say: Callable[[str], None], note: Callable[[str], None],
+                 on_rejected: Callable[[int], None]):
+        self.announcer, self.node, self.state_server = announcer, announcer.node, state_server
+        self.run, self.peer_id = announcer.run, announcer.peer_id
+        self.following, self.layer_sizes = following, layer_sizes
+        self.period, self.microbatch_size, self.heartbeat = period, microbatch_size, heartbeat
+        self.say, self.note, self.on_rejected = say, note, on_rejected
+        self.rounds = self.failures = 0  # rounds in which every ring of ours averaged, and those in which one did not
+        self.times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
+        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, aggregation=aggregation)
+        self.averager.follow(self._expected)
+        self.averager.on_rejected = self._rejected
+        self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
+
+    async def start(self) -> None:
+        await self.averager.start()
+
+    async def shutdown(self) -> None:
+        await self.averager.shutdown()
+
+    async def average(self, worker: StageWorker, plan: dict, step: int) -> bool:
+        """One averaging round of ``worker``'s layers in ``plan``'s rings; whether every ring of ours averaged.
+        ``rounds`` counts those, ``failures`` those in which one did not (its segment kept the local values), and
+        the record's note says why; a round we have no ring in is neither."""
+        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes))
+        if not rings or step <= self.averager.last_finished_step:
+            return False  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
+        self.announcer.update(state="averaging")
+        started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
+        parameters = list(worker.module.parameters())
+        local = flatten([p.detach().cpu() for p in parameters])  # rings read and write host memory
+        local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
+        try:
+            # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
+            # dial them at the addresses their records announce, as the pipeline does for its neighbours
+            await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
+            result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
+        except Exception as e:  # averaging must never stop training: keep the local values, say why
+            self._failed(step, f"{type(e).__name__}: {e}")
+            self.announcer.update(state="training")
+            return False
+        finally:
+            self.times.append((started, time.time()))  # a failed round costs its time too
+        with torch.no_grad():
+            unflatten_into(local, parameters)
+        if result.rejected:
+            self.on_rejected(len(result.rejected))
+            first = result.rejected[0]
+            self.note(f"{REFUSAL_NOTE} in ring {first['ring']} at step {step} the contribution of "
+                      f"{first['peer'][-8:]}: {first['reason']}")
+        if result.ok:
+            self.rounds += 1
+            # as every member of our rings now holds them: what a joiner compares across holders
+            self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
+        else:
+            failed = next(segment for segment in result.segments if segment.status != "ok")
+            self._failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
+        self.announcer.update(state="training", averaging_rounds=self.rounds, averaging_failures=self.failures)
+        return result.ok
+
+    def _expected(self) -> Optional[Expected]:
+        """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
+        rounds from one averaging period before our worker's step to two after it (a faster cluster waits at
+        its next round, or goes on to the one after if that round failed); none while we train no stage."""
+        now = self.following()
+        if now.worker is None or now.plan is None:
+            return None
+        if self._plan_rings[0] is not now.plan:
+            self._plan_rings = (now.plan, plan_rings(now.plan, self.layer_sizes))
+        version = now.worker.version
+        return Expected(self._plan_rings[1], self.peer_id, version - self.period, version + 2 * self.period)
+
+    def _rejected(self, reason: str) -> None:
+        """The averager refused hostile input: our record counts it and its note says what it was."""
+        self.on_rejected(1)
+        self.note(f"{REFUSAL_NOTE} {reason}")
+
+    def _failed(self, step: int, cause: str, summary: Optional[str] = None) -> None:
+        self.failures += 1
+        self.say(f"averaging at step {step} failed: {summary or cause}")
+        self.announcer.update(averaging_failures=self.failures)
+        self.note(f"{AVERAGING_NOTE} step {step}: {cause}")
+
+    async def _arrival_patience(self, step: int, missing: List[str]) -> float:
+        """How much longer a ring waits for members that have not reached round ``step`` (:func:`arrival_wait`),
+        from their peer records; a read that misses one of them is tried once more before giving up on it."""
+        records: Dict[str, Dict] = {}
+        for _ in range(2):
+            try:
+                records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
+            except Exception as e:  # no news of the member is no sign that it is coming
+                logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
+            if all(member in records for member in missing):
+                break
+        return arrival_wait(step, missing, records, self.microbatch_size, self.heartbeat)
