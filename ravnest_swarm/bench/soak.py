@@ -1,0 +1,399 @@
+"""``bench soak``: real ``join`` volunteers in the network lab for a long run, with churn on a schedule: did any
+peer hit an unexpected error?
+
+Each volunteer has a lab host of its own (link, delay, CPU quota) and offers RAM for 1.2 / S of the model, as in
+``bench speedup``: clusters of S stages that average with each other. The first one starts the run (a length no
+soak reaches); the soak's minutes count from the first one placed. Every ``churn_every`` seconds a random placed
+volunteer gets, alternately, Ctrl-C (SIGINT to its process group: it hands its layers over and must exit within
+:data:`EXIT_BOUND`) or SIGKILL (its session, p2pd included), and a new one joins on a free host. ``status --json``,
+from a lab host of its own, records the peers every :data:`STATUS_EVERY` seconds. At the end everything is stopped
+by pid (on Ctrl-C and errors too) and every log under ``--out`` is scanned for ``unexpected`` and ``Traceback``: a
+table, then one JSON object on stdout's last line (``survived``: none found; ``time_s``: since the bench started).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+from ravnest_swarm.bench.speedup import GFLOPS, default_cpus_per_peer
+from ravnest_swarm.checkpoint import read_stage
+from ravnest_swarm.errors import UserError
+from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
+from ravnest_swarm.membership.owner import fingerprint, load_or_create_owner_key
+from ravnest_swarm.models import get_model
+from ravnest_swarm.swarm.join import JoinOptions, run_join
+from ravnest_swarm.swarm.placement import MAX_STAGE_SHARE, model_workload
+from ravnest_swarm.swarm.spec import RunSpec
+
+RUN = "soak"
+BACKBONE_HOST, OBSERVER_HOST, FIRST_PEER_HOST = 0, 1, 2  # lab hosts; spare hosts for joiners follow the peers'
+MAX_SPARE_HOSTS = 16  # beyond, a joiner takes the host freed longest ago
+POLL_S = 1.0
+STARTUP_LIMIT = 600.0  # seconds for the first volunteer to be placed
+STATUS_EVERY = 30.0  # seconds between `status --json` looks
+STATUS_LIMIT = 90.0  # a look still running after this long is stopped, and noted in the timeline
+HANDOVER_S = 60.0  # a Ctrl-C'd volunteer waits this long for a peer to take its layers (join --handover-timeout)
+EXIT_BOUND = HANDOVER_S + 30.0  # then it must have exited
+MAX_ERRORS, MAX_LINE = 200, 500  # error lines kept in the report (all are counted), and their length
+KINDS = ("ctrl-c", "sigkill")
+RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds", "averaging_failures")
+STEP_RE = re.compile(r"\bstep (\d+)")
+
+
+@dataclass
+class SoakOptions:
+    """What ``bench soak`` runs (``ravnest-swarm bench soak -h`` says what each is)."""
+
+    peers: int = 8
+    minutes: float = 30.0
+    churn_every: float = 180.0
+    mbps: float = 100.0
+    delay_ms: float = 20.0
+    model: str = "mlp-digits"
+    stages: int = 2
+    steps: int = 10**9
+    averaging_period: int = 25
+    cpus_per_peer: Optional[float] = None
+    out: Optional[str] = None
+    seed: int = 0
+
+
+def placed_now(log: str, name: str) -> bool:
+    """Whether a volunteer's last placement line is "training cluster ..." (not standby, not leaving)."""
+    lines = re.findall(rf"^{re.escape(name)}: (training cluster|standby in plan round|handing over|nobody took)",
+                       log, re.MULTILINE)
+    return bool(lines) and lines[-1] == "training cluster"
+
+
+def log_figures(log: str, name: str) -> Dict:
+    """From a volunteer's own lines: the highest step any names, its placements, its failed averaging rounds."""
+    own = [line for line in log.splitlines() if line.startswith(f"{name}: ")]
+    return dict(step=max((int(step) for line in own for step in STEP_RE.findall(line)), default=None),
+                placements=sum(line.startswith(f"{name}: training cluster ") for line in own),
+                averaging_failures=sum(line.startswith(f"{name}: averaging at step ") and " failed: " in line
+                                       for line in own))
+
+
+class LogScan:
+    """Reads logs as they grow and keeps the lines with ``unexpected`` (any case) or ``Traceback``; a traceback
+    is one entry, with its last line (the exception)."""
+
+    def __init__(self):
+        self.offsets: Dict[str, int] = {}
+        self.tracebacks: Dict[str, str] = {}  # path -> the first line of a traceback still being read
+        self.found = []  # {peer, line, after_stop}
+
+    def scan(self, label: str, path: str, after_stop: bool, to_end: bool = False) -> None:
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path, 0))
+                data = f.read()
+        except OSError:
+            return
+        end = len(data) if to_end else data.rfind(b"\n") + 1  # a line still being written waits for the next look
+        self.offsets[path] = self.offsets.get(path, 0) + end
+        found = []
+        for line in data[:end].decode(errors="replace").splitlines():
+            if path in self.tracebacks:
+                if line.strip() and not line.startswith((" ", "\t")):  # past its frames: the exception
+                    del self.tracebacks[path]
+                    found.append(f"Traceback: {line.strip()}")
+            elif "Traceback" in line:
+                self.tracebacks[path] = line.strip()
+            elif "unexpected" in line.lower():
+                found.append(line.strip())
+        if to_end and path in self.tracebacks:
+            found.append(self.tracebacks.pop(path))
+        self.found += [dict(peer=label, line=line[:MAX_LINE], after_stop=after_stop) for line in found]
+
+
+class Soak:
+    """One soak: its lab, processes, churn and observations. ``run`` leaves nothing running, even when interrupted."""
+
+    def __init__(self, options: SoakOptions, ram_gb: float, cpus: Optional[float], out: str):
+        self.options, self.ram_gb, self.cpus, self.out = options, ram_gb, cpus, out
+        self.rng = random.Random(options.seed)
+        self.total = options.minutes * 60
+        spares = max(1, min(int(self.total // options.churn_every), MAX_SPARE_HOSTS, 248 - options.peers))
+        self.hosts_in_lab = FIRST_PEER_HOST + options.peers + spares
+        self.owner_key = os.path.join(out, "owner.key")  # the first volunteer starts the run with it
+        key = load_or_create_owner_key(self.owner_key)
+        self.address = f"{RUN}@{fingerprint(key.get_public_key().to_bytes())}"
+        self.t0, self.soak_from = time.monotonic(), None  # when the bench started, when the soak's minutes did
+        self.lab = self.group = self.initial = self.look = self.pending = None
+        # by name: every volunteer started, those running now (a Ctrl-C'd one leaves at once), their hosts, how and
+        # when each ended, and each one's record in the latest look that had it
+        self.processes, self.live, self.hosts, self.ended, self.records = {}, {}, {}, {}, {}
+        self.free_hosts: deque = deque()
+        # churn events, joins, volunteers that exited by themselves, status looks
+        self.churn, self.joins, self.exits, self.timeline = [], [], [], []
+        self.looks, self.scan, self.interrupted, self.link = 0, LogScan(), False, {}
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 1)
+
+    def soaked(self) -> float:
+        return 0.0 if self.soak_from is None else self.now() - self.soak_from
+
+    def run(self, on_progress: Callable[[float, str], None]) -> Dict:
+        from ravnest_swarm.bench.netlab import NetLab
+        from ravnest_swarm.processes import ProcessGroup
+
+        with NetLab(self.hosts_in_lab, mbps=self.options.mbps, delay_ms=self.options.delay_ms, cpus=self.cpus) as lab:
+            self.lab, self.link = lab, lab.describe()
+            self.group = ProcessGroup(self.out)
+            try:
+                self._start(on_progress)
+                self._soak(on_progress)
+            except KeyboardInterrupt:  # Ctrl-C of the bench: stop, and report what ran
+                self.interrupted = True
+            except (RuntimeError, TimeoutError, StopIteration) as e:
+                raise UserError(f"a soak process failed ({e}); logs in {self.out}", exit_code=1)
+            finally:
+                try:
+                    on_progress(self.soaked(), "stopping every process")
+                    self._scan_logs(after_stop=False)
+                finally:
+                    self.group.stop_all(grace=30)
+        self._scan_logs(after_stop=True, to_end=True)
+        return self.report()
+
+    def _start(self, on_progress) -> None:
+        """The backbone, then every volunteer at once; returns once one is placed on a stage."""
+        lab = self.lab
+        backbone = self.group.start_library(run_backbone_process, BackboneOptions(
+            host_maddrs=[lab.host_maddr(BACKBONE_HOST)], announce_maddrs=[lab.announce_maddr(BACKBONE_HOST)],
+            runs=[self.address]), "backbone", lab_host=lab.lab_host(BACKBONE_HOST))
+        self.initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(BACKBONE_HOST)))
+        for host in range(FIRST_PEER_HOST, FIRST_PEER_HOST + self.options.peers):
+            self._join(host)
+        self.free_hosts = deque(range(FIRST_PEER_HOST + self.options.peers, lab.hosts))
+        while not any(placed_now(process.stderr(), name) for name, process in self.live.items()):
+            if self.now() > STARTUP_LIMIT:
+                raise TimeoutError(f"no volunteer was placed on a stage within {STARTUP_LIMIT:.0f}s")
+            self._reap()
+            on_progress(0, f"{len(self.live)} volunteers joining, none placed yet ({self.now():.0f}s)")
+            time.sleep(POLL_S)
+        self.soak_from = self.now()
+
+    def _join(self, host: int, replaces: Optional[str] = None):
+        name = f"peer{len(self.processes)}"
+        options = JoinOptions(
+            initial_peers=[self.initial], run=self.address, name=name, dashboard=False, ram_gb=self.ram_gb,
+            gflops=GFLOPS, bandwidth_mbps=self.options.mbps, host_maddrs=[self.lab.host_maddr(host)],
+            announce_maddrs=[self.lab.announce_maddr(host)], min_peers=self.options.peers, heartbeat=4.0,
+            handover_timeout=HANDOVER_S, checkpoint_dir=os.path.join(self.out, "checkpoints", name))
+        if not self.processes:  # the first starts the run (the others wait for its spec)
+            options.model, options.steps = self.options.model, self.options.steps
+            options.averaging_period, options.owner_key = self.options.averaging_period, self.owner_key
+        process = self.group.start_library(run_join, options, name, lab_host=self.lab.lab_host(host))
+        self.processes[name] = self.live[name] = process
+        self.hosts[name] = host
+        self.joins.append(dict(time_s=self.now(), peer=name, host=host, replaces=replaces))
+        return process
+
+    def _soak(self, on_progress) -> None:
+        next_churn, next_look = self.options.churn_every, 0.0
+        while self.soaked() < self.total:
+            self._reap()
+            self._finish_ctrl_c(replace=True)
+            if self.pending is None and self.soaked() >= next_churn and self._churn():
+                next_churn += self.options.churn_every  # postponed while no volunteer is placed
+            if self.look is None and self.soaked() >= next_look:
+                self._start_look()
+                next_look += STATUS_EVERY
+            self._collect_look()
+            self._scan_logs(after_stop=False)
+            on_progress(self.soaked(), f"{len(self.live)} volunteers live, {len(self.churn)} churn event(s), "
+                        f"{len(self.scan.found) or 'no'} error line(s)")
+            time.sleep(POLL_S)
+        on_progress(self.total, "the last look")
+        while self.pending is not None:  # a Ctrl-C'd volunteer still handing over: bounded by EXIT_BOUND
+            self._finish_ctrl_c(replace=False)
+            time.sleep(POLL_S)
+        self._collect_look(wait=True)  # the look under way, then one more
+        self._start_look()
+        self._collect_look(wait=True)
+
+    def _reap(self) -> None:
+        """Volunteers that exited by themselves (no churn asked them to): noted, not replaced."""
+        for name in [name for name, process in self.live.items() if process.popen.poll() is not None]:
+            self.exits.append(dict(time_s=self.now(), peer=name, exit_code=self.live.pop(name).popen.poll()))
+            self._end(name, "exited", self.exits[-1]["exit_code"])
+
+    def _end(self, name: str, how: str, code: Optional[int]) -> None:
+        self.ended[name] = dict(ended_s=self.now(), ended_by=how, exit_code=code)
+        self.free_hosts.append(self.hosts[name])  # taken again only once the spare hosts are all used
+
+    def _churn(self) -> bool:
+        """Ctrl-C or SIGKILL a random placed volunteer (False while none is placed); a SIGKILLed one is replaced
+        at once, a Ctrl-C'd one once it exited (:meth:`_finish_ctrl_c`)."""
+        placed = sorted(name for name, process in self.live.items() if placed_now(process.stderr(), name))
+        if not placed:
+            return False
+        victim = self.rng.choice(placed)
+        process, kind, since = self.live.pop(victim), KINDS[len(self.churn) % len(KINDS)], time.monotonic()
+        event = dict(time_s=self.now(), kind=kind, peer=victim, exit_code=None, exit_s=None, replacement=None)
+        self.churn.append(event)
+        if kind == "ctrl-c":
+            with contextlib.suppress(ProcessLookupError):  # a terminal's Ctrl-C: the peer's group (p2pd has its own)
+                os.killpg(process.pid, signal.SIGINT)
+            self.pending = (event, process, since)
+            return True
+        process.kill_group()  # its whole session: the peer and its p2pd
+        event.update(exit_code=process.popen.poll(), exit_s=round(time.monotonic() - since, 1))
+        self._end(victim, kind, event["exit_code"])
+        event["replacement"] = self._join(self.free_hosts.popleft(), replaces=victim).name
+        return True
+
+    def _finish_ctrl_c(self, replace: bool) -> None:
+        if self.pending is None:
+            return
+        event, process, since = self.pending
+        code, waited = process.popen.poll(), time.monotonic() - since
+        if code is None and waited < EXIT_BOUND:
+            return
+        if code is None:  # still handing over, or stuck: the bound is part of the verdict
+            event["timed_out"] = True
+            process.kill_group()
+            code = process.popen.poll()
+        event.update(exit_code=code, exit_s=round(waited, 1))
+        self._end(event["peer"], event["kind"], code)
+        self.pending = None
+        if replace:
+            event["replacement"] = self._join(self.free_hosts.popleft(), replaces=event["peer"]).name
+
+    def _start_look(self) -> None:
+        self.looks += 1
+        args = ["status", "--initial-peers", self.initial, "--run", self.address, "--json", "--timeout", "15"]
+        process = self.group.start(args, f"status-{self.looks:03d}", lab_host=self.lab.lab_host(OBSERVER_HOST))
+        self.look = (process, time.monotonic(), self.now())
+
+    def _collect_look(self, wait: bool = False) -> None:
+        """Put the finished look into the timeline (``wait``: wait for it, within STATUS_LIMIT)."""
+        if self.look is None:
+            return
+        process, since, at = self.look
+        while wait and process.popen.poll() is None and time.monotonic() - since < STATUS_LIMIT:
+            time.sleep(0.2)
+        code = process.popen.poll()
+        if code is None and time.monotonic() - since < STATUS_LIMIT:
+            return
+        self.look = None
+        if code is None:
+            process.kill_group()
+        try:
+            document = json.loads(process.stdout().strip().splitlines()[-1]) if code == 0 else None
+        except (ValueError, IndexError):
+            document = None
+        if document is None:
+            said = (process.stderr().strip().splitlines() or ["no output"])[-1]
+            self.timeline.append(dict(time_s=at, error=f"status exited with {code}: {said[:MAX_LINE]}"))
+            return
+        peers = {p["name"]: {k: p[k] for k in RECORD_FIELDS if p.get(k) is not None} for p in document["peers"]}
+        self.records.update(peers)
+        rate = (document.get("summary") or {}).get("samples_per_s")  # the run's, every bucket's counts added up
+        self.timeline.append(dict(time_s=at, samples_per_s=None if rate is None else round(rate, 1), peers=peers))
+
+    def _scan_logs(self, after_stop: bool, to_end: bool = False) -> None:
+        for process in self.group.processes if self.group is not None else []:
+            for path in (process.stdout_path, process.stderr_path):
+                self.scan.scan(process.name, path, after_stop, to_end)
+
+    def _volunteer(self, name: str) -> Dict:
+        process, record = self.processes[name], self.records.get(name, {})
+        from_log = log_figures(process.stderr(), name)
+        try:
+            checkpoint = read_stage(os.path.join(self.out, "checkpoints", name, f"{RUN}-{name}.safetensors"))
+            saved = int(checkpoint[1]["info"]["step"])
+        except (UserError, KeyError, ValueError):
+            saved = None  # never placed, or killed before its first checkpoint
+        steps = [step for step in (from_log["step"], record.get("step"), saved) if step is not None]
+        ended = self.ended.get(name) or dict(ended_s=None, ended_by="stopped at the end",
+                                             exit_code=process.popen.poll())
+        joined = next(join["time_s"] for join in self.joins if join["peer"] == name)
+        return dict(name=name, host=self.hosts[name], joined_s=joined, **ended, final_step=max(steps, default=None),
+                    checkpoint_step=saved, placements=from_log["placements"], last_state=record.get("state"),
+                    averaging_rounds=record.get("averaging_rounds"),
+                    averaging_failures=max(record.get("averaging_failures") or 0, from_log["averaging_failures"]),
+                    unexpected_errors=sum(error["peer"] == name for error in self.scan.found))
+
+    def report(self) -> Dict:
+        errors = self.scan.found
+        return dict(
+            benchmark="soak", model=self.options.model, stages=self.options.stages, minutes=self.options.minutes,
+            minutes_run=round(min(self.soaked(), self.total) / 60, 2), startup_s=self.soak_from, seconds=self.now(),
+            interrupted=self.interrupted, peers=self.options.peers, churn_every_s=self.options.churn_every,
+            seed=self.options.seed, steps=self.options.steps, averaging_period=self.options.averaging_period,
+            run=self.address, churn_events=self.churn, joins=self.joins, exits=self.exits,
+            volunteers=[self._volunteer(name) for name in self.processes], timeline=self.timeline,
+            unexpected_errors=errors[:MAX_ERRORS], unexpected_error_count=len(errors), survived=not errors,
+            cpus_per_peer=self.cpus, link=self.link, out=self.out, cpu_count=os.cpu_count(),
+            load_avg=[round(x, 2) for x in os.getloadavg()])
+
+
+def bench_soak(options: SoakOptions) -> int:
+    from ravnest_swarm.bench.netlab import cpu_quota_unavailable
+
+    try:
+        model = get_model(options.model)
+    except ValueError as e:
+        raise UserError(str(e))
+    if options.stages > len(model.layers) or options.churn_every > options.minutes * 60:
+        raise UserError(f"at most {len(model.layers)} --stages ({options.model}'s layers), and a --churn-every within "
+                        f"the soak's --minutes ({options.minutes:g}), or no churn would happen")
+    console = Console(stderr=True)
+    no_quota, cpus = cpu_quota_unavailable(), options.cpus_per_peer
+    if cpus is None:
+        cpus = 0.0 if no_quota else default_cpus_per_peer([options.peers], 1)  # the peers and the backbone
+        if no_quota:
+            console.print(f"[yellow]no CPU quota per peer ({no_quota}): the peers share the machine's cores[/]")
+    elif cpus and no_quota:
+        raise UserError(f"--cpus-per-peer is not possible here: {no_quota}; pass 0 to share the cores")
+    out = os.path.abspath(options.out) if options.out else tempfile.mkdtemp(prefix="ravnest-bench-soak-")
+    if os.path.isdir(out) and os.listdir(out):
+        raise UserError(f"--out {out} is not empty: give a new directory (the soak keeps every peer's log there)")
+    os.makedirs(out, exist_ok=True)
+    console.print(f"logs and checkpoints in {out}", markup=False, highlight=False)
+    # RAM for 1.2 / S of the model, as bench speedup's: S peers hold it, S - 1 cannot
+    model_gb = model_workload(model, RunSpec(model=options.model), len(model.layers))[0].model_gb
+    soak = Soak(options, model_gb * min(MAX_STAGE_SHARE / options.stages, 1.0) * 1.001, cpus or None, out)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[clock]}"),
+                  console=console) as progress:
+        task = progress.add_task("soak: starting", total=soak.total, clock="")
+        report = soak.run(lambda soaked, text: progress.update(
+            task, completed=min(soaked, soak.total), description=f"soak: {text}",
+            clock=f"{min(soaked, soak.total) / 60:.1f}/{soak.total / 60:g} min"))
+    if report["link"].get("mode") != "netns":
+        console.print("[yellow]no network namespaces: the links were NOT rate-limited[/]")
+    Console(width=None if sys.stdout.isatty() else 120).print(summary_table(report))
+    print(json.dumps(report), flush=True)
+    return 130 if report["interrupted"] else 0
+
+
+def summary_table(report: Dict) -> Table:
+    verdict = "survived" if report["survived"] else f"NOT survived: {report['unexpected_error_count']} error line(s)"
+    table = Table(*("peer", "joined s", "ended", "exit", "final step", "placed", "averaging ok / failed", "last state",
+                    "errors"), title=f"bench soak: {report['model']}, {report['peers']} volunteers, "
+                  f"{report['minutes_run']} min, {len(report['churn_events'])} churn event(s); {verdict}")
+    for peer in report["volunteers"]:
+        ended = f"{peer['ended_by']} at {peer['ended_s']} s" if peer["ended_s"] is not None else peer["ended_by"]
+        table.add_row(peer["name"], str(peer["joined_s"]), ended, str(peer["exit_code"]), str(peer["final_step"]),
+                      str(peer["placements"]), f"{peer['averaging_rounds']} / {peer['averaging_failures']}",
+                      str(peer["last_state"]), str(peer["unexpected_errors"]))
+    return table
