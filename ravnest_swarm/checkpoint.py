@@ -108,6 +108,28 @@ def read_stage(path: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
     return tensors, metadata
 
 
+def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer) -> bool:
+    """Load the per-parameter state a checkpoint kept (AdamW's moments, momentum buffers) into ``optimizer``, whose
+    parameters are those of the checkpoint's layers in the same order; its hyper-parameters (the lr the schedule
+    sets) stay. False when the checkpoint kept no state, or state of other shapes (then nothing is loaded)."""
+    tensors, metadata = read_stage(path)
+    state: Dict[int, Dict] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("optim."):
+            _, index, key = name.split(".", 2)
+            state.setdefault(int(index), {})[key] = tensor
+    for index, scalars in metadata.get("optimizer_scalars", {}).items():
+        state.setdefault(int(index), {}).update({key: torch.tensor(value, dtype=torch.float32) if key == "step"
+                                                 else value for key, value in scalars.items()})
+    current = optimizer.state_dict()
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    if not state or any(i >= len(parameters) or any(torch.is_tensor(v) and v.dim() > 0 and v.shape != parameters[i].shape
+                                                   for v in s.values()) for i, s in state.items()):
+        return False
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    return True
+
+
 def load_stage_layers(path: str, build_stage: Callable[[int, int], torch.nn.Sequential]
                       ) -> Tuple[Dict, torch.nn.Sequential]:
     """What ``--resume`` restores: the saved ``info`` (step, layer range) and the checkpoint's layers, built with

@@ -134,6 +134,19 @@ def join(
     aggregation: Optional[str] = typer.Option(None, "--aggregation", help="Run spec: how averaging combines the "
                                               "clusters' values: mean (default), or trimmed_mean or centered_clip, "
                                               "which bound what one hostile peer of a ring can do (docs/averaging.md)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Run spec: the stages' inner optimizer: sgd "
+                                            "(default), momentum or adamw (docs/swarm.md)."),
+    weight_decay: Optional[float] = typer.Option(None, "--weight-decay", min=0.0, max=10.0, help="Run spec: its "
+                                                 "weight decay (default 0)."),
+    lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="Run spec: constant (default), or cosine: "
+                                              "a warm-up, then a cosine decay to a tenth over the run's length."),
+    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", min=0, help="Run spec: steps of linear lr "
+                                               "warm-up from the run's start (default 0)."),
+    outer_optimizer: Optional[str] = typer.Option(None, "--outer-optimizer", help="Run spec: what an averaging "
+                                                  "round's mean becomes: average (default) or nesterov (DiLoCo's "
+                                                  "outer step on the averaged pseudo-gradient)."),
+    outer_lr: Optional[float] = typer.Option(None, "--outer-lr", min=0.0, max=10.0, help="Run spec: the outer "
+                                             "step's lr (default 0.7)."),
     lr_scaling: Optional[str] = typer.Option(None, "--lr-scaling", help="Run spec: how a cluster's lr follows the "
                                              "number of clusters: none (default), sqrt, linear or warmup "
                                              "(docs/swarm.md; `bench lr-scaling` compares them)."),
@@ -179,7 +192,9 @@ def join(
         owner_key=owner_key, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,
-        precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling,
+        precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
+        weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
+        outer_lr=outer_lr,
         divergence_factor=divergence_factor, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,
@@ -256,7 +271,15 @@ def local(
     precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 or fp16 autocast of the stages' forward."),
     backward: str = typer.Option("stash", "--backward", help="stash, or recompute: less memory, more compute."),
     microbatch_size: int = typer.Option(32, "--microbatch-size", min=1, max=4096, help="Samples per microbatch."),
-    lr: float = typer.Option(0.05, "--lr", min=0.0, max=10.0, help="Learning rate (SGD)."),
+    lr: float = typer.Option(0.05, "--lr", min=0.0, max=10.0, help="Learning rate."),
+    optimizer: str = typer.Option("sgd", "--optimizer", help="The stages' inner optimizer: sgd, momentum or adamw."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, max=10.0, help="Its weight decay."),
+    lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant, or cosine (warm-up, then a cosine "
+                                    "decay over the run)."),
+    warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Steps of linear lr warm-up from the start."),
+    outer_optimizer: str = typer.Option("average", "--outer-optimizer", help="What an averaging round's mean "
+                                        "becomes: average (take it) or nesterov (DiLoCo's outer step)."),
+    outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The outer step's lr (nesterov)."),
     max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Every peer offers at most this "
                                                "much RAM (GB), measured; by default peers offer 0.4-0.7 of the model."),
     device: str = typer.Option("auto", "--device", help="Where every peer computes: auto (the first GPU torch sees, "
@@ -278,13 +301,17 @@ def local(
 
         if log_file is not None:
             log_to_file(log_file)
-        check_spec_choices(pipeline_compression, backward)
+        check_spec_choices(pipeline_compression, backward, optimizer=optimizer, lr_schedule=lr_schedule,
+                           outer_optimizer=outer_optimizer)
         check_precision(precision)
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
                                             pipeline_compression=pipeline_compression, precision=precision,
-                                            backward=backward, microbatch_size=microbatch_size, lr=lr),
+                                            backward=backward, microbatch_size=microbatch_size, lr=lr,
+                                            optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
+                                            warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
+                                            outer_lr=outer_lr),
                                max_ram_gb=max_ram_gb,
                                dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir,
                                checkpoint_every=checkpoint_every, resume=resume, device=where)
@@ -674,6 +701,27 @@ def bench_lr_scaling(
     options = LrScalingOptions(model=model, clusters=clusters, lrs=rates, solo=solo, samples=samples,
                                rules=[part.strip() for part in rules.split(",") if part.strip()])
     sys.exit(run(options, as_json))
+
+
+@bench_app.command("diloco")
+def bench_diloco(
+    model: str = typer.Option("mlp-digits", "--model", help="Zoo model."),
+    samples: int = typer.Option(19_200, "--samples", min=1, help="Samples each configuration trains on, in all."),
+    averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Steps between averaging rounds."),
+    outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The nesterov outer step's lr."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Inner (sgd, momentum, adamw) and outer (average, nesterov) optimizers, K = 4 against 1, side by side.
+
+    \b
+    Example:
+      ravnest-swarm bench diloco --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.diloco import DilocoOptions, bench_diloco as run
+
+    sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr),
+                 as_json))
 
 
 @bench_app.command("speedup")

@@ -13,20 +13,21 @@ BASE = {"errors", "lifecycle", "devices"}
 ALLOWED = {
     "net": set(),
     "models": set(),
+    "optimizers": set(),
     "checkpoint": set(),
     # the launcher names the modules it preloads and the entry points it runs by string, as `python -m` does
     "launcher": set(),
     "processes": {"launcher"},
     "membership": {"net"},
     "planning": {"membership"},
-    "pipeline": {"net", "membership", "models"},
+    "pipeline": {"net", "membership", "models", "optimizers"},
     "averaging": {"net", "membership"},
     "dashboard": {"membership"},  # its pure modules only: see test_the_dashboard_reaches_no_network
-    "swarm": {"net", "membership", "planning", "pipeline", "averaging", "models", "dashboard", "checkpoint",
+    "swarm": {"net", "membership", "planning", "pipeline", "averaging", "optimizers", "models", "dashboard", "checkpoint",
               "processes"},
-    "bench": {"net", "membership", "planning", "pipeline", "averaging", "models", "dashboard", "checkpoint",
+    "bench": {"net", "membership", "planning", "pipeline", "averaging", "optimizers", "models", "dashboard", "checkpoint",
               "processes", "launcher", "swarm"},
-    "cli": {"net", "membership", "planning", "pipeline", "averaging", "models", "dashboard", "checkpoint",
+    "cli": {"net", "membership", "planning", "pipeline", "averaging", "optimizers", "models", "dashboard", "checkpoint",
             "processes", "swarm", "bench"},
     "__main__": {"cli"},
 }

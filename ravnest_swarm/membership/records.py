@@ -229,7 +229,13 @@ class RunSpecRecord(pydantic.BaseModel):
         max_items=MAX_LAYOUT_LAYERS)] = None
     data_hash: pydantic.constr(strict=True, regex="^([0-9a-f]{64})?$") = ""  # sha256 of --data; "": the model's own
     data_bytes: pydantic.conint(strict=True, ge=0, le=2**53) = 0
-    optimizer: pydantic.constr(strict=True, regex="^(sgd)$")
+    optimizer: pydantic.constr(strict=True, regex="^(sgd|momentum|adamw)$")  # optimizers.inner
+    weight_decay: _bounded_float(0.0, 10.0) = 0.0
+    lr_schedule: pydantic.constr(strict=True, regex="^(constant|cosine)$") = "constant"
+    warmup_steps: pydantic.conint(strict=True, ge=0, le=2**53) = 0
+    outer_optimizer: pydantic.constr(strict=True, regex="^(average|nesterov)$") = "average"  # optimizers.outer
+    outer_lr: _bounded_float(0.0, 10.0) = 0.7
+    outer_momentum: _bounded_float(0.0, 0.999) = 0.9
     lr: _bounded_float(0.0, 10.0)
     microbatch_size: pydantic.conint(strict=True, ge=1, le=4096)
     max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)

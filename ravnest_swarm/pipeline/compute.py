@@ -23,6 +23,7 @@ from torch.func import functional_call
 from ravnest_swarm.devices import autocast, autocast_dtype
 from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.optimizers.inner import make_inner_optimizer
 from ravnest_swarm.pipeline.guard import Diverged, DivergenceGuard, RestorePoint, SkippedStep
 
 Result = TypeVar("Result")
@@ -41,7 +42,7 @@ class Pending:
 
 
 class StageCompute:
-    """The stage's layers ``[a, b)`` of ``spec`` on ``config.device``, their SGD optimizer and its step count.
+    """The stage's layers ``[a, b)`` of ``spec`` on ``config.device``, their optimizer and its step count.
 
     :param config: the stage's settings (layers, device, precision, mode, schedule, learning rate)
     :param spec: the run's model
@@ -53,7 +54,7 @@ class StageCompute:
         # built on the host from per-layer seeds (identical on every peer and device), then moved: the optimizer
         # made after the move keeps its state beside the parameters
         self.module = spec.build_stage(*config.layers).to(self.device)
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=config.lr)
+        self.optimizer = make_inner_optimizer(self.module.parameters(), config.optimizer, config.lr, config.weight_decay)
         self.autocast_dtype, self.precision_note = autocast_dtype(config.precision, config.device)
         self.is_first = config.stage == 0
         end_layer = config.layers[1]

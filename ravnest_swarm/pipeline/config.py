@@ -55,6 +55,8 @@ class StageConfig:
     :param schedule: ``async`` (step on every gradient) or ``sync`` (GPipe-style flush every step)
     :param microbatches_per_step: microbatches of one synchronous step
     :param lr: SGD learning rate
+    :param optimizer: the inner optimizer (``optimizers.inner``: ``sgd``, ``momentum``, ``adamw``) and its
+      ``weight_decay``
     :param divergence_factor: a loss above this many times the stage's level skips its step, and a few in a row
       restore the stage (``pipeline/guard.py``); 0: only a loss that is not finite does
     :param mode: ``stash`` (backward uses the weights of its forward) or ``recompute`` (current weights)
@@ -93,6 +95,8 @@ class StageConfig:
     schedule: str = "async"
     microbatches_per_step: int = 4
     lr: float = 0.05
+    optimizer: str = "sgd"
+    weight_decay: float = 0.0
     divergence_factor: float = 10.0
     mode: str = "stash"
     seed: int = 0

@@ -65,6 +65,12 @@ class JoinOptions:
     aggregation: Optional[str] = None
     lr_scaling: Optional[str] = None
     divergence_factor: Optional[float] = None
+    optimizer: Optional[str] = None
+    weight_decay: Optional[float] = None
+    lr_schedule: Optional[str] = None
+    warmup_steps: Optional[int] = None
+    outer_optimizer: Optional[str] = None
+    outer_lr: Optional[float] = None
     # training
     data: Optional[str] = None
     handover_timeout: float = 90.0
@@ -88,6 +94,7 @@ class JoinOptions:
 
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
                    "pipeline_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
+                   "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
                    "steps")
 
     def requested_spec(self) -> dict:
@@ -171,7 +178,8 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     parse_maddrs(options.initial_peers)
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
-                       options.aggregation or "mean")
+                       options.aggregation or "mean", options.optimizer or "sgd", options.lr_schedule or "constant",
+                       options.outer_optimizer or "average")
     check_precision(options.precision or "fp32")
     if options.lr_scaling is not None and options.lr_scaling not in LR_SCALINGS:
         raise UserError(f"--lr-scaling must be one of {', '.join(LR_SCALINGS)}, not {options.lr_scaling!r}")

@@ -56,7 +56,13 @@ class RunSpec:
     :param layout: every layer's tensors (``models.model_layout``): what joiners' builds must equal
     :param data_hash: sha256 of the run's ``--data`` (``models.user_data``); empty: the model's own data
     :param data_bytes: the size of that data
-    :param optimizer: optimizer name (``sgd``)
+    :param optimizer: the stages' inner optimizer (``optimizers.inner``): ``sgd``, ``momentum`` or ``adamw``
+    :param weight_decay: its decoupled weight decay (AdamW) or L2 penalty (SGD)
+    :param lr_schedule: ``constant`` or ``cosine`` (a warm-up over ``warmup_steps``, then a cosine decay over the
+      run's length), a function of the run's step (``optimizers.inner.scheduled_lr``)
+    :param warmup_steps: steps over which the lr warms up from the start of the run
+    :param outer_optimizer: what a stage does with its averaging round's mean (``optimizers.outer``): ``average``
+      takes it, ``nesterov`` steps along the averaged pseudo-gradient with ``outer_lr`` and ``outer_momentum``
     :param lr: learning rate
     :param microbatch_size: samples per microbatch
     :param max_in_flight: microbatches in flight per cluster (bounded staleness)
@@ -90,6 +96,12 @@ class RunSpec:
     data_hash: str = ""
     data_bytes: int = 0
     optimizer: str = "sgd"
+    weight_decay: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    outer_optimizer: str = "average"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     lr: float = 0.05
     microbatch_size: int = 32
     # bounded staleness: stage 0's gradients are up to max_in_flight - 1 updates old. At 4, mlp-digits' 9
@@ -186,9 +198,19 @@ def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
                 data_bytes=source.size if source else 0)
 
 
-def check_spec_choices(pipeline_compression: str, backward: str, aggregation: str = "mean") -> None:
+def check_spec_choices(pipeline_compression: str, backward: str, aggregation: str = "mean", optimizer: str = "sgd",
+                       lr_schedule: str = "constant", outer_optimizer: str = "average") -> None:
     """The spec's named choices, checked before a run is started with them."""
     from ravnest_swarm.averaging.robust import AGGREGATIONS
+    from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS, LR_SCHEDULES
+    from ravnest_swarm.optimizers.outer import OUTER_OPTIMIZERS
+
+    if optimizer not in INNER_OPTIMIZERS:
+        raise UserError(f"--optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, not {optimizer!r}")
+    if outer_optimizer not in OUTER_OPTIMIZERS:
+        raise UserError(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, not {outer_optimizer!r}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, not {lr_schedule!r}")
     from ravnest_swarm.pipeline.stage import MODES
     from ravnest_swarm.pipeline.wire import COMPRESSIONS
 

@@ -21,6 +21,7 @@ from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.pipeline.stage import StageWorker
 from ravnest_swarm.swarm.placement import arrival_wait
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
@@ -49,12 +50,13 @@ class StageAveraging:
     :param say: a line in our log
     :param note: our record's note
     :param on_rejected: told how many hostile contributions or messages were refused
+    :param outer: the run's outer optimizer, its lr and momentum (``optimizers.outer``): what a round's mean becomes
     """
 
     def __init__(self, announcer: PeerAnnouncer, state_server: LayerStateServer, following: Callable[[], Following],
                  layer_sizes: List[int], period: int, microbatch_size: int, heartbeat: float, timeout: float,
                  aggregation: str, say: Callable[[str], None], note: Callable[[str], None],
-                 on_rejected: Callable[[int], None]):
+                 on_rejected: Callable[[int], None], outer: Tuple[str, float, float] = ("average", 1.0, 0.0)):
         self.announcer, self.node, self.state_server = announcer, announcer.node, state_server
         self.run, self.peer_id = announcer.run, announcer.peer_id
         self.following, self.layer_sizes = following, layer_sizes
@@ -65,6 +67,9 @@ class StageAveraging:
         self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, aggregation=aggregation)
         self.averager.follow(self._expected)
         self.averager.on_rejected = self._rejected
+        self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
+        self.outer: Optional[OuterOptimizer] = None
+        self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
         self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
 
     async def start(self) -> None:
@@ -96,6 +101,12 @@ class StageAveraging:
             return False
         finally:
             self.times.append((started, time.time()))  # a failed round costs its time too
+        if self._outer_worker is not worker:  # a new stage: its outer state starts at its first round's mean
+            self._outer_worker, self.outer = worker, OuterOptimizer(*self.outer_spec)
+        if result.ok:
+            local = self.outer.step(local)  # every ring of ours gave the mean: the outer step takes it
+        else:
+            self.outer.forget()  # some segments kept their own values: the next round starts the outer state anew
         with torch.no_grad():
             unflatten_into(local, parameters)
         if result.rejected:

@@ -41,7 +41,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import until_set
-from ravnest_swarm.checkpoint import load_stage_layers, remove_unfinished_writes, save_stage, write_atomically
+from ravnest_swarm.checkpoint import (load_optimizer_state, load_stage_layers, remove_unfinished_writes, save_stage,
+                                     write_atomically)
 from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
@@ -54,6 +55,7 @@ from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
                                            neighbours_in, offered_step, placement_in)
+from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.hand_over import hand_over
 from ravnest_swarm.swarm.spec import RunSpec, cluster_lr, read_spec
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
@@ -143,7 +145,8 @@ class Volunteer:
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
-                                        on_rejected=self._count_rejected)
+                                        on_rejected=self._count_rejected,
+                                        outer=(run_spec.outer_optimizer, run_spec.outer_lr, run_spec.outer_momentum))
         self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
@@ -154,6 +157,7 @@ class Volunteer:
         self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
         self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
         self.announcer.on_renewal_problem = self._renewal_problem
+        self.resumed_optimizer: Optional[tuple] = None  # ((first, last), step, state) a checkpoint kept
         self.divergences_before = 0  # restores of stage workers already stopped
         self._noted_divergence: Optional[str] = None
         self._divergence_looks: List[Tuple[int, int]] = []  # (step, restores) each time we saw a new one
@@ -289,6 +293,7 @@ class Volunteer:
                              device=self.membership.options.device, precision=self.spec.precision,
                              mode=self.spec.backward,
                              lr=cluster_lr(self.spec.lr, clusters, self.spec.lr_scaling, 0),
+                             optimizer=self.spec.optimizer, weight_decay=self.spec.weight_decay,
                              divergence_factor=self.spec.divergence_factor,
                              heartbeat=self.membership.options.heartbeat,
                              neighbours=neighbours_in(plan, cluster, stage))
@@ -298,6 +303,8 @@ class Volunteer:
             self.say(f"{self.name}: {worker.precision_note}")
         step, downloaded = await self._fill_layers(worker.module, layers)
         worker.resume_at(step)
+        self._set_lr(worker)
+        self._take_optimizer_state(worker, tuple(layers), step)
         if downloaded:
             self._save_checkpoint(worker)  # fetched layers are work a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
@@ -311,6 +318,22 @@ class Volunteer:
                  f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}")
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
         await self.announcer.renew()
+
+    def _take_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
+        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum); other
+        layers start it afresh (it does not travel with a download or a hand-over), which we say."""
+        if self.spec.optimizer == "sgd":
+            return  # no state to keep
+        resumed, self.resumed_optimizer = self.resumed_optimizer, None
+        if resumed is not None and resumed[0] == layers and resumed[1] == step:
+            worker.optimizer.load_state_dict({"state": resumed[2],
+                                              "param_groups": worker.optimizer.state_dict()["param_groups"]})
+            self.say(f"{self.name}: {self.spec.optimizer} state resumed from the checkpoint of step {step}")
+        else:
+            self.say(f"{self.name}: {self.spec.optimizer} state of layers {layers[0]}:{layers[1]} starts afresh at "
+                     f"step {step} (it does not travel with layers)")
+            self._note(f"{self.spec.optimizer} state reset at step {step}: layers {layers[0]}:{layers[1]} came "
+                       f"without it")
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -408,16 +431,18 @@ class Volunteer:
     # ------------------------------------------------------------------ between optimizer steps
     def _set_lr(self, worker: StageWorker) -> None:
         """Our stage's lr: the run's, as the spec's rule scales it with the clusters (``spec.cluster_lr``;
-        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start."""
-        lr = cluster_lr(self.spec.lr, worker.config.clusters, self.spec.lr_scaling, worker.version - worker.resumed_at)
+        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start, along the
+        spec's schedule at the run's step (``optimizers.inner.scheduled_lr``)."""
+        lr = scheduled_lr(cluster_lr(self.spec.lr, worker.config.clusters, self.spec.lr_scaling,
+                                     worker.version - worker.resumed_at),
+                          worker.version, self.spec.steps, self.spec.lr_schedule, self.spec.warmup_steps)
         for group in worker.optimizer.param_groups:
             group["lr"] = lr
 
     async def _between_steps(self, step: int) -> None:
         if self.worker is None:
             return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
-        if self.spec.lr_scaling == "warmup":
-            self._set_lr(self.worker)
+        self._set_lr(self.worker)  # the schedule moves with the step
         if self.spec.averaging_period and step % self.spec.averaging_period == 0:
             averaged = await self._average(step)
             # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (one
@@ -596,6 +621,9 @@ class Volunteer:
         # layers too: a plan that puts us on other layers changes our record's ``layers``, and a peer placed on
         # these then found nobody offering them and started them from step 0 (test_swarm, kill and resume)
         self.held = (start, module, int(info["step"]))
+        optimizer = make_inner_optimizer(module.parameters(), self.spec.optimizer, self.spec.lr)
+        if load_optimizer_state(path, optimizer):  # read now: our next checkpoint rewrites the file
+            self.resumed_optimizer = ((start, end), int(info["step"]), optimizer.state_dict()["state"])
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 

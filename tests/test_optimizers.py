@@ -1,0 +1,100 @@
+"""A stage's inner optimizer (sgd, momentum, adamw) and its schedule, its state in checkpoints, the planner's memory
+for it, and the outer optimizer that turns an averaging round's mean into the stage's parameters (issue 30)."""
+
+import math
+
+import pytest
+import torch
+
+from ravnest_swarm.checkpoint import load_optimizer_state, save_stage
+from ravnest_swarm.models import get_model
+from ravnest_swarm.optimizers.inner import FINAL_LR_FRACTION, make_inner_optimizer, scheduled_lr
+from ravnest_swarm.optimizers.outer import OuterOptimizer
+from ravnest_swarm.pipeline.compute import StageCompute
+from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.swarm.placement import model_workload
+from ravnest_swarm.swarm.spec import RunSpec
+
+
+@pytest.mark.parametrize("name, kind, buffers", [("sgd", torch.optim.SGD, set()),
+                                                  ("momentum", torch.optim.SGD, {"momentum_buffer"}),
+                                                  ("adamw", torch.optim.AdamW, {"exp_avg", "exp_avg_sq"})])
+def test_a_stage_steps_with_the_runs_inner_optimizer(name, kind, buffers):
+    model = get_model("mlp-digits")
+    compute = StageCompute(StageConfig(run="r", stage=0, stages=1, model="mlp-digits", layers=(0, len(model.layers)),
+                                       optimizer=name, lr=0.01 if name == "adamw" else 0.05), model)
+    assert isinstance(compute.optimizer, kind)
+    losses = [compute.forward_backward_last(*model.dataset().get(range(32 * i, 32 * i + 32)))[0] for i in range(30)]
+    assert sum(losses[-5:]) < sum(losses[:5])
+    state = compute.optimizer.state_dict()["state"]
+    assert all(buffers <= set(per_parameter) for per_parameter in state.values()) and (bool(state) or not buffers)
+
+
+def test_the_schedule_warms_up_and_decays_along_a_cosine_to_a_tenth():
+    assert [scheduled_lr(1.0, s, 1000, "constant", 100) for s in (0, 49, 99, 500)] == pytest.approx([0.01, 0.5, 1, 1])
+    cosine = [scheduled_lr(1.0, s, 1000, "cosine", 100) for s in (0, 99, 550, 1000, 5000)]
+    assert cosine == pytest.approx([0.01, 1.0, 0.55, FINAL_LR_FRACTION, FINAL_LR_FRACTION])
+    assert scheduled_lr(0.05, 10, 1000, "constant") == 0.05
+
+
+def test_the_planner_counts_the_optimizers_state():
+    model = get_model("mlp-digits")
+    memory = {name: model_workload(model, RunSpec("mlp-digits", optimizer=name), 8)[0].model_gb
+              for name in ("sgd", "momentum", "adamw")}
+    parameters_gb = sum(layer.param_bytes for layer in model.layers) / 1e9
+    assert memory["momentum"] - memory["sgd"] == pytest.approx(parameters_gb)
+    assert memory["adamw"] - memory["sgd"] == pytest.approx(2 * parameters_gb)
+
+
+def test_adamw_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path):
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    optimizer = make_inner_optimizer(module.parameters(), "adamw", 1e-2, weight_decay=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        module(torch.randn(8, 6)).square().sum().backward()
+        optimizer.step()
+    path = str(tmp_path / "stage.safetensors")
+    save_stage(path, module, optimizer, {"step": 3, "layers": [0, 3]})
+    restored = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    restored.load_state_dict(module.state_dict())
+    again = make_inner_optimizer(restored.parameters(), "adamw", 1e-2, weight_decay=0.1)
+    assert load_optimizer_state(path, again)
+    batch = torch.randn(8, 6)
+    for m, o in ((module, optimizer), (restored, again)):
+        o.zero_grad()
+        m(batch).square().sum().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(module.parameters(), restored.parameters()))
+    plain = make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "sgd", 0.1)
+    save_stage(path, torch.nn.Linear(6, 4), plain, {"step": 0, "layers": [0, 1]})
+    assert not load_optimizer_state(path, make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "adamw", 0.1))
+
+
+def test_members_with_one_history_end_an_outer_step_with_the_same_parameters_bit_for_bit():
+    torch.manual_seed(1)
+    members = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in range(3)]
+    start = torch.randn(1000)
+    for member in members:
+        assert torch.equal(member.step(start.clone()), start)  # the first round takes the mean: the anchor
+    for _ in range(4):
+        mean = start + 0.01 * torch.randn(1000)  # what the ring gave every member
+        after = [member.step(mean.clone()) for member in members]
+        assert all(torch.equal(after[0], other) for other in after[1:])
+    assert not torch.equal(after[0], mean)  # an outer step, not the plain mean
+
+
+def test_the_outer_step_is_nesterov_on_the_averaged_pseudo_gradient_and_average_takes_the_mean():
+    outer = OuterOptimizer("nesterov", 0.5, 0.9)
+    anchor = torch.tensor([1.0, 2.0])
+    outer.step(anchor)
+    mean = torch.tensor([0.8, 2.4])
+    delta = anchor - mean
+    expected = anchor - 0.5 * (delta + 0.9 * delta)  # momentum starts at zero: m = delta
+    assert torch.allclose(outer.step(mean), expected)
+    plain = OuterOptimizer("average")
+    plain.step(anchor)
+    assert torch.equal(plain.step(mean), mean)
+    assert torch.allclose(OuterOptimizer("nesterov", 1.0, 0.0, anchor.clone(), torch.zeros(2)).step(mean), mean)
+    outer.forget()
+    assert torch.equal(outer.step(mean), mean) and math.isclose(float(outer.momentum.abs().sum()), 0.0)
