@@ -2,11 +2,12 @@
 for it, and the outer optimizer that turns an averaging round's mean into the stage's parameters (issue 30)."""
 
 import math
+import os
 
 import pytest
 import torch
 
-from ravnest_swarm.checkpoint import load_optimizer_state, save_stage
+from ravnest_swarm.checkpoint import load_optimizer_state, read_stage, save_stage
 from ravnest_swarm.models import get_model
 from ravnest_swarm.optimizers.inner import FINAL_LR_FRACTION, make_inner_optimizer, scheduled_lr
 from ravnest_swarm.optimizers.outer import OuterOptimizer
@@ -14,6 +15,7 @@ from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec
+from run_observer import RunObserver
 
 
 @pytest.mark.parametrize("name, kind, buffers", [("sgd", torch.optim.SGD, set()),
@@ -98,3 +100,38 @@ def test_the_outer_step_is_nesterov_on_the_averaged_pseudo_gradient_and_average_
     assert torch.allclose(OuterOptimizer("nesterov", 1.0, 0.0, anchor.clone(), torch.zeros(2)).step(mean), mean)
     outer.forget()
     assert torch.equal(outer.step(mean), mean) and math.isclose(float(outer.momentum.abs().sum()), 0.0)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigkilled_adamw_volunteer_resumes_its_optimizer_state_and_its_loss(tmp_path, processes, backbone):
+    """A real ``join`` training with AdamW is SIGKILLed (its whole session, p2pd included) and started again with
+    ``--resume``: it says it took its AdamW state from the checkpoint, and its loss goes on from where it was, not
+    from the start (cross-entropy on the digits starts near ln 10 = 2.3)."""
+    run, checkpoints = "adamw-resume", str(tmp_path / "checkpoints")
+
+    def join(*extra):
+        return processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", "solo", "--no-dashboard",
+                                "--model", "mlp-digits", "--optimizer", "adamw", "--lr", "0.002", "--steps", "100000",
+                                "--min-peers", "1", "--round-seconds", "3", "--heartbeat", "2", "--checkpoint-dir",
+                                checkpoints, "--checkpoint-every", "50", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                *extra], f"solo{len(processes.processes)}")
+
+    first = join()
+    observer = RunObserver(backbone, run, period=1.0)
+    try:
+        before = observer.wait_for(lambda peers: (peers.get("solo", {}).get("step") or 0) >= 400, 150,
+                                   "past step 400")["solo"]
+        first.kill_group()
+        _, metadata = read_stage(os.path.join(checkpoints, f"{run}-solo.safetensors"))
+        saved = metadata["info"]["step"]
+        assert saved >= 350 and metadata["optimizer_scalars"], metadata  # AdamW's step counts went in too
+        second = join("--resume")
+        second.wait_for_output(rf"solo: adamw state resumed from the checkpoint of step {saved}", 120,
+                               stream="stderr")
+        after = observer.wait_for(lambda peers: peers.get("solo", {}).get("state") == "training" and
+                                  (peers["solo"].get("step") or 0) > saved and peers["solo"].get("loss") is not None,
+                                  120, "training again after the resume")["solo"]
+    finally:
+        observer.close()
+    assert before["loss"] < 1.0 and after["loss"] < 1.0, (before, after)
+    assert "unexpected" not in second.stderr() and "Traceback" not in second.stderr()
