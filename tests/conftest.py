@@ -50,6 +50,7 @@ SERIAL_TESTS = (
     "tests/test_speedup_bench.py",
     "tests/test_run_length.py",
     "tests/test_replan.py",
+    "tests/test_late_cluster.py",
     "tests/test_sized_model.py",
     "tests/test_light_peers.py",
     "tests/test_pipeline_bench.py::test_a_stopped_bench_stops_every_process_it_started_and_removes_its_lab",

@@ -227,3 +227,5 @@ def test_a_volunteer_waits_for_a_member_while_its_record_shows_it_coming():
     for gone in ({}, {"a": record(state="done")}, {"a": record(step=100)}, {"a": record(rate=0.0)},
                  {"a": record(state="standby")}):
         assert arrival_wait(100, ["a"], gone, 32, 4.0) == 0.0, gone
+    # a stage that just started has no pace yet: a heartbeat for its next record, doubled, plus the heartbeat
+    assert arrival_wait(100, ["a"], {"a": record(rate=None)}, 32, 4.0) == pytest.approx(12.0)

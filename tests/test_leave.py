@@ -57,7 +57,8 @@ def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_the_cl
     assert volunteers["p0"].wait(40) == 0
     said = volunteers["p0"].stderr()
     match = re.search(r"p0: nobody took layers \d+:\d+ \(step (\d+)\); they are saved in (\S+): bring them back with "
-                      r"`ravnest-swarm join \.\.\. --run " + RUN + r" --name p0 --checkpoint-dir \S+ --resume`", said)
+                      r"`ravnest-swarm join \.\.\. --run " + RUN + r"@[0-9a-f]{16} --name p0 --checkpoint-dir \S+ --resume`",
+                      said)  # the run's address names its owner, as a joiner gives it
     assert match, said[-2000:]
     assert match.group(2) == str(swarm.checkpoints / f"{RUN}-p0.safetensors")
     assert checkpoint_layers(match.group(2))[1] == int(match.group(1))

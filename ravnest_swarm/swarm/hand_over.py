@@ -32,10 +32,11 @@ LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", 
 
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
-                    save: Callable[[StageWorker, str], None]) -> None:
+                    save: Callable[[StageWorker, str], None], address: str) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer), or
-    write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume."""
+    write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume (``address``: the run's,
+    ``name@owner``, as a joiner gives it)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
@@ -71,5 +72,5 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
         path = os.path.join(LEAVE_CHECKPOINT_DIR, f"{announcer.run}-{name}.safetensors")
         save(worker, path)
     say(f"{name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: bring them back with "
-        f"`ravnest-swarm join ... --run {announcer.run} --name {shlex.quote(name)} --checkpoint-dir "
+        f"`ravnest-swarm join ... --run {address} --name {shlex.quote(name)} --checkpoint-dir "
         f"{shlex.quote(os.path.dirname(path))} --resume`")

@@ -77,17 +77,19 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
                  heartbeat: float) -> float:
     """Seconds to keep waiting for ring members that have not reached averaging round ``step``: what the
     slowest of them still has to train to reach it at its recent pace, doubled (paces vary, more so on a busy
-    machine), plus a heartbeat (its record is that old at most). 0, give up, when one of them is gone, not
-    training, already past the round (it moved on without us), or not moving."""
+    machine), plus a heartbeat (its record is that old at most). A member whose stage just started has no pace
+    yet (``samples_per_s`` null): a heartbeat more, when its next record says it. 0, give up, when one of them is
+    gone, not training, already past the round (it moved on without us), or not moving."""
     wait = 0.0
     for member in missing:
         record = records.get(member)
         if record is None or record["state"] not in ("training", "averaging") or record.get("step") is None:
             return 0.0
-        behind, rate = step - record["step"], record.get("samples_per_s") or 0.0
-        if behind <= 0 or rate <= 0:
+        behind, rate = step - record["step"], record.get("samples_per_s")
+        if behind <= 0 or rate == 0:
             return 0.0
-        wait = max(wait, behind * microbatch_size / rate)
+        # a cluster formed mid-run starts its stage a moment after the others passed where it counts from
+        wait = max(wait, heartbeat if rate is None else behind * microbatch_size / rate)
     return 2 * wait + heartbeat
 
 

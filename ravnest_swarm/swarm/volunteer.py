@@ -302,6 +302,13 @@ class Volunteer:
             self._precision_said = worker.precision_note
             self.say(f"{self.name}: {worker.precision_note}")
         step, downloaded = await self._fill_layers(worker.module, layers)
+        run_step = await self._run_step(plan, cluster) if stage == 0 else None
+        if run_step is not None and run_step > step:
+            # the other clusters trained on while we downloaded: counting from the layers' step, our rounds would
+            # be rounds they left long ago, and we would never average with them (issue 30: 25 of 25 failed)
+            self.say(f"{self.name}: cluster {cluster} counts from step {run_step}, where the run's other clusters "
+                     f"are (its layers are of step {step}), so that it takes part in their next averaging round")
+            step = run_step
         worker.resume_at(step)
         self._set_lr(worker)
         self._take_optimizer_state(worker, tuple(layers), step)
@@ -318,6 +325,21 @@ class Volunteer:
                  f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}")
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
         await self.announcer.renew()
+
+    async def _run_step(self, plan: dict, cluster: int) -> Optional[int]:
+        """The step the run's other clusters are at: the highest their first stages' records say (a stage 0 counts
+        its cluster's steps); None when no other cluster trains, or their records cannot be read now."""
+        others = [stages[0]["peer_id"] for index, stages in enumerate(plan["clusters"]) if index != cluster]
+        if not others:
+            return None
+        try:
+            records = await self.announcer.read_peers(peer_ids=others)
+        except Exception as e:  # no news of them: we count from our layers' step, as before
+            logger.warning(f"reading the other clusters' records failed: {e}")
+            return None
+        steps = [r["step"] for r in records if r["peer_id"] in others and r["state"] in ("training", "averaging")
+                 and r.get("stage") == 0 and r.get("step") is not None]
+        return max(steps) if steps else None
 
     def _take_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
         """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum); other
@@ -590,7 +612,7 @@ class Volunteer:
             return
         # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
         await hand_over(self.announcer, worker, self.name, self.console, self.options.handover_timeout, leave_now,
-                        self.checkpoint_path, self._save_checkpoint)
+                        self.checkpoint_path, self._save_checkpoint, str(RunAddress(self.run, self.owner)))
 
     def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
         path = path or self.checkpoint_path
