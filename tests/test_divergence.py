@@ -24,6 +24,7 @@ from ravnest_swarm.pipeline.guard import LEVEL_WINDOW, PATIENCE, Diverged, Diver
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.swarm.spec import cluster_lr
 from run_observer import RunObserver
+from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 from test_user_models import USER_MODELS, features_dir
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -212,3 +213,24 @@ def test_a_volunteer_whose_data_drives_its_loss_to_nan_restores_says_so_and_trai
     assert re.search(r"nan: cluster 0 stage 0 diverged at step \d+: the loss is nan; restored layers 0:4 from", log)
     assert "keeps diverging" in log  # a NaN sample in every epoch: reported, not hidden
     assert "unexpected" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_cluster_restores_every_stage_when_its_last_stage_diverges(swarm):
+    """A cluster of two stages (real ``join`` processes) whose guard is set so tight (``--divergence-factor 0.5``:
+    three losses in a row above half the stage's starting level) that its last stage diverges again and again:
+    each time, the first stage is told with the backward message and restores its own layers too, and the
+    cluster still trains to the run's length."""
+    extra = ("--min-peers", "2", "--divergence-factor", "0.5")
+    volunteers = {name: swarm(name, steps=300, extra=extra) for name in ("p0", "p1")}
+    peers = swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
+                                   all(p["state"] == "done" for p in placed(peers).values()), 200,
+                                   "the cluster of two trained its 300 steps")
+    first = next(p for p in peers.values() if p.get("stage") == 0)
+    last = next(p for p in peers.values() if p.get("stage") == 1)
+    assert last["divergences"] >= 1 and first["divergences"] >= 1, peers
+    assert "stayed above 0.5 x its level" in last["note"], last
+    assert first["note"].startswith("diverged at step ") and "a later stage: the loss stayed above" in \
+        first["note"], first
+    for volunteer in volunteers.values():
+        assert "unexpected" not in volunteer.stderr() and "Traceback" not in volunteer.stderr()

@@ -32,6 +32,15 @@ class Counters:
     compute: List[Tuple[float, float]] = dataclass_field(default_factory=list)  # forwards and backwards only
     trace: List[Tuple[float, str, int]] = dataclass_field(default_factory=list)  # (time, event, microbatch)
 
+    @contextmanager
+    def computing(self) -> Iterator[None]:
+        """Record a forward's or backward's wall time in ``compute`` (the compute thread runs one at a time)."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.compute.append((started, time.time()))
+
 
 class BusyTime:
     """Wall time during which a forward, backward or send is in progress (overlaps count once): ``counters.busy``."""

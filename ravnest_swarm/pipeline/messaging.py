@@ -214,7 +214,8 @@ class Inbox:
             raise MessageError(f"a backward message carries 1 tensor (the gradient), got {len(tensors)}")
         grad = wire.check_values(wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype),
                                  "gradient", self.config.max_abs_value)
-        return wire.BackwardReply(queued=scheduler.queue_backward(microbatch, grad, request.diverged))
+        return wire.BackwardReply(queued=scheduler.queue_backward(microbatch, grad, request.diverged,
+                                                                        request.dropped))
 
     async def _on_status(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         decode_message(wire.StatusRequest, request.metadata, "status")

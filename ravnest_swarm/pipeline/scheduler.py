@@ -7,9 +7,9 @@ and transfers overlap. A microbatch leaves this stage's books by completing, or 
 counted (a failed send, no gradient within ``microbatch_timeout``, the end of the run, its own compute
 raising: bad targets, a loss that fails, anything): never silently, and the loop goes on.
 
-A loss the divergence guard judges diverged (``pipeline/guard.py``) restores the last stage's layers, and its
-backward message goes on with a zero gradient and ``diverged`` set: every stage before it restores its own
-layers in turn instead of stepping, so the whole cluster goes back to a good state, not only the stage that saw it.
+A loss the divergence guard judges diverged (``pipeline/guard.py``) restores the last stage's layers, and a backward
+message with a zero gradient and ``diverged`` set makes every stage before it restore its own in turn; a microbatch
+a later stage drops (a skipped step, a failed compute) goes back as ``dropped``, so stage 0 need not wait for it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from contextlib import contextmanager
-from typing import Awaitable, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -61,8 +60,8 @@ class Scheduler:
         self.between_steps: Optional[Callable[[int], Awaitable[None]]] = None
         self.hooked_version = 0
         self.forward_queue: Deque[Tuple[int, List[int], torch.Tensor, torch.Tensor]] = deque()
-        # (microbatch, gradient, why the cluster diverged: a later stage's word that we restore, not step)
-        self.backward_queue: Deque[Tuple[int, torch.Tensor, Optional[str]]] = deque()
+        # (microbatch, gradient, and a later stage's word: why the cluster diverged, or why it dropped the microbatch)
+        self.backward_queue: Deque[Tuple[int, torch.Tensor, Optional[str], Optional[str]]] = deque()
         self.queued_forward: Set[int] = set()
         self.pending: Dict[int, Pending] = {}
         self.queued_backward: Set[int] = set()
@@ -99,11 +98,12 @@ class Scheduler:
         self.wakeup.set()
         return len(self.forward_queue)
 
-    def queue_backward(self, microbatch: int, grad: torch.Tensor, diverged: Optional[str] = None) -> int:
+    def queue_backward(self, microbatch: int, grad: torch.Tensor, diverged: Optional[str] = None,
+                       dropped: Optional[str] = None) -> int:
         """Take a checked gradient for a pending microbatch; how many wait in the backward queue now."""
         self.queued_backward.add(microbatch)
         self.seen_backward.add(microbatch)
-        self.backward_queue.append((microbatch, grad, diverged))
+        self.backward_queue.append((microbatch, grad, diverged, dropped))
         self.trace("backward_arrived", microbatch)
         self.wakeup.set()
         return len(self.backward_queue)
@@ -228,21 +228,19 @@ class Scheduler:
         self.queued_forward.discard(microbatch)
         compute = self.compute
         self.trace("forward_started", microbatch)
-        with self.busy.measure(), self._computing():
+        with self.busy.measure(), self.counters.computing():
             try:
                 if self.is_last:
                     loss, input_grad = await compute.run(compute.forward_backward_last, inputs, targets)
                 else:
                     pending, output = await compute.run(compute.forward, inputs)
-            except SkippedStep as e:
-                self.counters.skipped += 1
-                self._fail(microbatch, "step", e)
-                return
             except Diverged as e:
                 self._diverged(microbatch, str(e), inputs if self.is_last else None)
                 return
-            except Exception as e:
-                self._fail(microbatch, "forward", e)
+            except Exception as e:  # a skipped step (a loss spike), a compute that failed: dropped here and before
+                self.counters.skipped += isinstance(e, SkippedStep)
+                self._fail(microbatch, "step" if isinstance(e, SkippedStep) else "forward", e)
+                self._tell_previous(microbatch, inputs, dropped=str(e)[-wire.MAX_REASON_LEN:])
                 return
         self.counters.forwards += 1
         self.trace("forward_done", microbatch)
@@ -259,13 +257,18 @@ class Scheduler:
                                       sample_ids=sample_ids, version=compute.version)
         self.spawn(wire.FORWARD, self.config.stage + 1, message, [output, targets], microbatch)
 
-    async def run_backward(self, microbatch: int, grad: torch.Tensor, diverged: Optional[str] = None) -> None:
+    async def run_backward(self, microbatch: int, grad: torch.Tensor, diverged: Optional[str] = None,
+                           dropped: Optional[str] = None) -> None:
         self.queued_backward.discard(microbatch)
         pending = self.pending.pop(microbatch, None)
         if pending is None:
             return  # dropped by the watchdog while queued
+        if dropped is not None:
+            self._fail(microbatch, "step at a later stage", RuntimeError(dropped))
+            self._tell_previous(microbatch, pending.inputs, dropped=dropped)
+            return
         self.trace("backward_started", microbatch)
-        with self.busy.measure(), self._computing():
+        with self.busy.measure(), self.counters.computing():
             try:
                 if diverged is not None:
                     await self.compute.run(self.compute.restore, f"a later stage: {diverged}")
@@ -359,9 +362,8 @@ class Scheduler:
             self._release_slot()  # stage 0 injected it, and it was out of `pending` while it computed
 
     def _diverged(self, microbatch: int, reason: str, inputs: Optional[torch.Tensor]) -> None:
-        """Our compute restored the stage (``StageCompute.restore``): counted and said; the microbatch is dropped,
-        and, where we had its input from the stage before us (the last stage, or one told by a later stage), that
-        stage is told to restore too, with a zero gradient that steps nothing."""
+        """Our compute restored the stage (``StageCompute.restore``): counted, said, the microbatch dropped, and the
+        stage before us told to restore too where we had its input (the last stage, or one a later stage told)."""
         self.counters.divergences += 1
         self.counters.last_divergence = f"at step {self.compute.version}: {reason}"
         logger.warning(f"stage {self.config.stage}: diverged at microbatch {microbatch}: {reason}")
@@ -369,9 +371,14 @@ class Scheduler:
         self.seen_forward.discard(microbatch)
         if self.is_first:
             self._release_slot()  # stage 0 injected it; it is out of ``pending`` while it computes
-        elif inputs is not None:
+        if inputs is not None:
+            self._tell_previous(microbatch, inputs, diverged=reason[-wire.MAX_REASON_LEN:])
+
+    def _tell_previous(self, microbatch: int, inputs: torch.Tensor, **word: str) -> None:
+        """A backward message with a zero gradient and a word (``diverged`` or ``dropped``) for the stage before us."""
+        if not self.is_first:
             message = wire.BackwardRequest(**self._address(self.config.stage - 1), microbatch=microbatch,
-                                           version=self.compute.version, diverged=reason[-wire.MAX_REASON_LEN:])
+                                           version=self.compute.version, **word)
             self.spawn(wire.BACKWARD, self.config.stage - 1, message, [torch.zeros(inputs.shape, dtype=inputs.dtype)],
                        microbatch)
 
@@ -382,15 +389,6 @@ class Scheduler:
         self.wakeup.set()
 
     # ---------------------------------------------------------------- accounting
-
-    @contextmanager
-    def _computing(self) -> Iterator[None]:
-        """Record a forward's or backward's wall time (the compute thread runs one at a time)."""
-        started = time.time()
-        try:
-            yield
-        finally:
-            self.counters.compute.append((started, time.time()))
 
     def trace(self, event: str, microbatch: int) -> None:
         if self.config.trace:

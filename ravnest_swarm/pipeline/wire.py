@@ -41,6 +41,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 4
 MAX_SAMPLES = 4096
 MAX_REASON_LEN = 300
+Reason = Annotated[str, Field(max_length=MAX_REASON_LEN, pattern=f"^[^{CONTROL_CHARACTERS}]*$")]  # a stage's words
 # what a stage may send, and all it accepts: hivemind's 8-bit codecs carry lookup tables a sender chooses
 COMPRESSIONS = {"none": CompressionType.NONE, "float16": CompressionType.FLOAT16,
                 "meanstd16": CompressionType.MEANSTD_16BIT}
@@ -79,11 +80,15 @@ class FinishRequest(StageAddress):
 class BackwardRequest(StageAddress):
     """Frame 0 of a backward message: the gradient of the output this stage sent for ``microbatch``.
     ``diverged``: a later stage's loss says the cluster diverged (``pipeline/guard.py``): the gradient is
-    zero, and this stage restores its layers instead of stepping, then tells the stage before it."""
+    zero, and this stage restores its layers instead of stepping, then tells the stage before it. ``dropped``: a
+    later stage dropped the microbatch (a loss spike's skipped step, a compute that failed): the gradient is zero,
+    and this stage drops it too, without a step, and tells the stage before it (stage 0 draws another at once
+    instead of waiting ``microbatch_timeout`` for a gradient that never comes)."""
 
     microbatch: Count
     version: Count
-    diverged: Optional[Annotated[str, Field(max_length=MAX_REASON_LEN, pattern=f"^[^{CONTROL_CHARACTERS}]*$")]] = None
+    diverged: Optional[Reason] = None
+    dropped: Optional[Reason] = None
 
 
 class Accepted(Message):
