@@ -442,7 +442,8 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
     """The last stage gets a microbatch with targets outside the model's 10 classes, one whose loss raises,
     and honest ones. Each bad one is dropped and counted (``failed``, ``dropped``), the last named in
     ``last_failed``; the honest ones before and after train and their gradients go back (before, the first
-    exception ended the stage's scheduler without a word and the stage never trained again)."""
+    exception ended the stage's scheduler without a word and the stage never trained again); the bad ones go back
+    as ``dropped``, so the stage before drops them at once instead of waiting for their gradients."""
     from ravnest_swarm.pipeline.compute import check_targets
 
     worker = StageWorker(StageConfig(run=RUN, stage=1, stages=2, model="mlp-digits", layers=(5, 9)), node=None)
@@ -450,7 +451,7 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
     sent = []
 
     async def send(handler, stage, message, tensors, microbatch):
-        sent.append((handler, microbatch))
+        sent.append((handler, microbatch, getattr(message, "dropped", None)))
         return None
 
     scheduler.send = send
@@ -480,7 +481,9 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
         worker.compute.close()
     counters = worker.counters
     assert counters.failed == 2 and counters.dropped == 2 and counters.forwards == 2 and worker.version == 2
-    assert [microbatch for handler, microbatch in sent if handler == wire.BACKWARD] == [1, 4]
+    backward = {microbatch: dropped for handler, microbatch, dropped in sent if handler == wire.BACKWARD}
+    assert sorted(backward) == [1, 2, 3, 4] and backward[1] is None and backward[4] is None
+    assert "target(s) out of range" in backward[2] and backward[3] == "the loss broke"
     assert counters.last_failed.startswith("microbatch 3 at stage 1: its forward failed: RuntimeError: the loss broke")
     with pytest.raises(ValueError, match=r"1 target\(s\) out of range \(e.g. 1000000000\).*\[0, 10\)"):
         check_targets(out_of_range, 10)
