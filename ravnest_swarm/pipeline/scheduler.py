@@ -123,12 +123,7 @@ class Scheduler:
         if version != self.compute.version:
             logger.info(f"stage {self.config.stage}: counting steps from {version}, as stage "
                         f"{self.config.stage - 1} does (this stage's weights came from step {self.compute.version})")
-            self.count_from(version)
-
-    def count_from(self, step: int) -> None:
-        """Count steps from ``step``, the ``between_steps`` hook run for it before the first compute: a stage starting
-        at a round's step takes part in it, as do the stages that started a step before (issue 29's lab run)."""
-        self.compute.version, self.hooked_version = step, step - 1 if step > 0 else step
+            self.compute.version = self.hooked_version = version
 
     def sender_replaced(self) -> None:
         """A new plan put another peer before us. What the old one sent cannot complete: its gradient would go

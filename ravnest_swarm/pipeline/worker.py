@@ -84,10 +84,8 @@ class StageWorker:
 
     def resume_at(self, step: int) -> None:
         """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
-        data stream where that step left it and injects only the microbatches still to train; the
-        ``between_steps`` hook runs once for ``step`` before the first compute (``Scheduler.count_from``)."""
-        self.resumed_at = step
-        self.scheduler.count_from(step)
+        data stream where that step left it and injects only the microbatches still to train."""
+        self.resumed_at = self.compute.version = self.scheduler.hooked_version = step
         if self.config.stage == 0:
             self.counters.injected = min(step, self.config.microbatches)
 

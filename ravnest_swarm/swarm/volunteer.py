@@ -462,24 +462,25 @@ class Volunteer:
             group["lr"] = lr
 
     async def _between_steps(self, step: int) -> None:
-        if self.worker is None:
+        worker = self.worker  # the one calling: a new plan may stop it (self.worker None) while we await a round
+        if worker is None:
             return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
-        self._set_lr(self.worker)  # the schedule moves with the step
+        self._set_lr(worker)  # the schedule moves with the step
         if self.spec.averaging_period and step % self.spec.averaging_period == 0:
-            averaged = await self._average(step)
+            averaged = await self._average(worker, step)
             # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (one
             # cluster, a failed round) our own, kept only while the loss is at its level
-            self.worker.mark_restore_point("the averaged state" if averaged else "its own state")
+            worker.mark_restore_point("the averaged state" if averaged else "its own state")
         if self.checkpoint_path and step % self.options.checkpoint_every == 0:
-            self._save_checkpoint(self.worker)
+            self._save_checkpoint(worker)
 
-    async def _average(self, step: int) -> bool:
+    async def _average(self, worker: StageWorker, step: int) -> bool:
         """Average our stage in the plan we follow (``stage_averaging.py``); whether every ring of ours averaged."""
         if self.plan is None or len(self.plan["clusters"]) < 2:
             return False
         if self.adopted is not self.plan and placement_in(self.adopted, self.peer_id) != self.placement:
             return False  # the plan just adopted moves us: this worker stops next, and its partners moved too
-        return await self.averaging.average(self.worker, self.plan, step)
+        return await self.averaging.average(worker, self.plan, step)
 
     def _count_rejected(self, count: int) -> None:
         self.rejected_before += count
