@@ -51,7 +51,8 @@ def resuming_volunteer(path: str) -> SimpleNamespace:
 
     announcer = SimpleNamespace(update=lambda **fields: None, read_peers=no_peers)
     return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
-                           spec=SimpleNamespace(model="mlp-digits"), model=get_model("mlp-digits"), cache={},
+                           spec=SimpleNamespace(model="mlp-digits", optimizer="sgd", lr=0.05),
+                           model=get_model("mlp-digits"), cache={},
                            held=None, announcer=announcer, say=lambda line: None)
 
 
@@ -72,8 +73,8 @@ def test_resume_restores_a_stage_exactly(tmp_path):
     assert (step, resumed.version, downloaded) == (3, 3, False)
     for (name, a), b in zip(trained.module.state_dict().items(), resumed.module.state_dict().values()):
         assert torch.equal(a, b), name
-    # resume restores no optimizer state, and loses none: a stage's SGD keeps none (a stage given momentum
-    # or Adam would fail here, and resume would have to restore it), and its settings come from its config
+    # resume loses no optimizer state: a stage's SGD keeps none (momentum's and AdamW's state the volunteer takes
+    # from the checkpoint, _take_optimizer_state: tests/test_optimizers.py), and its settings come from its config
     assert trained.optimizer.state_dict() == resumed.optimizer.state_dict()
     assert trained.optimizer.state_dict()["state"] == {}
     train(trained, batches[3:])
