@@ -162,7 +162,7 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     from ravnest_swarm.membership.capabilities import check_override
     from ravnest_swarm.membership.records import parse_run_address, validate_peer_name
     from ravnest_swarm.net.node import parse_maddrs
-    from ravnest_swarm.swarm.spec import LR_SCALINGS, check_spec_choices, model_facts, scan_user_data
+    from ravnest_swarm.swarm.spec import check_spec_choices, model_facts, scan_user_data
 
     parse_run_address(options.run)
     for flag, value in (("ram-gb", options.ram_gb), ("max-ram-gb", options.max_ram_gb), ("gflops", options.gflops),
@@ -179,10 +179,8 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
                        options.aggregation or "mean", options.optimizer or "sgd", options.lr_schedule or "constant",
-                       options.outer_optimizer or "average")
+                       options.outer_optimizer or "average", options.lr_scaling or "none")
     check_precision(options.precision or "fp32")
-    if options.lr_scaling is not None and options.lr_scaling not in LR_SCALINGS:
-        raise UserError(f"--lr-scaling must be one of {', '.join(LR_SCALINGS)}, not {options.lr_scaling!r}")
     return facts
 
 

@@ -199,27 +199,21 @@ def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
 
 
 def check_spec_choices(pipeline_compression: str, backward: str, aggregation: str = "mean", optimizer: str = "sgd",
-                       lr_schedule: str = "constant", outer_optimizer: str = "average") -> None:
-    """The spec's named choices, checked before a run is started with them."""
+                       lr_schedule: str = "constant", outer_optimizer: str = "average", lr_scaling: str = "none") -> None:
+    """The spec's named choices, checked before a run is started with them: a wrong one is one line naming its flag."""
     from ravnest_swarm.averaging.robust import AGGREGATIONS
     from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS, LR_SCHEDULES
     from ravnest_swarm.optimizers.outer import OUTER_OPTIMIZERS
-
-    if optimizer not in INNER_OPTIMIZERS:
-        raise UserError(f"--optimizer must be one of {', '.join(INNER_OPTIMIZERS)}, not {optimizer!r}")
-    if outer_optimizer not in OUTER_OPTIMIZERS:
-        raise UserError(f"--outer-optimizer must be one of {', '.join(OUTER_OPTIMIZERS)}, not {outer_optimizer!r}")
-    if lr_schedule not in LR_SCHEDULES:
-        raise UserError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, not {lr_schedule!r}")
     from ravnest_swarm.pipeline.stage import MODES
     from ravnest_swarm.pipeline.wire import COMPRESSIONS
 
-    if pipeline_compression not in COMPRESSIONS:
-        raise UserError(f"--pipeline-compression must be one of {', '.join(COMPRESSIONS)}, not {pipeline_compression!r}")
-    if backward not in MODES:
-        raise UserError(f"--backward must be one of {', '.join(MODES)}, not {backward!r}")
-    if aggregation not in AGGREGATIONS:
-        raise UserError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, not {aggregation!r}")
+    for flag, value, choices in (("--pipeline-compression", pipeline_compression, COMPRESSIONS),
+                                 ("--backward", backward, MODES), ("--aggregation", aggregation, AGGREGATIONS),
+                                 ("--optimizer", optimizer, INNER_OPTIMIZERS),
+                                 ("--outer-optimizer", outer_optimizer, OUTER_OPTIMIZERS),
+                                 ("--lr-schedule", lr_schedule, LR_SCHEDULES), ("--lr-scaling", lr_scaling, LR_SCALINGS)):
+        if value not in choices:
+            raise UserError(f"{flag} must be one of {', '.join(choices)}, not {value!r}")
 
 
 def scan_user_data(data: str) -> None:
