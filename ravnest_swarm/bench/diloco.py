@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from ravnest_swarm.bench.lr_scaling import DIVERGED_LOSS, _heldout_loss
+from ravnest_swarm.bench.lr_scaling import DIVERGED_LOSS, heldout_loss
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.optimizers.inner import make_inner_optimizer
 from ravnest_swarm.optimizers.outer import OuterOptimizer
@@ -79,7 +79,7 @@ def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, pro
                 model = copy.deepcopy(replicas[0])
                 mean = torch.stack([torch.nn.utils.parameters_to_vector(r.parameters()) for r in replicas]).mean(0)
                 torch.nn.utils.vector_to_parameters(mean, model.parameters())
-            curve.append(((step + 1) * k * options.microbatch_size, _heldout_loss(spec, model)))
+            curve.append(((step + 1) * k * options.microbatch_size, heldout_loss(spec, model)))
         if progress is not None:
             progress()
     return dict(inner=inner, lr=lr, outer=outer, clusters=k, diverged=diverged,

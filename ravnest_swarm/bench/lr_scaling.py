@@ -46,7 +46,7 @@ class LrScalingOptions:
     seed: int = 0
 
 
-def _heldout_loss(model_spec, model: torch.nn.Module, batch: int = 256) -> float:
+def heldout_loss(model_spec, model: torch.nn.Module, batch: int = 256) -> float:
     data = model_spec.heldout()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -109,7 +109,7 @@ def run_rule(options: LrScalingOptions, rule: str, lr: float, progress=None) -> 
         with torch.no_grad():
             for tensors in zip(*(r.parameters() for r in replicas)):
                 tensors[0].copy_(torch.stack([t.detach() for t in tensors]).mean(dim=0))
-        result.update(heldout_loss=round(_heldout_loss(spec, final), 4), heldout_accuracy=round(spec.evaluate(final), 4))
+        result.update(heldout_loss=round(heldout_loss(spec, final), 4), heldout_accuracy=round(spec.evaluate(final), 4))
     return result
 
 
@@ -132,7 +132,7 @@ def bench_lr_scaling(options: LrScalingOptions, as_json: bool) -> int:
         trained = [r for r in results if r["lr"] == lr and not r["diverged"]]
         best[str(lr)] = min(trained, key=lambda r: r["heldout_loss"])["rule"] if trained else None
     summary = {rule: dict(diverged=sum(r["diverged"] for r in results if r["rule"] == rule),
-                          mean_heldout_loss=_mean([r.get("heldout_loss") for r in results if r["rule"] == rule]))
+                          meanheldout_loss=_mean([r.get("heldout_loss") for r in results if r["rule"] == rule]))
                for rule in options.rules}
     output = dict(benchmark="lr-scaling", model=options.model, clusters=options.clusters, solo_steps=options.solo,
                   samples_after_replan=options.samples, averaging_period=options.averaging_period,

@@ -35,7 +35,9 @@ class OuterOptimizer:
 
     def step(self, mean: torch.Tensor) -> torch.Tensor:
         """The stage's parameters after a round whose mean is ``mean``; the state moves to them."""
-        if self.name == "average" or self.anchor is None or self.anchor.shape != mean.shape:
+        if self.name == "average":
+            return mean  # no state to keep: copying the vector every round would be work for nothing
+        if self.anchor is None or self.anchor.shape != mean.shape:
             self.anchor, self.momentum = mean.clone(), torch.zeros_like(mean)
             return mean
         delta = self.anchor - mean
