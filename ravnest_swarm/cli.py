@@ -122,8 +122,9 @@ def join(
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
     max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, max=1024, help="Run spec: microbatches in flight per cluster."),
     averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
-    pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: activations and "
-                                                       "gradients between stages as none, float16 or meanstd16."),
+    pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: the codec of "
+                                                       "activations and gradients between stages: none, float16, meanstd16, "
+                                                       "int8 ... int2, int<bits>-sr (docs/pipeline.md)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
                                         "every stage (default 300); every volunteer trains until the run reaches it."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
@@ -260,8 +261,9 @@ def local(
                                        "instead of the model's own data."),
     chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
-    pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="Activations and gradients "
-                                             "between stages: none, float16 or meanstd16."),
+    pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="The codec of activations "
+                                             "and gradients between stages: none, float16, meanstd16, int8 ... int2, "
+                                             "int<bits>-sr (docs/pipeline.md)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
@@ -648,8 +650,9 @@ def bench_pipeline(
     max_in_flight: int = typer.Option(8, "--max-in-flight", min=1, help="Also the sync schedule's microbatches per step."),
     transfer_mb: float = typer.Option(16.0, "--transfer-mb", min=0.1, help="Tensor size of the transfer probe."),
     mode: str = typer.Option("stash", "--mode", help="stash or recompute."),
-    compression: str = typer.Option("none", "--compression", help="Activations and gradients on the wire: none, "
-                                    "float16 or meanstd16."),
+    compression: str = typer.Option("none", "--compression", help="Codecs of activations and gradients "
+                                    "on the wire, comma-separated, each run asynchronously in turn: none, float16, "
+                                    "meanstd16, int8 ... int2, int<bits>-sr."),
     cpus_per_stage: Optional[float] = typer.Option(None, "--cpus-per-stage", min=0.0, help="CPU cores each stage's "
                                                    "host may use (default: the machine's cores / stages; 0: no limit)."),
     as_json: bool = typer.Option(False, "--json"),
@@ -662,7 +665,7 @@ def bench_pipeline(
     """
     configure_logging(False)
     from ravnest_swarm.bench.pipeline import bench_pipeline as run
-    from ravnest_swarm.pipeline.wire import COMPRESSIONS
+    from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS
 
     if microbatches <= max_in_flight:
         print("error: --microbatches must exceed --max-in-flight (the steady state starts after one window)",
@@ -832,7 +835,7 @@ def stage(
         from ravnest_swarm.membership.records import validate_run_name
         from ravnest_swarm.models import get_model, parse_layers
         from ravnest_swarm.pipeline.stage import MODES, SCHEDULES, StageConfig, serve_stage
-        from ravnest_swarm.pipeline.wire import COMPRESSIONS
+        from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS
 
         validate_run_name(run)
         if schedule not in SCHEDULES or mode not in MODES or compression not in COMPRESSIONS:

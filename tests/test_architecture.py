@@ -14,21 +14,22 @@ ALLOWED = {
     "net": set(),
     "models": set(),
     "optimizers": set(),
+    "codecs": set(),
     "checkpoint": set(),
     # the launcher names the modules it preloads and the entry points it runs by string, as `python -m` does
     "launcher": set(),
     "processes": {"launcher"},
-    "membership": {"net"},
+    "membership": {"net", "codecs"},
     "planning": {"membership"},
-    "pipeline": {"net", "membership", "models", "optimizers"},
-    "averaging": {"net", "membership"},
+    "pipeline": {"net", "membership", "models", "optimizers", "codecs"},
+    "averaging": {"net", "membership", "codecs"},
     "dashboard": {"membership"},  # its pure modules only: see test_the_dashboard_reaches_no_network
     "swarm": {"net", "membership", "planning", "pipeline", "averaging", "optimizers", "models", "dashboard", "checkpoint",
-              "processes"},
+              "processes", "codecs"},
     "bench": {"net", "membership", "planning", "pipeline", "averaging", "optimizers", "models", "dashboard", "checkpoint",
-              "processes", "launcher", "swarm"},
+              "processes", "launcher", "swarm", "codecs"},
     "cli": {"net", "membership", "planning", "pipeline", "averaging", "optimizers", "models", "dashboard", "checkpoint",
-            "processes", "swarm", "bench"},
+            "processes", "swarm", "bench", "codecs"},
     "__main__": {"cli"},
 }
 # the dashboard draws what it is given: nothing it imports, directly or through other modules, reaches the network

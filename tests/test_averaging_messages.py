@@ -14,10 +14,11 @@ import time
 import msgpack
 import pytest
 import torch
-from hivemind.compression import NoCompression, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
+from ravnest_swarm.codecs.codec import RAW
 from ravnest_swarm.averaging.averager import TURNED_AWAY
 from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
                                              OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox)
@@ -237,7 +238,7 @@ class NotesTo:
 def ring_round(attempt, timeout=5.0):
     box = mailbox()
     peer = RingPeer(peer_id=ME, mailbox=box, sender=NotesTo(), background=asyncio.get_running_loop().create_task,
-                    timeout=timeout, compression=NoCompression(), part_bytes=1 << 20, max_scale=100.0,
+                    timeout=timeout, compression=RAW, part_bytes=1 << 20, max_scale=100.0,
                     attempt=attempt)
     return RingRound(peer, ROUND, RINGS[0], torch.zeros(1000), RoundLog())
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Coroutine, List, Optional, Sequence, Set, Union
 
 import torch
-from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
@@ -44,6 +43,7 @@ from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PART_BYTES, RING_HANDLER, ROUND_OVER,
                                           STREAMS_PER_STEP, RingAbort, RingArrive, RingPart, RingReply, RingSender,
                                           decode_ring_message)
+from ravnest_swarm.codecs.codec import RAW, Codec
 from ravnest_swarm.net.messages import MessageError
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.net.transport import INCOMPLETE, iterate_frames, make_response, message_reply, send_reply
@@ -101,8 +101,8 @@ class MultiRingAverager:
     :param routes: this peer's routes (its DHT node's), whose P2P the handler is registered on
     :param run: run name; messages of another run are refused
     :param timeout: seconds one ring may take before it ends and its segment keeps the local value
-    :param compression: hivemind compression for the floats on the wire (``NoCompression``,
-        ``Float16Compression``, ``Uniform8BitQuantization``); summing happens in float32
+    :param compression: the codec of the floats on the wire (``codecs.CODECS``: ``none``, 16 bits, or blockwise
+        ``int8`` ... ``int2``); every member must use the same; summing happens in float32
     :param part_bytes: size of the streamed parts of a serialized chunk
     :param streams_per_step: concurrent streams one ring message is dealt over (see "Stripes" in ``wire.py``)
     :param max_buffered_bytes: cap on chunks held for rings that have not asked for them yet (early
@@ -114,7 +114,7 @@ class MultiRingAverager:
         or ``centered_clip``, aggregated robustly by each chunk's owner (``robust_ring.py``)
     """
 
-    def __init__(self, routes: Routes, run: str, timeout: float = 30.0, compression: CompressionBase = NoCompression(),
+    def __init__(self, routes: Routes, run: str, timeout: float = 30.0, compression: Codec = RAW,
                  part_bytes: int = PART_BYTES, streams_per_step: int = STREAMS_PER_STEP,
                  max_buffered_bytes: int = 2 * 1024**3, max_message_bytes: int = MAX_MESSAGE_BYTES,
                  max_scale: float = 100.0, aggregation: str = MEAN):
@@ -123,7 +123,7 @@ class MultiRingAverager:
         self.part_bytes, self.max_message_bytes = part_bytes, max_message_bytes
         self.peer_id = self.p2p.peer_id.to_base58()
         self.last_result: Optional[RoundResult] = None
-        self.mailbox = Mailbox(max_buffered_bytes)
+        self.mailbox = Mailbox(max_buffered_bytes, compression)
         self.sender = RingSender(routes, run, streams_per_step)
         self.ring_peer = RingPeer(self.peer_id, self.mailbox, self.sender, self._in_background, timeout, compression,
                                   part_bytes, max_scale, attempt_for(aggregation))

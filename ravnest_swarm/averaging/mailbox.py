@@ -29,6 +29,7 @@ from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import ROUND_OVER, RingAbort, RingArrive, RingMessage, RingPart, decode_part
+from ravnest_swarm.codecs.codec import RAW, Codec
 
 MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
 
@@ -156,10 +157,11 @@ class Mailbox:
     """Every inbox and ring state of this peer, bounded, and the rounds it has finished.
 
     ``expecting`` says what this peer expects now (None: nothing, every message is refused); its owner sets it.
+    ``codec``: the one every part arrives in (the averager's), decoded as it is filed.
     """
 
-    def __init__(self, max_buffered_bytes: int):
-        self.max_buffered_bytes = max_buffered_bytes
+    def __init__(self, max_buffered_bytes: int, codec: Codec = RAW):
+        self.max_buffered_bytes, self.codec = max_buffered_bytes, codec
         self.expecting: Callable[[], Optional[Expected]] = lambda: None
         self.last_finished_step = -1
         self.inboxes: Dict[MessageKey, Inbox] = {}
@@ -225,7 +227,7 @@ class Mailbox:
             raise ValueError(f"{inbox.sender[-8:]} {OVER_SHARE}: {self._share[1]} bytes of ring data")
         if self._buffered_bytes + size > self.max_buffered_bytes:
             raise ValueError("too much ring data buffered here; retry later")
-        inbox.parts[stripe + index * inbox.stripes] = (decode_part(part), part, size)
+        inbox.parts[stripe + index * inbox.stripes] = (decode_part(part, self.codec), part, size)
         inbox.accepted[stripe] += 1
         self._buffered_bytes += size
         self._held_bytes[inbox.sender] += size

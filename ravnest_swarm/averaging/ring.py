@@ -29,15 +29,14 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.compression.base import CompressionBase, NoCompression
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.averaging.mailbox import Mailbox, MessageKey
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, GATHER, REDUCE, ROUND_OVER, Outbox, RingAbort,
-                                          RingArrive, RingPart, RingSender, serialize_part)
+                                          RingArrive, RingPart, RingSender, decode_part, serialize_part)
+from ravnest_swarm.codecs.codec import RAW, Codec
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +94,7 @@ class RingPeer:
     sender: RingSender
     background: Callable[[Coroutine], None]
     timeout: float
-    compression: CompressionBase
+    compression: Codec
     part_bytes: int
     max_scale: float
     # how an attempt reduces the segment: RingAttempt sums along the ring (the mean); robust_ring.attempt_for
@@ -414,9 +413,9 @@ class RingAttempt:
             self.outboxes[index + 1].put(as_sent)  # forwarded exactly as the owner compressed it
             return
         part = serialize_part(values, self.peer.compression)
-        if last_reduce and not isinstance(self.peer.compression, NoCompression):
+        if last_reduce and self.peer.compression is not RAW:
             # the others get our chunk through the compression: keep the same value so all agree
-            values.copy_(deserialize_torch_tensor(part).float().reshape(-1))
+            values.copy_(decode_part(part, self.peer.compression))
         self.outboxes[index + 1].put(part)
 
 

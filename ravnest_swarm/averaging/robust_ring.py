@@ -27,13 +27,12 @@ import functools
 from typing import Callable, Coroutine, List
 
 import torch
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.compression.base import NoCompression
 
 from ravnest_swarm.averaging.mailbox import MessageKey
 from ravnest_swarm.averaging.ring import ContributionRejected, Progress, RingAttempt, RingRound, RingStep
 from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, ROBUST_AGGREGATES
-from ravnest_swarm.averaging.wire import REDUCE, Outbox, RingPart, serialize_part
+from ravnest_swarm.averaging.wire import REDUCE, Outbox, RingPart, decode_part, serialize_part
+from ravnest_swarm.codecs.codec import RAW
 
 
 def attempt_for(aggregation: str) -> Callable[[RingRound, List[str], float], RingAttempt]:
@@ -128,9 +127,9 @@ class RobustRingAttempt(RingAttempt):
             ours = self.segment[owned.start + lo:owned.start + hi]
             values.copy_(self.aggregate(torch.cat([ours.unsqueeze(0), self.received[:, lo:hi]])))
             part = serialize_part(values, self.peer.compression)
-            if not isinstance(self.peer.compression, NoCompression):
+            if self.peer.compression is not RAW:
                 # the others get our chunk through the compression: keep the same value so all agree
-                values.copy_(deserialize_torch_tensor(part).float().reshape(-1))
+                values.copy_(decode_part(part, self.peer.compression))
             self.outboxes[self.first_gather].put(part)
             mark.advance(hi)
             await asyncio.sleep(0)  # a part's aggregate is CPU work: let the streams move between parts

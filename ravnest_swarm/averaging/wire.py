@@ -22,12 +22,11 @@ import time
 from typing import Annotated, AsyncIterator, Callable, List, Literal, Optional, Tuple, Union
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.compression.base import CompressionBase
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import Discriminator, Field, RootModel, Tag, model_validator
 
+from ravnest_swarm.codecs.codec import Codec
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
@@ -141,15 +140,14 @@ def decode_ring_message(raw: bytes) -> Union[RingPart, RingArrive, RingAbort]:
     return decode_message(RingRequest, raw, "ring message").root
 
 
-def serialize_part(values: torch.Tensor, compression: CompressionBase) -> runtime_pb2.Tensor:
-    return serialize_torch_tensor(values, compression.compression_type)
+def serialize_part(values: torch.Tensor, codec: Codec) -> runtime_pb2.Tensor:
+    return codec.encode(values)
 
 
-def decode_part(part: runtime_pb2.Tensor) -> torch.Tensor:
-    try:
-        return deserialize_torch_tensor(part)
-    except Exception as e:
-        raise ValueError(f"ring chunk could not be decoded ({type(e).__name__})")
+def decode_part(part: runtime_pb2.Tensor, codec: Codec) -> torch.Tensor:
+    """A part as flat float32 in the ring's codec (``codecs.CodecError``, a ValueError, for anything else); its
+    length is the ring's to check."""
+    return codec.decode(part, "ring chunk", None)
 
 
 class Outbox:

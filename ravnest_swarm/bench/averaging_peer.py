@@ -31,7 +31,7 @@ from ravnest_swarm.averaging.ring import largest
 from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN
 from ravnest_swarm.averaging.segments import element_range, plan_rings, rings_of
 from ravnest_swarm.bench.averaging_phases import run_bench_phases, run_robust_phases
-from ravnest_swarm.bench.synthetic import compression_by_name, synthetic_range
+from ravnest_swarm.bench.synthetic import codec_by_name, synthetic_range
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
@@ -211,7 +211,7 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         raise UserError(f"--poison must be one of {', '.join(POISONS)}")
     if options.aggregation not in AGGREGATIONS:
         raise UserError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}")
-    compression = compression_by_name(options.compression)
+    compression = codec_by_name(options.compression)
     # one torch thread, as in a volunteer's stage process: the ring sums 512 KiB parts as they arrive, and
     # on shared cores intra-op threads cost more in synchronisation than such small operations gain
     torch.set_num_threads(1)

@@ -10,13 +10,29 @@ import torch
 from ravnest_swarm.errors import UserError
 
 
+# the bench's short names, as hivemind calls its codecs: ``8bit`` is hivemind's Uniform8BitQuantization for its
+# own averager, and our blockwise ``int8`` (a scale per 64 values, codecs/blockwise.py) for our rings
+SHORT_NAMES = {"fp16": "float16", "8bit": "int8"}
+
+
+def codec_by_name(name: str):
+    """Our rings' codec for ``--compression``: a name of ``codecs.CODECS``, or ``fp16`` or ``8bit``."""
+    from ravnest_swarm.codecs.codec import CODECS
+
+    name = SHORT_NAMES.get(name, name)
+    if name not in CODECS:
+        raise UserError(f"--compression must be one of {', '.join([*SHORT_NAMES, *CODECS])}, not {name!r}")
+    return CODECS[name]
+
+
 def compression_by_name(name: str):
-    """hivemind compression for ``--compression`` (none, fp16, 8bit)."""
+    """hivemind's compression for its own averager (the bench's baseline): none, fp16 or 8bit."""
     from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 
-    choices = {"none": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
+    choices = {"none": NoCompression, "fp16": Float16Compression, "float16": Float16Compression,
+               "8bit": Uniform8BitQuantization}
     if name not in choices:
-        raise UserError(f"--compression must be one of {', '.join(choices)}, not {name!r}")
+        raise UserError(f"hivemind's averager has no codec {name!r}: --compression none, fp16 or 8bit to compare with it")
     return choices[name]()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from ravnest_swarm.codecs.codec import CODECS
 from ravnest_swarm.pipeline import wire
 
 SCHEDULES = ("async", "sync")
@@ -66,9 +67,10 @@ class StageConfig:
     :param heartbeat: seconds between endpoint renewals
     :param max_message_bytes: larger incoming messages are refused
     :param max_abs_value: activations or gradients with a larger magnitude (or NaN/Inf) are refused as poisoned
-    :param compression: how this stage sends activations and gradients: ``none``, or rounded to 16 bits for
-      half the bytes, as ``float16`` or ``meanstd16`` (scaled by the tensor's mean and std first, so small
-      gradients keep their precision); receivers accept all three
+    :param compression: the codec this stage sends activations and gradients in (``codecs.CODECS``): ``none``,
+      16 bits (``float16``, or ``meanstd16``: scaled by the tensor's mean and std first), or ``int8`` ... ``int2``
+      (blockwise, a scale per 64 values; ``-sr``: gradients rounded stochastically); each message names its
+      codec, and receivers accept every one
     :param device: the torch device that holds this stage's layers, gradients and optimizer state (``cpu``,
       ``cuda:0``); what it sends and receives is on the host, so its neighbours' devices do not matter
     :param precision: the run's ``fp32``, ``bf16`` or ``fp16``: 16 bits run the forward under ``torch.autocast``
@@ -114,6 +116,6 @@ class StageConfig:
 
 def check_config(config: StageConfig) -> None:
     """Refuse a schedule, mode or compression this stage does not know, before anything is built."""
-    if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in wire.COMPRESSIONS:
+    if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in CODECS:
         raise ValueError(f"schedule must be one of {SCHEDULES}, mode one of {MODES} and compression one of "
-                         f"{tuple(wire.COMPRESSIONS)}")
+                         f"{tuple(CODECS)}")

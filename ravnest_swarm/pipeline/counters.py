@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field as dataclass_field
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 
 @dataclass
@@ -24,6 +24,9 @@ class Counters:
     divergences: int = 0  # restores after a divergence, this stage's own or its cluster's (told by a later stage)
     last_divergence: Optional[str] = None  # what the last of them was and what the stage went back to
     resends: int = 0
+    # bytes of the messages this stage handed to its links, by handler (``forward``, ``backward``): the frames as
+    # encoded, metadata and every tensor included, once per attempt
+    bytes_sent: Dict[str, int] = dataclass_field(default_factory=lambda: {"forward": 0, "backward": 0})
     max_staleness: int = 0
     losses: List[Tuple[int, float]] = dataclass_field(default_factory=list)
     inject_times: List[float] = dataclass_field(default_factory=list)

@@ -197,7 +197,8 @@ class Inbox:
             raise MessageError(f"a forward message carries 2 tensors (activations, targets), got {len(tensors)}")
         count = len(request.sample_ids)
         inputs = wire.check_values(wire.decode_tensor(tensors[0], "activations", [count, *self.input_spec.input_shape],
-                                                      self.input_spec.input_dtype), "activations", self.config.max_abs_value)
+                                                      self.input_spec.input_dtype, request.codec),
+                                   "activations", self.config.max_abs_value)
         targets = wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape], self.target_dtype)
         queued = scheduler.queue_forward(request.microbatch, list(request.sample_ids), inputs, targets, request.version)
         return wire.ForwardReply(queued=queued)
@@ -212,8 +213,8 @@ class Inbox:
                                f"(or already dropped it)")
         if len(tensors) != 1:
             raise MessageError(f"a backward message carries 1 tensor (the gradient), got {len(tensors)}")
-        grad = wire.check_values(wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype),
-                                 "gradient", self.config.max_abs_value)
+        grad = wire.check_values(wire.decode_tensor(tensors[0], "gradient", pending.output_shape, pending.output.dtype,
+                                                    request.codec), "gradient", self.config.max_abs_value)
         return wire.BackwardReply(queued=scheduler.queue_backward(microbatch, grad, request.diverged,
                                                                         request.dropped))
 
@@ -248,7 +249,8 @@ class Outbox:
                    microbatch: Optional[int]) -> Optional[str]:
         """Deliver one message; on failure re-resolve the neighbour and retry. None once delivered; else what
         failed and why, as one line (the caller drops the microbatch)."""
-        frames = wire.encode(message.as_metadata(), tensors, self.config.compression)
+        frames = wire.encode(message.as_metadata(), tensors, self.config.compression, gradient=handler == wire.BACKWARD)
+        size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
         attempt = 0
@@ -256,6 +258,7 @@ class Outbox:
             while True:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
+                    self.counters.bytes_sent[handler.rsplit(".", 1)[-1]] += size  # what the link carries, resends too
                     await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
                                            max(1.0, deadline - time.monotonic()))
                     return None

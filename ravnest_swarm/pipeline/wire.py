@@ -4,8 +4,8 @@ A message is a stream of hivemind ``ExpertRequest`` frames in hivemind's own fra
 an 8-byte big-endian length, the protobuf), ended by hivemind's end-of-stream marker, so one message is
 also a plain ``P2P.call_protobuf_handler`` call; stages send many on one stream (``channel.py``). The first frame carries the msgpack ``metadata``; the tensors are
 hivemind ``serialize_torch_tensor`` protobufs cut by ``split_for_streaming`` into chunks spread over the
-frames; floating-point tensors (activations, gradients) may go compressed to 16 bits (``COMPRESSIONS``),
-integer ones (targets) never. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
+frames; floating-point tensors (activations, gradients) go in the codec the message names (``codecs/``:
+16 bits, or 8 to 2 bits a value with a scale per block), integer ones (targets) never compressed. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
 
 The receiver reads the frames itself (a binary stream handler rather than hivemind's protobuf
 wrapper) so that it can refuse an oversize frame from its length header before reading it, and answer
@@ -21,12 +21,11 @@ import asyncio
 from typing import Annotated, AsyncIterator, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
-from hivemind.proto.runtime_pb2 import CompressionType
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
+from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, CODECS, RAW, CodecError
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.membership.text import CONTROL_CHARACTERS
 from ravnest_swarm.net.messages import Message, MessageError
@@ -42,9 +41,7 @@ MAX_TENSORS = 4
 MAX_SAMPLES = 4096
 MAX_REASON_LEN = 300
 Reason = Annotated[str, Field(max_length=MAX_REASON_LEN, pattern=f"^[^{CONTROL_CHARACTERS}]*$")]  # a stage's words
-# what a stage may send, and all it accepts: hivemind's 8-bit codecs carry lookup tables a sender chooses
-COMPRESSIONS = {"none": CompressionType.NONE, "float16": CompressionType.FLOAT16,
-                "meanstd16": CompressionType.MEANSTD_16BIT}
+CodecName = Annotated[str, Field(pattern=CODEC_NAME_PATTERN)]  # what a stage may send, and all it accepts
 
 # a message this stage refuses raises MessageError (net/messages.py); its one-line text goes back to the sender
 
@@ -67,6 +64,7 @@ class ForwardRequest(StageAddress):
     microbatch: Count
     sample_ids: Annotated[List[SampleId], Field(min_length=1, max_length=MAX_SAMPLES)]
     version: Count  # the sender's optimizer steps
+    codec: CodecName = "none"  # the activations' (``encode``)
 
 
 class FinishRequest(StageAddress):
@@ -87,6 +85,7 @@ class BackwardRequest(StageAddress):
 
     microbatch: Count
     version: Count
+    codec: CodecName = "none"  # the gradient's (``encode``)
     diverged: Optional[Reason] = None
     dropped: Optional[Reason] = None
 
@@ -133,12 +132,15 @@ class StatusReply(Message):
     pending: int
 
 
-def encode(metadata: Dict, tensors: Sequence[torch.Tensor], compression: str = "none") -> List[runtime_pb2.ExpertRequest]:
-    """The frames of one message: metadata in the first, every tensor's chunks after it; ``compression``
-    (a key of ``COMPRESSIONS``) applies to floating-point tensors only."""
+def encode(metadata: Dict, tensors: Sequence[torch.Tensor], codec: str = "none",
+           gradient: bool = False) -> List[runtime_pb2.ExpertRequest]:
+    """The frames of one message: metadata in the first, every tensor's chunks after it. ``codec`` (a key of
+    ``codecs.CODECS``) applies to floating-point tensors only, and the metadata names it; ``gradient``: the
+    tensors are gradients (a ``-sr`` codec rounds them stochastically)."""
+    if codec != "none" and any(tensor.is_floating_point() for tensor in tensors):
+        metadata = dict(metadata, codec=codec)
     parts = [part for tensor in tensors for part in split_for_streaming(
-        serialize_torch_tensor(tensor, COMPRESSIONS[compression] if tensor.is_floating_point() else CompressionType.NONE),
-        CHUNK_BYTES)]
+        (CODECS[codec] if tensor.is_floating_point() else RAW).encode(tensor, gradient), CHUNK_BYTES)]
     frames = [make_request(metadata, parts[:1])]
     frames += [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
     return frames
@@ -175,25 +177,14 @@ def combine_chunks(parts: List[runtime_pb2.Tensor]) -> List[runtime_pb2.Tensor]:
     return tensors
 
 
-def decode_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """Deserialize and check the exact shape and dtype this stage expects (and a compression it accepts)."""
-    if list(serialized.size) != list(shape) or serialized.dtype != str(dtype).replace("torch.", ""):
-        raise MessageError(
-            f"{what} has shape {list(serialized.size)} and dtype {serialized.dtype or '?'}; "
-            f"expected {list(shape)} {str(dtype).replace('torch.', '')}"
-        )
-    accepted = list(COMPRESSIONS.values()) if dtype.is_floating_point else [CompressionType.NONE]
-    if serialized.compression not in accepted:
-        names = [name for name, kind in COMPRESSIONS.items() if kind in accepted]
-        raise MessageError(f"{what} is compressed as {CompressionType.Name(serialized.compression)}; "
-                           f"this stage accepts {', '.join(names)}")
+def decode_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Sequence[int], dtype: torch.dtype,
+                  codec: str = "none") -> torch.Tensor:
+    """Decode with the codec the message names (integers: none), to the exact shape and dtype this stage
+    expects; a header that says otherwise is refused before anything is decoded."""
     try:
-        tensor = deserialize_torch_tensor(serialized)
-    except Exception as e:
-        raise MessageError(f"{what} could not be decoded ({type(e).__name__}: {e})")
-    if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
-        raise MessageError(f"{what} decodes to {list(tensor.shape)} {tensor.dtype}, expected {list(shape)} {dtype}")
-    return tensor
+        return (CODECS[codec] if dtype.is_floating_point else RAW).decode(serialized, what, shape, dtype)
+    except CodecError as e:
+        raise MessageError(str(e))
 
 
 def check_values(tensor: torch.Tensor, what: str, max_abs: float) -> torch.Tensor:

@@ -67,8 +67,9 @@ class RunSpec:
     :param microbatch_size: samples per microbatch
     :param max_in_flight: microbatches in flight per cluster (bounded staleness)
     :param averaging_period: optimizer steps between averaging rounds (H)
-    :param pipeline_compression: how stages send activations and gradients (``pipeline.wire.COMPRESSIONS``):
-      ``none``, or 16 bits for half the bytes on slow home links (docs/pipeline.md)
+    :param pipeline_compression: the codec stages send activations and gradients in (``codecs.CODECS``): ``none``,
+      16 bits, or ``int8`` ... ``int2`` blockwise for a quarter to a fourteenth of the bytes on slow home links
+      (docs/pipeline.md)
     :param backward: how a stage computes a microbatch's backward: ``stash`` keeps the activations and a copy
       of the weights of its forward until its gradient returns (memory grows with the microbatches in flight);
       ``recompute`` keeps only its input and redoes the forward with the current weights (a third more
@@ -205,7 +206,7 @@ def check_spec_choices(pipeline_compression: str, backward: str, aggregation: st
     from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS, LR_SCHEDULES
     from ravnest_swarm.optimizers.outer import OUTER_OPTIMIZERS
     from ravnest_swarm.pipeline.stage import MODES
-    from ravnest_swarm.pipeline.wire import COMPRESSIONS
+    from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS
 
     for flag, value, choices in (("--pipeline-compression", pipeline_compression, COMPRESSIONS),
                                  ("--backward", backward, MODES), ("--aggregation", aggregation, AGGREGATIONS),

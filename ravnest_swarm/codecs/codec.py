@@ -1,0 +1,135 @@
+"""The codecs floats travel in, by name: the pipeline's activations and gradients, and the ring's chunks.
+
+Every codec turns a float tensor into one hivemind ``runtime_pb2.Tensor`` (``serialize_torch_tensor``, nothing
+pickled) and back, and decodes only what it can check: the receiver knows the shape it expects, so a tensor
+whose header names another shape, dtype, compression or byte count is refused before anything is decoded, and
+a blockwise tensor whose scales are not finite non-negative numbers is refused after (a sender chooses them).
+hivemind's 8-bit codecs are not here: their lookup tables are chosen by the sender too, and carry one scale
+for the whole tensor, which the blockwise ``int8`` beats.
+
+- ``none``, ``float16``, ``meanstd16``: hivemind's own (4, 2 and 2 bytes a value).
+- ``int8`` ... ``int2``: ``blockwise.py``, ``bits`` a value plus a bfloat16 scale per 64 values.
+- ``int<bits>-sr``: the same, with the gradients rounded stochastically (unbiased) instead of to the nearest level.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import CompressionType
+
+from ravnest_swarm.codecs import blockwise
+
+
+class CodecError(ValueError):
+    """A tensor that does not decode as its codec and the expected shape say: one line, the sender's fault."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """``decode``'s ``shape``: the exact shape the receiver expects, or None for a flat tensor of any length (a
+    ring's part, whose length the ring checks)."""
+
+    name: str
+    bytes_per_value: float  # on the wire, the blockwise scales included (for the docs and the bench)
+
+    def encode(self, tensor: torch.Tensor, gradient: bool = False) -> runtime_pb2.Tensor:
+        raise NotImplementedError
+
+    def decode(self, serialized: runtime_pb2.Tensor, what: str, shape: Optional[Sequence[int]],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _refuse_header(self, serialized: runtime_pb2.Tensor, what: str, expected: str) -> CodecError:
+        named = (CompressionType.Name(serialized.compression) if serialized.compression in CompressionType.values()
+                 else serialized.compression)
+        return CodecError(f"{what} has shape {list(serialized.size)} and dtype {serialized.dtype or '?'}, compressed "
+                          f"as {named}; expected {expected} (codec {self.name})")
+
+    @staticmethod
+    def _deserialize(serialized: runtime_pb2.Tensor, what: str) -> torch.Tensor:
+        try:
+            return deserialize_torch_tensor(serialized)
+        except Exception as e:
+            raise CodecError(f"{what} could not be decoded ({type(e).__name__}: {e})")
+
+
+@dataclass(frozen=True)
+class HivemindCodec(Codec):
+    compression: int = CompressionType.NONE
+
+    def encode(self, tensor: torch.Tensor, gradient: bool = False) -> runtime_pb2.Tensor:
+        return serialize_torch_tensor(tensor, self.compression)
+
+    def decode(self, serialized: runtime_pb2.Tensor, what: str, shape: Optional[Sequence[int]],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        size = list(serialized.size) if shape is None and len(serialized.size) == 1 else list(shape or [-1])
+        if list(serialized.size) != size or serialized.dtype != _dtype_name(dtype) or serialized.compression != self.compression:
+            raise self._refuse_header(serialized, what, f"{size if shape is not None else '[n]'} {_dtype_name(dtype)} "
+                                                        f"compressed as {CompressionType.Name(self.compression)}")
+        tensor = self._deserialize(serialized, what)
+        if list(tensor.shape) != size or tensor.dtype != dtype:
+            raise CodecError(f"{what} decodes to {list(tensor.shape)} {tensor.dtype}, expected {size} {dtype}")
+        return tensor
+
+
+@dataclass(frozen=True)
+class BlockwiseCodec(Codec):
+    bits: int = 8
+    stochastic_gradients: bool = False
+
+    def encode(self, tensor: torch.Tensor, gradient: bool = False) -> runtime_pb2.Tensor:
+        payload = blockwise.quantize(tensor, self.bits, stochastic=gradient and self.stochastic_gradients)
+        return serialize_torch_tensor(payload, CompressionType.NONE)
+
+    def decode(self, serialized: runtime_pb2.Tensor, what: str, shape: Optional[Sequence[int]],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        numel = None if shape is None else math.prod(shape)
+        expected_bytes = "[n]" if numel is None else f"[{blockwise.packed_bytes(numel, self.bits)}]"
+        if (len(serialized.size) != 1 or serialized.dtype != "uint8" or serialized.compression != CompressionType.NONE
+                or (numel is not None and serialized.size[0] != blockwise.packed_bytes(numel, self.bits))):
+            raise self._refuse_header(serialized, what, f"{expected_bytes} uint8 compressed as NONE, "
+                                                        f"{shape if shape is not None else 'n'} values")
+        payload = self._deserialize(serialized, what)
+        count = blockwise.count_of(payload)
+        if (numel is not None and count != numel) or payload.numel() != blockwise.packed_bytes(max(count, 0), self.bits):
+            raise CodecError(f"{what} says it holds {count} values in {payload.numel()} bytes; expected "
+                             f"{numel if numel is not None else 'as many as its bytes hold'}")
+        values, scales = blockwise.dequantize(payload, count, self.bits)
+        if not (torch.isfinite(scales).all() and (scales >= 0).all()):
+            raise CodecError(f"{what} carries a block scale that is negative, NaN or infinite")
+        return values.view(*(shape if shape is not None else [count])).to(dtype)
+
+
+def _codecs() -> Dict[str, Codec]:
+    codecs: Dict[str, Codec] = {
+        "none": HivemindCodec("none", 4.0, CompressionType.NONE),
+        "float16": HivemindCodec("float16", 2.0, CompressionType.FLOAT16),
+        "meanstd16": HivemindCodec("meanstd16", 2.0, CompressionType.MEANSTD_16BIT),
+    }
+    for bits in (8, 6, 5, 4, 3, 2):
+        per_value = bits / 8 + blockwise.SCALE_BYTES / blockwise.BLOCK
+        codecs[f"int{bits}"] = BlockwiseCodec(f"int{bits}", per_value, bits)
+        codecs[f"int{bits}-sr"] = BlockwiseCodec(f"int{bits}-sr", per_value, bits, stochastic_gradients=True)
+    return codecs
+
+
+CODECS: Dict[str, Codec] = _codecs()
+RAW = CODECS["none"]  # integer tensors (targets) always go as they are
+CODEC_NAME_PATTERN = "^(" + "|".join(CODECS) + ")$"
+
+
+def codec(name: str) -> Codec:
+    """The codec called ``name``; a name nobody knows is a ValueError that lists the known ones."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}: one of {', '.join(CODECS)}")
+    return CODECS[name]

@@ -1,0 +1,145 @@
+"""The codecs activations, gradients and ring chunks travel in (``codecs/``), without a network: each round trip
+within its stated error, stochastic rounding unbiased, and every header or scale that lies refused."""
+
+import math
+
+import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto.runtime_pb2 import CompressionType
+
+from ravnest_swarm.codecs import blockwise
+from ravnest_swarm.codecs.codec import CODECS, RAW, BlockwiseCodec, CodecError, codec
+
+BLOCKWISE = [name for name, each in CODECS.items() if isinstance(each, BlockwiseCodec)]
+
+
+def activations(shape=(4, 64, 96), seed=0):
+    """A transformer-like residual stream: unit noise, a few channels twenty times larger."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator)
+    if x.shape[-1] > 7:
+        x[..., 7] *= 20
+    return x
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packing_round_trips_every_code(bits):
+    codes = torch.randint(0, 2 ** bits, (blockwise.BLOCK * 5,), dtype=torch.int64)
+    packed = blockwise.pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == codes.numel() * bits // 8
+    assert torch.equal(blockwise.unpack(packed, bits, codes.numel()), codes)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("shape", [(4, 64, 96), (3, 5), (1,), (0, 8)])
+def test_every_codec_round_trips_within_its_stated_error(name, shape):
+    each = CODECS[name]
+    x = activations(shape)
+    serialized = each.encode(x)
+    decoded = each.decode(serialized, "activations", list(shape), torch.float32)
+    assert decoded.shape == x.shape and decoded.dtype == torch.float32
+    if isinstance(each, BlockwiseCodec):
+        # half a step of the block's grid; its scale is at most (1 + 2**-7)(1 + 2**-8) times its largest value
+        flat = torch.nn.functional.pad(x.reshape(-1), (0, -x.numel() % blockwise.BLOCK)).view(-1, blockwise.BLOCK)
+        bound = flat.abs().amax(dim=1) * (1 + 2 ** -6) / (2 ** each.bits - 1)
+        error = torch.nn.functional.pad((decoded - x).reshape(-1).abs(), (0, -x.numel() % blockwise.BLOCK))
+        assert (error.view(-1, blockwise.BLOCK) <= bound.unsqueeze(1) * 1.0001 + 1e-6).all()
+        assert serialized.ByteSize() <= blockwise.packed_bytes(x.numel(), each.bits) + 16
+    elif name == "none":
+        assert torch.equal(decoded, x)
+    else:
+        assert torch.allclose(decoded, x, rtol=2e-3, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int3"])
+def test_bytes_per_value_is_the_bits_plus_a_scale_per_block(name):
+    x = activations((64, 64, 128))
+    per_value = CODECS[name].encode(x).ByteSize() / x.numel()
+    assert per_value == pytest.approx(CODECS[name].bytes_per_value, rel=0.01)
+    assert 4.0 / per_value >= {"int8": 3.8, "int4": 7.5, "int3": 9.8}[name]
+
+
+def test_stochastic_rounding_is_unbiased_and_nearest_rounding_is_not():
+    x = torch.full((blockwise.BLOCK,), 0.3)
+    x[0] = 1.0  # the block's scale: 0.3 lies between two levels of the 2-bit grid (-1, -1/3, 1/3, 1)
+    nearest = CODECS["int2-sr"].decode(CODECS["int2-sr"].encode(x), "g", [blockwise.BLOCK])
+    mean = torch.stack([CODECS["int2-sr"].decode(CODECS["int2-sr"].encode(x, gradient=True), "g", [blockwise.BLOCK])
+                        for _ in range(400)]).mean(dim=0)
+    assert nearest[1:].sub(0.3).abs().min() > 0.03  # every value moved to 1/3 of the scale
+    assert mean[1:].mean().item() == pytest.approx(0.3, abs=0.01)
+
+
+def test_a_flat_part_of_any_length_decodes_with_its_own_count():
+    for length in (1, 63, 64, 65, 1000):
+        x = torch.randn(length)
+        for name in ("none", "float16", "int4"):
+            assert CODECS[name].decode(CODECS[name].encode(x), "ring chunk", None).numel() == length
+
+
+def test_integers_go_raw():
+    ids = torch.arange(12).view(3, 4)
+    assert torch.equal(RAW.decode(RAW.encode(ids), "targets", [3, 4], torch.int64), ids)
+
+
+def test_an_unknown_codec_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown codec 'zip': one of none, float16"):
+        codec("zip")
+
+
+def tampered(serialized, **fields):
+    copy = type(serialized)()
+    copy.CopyFrom(serialized)
+    for key, value in fields.items():
+        if key == "size":
+            del copy.size[:]
+            copy.size.extend(value)
+        else:
+            setattr(copy, key, value)
+    return copy
+
+
+def test_headers_that_lie_are_refused_before_anything_is_decoded():
+    x = activations((2, 64, 96))
+    int4, shape = CODECS["int4"], [2, 64, 96]
+    good = int4.encode(x)
+    payload_bytes = blockwise.packed_bytes(x.numel(), 4)
+    for bad, expected in [
+        (tampered(good, size=[payload_bytes + 1]), "expected"),  # says one byte more than it holds
+        (tampered(good, size=[2 ** 31 - 1]), "expected"),  # a huge size claimed, nothing allocated for it
+        (tampered(good, dtype="float32"), "expected"),
+        (tampered(good, compression=CompressionType.FLOAT16), "expected"),
+        (tampered(good, compression=77), "compressed as 77"),  # not even hivemind's
+        (tampered(good, buffer=good.buffer[:-3]), "could not be decoded"),  # the buffer is shorter than its header
+        (CODECS["int8"].encode(x), "expected"),  # another codec's bytes
+        (int4.encode(x[:1]), "expected"),  # another shape's
+    ]:
+        with pytest.raises(CodecError, match=expected):
+            int4.decode(bad, "activations", shape)
+    with pytest.raises(CodecError, match="expected"):
+        CODECS["float16"].decode(serialize_torch_tensor(x, CompressionType.UNIFORM_8BIT), "activations", shape)
+
+
+def test_a_count_or_scale_that_lies_is_refused():
+    x = activations((2, 64))
+    int4 = CODECS["int4"]
+    payload = blockwise.quantize(x, 4)
+    lying_count = payload.clone()
+    lying_count[:4] = torch.tensor(list((x.numel() - 1).to_bytes(4, "little")), dtype=torch.uint8)
+    with pytest.raises(CodecError, match="says it holds 127 values"):
+        int4.decode(serialize_torch_tensor(lying_count), "activations", [2, 64])
+    lying_count[:4] = torch.tensor(list((10 * x.numel()).to_bytes(4, "little")), dtype=torch.uint8)
+    with pytest.raises(CodecError, match="says it holds 1280 values in 72 bytes"):  # a ring's part: its bytes say
+        int4.decode(serialize_torch_tensor(lying_count), "ring chunk", None)
+    for poison in (float("nan"), float("inf"), -1.0):
+        bad = payload.clone()
+        bad[4:6] = torch.tensor([poison], dtype=torch.bfloat16).view(torch.uint8)
+        with pytest.raises(CodecError, match="scale that is negative, NaN or infinite"):
+            int4.decode(serialize_torch_tensor(bad), "gradient", [2, 64])
+
+
+def test_scales_keep_float32_range():
+    x = torch.tensor([3e5, -1e-30, 0.0] * 30)  # beyond float16's 65504, and below its smallest
+    decoded = CODECS["int8"].decode(CODECS["int8"].encode(x), "activations", [90])
+    assert torch.isfinite(decoded).all()
+    assert decoded[0].item() == pytest.approx(3e5, rel=math.ldexp(1, -6))
