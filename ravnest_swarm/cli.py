@@ -643,6 +643,7 @@ def bench_nat(
 def bench_pipeline(
     stages: int = typer.Option(4, "--stages", min=2, help="Pipeline stages, one process and host each."),
     model: str = typer.Option("gpt-tiny", "--model", help="Zoo model, split into balanced stages."),
+    model_config: str = typer.Option("", "--model-config", help="The model's settings, e.g. width=256,residual=2."),
     delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between hosts."),
     mbps: float = typer.Option(100.0, "--mbps", min=0.1, help="Access-link rate of every host, each direction."),
     microbatches: int = typer.Option(160, "--microbatches", min=2, help="Microbatches per schedule."),
@@ -671,11 +672,13 @@ def bench_pipeline(
         print("error: --microbatches must exceed --max-in-flight (the steady state starts after one window)",
               file=sys.stderr)
         sys.exit(2)
-    if compression not in COMPRESSIONS:
-        print(f"error: --compression must be one of {', '.join(COMPRESSIONS)}", file=sys.stderr)
+    codecs = [name.strip() for name in compression.split(",")]
+    if any(name not in COMPRESSIONS for name in codecs) or len(set(codecs)) != len(codecs):
+        print(f"error: --compression must be distinct names of {', '.join(COMPRESSIONS)}", file=sys.stderr)
         sys.exit(2)
     sys.exit(run_blocking(lambda: run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight,
-                                      transfer_mb, mode, as_json, compression=compression, cpus_per_stage=cpus_per_stage)))
+                                      transfer_mb, mode, as_json, compression=codecs, cpus_per_stage=cpus_per_stage,
+                                      model_config=model_config)))
 
 
 @bench_app.command("lr-scaling")
@@ -704,6 +707,48 @@ def bench_lr_scaling(
     options = LrScalingOptions(model=model, clusters=clusters, lrs=rates, solo=solo, samples=samples,
                                rules=[part.strip() for part in rules.split(",") if part.strip()])
     sys.exit(run(options, as_json))
+
+
+@bench_app.command("codecs")
+def bench_codecs(
+    codecs: str = typer.Option(",".join(("none", "float16", "int8", "int6", "int5", "int4", "int4-sr", "int3", "int3-sr",
+                                         "int2-sr")), "--codecs", help="Codecs to train with, comma-separated, in turn."),
+    model: str = typer.Option("gpt", "--model", help="Zoo model, or a user's module:function."),
+    model_config: str = typer.Option("layers=4,width=64,heads=4,context=64", "--model-config", help="Its settings."),
+    stages: int = typer.Option(2, "--stages", min=2, max=4, help="Pipeline stages, a process and host each."),
+    microbatches: int = typer.Option(600, "--microbatches", min=8, help="Microbatches every codec trains on."),
+    microbatch_size: int = typer.Option(16, "--microbatch-size", min=1, max=4096),
+    max_in_flight: int = typer.Option(4, "--max-in-flight", min=1),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="sgd, momentum or adamw."),
+    lr: float = typer.Option(0.003, "--lr", min=0.0),
+    mbps: float = typer.Option(100.0, "--mbps", min=0.1, help="Access-link rate of every host, each direction."),
+    delay_ms: float = typer.Option(20.0, "--delay-ms", min=0.0, help="One-way delay between hosts."),
+    cpus_per_stage: Optional[float] = typer.Option(None, "--cpus-per-stage", min=0.0, help="CPU cores each stage's "
+                                                   "host may use (default: the machine's cores / stages, at most 1)."),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="Runs of each codec (the held-out loss's spread)."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Bytes per sample against held-out loss: one byte-level GPT trained in a real pipeline with each codec.
+
+    \b
+    Example:
+      ravnest-swarm bench codecs --codecs none,int8,int4,int3-sr --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.codecs import CodecBenchOptions, bench_codecs as run
+    from ravnest_swarm.codecs.codec import CODECS
+    from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS as OPTIMIZERS
+
+    names = [name.strip() for name in codecs.split(",")]
+    if any(name not in CODECS for name in names) or len(set(names)) != len(names):
+        print(f"error: --codecs must be distinct names of {', '.join(CODECS)}", file=sys.stderr)
+        sys.exit(2)
+    if optimizer not in OPTIMIZERS:
+        print(f"error: --optimizer must be one of {', '.join(OPTIMIZERS)}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run_blocking(lambda: run(CodecBenchOptions(
+        names, model, model_config, stages, microbatches, microbatch_size, max_in_flight, optimizer, lr, mbps,
+        delay_ms, cpus_per_stage, repeats), as_json)))
 
 
 @bench_app.command("diloco")

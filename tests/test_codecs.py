@@ -9,7 +9,7 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType
 
 from ravnest_swarm.codecs import blockwise
-from ravnest_swarm.codecs.codec import CODECS, RAW, BlockwiseCodec, CodecError, codec
+from ravnest_swarm.codecs.codec import CODECS, INTEGERS, RAW, BlockwiseCodec, CodecError, codec
 
 BLOCKWISE = [name for name, each in CODECS.items() if isinstance(each, BlockwiseCodec)]
 
@@ -25,7 +25,7 @@ def activations(shape=(4, 64, 96), seed=0):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_packing_round_trips_every_code(bits):
-    codes = torch.randint(0, 2 ** bits, (blockwise.BLOCK * 5,), dtype=torch.int64)
+    codes = torch.randint(0, 2 ** bits, (blockwise.BLOCK * 5,), dtype=torch.int64).to(torch.uint8)
     packed = blockwise.pack(codes, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == codes.numel() * bits // 8
     assert torch.equal(blockwise.unpack(packed, bits, codes.numel()), codes)
@@ -77,9 +77,18 @@ def test_a_flat_part_of_any_length_decodes_with_its_own_count():
             assert CODECS[name].decode(CODECS[name].encode(x), "ring chunk", None).numel() == length
 
 
-def test_integers_go_raw():
-    ids = torch.arange(12).view(3, 4)
-    assert torch.equal(RAW.decode(RAW.encode(ids), "targets", [3, 4], torch.int64), ids)
+@pytest.mark.parametrize("values, narrow", [([0, 255], "uint8"), ([-100, 255], "int16"), ([0, 70000], "int32"),
+                                            ([-1, 2 ** 40], "int64")])
+def test_integers_go_exactly_in_the_narrowest_dtype_that_holds_them(values, narrow):
+    ids = torch.tensor(values * 3).view(2, 3)
+    serialized = INTEGERS.encode(ids)
+    assert serialized.dtype == narrow
+    decoded = INTEGERS.decode(serialized, "targets", [2, 3], torch.int64)
+    assert decoded.dtype == torch.int64 and torch.equal(decoded, ids)
+    with pytest.raises(CodecError, match="expected"):  # floats are not targets, nor is a wider dtype than expected
+        INTEGERS.decode(RAW.encode(ids.float()), "targets", [2, 3], torch.int64)
+    with pytest.raises(CodecError, match="expected"):
+        INTEGERS.decode(INTEGERS.encode(torch.tensor([2 ** 40] * 6).view(2, 3)), "targets", [2, 3], torch.int32)
 
 
 def test_an_unknown_codec_name_lists_the_known_ones():

@@ -128,15 +128,23 @@ def measure_transfer(group, lab, name: str, megabytes: float, emulated: bool) ->
         server.stop()
 
 
+def bytes_per_sample(reports: List[Dict]) -> float:
+    """Bytes every stage handed to its links (activations forward, gradients back), per sample stage 0 completed."""
+    sent = sum(sum(report["bytes_sent"].values()) for report in reports)
+    return round(sent / max(1, reports[0]["completed"] * reports[0]["microbatch_size"]), 1)
+
+
 def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microbatches: int,
                    microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
-                   lr: float = 0.01, compression: str = "none", cpus_per_stage: Optional[float] = None) -> int:
-    from ravnest_swarm.models import balanced_split, get_model
+                   lr: float = 0.01, compression: Sequence[str] = ("none",), cpus_per_stage: Optional[float] = None,
+                   model_config: str = "") -> int:
+    """``compression``: the codecs to compare; the async schedule runs once with each, the sync one with the first."""
+    from ravnest_swarm.models import balanced_split, get_model, load_model
     from ravnest_swarm.bench.netlab import NetLab, cpu_quota_unavailable
     from ravnest_swarm.processes import ProcessGroup
 
     try:
-        ranges = balanced_split(get_model(model), stages)
+        ranges = balanced_split(load_model(model, model_config) if model_config else get_model(model), stages)
     except ValueError as e:
         raise UserError(str(e))
     console = Console(stderr=True)
@@ -169,16 +177,26 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
                 host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)]),
                 "backbone", lab_host=lab.lab_host(backbone_host))
             initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
-            for schedule in ("async", "sync"):
-                task = progress.add_task(f"{schedule} pipeline", total=microbatches)
-                results[schedule] = _run_schedule(group, lab, initial, model, ranges, schedule, microbatches,
-                                                  microbatch_size, max_in_flight, mode, lr, compression, workdir,
-                                                  lambda done, task=task: progress.update(task, completed=done))
+            for schedule, codec in [("async", codec) for codec in compression] + [("sync", compression[0])]:
+                label = schedule if codec == compression[0] else f"{schedule}-{codec}"
+                task = progress.add_task(f"{schedule} pipeline, {codec}", total=microbatches)
+                results[label] = _run_schedule(group, lab, initial, model, ranges, schedule, microbatches,
+                                               microbatch_size, max_in_flight, mode, lr, codec, workdir,
+                                               lambda done, task=task: progress.update(task, completed=done),
+                                               model_config=model_config, label=label)
         except (RuntimeError, TimeoutError) as e:
             raise UserError(f"a bench process failed ({e}); logs in {workdir}", exit_code=1)
         finally:
             group.stop_all()
-    summary = {schedule: summarise(reports, max_in_flight, microbatch_size) for schedule, reports in results.items()}
+    summary = {label: summarise(reports, max_in_flight, microbatch_size) for label, reports in results.items()}
+    by_codec = {}
+    for codec in compression:
+        label = "async" if codec == compression[0] else f"async-{codec}"
+        by_codec[codec] = dict(
+            samples_per_s=summary[label]["samples_per_s"], busy_fraction=summary[label]["busy_fraction"],
+            compute_fraction=summary[label]["compute_fraction"], bytes_per_sample=bytes_per_sample(results[label]),
+            final_loss=summary[label]["final_loss"],
+            samples_per_s_vs_first=round(summary[label]["samples_per_s"] / summary["async"]["samples_per_s"], 3))
     report = dict(
         busy_fraction=summary["async"]["busy_fraction"],
         async_samples_per_s=summary["async"]["samples_per_s"],
@@ -188,8 +206,8 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
         p2p_vs_tcp=round(emulated["p2p_mb_per_s"] / emulated["tcp_mb_per_s"], 3),
         loopback_p2p_mb_per_s=loopback["p2p_mb_per_s"], loopback_tcp_mb_per_s=loopback["tcp_mb_per_s"],
         link=dict(lab.describe(), transfer_mb=transfer_mb, loopback_transfer_mb=transfer_mb * 4),
-        async_run=summary["async"], sync_run=summary["sync"],
-        model=model, stages=stages, layer_ranges=ranges, microbatches=microbatches, microbatch_size=microbatch_size,
+        async_run=summary["async"], sync_run=summary["sync"], codecs=by_codec,
+        model=model, model_config=model_config, stages=stages, layer_ranges=ranges, microbatches=microbatches, microbatch_size=microbatch_size,
         max_in_flight=max_in_flight, microbatches_per_step=max_in_flight, mode=mode, compression=compression,
         cpu_count=os.cpu_count(), load_avg=[round(x, 2) for x in os.getloadavg()],
     )
@@ -200,31 +218,39 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
                     "tcp_mb_per_s", "p2p_vs_tcp", "loopback_p2p_mb_per_s", "loopback_tcp_mb_per_s"):
             console.print(f"{key:>22}: {report[key]}")
         console.print(f"{'link':>22}: {report['link']}")
+        for codec, figures in by_codec.items():
+            console.print(f"{codec:>22}: {figures['samples_per_s']} samples/s ({figures['samples_per_s_vs_first']}x "
+                          f"{compression[0]}), {figures['bytes_per_sample']:,.0f} bytes/sample, busy {figures['busy_fraction']}")
     return 0
 
 
 def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, microbatches: int,
                   microbatch_size: int, max_in_flight: int, mode: str, lr: float, compression: str, workdir: str,
-                  on_progress) -> List[Dict]:
+                  on_progress, model_config: str = "", label: Optional[str] = None, optimizer: str = "sgd",
+                  save: bool = False) -> List[Dict]:
     """Start one stage process per host, wait for the run to finish, return the stages' reports. Each stage has
     an identity made here, so each takes messages only from its fixed neighbours, as a volunteer's stage from
-    the ones its plan names."""
-    run = f"bench-{schedule}"
+    the ones its plan names. ``label`` names the run and its files (default: the schedule); ``save``: each stage
+    writes its parameters to ``{workdir}/{label}-stage{index}.safetensors`` at the end."""
+    label = label or schedule
+    run = f"bench-{label}"
     processes = []
-    identities = [os.path.join(workdir, f"{schedule}-stage{index}.key") for index in range(len(ranges))]
+    identities = [os.path.join(workdir, f"{label}-stage{index}.key") for index in range(len(ranges))]
     peer_ids = [new_peer_id(path) for path in identities]
     for index, (start, end) in enumerate(ranges):
-        report = os.path.join(workdir, f"{schedule}-report{index}.json")
+        report = os.path.join(workdir, f"{label}-report{index}.json")
         config = StageConfig(
-            run=run, stage=index, stages=len(ranges), model=model, layers=(start, end), microbatches=microbatches,
-            microbatch_size=microbatch_size, max_in_flight=max_in_flight, schedule=schedule,
-            microbatches_per_step=max_in_flight, mode=mode, lr=lr, compression=compression, trace=True,
-            microbatch_timeout=120.0, send_timeout=120.0,
+            run=run, stage=index, stages=len(ranges), model=model, model_config=model_config, layers=(start, end),
+            microbatches=microbatches, microbatch_size=microbatch_size, max_in_flight=max_in_flight, schedule=schedule,
+            microbatches_per_step=max_in_flight, mode=mode, lr=lr, optimizer=optimizer, compression=compression,
+            trace=True, microbatch_timeout=120.0, send_timeout=120.0,
             neighbours=Neighbours(previous=peer_ids[index - 1] if index > 0 else None,
                                   next=peer_ids[index + 1] if index + 1 < len(ranges) else None))
         processes.append(group.start_library(run_stage_process, StageProcessOptions(
             config, [initial], host_maddrs=[lab.host_maddr(index)], announce_maddrs=[lab.announce_maddr(index)],
-            report=report, identity=identities[index]), f"{schedule}-stage{index}", lab_host=lab.lab_host(index)))
+            report=report, identity=identities[index],
+            save=os.path.join(workdir, f"{label}-stage{index}.safetensors") if save else None),
+            f"{label}-stage{index}", lab_host=lab.lab_host(index)))
     first = processes[0]
     deadline = time.monotonic() + 600
     while any(p.popen.poll() is None for p in processes):
@@ -240,7 +266,7 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
     on_progress(microbatches)
     reports = []
     for index in range(len(ranges)):
-        with open(os.path.join(workdir, f"{schedule}-report{index}.json")) as f:
+        with open(os.path.join(workdir, f"{label}-report{index}.json")) as f:
             reports.append(json.load(f))
     return reports
 

@@ -49,22 +49,23 @@ def count_of(payload: torch.Tensor) -> int:
 def quantize(values: torch.Tensor, bits: int, stochastic: bool = False,
              generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """``values`` (any float dtype and shape) as one uint8 tensor of ``packed_bytes(values.numel(), bits)``."""
-    flat = values.detach().reshape(-1).float().cpu()
+    flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     if flat.numel() > MAX_VALUES:
         raise ValueError(f"{flat.numel()} values do not fit one blockwise payload (at most {MAX_VALUES})")
     count = torch.tensor(list(flat.numel().to_bytes(COUNT_BYTES, "little")), dtype=torch.uint8)
     blocks = -(-flat.numel() // BLOCK)
     padded = torch.nn.functional.pad(flat, (0, blocks * BLOCK - flat.numel())).view(blocks, BLOCK)
     scales = (padded.abs().amax(dim=1) * SCALE_HEADROOM).to(torch.bfloat16)
-    exact = scales.float().unsqueeze(1)
     levels = 2 ** bits - 1
-    position = (padded / torch.where(exact > 0, exact, torch.ones_like(exact))).clamp_(-1, 1).add_(1).mul_(levels / 2)
+    # x -> (x / scale + 1) * levels / 2, in [0, levels]: one multiply by (levels / 2) / scale, one add
+    per_unit = scales.float().reciprocal_().nan_to_num_(posinf=0.0).mul_(levels / 2).unsqueeze(1)
+    position = torch.addcmul(torch.full((1, 1), levels / 2), padded, per_unit).clamp_(0, levels)
     if stochastic:
-        position.add_(torch.rand(position.shape, generator=generator)).floor_()
+        position.add_(torch.rand(position.shape, generator=generator)).floor_().clamp_(max=levels)
     else:
         position.round_()
-    codes = position.clamp_(0, levels).to(torch.int64)
-    return torch.cat([count, scales.view(torch.uint8), pack(codes.reshape(-1), bits)])
+    codes = position.to(torch.uint8).reshape(-1)
+    return torch.cat([count, scales.view(torch.uint8), pack(codes, bits)])
 
 
 def dequantize(payload: torch.Tensor, numel: int, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -75,26 +76,36 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int) -> Tuple[torch.Tens
     scales = payload[:blocks * SCALE_BYTES].view(torch.bfloat16).float()
     codes = unpack(payload[blocks * SCALE_BYTES:], bits, blocks * BLOCK).view(blocks, BLOCK)
     levels = 2 ** bits - 1
-    values = codes.float().mul_(2 / levels).sub_(1).mul_(scales.unsqueeze(1))
+    step = scales.mul(2 / levels).unsqueeze(1)
+    values = torch.addcmul(scales.neg().unsqueeze(1), codes.float(), step)  # code * step - scale
     return values.reshape(-1)[:numel], scales
 
 
+def _word_dtype(bits: int) -> torch.dtype:
+    """A group's bits fit an int32 (cheaper) but for 5 bits: 8 codes of 5 are 40."""
+    return torch.int32 if codes_per_group(bits) * bits < 32 else torch.int64
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes below ``2**bits`` (int64, a multiple of one group long) into bytes, ``bits`` each, low bits first."""
+    """uint8 codes below ``2**bits`` (a multiple of one group long) into bytes, ``bits`` each, low bits first."""
     if bits == 8:
         return codes.to(torch.uint8)
     group = codes_per_group(bits)
-    shifts = torch.arange(group, dtype=torch.int64) * bits
-    words = (codes.view(-1, group) << shifts).sum(dim=1, keepdim=True)
-    byte_shifts = torch.arange(group * bits // 8, dtype=torch.int64) * 8
-    return ((words >> byte_shifts) & 0xFF).to(torch.uint8).reshape(-1)
+    columns = codes.view(-1, group).to(_word_dtype(bits))
+    words = columns[:, 0].clone()
+    for index in range(1, group):
+        words |= columns[:, index] << (bits * index)
+    return torch.stack([(words >> (8 * byte)) & 0xFF for byte in range(group * bits // 8)], dim=1).to(torch.uint8).reshape(-1)
 
 
 def unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The uint8 codes of :func:`pack`, ``count`` of them."""
     if bits == 8:
-        return packed.to(torch.int64)
+        return packed[:count]
     group = codes_per_group(bits)
-    byte_shifts = torch.arange(group * bits // 8, dtype=torch.int64) * 8
-    words = (packed.to(torch.int64).view(-1, group * bits // 8) << byte_shifts).sum(dim=1, keepdim=True)
-    shifts = torch.arange(group, dtype=torch.int64) * bits
-    return ((words >> shifts) & (2 ** bits - 1)).reshape(-1)[:count]
+    columns = packed.view(-1, group * bits // 8).to(_word_dtype(bits))
+    words = columns[:, 0].clone()
+    for byte in range(1, group * bits // 8):
+        words |= columns[:, byte] << (8 * byte)
+    mask = 2 ** bits - 1
+    return torch.stack([(words >> (bits * index)) & mask for index in range(group)], dim=1).to(torch.uint8).reshape(-1)[:count]

@@ -10,6 +10,7 @@ for the whole tensor, which the blockwise ``int8`` beats.
 - ``none``, ``float16``, ``meanstd16``: hivemind's own (4, 2 and 2 bytes a value).
 - ``int8`` ... ``int2``: ``blockwise.py``, ``bits`` a value plus a bfloat16 scale per 64 values.
 - ``int<bits>-sr``: the same, with the gradients rounded stochastically (unbiased) instead of to the nearest level.
+- integer tensors go exactly, in the narrowest integer dtype that holds their values (``NarrowIntegers``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,37 @@ class BlockwiseCodec(Codec):
         return values.view(*(shape if shape is not None else [count])).to(dtype)
 
 
+@dataclass(frozen=True)
+class NarrowIntegers(Codec):
+    """Integer tensors (class labels, token ids as targets) in the narrowest of ``uint8``, ``int16``, ``int32`` and
+    ``int64`` that holds their values: a byte-level GPT's targets go in an eighth of their int64 bytes, exactly."""
+
+    def encode(self, tensor: torch.Tensor, gradient: bool = False) -> runtime_pb2.Tensor:
+        if tensor.numel():
+            low, high = int(tensor.min()), int(tensor.max())
+            for narrow in INTEGER_DTYPES:
+                if narrow.is_signed or low >= 0:
+                    info = torch.iinfo(narrow)
+                    if info.min <= low and high <= info.max:
+                        tensor = tensor.to(narrow)
+                        break
+        return serialize_torch_tensor(tensor, CompressionType.NONE)
+
+    def decode(self, serialized: runtime_pb2.Tensor, what: str, shape: Optional[Sequence[int]],
+               dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        allowed = [_dtype_name(narrow) for narrow in INTEGER_DTYPES if torch.iinfo(narrow).bits <= torch.iinfo(dtype).bits]
+        if (shape is None or list(serialized.size) != list(shape) or serialized.dtype not in allowed
+                or serialized.compression != CompressionType.NONE):
+            raise self._refuse_header(serialized, what, f"{list(shape or [])} {' or '.join(allowed)} compressed as NONE")
+        tensor = self._deserialize(serialized, what)
+        if list(tensor.shape) != list(shape):
+            raise CodecError(f"{what} decodes to {list(tensor.shape)}, expected {list(shape)}")
+        return tensor.to(dtype)
+
+
+INTEGER_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
 def _codecs() -> Dict[str, Codec]:
     codecs: Dict[str, Codec] = {
         "none": HivemindCodec("none", 4.0, CompressionType.NONE),
@@ -124,7 +156,8 @@ def _codecs() -> Dict[str, Codec]:
 
 
 CODECS: Dict[str, Codec] = _codecs()
-RAW = CODECS["none"]  # integer tensors (targets) always go as they are
+RAW = CODECS["none"]
+INTEGERS = NarrowIntegers("integers", 8.0)  # what integer tensors (targets) go in, whatever the floats' codec
 CODEC_NAME_PATTERN = "^(" + "|".join(CODECS) + ")$"
 
 

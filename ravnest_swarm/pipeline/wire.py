@@ -5,7 +5,8 @@ an 8-byte big-endian length, the protobuf), ended by hivemind's end-of-stream ma
 also a plain ``P2P.call_protobuf_handler`` call; stages send many on one stream (``channel.py``). The first frame carries the msgpack ``metadata``; the tensors are
 hivemind ``serialize_torch_tensor`` protobufs cut by ``split_for_streaming`` into chunks spread over the
 frames; floating-point tensors (activations, gradients) go in the codec the message names (``codecs/``:
-16 bits, or 8 to 2 bits a value with a scale per block), integer ones (targets) never compressed. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
+16 bits, or 8 to 2 bits a value with a scale per block), integer ones (targets) exactly, in the narrowest
+integer dtype that holds them. The reply is one ``ExpertResponse``, or hivemind's error frame with a one-line reason.
 
 The receiver reads the frames itself (a binary stream handler rather than hivemind's protobuf
 wrapper) so that it can refuse an oversize frame from its length header before reading it, and answer
@@ -25,7 +26,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
-from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, CODECS, RAW, CodecError
+from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, CODECS, INTEGERS, CodecError
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.membership.text import CONTROL_CHARACTERS
 from ravnest_swarm.net.messages import Message, MessageError
@@ -140,7 +141,7 @@ def encode(metadata: Dict, tensors: Sequence[torch.Tensor], codec: str = "none",
     if codec != "none" and any(tensor.is_floating_point() for tensor in tensors):
         metadata = dict(metadata, codec=codec)
     parts = [part for tensor in tensors for part in split_for_streaming(
-        (CODECS[codec] if tensor.is_floating_point() else RAW).encode(tensor, gradient), CHUNK_BYTES)]
+        (CODECS[codec] if tensor.is_floating_point() else INTEGERS).encode(tensor, gradient), CHUNK_BYTES)]
     frames = [make_request(metadata, parts[:1])]
     frames += [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
     return frames
@@ -182,7 +183,7 @@ def decode_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Sequence[int
     """Decode with the codec the message names (integers: none), to the exact shape and dtype this stage
     expects; a header that says otherwise is refused before anything is decoded."""
     try:
-        return (CODECS[codec] if dtype.is_floating_point else RAW).decode(serialized, what, shape, dtype)
+        return (CODECS[codec] if dtype.is_floating_point else INTEGERS).decode(serialized, what, shape, dtype)
     except CodecError as e:
         raise MessageError(str(e))
 
