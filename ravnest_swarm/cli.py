@@ -124,7 +124,7 @@ def join(
     averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
     pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: the codec of "
                                                        "activations and gradients between stages: none, float16, meanstd16, "
-                                                       "int8 ... int2, int<bits>-sr (docs/pipeline.md)."),
+                                                       "int8, int6, int4 or int3 (docs/pipeline.md)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
                                         "every stage (default 300); every volunteer trains until the run reaches it."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
@@ -262,8 +262,8 @@ def local(
     chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
     pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="The codec of activations "
-                                             "and gradients between stages: none, float16, meanstd16, int8 ... int2, "
-                                             "int<bits>-sr (docs/pipeline.md)."),
+                                             "and gradients between stages: none, float16, meanstd16, int8, int6, "
+                                             "int4 or int3 (docs/pipeline.md)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
@@ -653,7 +653,7 @@ def bench_pipeline(
     mode: str = typer.Option("stash", "--mode", help="stash or recompute."),
     compression: str = typer.Option("none", "--compression", help="Codecs of activations and gradients "
                                     "on the wire, comma-separated, each run asynchronously in turn: none, float16, "
-                                    "meanstd16, int8 ... int2, int<bits>-sr."),
+                                    "meanstd16, int8, int6, int4, int3."),
     cpus_per_stage: Optional[float] = typer.Option(None, "--cpus-per-stage", min=0.0, help="CPU cores each stage's "
                                                    "host may use (default: the machine's cores / stages; 0: no limit)."),
     as_json: bool = typer.Option(False, "--json"),
@@ -711,8 +711,8 @@ def bench_lr_scaling(
 
 @bench_app.command("codecs")
 def bench_codecs(
-    codecs: str = typer.Option(",".join(("none", "float16", "int8", "int6", "int5", "int4", "int4-sr", "int3", "int3-sr",
-                                         "int2-sr")), "--codecs", help="Codecs to train with, comma-separated, in turn."),
+    codecs: str = typer.Option("none,float16,int8,int6,int4,int3", "--codecs", help="Codecs to train with, "
+                               "comma-separated, in turn."),
     model: str = typer.Option("gpt", "--model", help="Zoo model, or a user's module:function."),
     model_config: str = typer.Option("layers=4,width=64,heads=4,context=64", "--model-config", help="Its settings."),
     stages: int = typer.Option(2, "--stages", min=2, max=4, help="Pipeline stages, a process and host each."),
@@ -732,7 +732,7 @@ def bench_codecs(
 
     \b
     Example:
-      ravnest-swarm bench codecs --codecs none,int8,int4,int3-sr --json
+      ravnest-swarm bench codecs --codecs none,int8,int4,int3 --repeats 3 --json
     """
     configure_logging(False)
     from ravnest_swarm.bench.codecs import CodecBenchOptions, bench_codecs as run

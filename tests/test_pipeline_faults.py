@@ -18,6 +18,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from pipeline_helpers import read_report, start_stages, wait_all
 from waiting import wait_until_async
+from ravnest_swarm.codecs import blockwise
 from ravnest_swarm.membership.records import StageEndpoint, make_validators, stage_subkey_prefix, stages_key
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
@@ -100,6 +101,19 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
                 with pytest.raises(P2PHandlerError) as caught:
                     await call(node, peer, wire.FORWARD, None, frames=[make_request(forward_metadata(), parts)])
                 errors[label] = str(caught.value)
+            # a blockwise codec's payload whose count, length or scales lie (codecs/blockwise.py): refused, counted
+            good_payload = blockwise.quantize(good_x, 4)
+            lying_count, nan_scale = good_payload.clone(), good_payload.clone()
+            lying_count[:4] = torch.tensor(list((10 ** 6).to_bytes(4, "little")), dtype=torch.uint8)
+            nan_scale[4:6] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
+            for label, payload in [("int4 count", lying_count), ("int4 scale", nan_scale),
+                                   ("int4 length", good_payload[:-1]), ("int4 as int8", blockwise.quantize(good_x, 8))]:
+                parts = [part for tensor in (payload, targets)
+                         for part in split_for_streaming(serialize_torch_tensor(tensor), wire.CHUNK_BYTES)]
+                with pytest.raises(P2PHandlerError) as caught:
+                    await call(node, peer, wire.FORWARD, None,
+                               frames=[make_request(forward_metadata(codec="int4"), parts)])
+                errors[label] = str(caught.value)
             errors["garbage marker"] = await raw_call(node, peer, wire.FORWARD, b"\x07 this is not a frame at all")
             errors["garbage frame"] = await raw_call(node, peer, wire.BACKWARD, b"\x00" + (9).to_bytes(8, "big") + b"\xff" * 9)
             bad_msgpack = runtime_pb2.ExpertRequest(metadata=b"\xc1\xc1garbage").SerializeToString()
@@ -118,6 +132,9 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
             assert "unknown microbatch id 999" in errors["unknown id"]
             assert "compressed as UNIFORM_8BIT; expected [4, 64] float32 compressed as NONE" in errors["8-bit"]
             assert "compressed as FLOAT16; expected [4] uint8 or int16 or int32 or int64 compressed as NONE" in errors["int codec"]
+            assert "says it holds 1000000 values" in errors["int4 count"]
+            assert "scale that is negative, NaN or infinite" in errors["int4 scale"]
+            assert "expected [140] uint8" in errors["int4 length"] and "expected [140] uint8" in errors["int4 as int8"]
             assert "frame marker" in errors["garbage marker"]
             assert "not an ExpertRequest protobuf" in errors["garbage frame"]
             assert "not valid msgpack" in errors["garbage metadata"]

@@ -102,7 +102,7 @@ class MultiRingAverager:
     :param run: run name; messages of another run are refused
     :param timeout: seconds one ring may take before it ends and its segment keeps the local value
     :param compression: the codec of the floats on the wire (``codecs.CODECS``: ``none``, 16 bits, or blockwise
-        ``int8`` ... ``int2``); every member must use the same; summing happens in float32
+        ``int8`` ... ``int3``); every member must use the same; summing happens in float32
     :param part_bytes: size of the streamed parts of a serialized chunk
     :param streams_per_step: concurrent streams one ring message is dealt over (see "Stripes" in ``wire.py``)
     :param max_buffered_bytes: cap on chunks held for rings that have not asked for them yet (early

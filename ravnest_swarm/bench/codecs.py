@@ -34,7 +34,7 @@ from ravnest_swarm.bench.pipeline import _run_schedule, bytes_per_sample, summar
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 
-FRONTIER = ("none", "float16", "int8", "int6", "int5", "int4", "int4-sr", "int3", "int3-sr", "int2-sr")
+FRONTIER = ("none", "float16", "int8", "int6", "int4", "int3")
 
 
 @dataclass

@@ -11,14 +11,14 @@ Why per block and not per tensor (hivemind's ``Uniform8BitQuantization``): one l
 outlier channels of a transformer's residual stream, then coarsens 63 neighbours, not the whole tensor.
 
 Error bound: rounding to the nearest level moves a value by at most half a step, ``scale / (2**bits - 1)``, where
-the scale is at most ``(1 + 2**-6)`` times the block's largest magnitude;
-stochastic rounding (unbiased: the expected value of the result is the input) by less than a whole step.
+the scale is at most ``(1 + 2**-6)`` times the block's largest magnitude. (Stochastic rounding of the gradients,
+unbiased, was measured and trained worse at 4 and 3 bits: docs/benchmarks.md, "bench codecs".)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
@@ -46,8 +46,7 @@ def count_of(payload: torch.Tensor) -> int:
     return int.from_bytes(payload[:COUNT_BYTES].numpy().tobytes(), "little") if payload.numel() >= COUNT_BYTES else -1
 
 
-def quantize(values: torch.Tensor, bits: int, stochastic: bool = False,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def quantize(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``values`` (any float dtype and shape) as one uint8 tensor of ``packed_bytes(values.numel(), bits)``."""
     flat = values.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     if flat.numel() > MAX_VALUES:
@@ -59,11 +58,7 @@ def quantize(values: torch.Tensor, bits: int, stochastic: bool = False,
     levels = 2 ** bits - 1
     # x -> (x / scale + 1) * levels / 2, in [0, levels]: one multiply by (levels / 2) / scale, one add
     per_unit = scales.float().reciprocal_().nan_to_num_(posinf=0.0).mul_(levels / 2).unsqueeze(1)
-    position = torch.addcmul(torch.full((1, 1), levels / 2), padded, per_unit).clamp_(0, levels)
-    if stochastic:
-        position.add_(torch.rand(position.shape, generator=generator)).floor_().clamp_(max=levels)
-    else:
-        position.round_()
+    position = torch.addcmul(torch.full((1, 1), levels / 2), padded, per_unit).clamp_(0, levels).round_()
     codes = position.to(torch.uint8).reshape(-1)
     return torch.cat([count, scales.view(torch.uint8), pack(codes, bits)])
 

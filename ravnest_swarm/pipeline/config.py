@@ -68,8 +68,8 @@ class StageConfig:
     :param max_message_bytes: larger incoming messages are refused
     :param max_abs_value: activations or gradients with a larger magnitude (or NaN/Inf) are refused as poisoned
     :param compression: the codec this stage sends activations and gradients in (``codecs.CODECS``): ``none``,
-      16 bits (``float16``, or ``meanstd16``: scaled by the tensor's mean and std first), or ``int8`` ... ``int2``
-      (blockwise, a scale per 64 values; ``-sr``: gradients rounded stochastically); each message names its
+      16 bits (``float16``, or ``meanstd16``: scaled by the tensor's mean and std first), or ``int8``, ``int6``,
+      ``int4``, ``int3`` (blockwise, a scale per 64 values); each message names its
       codec, and receivers accept every one
     :param device: the torch device that holds this stage's layers, gradients and optimizer state (``cpu``,
       ``cuda:0``); what it sends and receives is on the host, so its neighbours' devices do not matter

@@ -249,7 +249,7 @@ class Outbox:
                    microbatch: Optional[int]) -> Optional[str]:
         """Deliver one message; on failure re-resolve the neighbour and retry. None once delivered; else what
         failed and why, as one line (the caller drops the microbatch)."""
-        frames = wire.encode(message.as_metadata(), tensors, self.config.compression, gradient=handler == wire.BACKWARD)
+        frames = wire.encode(message.as_metadata(), tensors, self.config.compression)
         size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"

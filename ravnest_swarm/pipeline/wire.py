@@ -133,15 +133,13 @@ class StatusReply(Message):
     pending: int
 
 
-def encode(metadata: Dict, tensors: Sequence[torch.Tensor], codec: str = "none",
-           gradient: bool = False) -> List[runtime_pb2.ExpertRequest]:
+def encode(metadata: Dict, tensors: Sequence[torch.Tensor], codec: str = "none") -> List[runtime_pb2.ExpertRequest]:
     """The frames of one message: metadata in the first, every tensor's chunks after it. ``codec`` (a key of
-    ``codecs.CODECS``) applies to floating-point tensors only, and the metadata names it; ``gradient``: the
-    tensors are gradients (a ``-sr`` codec rounds them stochastically)."""
+    ``codecs.CODECS``) applies to floating-point tensors only, and the metadata names it."""
     if codec != "none" and any(tensor.is_floating_point() for tensor in tensors):
         metadata = dict(metadata, codec=codec)
     parts = [part for tensor in tensors for part in split_for_streaming(
-        (CODECS[codec] if tensor.is_floating_point() else INTEGERS).encode(tensor, gradient), CHUNK_BYTES)]
+        (CODECS[codec] if tensor.is_floating_point() else INTEGERS).encode(tensor), CHUNK_BYTES)]
     frames = [make_request(metadata, parts[:1])]
     frames += [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
     return frames

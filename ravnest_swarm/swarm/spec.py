@@ -68,7 +68,7 @@ class RunSpec:
     :param max_in_flight: microbatches in flight per cluster (bounded staleness)
     :param averaging_period: optimizer steps between averaging rounds (H)
     :param pipeline_compression: the codec stages send activations and gradients in (``codecs.CODECS``): ``none``,
-      16 bits, or ``int8`` ... ``int2`` blockwise for a quarter to a fourteenth of the bytes on slow home links
+      16 bits, or ``int8`` ... ``int3`` blockwise for a quarter to a tenth of the bytes on slow home links
       (docs/pipeline.md)
     :param backward: how a stage computes a microbatch's backward: ``stash`` keeps the activations and a copy
       of the weights of its forward until its gradient returns (memory grows with the microbatches in flight);
