@@ -125,6 +125,9 @@ def join(
     pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: the codec of "
                                                        "activations and gradients between stages: none, float16, meanstd16, "
                                                        "int8, int6, int4 or int3 (docs/pipeline.md)."),
+    link_bound_compression: Optional[str] = typer.Option(None, "--link-bound-compression", help="Run spec: the "
+                                                         "stronger codec a stage boundary switches to while its link is "
+                                                         "the bottleneck (default: none, never switch)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
                                         "every stage (default 300); every volunteer trains until the run reaches it."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
@@ -192,7 +195,8 @@ def join(
         timeout=timeout, patience=patience, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
         owner_key=owner_key, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
-        averaging_period=averaging_period, pipeline_compression=pipeline_compression, steps=steps,
+        averaging_period=averaging_period, pipeline_compression=pipeline_compression,
+        link_bound_compression=link_bound_compression, steps=steps,
         precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
         weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr,
@@ -264,6 +268,8 @@ def local(
     pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="The codec of activations "
                                              "and gradients between stages: none, float16, meanstd16, int8, int6, "
                                              "int4 or int3 (docs/pipeline.md)."),
+    link_bound_compression: str = typer.Option("", "--link-bound-compression", help="The stronger codec a stage "
+                                               "boundary switches to while its link is the bottleneck ('': never)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
@@ -304,12 +310,13 @@ def local(
         if log_file is not None:
             log_to_file(log_file)
         check_spec_choices(pipeline_compression, backward, optimizer=optimizer, lr_schedule=lr_schedule,
-                           outer_optimizer=outer_optimizer)
+                           outer_optimizer=outer_optimizer, link_bound_compression=link_bound_compression)
         check_precision(precision)
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
-                                            pipeline_compression=pipeline_compression, precision=precision,
+                                            pipeline_compression=pipeline_compression,
+                                            link_bound_compression=link_bound_compression, precision=precision,
                                             backward=backward, microbatch_size=microbatch_size, lr=lr,
                                             optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
                                             warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
@@ -653,7 +660,7 @@ def bench_pipeline(
     mode: str = typer.Option("stash", "--mode", help="stash or recompute."),
     compression: str = typer.Option("none", "--compression", help="Codecs of activations and gradients "
                                     "on the wire, comma-separated, each run asynchronously in turn: none, float16, "
-                                    "meanstd16, int8, int6, int4, int3."),
+                                    "meanstd16, int8, int6, int4, int3; a>b: a, and b while a link is the bottleneck."),
     cpus_per_stage: Optional[float] = typer.Option(None, "--cpus-per-stage", min=0.0, help="CPU cores each stage's "
                                                    "host may use (default: the machine's cores / stages; 0: no limit)."),
     as_json: bool = typer.Option(False, "--json"),
@@ -673,7 +680,7 @@ def bench_pipeline(
               file=sys.stderr)
         sys.exit(2)
     codecs = [name.strip() for name in compression.split(",")]
-    if any(name not in COMPRESSIONS for name in codecs) or len(set(codecs)) != len(codecs):
+    if any(part not in COMPRESSIONS for name in codecs for part in name.split(">", 1)) or len(set(codecs)) != len(codecs):
         print(f"error: --compression must be distinct names of {', '.join(COMPRESSIONS)}", file=sys.stderr)
         sys.exit(2)
     sys.exit(run_blocking(lambda: run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight,

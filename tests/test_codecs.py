@@ -10,6 +10,7 @@ from hivemind.proto.runtime_pb2 import CompressionType
 
 from ravnest_swarm.codecs import blockwise
 from ravnest_swarm.codecs.codec import CODECS, INTEGERS, RAW, BlockwiseCodec, CodecError, codec
+from ravnest_swarm.pipeline.link_codec import LinkCodec
 
 BLOCKWISE = [name for name, each in CODECS.items() if isinstance(each, BlockwiseCodec)]
 
@@ -142,3 +143,25 @@ def test_scales_keep_float32_range():
     decoded = CODECS["int8"].decode(CODECS["int8"].encode(x), "activations", [90])
     assert torch.isfinite(decoded).all()
     assert decoded[0].item() == pytest.approx(3e5, rel=math.ldexp(1, -6))
+
+
+def test_a_link_slower_than_the_compute_switches_to_the_strong_codec_and_back_once_the_run_s_would_fit():
+    link = LinkCodec("int8", "int4", window=5.0)
+    assert link.observe(0.0, 0.0, 0.0) is None and link.current == "int8"
+    assert link.observe(4.0, 3.0, 1.0) is None  # not a whole window yet
+    # 3.6 s of messages on the link for 3 s of compute: each hop takes longer than computing the microbatch
+    assert link.observe(5.0, 3.6, 3.0) == "int4" and link.link_per_compute == pytest.approx(1.2)
+    assert link.observe(10.0, 3.6 + 1.0, 3.0 + 2.5) is None  # 0.4 at int4 would be ~0.78 at int8: stays
+    assert link.current == "int4"
+    assert link.observe(15.0, 4.6 + 0.5, 5.5 + 2.5) == "int8"  # 0.2 at int4 is ~0.39 at int8: below the 0.6 line
+    assert link.observe(20.0, 5.1 + 2.0, 8.0 + 4.0) is None  # 0.5 at int8: compute is the bottleneck, stays
+    assert link.observe(30.0, 7.1 + 1.0, 12.0) is None  # nothing computed in the window: nothing to weigh
+
+
+def test_a_link_without_a_strong_codec_never_switches_and_a_total_that_goes_back_counts_afresh():
+    never = LinkCodec("none")
+    assert all(never.observe(t, 10 * t, t) is None for t in (0.0, 10.0, 20.0)) and never.current == "none"
+    link = LinkCodec("none", "int8", window=1.0)
+    link.observe(0.0, 50.0, 10.0)
+    assert link.observe(2.0, 0.5, 0.1) is None  # a new count starts at zero again
+    assert link.observe(3.0, 1.5, 0.2) == "int8"

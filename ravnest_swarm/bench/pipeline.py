@@ -138,7 +138,8 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
                    microbatch_size: int, max_in_flight: int, transfer_mb: float, mode: str, as_json: bool,
                    lr: float = 0.01, compression: Sequence[str] = ("none",), cpus_per_stage: Optional[float] = None,
                    model_config: str = "") -> int:
-    """``compression``: the codecs to compare; the async schedule runs once with each, the sync one with the first."""
+    """``compression``: the codecs to compare; the async schedule runs once with each, the sync one with the first.
+    ``a>b``: codec ``a``, switching to ``b`` while a link is the bottleneck (``pipeline/link_codec.py``)."""
     from ravnest_swarm.models import balanced_split, get_model, load_model
     from ravnest_swarm.bench.netlab import NetLab, cpu_quota_unavailable
     from ravnest_swarm.processes import ProcessGroup
@@ -178,12 +179,13 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
                 "backbone", lab_host=lab.lab_host(backbone_host))
             initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
             for schedule, codec in [("async", codec) for codec in compression] + [("sync", compression[0])]:
-                label = schedule if codec == compression[0] else f"{schedule}-{codec}"
+                label = schedule if codec == compression[0] else f"{schedule}-{codec.replace('>', '-to-')}"
                 task = progress.add_task(f"{schedule} pipeline, {codec}", total=microbatches)
+                base, _, strong = codec.partition(">")
                 results[label] = _run_schedule(group, lab, initial, model, ranges, schedule, microbatches,
-                                               microbatch_size, max_in_flight, mode, lr, codec, workdir,
+                                               microbatch_size, max_in_flight, mode, lr, base, workdir,
                                                lambda done, task=task: progress.update(task, completed=done),
-                                               model_config=model_config, label=label)
+                                               model_config=model_config, label=label, link_bound=strong)
         except (RuntimeError, TimeoutError) as e:
             raise UserError(f"a bench process failed ({e}); logs in {workdir}", exit_code=1)
         finally:
@@ -191,11 +193,12 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
     summary = {label: summarise(reports, max_in_flight, microbatch_size) for label, reports in results.items()}
     by_codec = {}
     for codec in compression:
-        label = "async" if codec == compression[0] else f"async-{codec}"
+        label = "async" if codec == compression[0] else f"async-{codec.replace('>', '-to-')}"
         by_codec[codec] = dict(
             samples_per_s=summary[label]["samples_per_s"], busy_fraction=summary[label]["busy_fraction"],
             compute_fraction=summary[label]["compute_fraction"], bytes_per_sample=bytes_per_sample(results[label]),
-            final_loss=summary[label]["final_loss"],
+            final_loss=summary[label]["final_loss"], codecs_at_end=[r["codecs"] for r in results[label]],
+            codec_switches=sum(len(r["codec_switches"]) for r in results[label]),
             samples_per_s_vs_first=round(summary[label]["samples_per_s"] / summary["async"]["samples_per_s"], 3))
     report = dict(
         busy_fraction=summary["async"]["busy_fraction"],
@@ -227,7 +230,7 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
 def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, microbatches: int,
                   microbatch_size: int, max_in_flight: int, mode: str, lr: float, compression: str, workdir: str,
                   on_progress, model_config: str = "", label: Optional[str] = None, optimizer: str = "sgd",
-                  save: bool = False) -> List[Dict]:
+                  save: bool = False, link_bound: str = "") -> List[Dict]:
     """Start one stage process per host, wait for the run to finish, return the stages' reports. Each stage has
     an identity made here, so each takes messages only from its fixed neighbours, as a volunteer's stage from
     the ones its plan names. ``label`` names the run and its files (default: the schedule); ``save``: each stage
@@ -243,6 +246,7 @@ def _run_schedule(group, lab, initial: str, model: str, ranges, schedule: str, m
             run=run, stage=index, stages=len(ranges), model=model, model_config=model_config, layers=(start, end),
             microbatches=microbatches, microbatch_size=microbatch_size, max_in_flight=max_in_flight, schedule=schedule,
             microbatches_per_step=max_in_flight, mode=mode, lr=lr, optimizer=optimizer, compression=compression,
+            link_bound_compression=link_bound,
             trace=True, microbatch_timeout=120.0, send_timeout=120.0,
             neighbours=Neighbours(previous=peer_ids[index - 1] if index > 0 else None,
                                   next=peer_ids[index + 1] if index + 1 < len(ranges) else None))

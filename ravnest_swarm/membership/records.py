@@ -132,6 +132,9 @@ class PeerRecord(pydantic.BaseModel):
     out_of_range: Optional[pydantic.conlist(pydantic.constr(strict=True, regex=r"^[a-z_]{1,32}\Z"),
                                             max_items=16)] = None
     divergences: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # restores after a divergence
+    # the codecs our stage's messages go in now, forward and backward (``pipeline/link_codec.py``)
+    codecs: Optional[Dict[pydantic.constr(strict=True, regex=r"^(forward|backward)\Z"),
+                          pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN)]] = None
 
 
 
@@ -242,6 +245,7 @@ class RunSpecRecord(pydantic.BaseModel):
     max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)
     averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
     pipeline_compression: pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN) = "none"  # codecs.CODECS
+    link_bound_compression: pydantic.constr(strict=True, regex=f"{CODEC_NAME_PATTERN}|^$") = ""  # pipeline/link_codec.py
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     backward: pydantic.constr(strict=True, regex="^(stash|recompute)$") = "stash"
     aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust

@@ -71,6 +71,8 @@ class StageConfig:
       16 bits (``float16``, or ``meanstd16``: scaled by the tensor's mean and std first), or ``int8``, ``int6``,
       ``int4``, ``int3`` (blockwise, a scale per 64 values); each message names its
       codec, and receivers accept every one
+    :param link_bound_compression: the stronger codec a boundary switches to while its link is the bottleneck
+      (``link_codec.py``); "" never switches
     :param device: the torch device that holds this stage's layers, gradients and optimizer state (``cpu``,
       ``cuda:0``); what it sends and receives is on the host, so its neighbours' devices do not matter
     :param precision: the run's ``fp32``, ``bf16`` or ``fp16``: 16 bits run the forward under ``torch.autocast``
@@ -108,6 +110,7 @@ class StageConfig:
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE_BYTES
     max_abs_value: float = 1e6
     compression: str = "none"
+    link_bound_compression: str = ""
     device: str = "cpu"
     precision: str = "fp32"
     trace: bool = False
@@ -116,6 +119,7 @@ class StageConfig:
 
 def check_config(config: StageConfig) -> None:
     """Refuse a schedule, mode or compression this stage does not know, before anything is built."""
-    if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in CODECS:
+    if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in CODECS or \
+            config.link_bound_compression not in ("", *CODECS):
         raise ValueError(f"schedule must be one of {SCHEDULES}, mode one of {MODES} and compression one of "
-                         f"{tuple(CODECS)}")
+                         f"{tuple(CODECS)} (link-bound compression: one of them or none)")

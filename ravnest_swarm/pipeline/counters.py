@@ -27,12 +27,14 @@ class Counters:
     # bytes of the messages this stage handed to its links, by handler (``forward``, ``backward``): the frames as
     # encoded, metadata and every tensor included, once per attempt
     bytes_sent: Dict[str, int] = dataclass_field(default_factory=lambda: {"forward": 0, "backward": 0})
+    codec_switches: List[Tuple[float, str, str]] = dataclass_field(default_factory=list)  # (time, handler, codec)
     max_staleness: int = 0
     losses: List[Tuple[int, float]] = dataclass_field(default_factory=list)
     inject_times: List[float] = dataclass_field(default_factory=list)
     complete_times: List[float] = dataclass_field(default_factory=list)
     busy: List[Tuple[float, float]] = dataclass_field(default_factory=list)
     compute: List[Tuple[float, float]] = dataclass_field(default_factory=list)  # forwards and backwards only
+    compute_seconds: float = 0.0  # their total
     trace: List[Tuple[float, str, int]] = dataclass_field(default_factory=list)  # (time, event, microbatch)
 
     @contextmanager
@@ -42,7 +44,9 @@ class Counters:
         try:
             yield
         finally:
-            self.compute.append((started, time.time()))
+            ended = time.time()
+            self.compute.append((started, ended))
+            self.compute_seconds += ended - started
 
 
 class BusyTime:

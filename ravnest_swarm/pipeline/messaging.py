@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from contextlib import closing
+from contextlib import closing, suppress
 from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
@@ -27,11 +27,13 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.models import LayerSpec
 from ravnest_swarm.net.messages import Handler, decode_message, parse_message, register_handler
-from ravnest_swarm.net.transport import INCOMPLETE, MAX_METADATA_BYTES, make_response, message_reply, send_reply
+from ravnest_swarm.net.transport import (INCOMPLETE, MAX_METADATA_BYTES, make_response, message_reply, send_reply,
+                                         unpack_metadata)
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.channel import MessageChannel
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.pipeline.endpoints import EndpointResolver
+from ravnest_swarm.pipeline.link_codec import LinkCodec
 from ravnest_swarm.pipeline.counters import BusyTime, Counters
 from ravnest_swarm.pipeline.scheduler import Scheduler
 from ravnest_swarm.pipeline.wire import MessageError
@@ -113,15 +115,19 @@ class Inbox:
         async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             """Answer message after message on one stream (see channel.py), each within the send timeout."""
             first_marker: Optional[bytes] = None
+            arrived = time.monotonic()  # the message's first byte
 
             async def respond() -> runtime_pb2.ExpertResponse:
                 metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes, first_marker)
+                # its bytes' time on the link, first to last, which the sender's LinkCodec weighs (link_codec.py)
+                read_ms = round((time.monotonic() - arrived) * 1000)
                 if self.stopped:  # shutdown's cancel can be lost (asyncio.wait_for returns a result it raced)
                     raise ConnectionError("this stage worker stopped")  # no reply: the sender resends elsewhere
                 request = parse(metadata)
                 self._check_address(request)  # first: a former neighbour of a slot we left is turned away, not rejected
                 self._check_sender(name, peer_id)  # before the tensors are decoded and checked
-                return make_response((await handle(request, tensors)).as_metadata())
+                reply = (await handle(request, tensors)).as_metadata()
+                return make_response(dict(reply, read_ms=read_ms) if tensors else reply)
 
             task = asyncio.current_task()  # this stream's own: p2pd hands each stream to a new task
             self.serving.add(task)
@@ -141,6 +147,7 @@ class Inbox:
                         # between messages the stream may idle (no deadline runs); one idle for a whole send
                         # timeout is closed, and its sender opens a new one for its next message
                         first_marker = await asyncio.wait_for(reader.readexactly(1), self.config.send_timeout)
+                        arrived = time.monotonic()
                     except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError):
                         return  # the sender closed the stream, or left it idle
 
@@ -238,18 +245,43 @@ class Outbox:
     :param node: our DHT node (its routes reach the neighbours; its records name them)
     :param counters: where resends are counted
     :param busy: sends count as busy time
+
+    ``codecs``: per handler (forward, backward: a stage boundary each way), the codec its messages go in, the run's
+    or, while that link is the bottleneck, the run's ``link_bound_compression`` (``link_codec.py``).
     """
 
     def __init__(self, config: StageConfig, node: DHTNode, counters: Counters, busy: BusyTime):
         self.config, self.node, self.counters, self.busy = config, node, counters, busy
         self.resolver = EndpointResolver(node, config.run, config.cluster, config.stage, lambda: self.config.neighbours)
         self._channels: Dict[Tuple[str, int], MessageChannel] = {}  # (handler, stage) -> its long-lived stream
+        self.codecs = {handler: LinkCodec(config.compression, config.link_bound_compression)
+                       for handler in (wire.FORWARD, wire.BACKWARD)}
+        self._on_the_link = {handler: 0.0 for handler in self.codecs}  # seconds each handler's messages took to arrive
+
+    def _codec_for(self, handler: str) -> str:
+        link = self.codecs.get(handler)
+        if link is None:
+            return self.config.compression
+        changed = link.observe(time.monotonic(), self._on_the_link[handler], self.counters.compute_seconds)
+        if changed is not None:
+            self.counters.codec_switches.append((time.time(), handler.rsplit(".", 1)[-1], changed))
+            logger.info(f"{handler.rsplit('.', 1)[-1]} messages now go as {changed}: over the last {link.window:.0f}s "
+                        f"they took {link.link_per_compute:.2f}s on the link per second of this stage's compute")
+        return link.current
+
+    def _on_link(self, handler: str, reply: runtime_pb2.ExpertResponse) -> None:
+        """Add the seconds the receiver says our message's bytes took to arrive (its reply's ``read_ms``)."""
+        if handler in self._on_the_link:
+            with suppress(ValueError):
+                read_ms = unpack_metadata(reply.metadata).get("read_ms")
+                if isinstance(read_ms, int) and 0 <= read_ms <= 10 ** 9:
+                    self._on_the_link[handler] += read_ms / 1000
 
     async def send(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
                    microbatch: Optional[int]) -> Optional[str]:
         """Deliver one message; on failure re-resolve the neighbour and retry. None once delivered; else what
         failed and why, as one line (the caller drops the microbatch)."""
-        frames = wire.encode(message.as_metadata(), tensors, self.config.compression)
+        frames = wire.encode(message.as_metadata(), tensors, self._codec_for(handler))
         size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
@@ -259,8 +291,9 @@ class Outbox:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
                     self.counters.bytes_sent[handler.rsplit(".", 1)[-1]] += size  # what the link carries, resends too
-                    await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
-                                           max(1.0, deadline - time.monotonic()))
+                    reply = await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
+                                                   max(1.0, deadline - time.monotonic()))
+                    self._on_link(handler, reply)
                     return None
                 except P2PHandlerError as e:
                     # the neighbour read the message and refused it: sending it again cannot help, unless it

@@ -97,6 +97,7 @@ class Accepted(Message):
     ok: Literal[True] = True
     queued: Optional[int] = None
     duplicate: Optional[Literal[True]] = None
+    read_ms: Optional[Count] = None  # first byte to last of the message answered: its time on the link
 
     def as_metadata(self) -> Dict:
         return self.model_dump(exclude_none=True)  # a finish is answered {"ok": true}, nothing more

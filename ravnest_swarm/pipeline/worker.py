@@ -143,6 +143,8 @@ class StageWorker:
         return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
                     routes=dict(self.node.routes.counts), bytes_sent=dict(c.bytes_sent), codec=self.config.compression,
+                    codecs={handler.rsplit(".", 1)[-1]: link.current for handler, link in self.outbox.codecs.items()},
+                    codec_switches=c.codec_switches,
                     inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
                     compute=c.compute, trace=c.trace)
 

@@ -59,6 +59,7 @@ class JoinOptions:
     max_in_flight: Optional[int] = None
     averaging_period: Optional[int] = None
     pipeline_compression: Optional[str] = None
+    link_bound_compression: Optional[str] = None
     steps: Optional[int] = None
     precision: Optional[str] = None
     backward: Optional[str] = None
@@ -93,7 +94,7 @@ class JoinOptions:
     verbose: bool = False
 
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
-                   "pipeline_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
+                   "pipeline_compression", "link_bound_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
                    "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
                    "steps")
 
@@ -179,7 +180,8 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
                        options.aggregation or "mean", options.optimizer or "sgd", options.lr_schedule or "constant",
-                       options.outer_optimizer or "average", options.lr_scaling or "none")
+                       options.outer_optimizer or "average", options.lr_scaling or "none",
+                       options.link_bound_compression or "")
     check_precision(options.precision or "fp32")
     return facts
 

@@ -70,6 +70,8 @@ class RunSpec:
     :param pipeline_compression: the codec stages send activations and gradients in (``codecs.CODECS``): ``none``,
       16 bits, or ``int8`` ... ``int3`` blockwise for a quarter to a tenth of the bytes on slow home links
       (docs/pipeline.md)
+    :param link_bound_compression: the stronger codec a stage boundary switches to while its link is the
+      bottleneck, and back from once it is not ("": never; ``pipeline/link_codec.py``)
     :param backward: how a stage computes a microbatch's backward: ``stash`` keeps the activations and a copy
       of the weights of its forward until its gradient returns (memory grows with the microbatches in flight);
       ``recompute`` keeps only its input and redoes the forward with the current weights (a third more
@@ -110,6 +112,7 @@ class RunSpec:
     max_in_flight: int = 2
     averaging_period: int = 25
     pipeline_compression: str = "none"
+    link_bound_compression: str = ""
     precision: str = "fp32"
     backward: str = "stash"
     # the mean by default: exact and the fastest; with two clusters no aggregate can tell which member is hostile,
@@ -200,7 +203,8 @@ def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
 
 
 def check_spec_choices(pipeline_compression: str, backward: str, aggregation: str = "mean", optimizer: str = "sgd",
-                       lr_schedule: str = "constant", outer_optimizer: str = "average", lr_scaling: str = "none") -> None:
+                       lr_schedule: str = "constant", outer_optimizer: str = "average", lr_scaling: str = "none",
+                       link_bound_compression: str = "") -> None:
     """The spec's named choices, checked before a run is started with them: a wrong one is one line naming its flag."""
     from ravnest_swarm.averaging.robust import AGGREGATIONS
     from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS, LR_SCHEDULES
@@ -215,6 +219,9 @@ def check_spec_choices(pipeline_compression: str, backward: str, aggregation: st
                                  ("--lr-schedule", lr_schedule, LR_SCHEDULES), ("--lr-scaling", lr_scaling, LR_SCALINGS)):
         if value not in choices:
             raise UserError(f"{flag} must be one of {', '.join(choices)}, not {value!r}")
+    if link_bound_compression and link_bound_compression not in COMPRESSIONS:
+        raise UserError(f"--link-bound-compression must be one of {', '.join(COMPRESSIONS)}, not "
+                        f"{link_bound_compression!r}")
 
 
 def scan_user_data(data: str) -> None:

@@ -290,6 +290,7 @@ class Volunteer:
                              cluster=cluster, clusters=clusters, microbatch_size=self.spec.microbatch_size,
                              microbatches=self.spec.steps, max_in_flight=self.spec.max_in_flight,
                              compression=self.spec.pipeline_compression,
+                             link_bound_compression=self.spec.link_bound_compression,
                              device=self.membership.options.device, precision=self.spec.precision,
                              mode=self.spec.backward,
                              lr=cluster_lr(self.spec.lr, clusters, self.spec.lr_scaling, 0),
@@ -526,6 +527,8 @@ class Volunteer:
             self._noted_failure = worker.counters.last_failed
             self._note(f"dropped {worker.counters.last_failed}")
         self._report_divergences(worker)
+        self.announcer.update(codecs={handler.rsplit(".", 1)[-1]: link.current
+                                      for handler, link in worker.outbox.codecs.items()})
         if (worker.finished.is_set() or worker.resumed_at >= self.spec.steps) and \
                 self.announcer.record["state"] != "averaging":
             # a stage placed after its cluster already trained its steps has nothing left to do; one still in
