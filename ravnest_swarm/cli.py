@@ -673,14 +673,14 @@ def bench_pipeline(
     """
     configure_logging(False)
     from ravnest_swarm.bench.pipeline import bench_pipeline as run
-    from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS
+    from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS, is_pipeline_codec
 
     if microbatches <= max_in_flight:
         print("error: --microbatches must exceed --max-in-flight (the steady state starts after one window)",
               file=sys.stderr)
         sys.exit(2)
     codecs = [name.strip() for name in compression.split(",")]
-    if any(part not in COMPRESSIONS for name in codecs for part in name.split(">", 1)) or len(set(codecs)) != len(codecs):
+    if not all(is_pipeline_codec(part) for name in codecs for part in name.split(">", 1)) or len(set(codecs)) != len(codecs):
         print(f"error: --compression must be distinct names of {', '.join(COMPRESSIONS)}", file=sys.stderr)
         sys.exit(2)
     sys.exit(run_blocking(lambda: run(stages, model, delay_ms, mbps, microbatches, microbatch_size, max_in_flight,
@@ -743,12 +743,13 @@ def bench_codecs(
     """
     configure_logging(False)
     from ravnest_swarm.bench.codecs import CodecBenchOptions, bench_codecs as run
-    from ravnest_swarm.codecs.codec import CODECS
+    from ravnest_swarm.codecs.codec import CODECS, is_pipeline_codec
     from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS as OPTIMIZERS
 
     names = [name.strip() for name in codecs.split(",")]
-    if any(name not in CODECS for name in names) or len(set(names)) != len(names):
-        print(f"error: --codecs must be distinct names of {', '.join(CODECS)}", file=sys.stderr)
+    if not all(is_pipeline_codec(name) for name in names) or len(set(names)) != len(names):
+        print(f"error: --codecs must be distinct names of {', '.join(CODECS)} (or forward/backward pairs of them)",
+              file=sys.stderr)
         sys.exit(2)
     if optimizer not in OPTIMIZERS:
         print(f"error: --optimizer must be one of {', '.join(OPTIMIZERS)}", file=sys.stderr)
@@ -887,10 +888,10 @@ def stage(
         from ravnest_swarm.membership.records import validate_run_name
         from ravnest_swarm.models import get_model, parse_layers
         from ravnest_swarm.pipeline.stage import MODES, SCHEDULES, StageConfig, serve_stage
-        from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS
+        from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS, is_pipeline_codec
 
         validate_run_name(run)
-        if schedule not in SCHEDULES or mode not in MODES or compression not in COMPRESSIONS:
+        if schedule not in SCHEDULES or mode not in MODES or not is_pipeline_codec(compression):
             raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, --mode one of {', '.join(MODES)} "
                             f"and --compression one of {', '.join(COMPRESSIONS)}")
         if stage_index >= stages or cluster >= clusters:

@@ -104,7 +104,7 @@ def bench_codecs(options: CodecBenchOptions, as_json: bool) -> int:
             initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
             for repeat in range(options.repeats):
                 for codec in options.codecs:
-                    label = f"{codec}-{repeat}"
+                    label = f"{codec.replace('/', '-')}-{repeat}"
                     task = progress.add_task(f"{codec}" + (f" (run {repeat + 1})" if options.repeats > 1 else ""),
                                              total=options.microbatches)
                     reports = _run_schedule(

@@ -179,7 +179,7 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
                 "backbone", lab_host=lab.lab_host(backbone_host))
             initial = next(m for m in backbone.maddrs(120) if m.startswith(lab.announce_maddr(backbone_host)))
             for schedule, codec in [("async", codec) for codec in compression] + [("sync", compression[0])]:
-                label = schedule if codec == compression[0] else f"{schedule}-{codec.replace('>', '-to-')}"
+                label = schedule if codec == compression[0] else f"{schedule}-{codec.replace('>', '-to-').replace('/', '-')}"
                 task = progress.add_task(f"{schedule} pipeline, {codec}", total=microbatches)
                 base, _, strong = codec.partition(">")
                 results[label] = _run_schedule(group, lab, initial, model, ranges, schedule, microbatches,
@@ -193,7 +193,7 @@ def bench_pipeline(stages: int, model: str, delay_ms: float, mbps: float, microb
     summary = {label: summarise(reports, max_in_flight, microbatch_size) for label, reports in results.items()}
     by_codec = {}
     for codec in compression:
-        label = "async" if codec == compression[0] else f"async-{codec.replace('>', '-to-')}"
+        label = "async" if codec == compression[0] else f"async-{codec.replace('>', '-to-').replace('/', '-')}"
         by_codec[codec] = dict(
             samples_per_s=summary[label]["samples_per_s"], busy_fraction=summary[label]["busy_fraction"],
             compute_fraction=summary[label]["compute_fraction"], bytes_per_sample=bytes_per_sample(results[label]),

@@ -8,6 +8,7 @@ hivemind's 8-bit codecs are not here: their lookup tables are chosen by the send
 for the whole tensor, which the blockwise ``int8`` beats.
 
 - ``none``, ``float16``, ``meanstd16``: hivemind's own (4, 2 and 2 bytes a value).
+- ``a/b``: a pipeline's activations in ``a``, their gradients in ``b`` (a spec's ``pipeline_compression``).
 - ``int8``, ``int6``, ``int4``, ``int3``: ``blockwise.py``, ``bits`` a value plus a bfloat16 scale per 64 values
   (3.9x, 5.1x, 7.5x and 9.8x fewer bytes than float32; their held-out loss: docs/pipeline.md).
 - integer tensors go exactly, in the narrowest integer dtype that holds their values (``NarrowIntegers``).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -155,6 +156,18 @@ CODECS: Dict[str, Codec] = _codecs()
 RAW = CODECS["none"]
 INTEGERS = NarrowIntegers("integers", 8.0)  # what integer tensors (targets) go in, whatever the floats' codec
 CODEC_NAME_PATTERN = "^(" + "|".join(CODECS) + ")$"
+# a pipeline's codec: one for both directions, or ``forward/backward``: the activations' and their gradients'
+PIPELINE_CODEC_PATTERN = "^(" + "|".join(CODECS) + ")(/(" + "|".join(CODECS) + "))?$"
+
+
+def directions(name: str) -> Tuple[str, str]:
+    """``a`` or ``a/b``: the codec of the activations a stage sends forward and of the gradients it sends back."""
+    forward, _, backward = name.partition("/")
+    return forward, backward or forward
+
+
+def is_pipeline_codec(name: str) -> bool:
+    return name.count("/") <= 1 and all(part in CODECS for part in name.split("/"))
 
 
 def codec(name: str) -> Codec:

@@ -22,7 +22,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
-from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN
+from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, PIPELINE_CODEC_PATTERN
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
@@ -244,8 +244,8 @@ class RunSpecRecord(pydantic.BaseModel):
     microbatch_size: pydantic.conint(strict=True, ge=1, le=4096)
     max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)
     averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
-    pipeline_compression: pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN) = "none"  # codecs.CODECS
-    link_bound_compression: pydantic.constr(strict=True, regex=f"{CODEC_NAME_PATTERN}|^$") = ""  # pipeline/link_codec.py
+    pipeline_compression: pydantic.constr(strict=True, regex=PIPELINE_CODEC_PATTERN) = "none"  # codecs.CODECS
+    link_bound_compression: pydantic.constr(strict=True, regex=f"{PIPELINE_CODEC_PATTERN}|^$") = ""  # link_codec.py
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     backward: pydantic.constr(strict=True, regex="^(stash|recompute)$") = "stash"
     aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
-from ravnest_swarm.codecs.codec import CODECS
+from ravnest_swarm.codecs.codec import CODECS, is_pipeline_codec
 from ravnest_swarm.pipeline import wire
 
 SCHEDULES = ("async", "sync")
@@ -70,7 +70,7 @@ class StageConfig:
     :param compression: the codec this stage sends activations and gradients in (``codecs.CODECS``): ``none``,
       16 bits (``float16``, or ``meanstd16``: scaled by the tensor's mean and std first), or ``int8``, ``int6``,
       ``int4``, ``int3`` (blockwise, a scale per 64 values); each message names its
-      codec, and receivers accept every one
+      codec, and receivers accept every one; ``a/b``: activations in ``a``, gradients in ``b``
     :param link_bound_compression: the stronger codec a boundary switches to while its link is the bottleneck
       (``link_codec.py``); "" never switches
     :param device: the torch device that holds this stage's layers, gradients and optimizer state (``cpu``,
@@ -119,7 +119,7 @@ class StageConfig:
 
 def check_config(config: StageConfig) -> None:
     """Refuse a schedule, mode or compression this stage does not know, before anything is built."""
-    if config.schedule not in SCHEDULES or config.mode not in MODES or config.compression not in CODECS or \
-            config.link_bound_compression not in ("", *CODECS):
+    if config.schedule not in SCHEDULES or config.mode not in MODES or not is_pipeline_codec(config.compression) or \
+            not (config.link_bound_compression == "" or is_pipeline_codec(config.link_bound_compression)):
         raise ValueError(f"schedule must be one of {SCHEDULES}, mode one of {MODES} and compression one of "
-                         f"{tuple(CODECS)} (link-bound compression: one of them or none)")
+                         f"{tuple(CODECS)}, or two of them as forward/backward (link-bound compression too, or none)")

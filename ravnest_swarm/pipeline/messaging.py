@@ -25,6 +25,7 @@ from hivemind.p2p import P2PContext, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
+from ravnest_swarm.codecs.codec import directions
 from ravnest_swarm.models import LayerSpec
 from ravnest_swarm.net.messages import Handler, decode_message, parse_message, register_handler
 from ravnest_swarm.net.transport import (INCOMPLETE, MAX_METADATA_BYTES, make_response, message_reply, send_reply,
@@ -254,14 +255,13 @@ class Outbox:
         self.config, self.node, self.counters, self.busy = config, node, counters, busy
         self.resolver = EndpointResolver(node, config.run, config.cluster, config.stage, lambda: self.config.neighbours)
         self._channels: Dict[Tuple[str, int], MessageChannel] = {}  # (handler, stage) -> its long-lived stream
-        self.codecs = {handler: LinkCodec(config.compression, config.link_bound_compression)
-                       for handler in (wire.FORWARD, wire.BACKWARD)}
+        strong = directions(config.link_bound_compression) if config.link_bound_compression else ("", "")
+        self.codecs = {handler: LinkCodec(base, stronger) for handler, base, stronger
+                       in zip((wire.FORWARD, wire.BACKWARD), directions(config.compression), strong)}
         self._on_the_link = {handler: 0.0 for handler in self.codecs}  # seconds each handler's messages took to arrive
 
     def _codec_for(self, handler: str) -> str:
-        link = self.codecs.get(handler)
-        if link is None:
-            return self.config.compression
+        link = self.codecs[handler]
         changed = link.observe(time.monotonic(), self._on_the_link[handler], self.counters.compute_seconds)
         if changed is not None:
             self.counters.codec_switches.append((time.time(), handler.rsplit(".", 1)[-1], changed))

@@ -210,18 +210,19 @@ def check_spec_choices(pipeline_compression: str, backward: str, aggregation: st
     from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS, LR_SCHEDULES
     from ravnest_swarm.optimizers.outer import OUTER_OPTIMIZERS
     from ravnest_swarm.pipeline.stage import MODES
-    from ravnest_swarm.codecs.codec import CODECS as COMPRESSIONS
+    from ravnest_swarm.codecs.codec import CODECS, is_pipeline_codec
 
-    for flag, value, choices in (("--pipeline-compression", pipeline_compression, COMPRESSIONS),
-                                 ("--backward", backward, MODES), ("--aggregation", aggregation, AGGREGATIONS),
+    for flag, value in (("--pipeline-compression", pipeline_compression),
+                        ("--link-bound-compression", link_bound_compression)):
+        if value and not is_pipeline_codec(value) or flag == "--pipeline-compression" and not value:
+            raise UserError(f"{flag} must be one of {', '.join(CODECS)}, or two of them as forward/backward "
+                            f"(int4/int3), not {value!r}")
+    for flag, value, choices in (("--backward", backward, MODES), ("--aggregation", aggregation, AGGREGATIONS),
                                  ("--optimizer", optimizer, INNER_OPTIMIZERS),
                                  ("--outer-optimizer", outer_optimizer, OUTER_OPTIMIZERS),
                                  ("--lr-schedule", lr_schedule, LR_SCHEDULES), ("--lr-scaling", lr_scaling, LR_SCALINGS)):
         if value not in choices:
             raise UserError(f"{flag} must be one of {', '.join(choices)}, not {value!r}")
-    if link_bound_compression and link_bound_compression not in COMPRESSIONS:
-        raise UserError(f"--link-bound-compression must be one of {', '.join(COMPRESSIONS)}, not "
-                        f"{link_bound_compression!r}")
 
 
 def scan_user_data(data: str) -> None:
