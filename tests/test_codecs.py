@@ -158,6 +158,13 @@ def test_a_link_slower_than_the_compute_switches_to_the_strong_codec_and_back_on
     assert link.observe(30.0, 7.1 + 1.0, 12.0) is None  # nothing computed in the window: nothing to weigh
 
 
+def test_a_link_that_is_mostly_idle_is_not_the_bottleneck_whatever_the_ratio():
+    link = LinkCodec("none", "int4", window=5.0)
+    link.observe(0.0, 0.0, 0.0)
+    assert link.observe(5.0, 0.5, 0.1) is None and link.link_per_compute == pytest.approx(5.0)  # 10 % of the window
+    assert link.observe(10.0, 0.5 + 1.5, 0.1 + 1.0) == "int4"  # 30 %, and longer than the compute
+
+
 def test_a_link_without_a_strong_codec_never_switches_and_a_total_that_goes_back_counts_afresh():
     never = LinkCodec("none")
     assert all(never.observe(t, 10 * t, t) is None for t in (0.0, 10.0, 20.0)) and never.current == "none"

@@ -11,6 +11,9 @@ bounds the pipeline at ``max_in_flight`` microbatches per round trip. (Measured 
 carrying bytes half the time, yet every hop 10 times a stage's compute: utilisation does not tell.) Back to the
 run's codec when, measured under the strong codec, the run's codec's bytes (the ratio of their bytes per value)
 would take less than ``back_below`` of the compute: a margin, so a boundary near the line does not flap.
+A link that carries bytes less than ``min_link_share`` of the window is not the bottleneck whatever the ratio:
+on loopback a small message's "time on the link" is the receiver's event loop, and a lossy codec there would
+cost accuracy for nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from ravnest_swarm.codecs.codec import CODECS
 WINDOW_S = 5.0
 SWITCH_AT = 1.0
 BACK_BELOW = 0.6
+MIN_LINK_SHARE = 0.2
 
 
 class LinkCodec:
@@ -29,9 +33,10 @@ class LinkCodec:
     ("" never switches)."""
 
     def __init__(self, base: str, strong: str = "", window: float = WINDOW_S, switch_at: float = SWITCH_AT,
-                 back_below: float = BACK_BELOW):
+                 back_below: float = BACK_BELOW, min_link_share: float = MIN_LINK_SHARE):
         self.base, self.strong, self.current = base, strong, base
         self.window, self.switch_at, self.back_below = window, switch_at, back_below
+        self.min_link_share = min_link_share
         self.link_per_compute: Optional[float] = None  # the last window's
         self._start: Optional[float] = None
         self._totals = (0.0, 0.0)
@@ -47,11 +52,12 @@ class LinkCodec:
         if now - self._start < self.window:
             return None
         link, compute = link_seconds - self._totals[0], compute_seconds - self._totals[1]
+        elapsed = now - self._start
         self._start, self._totals = now, (link_seconds, compute_seconds)
         if compute <= 0:
             return None  # nothing computed: nothing to weigh the link against
         self.link_per_compute = link / compute
-        if self.current == self.base and self.link_per_compute >= self.switch_at:
+        if self.current == self.base and self.link_per_compute >= self.switch_at and link >= self.min_link_share * elapsed:
             self.current = self.strong
             return self.current
         ratio = CODECS[self.base].bytes_per_value / CODECS[self.strong].bytes_per_value
