@@ -14,7 +14,8 @@ from commands import ravnest
 
 DEAD_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt"
 VERBS = ["backbone", "join", "status", "local", "probe", "doctor", "plan", "bench", "bench plan", "bench quality",
-         "bench membership", "bench neighbours", "bench backbone", "bench averaging", "bench nat", "bench pipeline"]
+         "bench membership", "bench neighbours", "bench backbone", "bench averaging", "bench nat", "bench pipeline",
+         "bench codecs"]
 PLANNER_TEST_OPTIONS = ["--model-gb", "--gflop-per-sample", "--activation-mb", "--num-layers"]
 
 
