@@ -80,6 +80,28 @@ def test_every_peer_ends_with_the_exact_mean(processes, backbone, tmp_path, layo
         assert error <= 1e-5, (name, error)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("codec, bound", [("int8", 0.05), ("int4", 0.9)])
+def test_rings_in_a_blockwise_codec_leave_every_member_the_same_values_near_the_mean(processes, backbone, tmp_path,
+                                                                                     codec, bound):
+    """The ring's chunks travel in the codec (codecs/blockwise.py): a reduced chunk's owner keeps the value the
+    others decoded, so the members agree exactly, and each value is within a few steps of the codec's grid of
+    the exact mean (synthetic values are unit normal: a block's largest magnitude is about 2.5, int4's step
+    2 x 2.5 / 15 = 0.33, int8's 0.02, and a ring quantizes a chunk at each of its steps)."""
+    layouts = [[0, 2, 6], [0, 3, 5, 6], [0, 1, 6]]
+    extra = {f"c{k}s{s}": ["--compression", codec] for k, cuts in enumerate(layouts) for s in range(len(cuts) - 1)}
+    peers = start_swarm(processes, backbone, layouts, f"avg-{codec}", tmp_path, extra=extra)
+    mean = exact_mean(range(len(layouts)))
+    result_values = torch.zeros(len(layouts), sum(LAYER_SIZES), dtype=torch.float64)
+    for name, peer in peers.items():
+        result = finish(peer)
+        assert result["ok"], result
+        result_values[int(name[1]), result["start"]:result["end"]] = averaged(tmp_path, name)
+    assert torch.equal(result_values[0], result_values[1]) and torch.equal(result_values[0], result_values[2])
+    error = (result_values[0] - mean).abs().max().item()
+    assert 0 < error <= bound, error
+
+
 @pytest.mark.timeout(120)
 def test_killed_peer_fails_only_its_rings_and_nothing_hangs(processes, backbone, tmp_path):
     # c1s0 owns layers 0-3: the rings of segments 0-1 (c0s0) and 2 (c0s1) include it; segment 3 does not
