@@ -40,8 +40,8 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import AfterValidator, ConfigDict, Field
 
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
-from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, make_request,
-                                         make_response, send_reply)
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, call_stream,
+                                         make_request, make_response, send_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +335,9 @@ class Routes:
                         return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
                 async with bulk, every:
                     return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
-            return await self.p2p.call_protobuf_handler(peer_id, name, requests, output_type)
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, name)
+            with closing(writer):
+                return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}")
         except (P2PHandlerError, ForwardBusy):
             raise  # the peer (or the backbone, busy) answered: the route works
         except Exception:
@@ -353,26 +355,14 @@ class Routes:
         with closing(writer):
             header = ForwardHeader(to=peer_id.to_base58(), handler=name)
             await P2P.send_protobuf(make_request(header.as_metadata()), writer)
-
-            async def write() -> None:
-                async for request in requests:
-                    await P2P.send_protobuf(request, writer)
-                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
-
-            writing = asyncio.create_task(write())
+            what = f"`{name}` at {peer_id} via {backbone}"
             try:
-                response, error = await P2P.receive_protobuf(output_type, reader)
-            except asyncio.IncompleteReadError:
-                raise ConnectionError(f"backbone {backbone} closed the forwarded stream to {peer_id} without a reply")
-            finally:
-                if not writing.done():
-                    writing.cancel()
-                await asyncio.gather(writing, return_exceptions=True)
-            if error is not None:
-                if error.message.startswith(FORWARD_BUSY):
-                    raise ForwardBusy(f"backbone {backbone} did not forward to {peer_id}: {error.message}")
-                raise P2PHandlerError(f"Failed to call handler `{name}` at {peer_id} via {backbone}: {error.message}")
-            return response
+                return await call_stream(reader, writer, requests, output_type, what)
+            except P2PHandlerError as e:
+                reason = str(e).removeprefix(f"Failed to call handler {what}: ")
+                if reason.startswith(FORWARD_BUSY):  # the backbone's refusal, before it piped anything
+                    raise ForwardBusy(f"backbone {backbone} did not forward to {peer_id}: {reason}") from None
+                raise
 
     # ---- serving our backbones -----------------------------------------------------------------
 
