@@ -15,7 +15,8 @@ open to its backbone (its initial peer): over it the backbone can call the volun
 * **Forwarding**: when neither side can dial the other (two NATs), the sender streams to the backbone's
   ``ravnest.forward`` handler, which pipes the bytes into the target's ``ravnest.forwarded`` handler over
   the target's connection, and the reply back. The target trusts only its own backbones to say who the
-  original sender was. The backbone caps each stream and the number of streams, and counts the bytes.
+  original sender was. The backbone caps each stream and the number of streams, and counts the bytes; a
+  sender keeps within its share of those streams (:meth:`Routes.call` waits for a slot).
 
 Every node started by :func:`ravnest_swarm.net.node.start_node` carries its :class:`Routes`
 (``node.routes``), whose backbones are its initial peers; the parts that send are given that object.
