@@ -9,6 +9,7 @@ calls it.
 """
 
 import asyncio
+import gc
 import time
 
 import msgpack
@@ -290,5 +291,35 @@ def test_a_member_past_the_round_with_no_note_after_it_fails_the_ring_and_tells_
         assert CONTROL_TIMEOUT <= time.monotonic() - started < CONTROL_TIMEOUT + 2  # waited for a note, no longer
         await asyncio.sleep(0.1)  # the notes go in the background
         assert {member for member, note in round_.peer.sender.sent if isinstance(note, RingAbort)} == {B, C}
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_round_ends_its_attempt_and_leaves_no_exception_unretrieved():
+    """A round cancelled mid-attempt (its peer stops, or leaves its stage) cancels the attempt and waits for it:
+    left running, the attempt ended later on its own, with "Task exception was never retrieved: TimeoutError('no
+    chunk ... within the ring timeout')" in the log of a `local --chaos` run."""
+    async def scenario():
+        ended, unretrieved = [], []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+
+        def attempt(ring, members, deadline):
+            async def run():
+                try:
+                    await asyncio.sleep(0.5)
+                    raise asyncio.TimeoutError("no chunk from B within the ring timeout")
+                finally:
+                    ended.append(asyncio.current_task().cancelling())
+            return Attempt(run)
+
+        round_ = asyncio.create_task(ring_round(attempt).run(time.monotonic(), None))
+        await asyncio.sleep(0.1)
+        round_.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await round_
+        assert ended == [1]  # cancelled, and over by the time the round is
+        await asyncio.sleep(0.6)
+        gc.collect()
+        assert not unretrieved, unretrieved
 
     asyncio.run(scenario())

@@ -7,13 +7,15 @@ probe streams without a reply on purpose, as p2pd did."""
 
 import asyncio
 import time
+from contextlib import closing
 
 import pytest
 
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, MAX_PROBE_BYTES, measure_bandwidth, retried
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.routes import probe_counter
-from ravnest_swarm.net.transport import bounded_stream_handler, read_frames
+from ravnest_swarm.net.transport import (DISCARD_SECONDS, bounded_stream_handler, make_request, make_response,
+                                         read_frames, send_reply, unpack_metadata)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -84,3 +86,42 @@ def test_join_whose_probe_replies_are_all_lost_stops_in_one_line_naming_the_back
     assert f"the bandwidth probe to backbone {backbone_id} failed (the stream closed without a reply, 3 times)" \
            in errors[0] and "--bandwidth-mbps" in errors[0], errors[0]
     assert calls == 3 and "Traceback" not in joiner.stderr()
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_over_routes_closes_once_it_has_the_reply_so_the_handler_closes_last():
+    """Whoever closes a stream first while the other still has data coming can lose it (p2pd resets the stream,
+    and a reset drops what the other side's p2pd still buffers): the reply, when a handler closes right after
+    replying (hivemind's caller waits for that). ``Routes.call`` closes as soon as it has the reply, and a handler
+    that lingers for that close (``send_reply(linger=True)``, the ring's) sees it at once, not after its 2 s."""
+    async def scenario():
+        server = await start_node(host_maddrs=LOOPBACK)
+        caller = await start_node(parse_maddrs([await full_maddr(server)]), host_maddrs=LOOPBACK)
+        lingered = []
+
+        async def serve(stream_info, reader, writer):
+            with closing(writer):
+                frames = await read_frames(reader, 1 << 20)
+                started = time.monotonic()
+                await send_reply(make_response({"frames": len(frames)}), reader, writer, linger=True)
+                lingered.append(time.monotonic() - started)
+
+        try:
+            await server.routes.add_forwardable_handler("ravnest.test_linger", serve)
+            await caller.routes.connect(server.p2p.peer_id, await server.p2p.get_visible_maddrs())
+
+            async def requests():
+                for _ in range(3):
+                    yield make_request({})
+
+            for _ in range(10):
+                response = await caller.routes.call(server.p2p.peer_id, "ravnest.test_linger", requests())
+                assert unpack_metadata(response.metadata) == {"frames": 3}
+            await asyncio.sleep(0.2)
+            assert len(lingered) == 10 and max(lingered) < DISCARD_SECONDS / 4, lingered
+        finally:
+            await stop_node(caller)
+            await stop_node(server)
+
+    asyncio.run(scenario())
+

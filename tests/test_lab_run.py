@@ -2,7 +2,8 @@
 100 Mbit/s, ``--model mlp-digits --steps 3000``, every peer able to hold the whole model. The first joiner trains
 alone; then a round makes 4 clusters of one stage, three of them downloading the layers while the holder trains
 on. Before issue 29 two clusters diverged (the lr x 4 of the linear scaling rule), their records failed every
-renewal, and every volunteer exited on an unexpected error. Now every peer trains to the run's length."""
+renewal, and every volunteer exited on an unexpected error. Now every peer trains to the run's length, and every
+cluster completes most of its averaging rounds."""
 
 import json
 import math
@@ -67,12 +68,21 @@ def test_four_volunteers_two_behind_nat_train_to_the_end_without_diverging(proce
         assert re.search(r"adopted plan round 1 fitness \S+ hash \S+ clusters 1 members first\n", logs["first"])
         assert any(re.search(r"adopted plan round \d+ fitness \S+ hash \S+ clusters 4 ", log) for log in logs.values())
         assert {p["reachability"] for n, p in final.items() if n.startswith("home")} == {"relay"}
+        rounds = {name: (record.get("averaging_rounds") or 0, record.get("averaging_failures") or 0)
+                  for name, record in final.items()}
+        for name, (done, failed) in rounds.items():
+            print(f"{name}: cluster {final[name]['cluster']}, {done} of {done + failed} averaging rounds completed")
         for name, record in final.items():
             assert record["step"] == STEPS, record
-            # every cluster takes part in averaging rounds; that they complete is not asserted: rings between the two
-            # NAT peers, forwarded through the backbone, stall in some runs (all rounds fail: message incomplete
-            # within 20 s), in others 61 of 61 complete: an open problem, in the closing note of issue 29
-            assert (record.get("averaging_rounds") or 0) + (record.get("averaging_failures") or 0) >= 1, record
+            # every cluster averages: most of its rounds complete. Rings in which the two NAT peers are neighbours
+            # (two of every three runs, by the clusters' order) go through the backbone's forwarding; until a
+            # sender kept within the backbone's slots for it, every one of those rounds failed (0 of 55)
+            done, failed = rounds[name]
+            assert done >= 1 and done > failed, record
+            # open (seen in 2 of 8 runs once rounds completed): joiners placed in one round fetch their layers while
+            # the first of them to finish already counts as a second holder; neither holder has an averaged copy,
+            # so a later joiner keeps its seeded weights ("keeping this layer's local weights"), the first round
+            # averages them in, and the first peer's divergence guard restores (state_transfer.fill_layer)
             assert not record.get("out_of_range") and not record.get("divergences"), record
         assert worst_loss <= 1e3 and math.isfinite(worst_loss)
         for name, log in logs.items():

@@ -30,8 +30,8 @@ def make_lab(processes):
     """Build a :class:`NatLab`; at teardown stop the test's processes first, then remove the namespaces."""
     labs = []
 
-    def make(public, homes):
-        lab = NatLab(public, homes).__enter__()
+    def make(public, homes, mbps=None):
+        lab = NatLab(public, homes, mbps=mbps).__enter__()
         labs.append(lab)
         return lab
 
@@ -165,29 +165,64 @@ def test_two_stage_pipeline_with_a_stage_behind_nat_trains(processes, make_lab, 
     assert first["routes"].get("reversed", 0) >= 1 and first["routes"].get("forward", 0) == 0
 
 
+def average_in_a_ring(processes, lab, backbone, places, tmp_path, sizes, seed=11, part_bytes=None, timeout=120):
+    """One averaging round of ``averaging-peer``s, cluster k at ``places[k]`` (maddr, lab host), so the ring runs
+    in the order of ``places``; checks every peer holds the exact mean and returns their results."""
+    peers = []
+    for cluster, (maddr, lab_host) in enumerate(places):
+        args = ["averaging-peer", "--initial-peers", backbone, "--run", RUN, "--cluster", str(cluster), "--stage", "0",
+                "--layer-sizes", ",".join(map(str, sizes)), "--layers", f"0,{len(sizes)}", "--seed", str(seed),
+                "--step", "1", "--host-maddrs", maddr, "--out", str(tmp_path / f"c{cluster}.safetensors")]
+        if part_bytes is not None:
+            args += ["--part-bytes", str(part_bytes)]
+        if cluster == 0:
+            args += ["--publish-plan", str(len(places))]
+        peers.append(processes.start(args, f"c{cluster}", lab_host=lab_host))
+    expected = torch.stack([torch.cat([synthetic_layer(seed, k, j, n) for j, n in enumerate(sizes)])
+                            for k in range(len(places))]).mean(0)
+    results = []
+    for cluster, peer in enumerate(peers):
+        assert peer.wait(timeout) == 0, peer.stderr()[-3000:]
+        results.append(json.loads(peer.stdout().strip().splitlines()[-1]))
+        assert results[-1]["failed_segments"] == [], (results[-1], peer.stderr()[-3000:])
+        values = load_file(str(tmp_path / f"c{cluster}.safetensors"))["values"]
+        assert torch.allclose(values, expected, atol=1e-5)
+    return results
+
+
 @pytest.mark.timeout(180)
 def test_two_volunteers_behind_two_nats_average_through_the_backbone(processes, make_lab, tmp_path):
     lab = make_lab(1, 2)
     backbone = start_backbone(processes, lab)
-    sizes, seed = [3000, 5000], 11
-    peers = []
-    for cluster in range(2):
-        args = ["averaging-peer", "--initial-peers", backbone, "--run", RUN, "--cluster", str(cluster), "--stage", "0",
-                "--layer-sizes", ",".join(map(str, sizes)), "--layers", "0,2", "--seed", str(seed), "--step", "1",
-                "--host-maddrs", lab.home_maddr(cluster), "--out", str(tmp_path / f"c{cluster}.safetensors")]
-        if cluster == 0:
-            args += ["--publish-plan", "2"]
-        peers.append(processes.start(args, f"c{cluster}", lab_host=lab.home_host(cluster)))
-    expected = torch.stack([torch.cat([synthetic_layer(seed, k, j, n) for j, n in enumerate(sizes)])
-                            for k in range(2)]).mean(0)
-    for cluster, peer in enumerate(peers):
-        assert peer.wait(120) == 0, peer.stderr()[-3000:]
-        result = json.loads(peer.stdout().strip().splitlines()[-1])
-        assert result["reachability"] == "relay" and result["failed_segments"] == []
+    results = average_in_a_ring(processes, lab, backbone, [(lab.home_maddr(k), lab.home_host(k)) for k in range(2)],
+                                tmp_path, [3000, 5000])
+    for result in results:
+        assert result["reachability"] == "relay"
         # neither could dial the other: the ring's chunks went through the backbone's forwarding
         assert result["routes"].get("forward", 0) >= 1 and result["routes"].get("calls_forward", 0) >= 1
-        values = load_file(str(tmp_path / f"c{cluster}.safetensors"))["values"]
-        assert torch.allclose(values, expected, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["two-behind-nat", "all-behind-nat"])
+def test_a_ring_of_four_averages_with_neighbours_behind_nat_through_the_backbone(processes, make_lab, tmp_path,
+                                                                                layout):
+    """The lab run's layout (two public volunteers, two behind two NATs, the NATed ones next to each other in the
+    ring), and a ring of four all behind NAT. A member of a ring of 4 sends 6 ring messages at once, each chunk in
+    parts that arrive pipelined; through a backbone, which forwards at most 8 streams at once for one caller and 16
+    in all, those of 2 stripes each took 12 slots: the backbone refused 4, every round failed, and the streams it
+    had let through kept their slots and their receivers waiting 20 s for the rest ("message incomplete"). Now a
+    forwarded message is one stream, opened when its first part is ready, within our slots there, and a backbone
+    that has no slot for it is asked again."""
+    homes = 2 if layout == "two-behind-nat" else 4
+    lab = make_lab(3 if homes == 2 else 1, homes, mbps=100)
+    backbone = start_backbone(processes, lab)
+    places = [(lab.home_maddr(k), lab.home_host(k)) for k in range(homes)]
+    places += [(lab.public_maddr(k), lab.public_host(k)) for k in range(1, 5 - homes)]
+    # at 100 Mbit/s, chunks of 1 MB in 8 parts: the steps overlap, as in a volunteer's rounds
+    results = average_in_a_ring(processes, lab, backbone, places, tmp_path, [600000, 400000], part_bytes=128 * 1024)
+    assert all(result["reachability"] == "relay" for result in results[:homes])
+    # cluster 0, behind NAT, sent its 6 ring messages to cluster 1, behind another NAT, through the backbone
+    assert results[0]["routes"].get("calls_forward", 0) >= 6, results[0]
 
 
 @pytest.mark.timeout(300)

@@ -212,7 +212,9 @@ class MultiRingAverager:
             if isinstance(reply, RPCError):
                 for inbox in filling:
                     inbox.refuse(f"refused: {reply.message}")
-            await send_reply(reply, reader, writer)
+            # the sender (RingSender, over Routes.call) closes once it has the reply: closing first here could
+            # lose the reply on its way, and the sender would send the whole stripe again (transport.call_stream)
+            await send_reply(reply, reader, writer, linger=True)
 
     async def _read_message(self, reader: asyncio.StreamReader, sender: str,
                             filling: List[Inbox]) -> runtime_pb2.ExpertResponse:

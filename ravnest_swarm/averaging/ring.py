@@ -168,10 +168,13 @@ class RingRound:
         try:
             await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # also when the round itself is cancelled (its peer stops, or leaves its stage): an attempt left
+            # running would end later on its own, its exception never retrieved, its streams still open
             interrupted.cancel()
-        if not attempt.done():
-            attempt.cancel()
-            await asyncio.gather(attempt, return_exceptions=True)
+            if not attempt.done():
+                attempt.cancel()
+                await asyncio.gather(attempt, return_exceptions=True)
+        if attempt.cancelled():
             return None  # membership changed or the ring was ended: decide again from the state
         try:
             averaged = attempt.result()

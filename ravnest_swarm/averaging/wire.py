@@ -7,11 +7,13 @@ j + stripes, ... Notes (``arrive``, ``abort``) are metadata alone, on one stream
 
 Stripes. One yamux stream moves at most its flow-control window per round trip: in the lab (100 Mbit/s,
 20 ms one-way) one P2P stream carried 8.8 MB/s where raw TCP carried 11.8, and two concurrent streams
-11.75. So a step's parts are dealt round-robin over ``STREAMS_PER_STEP`` streams to the same peer.
+11.75. So a step's parts are dealt round-robin over ``STREAMS_PER_STEP`` streams to the same peer. Through a
+forwarding backbone a message is one stream, opened once its first part is ready (``RingSender.send_chunk``).
 
 Resends. A stripe whose stream fails on the transport (closed or reset, reply lost) is sent again from its
 first part, at most ``MAX_RESENDS`` times within the ring's deadline; the receiver keeps each part once
-(``mailbox.Inbox``). A refusal from the receiver is final.
+(``mailbox.Inbox``). A refusal from the receiver is final; a forwarding backbone that had no slot for a stream
+(``ForwardBusy``) is asked again until the deadline.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Annotated, AsyncIterator, Callable, List, Literal, Optional, Tuple, Union
+from typing import Annotated, AsyncIterator, Awaitable, Callable, List, Literal, Optional, Tuple, Union
 
 import torch
 from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
@@ -29,7 +31,7 @@ from pydantic import Discriminator, Field, RootModel, Tag, model_validator
 from ravnest_swarm.codecs.codec import Codec
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
-from ravnest_swarm.net.routes import Routes
+from ravnest_swarm.net.routes import ForwardBusy, Routes
 from ravnest_swarm.net.transport import MAX_METADATA_BYTES, make_request, reply_lost
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ REDUCE, GATHER, ABORT, ARRIVE = "reduce", "gather", "abort", "arrive"
 CONTROL_TIMEOUT = 2.0  # how long a note may take to reach a member
 MAX_RESENDS = 3  # per stripe; each waits RESEND_BACKOFF x its number first
 RESEND_BACKOFF = 0.1
+BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.2, 1.0  # a forwarding backbone without a slot for us: asked again after these
 ROUND_OVER = "is over here"  # how a peer refuses a message for a round it has finished
 
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -184,6 +187,12 @@ class Outbox:
     def delivered(self) -> None:
         self.parts.clear()
 
+    async def ready(self, first: int) -> None:
+        """Until part ``first`` is here, or the outbox is closed (a stripe that carries no part) or abandoned."""
+        while len(self.parts) <= first and not self.closed and not self.abandoned:
+            self.changed.clear()
+            await self.changed.wait()
+
     async def stripe(self, first: int, every: int) -> AsyncIterator[runtime_pb2.Tensor]:
         """Parts ``first``, ``first + every``, ... as they become ready, until the outbox is closed."""
         index = first
@@ -213,11 +222,21 @@ class RingSender:
 
         Each stripe is resent on its own; the message fails if one of them does, and is delivered when all are.
         Returns how many times a stripe was sent again.
+
+        Through a forwarding backbone (both peers behind NAT) a message is one stream, opened only once its first
+        part is ready: the backbone forwards only so many streams at once for us (``Routes.call`` waits for one of
+        its slots), and a stream that held a slot while it waited for parts still to come from our predecessor
+        could hold every slot our predecessor's own stream needs to bring them, around the ring. A stream opened
+        with its data ready holds its slot only while its predecessor's stream of the step before holds one,
+        and so on down to step 0, which needs nobody: every stream holding a slot makes progress.
         """
-        stripes = self.streams_per_step
+        peer_id = PeerID.from_base58(peer)
+        forwarded = self.routes.route(peer_id) == "forward"
+        stripes = 1 if forwarded else self.streams_per_step
         sends = [asyncio.create_task(self._send_stream(
             peer, message.model_copy(update=dict(stripe=stripe, stripes=stripes)),
-            lambda stripe=stripe: outbox.stripe(stripe, stripes), deadline)) for stripe in range(stripes)]
+            lambda stripe=stripe: outbox.stripe(stripe, stripes), deadline,
+            ready=(lambda stripe=stripe: outbox.ready(stripe)) if forwarded else None)) for stripe in range(stripes)]
         try:
             resends = sum(resent for _, resent in await asyncio.gather(*sends))
         finally:
@@ -233,17 +252,18 @@ class RingSender:
         return decode_message(RingReply, response.metadata, "ring reply")
 
     async def _send_stream(self, peer: str, message: RingMessage,
-                           parts: Optional[Callable[[], AsyncIterator[runtime_pb2.Tensor]]],
-                           deadline: float) -> Tuple[runtime_pb2.ExpertResponse, int]:
-        """One stream: the metadata, then every part ``parts()`` yields as soon as it is ready (None: none).
+                           parts: Optional[Callable[[], AsyncIterator[runtime_pb2.Tensor]]], deadline: float,
+                           ready: Optional[Callable[[], Awaitable[None]]] = None) -> Tuple[runtime_pb2.ExpertResponse, int]:
+        """One stream: the metadata, then every part ``parts()`` yields as soon as it is ready (None: none, a note,
+        sent as a small message); ``ready()`` returns once the stream may open.
 
         A transport failure (the stream closed or reset, the reply lost) sends it again from its first part, up
-        to ``MAX_RESENDS`` times within ``deadline``; the receiver keeps each part once. A refusal from the
-        receiver is final. Returns the receiver's reply and how many times the stream was sent again.
+        to ``MAX_RESENDS`` times within ``deadline``; the receiver keeps each part once. A forwarding backbone that
+        had no slot for it (``ForwardBusy``: nothing was delivered) is asked again until ``deadline``. A refusal
+        from the receiver is final. Returns the receiver's reply and how many times the stream was sent again.
         """
         metadata = message.as_metadata()
         routes, peer_id = self.routes, PeerID.from_base58(peer)
-        route = routes.chosen.get(peer_id)
 
         async def stream():
             # the metadata goes alone: a stripe of a message shorter than its stripes carries no part
@@ -252,27 +272,38 @@ class RingSender:
                 async for part in parts():
                     yield runtime_pb2.ExpertRequest(tensors=[part])
 
-        resends = 0
+        async def call() -> runtime_pb2.ExpertResponse:
+            if ready is not None:
+                await ready()
+            return await routes.call(peer_id, RING_HANDLER, stream(), runtime_pb2.ExpertResponse, small=parts is None)
+
+        resends, busy = 0, 0
         while True:
             try:
-                response = await asyncio.wait_for(
-                    routes.call(peer_id, RING_HANDLER, stream(), runtime_pb2.ExpertResponse),
-                    max(0.0, deadline - time.monotonic()))
+                response = await asyncio.wait_for(call(), max(0.0, deadline - time.monotonic()))
                 return response, resends
             except (P2PHandlerError, asyncio.TimeoutError):
                 raise
+            except ForwardBusy as e:
+                busy += 1
+                backoff = min(BUSY_BACKOFF * busy, MAX_BUSY_BACKOFF)
+                if time.monotonic() + backoff >= deadline:
+                    raise
+                logger.info(f"ring message {_what(message)} to {peer[-8:]} waits for the backbone ({e})")
+                await asyncio.sleep(backoff)
             except Exception as e:
                 backoff = RESEND_BACKOFF * (resends + 1)
                 if not _lost_on_the_way(e) or resends == MAX_RESENDS or time.monotonic() + backoff >= deadline:
                     raise
                 resends += 1
-                stripe = message.stripe if isinstance(message, RingPart) else 0
-                what = f"{message.phase} {message.position} of ring {message.ring} (stripe {stripe})"
-                logger.warning(f"ring message {what} to {peer[-8:]} was lost ({type(e).__name__}: {e}); "
+                logger.warning(f"ring message {_what(message)} to {peer[-8:]} was lost ({type(e).__name__}: {e}); "
                                f"sending it again ({resends}/{MAX_RESENDS})")
-                if route is not None:
-                    routes.chosen.setdefault(peer_id, route)  # Routes forgets a route after a failed call
                 await asyncio.sleep(backoff)
+
+
+def _what(message: RingMessage) -> str:
+    stripe = message.stripe if isinstance(message, RingPart) else 0
+    return f"{message.phase} {message.position} of ring {message.ring} (stripe {stripe})"
 
 
 def _lost_on_the_way(error: Exception) -> bool:

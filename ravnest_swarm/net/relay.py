@@ -15,18 +15,17 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.net.messages import Handler, MessageError, decode_message, register_handler
-from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, REVERSE_CONNECT, REVERSE_TIMEOUT,
-                                      DialMeReply, DialRequest, ForwardedHeader, ForwardHeader, Relayed,
-                                      ReverseConnectReply, error_text, read_header, refuse_stream)
+from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARD_BUSY, FORWARDED, MAX_FORWARD_STREAMS,
+                                      MAX_FORWARD_STREAMS_PER_CALLER, REVERSE_CONNECT, REVERSE_TIMEOUT, DialMeReply,
+                                      DialRequest, ForwardedHeader, ForwardHeader, Relayed, ReverseConnectReply,
+                                      error_text, read_header, refuse_stream)
 from ravnest_swarm.net.transport import UNARY_MAX_BYTES, make_request, make_response
 
 logger = logging.getLogger(__name__)
 
 MAX_FORWARD_BYTES = 256 * 1024**2
-MAX_FORWARD_STREAMS = 16
-# an honest NATed peer forwards 2 stripes per ring it averages in and a pipeline message or two at once; half the
-# slots leaves it room and leaves the other half to everyone else
-MAX_FORWARD_STREAMS_PER_CALLER = MAX_FORWARD_STREAMS // 2
+# the caps on streams (MAX_FORWARD_STREAMS, MAX_FORWARD_STREAMS_PER_CALLER) are in routes.py: an honest caller
+# (Routes.call) keeps within the one for a caller, which leaves the other half of the slots to everyone else
 
 register_handler(Handler(REVERSE_CONNECT, DialRequest, ReverseConnectReply, UNARY_MAX_BYTES,
                          callers="any peer that cannot dial a peer behind NAT (Routes.connect)", owner=__name__))
@@ -104,10 +103,9 @@ class RelayServices:
         caller = info.peer_id
         with closing(writer):
             if self._active >= self.max_forward_streams:
-                reason = f"this backbone forwards at most {self.max_forward_streams} streams at once"
+                reason = f"{FORWARD_BUSY} {self.max_forward_streams} streams at once"
             elif self._active_by_caller[caller] >= self.max_forward_streams_per_caller:
-                reason = (f"this backbone forwards at most {self.max_forward_streams_per_caller} streams at once "
-                          f"for one caller")
+                reason = f"{FORWARD_BUSY} {self.max_forward_streams_per_caller} streams at once for one caller"
             else:
                 self._active += 1
                 self._active_by_caller[caller] += 1
@@ -150,15 +148,17 @@ class RelayServices:
             upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
             downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
             try:
-                # the reply ends the exchange: the target closes its side once it has answered
+                # the reply ends the exchange: the target closes its side once it has answered. The caller's side
+                # ending first means the caller went away (p2pd closes a stream both ways; a caller reads the
+                # reply before it closes): the target's side is closed at once too, so the target sees the message
+                # broken off, as it would have directly, instead of waiting out its timeout for the rest of it
+                # while this stream holds a slot here
                 done, _ = await asyncio.wait({upstream, downstream}, timeout=self.forward_timeout,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if upstream in done and upstream.exception() is not None:
                     downstream.cancel()  # our refusal is the caller's answer: no bytes of the target's may mix in
                     self._refuse(info.peer_id, str(upstream.exception()))
                     await refuse_stream(reader, writer, str(upstream.exception()))
-                elif upstream in done:
-                    await asyncio.wait_for(downstream, self.forward_timeout)
             except (asyncio.TimeoutError, ConnectionError):
                 pass
             finally:

@@ -15,7 +15,8 @@ open to its backbone (its initial peer): over it the backbone can call the volun
 * **Forwarding**: when neither side can dial the other (two NATs), the sender streams to the backbone's
   ``ravnest.forward`` handler, which pipes the bytes into the target's ``ravnest.forwarded`` handler over
   the target's connection, and the reply back. The target trusts only its own backbones to say who the
-  original sender was. The backbone caps each stream and the number of streams, and counts the bytes.
+  original sender was. The backbone caps each stream and the number of streams, and counts the bytes; a
+  sender keeps within its share of those streams (:meth:`Routes.call` waits for a slot).
 
 Every node started by :func:`ravnest_swarm.net.node.start_node` carries its :class:`Routes`
 (``node.routes``), whose backbones are its initial peers; the parts that send are given that object.
@@ -40,8 +41,8 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import AfterValidator, ConfigDict, Field
 
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
-from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, make_request,
-                                         make_response, send_reply)
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, call_stream,
+                                         make_request, make_response, send_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,17 @@ MAX_ERROR_CHARS = 300
 PROBE_CHUNK_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 64 * 1024 * 1024 + 1024 * 1024  # 64 MiB of payload plus framing
 PROBE_TIMEOUT = 120.0
+# A backbone's forwarding caps (relay.RelayServices' defaults): streams it pipes at once, in all and for one caller.
+# A caller over either is refused with a reason that starts with FORWARD_BUSY.
+MAX_FORWARD_STREAMS = 16
+MAX_FORWARD_STREAMS_PER_CALLER = MAX_FORWARD_STREAMS // 2
+FORWARD_BUSY = "this backbone forwards at most"
+# A sender keeps its streams through one backbone within that backbone's share for one caller, less one: the
+# backbone frees a slot a moment after our call returned (when the target's side of the stream closes), so a
+# stream opened at once must not need it. SMALL_FORWARD_SLOTS of them are kept for small messages (a ring's
+# notes), which must not wait behind bulk streams.
+FORWARD_SLOTS = MAX_FORWARD_STREAMS_PER_CALLER - 1
+SMALL_FORWARD_SLOTS = 2
 
 StreamHandler = Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -113,6 +125,11 @@ class ForwardedHeader(Message):
 
     sender: PeerIdText = Field(alias="from")  # "from" on the wire, a Python keyword
     handler: HandlerNameText
+
+
+class ForwardBusy(ConnectionError):
+    """A backbone refused to forward a stream for lack of a slot (its caps, ``FORWARD_BUSY``): it was not
+    delivered, and may be sent again in a moment."""
 
 
 class Relayed(Message):
@@ -185,14 +202,24 @@ class Routes:
         peers whose ``dial_me`` and ``forwarded`` requests we accept, and the ones we ask for help
     :param direct_timeout: seconds a direct dial may take before we try a backbone
     :param reverse_timeout: seconds a reversal (backbone round trip plus the target's dial) may take
+    :param forward_slots: streams we have a backbone forward at once (more wait for one to end); at most its
+        cap for one caller, of which ``SMALL_FORWARD_SLOTS`` are kept for small messages
     """
 
     def __init__(self, p2p: P2P, backbones: Sequence[PeerID], direct_timeout: float = DIRECT_DIAL_TIMEOUT,
-                 reverse_timeout: float = REVERSE_TIMEOUT):
+                 reverse_timeout: float = REVERSE_TIMEOUT, forward_slots: int = FORWARD_SLOTS):
+        if forward_slots <= SMALL_FORWARD_SLOTS:
+            raise ValueError(f"forward_slots must be above the {SMALL_FORWARD_SLOTS} kept for small messages")
         self.p2p, self.backbones = p2p, list(backbones)
         self.direct_timeout, self.reverse_timeout = direct_timeout, reverse_timeout
+        self.forward_slots = forward_slots
         self.reachability = "unknown"  # ours, as a backbone's dial-back found it (check_reachability sets it)
         self.chosen: Dict[PeerID, Tuple[str, Optional[PeerID]]] = {}  # peer -> (direct|reversed|forward, backbone)
+        # the last route chosen to each peer: calls keep using it after a failure made us forget it, until the next
+        # connect chooses again (a peer behind NAT cannot be dialled "direct", which calls would otherwise try)
+        self._last: Dict[PeerID, Tuple[str, Optional[PeerID]]] = {}
+        # per backbone: every stream it forwards for us, and those of them that are not small
+        self._forward_slots: Dict[PeerID, Tuple[asyncio.Semaphore, asyncio.Semaphore]] = {}
         self.counts: Counter = Counter()  # routes established, by kind, calls made over them, requests refused
         self._forwardable: Dict[str, StreamHandler] = {}
         self._locks: Dict[PeerID, asyncio.Lock] = {}
@@ -225,7 +252,7 @@ class Routes:
                 # a connection it opened to us counts as direct too: either side dialling is enough
                 if route is None:
                     logger.info(f"route to {peer_id}: direct over a connection already open")
-                self.chosen[peer_id] = route or ("direct", None)
+                self.chosen[peer_id] = self._last[peer_id] = route or ("direct", None)
                 return self.chosen[peer_id][0]
             problems = []
             if reachability != "relay" and maddrs:
@@ -256,10 +283,11 @@ class Routes:
         self.chosen.pop(peer_id, None)
 
     def route(self, peer_id: PeerID) -> Optional[str]:
-        return self.chosen.get(peer_id, (None, None))[0]
+        """The route :meth:`call` takes to ``peer_id`` now (None: none chosen yet, it tries direct)."""
+        return self.chosen.get(peer_id, self._last.get(peer_id, (None, None)))[0]
 
     def _use(self, peer_id: PeerID, kind: str, backbone: Optional[PeerID]) -> str:
-        self.chosen[peer_id] = (kind, backbone)
+        self.chosen[peer_id] = self._last[peer_id] = (kind, backbone)
         self.counts[kind] += 1
         logger.info(f"route to {peer_id}: {kind}" + (f" via backbone {backbone}" if backbone else ""))
         return kind
@@ -288,43 +316,54 @@ class Routes:
 
     # ---- calling -------------------------------------------------------------------------------
 
-    async def call(self, peer_id: PeerID, name: str, requests, output_type=runtime_pb2.ExpertResponse):
-        """``P2P.call_protobuf_handler`` with a stream of requests, over the route :meth:`connect` chose."""
-        kind, backbone = self.chosen.get(peer_id, ("direct", None))
+    async def call(self, peer_id: PeerID, name: str, requests, output_type=runtime_pb2.ExpertResponse,
+                   small: bool = False):
+        """``P2P.call_protobuf_handler`` with a stream of requests, over the route :meth:`connect` chose.
+
+        Through a forwarding backbone, the call first waits for one of our slots there (``forward_slots``;
+        ``small``: a short message, which may also take the slots kept for those), so we never open more streams
+        than the backbone forwards for one caller. A caller that opens a stream before its first bytes are ready
+        holds a slot while it waits (the ring opens a forwarded stream only once its data is ready).
+        ``ForwardBusy`` says the backbone refused it for lack of a slot all the same (others' streams took them).
+        """
+        kind, backbone = self.chosen.get(peer_id, self._last.get(peer_id, ("direct", None)))
         self.counts[f"calls_{kind}"] += 1
         try:
             if kind == "forward":
-                return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
-            return await self.p2p.call_protobuf_handler(peer_id, name, requests, output_type)
-        except P2PHandlerError:
-            raise  # the peer answered: the route works
-        except BaseException:
-            self.forget(peer_id)
+                every, bulk = self._slots(backbone)
+                if small:
+                    async with every:
+                        return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
+                async with bulk, every:
+                    return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, name)
+            with closing(writer):
+                return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}")
+        except (P2PHandlerError, ForwardBusy):
+            raise  # the peer (or the backbone, busy) answered: the route works
+        except Exception:
+            self.forget(peer_id)  # not on a cancellation: the caller gave up, which says nothing of the route
             raise
+
+    def _slots(self, backbone: PeerID) -> Tuple[asyncio.Semaphore, asyncio.Semaphore]:
+        if backbone not in self._forward_slots:
+            self._forward_slots[backbone] = (asyncio.Semaphore(self.forward_slots),
+                                             asyncio.Semaphore(self.forward_slots - SMALL_FORWARD_SLOTS))
+        return self._forward_slots[backbone]
 
     async def _call_forwarded(self, backbone: PeerID, peer_id: PeerID, name: str, requests, output_type):
         _, reader, writer = await self.p2p.call_binary_stream_handler(backbone, FORWARD)
         with closing(writer):
             header = ForwardHeader(to=peer_id.to_base58(), handler=name)
             await P2P.send_protobuf(make_request(header.as_metadata()), writer)
-
-            async def write() -> None:
-                async for request in requests:
-                    await P2P.send_protobuf(request, writer)
-                await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
-
-            writing = asyncio.create_task(write())
+            what = f"`{name}` at {peer_id} via {backbone}"
             try:
-                response, error = await P2P.receive_protobuf(output_type, reader)
-            except asyncio.IncompleteReadError:
-                raise ConnectionError(f"backbone {backbone} closed the forwarded stream to {peer_id} without a reply")
-            finally:
-                if not writing.done():
-                    writing.cancel()
-                await asyncio.gather(writing, return_exceptions=True)
-            if error is not None:
-                raise P2PHandlerError(f"Failed to call handler `{name}` at {peer_id} via {backbone}: {error.message}")
-            return response
+                return await call_stream(reader, writer, requests, output_type, what)
+            except P2PHandlerError as e:
+                reason = str(e).removeprefix(f"Failed to call handler {what}: ")
+                if reason.startswith(FORWARD_BUSY):  # the backbone's refusal, before it piped anything
+                    raise ForwardBusy(f"backbone {backbone} did not forward to {peer_id}: {reason}") from None
+                raise
 
     # ---- serving our backbones -----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 import msgpack
 from google.protobuf.message import DecodeError
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import DEFAULT_MAX_MSG_SIZE
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
@@ -28,13 +28,51 @@ MAX_METADATA_BYTES = 64 * 1024
 UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE
 DISCARD_SECONDS = 2.0
 # hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
-EMPTY_REPLY = "got an empty iterable"
+EMPTY_REPLY = "got an empty iterable"  # see call_stream for why
+
+
+class ReplyLost(ConnectionError):
+    """The stream closed before the receiver's reply came (:func:`call_stream`)."""
 
 
 def reply_lost(error: Exception) -> bool:
     """Whether a call failed because its stream closed before the reply came (hivemind raises a ValueError from
-    ``asingle()``): the message may never have been handled, so sending it again is safe and worth it."""
-    return isinstance(error, ValueError) and EMPTY_REPLY in str(error)
+    ``asingle()``, :func:`call_stream` :class:`ReplyLost`): the message may never have been handled, so sending
+    it again is safe and worth it."""
+    return isinstance(error, ReplyLost) or isinstance(error, ValueError) and EMPTY_REPLY in str(error)
+
+
+async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: AsyncIterator,
+                      output_type, what: str):
+    """A streamed call on an open stream: ``requests`` then hivemind's end of stream, and exactly one reply read
+    back, as ``P2P.call_protobuf_handler`` frames them; the caller closes the stream at once after.
+
+    Unlike ``call_protobuf_handler``, this does not wait for the receiver to close first. A receiver that closes
+    its side right after its reply makes p2pd reset the stream (its side closes for reading, and its pipe from
+    the stream then fails), and a reset that reaches the sender's p2pd before the reply was read from its buffer
+    drops the reply: hivemind's ``asingle() ... got an empty iterable`` for a message the receiver handled. So
+    the sender, which has everything once it has the reply, closes first, and a receiver that can (the ring
+    handler, ``send_reply(linger=True)``) waits for that. The requests are written in their own task: a
+    receiver may answer (a refusal) before it read them all. ``what`` names the call in errors:
+    ``P2PHandlerError`` for the receiver's error reply, :class:`ReplyLost` for none.
+    """
+    async def write() -> None:
+        async for request in requests:
+            await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+    writing = asyncio.create_task(write())
+    try:
+        response, error = await P2P.receive_protobuf(output_type, reader)
+    except asyncio.IncompleteReadError:
+        raise ReplyLost(f"{what} closed the stream with no reply") from None
+    finally:
+        if not writing.done():
+            writing.cancel()
+        await asyncio.gather(writing, return_exceptions=True)
+    if error is not None:
+        raise P2PHandlerError(f"Failed to call handler {what}: {error.message}")
+    return response
 
 
 def pack_metadata(metadata: Dict[str, Any]) -> bytes:
@@ -141,12 +179,16 @@ async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaita
     return RPCError(message=reason)
 
 
-async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     linger: bool = False) -> None:
     """Send a handler's reply; after an error, drop what the sender still writes for a moment, since closing
-    with unread input resets the stream before the sender reads our reason."""
+    with unread input resets the stream before the sender reads our reason. ``linger``: after any reply, wait
+    as long for the sender to close first, as a sender using :func:`call_stream` does once it has the reply
+    (our closing first could lose the reply on its way, see there); one using hivemind's
+    ``call_protobuf_handler`` waits for us to close, so it would wait that long for nothing."""
     try:
         await P2P.send_protobuf(reply, writer)
-        if isinstance(reply, RPCError):
+        if linger or isinstance(reply, RPCError):
             await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
     except (ConnectionError, asyncio.TimeoutError):
         pass  # the sender went away or keeps writing; it has our answer or will retry
