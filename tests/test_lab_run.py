@@ -79,10 +79,10 @@ def test_four_volunteers_two_behind_nat_train_to_the_end_without_diverging(proce
             # sender kept within the backbone's slots for it, every one of those rounds failed (0 of 55)
             done, failed = rounds[name]
             assert done >= 1 and done > failed, record
-            # open (seen in 2 of 8 runs once rounds completed): joiners placed in one round fetch their layers while
-            # the first of them to finish already counts as a second holder; neither holder has an averaged copy,
-            # so a later joiner keeps its seeded weights ("keeping this layer's local weights"), the first round
-            # averages them in, and the first peer's divergence guard restores (state_transfer.fill_layer)
+            # joiners placed in one round fetch their layers while the first of them to finish already counts as a
+            # second holder; neither holder has an averaged copy: a later joiner kept its seeded weights, the first
+            # round averaged them in and the first peer's divergence guard restored (2 of 8 runs). It now takes
+            # the live weights of the holder at the agreed step (state_transfer.fill_layer)
             assert not record.get("out_of_range") and not record.get("divergences"), record
         assert worst_loss <= 1e3 and math.isfinite(worst_loss)
         for name, log in logs.items():

@@ -199,10 +199,16 @@ def test_two_holders_that_disagree_with_no_third_leave_the_local_weights_and_say
     assert same_weights(before, fresh)
 
 
-def test_holders_without_an_averaged_copy_are_not_compared_and_the_layer_keeps_its_weights():
-    """Two holders that have not averaged yet have no copy in common: the joiner keeps its weights and says
-    that neither holds an averaged copy."""
-    holders = [dict(live=(trained_stage(1.0), 5), step=5), dict(live=(trained_stage(2.0), 6), step=6)]
+def test_holders_without_an_averaged_copy_give_the_live_weights_of_the_one_at_the_agreed_step():
+    """Two holders that have not averaged yet (the run's first clusters: one trained alone, the other took its
+    layers a moment ago) have no copy in common: the joiner takes the live weights of the holder at the agreed
+    (median) step, and says so, rather than keep its seeded ones and undo the run's training at its first
+    averaging round (seen in the NAT lab run: the first peer's divergence guard then restored)."""
+    first = trained_stage(1.0)
+    holders = [dict(live=(first, 5), step=5), dict(live=(trained_stage(2.0), 6), step=6)]
     fresh = get_model("mlp-digits").build_stage(0, 3)
     filled, _ = fill(holders, fresh)
-    assert not filled[0].loaded and "does not hold an averaged copy of layers [0]" in filled[0].problem, filled[0]
+    assert all(f.loaded and f.step == 5 for f in filled), filled
+    assert "no two of its 2 holders serve the same averaged copy (0 different ones): took the live weights of" \
+        in filled[0].problem, filled[0]
+    assert same_weights(first, fresh)

@@ -12,8 +12,11 @@ alone where others can be asked:
 * where two or more count, two of them must serve the same content (sha256 of every tensor): each
   serves the layer as its last averaging round left it (identical on every member of the rings, while
   the live weights of two clusters drift apart), and we ask holder after holder until two agree;
-  if none do, we keep our own weights and say so. One holder alone is asked for its live weights, which it
-  copies once for our whole download, so all the layers we get from it are of one step.
+  if none do, we keep our own weights and say so; but where none of them has an averaged copy at all (the
+  first clusters of a run: one trained alone, the others took its layers a moment ago), we take the live
+  weights of the holder nearest the agreed step, and say so.
+  One holder alone is asked for its live weights, which it copies once for our whole download, so all the
+  layers we get from it are of one step.
 
 Wire format: a server-streaming handler ``ravnest.layer_state``. The request (one frame, read bounded)
 names the run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts
@@ -373,8 +376,22 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
             layer_module.load_state_dict(tensors)
             return LayerFill(step, True)
     if averaged:
-        errors.insert(0, f"no two of its {len(counted)} holders serve the same averaged copy "
-                         f"({len(copies)} different ones)")
+        disagreement = f"no two of its {len(counted)} holders serve the same averaged copy ({len(copies)} different ones)"
+        # none has averaged yet (the run's first clusters: a holder that trained alone, and joiners that took its
+        # layers a moment ago): the live weights of the holder at the agreed step beat our seeded ones, which
+        # would undo all the training before us at the first averaging round. Copies that differ are another
+        # matter: one of their holders lies, and neither is believed
+        for offer in sorted(counted, key=lambda offer: abs(offer.step - step)) if not copies else []:
+            try:
+                tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach,
+                                                         False)
+            except StateTransferError as e:
+                errors.append(str(e))
+                continue
+            layer_module.load_state_dict(tensors)
+            return LayerFill(served_step, True, CONTROL_CHARACTER_RE.sub(
+                " ", f"layer {layer}: {disagreement}: took the live weights of {offer.holder} at step {served_step}"))
+        errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
     return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"))
 

@@ -435,6 +435,8 @@ class Volunteer:
                 if not filled.loaded:
                     self.say(f"{self.name}: {filled.problem}; keeping this layer's local weights")
                     self._note(f"kept the local weights of {filled.problem}")
+                elif filled.problem:
+                    self.say(f"{self.name}: {filled.problem}")
                 step = max(step, filled.step)
                 progress.advance(task)
         return step
