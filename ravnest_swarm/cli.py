@@ -127,7 +127,7 @@ def join(
                                                        "int8, int6, int4 or int3 (docs/pipeline.md)."),
     link_bound_compression: Optional[str] = typer.Option(None, "--link-bound-compression", help="Run spec: the "
                                                          "stronger codec a stage boundary switches to while its link is "
-                                                         "the bottleneck (default: none, never switch)."),
+                                                         "the bottleneck (default int8; the run's own codec: never)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
                                         "every stage (default 300); every volunteer trains until the run reaches it."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
@@ -268,8 +268,9 @@ def local(
     pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="The codec of activations "
                                              "and gradients between stages: none, float16, meanstd16, int8, int6, "
                                              "int4 or int3 (docs/pipeline.md)."),
-    link_bound_compression: str = typer.Option("", "--link-bound-compression", help="The stronger codec a stage "
-                                               "boundary switches to while its link is the bottleneck ('': never)."),
+    link_bound_compression: str = typer.Option("int8", "--link-bound-compression", help="The stronger codec a "
+                                               "stage boundary switches to while its link is the bottleneck (the run's "
+                                               "own codec: never)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),

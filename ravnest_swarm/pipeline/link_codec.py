@@ -30,11 +30,11 @@ MIN_LINK_SHARE = 0.2
 
 class LinkCodec:
     """:param base: the run's codec (``pipeline_compression``); :param strong: its ``link_bound_compression``
-    ("" never switches)."""
+    ("", or the base itself, never switches)."""
 
     def __init__(self, base: str, strong: str = "", window: float = WINDOW_S, switch_at: float = SWITCH_AT,
                  back_below: float = BACK_BELOW, min_link_share: float = MIN_LINK_SHARE):
-        self.base, self.strong, self.current = base, strong, base
+        self.base, self.strong, self.current = base, "" if strong == base else strong, base
         self.window, self.switch_at, self.back_below = window, switch_at, back_below
         self.min_link_share = min_link_share
         self.link_per_compute: Optional[float] = None  # the last window's
