@@ -42,7 +42,7 @@ class Codec:
     ring's part, whose length the ring checks)."""
 
     name: str
-    bytes_per_value: float  # on the wire, the blockwise scales included (for the docs and the bench)
+    bytes_per_value: float  # on the wire, the blockwise scales included (LinkCodec weighs two codecs by it)
 
     def encode(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
         raise NotImplementedError
