@@ -10,6 +10,9 @@ Writes go to a temporary file in the same directory, are fsynced, then renamed o
 (and the directory fsynced), so a crash at any moment leaves either the old or the new checkpoint,
 never half of one. A writer killed mid-write leaves at most its hidden ``.tmp-*.part`` file, which is
 never read as a checkpoint (:func:`remove_unfinished_writes` clears them).
+
+:class:`SafetensorsWriter` writes a safetensors file one tensor at a time (an export, ``swarm/export.py``), the same
+way: a temporary file renamed into place.
 """
 
 from __future__ import annotations

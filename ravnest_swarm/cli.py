@@ -167,6 +167,14 @@ def join(
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file, for a run you start "
                                             "(default ~/.config/ravnest-swarm/owners/RUN.key)."),
+    snapshot_dir: Optional[str] = typer.Option(None, "--snapshot-dir", help="Append the run's figures (loss, "
+                                               "samples/s, peers, clusters, averaging rounds) to DIR/metrics.jsonl "
+                                               "every heartbeat (`ravnest-swarm plot DIR`)."),
+    snapshot_every: int = typer.Option(0, "--snapshot-every", min=0, help="Also export the run to "
+                                       "DIR/snapshot-STEP every this many steps, keeping the last 3 (0: never)."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="An export (a snapshot) whose layers fill those "
+                                            "nobody serves, at their steps, instead of fresh weights: a new run from "
+                                            "it, or a stage restarted after all its holders left."),
     report: Optional[str] = typer.Option(None, "--report", hidden=True, help="When the run is finished, write our "
                                          "stage's timings here (JSON; bench speedup)."),
     log_file: Optional[str] = LogFile,
@@ -197,6 +205,7 @@ def join(
         outer_lr=outer_lr,
         divergence_factor=divergence_factor, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
+        snapshot_dir=snapshot_dir, snapshot_every=snapshot_every, init_from=init_from,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,
         min_peers=min_peers, round_period=round_period, round_seconds=round_seconds, num_layers=num_layers,
         dashboard=not no_dashboard, log_file=log_file, verbose=verbose)))
@@ -527,6 +536,24 @@ def bench_quality(
     from ravnest_swarm.bench.quality import bench_quality as run
 
     sys.exit(run_async(run(peers, steps, model, as_json, repeats)))
+
+
+@bench_app.command("export")
+def bench_export(
+    model: str = typer.Option("gpt-350m", "--model", help="Zoo model whose local-run checkpoints are exported."),
+    stages: int = typer.Option(4, "--stages", min=1, max=64, help="Stages the local run split it into."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Peak memory of exporting a model from a local run's checkpoints, against the size of two of its stages.
+
+    \b
+    Example:
+      ravnest-swarm bench export --model gpt-350m --stages 4 --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.export import bench_export as run
+
+    sys.exit(run_blocking(lambda: run(model, stages, as_json)))
 
 
 @bench_app.command("membership")

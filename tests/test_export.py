@@ -20,6 +20,7 @@ from ravnest_swarm.swarm.exported import layer_prefixes, read_export
 from ravnest_swarm.swarm.state_transfer import fetch_layer
 
 RUN = "export-test"
+PERIOD = 4000  # steps between averaging rounds mid-run: long enough that the copies stay while we compare
 
 
 @pytest.fixture
@@ -63,7 +64,7 @@ def test_export_mid_run_equals_the_averaged_copy_its_holders_serve_at_that_step(
     copy two of them serve as their last averaging round left it; asked right after, every holder whose averaged
     copy is still of that step serves exactly the exported tensors, and the served_by peers are among them."""
     for index in range(4):
-        swarm(f"p{index}", steps=100_000, averaging_period=400, extra=("--min-peers", "4"))
+        swarm(f"p{index}", steps=100_000, averaging_period=PERIOD, extra=("--min-peers", "4"))
     swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 4 and len({p["cluster"] for p in placed(peers).values()})
                            == 2 and all((p.get("averaging_rounds") or 0) >= 1 for p in placed(peers).values()),
                            300, "two clusters that averaged once")
@@ -77,22 +78,24 @@ def test_export_mid_run_equals_the_averaged_copy_its_holders_serve_at_that_step(
         assert manifest["source"] == "swarm" and manifest["run"].startswith(f"{RUN}@")
         assert [layer["index"] for layer in manifest["layers"]] == list(range(len(model.layers)))
         records = {p["peer_id"]: p for p in swarm.watcher.peers().values()}
-        compared = 0
+        compared, seen = 0, []
         for entry in manifest["layers"]:
-            assert len(entry["served_by"]) == 2 and entry["step"] > 0 and entry["step"] % 400 == 0, entry
+            assert len(entry["served_by"]) == 2 and entry["step"] > 0 and entry["step"] % PERIOD == 0, entry
             holders = [pid for pid, p in records.items() if p.get("layers") and
                        p["layers"][0] <= entry["index"] < p["layers"][1]]
             assert set(entry["served_by"]) <= set(holders), (entry, holders)
             for holder in holders:
                 tensors, step = fetch_averaged(swarm.watcher, records[holder], entry["index"], model)
+                seen.append((entry["index"], entry["step"], step, records[holder].get("step")))
                 if step == entry["step"]:
                     assert all(torch.equal(tensors[name], layers[entry["index"]][name]) for name in tensors), \
                         (entry, holder)
                     compared += 1
+        print(f"export {attempt}: compared {compared} copies; (layer, exported step, holder's copy, its step): {seen}")
         if compared >= 2 * len(model.layers):
             break
     else:
-        raise AssertionError("every export was overtaken by an averaging round before the holders were asked")
+        raise AssertionError(f"every export was overtaken by an averaging round before the holders were asked: {seen}")
     assert (out / "model.json").stat().st_mode & 0o044  # readable by others: a model to share
 
 
@@ -114,8 +117,9 @@ def test_export_after_the_run_finished_equals_the_holders_final_layers(swarm, tm
     """One cluster of two stages trains its 120 steps; its peers stay to serve their layers. The export then equals
     each holder's final checkpoint tensor for tensor, at step 120, each layer served by the peer that trained it;
     and `evaluate` of it works."""
-    for index in range(2):
-        swarm(f"q{index}", steps=120, extra=("--min-peers", "2"))
+    history = tmp_path / "history"
+    for index in range(2):  # q0 keeps the run's history too
+        swarm(f"q{index}", steps=120, extra=("--min-peers", "2", *(("--snapshot-dir", str(history)) if index == 0 else ())))
     peers = swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
                                    all(p["state"] == "done" for p in placed(peers).values()), 240,
                                    "both stages trained the run's 120 steps")
@@ -135,6 +139,10 @@ def test_export_after_the_run_finished_equals_the_holders_final_layers(swarm, tm
         assert entry["step"] == 120 and [by_id[p] for p in entry["served_by"]] == [trainer], entry
         assert tensors.keys() == layers[entry["index"]].keys()
         assert all(torch.equal(tensors[key], layers[entry["index"]][key]) for key in tensors), entry
+    lines = [json.loads(line) for line in (history / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) >= 3 and lines[-1]["step"] == 120 and lines[-1]["peers"] == 2 and lines[-1]["clusters"] == 1
+    assert {"loss", "samples_per_s", "averaging_rounds", "own_step"} <= set(lines[-1])
+    assert ravnest("plot", str(history)).returncode == 0 and (history / "run.png").stat().st_size > 0
     evaluated = ravnest("evaluate", str(tmp_path / "final"), "--json")
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["heldout_accuracy"] > 0.5

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from rich.console import Console
@@ -127,70 +127,90 @@ def progress_bars(console: Console) -> Progress:
 async def export_run(options: ExportOptions, console: Console) -> Dict:
     """Export the run at ``options.run`` from its holders to ``options.out`` (module docstring); returns the manifest.
     Bad input (a run with no spec, a layer nobody serves, unreachable peers) is a one-line :class:`UserError`."""
-    from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
-    from ravnest_swarm.membership.records import RunAddress, make_validators, parse_run_address
-    from ravnest_swarm.membership.owner import spec_owner
-    from ravnest_swarm.membership.view import PeerView
-    from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
-    from ravnest_swarm.swarm.spec import choose_spec, read_specs, RunSpec
-    from ravnest_swarm.swarm.state_transfer import fill_layer, offers_of
+    from ravnest_swarm.membership.records import make_validators, parse_run_address
+    from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
     address = parse_run_address(options.run)
-    run = address.name
-    node = await start_node(parse_maddrs(options.initial_peers), record_validators=make_validators(run, address.owner),
+    node = await start_node(parse_maddrs(options.initial_peers),
+                            record_validators=make_validators(address.name, address.owner),
                             client_mode=True, timeout=options.timeout, rpc_timeout=options.timeout)
     try:
-        chosen = choose_spec(await read_specs(node, run), address)
-        if chosen is None:
-            raise UserError(f"run {address} has no spec in the DHT: check its name (case-sensitive) and owner, and "
-                            f"that --initial-peers are the run's backbones", 1)
-        spec = RunSpec.from_record(chosen)
-        full_address = str(RunAddress(run, spec_owner(chosen)))
-        model = _model_of(spec)
-        view, offers = PeerView(), {}
-        for _ in range(2):  # one read can miss records that a DHT node did not answer in time: a second one adds to it
-            records = await read_peers(node, run, view=view)
-            plan = await read_adopted_plan(node, run, records)
-            offers = {layer: offers_of(records, plan, layer) for layer in range(len(model.layers))}
-            if all(offers.values()):
-                break
-        peers = {record["peer_id"]: record for record in records}
-        unserved = [layer for layer, found in offers.items() if not found]
-        if unserved:
-            named = ", ".join(f"{layer} ({model.layers[layer].name})" for layer in unserved)
-            raise UserError(f"nobody serves layer{'s' if len(unserved) > 1 else ''} {named} of run {full_address} "
-                            f"({len(peers)} live peer(s)): its holders have left; export it when one is back", 1)
-
-        async def reach(holder) -> str:
-            record = peers[holder.to_base58()]
-            return await node.routes.connect(holder, maddrs_without_peer_id(record["maddrs"], holder),
-                                             record.get("reachability"))
-
-        fields = dict(asdict(spec), layout=[list(layer) for layer in spec.layout])
-        writer = ExportWriter(options.out, fields, full_address, "swarm")
-        try:
-            with progress_bars(console) as progress:
-                tasks = [progress.add_task(f"layer {i} {layer.name}", total=layer.param_bytes, note="")
-                         for i, layer in enumerate(model.layers)]
-                for layer in range(len(model.layers)):
-                    module = model.build_layer(layer)
-                    filled = await fill_layer(node.routes, run, module, layer, offers[layer], options.transfer_timeout,
-                                              reach=reach)
-                    if not filled.loaded:
-                        raise UserError(f"cannot export layer {layer} ({model.layers[layer].name}) of run "
-                                        f"{full_address}: {filled.problem}", 1)
-                    writer.add(layer, module.state_dict(), filled.copy_step, filled.holders)
-                    names = ", ".join(peers[h].get("name", h[:12]) for h in filled.holders)
-                    progress.update(tasks[layer], completed=model.layers[layer].param_bytes,
-                                    note=f"step {filled.copy_step} from {names}")
-                    del module
-            manifest = writer.finish()
-        except BaseException:
-            writer.abandon()
-            raise
+        return await export_with(node, address, options.out, options.transfer_timeout, console)
     finally:
         await stop_node(node)
-    return manifest
+
+
+async def export_with(node, address, out: str, transfer_timeout: float, console: Optional[Console],
+                      own: Optional[Tuple[str, Callable[[], Dict]]] = None) -> Dict:
+    """The export of the run at ``address`` (a ``RunAddress``) to ``out`` through ``node`` (a started DHT node with
+    its routes); returns the manifest.
+
+    :param console: where the progress bars go (None: none, a peer's snapshot in the background)
+    :param own: ``(our peer id, what we hold now)`` for a peer of the run exporting it (``--snapshot-every``): the
+        layers it holds come from its own copy (a node cannot call itself), the others from their holders
+    """
+    from ravnest_swarm.membership.owner import spec_owner
+    from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
+    from ravnest_swarm.membership.records import RunAddress
+    from ravnest_swarm.membership.view import PeerView
+    from ravnest_swarm.net.node import maddrs_without_peer_id
+    from ravnest_swarm.swarm.spec import RunSpec, choose_spec, read_specs
+    from ravnest_swarm.swarm.state_transfer import fill_layer, offers_of
+
+    run = address.name
+    chosen = choose_spec(await read_specs(node, run), address)
+    if chosen is None:
+        raise UserError(f"run {address} has no spec in the DHT: check its name (case-sensitive) and owner, and "
+                        f"that --initial-peers are the run's backbones", 1)
+    spec = RunSpec.from_record(chosen)
+    full_address = str(RunAddress(run, spec_owner(chosen)))
+    model = _model_of(spec)
+    held = own[1]() if own is not None else {}
+    view, offers = PeerView(), {}
+    for _ in range(2):  # one read can miss records that a DHT node did not answer in time: a second one adds to it
+        records = [r for r in await read_peers(node, run, view=view) if own is None or r["peer_id"] != own[0]]
+        plan = await read_adopted_plan(node, run, records)
+        offers = {layer: offers_of(records, plan, layer) for layer in range(len(model.layers))}
+        if all(offers[layer] or layer in held for layer in offers):
+            break
+    peers = {record["peer_id"]: record for record in records}
+    unserved = [layer for layer, found in offers.items() if not found and layer not in held]
+    if unserved:
+        named = ", ".join(f"{layer} ({model.layers[layer].name})" for layer in unserved)
+        raise UserError(f"nobody serves layer{'s' if len(unserved) > 1 else ''} {named} of run {full_address} "
+                        f"({len(peers)} live peer(s)): its holders have left; export it when one is back", 1)
+
+    async def reach(holder) -> str:
+        record = peers[holder.to_base58()]
+        return await node.routes.connect(holder, maddrs_without_peer_id(record["maddrs"], holder),
+                                         record.get("reachability"))
+
+    fields = dict(asdict(spec), layout=[list(layer) for layer in spec.layout])
+    writer = ExportWriter(out, fields, full_address, "swarm")
+    try:
+        with progress_bars(console or Console(quiet=True)) as progress:
+            tasks = [progress.add_task(f"layer {i} {layer.name}", total=layer.param_bytes, note="")
+                     for i, layer in enumerate(model.layers)]
+            for layer in range(len(model.layers)):
+                if layer in held:  # ours: our own copy, at our step
+                    state, step = held[layer]
+                    writer.add(layer, state, step, [own[0]])
+                    progress.update(tasks[layer], completed=model.layers[layer].param_bytes, note=f"step {step}, ours")
+                    continue
+                module = model.build_layer(layer)
+                filled = await fill_layer(node.routes, run, module, layer, offers[layer], transfer_timeout, reach=reach)
+                if not filled.loaded:
+                    raise UserError(f"cannot export layer {layer} ({model.layers[layer].name}) of run "
+                                    f"{full_address}: {filled.problem}", 1)
+                writer.add(layer, module.state_dict(), filled.copy_step, filled.holders)
+                names = ", ".join(peers[h].get("name", h[:12]) for h in filled.holders)
+                progress.update(tasks[layer], completed=model.layers[layer].param_bytes,
+                                note=f"step {filled.copy_step} from {names}")
+                del module
+        return writer.finish()
+    except BaseException:
+        writer.abandon()
+        raise
 
 
 def _model_of(spec) -> ModelSpec:

@@ -78,6 +78,9 @@ class JoinOptions:
     checkpoint_every: int = 50
     resume: bool = False
     report: Optional[str] = None
+    snapshot_dir: Optional[str] = None  # append the run's figures to metrics.jsonl here every heartbeat (swarm/metrics.py)
+    snapshot_every: int = 0  # export the run to snapshot_dir every this many steps (0: never)
+    init_from: Optional[str] = None  # an export that fills the layers nobody serves (swarm/volunteer.py)
     # planning rounds (the planner test mode's model_gb and workload: docs/planning.md)
     model_gb: Optional[float] = None
     gflop_per_sample: float = 1.0
@@ -175,6 +178,12 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
     if options.resume and options.checkpoint_dir is None:
         raise UserError("--resume needs --checkpoint-dir")
+    if options.snapshot_every and options.snapshot_dir is None:
+        raise UserError("--snapshot-every needs --snapshot-dir: where the snapshots go")
+    if options.init_from is not None:
+        from ravnest_swarm.swarm.exported import read_export
+
+        read_export(options.init_from)  # a missing or corrupt export is one line now, not after joining
     parse_maddrs(options.initial_peers)
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
@@ -215,7 +224,8 @@ def volunteer_options(options: JoinOptions):
                             resume=options.resume, min_peers=options.min_peers, round_seconds=options.round_seconds,
                             round_period=options.round_period, max_stages=options.max_stages,
                             handover_timeout=options.handover_timeout, data=options.data, report=options.report,
-                            owner_key=options.owner_key)
+                            owner_key=options.owner_key, snapshot_dir=options.snapshot_dir,
+                            snapshot_every=options.snapshot_every, init_from=options.init_from)
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,

@@ -27,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -43,12 +45,12 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import until_set
 from ravnest_swarm.checkpoint import (load_optimizer_state, load_stage_layers, remove_unfinished_writes, save_stage,
                                      write_atomically)
-from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE
+from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE, SwarmState
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress
 from ravnest_swarm.membership.volunteer import Membership
-from ravnest_swarm.models import ModelSpec
+from ravnest_swarm.models import ModelSpec, first_difference, model_layout
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
@@ -57,6 +59,9 @@ from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_worklo
                                            neighbours_in, offered_step, placement_in)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.hand_over import hand_over
+from ravnest_swarm.swarm.export import export_with
+from ravnest_swarm.swarm.exported import read_export
+from ravnest_swarm.swarm.metrics import append_figures, run_figures
 from ravnest_swarm.swarm.spec import RunSpec, cluster_lr, read_spec
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
 from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
@@ -66,6 +71,7 @@ from ravnest_swarm.net.node import maddrs_without_peer_id
 logger = logging.getLogger(__name__)
 
 HOLDER_LOOKUPS = 5
+SNAPSHOTS_KEPT = 3  # --snapshot-every: the newest snapshots kept in --snapshot-dir
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
 DIVERGING_REPEATS, DIVERGING_STEPS = 3, 500  # this many restores within so many steps: a cluster that keeps diverging
@@ -90,6 +96,13 @@ class VolunteerOptions:
     :param report: when the run is finished, write our stage worker's report (``pipeline/stage.py``) and the
         start and end of each averaging round here, as JSON (``bench speedup`` times the clusters with it)
     :param owner_key: the run owner's key file, for a run we start (default ``membership.owner.owner_key_path``)
+    :param snapshot_dir: append the run's figures, as we see them, to ``metrics.jsonl`` here every heartbeat
+        (``swarm/metrics.py``; ``ravnest-swarm plot``), and keep the snapshots of ``snapshot_every`` here
+    :param snapshot_every: export the run (``swarm/export.py``) to ``snapshot_dir/snapshot-STEP`` every this many
+        steps of the run, keeping the last :data:`SNAPSHOTS_KEPT` (0: never)
+    :param init_from: an export (a snapshot) whose layers, at their steps, fill the layers no peer serves and no
+        cache or checkpoint of ours holds, instead of the seeded weights: a new run from a snapshot, or a stage
+        restarted after every holder of it left
     """
 
     checkpoint_dir: Optional[str] = None
@@ -105,6 +118,9 @@ class VolunteerOptions:
     data: Optional[str] = None
     report: Optional[str] = None
     owner_key: Optional[str] = None
+    snapshot_dir: Optional[str] = None
+    snapshot_every: int = 0
+    init_from: Optional[str] = None
 
 
 class Volunteer:
@@ -131,6 +147,10 @@ class Volunteer:
         self.worker: Optional[StageWorker] = None
         self.stopped_worker: Optional[StageWorker] = None  # the last worker stopped: what a leave hands over
         self._finished = False  # the run reached its length (said once)
+        self._history_at = -math.inf  # when we last appended the run's figures (_record_history)
+        self._run_step = 0  # the highest step of the run's peers we last saw (_record_history)
+        self._snapshot_mark, self._snapshot_task = 0, None  # the last multiple of --snapshot-every exported, and its task
+        self.init_from = self._read_init_from() if options.init_from is not None else None
         self.held: Optional[Tuple[int, torch.nn.Sequential, int]] = None  # layers of the last stopped worker
         self.placement: Optional[Placement] = None
         # the plan we follow (our placement is in it), and the newest one adopted, which we follow next: read
@@ -210,6 +230,8 @@ class Volunteer:
                 await until_set(self._adopted.wait(), stop, timeout=2.0)
                 await self._follow_spec()
                 self._publish_progress()
+                await self._record_history()
+                self._maybe_snapshot()
                 await self._explain_stall()
                 if await self._run_finished():
                     planner.cancel()  # a finished run has nothing left to place: its peers stay where they are
@@ -395,6 +417,7 @@ class Volunteer:
             await asyncio.sleep(1.0)  # holders re-publish what they hold right after adopting a plan
         step = 0
         remote: Dict[int, List[LayerOffer]] = {}
+        snapshot = []  # the layers nobody serves and we never held, filled from --init-from
         for layer in range(start, end):
             offers = offers_of(peers, self.plan, layer)
             cached = self.cache.get(layer)
@@ -403,6 +426,13 @@ class Volunteer:
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
+            elif self.init_from is not None:
+                module[layer - start].load_state_dict(self.init_from.layer_state(layer))
+                step = max(step, self.init_from.manifest["layers"][layer]["step"])
+                snapshot.append(layer)
+        if snapshot:
+            self.say(f"{self.name}: layers {snapshot[0]}:{snapshot[-1] + 1} from the snapshot {self.options.init_from} "
+                     f"(step {step}): nobody serves them")
         if remote:
             step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers}))
         return step, bool(remote)
@@ -533,6 +563,61 @@ class Volunteer:
             # whose count reached the run's length is not done before the finish: it may be ahead of stage 0
             # (a step on a microbatch stage 0 dropped), which draws another in its place (docs/pipeline.md)
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
+
+    async def _record_history(self) -> None:
+        """With ``--snapshot-dir``, one line of the run's figures as our view of it holds them, every heartbeat."""
+        now = time.monotonic()
+        if self.options.snapshot_dir is None or now - self._history_at < self.membership.options.heartbeat:
+            return
+        self._history_at = now
+        state = SwarmState(self.run)
+        state.feed(dict(run=self.run, at=time.time(), peers=await self.announcer.read_peers(), plan=self.plan))
+        figures = run_figures(state, own=self.announcer.record)
+        self._run_step = max(self._run_step, figures["step"])
+        append_figures(self.options.snapshot_dir, figures)
+
+    def _maybe_snapshot(self) -> None:
+        """With ``--snapshot-every N``, start an export of the run each time its step passes a multiple of N."""
+        every = self.options.snapshot_every
+        if not every or self.options.snapshot_dir is None or self._run_step // every <= self._snapshot_mark or \
+                (self._snapshot_task is not None and not self._snapshot_task.done()):
+            return
+        self._snapshot_mark = self._run_step // every
+        self._snapshot_task = asyncio.create_task(self._snapshot(self._run_step))
+
+    async def _snapshot(self, step: int) -> None:
+        """Export the run to ``snapshot-STEP`` (the layers we train from our own copy), then keep the newest few."""
+        out = os.path.join(self.options.snapshot_dir, f"snapshot-{step:010d}")
+        worker, own = self.worker, None
+        if worker is not None:  # a copy now, at one step: training goes on while the others are fetched
+            layers = {worker.start_layer + offset: ({k: v.detach().to("cpu", copy=True) for k, v in
+                                                     layer.state_dict().items()}, worker.version)
+                      for offset, layer in enumerate(worker.module)}
+            own = (self.peer_id, lambda: layers)
+        try:
+            manifest = await export_with(self.node, RunAddress(self.run, self.owner), out,
+                                         self.options.transfer_timeout, None, own)
+        except UserError as e:
+            self.say(f"{self.name}: no snapshot at step {step}: {e}")
+            return
+        except Exception as e:  # a holder that left mid-download: the next multiple tries again
+            self.say(f"{self.name}: no snapshot at step {step}: {type(e).__name__}: {e}")
+            return
+        steps = sorted({layer["step"] for layer in manifest["layers"]})
+        self.say(f"{self.name}: snapshot of run {self.run} at step {step} in {out} (layers at steps "
+                 f"{', '.join(map(str, steps))})")
+        kept = sorted(name for name in os.listdir(self.options.snapshot_dir) if name.startswith("snapshot-"))
+        for name in kept[:-SNAPSHOTS_KEPT]:
+            shutil.rmtree(os.path.join(self.options.snapshot_dir, name), ignore_errors=True)
+
+    def _read_init_from(self):
+        """The ``--init-from`` export, checked against the run's model (one line if it is another's)."""
+        export = read_export(self.options.init_from)
+        difference = first_difference(model_layout(self.model), export.spec["layout"])
+        if difference is not None:
+            raise UserError(f"--init-from {self.options.init_from} is an export of another model than this run's "
+                            f"{self.spec.model}: {difference}", exit_code=1)
+        return export
 
     def _report_divergences(self, worker: StageWorker) -> None:
         """Our record counts the times our stage diverged and restored; its note and our log say the last; a
