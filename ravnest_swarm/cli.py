@@ -239,13 +239,18 @@ def status(
 def update_spec(
     initial_peers: List[str] = InitialPeers,
     run: str = typer.Option(..., "--run", help="Run name or address (name@owner)."),
-    lr: float = typer.Option(..., "--lr", min=0.0, max=10.0, help="The run's new learning rate."),
+    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, max=10.0, help="The run's new learning rate."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="The run's new length: stages still training "
+                                        "train to it."),
+    finish: bool = typer.Option(False, "--finish", help="End the run: training peers stop, and status says it is "
+                                "finished even after every peer has left."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file (default "
                                             "~/.config/ravnest-swarm/owners/RUN.key)."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     verbose: bool = Verbose,
 ):
-    """As the run's owner, publish a new version of its spec; running peers follow it within a heartbeat or two.
+    """As the run's owner, publish a new version of its spec (lr, length, or its end); running peers follow it
+    within a heartbeat or two. Nobody else can.
 
     \b
     Example:
@@ -255,7 +260,10 @@ def update_spec(
     configure_logging(verbose)
     from ravnest_swarm.swarm.spec import update_spec as publish
 
-    sys.exit(run_async(publish(initial_peers, run, dict(lr=lr), owner_key, timeout)))
+    changes = {name: value for name, value in (("lr", lr), ("steps", steps)) if value is not None}
+    if finish:
+        changes["finished"] = True
+    sys.exit(run_async(publish(initial_peers, run, changes, owner_key, timeout)))
 
 
 @app.command()

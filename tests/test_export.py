@@ -3,7 +3,10 @@ its holders serve at the exported step; after the run finished, the holders' fin
 input is one line and a non-zero exit, never a traceback."""
 
 import json
+import re
+import time
 import os
+import pathlib
 
 import pytest
 import torch
@@ -164,3 +167,52 @@ def test_export_of_a_run_without_holders_or_spec_or_peers_is_one_line(swarm, tmp
     assert_one_line_error(export(swarm.maddr, tmp_path / "wrong", run="no-such-run"), "run no-such-run has no spec",
                           code=1)
     assert_one_line_error(export(DEAD_PEER.format(port=free_port()), tmp_path / "dead", timeout=90), code=1)
+
+
+@pytest.mark.timeout(400)
+def test_a_stage_whose_only_holder_left_restarts_from_the_owners_snapshot_not_step_0(swarm, tmp_path):
+    """One cluster of three stages; the owner's peer keeps snapshots (--snapshot-every) and, with the owner's other
+    peers, starts layers nobody serves from the newest of them (--init-from the snapshot directory). The only holder
+    of one stage is SIGKILLed, so nobody can take its layers; once a new peer of the owner's makes the cluster whole
+    again, whichever peer the next plan gives those layers fills them from the snapshot, at the snapshot's step, and
+    trains on from there, not from step 0. (Three stages, so the plan stays confirmed by most of its peers.)"""
+    snapshots = tmp_path / "snapshots"
+    snapshots.mkdir()  # on the owner's machine, where its peers start from it
+    common = dict(steps=100_000, averaging_period=10_000, ram_fraction=0.4)
+    owners = ("--min-peers", "3", "--init-from", str(snapshots))
+    processes = {"owner": swarm("owner", **common, extra=(*owners, "--snapshot-dir", str(snapshots),
+                                                          "--snapshot-every", "150"))}
+    victim = swarm("victim", **common, extra=("--min-peers", "3"))
+    processes["helper"] = swarm("helper", **common, extra=owners)
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 3 and min(p.get("step") or 0 for p in placed(peers).values())
+                           >= 400, 240, "three stages past step 400")
+
+    def complete():
+        return sorted(d for d in os.listdir(snapshots) if d.startswith("snapshot-") and (snapshots / d / "model.json").exists())
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not complete():
+        time.sleep(1)
+    victim_range = swarm.watcher.peers()["victim"]["layers"]
+    victim.kill_group()
+    swarm.watcher.wait_for(lambda peers: "victim" not in peers, 60, "the victim's record to expire")
+    kept = complete()
+    assert 1 <= len(kept) <= 3, kept
+    newest = json.loads((snapshots / kept[-1] / "model.json").read_text())["layers"]
+    assert min(layer["step"] for layer in newest) > 0, newest
+    processes["restart"] = swarm("restart", **common, extra=owners)
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 3 and "restart" in placed(peers) and
+                           min(p.get("step") or 0 for p in placed(peers).values()) > 0, 180,
+                           "the cluster training again with the newcomer")
+    restored = {}
+    for name, process in processes.items():
+        for first, end, path, step in re.findall(r"^\w+: layers (\d+):(\d+) from the snapshot (\S+) \(step (\d+)\)",
+                                                process.stderr(), re.MULTILINE):
+            manifest = json.loads((pathlib.Path(path) / "model.json").read_text())["layers"]
+            assert int(step) == max(manifest[i]["step"] for i in range(int(first), int(end))) > 0, (name, step)
+            restored.update({layer: (name, int(step)) for layer in range(int(first), int(end))})
+    assert set(range(*victim_range)) <= set(restored), (victim_range, restored)
+    for name, step in set(restored.values()):
+        started = [int(n) for n in re.findall(rf"^{name}: training cluster \d+ stage .* from step (\d+)",
+                                              processes[name].stderr(), re.MULTILINE)]
+        assert started and started[-1] >= step > 0, (name, started, step)

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from rich.console import Console
@@ -140,14 +140,11 @@ async def export_run(options: ExportOptions, console: Console) -> Dict:
         await stop_node(node)
 
 
-async def export_with(node, address, out: str, transfer_timeout: float, console: Optional[Console],
-                      own: Optional[Tuple[str, Callable[[], Dict]]] = None) -> Dict:
+async def export_with(node, address, out: str, transfer_timeout: float, console: Optional[Console]) -> Dict:
     """The export of the run at ``address`` (a ``RunAddress``) to ``out`` through ``node`` (a started DHT node with
-    its routes); returns the manifest.
+    its routes, not one of the run's holders: a node cannot call itself); returns the manifest.
 
     :param console: where the progress bars go (None: none, a peer's snapshot in the background)
-    :param own: ``(our peer id, what we hold now)`` for a peer of the run exporting it (``--snapshot-every``): the
-        layers it holds come from its own copy (a node cannot call itself), the others from their holders
     """
     from ravnest_swarm.membership.owner import spec_owner
     from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
@@ -165,16 +162,15 @@ async def export_with(node, address, out: str, transfer_timeout: float, console:
     spec = RunSpec.from_record(chosen)
     full_address = str(RunAddress(run, spec_owner(chosen)))
     model = _model_of(spec)
-    held = own[1]() if own is not None else {}
     view, offers = PeerView(), {}
     for _ in range(2):  # one read can miss records that a DHT node did not answer in time: a second one adds to it
-        records = [r for r in await read_peers(node, run, view=view) if own is None or r["peer_id"] != own[0]]
+        records = await read_peers(node, run, view=view)
         plan = await read_adopted_plan(node, run, records)
         offers = {layer: offers_of(records, plan, layer) for layer in range(len(model.layers))}
-        if all(offers[layer] or layer in held for layer in offers):
+        if all(offers.values()):
             break
     peers = {record["peer_id"]: record for record in records}
-    unserved = [layer for layer, found in offers.items() if not found and layer not in held]
+    unserved = [layer for layer, found in offers.items() if not found]
     if unserved:
         named = ", ".join(f"{layer} ({model.layers[layer].name})" for layer in unserved)
         raise UserError(f"nobody serves layer{'s' if len(unserved) > 1 else ''} {named} of run {full_address} "
@@ -192,11 +188,6 @@ async def export_with(node, address, out: str, transfer_timeout: float, console:
             tasks = [progress.add_task(f"layer {i} {layer.name}", total=layer.param_bytes, note="")
                      for i, layer in enumerate(model.layers)]
             for layer in range(len(model.layers)):
-                if layer in held:  # ours: our own copy, at our step
-                    state, step = held[layer]
-                    writer.add(layer, state, step, [own[0]])
-                    progress.update(tasks[layer], completed=model.layers[layer].param_bytes, note=f"step {step}, ours")
-                    continue
                 module = model.build_layer(layer)
                 filled = await fill_layer(node.routes, run, module, layer, offers[layer], transfer_timeout, reach=reach)
                 if not filled.loaded:

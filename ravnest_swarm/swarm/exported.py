@@ -88,6 +88,18 @@ class LayerStates(Mapping):
         return len(self.export.spec["layout"])
 
 
+def newest_export(path: str) -> Optional[str]:
+    """``path`` if it is an export, else the newest complete ``snapshot-*`` export in it (``join --snapshot-dir``),
+    else None."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    if not os.path.isdir(path):
+        return None
+    found = sorted(name for name in os.listdir(path)
+                   if name.startswith("snapshot-") and os.path.isfile(os.path.join(path, name, MANIFEST)))
+    return os.path.join(path, found[-1]) if found else None
+
+
 def read_export(path: str, data: Optional[str] = None) -> Export:
     """The export at ``path``, its model built from this machine's code (on the data at ``data``, where given, for
     evaluating); a missing or corrupt export, or code that builds another model, is a one-line :class:`UserError`."""

@@ -17,6 +17,7 @@ from the object itself (:func:`ravnest_swarm.processes.start_library_process`), 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -180,10 +181,16 @@ def check_join(options: JoinOptions) -> Optional[dict]:
         raise UserError("--resume needs --checkpoint-dir")
     if options.snapshot_every and options.snapshot_dir is None:
         raise UserError("--snapshot-every needs --snapshot-dir: where the snapshots go")
-    if options.init_from is not None:
-        from ravnest_swarm.swarm.exported import read_export
+    if options.init_from is not None:  # an export, or a --snapshot-dir whose newest snapshot counts (maybe none yet)
+        from ravnest_swarm.swarm.exported import newest_export, read_export
 
-        read_export(options.init_from)  # a missing or corrupt export is one line now, not after joining
+        if options.snapshot_dir is not None and os.path.abspath(options.init_from) == os.path.abspath(options.snapshot_dir):
+            os.makedirs(options.snapshot_dir, exist_ok=True)  # our own snapshots, none taken yet
+        found = newest_export(options.init_from)
+        if found is None and not os.path.isdir(options.init_from):
+            raise UserError(f"--init-from {options.init_from}: no such directory (an export, or a --snapshot-dir)", 1)
+        if found is not None:
+            read_export(found)  # a corrupt export is one line now, not after joining
     parse_maddrs(options.initial_peers)
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
