@@ -201,18 +201,24 @@ def test_a_stage_whose_only_holder_left_restarts_from_the_owners_snapshot_not_st
     newest = json.loads((snapshots / kept[-1] / "model.json").read_text())["layers"]
     assert min(layer["step"] for layer in newest) > 0, newest
     processes["restart"] = swarm("restart", **common, extra=owners)
-    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 3 and "restart" in placed(peers) and
-                           min(p.get("step") or 0 for p in placed(peers).values()) > 0, 180,
-                           "the cluster training again with the newcomer")
-    restored = {}
-    for name, process in processes.items():
-        for first, end, path, step in re.findall(r"^\w+: layers (\d+):(\d+) from the snapshot (\S+) \(step (\d+)\)",
-                                                process.stderr(), re.MULTILINE):
-            manifest = json.loads((pathlib.Path(path) / "model.json").read_text())["layers"]
-            assert int(step) == max(manifest[i]["step"] for i in range(int(first), int(end))) > 0, (name, step)
-            restored.update({layer: (name, int(step)) for layer in range(int(first), int(end))})
-    assert set(range(*victim_range)) <= set(restored), (victim_range, restored)
-    for name, step in set(restored.values()):
-        started = [int(n) for n in re.findall(rf"^{name}: training cluster \d+ stage .* from step (\d+)",
-                                              processes[name].stderr(), re.MULTILINE)]
-        assert started and started[-1] >= step > 0, (name, started, step)
+
+    def restored():
+        """Layer -> (peer, step) of every layer a peer says it filled from a snapshot, checked against the snapshot."""
+        found = {}
+        for name, process in processes.items():
+            for first, end, path, step in re.findall(r"^\w+: layers (\d+):(\d+) from the snapshot (\S+) \(step (\d+)\)",
+                                                    process.stderr(), re.MULTILINE):
+                manifest = json.loads((pathlib.Path(path) / "model.json").read_text())["layers"]
+                assert int(step) == max(manifest[i]["step"] for i in range(int(first), int(end))) > 0, (name, step)
+                found.update({layer: (name, int(step)) for layer in range(int(first), int(end))})
+        return found
+
+    deadline = time.monotonic() + 180  # a round places the newcomer, the holders' layers move, the rest is filled
+    while time.monotonic() < deadline and not set(range(*victim_range)) <= set(restored()):
+        time.sleep(1)
+    assert set(range(*victim_range)) <= set(restored()), (victim_range, restored())
+    for name, step in set(restored().values()):
+        pattern = rf"^{name}: training cluster \d+ stage .* from step (\d+)"
+        processes[name].wait_for_output(pattern + r"(?![\s\S]*from the snapshot)", 60, stream="stderr")
+        started = [int(n) for n in re.findall(pattern, processes[name].stderr(), re.MULTILINE)]
+        assert started[-1] >= step > 0, (name, started, step)  # from the snapshot's step on, not 0

@@ -5,13 +5,14 @@ user's model (a module outside the package) and of a sized GPT; `sample` writes 
 import dataclasses
 import json
 import os
+import sys
 
 import pytest
 import torch
 
 from commands import ravnest
 from test_cli import assert_one_line_error
-from test_user_models import USER_MODELS, features_dir, user_models_on_path  # noqa: F401 (a fixture)
+from test_user_models import USER_MODELS, features_dir
 from test_user_runs import local
 import ravnest_swarm
 from ravnest_swarm.models import get_model, model_layout
@@ -20,6 +21,14 @@ from ravnest_swarm.swarm.exported import model_figures, read_export
 from ravnest_swarm.swarm.spec import RunSpec
 
 GPT_CONFIG = "layers=2,width=32,heads=2,context=32"
+
+
+@pytest.fixture
+def user_models_on_path(monkeypatch):
+    """tests/user_models importable here, as a user's module beside them is (test_user_models.py's, once more)."""
+    monkeypatch.syspath_prepend(USER_MODELS)
+    yield
+    sys.modules.pop("tabular", None)
 
 
 def figures_of(directory, *args, env=None):

@@ -427,11 +427,7 @@ class Volunteer:
         step = 0
         remote: Dict[int, List[LayerOffer]] = {}
         snapshot = []  # the layers nobody serves and we never held, filled from --init-from
-        try:
-            init = self._init_source()
-        except UserError as e:  # a snapshot written meanwhile that does not read: the seeded weights, said
-            self.say(f"{self.name}: {e}")
-            init = None
+        init = False  # looked up only for such a layer
         for layer in range(start, end):
             offers = offers_of(peers, self.plan, layer)
             cached = self.cache.get(layer)
@@ -440,7 +436,7 @@ class Volunteer:
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
-            elif init is not None:
+            elif (init := self._init_or_none() if init is False else init) is not None:
                 module[layer - start].load_state_dict(init.layer_state(layer))
                 snapshot.append((layer, init.manifest["layers"][layer]["step"]))
                 step = max(step, snapshot[-1][1])
@@ -624,6 +620,14 @@ class Volunteer:
         kept = sorted(name for name in os.listdir(self.options.snapshot_dir) if name.startswith("snapshot-"))
         for name in kept[:-SNAPSHOTS_KEPT]:
             shutil.rmtree(os.path.join(self.options.snapshot_dir, name), ignore_errors=True)
+
+    def _init_or_none(self):
+        """:meth:`_init_source`, where a snapshot written meanwhile does not read: None (the seeded weights), said."""
+        try:
+            return self._init_source()
+        except UserError as e:
+            self.say(f"{self.name}: {e}")
+            return None
 
     def _init_source(self):
         """The ``--init-from`` export (the newest snapshot, where it names a ``--snapshot-dir``: snapshots taken since we
