@@ -30,3 +30,12 @@ def _install_light_hivemind_package() -> None:
 
 
 _install_light_hivemind_package()
+
+
+def load_model(path: str):
+    """The whole trained model of the export at ``path`` (``ravnest-swarm export``, ``local --export``) as one torch
+    module, built from this machine's code (the zoo, or the entry point the run names) with the exported weights;
+    a missing or corrupt export is a one-line ``UserError``. ``ravnest_swarm/swarm/exported.py`` says more."""
+    from ravnest_swarm.swarm.exported import load_model as load_export  # torch only when asked for
+
+    return load_export(path)

@@ -10,11 +10,15 @@ Writes go to a temporary file in the same directory, are fsynced, then renamed o
 (and the directory fsynced), so a crash at any moment leaves either the old or the new checkpoint,
 never half of one. A writer killed mid-write leaves at most its hidden ``.tmp-*.part`` file, which is
 never read as a checkpoint (:func:`remove_unfinished_writes` clears them).
+
+:class:`SafetensorsWriter` writes a safetensors file one tensor at a time (an export, ``swarm/export.py``), the same
+way: a temporary file renamed into place.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from typing import Callable, Dict, List, Optional, Tuple
@@ -150,3 +154,62 @@ def load_stage_layers(path: str, build_stage: Callable[[int, int], torch.nn.Sequ
         raise UserError(f"checkpoint {path} holds other layers than this stage (first mismatch: {mismatched[0]})", 1)
     module.load_state_dict(parameters)
     return info, module
+
+
+# safetensors' names of the dtypes a model's state may hold
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
+
+
+class SafetensorsWriter:
+    """A ``.safetensors`` file written one tensor at a time, in the order of ``entries``: the header is known
+    beforehand from the names, shapes and dtypes (a model's layout), so a writer never holds more than the tensors
+    it is handed (an export of a model bigger than memory: ``swarm/export.py``). Written to a temporary file beside
+    ``path`` and renamed over it by :meth:`finish`, as :func:`write_atomically` does; :meth:`abandon` removes it.
+
+    :param path: the file to write
+    :param entries: ``(name, shape, dtype)`` of every tensor, in the order they will be written
+    :param metadata: text the file's header keeps (safetensors' ``__metadata__``)
+    """
+
+    def __init__(self, path: str, entries: List[Tuple[str, List[int], torch.dtype]], metadata: Dict[str, str]):
+        self.path, self.entries, self.written = path, list(entries), 0
+        header: Dict = {"__metadata__": metadata}
+        offset = 0
+        for name, shape, dtype in self.entries:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise UserError(f"cannot write tensor {name} of dtype {dtype} as safetensors")
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # as safetensors pads it: the data starts 8-byte aligned
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        descriptor, self.temporary = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{os.path.basename(path)}.",
+                                                      suffix=TEMPORARY_SUFFIX, dir=directory)
+        self.file = os.fdopen(descriptor, "wb")
+        self.file.write(len(encoded).to_bytes(8, "little") + encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """The next tensor of ``entries``: it must be that one, of its shape and dtype."""
+        expected_name, shape, dtype = self.entries[self.written]
+        if name != expected_name or list(tensor.shape) != list(shape) or tensor.dtype != dtype:
+            raise ValueError(f"expected {expected_name} {list(shape)} {dtype}, got {name} {list(tensor.shape)} "
+                             f"{tensor.dtype}")
+        self.file.write(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        self.written += 1
+
+    def finish(self) -> None:
+        if self.written != len(self.entries):
+            raise ValueError(f"{len(self.entries) - self.written} tensor(s) of {self.path} were never written")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.temporary, self.path)
+
+    def abandon(self) -> None:
+        self.file.close()
+        if os.path.exists(self.temporary):
+            os.unlink(self.temporary)

@@ -1,6 +1,6 @@
 """The ``ravnest-swarm`` command: a thin layer of flags over library code. Each verb calls one library function.
 
-Over 400 lines because it declares every verb's flags and their help (17 verbs, two of them hidden test
+Over 400 lines because it declares every verb's flags and their help (21 verbs, two of them hidden test
 peers); a verb's body only builds the library's options object and makes that one call.
 """
 
@@ -171,6 +171,14 @@ def join(
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file, for a run you start "
                                             "(default ~/.config/ravnest-swarm/owners/RUN.key)."),
+    snapshot_dir: Optional[str] = typer.Option(None, "--snapshot-dir", help="Append the run's figures (loss, "
+                                               "samples/s, peers, clusters, averaging rounds) to DIR/metrics.jsonl "
+                                               "every heartbeat (`ravnest-swarm plot DIR`)."),
+    snapshot_every: int = typer.Option(0, "--snapshot-every", min=0, help="Also export the run to "
+                                       "DIR/snapshot-STEP every this many steps, keeping the last 3 (0: never)."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="An export (a snapshot) whose layers fill those "
+                                            "nobody serves, at their steps, instead of fresh weights: a new run from "
+                                            "it, or a stage restarted after all its holders left."),
     report: Optional[str] = typer.Option(None, "--report", hidden=True, help="When the run is finished, write our "
                                          "stage's timings here (JSON; bench speedup)."),
     log_file: Optional[str] = LogFile,
@@ -202,6 +210,7 @@ def join(
         outer_lr=outer_lr,
         divergence_factor=divergence_factor, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
+        snapshot_dir=snapshot_dir, snapshot_every=snapshot_every, init_from=init_from,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,
         min_peers=min_peers, round_period=round_period, round_seconds=round_seconds, num_layers=num_layers,
         dashboard=not no_dashboard, log_file=log_file, verbose=verbose)))
@@ -235,13 +244,18 @@ def status(
 def update_spec(
     initial_peers: List[str] = InitialPeers,
     run: str = typer.Option(..., "--run", help="Run name or address (name@owner)."),
-    lr: float = typer.Option(..., "--lr", min=0.0, max=10.0, help="The run's new learning rate."),
+    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, max=10.0, help="The run's new learning rate."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="The run's new length: stages still training "
+                                        "train to it."),
+    finish: bool = typer.Option(False, "--finish", help="End the run: training peers stop, and status says it is "
+                                "finished even after every peer has left."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file (default "
                                             "~/.config/ravnest-swarm/owners/RUN.key)."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
     verbose: bool = Verbose,
 ):
-    """As the run's owner, publish a new version of its spec; running peers follow it within a heartbeat or two.
+    """As the run's owner, publish a new version of its spec (lr, length, or its end); running peers follow it
+    within a heartbeat or two. Nobody else can.
 
     \b
     Example:
@@ -251,7 +265,96 @@ def update_spec(
     configure_logging(verbose)
     from ravnest_swarm.swarm.spec import update_spec as publish
 
-    sys.exit(run_async(publish(initial_peers, run, dict(lr=lr), owner_key, timeout)))
+    changes = {name: value for name, value in (("lr", lr), ("steps", steps)) if value is not None}
+    if finish:
+        changes["finished"] = True
+    sys.exit(run_async(publish(initial_peers, run, changes, owner_key, timeout)))
+
+
+@app.command()
+def export(
+    initial_peers: List[str] = InitialPeers,
+    run: str = typer.Option(..., "--run", help="Run address (name@owner; a bare name trusts the only owner it finds)."),
+    out: str = typer.Option(..., "--out", help="Directory to write model.safetensors and model.json to (created)."),
+    timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for the initial peers and each "
+                                  "DHT read."),
+    transfer_timeout: float = typer.Option(120.0, "--transfer-timeout", min=1.0, help="Seconds one holder may take "
+                                           "to send one layer."),
+    verbose: bool = Verbose,
+):
+    """Download the run's trained model from the peers that hold its layers, layer by layer, into a directory.
+
+    Each layer is believed as a joining stage believes it (two holders serving the same averaged copy where
+    two or more hold it); model.json names the step of each layer and who served it. Use the result with
+    `ravnest-swarm evaluate DIR`, `ravnest-swarm sample DIR` or ravnest_swarm.load_model(DIR).
+
+    \b
+    Example:
+      ravnest-swarm export --run demo@0123456789abcdef --out ./demo-model \\
+          --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
+    """
+    configure_logging(verbose)
+    from ravnest_swarm.swarm.export import ExportOptions, run_export
+
+    sys.exit(run_async(run_export(ExportOptions(initial_peers, run, out, timeout, transfer_timeout))))
+
+
+@app.command()
+def evaluate(
+    directory: str = typer.Argument(..., metavar="DIR", help="An export (`ravnest-swarm export`, `local --export`)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Evaluate on this directory's held-out part (as --data of "
+                                       "join) instead of the model's own data; needed for a run trained on its own."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of a sentence."),
+):
+    """Held-out loss and accuracy of an exported model, as `local`'s summary computes them.
+
+    \b
+    Example:
+      ravnest-swarm evaluate ./demo-model
+    """
+    configure_logging(False)
+    from ravnest_swarm.swarm.exported import evaluate_export
+
+    sys.exit(run_blocking(lambda: evaluate_export(directory, data, as_json)))
+
+
+@app.command()
+def sample(
+    directory: str = typer.Argument(..., metavar="DIR", help="An export of a byte-level GPT."),
+    prompt: str = typer.Option("", "--prompt", help="The text to continue."),
+    tokens: int = typer.Option(200, "--tokens", min=1, max=100_000, help="Bytes to generate."),
+    temperature: float = typer.Option(0.8, "--temperature", min=0.0, max=10.0, help="0: the likeliest byte each "
+                                      "time; higher: more varied."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
+):
+    """Generate text with an exported byte-level GPT (gpt, gpt-tiny, gpt-85m, gpt-350m): the prompt and its sequel.
+
+    \b
+    Example:
+      ravnest-swarm sample ./demo-model --prompt "def main(" --tokens 300
+    """
+    configure_logging(False)
+    from ravnest_swarm.swarm.exported import sample_export
+
+    sys.exit(run_blocking(lambda: sample_export(directory, prompt, tokens, temperature, seed)))
+
+
+@app.command()
+def plot(
+    directory: str = typer.Argument(..., metavar="DIR", help="A --snapshot-dir of join or local (its metrics.jsonl)."),
+    out: Optional[str] = typer.Option(None, "--out", help="The PNG to write (default DIR/run.png)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the series drawn as one JSON object."),
+):
+    """Draw a run's loss and samples/s over time to a PNG, from the figures a peer appended to DIR/metrics.jsonl.
+
+    \b
+    Example:
+      ravnest-swarm local --snapshot-dir ./history && ravnest-swarm plot ./history
+    """
+    configure_logging(False)
+    from ravnest_swarm.swarm.metrics import run_plot
+
+    sys.exit(run_blocking(lambda: run_plot(directory, out, as_json)))
 
 
 @app.command()
@@ -293,6 +396,10 @@ def local(
                                                "much RAM (GB), measured; by default peers offer 0.4-0.7 of the model."),
     device: str = typer.Option("auto", "--device", help="Where every peer computes: auto (the first GPU torch sees, "
                                "else the CPU), cpu, or cuda (cuda:N)."),
+    export_dir: Optional[str] = typer.Option(None, "--export", help="At the end, export the trained model to this "
+                                             "directory (as `ravnest-swarm export` does from a swarm)."),
+    snapshot_dir: Optional[str] = typer.Option(None, "--snapshot-dir", help="Append the run's figures to "
+                                               "DIR/metrics.jsonl every second (`ravnest-swarm plot DIR`)."),
     log_file: Optional[str] = LogFile,
 ):
     """Run a whole swarm here: a backbone and N volunteers on 127.0.0.1, with the dashboard; Ctrl-C stops all.
@@ -322,7 +429,7 @@ def local(
                                             optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
                                             warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
                                             outer_lr=outer_lr),
-                               max_ram_gb=max_ram_gb,
+                               max_ram_gb=max_ram_gb, export=export_dir, snapshot_dir=snapshot_dir,
                                dashboard=not no_dashboard, checkpoint_dir=checkpoint_dir,
                                checkpoint_every=checkpoint_every, resume=resume, device=where)
         return await run_local(options, as_json)
@@ -447,6 +554,24 @@ def bench_quality(
     from ravnest_swarm.bench.quality import bench_quality as run
 
     sys.exit(run_async(run(peers, steps, model, as_json, repeats)))
+
+
+@bench_app.command("export")
+def bench_export(
+    model: str = typer.Option("gpt-350m", "--model", help="Zoo model whose local-run checkpoints are exported."),
+    stages: int = typer.Option(4, "--stages", min=1, max=64, help="Stages the local run split it into."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
+):
+    """Peak memory of exporting a model from a local run's checkpoints, against the size of two of its stages.
+
+    \b
+    Example:
+      ravnest-swarm bench export --model gpt-350m --stages 4 --json
+    """
+    configure_logging(False)
+    from ravnest_swarm.bench.export import bench_export as run
+
+    sys.exit(run_blocking(lambda: run(model, stages, as_json)))
 
 
 @bench_app.command("membership")

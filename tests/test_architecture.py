@@ -32,6 +32,8 @@ ALLOWED = {
             "processes", "swarm", "bench", "codecs"},
     "__main__": {"cli"},
 }
+# the package's own public API: ``ravnest_swarm.load_model(DIR)`` reads an export (imported when called)
+PUBLIC_API = {"ravnest_swarm": {"ravnest_swarm.swarm.exported"}}
 # the dashboard draws what it is given: nothing it imports, directly or through other modules, reaches the network
 NETWORK = ("hivemind", "ravnest_swarm.net")
 
@@ -80,7 +82,8 @@ def test_every_part_imports_only_the_parts_below_it():
     for module, imported in modules().items():
         part = part_of(module)
         if part in BASE or part == "":
-            assert all(part_of(other) in BASE for other in imported), (module, imported)
+            assert all(part_of(other) in BASE or other in PUBLIC_API.get(module, ()) for other in imported), \
+                (module, imported)
             continue
         assert part in ALLOWED, f"{module}: a part docs/architecture.md and this test do not know"
         for other in imported:

@@ -179,9 +179,12 @@ def test_two_holders_must_serve_the_same_averaged_copy_and_a_third_is_asked_when
     honest = [dict(live=(trained_stage(2.0), 23), averaged=(averaged, 20), step=23),
               dict(live=(trained_stage(3.0), 22), averaged=(averaged, 20), step=22)]
     fresh = get_model("mlp-digits").build_stage(0, 3)
-    filled, _ = fill([hostile, *honest], fresh)
+    filled, servers = fill([hostile, *honest], fresh)
     assert all(f.loaded and f.step == 22 for f in filled), filled
     assert same_weights(averaged, fresh)
+    # whose copy it is, as an export's model.json says it (served_by): the two honest holders, at their copy's step
+    honest_ids = {server.p2p.peer_id.to_base58() for server in servers[1:]}
+    assert all(set(f.holders) == honest_ids and f.copy_step == 20 for f in filled), filled
 
 
 def test_two_holders_that_disagree_with_no_third_leave_the_local_weights_and_say_so():

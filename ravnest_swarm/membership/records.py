@@ -252,6 +252,7 @@ class RunSpecRecord(pydantic.BaseModel):
     lr_scaling: pydantic.constr(strict=True, regex="^(none|sqrt|linear|warmup)$") = "none"  # swarm.spec.cluster_lr
     divergence_factor: _bounded_float(0.0, 1e6) = 10.0  # pipeline/guard.py
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
+    finished: pydantic.StrictBool = False  # the owner ended the run (update-spec --finish, or its peer at the end)
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)
     # the run owner's public key (ssh-rsa text), its signature over every other field (membership/owner.py),

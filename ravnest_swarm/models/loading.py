@@ -92,6 +92,18 @@ def load_model(name: str, config: str = "", data: Optional[str] = None) -> Model
     """
     from ravnest_swarm.models.user_data import bind_data  # numpy loading is only needed with --data
 
+    spec = model_structure(name, config)
+    if data is not None:
+        return bind_data(spec, data)
+    if spec.dataset is None:
+        raise ValueError(f"model {name} has no data of its own: give --data PATH (docs/models.md)")
+    return spec
+
+
+@lru_cache(maxsize=8)
+def model_structure(name: str, config: str = "") -> ModelSpec:
+    """The model a run names, its layers only (a user's model without its data): what an export is loaded into
+    (``swarm/exported.py``). Raises ``ValueError`` with one line as :func:`load_model` does."""
     settings = parse_model_config(config)
     if is_entry_point(name):
         spec = _call_with_settings(_import_entry_point(name), settings, name)
@@ -107,10 +119,6 @@ def load_model(name: str, config: str = "", data: Optional[str] = None) -> Model
                          f"module:function")
     if not spec.layers:
         raise ValueError(f"model {name} has no layers")
-    if data is not None:
-        return bind_data(spec, data)
-    if spec.dataset is None:
-        raise ValueError(f"model {name} has no data of its own: give --data PATH (docs/models.md)")
     return spec
 
 

@@ -17,6 +17,7 @@ from the object itself (:func:`ravnest_swarm.processes.start_library_process`), 
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -79,6 +80,9 @@ class JoinOptions:
     checkpoint_every: int = 50
     resume: bool = False
     report: Optional[str] = None
+    snapshot_dir: Optional[str] = None  # append the run's figures to metrics.jsonl here every heartbeat (swarm/metrics.py)
+    snapshot_every: int = 0  # export the run to snapshot_dir every this many steps (0: never)
+    init_from: Optional[str] = None  # an export that fills the layers nobody serves (swarm/volunteer.py)
     # planning rounds (the planner test mode's model_gb and workload: docs/planning.md)
     model_gb: Optional[float] = None
     gflop_per_sample: float = 1.0
@@ -176,6 +180,18 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
     if options.resume and options.checkpoint_dir is None:
         raise UserError("--resume needs --checkpoint-dir")
+    if options.snapshot_every and options.snapshot_dir is None:
+        raise UserError("--snapshot-every needs --snapshot-dir: where the snapshots go")
+    if options.init_from is not None:  # an export, or a --snapshot-dir whose newest snapshot counts (maybe none yet)
+        from ravnest_swarm.swarm.exported import newest_export, read_export
+
+        if options.snapshot_dir is not None and os.path.abspath(options.init_from) == os.path.abspath(options.snapshot_dir):
+            os.makedirs(options.snapshot_dir, exist_ok=True)  # our own snapshots, none taken yet
+        found = newest_export(options.init_from)
+        if found is None and not os.path.isdir(options.init_from):
+            raise UserError(f"--init-from {options.init_from}: no such directory (an export, or a --snapshot-dir)", 1)
+        if found is not None:
+            read_export(found)  # a corrupt export is one line now, not after joining
     parse_maddrs(options.initial_peers)
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
@@ -217,7 +233,8 @@ def volunteer_options(options: JoinOptions):
                             resume=options.resume, min_peers=options.min_peers, round_seconds=options.round_seconds,
                             round_period=options.round_period, max_stages=options.max_stages,
                             handover_timeout=options.handover_timeout, data=options.data, report=options.report,
-                            owner_key=options.owner_key)
+                            owner_key=options.owner_key, snapshot_dir=options.snapshot_dir,
+                            snapshot_every=options.snapshot_every, init_from=options.init_from)
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,

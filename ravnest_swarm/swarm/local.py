@@ -24,6 +24,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -43,7 +44,10 @@ from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.models import load_model
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
+from ravnest_swarm.swarm.export import checkpoint_layer_state, export_checkpoints, freshest_checkpoint_layers
+from ravnest_swarm.swarm.exported import model_figures
 from ravnest_swarm.swarm.join import JoinOptions, run_join
+from ravnest_swarm.swarm.metrics import append_figures, run_figures
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
@@ -75,6 +79,8 @@ class LocalOptions:
     :param device: where every peer computes (resolved: ``cpu``, ``cuda:0``)
     :param data: the directory every peer trains on (``--data``; None: the model's own data)
     :param max_ram_gb: every peer offers the RAM it measures, capped at this (None: varied offers below the model)
+    :param export: write the trained model here at the end (``swarm/exported.py``), from the peers' checkpoints
+    :param snapshot_dir: append the run's figures to ``metrics.jsonl`` here at every look (``ravnest-swarm plot``)
     """
 
     peers: int = 6
@@ -91,6 +97,8 @@ class LocalOptions:
     device: str = "cpu"
     data: Optional[str] = None
     max_ram_gb: Optional[float] = None
+    export: Optional[str] = None
+    snapshot_dir: Optional[str] = None
 
 
 def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
@@ -173,6 +181,7 @@ class LocalSwarm:
         self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
         self.finished = False  # every placed peer trained its steps before the time limit or a stop
         self.timed_out = False  # the time limit ended the run (else it finished, or a signal stopped it)
+        self.sources: Dict[int, Tuple[str, int, int]] = {}  # layer -> its freshest checkpoint (evaluate)
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
@@ -233,6 +242,8 @@ class LocalSwarm:
             except Exception as e:  # one failed DHT read must not end the run; the next look retries
                 logger.warning(f"reading the swarm's records failed: {e}")
             peers, plan = self.state.peers, self.state.plan
+            if self.options.snapshot_dir is not None and peers:
+                append_figures(self.options.snapshot_dir, run_figures(self.state))
             self.peer_ids.update({p["name"]: p["peer_id"] for p in peers})
             if plan is not None:
                 self.plans.setdefault(plan["round"], plan)
@@ -328,7 +339,8 @@ class LocalSwarm:
                 for name, held in memory.items() if self.peer_ids.get(name) in stages}
 
     def summary(self, seconds: float) -> dict:
-        accuracy, memory = self.evaluate()
+        figures, memory = self.evaluate()
+        accuracy = figures["heldout_accuracy"] if figures else None
         fractions = self.memory_fractions(memory)
         totals = self.state.totals()
         result = {
@@ -341,6 +353,8 @@ class LocalSwarm:
             "observed_loss_last": round(self.loss_history[-1], 4) if self.loss_history else None,
             "metric_name": "heldout_accuracy",
             "metric": accuracy,
+            "heldout_loss": figures["heldout_loss"] if figures else None,
+            "export": self.export(),
             "peers_replaced": self.peers_replaced(),
             "plan_rounds": sorted(self.plans),
             "samples_per_s": self.training_rate(),
@@ -397,41 +411,64 @@ class LocalSwarm:
                 steps[name] = int(found.group(1))
         return steps
 
-    def evaluate(self):
-        """Held-out accuracy of the model assembled from checkpoints covering every layer (freshest first)."""
-        layers: Dict[int, tuple] = {}
+    def evaluate(self) -> Tuple[Optional[dict], Dict[str, int]]:
+        """The figures (``exported.model_figures``: held-out loss and accuracy, training loss) of the model assembled
+        from checkpoints covering every layer (freshest first), read one layer at a time; and the tensor bytes of
+        each peer's checkpoint. None for the figures when some layer is in no checkpoint."""
         memory = {}
         for file in sorted(os.listdir(self.checkpoint_dir)):
             match = CHECKPOINT_NAME.match(file)
             if match is None:
                 continue  # identity keys, a killed writer's temporary file
             try:
-                tensors, metadata = read_stage(os.path.join(self.checkpoint_dir, file))
+                tensors, _ = read_stage(os.path.join(self.checkpoint_dir, file))
             except Exception:
                 continue
-            info = metadata["info"]
             memory[match.group(1)] = sum(t.numel() * t.element_size() for t in tensors.values())
-            start, end = info["layers"]
-            for layer in range(start, end):
-                prefix = f"param.{layer - start}."
-                state = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
-                if layer not in layers or layers[layer][0] < info["step"]:
-                    layers[layer] = (info["step"], state)
-        if len(layers) != len(self.model.layers):
+            del tensors
+        self.sources = freshest_checkpoint_layers(self.checkpoint_dir, CHECKPOINT_NAME)
+        if len(self.sources) != len(self.model.layers):
             return None, memory
-        states = {layer: state for layer, (_, state) in layers.items()}
-        self.final_loss = self.training_loss(states)
-        inputs, targets = self.model.yardstick("heldout")
-        if targets.is_floating_point():
-            return None, memory  # regression targets (a user's data): no accuracy, the losses tell
-        predictions = self.model.run_layers(inputs, states).argmax(dim=-1)
-        return round(float((predictions == targets).float().mean()), 4), memory
+        figures = model_figures(self.model, CheckpointStates(self.sources))
+        self.final_loss = figures["train_loss"]
+        return figures, memory
+
+    def export(self) -> Optional[str]:
+        """With ``--export``, the model assembled from the checkpoints written there (``swarm/export.py``)."""
+        if self.options.export is None or len(self.sources) != len(self.model.layers):
+            return None
+        from ravnest_swarm.models import model_layout
+        from ravnest_swarm.models.user_data import scan_data
+
+        source = scan_data(self.options.data) if self.options.data is not None else None
+        spec = dict(asdict(self.spec), layout=[list(layer) for layer in model_layout(self.model)],
+                    data_hash=source.digest if source else "", data_bytes=source.size if source else 0,
+                    steps=self.options.steps)
+        export_checkpoints(self.sources, spec, RUN, self.options.export)
+        return self.options.export
 
     def training_loss(self, states: Optional[Dict[int, Dict[str, torch.Tensor]]]) -> float:
         """Mean loss over the first training samples: the same yardstick for the seeded start (``states``
         None) and the trained end; layer by layer, so a model bigger than any peer is evaluated too."""
         inputs, targets = self.model.yardstick("train")
         return round(float(self.model.loss(self.model.run_layers(inputs, states), targets)), 4)
+
+
+class CheckpointStates(Mapping):
+    """The layers of a ``local`` run's checkpoints by index (``export.freshest_checkpoint_layers``), each read when
+    asked for: the model is evaluated with one layer in memory at a time."""
+
+    def __init__(self, sources: Dict[int, Tuple[str, int, int]]):
+        self.sources = sources
+
+    def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
+        return checkpoint_layer_state(self.sources[index])
+
+    def __iter__(self):
+        return iter(sorted(self.sources))
+
+    def __len__(self) -> int:
+        return len(self.sources)
 
 
 def describe(summary: dict, model: str) -> List[str]:
@@ -442,11 +479,16 @@ def describe(summary: dict, model: str) -> List[str]:
              "stopped by signal": f"you stopped it before every stage trained its {steps} steps"}[summary["stopped"]]
     lines = [f"Trained {model} with {summary['peers']} peers in {clusters} cluster(s) for "
              f"{_duration(summary['seconds'])}: {ended}."]
-    if summary["metric"] is None:
+    if summary["heldout_loss"] is None:
         lines.append("No model to evaluate: some layer was in no peer's checkpoint.")
     else:
-        lines.append(f"Held-out accuracy {summary['metric']:.1%}; mean training loss {summary['loss_start']:.3g} at the "
-                     f"start, {summary['loss_end']:.3g} at the end (the model assembled from the peers' checkpoints).")
+        accuracy = "" if summary["metric"] is None else f", held-out accuracy {summary['metric']:.1%}"
+        lines.append(f"Held-out loss {summary['heldout_loss']:.4g}{accuracy}; mean training loss "
+                     f"{summary['loss_start']:.3g} at the start, {summary['loss_end']:.3g} at the end (the model "
+                     f"assembled from the peers' checkpoints).")
+    if summary["export"]:
+        lines.append(f"The trained model is exported to {summary['export']} (`ravnest-swarm evaluate "
+                     f"{summary['export']}`).")
     lines.append(f"{summary['samples_per_s']:,.0f} samples/s on average while training; peak peer memory "
                  f"{summary['peak_peer_memory_mb']:.0f} MB.")
     records = summary["peer_records"]

@@ -27,7 +27,9 @@ from ravnest_swarm.membership.owner import (
 from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
-FOLLOWED = ("lr",)  # what the owner may change in a running run: every peer follows it from its next step
+# what the owner may change in a running run: every peer follows the lr from its next step, a training stage the length
+# (``steps``: extend or shorten it) and the end (``finished``: the run is over, whatever its steps; status says so)
+FOLLOWED = ("lr", "steps", "finished")
 # how a cluster's learning rate follows the number of clusters (``cluster_lr``); ``bench lr-scaling`` measures them
 LR_SCALINGS = ("none", "sqrt", "linear", "warmup")
 LR_WARMUP_STEPS = 200  # ``warmup``: steps after a stage starts over which its lr goes from the run's to K x it
@@ -88,6 +90,8 @@ class RunSpec:
     :param steps: the run's length: optimizer steps every stage trains for. It belongs to the run, not to a
       volunteer, so peers that join late or replace others train towards the same end, and the run is
       finished once its placed peers reach it
+    :param finished: the owner ended the run (``update-spec --finish``, or the owner's own peer once the run reached
+      its length): signed, so ``status`` tells a finished run from an abandoned one after every peer has left
     :param protocol: wire protocol version; peers of other versions refuse to join
     :param version: the owner's version of this spec: running peers follow a higher one (only what
       ``FOLLOWED`` names may change between versions)
@@ -124,6 +128,7 @@ class RunSpec:
     lr_scaling: str = "none"
     divergence_factor: float = 10.0
     steps: int = 300
+    finished: bool = False
     protocol: int = PROTOCOL_VERSION
     version: int = 1
 
@@ -356,6 +361,8 @@ async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_k
     from ravnest_swarm.membership.records import make_validators, parse_run_address
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
+    if not changes:
+        raise UserError("say what to change: --lr, --steps or --finish")
     address = parse_run_address(run)
     key_file = owner_key_file or owner_key_path(address.name)
     key = load_owner_key(key_file)
@@ -368,5 +375,7 @@ async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_k
         spec = await publish_spec_version(node, address, changes, key)
     finally:
         await stop_node(node)
+    said = {"finished": lambda value: "finished" if value else "not finished"}
     print(f"run {address.name}@{fingerprint(key.get_public_key().to_bytes())} spec version {spec.version}: "
-          + ", ".join(f"{name}={value}" for name, value in changes.items()), flush=True)
+          + ", ".join(said[name](value) if name in said else f"{name}={value}" for name, value in changes.items()),
+          flush=True)

@@ -272,8 +272,7 @@ def _reply(schema: Type[MessageT], raw: bytes, handler: str, holder: PeerID) -> 
         raise StateTransferError(f"{holder} sent a malformed reply: {e}") from None
 
 
-def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor,
-             expected: Dict[str, torch.Tensor]) -> torch.Tensor:
+def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor, expected: Dict[str, torch.Tensor]):
     """``tensor`` if it fits ``expected[name]`` in shape and dtype and holds only finite numbers."""
     reference = expected[name]
     if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
@@ -284,8 +283,7 @@ def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor,
     return tensor
 
 
-def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor],
-              expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]):
     if set(received) != set(expected):
         raise StateTransferError(f"{holder} sent {sorted(received)} of layer {layer}, expected {sorted(expected)}")
     return received
@@ -302,11 +300,14 @@ class LayerOffer:
 
 @dataclass(frozen=True)
 class LayerFill:
-    """What :func:`fill_layer` did: the step training goes on from, whether the layer was loaded, and if not why."""
+    """What :func:`fill_layer` did: the step training goes on from, whether the layer was loaded, and if not why;
+    whose copy was loaded (two that agreed, or the only one) and its step (an export names both, export.py)."""
 
     step: int
     loaded: bool
     problem: Optional[str] = None
+    holders: Tuple[str, ...] = ()
+    copy_step: Optional[int] = None
 
 
 def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int) -> List[LayerOffer]:
@@ -369,12 +370,12 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
             continue
         if not averaged:  # the only holder that counts: its live weights, at the step it serves them at
             layer_module.load_state_dict(tensors)
-            return LayerFill(served_step, True)
+            return LayerFill(served_step, True, holders=(offer.holder.to_base58(),), copy_step=served_step)
         agreeing = copies.setdefault(content_digest(tensors), set())
         agreeing.add(offer.holder)
         if len(agreeing) == 2:
             layer_module.load_state_dict(tensors)
-            return LayerFill(step, True)
+            return LayerFill(step, True, holders=tuple(sorted(h.to_base58() for h in agreeing)), copy_step=served_step)
     if averaged:
         disagreement = f"no two of its {len(counted)} holders serve the same averaged copy ({len(copies)} different ones)"
         # none has averaged yet (the run's first clusters: a holder that trained alone, and joiners that took its
@@ -390,7 +391,8 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
                 continue
             layer_module.load_state_dict(tensors)
             return LayerFill(served_step, True, CONTROL_CHARACTER_RE.sub(
-                " ", f"layer {layer}: {disagreement}: took the live weights of {offer.holder} at step {served_step}"))
+                " ", f"layer {layer}: {disagreement}: took the live weights of {offer.holder} at step {served_step}"),
+                holders=(offer.holder.to_base58(),), copy_step=served_step)
         errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
     return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"))

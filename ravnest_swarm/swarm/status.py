@@ -49,10 +49,15 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
             return
         # every read at once: the spec, the summary and every bucket of peer records (twice: one read can miss some)
         spec, (summary, peers) = await asyncio.gather(spec_or_none(), read_status(node, run))
-        finished = spec is not None and run_finished(peers, spec.steps)
+        # signed by the owner (update-spec --finish, or its peer at the end), or seen in the records of the peers
+        finished = spec is not None and (spec.finished or run_finished(peers, spec.steps))
         if as_json:
             print(json.dumps(status_document(run, spec.steps if spec else None, finished, summary, peers)),
                   flush=True)
+            return
+        if not peers and finished:
+            Console().print(f"run {run} is finished (its owner signed its end into its spec, version {spec.version}); "
+                            f"every peer has left", markup=False, highlight=False)
             return
         if not peers:
             # an empty table looked like a healthy run, and a mistyped --run looks the same
@@ -63,7 +68,9 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
         Console().print(line)
         Console().print(table)
         if finished:
-            Console().print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length",
+            Console().print(f"run {run} is finished: " + ("its owner ended it" if spec.finished and not
+                                                           run_finished(peers, spec.steps) else
+                                                           f"its stages reached step {spec.steps}, the run's length"),
                             markup=False, highlight=False)
     finally:
         await stop_node(node)

@@ -12,7 +12,8 @@ share the worker, the layer cache and the plan; its pure rules are in ``placemen
 2. Before the new worker trains, every layer it owns is filled from the freshest source: a peer whose
    record says it holds that layer (``state_transfer.fill_layer``: holders the plan names, two agreeing where
    two count, over ``ravnest.layer_state``), else its own
-   cache or checkpoint, else the model's seeded initial weights (identical on every peer). The
+   cache or checkpoint, else a ``--init-from`` snapshot's (an export, at its step), else the model's seeded initial
+   weights (identical on every peer). The
    worker starts counting optimizer steps from that source's step, so clusters stay aligned.
 3. Between optimizer steps, every ``averaging_period`` steps, the stage averages its layers with the
    peers of other clusters that hold the same parameters (``stage_averaging.py``: rings from the adopted plan,
@@ -27,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -43,12 +46,12 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import until_set
 from ravnest_swarm.checkpoint import (load_optimizer_state, load_stage_layers, remove_unfinished_writes, save_stage,
                                      write_atomically)
-from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE
+from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE, SwarmState
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
-from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress
+from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress, make_validators
 from ravnest_swarm.membership.volunteer import Membership
-from ravnest_swarm.models import ModelSpec
+from ravnest_swarm.models import ModelSpec, first_difference, model_layout
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
@@ -57,15 +60,20 @@ from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_worklo
                                            neighbours_in, offered_step, placement_in)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.hand_over import hand_over
-from ravnest_swarm.swarm.spec import RunSpec, cluster_lr, read_spec
+from ravnest_swarm.swarm.export import export_with
+from ravnest_swarm.swarm.exported import newest_export, read_export
+from ravnest_swarm.swarm.metrics import append_figures, run_figures
+from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, publish_spec_version, read_spec
+from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
 from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
                                                 offered_layers, offers_of)
-from ravnest_swarm.net.node import maddrs_without_peer_id
+from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
 
 logger = logging.getLogger(__name__)
 
 HOLDER_LOOKUPS = 5
+SNAPSHOTS_KEPT = 3  # --snapshot-every: the newest snapshots kept in --snapshot-dir
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
 DIVERGING_REPEATS, DIVERGING_STEPS = 3, 500  # this many restores within so many steps: a cluster that keeps diverging
@@ -90,6 +98,13 @@ class VolunteerOptions:
     :param report: when the run is finished, write our stage worker's report (``pipeline/stage.py``) and the
         start and end of each averaging round here, as JSON (``bench speedup`` times the clusters with it)
     :param owner_key: the run owner's key file, for a run we start (default ``membership.owner.owner_key_path``)
+    :param snapshot_dir: append the run's figures, as we see them, to ``metrics.jsonl`` here every heartbeat
+        (``swarm/metrics.py``; ``ravnest-swarm plot``), and keep the snapshots of ``snapshot_every`` here
+    :param snapshot_every: export the run (``swarm/export.py``) to ``snapshot_dir/snapshot-STEP`` every this many
+        steps of the run, keeping the last :data:`SNAPSHOTS_KEPT` (0: never)
+    :param init_from: an export (a snapshot) whose layers, at their steps, fill the layers no peer serves and no
+        cache or checkpoint of ours holds, instead of the seeded weights: a new run from a snapshot, or a stage
+        restarted after every holder of it left
     """
 
     checkpoint_dir: Optional[str] = None
@@ -105,6 +120,9 @@ class VolunteerOptions:
     data: Optional[str] = None
     report: Optional[str] = None
     owner_key: Optional[str] = None
+    snapshot_dir: Optional[str] = None
+    snapshot_every: int = 0
+    init_from: Optional[str] = None
 
 
 class Volunteer:
@@ -131,6 +149,11 @@ class Volunteer:
         self.worker: Optional[StageWorker] = None
         self.stopped_worker: Optional[StageWorker] = None  # the last worker stopped: what a leave hands over
         self._finished = False  # the run reached its length (said once)
+        self._history_at = -math.inf  # when we last appended the run's figures (_record_history)
+        self._seen_step = 0  # the highest step of the run's peers we last saw (_record_history)
+        self._snapshot_mark, self._snapshot_task = 0, None  # the last multiple of --snapshot-every exported, and its task
+        self._init_export = None  # the --init-from export last read (_init_source)
+        self._init_source()  # one that is of another model is one line before anything trains
         self.held: Optional[Tuple[int, torch.nn.Sequential, int]] = None  # layers of the last stopped worker
         self.placement: Optional[Placement] = None
         # the plan we follow (our placement is in it), and the newest one adopted, which we follow next: read
@@ -210,6 +233,8 @@ class Volunteer:
                 await until_set(self._adopted.wait(), stop, timeout=2.0)
                 await self._follow_spec()
                 self._publish_progress()
+                await self._record_history()
+                self._maybe_snapshot()
                 await self._explain_stall()
                 if await self._run_finished():
                     planner.cancel()  # a finished run has nothing left to place: its peers stay where they are
@@ -232,10 +257,16 @@ class Volunteer:
             return  # only an address without an owner can be ambiguous, and we always know ours
         if spec is None or spec.version <= self.spec.version:
             return
-        self.say(f"{self.name}: run {self.run} spec version {spec.version} from its owner: lr {self.spec.lr} -> {spec.lr}")
-        self.spec = replace(self.spec, version=spec.version, lr=spec.lr)
-        if self.worker is not None:
-            self._set_lr(self.worker)  # the compute thread reads it at its next step
+        changed = [f"{name} {getattr(self.spec, name)} -> {getattr(spec, name)}" for name in FOLLOWED
+                   if getattr(spec, name) != getattr(self.spec, name)]
+        self.say(f"{self.name}: run {self.run} spec version {spec.version} from its owner: {', '.join(changed) or 'same'}")
+        worker = self.worker
+        steps = self.spec.steps if worker is not None and worker.finished.is_set() else spec.steps  # done stays done
+        self.spec = replace(self.spec, version=spec.version, lr=spec.lr, steps=steps, finished=spec.finished)
+        if worker is not None:
+            self._set_lr(worker)  # the compute thread reads it at its next step
+            # the scheduler reads its length at every injection: a longer run goes on, an ended one stops at the next
+            worker.config.microbatches = worker.version if self.spec.finished else self.spec.steps
 
     def _prepare_model(self) -> Tuple[Workload, Tuple[List[float], List[float]], Optional[float]]:
         """The planner's view of the model, its data set loaded (cached for the stage workers), and our compute
@@ -396,6 +427,8 @@ class Volunteer:
             await asyncio.sleep(1.0)  # holders re-publish what they hold right after adopting a plan
         step = 0
         remote: Dict[int, List[LayerOffer]] = {}
+        snapshot = []  # the layers nobody serves and we never held, filled from --init-from
+        init = False  # looked up only for such a layer
         for layer in range(start, end):
             offers = offers_of(peers, self.plan, layer)
             cached = self.cache.get(layer)
@@ -404,6 +437,13 @@ class Volunteer:
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
+            elif (init := self._init_or_none() if init is False else init) is not None:
+                module[layer - start].load_state_dict(init.layer_state(layer))
+                snapshot.append((layer, init.manifest["layers"][layer]["step"]))
+                step = max(step, snapshot[-1][1])
+        if snapshot:
+            self.say(f"{self.name}: layers {snapshot[0][0]}:{snapshot[-1][0] + 1} from the snapshot {init.path} (step "
+                     f"{max(s for _, s in snapshot)}): nobody serves them")
         if remote:
             step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers}))
         return step, bool(remote)
@@ -539,6 +579,76 @@ class Volunteer:
             # (a step on a microbatch stage 0 dropped), which draws another in its place (docs/pipeline.md)
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
 
+    async def _record_history(self) -> None:
+        """With ``--snapshot-dir``, one line of the run's figures as our view of it holds them, every heartbeat."""
+        now = time.monotonic()
+        if self.options.snapshot_dir is None or now - self._history_at < self.membership.options.heartbeat:
+            return
+        self._history_at = now
+        state = SwarmState(self.run)
+        state.feed(dict(run=self.run, at=time.time(), peers=await self.announcer.read_peers(), plan=self.plan))
+        figures = run_figures(state, own=self.announcer.record)
+        self._seen_step = max(self._seen_step, figures["step"])
+        append_figures(self.options.snapshot_dir, figures)
+
+    def _maybe_snapshot(self) -> None:
+        """With ``--snapshot-every N``, start an export of the run each time its step passes a multiple of N."""
+        every = self.options.snapshot_every
+        if not every or self.options.snapshot_dir is None or self._seen_step // every <= self._snapshot_mark or \
+                (self._snapshot_task is not None and not self._snapshot_task.done()):
+            return
+        self._snapshot_mark = self._seen_step // every
+        self._snapshot_task = asyncio.create_task(self._snapshot(self._seen_step))
+
+    async def _snapshot(self, step: int) -> None:
+        """Export the run to ``snapshot-STEP`` as ``ravnest-swarm export`` does, then keep the newest few.
+
+        Through a DHT client node of its own, with a new peer id each time: our own layers are asked from our own
+        server like anyone's (a node cannot call itself), and a holder serves this download a fresh copy (a holder
+        keeps one copy per requester for a whole download, ``state_transfer._held_copy``)."""
+        out = os.path.join(self.options.snapshot_dir, f"snapshot-{step:010d}")
+        try:
+            node = await start_node(self.membership.options.initial_peers, client_mode=True,
+                                    record_validators=make_validators(self.run, self.owner))
+            try:
+                manifest = await export_with(node, RunAddress(self.run, self.owner), out, self.options.transfer_timeout,
+                                             None)
+            finally:
+                await stop_node(node)
+        except Exception as e:  # a holder that left mid-download: the next multiple tries again
+            shutil.rmtree(out, ignore_errors=True)
+            self.say(f"{self.name}: no snapshot at step {step}: {e if isinstance(e, UserError) else repr(e)}")
+            return
+        steps = sorted({layer["step"] for layer in manifest["layers"]})
+        self.say(f"{self.name}: snapshot of run {self.run} at step {step} in {out} (layers at steps "
+                 f"{', '.join(map(str, steps))})")
+        kept = sorted(name for name in os.listdir(self.options.snapshot_dir) if name.startswith("snapshot-"))
+        for name in kept[:-SNAPSHOTS_KEPT]:
+            shutil.rmtree(os.path.join(self.options.snapshot_dir, name), ignore_errors=True)
+
+    def _init_or_none(self):
+        """:meth:`_init_source`, where a snapshot written meanwhile does not read: None (the seeded weights), said."""
+        try:
+            return self._init_source()
+        except UserError as e:
+            self.say(f"{self.name}: {e}")
+            return None
+
+    def _init_source(self):
+        """The ``--init-from`` export (the newest snapshot, where it names a ``--snapshot-dir``: snapshots taken since we
+        started count), checked against the run's model (one line if it is another's), or None."""
+        path = newest_export(self.options.init_from) if self.options.init_from is not None else None
+        if path is None:
+            return None
+        if self._init_export is None or self._init_export.path != path:
+            export = read_export(path)
+            difference = first_difference(model_layout(self.model), export.spec["layout"])
+            if difference is not None:
+                raise UserError(f"--init-from {path} is an export of another model than this run's {self.spec.model}: "
+                                f"{difference}", exit_code=1)
+            self._init_export = export
+        return self._init_export
+
     def _report_divergences(self, worker: StageWorker) -> None:
         """Our record counts the times our stage diverged and restored; its note and our log say the last; a
         stage with :data:`DIVERGING_REPEATS` restores within :data:`DIVERGING_STEPS` steps says its cluster keeps
@@ -594,9 +704,10 @@ class Volunteer:
             return True
         if self.worker is not None and self.announcer.record.get("state") != "done":
             return False  # we still train: the run cannot be finished
-        if not run_finished(await self.announcer.read_peers(), self.spec.steps):
+        if not self.spec.finished and not run_finished(await self.announcer.read_peers(), self.spec.steps):
             return False
         self._finished = True
+        await self._mark_finished()
         if self.worker is None:
             self.say(f"{self.name}: run {self.run} is finished (its stages reached step {self.spec.steps}, "
                      f"the run's length): nothing left to train, leaving")
@@ -608,6 +719,18 @@ class Volunteer:
                      f"{self.worker.end_layer} trained to step {self.worker.version}{where}; they stay on "
                      f"offer to others until you stop (Ctrl-C)")
         return True
+
+    async def _mark_finished(self) -> None:
+        """As the run's owner (its key is on this machine), sign the run's end into its spec, so that ``status`` says
+        it is finished even after every peer has left."""
+        key = load_owner_key(self.options.owner_key or owner_key_path(self.run))
+        if key is None or self.spec.finished or fingerprint(key.get_public_key().to_bytes()) != self.owner:
+            return
+        try:
+            self.spec = await publish_spec_version(self.node, RunAddress(self.run, self.owner), {"finished": True}, key)
+            self.say(f"{self.name}: signed the end of run {self.run} into its spec (version {self.spec.version})")
+        except UserError as e:
+            self.say(f"{self.name}: could not sign the end of run {self.run} into its spec: {e}")
 
     # ------------------------------------------------------------------ leaving
     async def _hand_over(self, leave_now: asyncio.Event) -> None:
@@ -676,8 +799,9 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
     spec, owner = found
     # a user's model imports their code: off the event loop, which must keep our record renewed meanwhile
     model = await asyncio.get_running_loop().run_in_executor(None, spec.build_model, options.data)
-    if run_finished(await membership.announcer.read_peers(), spec.steps):
-        console.print(f"run {run} is finished: its stages reached step {spec.steps}, the run's length; nothing left "
+    if spec.finished or run_finished(await membership.announcer.read_peers(), spec.steps):
+        why = "its owner ended it" if spec.finished else f"its stages reached step {spec.steps}, the run's length"
+        console.print(f"run {run} is finished: {why}; nothing left "
                       f"to train (`ravnest-swarm status` shows who still holds its layers)", markup=False,
                       highlight=False, soft_wrap=True)
         return

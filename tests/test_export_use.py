@@ -1,0 +1,173 @@
+"""Using an export (issue 31): `evaluate` of an export from `local` says `local`'s own summary figures; `load_model` of a
+user's model (a module outside the package) and of a sized GPT; `sample` writes text with a trained byte-level GPT;
+`plot` of a local run's history draws a falling loss. Bad exports are one line and a non-zero exit."""
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from commands import ravnest
+from test_cli import assert_one_line_error
+from test_user_models import USER_MODELS, features_dir
+from test_user_runs import local
+import ravnest_swarm
+from ravnest_swarm.models import get_model, model_layout
+from ravnest_swarm.swarm.export import ExportWriter
+from ravnest_swarm.swarm.exported import model_figures, read_export
+from ravnest_swarm.swarm.spec import RunSpec
+
+GPT_CONFIG = "layers=2,width=32,heads=2,context=32"
+
+
+@pytest.fixture
+def user_models_on_path(monkeypatch):
+    """tests/user_models importable here, as a user's module beside them is (test_user_models.py's, once more)."""
+    monkeypatch.syspath_prepend(USER_MODELS)
+    yield
+    sys.modules.pop("tabular", None)
+
+
+def figures_of(directory, *args, env=None):
+    result = ravnest("evaluate", str(directory), "--json", *args, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(400)
+def test_a_local_gpt_exported_evaluates_to_its_summary_loads_samples_and_plots(tmp_path):
+    out, history = tmp_path / "model", tmp_path / "history"
+    # long enough for a dozen looks at the peers' records while they train (they renew them every 4 s)
+    summary = local("--peers", "3", "--steps", "500", "--model", "gpt", "--model-config", GPT_CONFIG, "--lr", "0.1",
+                    "--export", str(out), "--snapshot-dir", str(history))
+    assert summary["finished"] and summary["export"] == str(out), summary["stopped"]
+    figures = figures_of(out)
+    # the same layers through the same function: the same figures, to the digit
+    assert (figures["heldout_loss"], figures["heldout_accuracy"], figures["train_loss"]) == \
+           (summary["heldout_loss"], summary["metric"], summary["loss_end"]), (figures, summary)
+    assert summary["loss_end"] < summary["loss_start"] - 0.5, summary
+
+    model = ravnest_swarm.load_model(str(out))  # a sized GPT, whole, built from the zoo
+    assert isinstance(model, torch.nn.Sequential) and len(model) == 4 and not model.training
+    spec = read_export(str(out)).model
+    inputs, _ = spec.yardstick("heldout")
+    with torch.no_grad():
+        assert torch.allclose(model(inputs[:4]), spec.run_layers(inputs[:4], read_export(str(out)).states()))
+
+    sampled = ravnest("sample", str(out), "--prompt", "def ", "--tokens", "80", "--temperature", "0")
+    assert sampled.returncode == 0, sampled.stderr
+    text = sampled.stdout.rstrip("\n")
+    assert text.startswith("def ") and len(text) > 40, text
+    again = ravnest("sample", str(out), "--prompt", "def ", "--tokens", "80", "--temperature", "0")
+    assert again.stdout == sampled.stdout  # temperature 0: the likeliest byte each time
+
+    plotted = ravnest("plot", str(history), "--json")
+    assert plotted.returncode == 0, plotted.stderr
+    drawn = json.loads(plotted.stdout.strip().splitlines()[-1])
+    assert open(drawn["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    losses = [value for _, value in drawn["loss"]]
+    assert len(set(losses)) >= 5 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+
+
+@pytest.mark.timeout(400)
+def test_a_user_model_exported_from_local_evaluates_to_its_summary_and_loads(tmp_path, user_models_on_path):
+    data, out = features_dir(tmp_path / "data"), tmp_path / "model"
+    summary = local("--peers", "3", "--steps", "150", "--model", "tabular:build", "--model-config", "hidden=64",
+                    "--lr", "0.3", "--data", data, "--export", str(out), env={"PYTHONPATH": USER_MODELS})
+    assert summary["finished"], summary["stopped"]
+    env = {"PYTHONPATH": USER_MODELS}
+    figures = figures_of(out, "--data", data, env=env)
+    assert (figures["heldout_loss"], figures["heldout_accuracy"]) == (summary["heldout_loss"], summary["metric"])
+    # trained on data of its own: without --data there is nothing to evaluate on
+    assert_one_line_error(ravnest("evaluate", str(out), env=env), "pass --data", code=1)
+
+    model = ravnest_swarm.load_model(str(out))  # tabular:build from tests/user_models, outside the package
+    assert [type(layer).__name__ for layer in model] == ["Sequential", "Sequential", "Sequential", "Linear"]
+    assert model[1][0].weight.shape == (64, 64)
+    export = read_export(str(out), data)
+    inputs, targets = export.model.yardstick("heldout")
+    with torch.no_grad():
+        accuracy = float((model(inputs).argmax(dim=-1) == targets).float().mean())
+    assert round(accuracy, 4) == summary["metric"] > 0.5
+
+
+# ---- fast: exports written here, no swarm ----------------------------------------------------------------------
+
+def write_export(directory, shift=0.5):
+    """An export of mlp-digits whose every tensor is the seeded one plus ``shift``; returns the layers written."""
+    model = get_model("mlp-digits")
+    spec = dataclasses.asdict(RunSpec("mlp-digits"))
+    spec["layout"] = [list(layer) for layer in model_layout(model)]
+    writer = ExportWriter(str(directory), spec, "unit@0123456789abcdef", "swarm")
+    layers = {}
+    for index in range(len(model.layers)):
+        layers[index] = {k: v + shift for k, v in model.build_layer(index).state_dict().items()}
+        writer.add(index, layers[index], 40 + index, ["QmHolder"])
+    writer.finish()
+    return model, layers
+
+
+def test_load_model_and_figures_of_an_export_are_its_weights(tmp_path):
+    model, layers = write_export(tmp_path / "e")
+    loaded = ravnest_swarm.load_model(str(tmp_path / "e"))
+    for index, layer in enumerate(loaded):
+        assert all(torch.equal(t, layers[index][k]) for k, t in layer.state_dict().items())
+    export = read_export(str(tmp_path / "e"))
+    assert [entry["step"] for entry in export.manifest["layers"]] == [40 + i for i in range(len(layers))]
+    assert model_figures(model, export.states()) == model_figures(model, layers)
+    assert not [name for name in os.listdir(tmp_path / "e") if name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    ("missing", "no export at"),
+    ("a file", "not a directory"),
+    ("no manifest", "model.json is missing"),
+    ("no weights", "model.safetensors is missing"),
+    ("corrupt manifest", "is corrupt or not a ravnest export"),
+    ("truncated weights", "is corrupt or does not match"),
+    ("other model", "is corrupt or does not match"),
+])
+def test_a_bad_export_is_one_line_for_every_verb(tmp_path, damage, fragment):
+    directory = tmp_path / "e"
+    write_export(directory)
+    if damage == "missing":
+        directory = tmp_path / "nothing"
+    elif damage == "a file":
+        directory = tmp_path / "file"
+        directory.write_text("x")
+    elif damage == "no manifest":
+        os.unlink(directory / "model.json")
+    elif damage == "no weights":
+        os.unlink(directory / "model.safetensors")
+    elif damage == "corrupt manifest":
+        (directory / "model.json").write_text('{"format": "ravnest-export/1", "spec": ')
+    elif damage == "truncated weights":
+        weights = directory / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "other model":  # weights of another layout under the same manifest
+        other = tmp_path / "other"
+        write_export(other)
+        manifest = json.loads((other / "model.json").read_text())
+        manifest["spec"]["layout"][0][1][0][1] = [64, 32]
+        (directory / "model.json").write_text(json.dumps(manifest))
+    for verb in (["evaluate"], ["sample", "--prompt", "x"]):
+        assert_one_line_error(ravnest(*verb, str(directory)), fragment, code=1)
+
+
+def test_sample_of_a_model_that_is_no_byte_level_gpt_is_one_line(tmp_path):
+    write_export(tmp_path / "e")
+    assert_one_line_error(ravnest("sample", str(tmp_path / "e")), "byte-level", "mlp-digits is not one", code=1)
+    assert_one_line_error(ravnest("plot", str(tmp_path / "e")), "no run history", code=1)
+
+
+@pytest.mark.timeout(400)
+def test_export_of_a_300m_gpt_from_local_checkpoints_peaks_below_two_stages():
+    """Must-show: a model of at least 300 M parameters exports with memory below two of its stages (measured)."""
+    result = ravnest("bench", "export", "--model", "gpt-350m", "--stages", "4", "--json", timeout=360)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["parameters"] >= 300e6 and measured["export_bytes"] >= measured["model_bytes"]
+    assert measured["peak_rss"] < measured["two_smallest_stages_bytes"], measured
