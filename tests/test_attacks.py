@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Tuple
 import psutil
 import pytest
 import torch
+from safetensors.torch import load_file
 from hivemind.compression import serialize_torch_tensor
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
@@ -29,7 +30,8 @@ from ravnest_swarm.averaging.wire import RING_HANDLER
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, StageEndpoint, make_validators, peers_key,
-                                           plan_key, plan_subkey_prefix, spec_key, stage_subkey_prefix, stages_key)
+                                           parse_run_address, plan_key, plan_subkey_prefix, spec_key, stage_subkey_prefix,
+                                           stages_key)
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.transport import make_request, unpack_metadata
@@ -38,6 +40,7 @@ from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.endpoints import EndpointResolver, read_endpoints
 from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.processes import ProcessGroup
+from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec, read_specs
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, fill_layer, offered_layers, offers_of
@@ -452,13 +455,15 @@ class HostileHolder(LayerStateServer):
 
 
 @pytest.mark.timeout(240)
-def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attacked_run):
+def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attacked_run, tmp_path):
     """Attack: a raw libp2p peer of the test's own writes a signed peer record offering every layer of the
     model at step 10^15 (as a peer that hands its layers over as it leaves, so that no planner places it)
     and serves ``ravnest.layer_state`` with every tensor altered, live and as an averaged copy. A joiner that
     fills the model's layers from the run's holders as ``join`` does (``state_transfer.fill_layer`` with the
     run's records and adopted plan) sees the offer, yet takes each layer from v0 or v1, which the plan
-    names, at their step: the hostile is never asked, no layer holds its values, and v0 and v1 train on."""
+    names, at their step: the hostile is never asked, no layer holds its values, and v0 and v1 train on. An export of
+    the run meanwhile (``swarm.export.export_with``, what ``ravnest-swarm export`` runs) is no different: every layer
+    served by v0 or v1, named in model.json, none of the hostile's values."""
     model = get_model("mlp-digits")
     layers = len(model.layers)
     altered = model.build_stage(0, layers)
@@ -503,14 +508,16 @@ def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attack
             offers = [offers_of(records, plan, layer) for layer in range(layers)]
             filled = [await fill_layer(joiner.routes, RUN, fresh[layer], layer, offers[layer], 30.0, reach=reach)
                       for layer in range(layers)]
-            return offers, filled, fresh, server.asked, hostile.peer_id
+            manifest = await export_with(joiner, parse_run_address(attacked_run.address), str(tmp_path / "export"),
+                                         30.0, None)
+            return offers, filled, fresh, server.asked, hostile.peer_id, manifest
         finally:
             for node in (joiner, hostile):
                 if node is not None:
                     await stop_node(node)
 
     before = attacked_run.training()
-    offers, filled, fresh, asked, hostile_id = asyncio.run(attack())
+    offers, filled, fresh, asked, hostile_id, manifest = asyncio.run(attack())
     # the attack was in view: every layer was offered by the hostile at its huge step
     assert all(any(o.holder == hostile_id and o.step == HUGE_STEP and not o.planned for o in layer_offers)
                for layer_offers in offers), offers
@@ -527,6 +534,11 @@ def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attack
                 assert not torch.equal(tensor, seeded[layer].state_dict()[name]), (layer, name)  # v0's or v1's
     after = attacked_run.keeps_training()
     assert all(after[name]["cluster"] == before[name]["cluster"] for name in ("v0", "v1"))
+    honest = {after[name]["peer_id"] for name in ("v0", "v1")}
+    assert all(set(entry["served_by"]) <= honest and entry["served_by"] for entry in manifest["layers"]), manifest
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert not any(torch.equal(tensor, torch.full_like(tensor, 1000.0)) for tensor in exported.values()
+                   if tensor.is_floating_point())
 
 
 @pytest.mark.timeout(180)
