@@ -1,5 +1,9 @@
 """Downloading the current parameters of a layer range from peers that hold them (as in DeDLOC).
 
+Over 400 lines because the server (what a holder offers and how it streams it), the two wire forms (streamed,
+and one message for forwarded calls) and the joiner's rule of belief are one protocol: split, each half would
+restate the other's schemas and limits.
+
 A late joiner, a standby that replaces a dead stage, and a peer whose layer range changed with a new
 plan all do the same thing: for every layer they now own, ask the peers whose records say they hold
 that layer for its tensors (:func:`fill_layer`). Records are self-declared, so a holder is not believed
