@@ -69,7 +69,9 @@ def test_a_local_gpt_exported_evaluates_to_its_summary_loads_samples_and_plots(t
     drawn = json.loads(plotted.stdout.strip().splitlines()[-1])
     assert open(drawn["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     losses = [value for _, value in drawn["loss"]]
-    assert len(set(losses)) >= 5 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    # the history's loss is the peers' as their records last said it: on a loaded machine a record can say the
+    # same one for several heartbeats (seen in CI: 4 values over the run), so at least 3 and a fall
+    assert len(set(losses)) >= 3 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
 @pytest.mark.timeout(400)
