@@ -40,7 +40,7 @@ import hashlib
 import logging
 import time
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
@@ -363,43 +363,56 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
         return LayerFill(0, False, f"nobody holds layer {layer}")
     step, expected = agreed_step(counted), layer_module.state_dict()
     averaged = len(counted) > 1
-    copies: Dict[str, Set[PeerID]] = {}  # content digest -> the holders that served it
+    ordered = sorted(counted, key=lambda offer: abs(offer.step - step))  # the likeliest to agree first
     errors: List[str] = []
-    for offer in sorted(counted, key=lambda offer: abs(offer.step - step)):  # the likeliest to agree first
-        try:
-            tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach,
-                                                     averaged)
-        except StateTransferError as e:
-            errors.append(str(e))
-            continue
-        if not averaged:  # the only holder that counts: its live weights, at the step it serves them at
-            layer_module.load_state_dict(tensors)
-            return LayerFill(served_step, True, holders=(offer.holder.to_base58(),), copy_step=served_step)
-        agreeing = copies.setdefault(content_digest(tensors), set())
-        agreeing.add(offer.holder)
-        if len(agreeing) == 2:
-            layer_module.load_state_dict(tensors)
-            return LayerFill(step, True, holders=tuple(sorted(h.to_base58() for h in agreeing)), copy_step=served_step)
-    if averaged:
+    if not averaged:  # the only holder that counts: its live weights, at the step it serves them at
+        fill = await _first_live_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors)
+        if fill is not None:
+            return fill
+    else:
+        copies: Dict[str, Set[PeerID]] = {}  # content digest -> the holders that served it
+        for offer in ordered:
+            try:
+                tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach,
+                                                         True)
+            except StateTransferError as e:
+                errors.append(str(e))
+                continue
+            agreeing = copies.setdefault(content_digest(tensors), set())
+            agreeing.add(offer.holder)
+            if len(agreeing) == 2:
+                layer_module.load_state_dict(tensors)
+                return LayerFill(step, True, holders=tuple(sorted(h.to_base58() for h in agreeing)),
+                                 copy_step=served_step)
         disagreement = f"no two of its {len(counted)} holders serve the same averaged copy ({len(copies)} different ones)"
         # none has averaged yet (the run's first clusters: a holder that trained alone, and joiners that took its
         # layers a moment ago): the live weights of the holder at the agreed step beat our seeded ones, which
         # would undo all the training before us at the first averaging round. Copies that differ are another
         # matter: one of their holders lies, and neither is believed
-        for offer in sorted(counted, key=lambda offer: abs(offer.step - step)) if not copies else []:
-            try:
-                tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach,
-                                                         False)
-            except StateTransferError as e:
-                errors.append(str(e))
-                continue
-            layer_module.load_state_dict(tensors)
-            return LayerFill(served_step, True, CONTROL_CHARACTER_RE.sub(
-                " ", f"layer {layer}: {disagreement}: took the live weights of {offer.holder} at step {served_step}"),
-                holders=(offer.holder.to_base58(),), copy_step=served_step)
+        fill = None if copies else await _first_live_copy(routes, run, layer_module, layer, ordered, expected, timeout,
+                                                          reach, errors)
+        if fill is not None:
+            return replace(fill, problem=CONTROL_CHARACTER_RE.sub(
+                " ", f"layer {layer}: {disagreement}: took the live weights of {fill.holders[0]} at step {fill.step}"))
         errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
     return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"))
+
+
+async def _first_live_copy(routes: Routes, run: str, layer_module: torch.nn.Module, layer: int,
+                           offers: Sequence[LayerOffer], expected: Dict[str, torch.Tensor], timeout: float,
+                           reach: Optional[Callable[[PeerID], Awaitable[str]]], errors: List[str]) -> Optional[LayerFill]:
+    """The live weights of the first of ``offers`` that serves them, loaded at the step it serves them at; None, with
+    ``errors`` told why each failed, when none does."""
+    for offer in offers:
+        try:
+            tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach, False)
+        except StateTransferError as e:
+            errors.append(str(e))
+            continue
+        layer_module.load_state_dict(tensors)
+        return LayerFill(served_step, True, holders=(offer.holder.to_base58(),), copy_step=served_step)
+    return None
 
 
 async def _fetch_from(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
