@@ -128,8 +128,9 @@ def join(
     link_bound_compression: Optional[str] = typer.Option(None, "--link-bound-compression", help="Run spec: the "
                                                          "stronger codec a stage boundary switches to while its link is "
                                                          "the bottleneck (default int8; the run's own codec: never)."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Run spec: the run's length, optimizer steps of "
-                                        "every stage (default 300); every volunteer trains until the run reaches it."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=0, max=2**53, help="Run spec: the run's length, "
+                                        "optimizer steps of every stage (default 300); every volunteer trains until the "
+                                        "run reaches it. 0: open-ended, until its owner runs update-spec --finish."),
     precision: Optional[str] = typer.Option(None, "--precision", help="Run spec: fp32 (default), or bf16 or fp16 "
                                             "autocast of the stages' forward (fp16 runs as bf16 on a CPU)."),
     backward: Optional[str] = typer.Option(None, "--backward", help="Run spec: stash (default: keep each microbatch's "
@@ -196,7 +197,9 @@ def join(
           --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
     """
     from ravnest_swarm.swarm.join import JoinOptions, run_join
+    from ravnest_swarm.swarm.spec import length_from_option
 
+    steps = length_from_option(steps)
     sys.exit(run_join(JoinOptions(
         initial_peers=initial_peers, run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb, gflops=gflops,
         bandwidth_mbps=bandwidth_mbps, device=device, device_memory_gb=device_memory_gb, heartbeat=heartbeat,
@@ -245,8 +248,8 @@ def update_spec(
     initial_peers: List[str] = InitialPeers,
     run: str = typer.Option(..., "--run", help="Run name or address (name@owner)."),
     lr: Optional[float] = typer.Option(None, "--lr", min=0.0, max=10.0, help="The run's new learning rate."),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="The run's new length: stages still training "
-                                        "train to it."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=0, max=2**53, help="The run's new length: stages still "
+                                        "training train to it (0: open-ended). A finished run cannot be extended."),
     finish: bool = typer.Option(False, "--finish", help="End the run: training peers stop, and status says it is "
                                 "finished even after every peer has left."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file (default "
@@ -265,7 +268,9 @@ def update_spec(
     configure_logging(verbose)
     from ravnest_swarm.swarm.spec import update_spec as publish
 
-    changes = {name: value for name, value in (("lr", lr), ("steps", steps)) if value is not None}
+    from ravnest_swarm.swarm.spec import length_from_option
+
+    changes = {name: value for name, value in (("lr", lr), ("steps", length_from_option(steps))) if value is not None}
     if finish:
         changes["finished"] = True
     sys.exit(run_async(publish(initial_peers, run, changes, owner_key, timeout)))

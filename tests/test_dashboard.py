@@ -24,6 +24,7 @@ from ravnest_swarm.membership.buckets import bucket_of, run_samples_per_s
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.swarm.observe import ROTATING_BUCKETS, SnapshotReader, neighbour_ids
+from ravnest_swarm.swarm.spec import OPEN_ENDED
 
 # what the dashboard was fed during a real run: RAVNEST_RECORD_SNAPSHOTS=FILE ravnest-swarm local --peers 5
 # --steps 200 --averaging-period 20 (docs/dashboard.md): 5 peers, 2 clusters, plan round 1, 10 averaging rounds
@@ -173,6 +174,18 @@ def test_a_peer_leaving_a_finished_run_is_said_to_leave_because_it_is_finished()
     unfinished.update([peer("a", "training", 0, 0, step=50), peer("s", "standby")], at=1)
     (event,) = unfinished.update([peer("a", "training", 0, 0, step=50), peer("s", "leaving")], at=2)
     assert event.text == "s is leaving"
+
+
+def test_an_open_ended_run_its_owner_ended_is_finished_at_the_step_its_stages_reached():
+    """An open-ended run has no length a stage reaches: the dashboard says it is finished once its owner's signed
+    spec says so (``status --watch`` passes it in each snapshot), at the step its stages stopped at."""
+    state = SwarmState(run="open", steps=OPEN_ENDED)
+    running = [peer("a", "done", 0, 0, step=812), peer("b", "training", 0, 1, step=811)]
+    state.feed(dict(run="open", at=1, peers=running, steps=OPEN_ENDED, finished=False))
+    assert not state.finished
+    state.feed(dict(run="open", at=2, peers=running, steps=OPEN_ENDED, finished=True))
+    assert state.finished
+    assert "finished at step 812" in render_text(state, width=100)
 
 
 def test_replaced_even_after_the_slot_was_vacant():

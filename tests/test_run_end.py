@@ -14,28 +14,34 @@ from test_cli import assert_one_line_error
 from test_swarm import MODEL_GB, placed
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, load_or_create_owner_key
 from ravnest_swarm.membership.records import RunAddress
-from ravnest_swarm.swarm.spec import read_spec
+from ravnest_swarm.swarm.spec import OPEN_ENDED, read_spec
 
 RUN = "run-end"
 
 
-@pytest.mark.timeout(400)
-def test_the_owner_extends_and_ends_the_run_a_stranger_cannot_and_status_says_finished_after_all_left(processes,
-                                                                                                     tmp_path):
-    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", RUN], "backbone")
+def start_pair(processes, tmp_path, run: str, steps: str):
+    """A backbone and two volunteers that form one cluster of two stages; p0 starts the run and owns it."""
+    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run", run], "backbone")
     maddr = backbone.maddrs()[0]
     owner_env = {OWNER_KEYS_ENV: str(tmp_path / "owner-keys")}
-    stranger_key = tmp_path / "stranger.key"
-    load_or_create_owner_key(str(stranger_key))
     peers = {}
     for index in range(2):
-        args = ["join", "--initial-peers", maddr, "--run", RUN, "--name", f"p{index}", "--no-dashboard", "--steps", "4000",
+        args = ["join", "--initial-peers", maddr, "--run", run, "--name", f"p{index}", "--no-dashboard", "--steps", steps,
                 "--heartbeat", "2", "--round-seconds", "6", "--min-peers", "2", "--ram-gb", f"{MODEL_GB * 0.6:.9f}",
                 "--gflops", "20", "--bandwidth-mbps", "100", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                 *(("--model", "mlp-digits") if index == 0 else ())]
         # only p0 (the run's starter) holds the owner key; p1 keeps its keys elsewhere, as another machine would
         peers[f"p{index}"] = processes.start(args, f"p{index}", env=owner_env if index == 0 else
                                              {OWNER_KEYS_ENV: str(tmp_path / "p1-keys")})
+    return maddr, owner_env, peers
+
+
+@pytest.mark.timeout(400)
+def test_the_owner_extends_and_ends_the_run_a_stranger_cannot_and_status_says_finished_after_all_left(processes,
+                                                                                                     tmp_path):
+    maddr, owner_env, peers = start_pair(processes, tmp_path, RUN, "4000")
+    stranger_key = tmp_path / "stranger.key"
+    load_or_create_owner_key(str(stranger_key))
     watcher = RunObserver(maddr, RUN, period=0.5)
     try:
         watcher.wait_for(lambda seen: len(placed(seen)) == 2 and min(p.get("step") or 0 for p in placed(seen).values())
@@ -59,6 +65,8 @@ def test_the_owner_extends_and_ends_the_run_a_stranger_cannot_and_status_says_fi
             assert time.monotonic() < deadline, "the owner's peer never signed the run's end"
             time.sleep(1)
         assert json.loads(ravnest("status", "--initial-peers", maddr, "--run", RUN, "--json").stdout)["finished"]
+        # its stages stopped: a longer length would change the spec and train nothing, so the owner is told so
+        assert_one_line_error(update("--steps", "9000", env=owner_env), "is finished", code=1)
         for process in peers.values():
             process.stop()
         watcher.wait_for(lambda seen: not seen, 60, "every peer's record to expire")
@@ -71,3 +79,29 @@ def test_the_owner_extends_and_ends_the_run_a_stranger_cannot_and_status_says_fi
     assert ended.returncode == 0 and "finished" in ended.stdout, ended.stderr
     assert "is finished" in ravnest("status", "--initial-peers", maddr, "--run", RUN).stdout
     assert os.listdir(tmp_path / "owner-keys") == [f"{RUN}.key"]
+
+
+@pytest.mark.timeout(300)
+def test_an_open_ended_run_trains_until_its_owner_ends_it(processes, tmp_path):
+    """``--steps 0``: no length; the stages train on until ``update-spec --finish``, then stop where they are, and
+    the run is finished (signed) even though nobody reached a length."""
+    run = "open-ended"
+    maddr, owner_env, peers = start_pair(processes, tmp_path, run, "0")
+    watcher = RunObserver(maddr, run, period=0.5)
+    try:
+        watcher.wait_for(lambda seen: len(placed(seen)) == 2 and min(p.get("step") or 0 for p in placed(seen).values())
+                         >= 300, 200, "both stages past step 300")
+        spec = watcher.call(read_spec(watcher.node, RunAddress(run)))
+        assert spec.steps == OPEN_ENDED and not spec.finished
+        ended = ravnest("update-spec", "--initial-peers", maddr, "--run", run, "--finish", env=owner_env)
+        assert ended.returncode == 0 and "finished" in ended.stdout, ended.stderr
+        seen = watcher.wait_for(lambda seen: len(placed(seen)) == 2 and all(p["state"] == "done"
+                                                                          for p in placed(seen).values()),
+                                60, "both stages done")
+        assert all(300 <= p["step"] < OPEN_ENDED for p in placed(seen).values()), seen
+        status = json.loads(ravnest("status", "--initial-peers", maddr, "--run", run, "--json").stdout)
+        assert status["finished"], status
+    finally:
+        watcher.close()
+    assert "steps open-ended" not in peers["p1"].stderr()  # the length never changed: only the end was signed
+    assert "run open-ended is finished" in peers["p1"].stderr()

@@ -102,7 +102,7 @@ class SwarmState:
 
     def __init__(self, run: str = "", max_events: int = 200, max_losses: int = 240, max_names: int = 4096,
                  steps: Optional[int] = None):
-        self.run, self.steps = run, steps
+        self.run, self.steps, self.ended = run, steps, False  # ended: its owner signed its end into its spec
         self.max_events, self.max_losses, self.max_names = max_events, max_losses, max_names
         self.events: Deque[Event] = deque(maxlen=max_events)
         self.losses: Deque[Tuple[float, float]] = deque(maxlen=max_losses)  # (at, mean loss)
@@ -122,18 +122,18 @@ class SwarmState:
 
     @property
     def finished(self) -> bool:
-        """Every placed peer reached the run's length (``membership.progress.run_finished``)."""
-        return self.steps is not None and run_finished(self.peers, self.steps)
+        """Its owner ended the run, or every placed peer reached its length (``progress.run_finished``)."""
+        return self.ended or (self.steps is not None and run_finished(self.peers, self.steps))
 
     # --- feeding -------------------------------------------------------------------------------
 
     def feed(self, snapshot: Dict) -> List[Event]:
         """Take one snapshot as ``swarm.observe.SnapshotReader`` makes it and recordings hold it:
-        ``{"run", "at", "peers", "plan", "summary"}`` (see :meth:`update`; recordings made before the summary
-        existed have none), and ``"steps"``, the run's length, where the reader learned it only after the
-        dashboard started (``status --watch`` started before the run's spec was published)."""
+        ``{"run", "at", "peers", "plan", "summary"}`` (see :meth:`update`; old recordings have no summary), and
+        from ``status --watch`` the spec's ``"steps"`` (the run's length) and ``"finished"`` (signed by its owner)."""
         if snapshot.get("steps") is not None:
             self.steps = snapshot["steps"]
+        self.ended = self.ended or bool(snapshot.get("finished"))
         return self.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"], snapshot.get("summary"))
 
     def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None,

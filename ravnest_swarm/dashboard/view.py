@@ -78,7 +78,9 @@ def _title(state: SwarmState, width: int) -> Text:
     seen = "no snapshot yet" if state.at is None else time.strftime("%H:%M:%S", time.localtime(state.at))
     title = Text(f"ravnest-swarm · run {state.run or '?'}", style="bold")
     if state.finished:
-        title.append(f" · finished at step {state.steps}", style="bold green")  # the run's length
+        # its length, or, where its owner ended it sooner (an open-ended run always), the step its stages reached
+        reached = [p.get("step") or 0 for p in state.peers if p.get("cluster") is not None and p["cluster"] >= 0]
+        title.append(f" · finished at step {max(reached) if reached else state.steps}", style="bold green")
     title.append(f" · {seen}", style="dim")
     title.truncate(width, overflow="ellipsis")
     return title

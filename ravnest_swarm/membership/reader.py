@@ -20,6 +20,7 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.membership.buckets import add_up, bucket_of
+from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.records import peers_key, plan_key, round_key, summary_key
 from ravnest_swarm.membership.view import PeerView
 
@@ -156,3 +157,13 @@ async def read_snapshot(node: DHTNode, run: str) -> Dict:
         with open(recording, "a") as f:
             f.write(json.dumps(snapshot) + "\n")
     return snapshot
+
+
+async def why_finished(node: DHTNode, run: str, spec: Dict) -> Optional[str]:
+    """Why the run whose current spec record is ``spec`` is finished: its owner signed its end, or every placed peer
+    reached its length (:func:`run_finished`); None while it trains."""
+    if spec.get("finished"):
+        return f"its owner signed its end (spec version {spec['version']})"
+    if run_finished(await read_peers(node, run), spec["steps"]):
+        return f"every placed peer reached its length, step {spec['steps']}"
+    return None

@@ -24,6 +24,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.owner import (
     fingerprint, load_or_create_owner_key, load_owner_key, owner_key_path, public_key_text, sign_spec, spec_owner,
 )
+from ravnest_swarm.membership.reader import why_finished
 from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
@@ -32,7 +33,20 @@ SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy
 FOLLOWED = ("lr", "steps", "finished")
 # how a cluster's learning rate follows the number of clusters (``cluster_lr``); ``bench lr-scaling`` measures them
 LR_SCALINGS = ("none", "sqrt", "linear", "warmup")
+# the length of an open-ended run (``--steps 0``): more steps than any run takes; it ends when its owner says so
+# (``update-spec --finish``) or sets a length (``update-spec --steps N``)
+OPEN_ENDED = 2**53
 LR_WARMUP_STEPS = 200  # ``warmup``: steps after a stage starts over which its lr goes from the run's to K x it
+
+
+def run_length(steps: Optional[int]) -> str:
+    """A run's length as a person reads it."""
+    return "?" if steps is None else "open-ended" if steps >= OPEN_ENDED else str(steps)
+
+
+def length_from_option(steps: Optional[int]) -> Optional[int]:
+    """``--steps``: 0 is an open-ended run."""
+    return OPEN_ENDED if steps == 0 else steps
 
 
 def cluster_lr(lr: float, clusters: int, rule: str, steps_since_start: int, warmup_steps: int = LR_WARMUP_STEPS) -> float:
@@ -89,7 +103,7 @@ class RunSpec:
       a device that lacks the dtype runs instead)
     :param steps: the run's length: optimizer steps every stage trains for. It belongs to the run, not to a
       volunteer, so peers that join late or replace others train towards the same end, and the run is
-      finished once its placed peers reach it
+      finished once its placed peers reach it; :data:`OPEN_ENDED` (``--steps 0``): until its owner ends it
     :param finished: the owner ended the run (``update-spec --finish``, or the owner's own peer once the run reached
       its length): signed, so ``status`` tells a finished run from an abandoned one after every peer has left
     :param protocol: wire protocol version; peers of other versions refuse to join
@@ -348,6 +362,10 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
     if current is None:
         raise UserError(f"run {address.name!r} has no spec signed by your owner key ({address.name}@{own})"
                         + (f"; its owners: {', '.join(sorted(specs))}" if specs else ""), exit_code=1)
+    finished = await why_finished(node, address.name, current) if "steps" in changes else None
+    if finished is not None:  # its stages stopped and only serve their layers: a new length would train nothing
+        raise UserError(f"run {address.name} is finished ({finished}): a new length would train nothing; to train on, "
+                        f"start a new run from its model: ravnest-swarm export, then join --init-from DIR", exit_code=1)
     spec = replace(RunSpec.from_record(current), **changes, version=current["version"] + 1)
     if not await node.store(spec_key(address.name), spec.record(key), get_dht_time() + SPEC_LIFETIME,
                             subkey=RSASignatureValidator().local_public_key):

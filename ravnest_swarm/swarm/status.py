@@ -41,9 +41,10 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
 
             async def snapshot():
                 nonlocal spec
-                if spec is None:  # the owner may publish it after we started: its length says when the run ends
-                    spec = await spec_or_none()
-                return dict(await reader.snapshot(), steps=spec.steps if spec else None)
+                # the owner may publish it after we started, and change its length or end it while we watch
+                spec = await spec_or_none() or spec
+                return dict(await reader.snapshot(), steps=spec.steps if spec else None,
+                            finished=bool(spec and spec.finished))
 
             await watch_swarm(snapshot, run, install_stop_signals(), 2.0, Console())
             return

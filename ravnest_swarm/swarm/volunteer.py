@@ -63,7 +63,7 @@ from ravnest_swarm.swarm.hand_over import hand_over
 from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.exported import newest_export, read_export
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
-from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, publish_spec_version, read_spec
+from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, publish_spec_version, read_spec, run_length
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
 from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
@@ -257,8 +257,9 @@ class Volunteer:
             return  # only an address without an owner can be ambiguous, and we always know ours
         if spec is None or spec.version <= self.spec.version:
             return
-        changed = [f"{name} {getattr(self.spec, name)} -> {getattr(spec, name)}" for name in FOLLOWED
-                   if getattr(spec, name) != getattr(self.spec, name)]
+        shown = {"steps": run_length}
+        changed = [f"{name} {shown.get(name, str)(getattr(self.spec, name))} -> {shown.get(name, str)(getattr(spec, name))}"
+                   for name in FOLLOWED if getattr(spec, name) != getattr(self.spec, name)]
         self.say(f"{self.name}: run {self.run} spec version {spec.version} from its owner: {', '.join(changed) or 'same'}")
         worker = self.worker
         steps = self.spec.steps if worker is not None and worker.finished.is_set() else spec.steps  # done stays done
