@@ -65,3 +65,37 @@ def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_the_cl
     # the stage left behind says what its cluster waits for, once, instead of stalling in silence
     volunteers["p1"].wait_for_output(r"^p1: cluster 0 is waiting at step \d+: stage \d+ \(layers \d+:\d+\) needs a "
                                      r"peer with [\d.]+ MB \(its peer is gone", 60, stream="stderr")
+
+
+@pytest.mark.timeout(300)
+def test_a_standby_that_joined_after_the_round_replaces_a_leaver_in_the_next_round_with_the_others(swarm):
+    """The standby joins after the cluster formed, as in a real run: it took part in no round, so what it knows of
+    the plan is what it sees its peers follow. Half of a cluster of two that leaves is no majority of the plan's
+    stages; the standby once took that for no plan at all and opened rounds numbered 1 while the remaining peer
+    opened round 2, each alone, for good: nobody took the leaver's layers and the cluster waited forever. One
+    round now follows the leave, numbered after the plan the cluster followed; both adopt it and train on."""
+    extra = ("--min-peers", "2", "--max-stages", "2", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra, gflops=20 + 5 * i) for i in range(2)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2, 200, "one cluster of two")
+    volunteers["p2"] = swarm("p2", steps=100_000, extra=extra, gflops=30)
+    peers = swarm.watcher.wait_for(lambda peers: len(peers) == 3 and len(placed(peers)) == 2 and
+                                   all((p.get("step") or 0) >= 30 for p in placed(peers).values()),
+                                   200, "one cluster of two past step 30 and a standby")
+    (standby,) = [n for n in peers if n not in placed(peers)]
+    leaver, stayer = sorted(placed(peers))
+    followed = peers[stayer]["plan_round"]
+    os.killpg(volunteers[leaver].pid, signal.SIGINT)
+    handed = volunteers[leaver].wait_for_output(rf"{leaver}: layers \d+:\d+ handed over at step (\d+) to (.+)$", 150,
+                                                stream="stderr")
+    assert set(handed.group(2).split(", ")) <= {standby, stayer}
+    step = int(handed.group(1))
+    swarm.watcher.wait_for(lambda peers: leaver not in peers and len(placed(peers)) == 2 and
+                           all((p.get("step") or 0) > step + 10 for p in placed(peers).values()),
+                           90, "the standby and the stayer train on past the hand-over")
+
+    def adopted_rounds(name):
+        said = volunteers[name].stdout() + volunteers[name].stderr()
+        return {int(r) for r in re.findall(r"adopted plan round (\d+)", said)}
+
+    after = adopted_rounds(stayer) - set(range(followed + 1))
+    assert after and adopted_rounds(standby) == after, (followed, adopted_rounds(stayer), adopted_rounds(standby))

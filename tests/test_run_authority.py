@@ -112,7 +112,11 @@ def test_a_plan_counts_only_when_most_of_the_peers_it_places_follow_it():
     assert adopted_plan([far_ahead, invented, rewritten], peers) is None
     # most, not all: a placed peer whose record is gone or late does not unseat the plan
     assert adopted_plan([honest], peers[1:]) == honest
-    assert adopted_plan([honest], peers[2:]) is None
+    # most of the live ones: peers that are gone confirm nothing either way (the plan c still follows when a and b
+    # left), but live peers that follow another plan are a majority against it
+    assert adopted_plan([honest], peers[2:]) == honest
+    assert adopted_plan([honest], [record("a", 2, 0, 0, [0, 4]), record("b", 2, 0, 1, [4, 8])] + peers[2:]) is None
+    assert adopted_plan([invented], peers) is None and adopted_plan([honest], []) is None
     # a peer that follows round 4 confirms it, and a planner that adopted round 3 may follow round 4, not 6
     moved = [record("a", 4, 0, 0, [0, 8])]
     assert adopted_plan([honest, plan(4, [("a", [0, 8])])], moved + peers[1:], live_round=3)["round"] == 4

@@ -93,14 +93,19 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
     """The newest of ``plans`` that the peers it places follow, or None.
 
     Anyone can write a plan record, for any round; what a stranger cannot write is the signed peer records of
-    the peers a plan places. So a plan counts once more than half of its stages are confirmed by a live record
-    of the peer placed there that names the plan's round and the same cluster, stage and layers.
+    the peers a plan places. So a plan counts once more than half of its stages whose peers are still live are
+    confirmed by a live record of the peer placed there that names the plan's round and the same cluster, stage
+    and layers. Stages whose peers are gone or leaving confirm nothing either way: half of a cluster of two that left is
+    still the plan its other half follows, and a standby that joined after the round must see it as its peers do
+    (it once saw no plan at all, opened a round 1 of its own while the others opened round 2, and they never met).
+    A stranger's plan gains nothing from this: the live peers it places follow their own plan, not the stranger's.
 
     :param peers: the live peer records (:func:`read_peers`)
     :param live_round: the round the caller adopted itself, if any: plans more than one round ahead of it are
         ignored (a real round opens only after the previous one was adopted)
     """
-    placed = {}
+    # a leaving peer is gone already: its record says cluster -1 while it hands its layers over
+    placed, live = {}, {record["peer_id"] for record in peers if record["state"] != "leaving"}
     for record in peers:
         if record.get("plan_round") is not None:
             placed.setdefault(record["peer_id"], []).append(record)
@@ -112,7 +117,8 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
     for plan in sorted(plans, key=lambda p: p["round"], reverse=True):
         if live_round is not None and plan["round"] > live_round + 1:
             continue
-        stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)]
+        stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
+                  if entry["peer_id"] in live]
         if 2 * sum(confirmed(plan, c, s, entry) for c, s, entry in stages) > len(stages):
             return plan
     return None

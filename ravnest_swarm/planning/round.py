@@ -185,6 +185,7 @@ class PlanningRounds:
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
         self.adopted: Optional[dict] = None  # the plan we adopted last: we trust our own adoption over any record
+        self.seen: Optional[dict] = None  # the newest plan we saw its peers follow (a standby adopts none)
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -218,11 +219,16 @@ class PlanningRounds:
 
     async def current_plan(self) -> Optional[dict]:
         """The plan in force: the newest that its peers follow (``reader.adopted_plan``: a plan record anyone
-        wrote, for any round, does not count by itself), or the one we adopted if that is newer."""
+        wrote, for any round, does not count by itself), or the one we adopted or last saw in force if newer."""
         live_round = None if self.adopted is None else self.adopted["round"]
         plan = await read_adopted_plan(self.node, self.run, await self.announcer.read_peers(), live_round)
-        if self.adopted is not None and (plan is None or plan["round"] < live_round):
-            return self.adopted
+        known = max((p for p in (self.adopted, self.seen) if p is not None), key=lambda p: p["round"], default=None)
+        if known is not None and (plan is None or plan["round"] < known["round"]):
+            # a plan we saw in force still is, though its peers no longer confirm it: half of a cluster of two
+            # that left is no majority, and a standby that then took it for no plan at all opened "round 1",
+            # a plan of its own beside the others' next round (both adopted; layers moved twice)
+            return known
+        self.seen = plan
         return plan
 
     async def poll_once(self) -> None:
