@@ -105,7 +105,7 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         ignored (a real round opens only after the previous one was adopted)
     """
     # a leaving peer is gone already: its record says cluster -1 while it hands its layers over
-    placed, live = {}, {record["peer_id"] for record in peers if record["state"] != "leaving"}
+    placed, live = {}, {record["peer_id"] for record in peers if record.get("state") != "leaving"}
     for record in peers:
         if record.get("plan_round") is not None:
             placed.setdefault(record["peer_id"], []).append(record)
