@@ -111,6 +111,39 @@ def invited_run(tmp_path_factory):
         processes.stop_all()
 
 
+@pytest.mark.timeout(60)
+def test_admission_counts_only_records_whose_ticket_admits_their_peer_id():
+    """The rule every peer of an invite-only run applies, without a network: a bound ticket admits its own peer id
+    only, an any-peer ticket any; an expired, forged, foreign or revoked ticket admits nobody; an admitted peer's
+    messages pass the gate until its record expires or its ticket is revoked (one line, dropping it); an open run
+    admits everyone."""
+    key, stranger_key, now = RSAPrivateKey(), RSAPrivateKey(), time.time()
+    ours, anyone = "QmVhJVRSYHNSHgR9dJNbDxu6G7GPPqJAeiJoVRvcexGNf9", "QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt"
+    bound, bound_ticket = issue_ticket(key, RUN, ours, now + 600)
+    bearer, bearer_ticket = issue_ticket(key, RUN, None, now + 600)
+    said = []
+    admission = Admission(RUN, key.get_public_key().to_bytes().decode(), True, say=said.append)
+    records = [dict(peer_id=ours, ticket=bound, expires_in=6.0), dict(peer_id=anyone, ticket=bound, expires_in=6.0),
+               dict(peer_id=anyone, ticket=bearer, expires_in=6.0), dict(peer_id="QmNone", expires_in=6.0),
+               dict(peer_id="QmOld", ticket=issue_ticket(key, RUN, None, now - 1)[0], expires_in=6.0),
+               dict(peer_id="QmForged", ticket=issue_ticket(stranger_key, RUN, None, now + 600)[0], expires_in=6.0),
+               dict(peer_id="QmElsewhere", ticket=issue_ticket(key, "elsewhere", None, now + 600)[0], expires_in=6.0)]
+    assert [(r["peer_id"], r.get("ticket")) for r in admission.admitted(records)] == [(ours, bound), (anyone, bearer)]
+    # said once each: the bound ticket in ``anyone``'s record names another peer id (its bearer ticket admits it)
+    assert set(admission.ignored) == {anyone, "QmNone", "QmOld", "QmForged", "QmElsewhere"}, admission.ignored
+    assert admission.refusal(PeerID.from_base58(ours), RING_HANDLER) is None
+    refused = admission.refusal(PeerID.from_base58("QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"), RING_HANDLER)
+    assert NOT_ADMITTED in refused and RING_HANDLER in refused and "\n" not in refused
+    admission.follow(True, [bearer_ticket.id])
+    assert said == [f"dropped peer {anyone}: the run's owner revoked its ticket {bearer_ticket.id}"]
+    assert admission.refusal(PeerID.from_base58(anyone), RING_HANDLER) is not None
+    assert admission.problem(bearer, anyone) == f"ticket {bearer_ticket.id} was revoked"
+    assert admission.problem(bound, anyone) == f"ticket {bound_ticket.id} is for peer {ours}"
+    admission.follow(False, [])
+    assert len(admission.admitted(records)) == len(records)
+    assert admission.refusal(PeerID.from_base58(anyone), RING_HANDLER) is None
+
+
 def expect_one_line_refusal(result, pattern: str) -> None:
     assert result.returncode != 0, (result.stdout, result.stderr)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -41,6 +41,7 @@ DEFAULT_EXPIRY = "30d"
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])\Z")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _VERIFIED_KEPT = 4096  # signature checks remembered by token
+IGNORED_PEERS_SAID = 64  # peers whose records an admission says it ignores, one line each; the rest silently
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class Admission:
         self.invite_only, self.revoked = invite_only, frozenset(revoked)
         self._verified: Dict[str, Optional[str]] = {}  # token -> None (good) or why not, signatures checked once
         self._members: Dict[str, Tuple[Ticket, float]] = {}  # peer id -> its ticket, until when its record counts
-        self.refused = 0  # records ignored and messages refused for want of a valid ticket
+        self.ignored: Dict[str, str] = {}  # peer id -> why its records do not count (the first IGNORED_PEERS_SAID)
 
     def follow(self, invite_only: bool, revoked: Iterable[str]) -> None:
         """The owner's newer spec: members whose ticket it revokes are dropped at once, each said in one line."""
@@ -177,14 +178,12 @@ class Admission:
         """Why ``token`` admits no ``peer_id`` to this run (None: it does)."""
         if not token:
             return "no ticket"
-        verdict = self._verified.get(token, "")
-        if verdict == "":
-            verdict = self._verify(token)
+        if token not in self._verified:
             if len(self._verified) >= _VERIFIED_KEPT:
                 self._verified.pop(next(iter(self._verified)))
-            self._verified[token] = verdict
-        if verdict is not None:
-            return verdict
+            self._verified[token] = self._verify(token)
+        if self._verified[token] is not None:
+            return self._verified[token]
         ticket = read_ticket(token)
         if ticket.peer and ticket.peer != peer_id:
             return f"ticket {ticket.id} is for peer {ticket.peer}"
@@ -214,8 +213,12 @@ class Admission:
             return records
         kept = []
         for record in records:
-            if self.problem(record.get("ticket"), record["peer_id"]) is not None:
-                self.refused += 1
+            problem = self.problem(record.get("ticket"), record["peer_id"])
+            if problem is not None:
+                if record["peer_id"] not in self.ignored and len(self.ignored) < IGNORED_PEERS_SAID:
+                    self.ignored[record["peer_id"]] = problem  # said once: its record is read every heartbeat
+                    logger.warning(f"ignoring the records of peer {record['peer_id']} in invite-only run {self.run}: "
+                                   f"{problem}")
                 continue
             kept.append(record)
             until = self.clock() + record.get("expires_in", 0.0)
@@ -240,7 +243,6 @@ class Admission:
         """The routes' gate (``Routes.gate``): why a message from ``peer_id`` is refused, in one line, or None."""
         if self.admits_peer(peer_id.to_base58()):
             return None
-        self.refused += 1
         return (f"{handler} from {peer_id}: not admitted to invite-only run {self.run} (no record with a valid "
                 f"ticket from its owner)")
 

@@ -5,6 +5,7 @@ installs it on the peer's node, where the readers and the routes' gate find it."
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import Callable, Optional
@@ -16,6 +17,7 @@ from ravnest_swarm.membership.tickets import Admission, admission_of, issue_tick
 from ravnest_swarm.swarm.spec import RunSpec, read_specs
 
 OWN_TICKET_SECONDS = 365 * 86400  # the owner's own peers admit themselves with a ticket they sign as they join
+SPEC_READS = 5
 
 
 def own_ticket(address: RunAddress, owner_key_file: Optional[str], peer_id: str) -> Optional[str]:
@@ -36,12 +38,21 @@ async def enter(membership, spec: RunSpec, owner: str, ticket: Optional[str], ow
     :param ticket: the token ``join --ticket`` gave (None: our own, where we hold the owner key)
     """
     node, address = membership.node, RunAddress(membership.options.run, owner)
-    record = (await read_specs(node, address.name))[owner]  # ensure_spec just read it
+    for _ in range(SPEC_READS):  # ensure_spec has just read it: a read that misses it now is a DHT hiccup
+        record = (await read_specs(node, address.name)).get(owner)
+        if record is not None:
+            break
+        await asyncio.sleep(1.0)
+    else:
+        raise UserError(f"could not read the spec of run {address} again after {SPEC_READS} tries: try joining again",
+                        exit_code=1)
     admission = Admission(address.name, record["owner"], spec.invite_only, spec.revoked, say=say)
     node.admission = admission
     node.routes.gate = admission.refusal
     if spec.invite_only:
         await publish_ticket(membership.announcer, admission, address, ticket, owner_key_file)
+    elif ticket is not None:
+        membership.announcer.update(ticket=ticket)  # kept for when the owner makes the run invite-only
     return admission
 
 
