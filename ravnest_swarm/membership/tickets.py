@@ -37,7 +37,6 @@ MAX_TICKET_CHARS = 1024  # a 2048-bit RSA signature and a payload of about 120 b
 TICKET_ID_RE = re.compile(r"^[0-9a-f]{16}\Z")
 TICKET_TEXT_PATTERN = r"^[A-Za-z0-9_=-]*\Z"  # base64url, as a PeerRecord's ``ticket`` carries it
 MAX_REVOKED = 256  # ticket ids a spec lists as revoked: the newest are kept
-DEFAULT_EXPIRY = "30d"
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])\Z")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _VERIFIED_KEPT = 4096  # signature checks remembered by token
@@ -154,11 +153,12 @@ class Admission:
     :param invite_only: the spec's; False admits everyone (an open run)
     :param revoked: ticket ids the spec lists as revoked
     :param say: where a peer dropped for a revoked ticket is told of, one line each
+    :param clock: wall-clock time, which tickets expire by
     """
 
     def __init__(self, run: str, owner_key: str, invite_only: bool, revoked: Sequence[str] = (),
                  say: Callable[[str], None] = logger.warning, clock: Callable[[], float] = time.time):
-        self.run, self.owner_key, self.clock, self.say = run, owner_key, clock, say
+        self.run, self.clock, self.say = run, clock, say
         self.owner = fingerprint(owner_key.encode())
         self._public = RSAPublicKey.from_bytes(owner_key.encode())
         self.invite_only, self.revoked = invite_only, frozenset(revoked)
