@@ -172,6 +172,10 @@ def join(
     identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file, for a run you start "
                                             "(default ~/.config/ravnest-swarm/owners/RUN.key)."),
+    ticket: Optional[str] = typer.Option(None, "--ticket", help="Your admission ticket to an invite-only run (the "
+                                         "text `ravnest-swarm invite` printed for you, or a file holding it)."),
+    invite_only: Optional[bool] = typer.Option(None, "--invite-only", help="Run spec: only peers with a ticket you "
+                                               "sign (`ravnest-swarm invite`) take part (docs/security.md)."),
     snapshot_dir: Optional[str] = typer.Option(None, "--snapshot-dir", help="Append the run's figures (loss, "
                                                "samples/s, peers, clusters, averaging rounds) to DIR/metrics.jsonl "
                                                "every heartbeat (`ravnest-swarm plot DIR`)."),
@@ -204,7 +208,7 @@ def join(
         initial_peers=initial_peers, run=run, name=name, ram_gb=ram_gb, max_ram_gb=max_ram_gb, gflops=gflops,
         bandwidth_mbps=bandwidth_mbps, device=device, device_memory_gb=device_memory_gb, heartbeat=heartbeat,
         timeout=timeout, patience=patience, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
-        owner_key=owner_key, model=model,
+        owner_key=owner_key, ticket=ticket, invite_only=invite_only, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression,
         link_bound_compression=link_bound_compression, steps=steps,
@@ -252,6 +256,10 @@ def update_spec(
                                         "training train to it (0: open-ended). A finished run cannot be extended."),
     finish: bool = typer.Option(False, "--finish", help="End the run: training peers stop, and status says it is "
                                 "finished even after every peer has left."),
+    invite_only: Optional[bool] = typer.Option(None, "--invite-only/--open", help="Admit only peers with a ticket "
+                                               "(`ravnest-swarm invite`), or anyone again."),
+    revoke: Optional[List[str]] = typer.Option(None, "--revoke", help="Revoke this ticket id (as `invite` printed "
+                                               "it): its peer is dropped by every peer and leaves. Repeatable."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file (default "
                                             "~/.config/ravnest-swarm/owners/RUN.key)."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0),
@@ -270,10 +278,36 @@ def update_spec(
 
     from ravnest_swarm.swarm.spec import length_from_option
 
-    changes = {name: value for name, value in (("lr", lr), ("steps", length_from_option(steps))) if value is not None}
+    changes = {name: value for name, value in (("lr", lr), ("steps", length_from_option(steps)),
+                                               ("invite_only", invite_only)) if value is not None}
     if finish:
         changes["finished"] = True
-    sys.exit(run_async(publish(initial_peers, run, changes, owner_key, timeout)))
+    sys.exit(run_async(publish(initial_peers, run, changes, owner_key, timeout, revoke or [])))
+
+
+@app.command()
+def invite(
+    run: str = typer.Option(..., "--run", help="The run's address (name@owner), as `join` printed it when it "
+                            "started the run."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="The peer id the ticket admits (the volunteer's, fixed "
+                                       "by its `--identity`); without: any peer id, until it expires."),
+    expires: str = typer.Option("30d", "--expires", help="A duration (90s, 30m, 12h, 7d, 2w) or a time "
+                                "(2026-12-31T18:00, UTC)."),
+    owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file (default "
+                                            "~/.config/ravnest-swarm/owners/RUN.key)."),
+    verbose: bool = Verbose,
+):
+    """As the run's owner, sign an admission ticket to an invite-only run (offline: nothing is published). Prints
+    the ticket on stdout, for the volunteer's `join --ticket`, and its id on stderr, for `update-spec --revoke`.
+
+    \b
+    Example:
+      ravnest-swarm invite --run demo@0123456789abcdef --peer QmVolunteer... --expires 7d
+    """
+    configure_logging(verbose)
+    from ravnest_swarm.swarm.admission import print_invite
+
+    sys.exit(run_blocking(lambda: print_invite(run, peer, expires, owner_key)))
 
 
 @app.command()

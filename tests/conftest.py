@@ -45,6 +45,7 @@ def lab_required() -> bool:
 SERIAL_GROUP = "one-swarm-at-a-time"
 SERIAL_TESTS = (
     "tests/test_attacks.py",
+    "tests/test_invite_only.py",
     "tests/test_nat.py",
     "tests/test_netlab.py",
     "tests/test_speedup_bench.py",

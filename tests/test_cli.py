@@ -15,7 +15,7 @@ from commands import ravnest
 DEAD_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt"
 VERBS = ["backbone", "join", "status", "local", "probe", "doctor", "plan", "bench", "bench plan", "bench quality",
          "bench membership", "bench neighbours", "bench backbone", "bench averaging", "bench nat", "bench pipeline",
-         "bench codecs", "export", "evaluate", "sample", "plot", "update-spec", "bench export"]
+         "bench codecs", "export", "evaluate", "sample", "plot", "update-spec", "bench export", "invite"]
 PLANNER_TEST_OPTIONS = ["--model-gb", "--gflop-per-sample", "--activation-mb", "--num-layers"]
 
 
@@ -251,4 +251,4 @@ def test_doctor_says_cannot_join_without_a_backbone():
 
 def test_update_spec_without_a_change_is_one_line():
     result = cli("update-spec", "--initial-peers", DEAD_PEER.format(port=free_port()), "--run", "r")
-    assert_one_line_error(result, "--lr, --steps or --finish", code=2)
+    assert_one_line_error(result, "--lr, --steps, --finish, --invite-only or --revoke", code=2)

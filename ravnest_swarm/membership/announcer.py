@@ -24,6 +24,7 @@ from ravnest_swarm.membership.reader import read_bucket_counts, read_peers, read
 from ravnest_swarm.membership.own_record import publishable
 from ravnest_swarm.membership.records import (peers_key, signing_validator, summary_key,
                                               summary_subkey_prefix)
+from ravnest_swarm.membership.tickets import admitted
 from ravnest_swarm.membership.view import PeerView, Timing, timing_for
 from ravnest_swarm.net.node import store_record
 
@@ -172,7 +173,7 @@ class PeerAnnouncer:
         self.view.merge(entries)
         self._has_read = True
         now = self.clock()
-        members = self.view.members(now)
+        members = admitted(self.node, self.view.members(now))
         own_members = [r for r in members if bucket_of(r["peer_id"], buckets) == own]
         if writes_summary(self.peer_id, own_members):
             await self.store(self.node, summary_key(self.run), summarize(buckets, own, own_members, now),
@@ -196,13 +197,13 @@ class PeerAnnouncer:
         self.timing = timing_for(estimate, self.base_heartbeat)
 
     def members(self) -> List[Dict]:
-        """The peers in our view now (``PeerView.members``)."""
-        return self.view.members(self.clock())
+        """The peers in our view now (``PeerView.members``), those with a valid ticket in an invite-only run."""
+        return admitted(self.node, self.view.members(self.clock()))
 
     def records(self) -> Optional[List[Dict]]:
         """The records in our view now, ``leaving`` ones included (``PeerView.records``): what ``join`` logs.
         None until our first read has come back: an empty view then is not a run of nobody."""
-        return self.view.records(self.clock()) if self._has_read else None
+        return admitted(self.node, self.view.records(self.clock())) if self._has_read else None
 
     async def heartbeat_forever(self) -> None:
         """Renew our record and refresh our view, each every heartbeat, side by side: one after the other, a read

@@ -22,6 +22,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm.membership.buckets import add_up, bucket_of
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.records import peers_key, plan_key, round_key, summary_key
+from ravnest_swarm.membership.tickets import admitted
 from ravnest_swarm.membership.view import PeerView
 
 RECORD_SNAPSHOTS_ENV = "RAVNEST_RECORD_SNAPSHOTS"
@@ -60,7 +61,8 @@ async def read_summary(node: DHTNode, run: str) -> Optional[Dict]:
 async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
                      view: Optional[PeerView] = None, peer_ids: Optional[Iterable[str]] = None,
                      bucket_counts: Optional[Iterable[int]] = None) -> List[Dict]:
-    """Every live peer record of ``run``, sorted by name, each with ``expires_in`` (seconds until it expires).
+    """Every live peer record of ``run``, sorted by name, each with ``expires_in`` (seconds until it expires); in an
+    invite-only run, those of peers with a valid ticket (the node's ``admission``, ``membership/tickets.py``).
 
     Reads the summary and the one-bucket key at once; where the summary says the run has more buckets, reads
     those (only the buckets of ``peer_ids`` where given: a trainer needs only its neighbours).
@@ -86,7 +88,7 @@ async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
         entries += (await read_bucket_counts(node, run, wanted, with_summaries=False))[1]
     view = view if view is not None else PeerView()
     view.merge(entries)
-    return view.records(get_dht_time(), alive_at)
+    return admitted(node, view.records(get_dht_time(), alive_at))  # an invite-only run counts ticket holders only
 
 
 def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int] = None) -> Optional[Dict]:

@@ -8,6 +8,9 @@ which check records when they are stored on the node and when they are fetched f
 malformed or forged record never reaches the code that reads it.
 
 Values travel as msgpack (hivemind's ``MSGPackSerializer``): never pickle.
+
+Over 400 lines because every record's schema, its key and its validators are read together: one place says what
+any record of a run may hold.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
+from ravnest_swarm.membership.tickets import MAX_REVOKED, MAX_TICKET_CHARS, TICKET_ID_RE, TICKET_TEXT_PATTERN
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
@@ -135,7 +139,8 @@ class PeerRecord(pydantic.BaseModel):
     # the codecs our stage's messages go in now, forward and backward (``pipeline/link_codec.py``)
     codecs: Optional[Dict[pydantic.constr(strict=True, regex=r"^(forward|backward)\Z"),
                           pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN)]] = None
-
+    # the owner's admission ticket, in an invite-only run (``membership/tickets.py``): readers check it
+    ticket: Optional[pydantic.constr(strict=True, max_length=MAX_TICKET_CHARS, regex=TICKET_TEXT_PATTERN)] = None
 
 
 def planning_memory_gb(record: Dict) -> float:
@@ -253,6 +258,9 @@ class RunSpecRecord(pydantic.BaseModel):
     divergence_factor: _bounded_float(0.0, 1e6) = 10.0  # pipeline/guard.py
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     finished: pydantic.StrictBool = False  # the owner ended the run (update-spec --finish, or its peer at the end)
+    # only peers with the owner's ticket count, and those of the revoked tickets not (membership/tickets.py)
+    invite_only: pydantic.StrictBool = False
+    revoked: pydantic.conlist(pydantic.constr(strict=True, regex=TICKET_ID_RE.pattern), max_items=MAX_REVOKED) = []
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)
     # the run owner's public key (ssh-rsa text), its signature over every other field (membership/owner.py),

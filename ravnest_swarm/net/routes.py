@@ -223,6 +223,10 @@ class Routes:
         self.counts: Counter = Counter()  # routes established, by kind, calls made over them, requests refused
         self._forwardable: Dict[str, StreamHandler] = {}
         self._locks: Dict[PeerID, asyncio.Lock] = {}
+        # who may call our forwardable handlers: (caller, handler) -> why it may not, or None; None admits anyone. An
+        # invite-only run admits the peers with a valid ticket (membership/tickets.py: ``Admission.refusal``)
+        self.gate: Optional[Callable[[PeerID, str], Optional[str]]] = None
+        self.on_gate_refusal: Optional[Callable[[str], None]] = None  # told each refusal of the gate, in one line
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
@@ -231,9 +235,27 @@ class Routes:
             PROBE, self.p2p.peer_id, probe_counter(PROBE), MAX_PROBE_BYTES, PROBE_TIMEOUT))
 
     async def add_forwardable_handler(self, name: str, serve: StreamHandler) -> None:
-        """Register a binary stream handler that peers may also reach through a forwarding backbone."""
-        self._forwardable[name] = serve
-        await self.p2p.add_binary_stream_handler(name, serve)
+        """Register a binary stream handler that peers may also reach through a forwarding backbone, behind the
+        :attr:`gate` (:meth:`gated`)."""
+        self._forwardable[name] = self.gated(name, serve)
+        await self.p2p.add_binary_stream_handler(name, self._forwardable[name])
+
+    def gated(self, name: str, serve: StreamHandler) -> StreamHandler:
+        """``serve`` behind the :attr:`gate`: a caller it refuses (the original sender, for a forwarded stream) is
+        answered its one-line reason and counted (``counts["refused"]``) before the handler reads anything."""
+
+        async def gated(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            reason = self.gate(info.peer_id, name) if self.gate is not None else None
+            if reason is None:
+                await serve(info, reader, writer)
+                return
+            self._refuse(info.peer_id, reason)
+            if self.on_gate_refusal is not None:
+                self.on_gate_refusal(reason)
+            with closing(writer):
+                await refuse_stream(reader, writer, reason)
+
+        return gated
 
     # ---- choosing a route ----------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.membership.records import StageEndpoint, stage_subkey_prefix, stages_key
+from ravnest_swarm.membership.tickets import admission_of
 from ravnest_swarm.net.node import maddrs_without_peer_id
 from ravnest_swarm.pipeline.config import Neighbours
 
@@ -34,8 +35,10 @@ async def read_endpoints(node: DHTNode, run: str, cluster: int, named: Optional[
     """The endpoint of every stage of ``cluster`` (records are validated by the node): the newest by its
     ``time``, except that a slot in ``named`` counts only records from the peer named for it there. A record's
     subkey binds it to its writer's RSA key, not to a slot's peer, and its ``time`` is what the writer says: anyone
-    could otherwise take a slot by writing a newer record for it."""
+    could otherwise take a slot by writing a newer record for it. In an invite-only run, records of peers without a
+    valid ticket do not count at all (the node's ``admission``, ``membership/tickets.py``)."""
     named = named or {}
+    admission = admission_of(node)
     newest: Dict[Tuple[int, int], Dict] = {}
     found = await node.get(stages_key(run, cluster), latest=True)
     if found is None or not isinstance(found.value, dict):
@@ -50,6 +53,8 @@ async def read_endpoints(node: DHTNode, run: str, cluster: int, named: Optional[
         if len(slot) != 2 or slot[0] != cluster:
             continue  # malformed, or a stage of another cluster sharing the key
         if slot in named and item.value["peer_id"] != named[slot]:
+            continue
+        if admission is not None and not admission.admits_peer(item.value["peer_id"]):
             continue
         if slot not in newest or item.value["time"] > newest[slot]["time"]:
             newest[slot] = item.value

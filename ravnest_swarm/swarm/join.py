@@ -52,6 +52,7 @@ class JoinOptions:
     announce_maddrs: Optional[List[str]] = None
     identity: Optional[str] = None
     owner_key: Optional[str] = None  # the run owner's key file, for a run we start (default: owner.owner_key_path)
+    ticket: Optional[str] = None  # our admission ticket to an invite-only run, or a file holding it (membership/tickets.py)
     # the run spec we start the run with, if it has none yet (None: the spec's default)
     model: Optional[str] = None
     model_config: Optional[str] = None
@@ -62,6 +63,7 @@ class JoinOptions:
     pipeline_compression: Optional[str] = None
     link_bound_compression: Optional[str] = None
     steps: Optional[int] = None
+    invite_only: Optional[bool] = None
     precision: Optional[str] = None
     backward: Optional[str] = None
     aggregation: Optional[str] = None
@@ -100,7 +102,7 @@ class JoinOptions:
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
                    "pipeline_compression", "link_bound_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
                    "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
-                   "steps")
+                   "steps", "invite_only")
 
     def requested_spec(self) -> dict:
         """The spec fields we were given, for a run that has no spec yet."""
@@ -166,10 +168,14 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     from ravnest_swarm.devices import check_precision, resolve_device
     from ravnest_swarm.membership.capabilities import check_override
     from ravnest_swarm.membership.records import parse_run_address, validate_peer_name
+    from ravnest_swarm.membership.tickets import check_ticket_for, ticket_argument
     from ravnest_swarm.net.node import parse_maddrs
     from ravnest_swarm.swarm.spec import check_spec_choices, model_facts, scan_user_data
 
-    parse_run_address(options.run)
+    address = parse_run_address(options.run)
+    if options.ticket is not None:  # garbled, of another run or expired: one line before anything starts
+        options.ticket = ticket_argument(options.ticket)
+        check_ticket_for(options.ticket, address.name, address.owner)
     for flag, value in (("ram-gb", options.ram_gb), ("max-ram-gb", options.max_ram_gb), ("gflops", options.gflops),
                         ("bandwidth-mbps", options.bandwidth_mbps), ("device-memory-gb", options.device_memory_gb)):
         check_override(flag, value)
@@ -234,7 +240,7 @@ def volunteer_options(options: JoinOptions):
                             round_period=options.round_period, max_stages=options.max_stages,
                             handover_timeout=options.handover_timeout, data=options.data, report=options.report,
                             owner_key=options.owner_key, snapshot_dir=options.snapshot_dir,
-                            snapshot_every=options.snapshot_every, init_from=options.init_from)
+                            snapshot_every=options.snapshot_every, init_from=options.init_from, ticket=options.ticket)
 
 
 async def watch_peers(node, run: str, stop: asyncio.Event, period: float, live: bool, console: Console, me=None,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
@@ -26,11 +26,13 @@ from ravnest_swarm.membership.owner import (
 )
 from ravnest_swarm.membership.reader import why_finished
 from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
+from ravnest_swarm.membership.tickets import MAX_REVOKED, TICKET_ID_RE
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
 # what the owner may change in a running run: every peer follows the lr from its next step, a training stage the length
-# (``steps``: extend or shorten it) and the end (``finished``: the run is over, whatever its steps; status says so)
-FOLLOWED = ("lr", "steps", "finished")
+# (``steps``: extend or shorten it) and the end (``finished``: the run is over, whatever its steps; status says so);
+# who is admitted (``invite_only``, and the tickets ``revoked``: membership/tickets.py)
+FOLLOWED = ("lr", "steps", "finished", "invite_only", "revoked")
 # how a cluster's learning rate follows the number of clusters (``cluster_lr``); ``bench lr-scaling`` measures them
 LR_SCALINGS = ("none", "sqrt", "linear", "warmup")
 # the length of an open-ended run (``--steps 0``): more steps than any run takes; it ends when its owner says so
@@ -143,6 +145,8 @@ class RunSpec:
     divergence_factor: float = 10.0
     steps: int = 300
     finished: bool = False
+    invite_only: bool = False
+    revoked: List[str] = field(default_factory=list)
     protocol: int = PROTOCOL_VERSION
     version: int = 1
 
@@ -344,8 +348,10 @@ async def ensure_spec(node: DHTNode, address: RunAddress, requested: Dict, wait:
         return None  # stopped while waiting: a standby that leaves is no error
 
 
-async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict, key: RSAPrivateKey) -> RunSpec:
-    """Sign and publish the next version of the run's spec with ``changes`` (fields of ``FOLLOWED`` only).
+async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict, key: RSAPrivateKey,
+                               revoke: Sequence[str] = ()) -> RunSpec:
+    """Sign and publish the next version of the run's spec with ``changes`` (fields of ``FOLLOWED`` only), and the
+    ticket ids ``revoke`` added to those it revokes (the newest ``tickets.MAX_REVOKED`` kept).
 
     Only the run's owner can: a key whose fingerprint is not the run's gets a one-line :class:`UserError`.
     """
@@ -367,6 +373,9 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
         raise UserError(f"run {address.name} is finished ({finished}): a new length would train nothing; to train on, "
                         f"start a new run from its model: ravnest-swarm export, then join --init-from DIR", exit_code=1)
     spec = replace(RunSpec.from_record(current), **changes, version=current["version"] + 1)
+    if revoke:
+        revoked = [ticket for ticket in spec.revoked if ticket not in revoke] + list(dict.fromkeys(revoke))
+        spec = replace(spec, revoked=revoked[-MAX_REVOKED:])
     if not await node.store(spec_key(address.name), spec.record(key), get_dht_time() + SPEC_LIFETIME,
                             subkey=RSASignatureValidator().local_public_key):
         raise UserError(f"no DHT node stored the new spec of run {address}: check the --initial-peers", exit_code=1)
@@ -374,13 +383,17 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
 
 
 async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_key_file: Optional[str],
-                      timeout: float) -> None:
-    """``ravnest-swarm update-spec``: sign and publish the next spec version of the run at ``run``."""
+                      timeout: float, revoke: Sequence[str] = ()) -> None:
+    """``ravnest-swarm update-spec``: sign and publish the next spec version of the run at ``run``, revoking the
+    tickets ``revoke``."""
     from ravnest_swarm.membership.records import make_validators, parse_run_address
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
-    if not changes:
-        raise UserError("say what to change: --lr, --steps or --finish")
+    if not changes and not revoke:
+        raise UserError("say what to change: --lr, --steps, --finish, --invite-only or --revoke")
+    for ticket in revoke:
+        if not TICKET_ID_RE.match(ticket):
+            raise UserError(f"--revoke {ticket!r}: a ticket id is 16 hex digits, as `invite` printed it")
     address = parse_run_address(run)
     key_file = owner_key_file or owner_key_path(address.name)
     key = load_owner_key(key_file)
@@ -390,10 +403,11 @@ async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_k
     node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(address.name, address.owner),
                             client_mode=True, timeout=timeout)
     try:
-        spec = await publish_spec_version(node, address, changes, key)
+        spec = await publish_spec_version(node, address, changes, key, revoke)
     finally:
         await stop_node(node)
-    said = {"finished": lambda value: "finished" if value else "not finished"}
+    said = {"finished": lambda value: "finished" if value else "not finished",
+            "invite_only": lambda value: "invite-only" if value else "open to anyone"}
     print(f"run {address.name}@{fingerprint(key.get_public_key().to_bytes())} spec version {spec.version}: "
-          + ", ".join(said[name](value) if name in said else f"{name}={value}" for name, value in changes.items()),
-          flush=True)
+          + ", ".join([said[name](value) if name in said else f"{name}={value}" for name, value in changes.items()]
+                      + [f"ticket {ticket} revoked" for ticket in revoke]), flush=True)

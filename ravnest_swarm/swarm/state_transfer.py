@@ -150,7 +150,7 @@ class LayerStateServer:
                               for index, (state, step) in layers.items()})
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(LAYER_STATE, self._serve_layer_state)
+        await self.p2p.add_binary_stream_handler(LAYER_STATE, self.routes.gated(LAYER_STATE, self._serve_layer_state))
         await self.routes.add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
             LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES,
             self.request_timeout))

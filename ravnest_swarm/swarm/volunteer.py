@@ -59,6 +59,7 @@ from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_r
 from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
                                            neighbours_in, offered_step, placement_in)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
+from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over
 from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.exported import newest_export, read_export
@@ -105,6 +106,7 @@ class VolunteerOptions:
     :param init_from: an export (a snapshot) whose layers, at their steps, fill the layers no peer serves and no
         cache or checkpoint of ours holds, instead of the seeded weights: a new run from a snapshot, or a stage
         restarted after every holder of it left
+    :param ticket: our admission ticket to an invite-only run (``join --ticket``; ``membership/tickets.py``)
     """
 
     checkpoint_dir: Optional[str] = None
@@ -123,6 +125,7 @@ class VolunteerOptions:
     snapshot_dir: Optional[str] = None
     snapshot_every: int = 0
     init_from: Optional[str] = None
+    ticket: Optional[str] = None
 
 
 class Volunteer:
@@ -180,6 +183,7 @@ class Volunteer:
         self._stall_said: Optional[tuple] = None  # the stall we last explained (said once per situation)
         self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
         self.announcer.on_renewal_problem = self._renewal_problem
+        self.node.routes.on_gate_refusal = self._gate_refusal  # an invite-only run's messages from the unadmitted
         self.resumed_optimizer: Optional[tuple] = None  # ((first, last), step, state) a checkpoint kept
         self.divergences_before = 0  # restores of stage workers already stopped
         self._noted_divergence: Optional[str] = None
@@ -261,9 +265,11 @@ class Volunteer:
         changed = [f"{name} {shown.get(name, str)(getattr(self.spec, name))} -> {shown.get(name, str)(getattr(spec, name))}"
                    for name in FOLLOWED if getattr(spec, name) != getattr(self.spec, name)]
         self.say(f"{self.name}: run {self.run} spec version {spec.version} from its owner: {', '.join(changed) or 'same'}")
+        await follow_admission(self.membership, spec, self.owner, self.options.owner_key)  # revoked: we leave here
         worker = self.worker
         steps = self.spec.steps if worker is not None and worker.finished.is_set() else spec.steps  # done stays done
-        self.spec = replace(self.spec, version=spec.version, lr=spec.lr, steps=steps, finished=spec.finished)
+        self.spec = replace(self.spec, version=spec.version, lr=spec.lr, steps=steps, finished=spec.finished,
+                            invite_only=spec.invite_only, revoked=spec.revoked)
         if worker is not None:
             self._set_lr(worker)  # the compute thread reads it at its next step
             # the scheduler reads its length at every injection: a longer run goes on, an ended one stops at the next
@@ -528,6 +534,13 @@ class Volunteer:
 
     def _count_rejected(self, count: int) -> None:
         self.rejected_before += count
+
+    def _gate_refusal(self, reason: str) -> None:
+        """A message the routes' gate refused (a sender not admitted to our invite-only run): counted in our record,
+        and named in its note, as a standby too."""
+        self._count_rejected(1)
+        self.announcer.update(rejected=self.rejected_before + (self.worker.counters.rejected if self.worker else 0))
+        self._note(f"{REFUSAL_NOTE} {reason}")
 
     def _renewal_problem(self, problem: Optional[str]) -> None:
         """Say when our record stops being renewed (others lose us from their view once it expires) and when it
@@ -798,6 +811,10 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
     if found is None:
         return
     spec, owner = found
+    # in an invite-only run, one without a ticket that admits it leaves here, in one line
+    await enter(membership, spec, owner, options.ticket, options.owner_key,
+                say=lambda text: console.print(f"{membership.options.name}: {text}", markup=False, highlight=False,
+                                               soft_wrap=True))
     # a user's model imports their code: off the event loop, which must keep our record renewed meanwhile
     model = await asyncio.get_running_loop().run_in_executor(None, spec.build_model, options.data)
     if spec.finished or run_finished(await membership.announcer.read_peers(), spec.steps):
