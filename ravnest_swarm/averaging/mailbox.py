@@ -29,7 +29,8 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.averaging.wire import ROUND_OVER, RingAbort, RingArrive, RingMessage, RingPart, decode_part
+from ravnest_swarm.averaging.wire import (ROUND_OVER, RingAbort, RingArrive, RingMessage, RingPart, RingProbe,
+                                          RingReply, decode_part)
 from ravnest_swarm.codecs.codec import RAW, Codec
 
 MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
@@ -43,6 +44,8 @@ NOT_A_MEMBER = "is in no ring of the plan this peer follows"
 TOO_FAR_AHEAD = "is too far ahead"
 OUTSIDE_THE_RING = "names peers outside ring"
 OVER_SHARE = "holds its share of this mailbox"
+# a probe for an attempt this peer is not running (not yet, or any more: a note changed the ring): honest timing
+NOT_IN_ATTEMPT = "runs no such attempt of the ring now"
 
 # step, ring, attempt (the peers excluded before it), phase, position, sender
 MessageKey = Tuple[int, int, Tuple[str, ...], str, int, str]
@@ -150,6 +153,8 @@ class RingState:
         self.refusals: Dict[str, Set[str]] = {}  # voter: the members whose contribution it refused
         self.withdrawn: Dict[str, str] = {}  # member: why it ended the ring for itself
         self.failure: Optional[str] = None  # why the ring ended for this peer (what it saw itself)
+        # the running robust attempt's answer to a member's probe, keyed by the attempt (its left-out members)
+        self.probes: Dict[Tuple[str, ...], Callable[[List[int], str], RingReply]] = {}
         self.here = False  # this peer reached the round: a member's arrive note is answered so
         self.changed = asyncio.Event()  # votes, withdrawals or our end: a running attempt must start over or end
         self.arrival = asyncio.Event()  # someone new arrived: only the wait before the first attempt cares
@@ -296,6 +301,14 @@ class Mailbox:
         if note.failure:
             state.withdraw(sender, f"{sender[-8:]} ended it: {note.failure}")
         return state
+
+    def probe(self, probe: RingProbe, sender: str) -> RingReply:
+        """A member's check of the robust attempt we run with it: our answer, or a one-line refusal."""
+        self.admit(probe, sender)
+        answer = self._rings.get((probe.step, probe.ring), RingState()).probes.get(tuple(probe.attempt))
+        if answer is None:
+            raise ValueError(f"round {probe.step}: this peer {NOT_IN_ATTEMPT} {probe.ring}")
+        return answer(list(probe.coordinates), sender)
 
     # ---- the rings' side ---------------------------------------------------------------------------
 

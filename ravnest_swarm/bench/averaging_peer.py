@@ -29,7 +29,8 @@ from ravnest_swarm import __version__
 from ravnest_swarm.averaging.averager import PART_BYTES, MultiRingAverager
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.ring import RingRound, largest
-from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN
+from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, PER_COORDINATE, ROBUST_AGGREGATES
+from ravnest_swarm.averaging.robust_ring import RobustRingAttempt
 from ravnest_swarm.averaging.segments import element_range, plan_rings, rings_of
 from ravnest_swarm.bench.averaging_phases import run_bench_phases, run_robust_phases
 from ravnest_swarm.bench.synthetic import codec_by_name, synthetic_range
@@ -76,6 +77,7 @@ class AveragingPeerOptions:
     aggregation: str = MEAN
     poison: Optional[str] = None
     hostile_abort: Optional[str] = None
+    alter_aggregate: float = 0.0
     out: Optional[str] = None
     publish_plan: int = 0
     plan_timeout: float = 60.0
@@ -208,6 +210,20 @@ class HostileAttempt:
         return self.round.segment.clone()
 
 
+class AlteringRingAttempt(RobustRingAttempt):
+    """A hostile chunk owner (``--alter-aggregate X``): it adds X to the robust aggregate of its chunk before
+    gathering it, and otherwise follows the protocol (it checks the other owners with the true aggregate)."""
+
+    def __init__(self, *args, alteration: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.true_aggregate = self.aggregate
+        self.aggregate = lambda contributions: self.true_aggregate(contributions) + alteration
+
+    async def _check_owners(self, work: torch.Tensor) -> None:
+        self.aggregate = self.true_aggregate  # our own chunk is aggregated and gathered by now
+        await super()._check_owners(work)
+
+
 POISONS = ("nan", "inf", "scale", "plausible")
 PLAUSIBLE_SHARE = 0.99  # of the scale check's limit: the most a contribution can be scaled and still pass
 
@@ -261,6 +277,12 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     else:
         averager = MultiRingAverager(node.routes, options.run, timeout=options.timeout, compression=compression,
                                      part_bytes=options.part_bytes, aggregation=options.aggregation)
+    if options.alter_aggregate:
+        if options.aggregation not in PER_COORDINATE:
+            raise UserError(f"--alter-aggregate needs an --aggregation whose owners are checked: {', '.join(PER_COORDINATE)}")
+        averager.ring_peer = dataclasses.replace(averager.ring_peer, attempt=functools.partial(
+            AlteringRingAttempt, aggregate=ROBUST_AGGREGATES[options.aggregation], checked=True,
+            alteration=options.alter_aggregate))
     if options.hostile_abort:
         averager.ring_peer = dataclasses.replace(
             averager.ring_peer, attempt=functools.partial(HostileAttempt, kind=options.hostile_abort))
