@@ -22,12 +22,13 @@ from hivemind.proto import runtime_pb2
 from ravnest_swarm.codecs.codec import RAW
 from ravnest_swarm.averaging.averager import TURNED_AWAY
 from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
-                                             OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox, RingState,
-                                             majority)
+                                             NOT_IN_ATTEMPT, OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox,
+                                             RingState, majority)
 from ravnest_swarm.averaging.ring import ContributionRejected, RingPeer, RingRound, RoundLog
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, MAX_STRIPES, RING_HANDLER, ROUND_OVER, RingAbort, RingArrive,
-                                          RingPart, RingReply, RingRequest, decode_ring_message)
+from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, MAX_PROBED, MAX_STRIPES, RING_HANDLER, ROUND_OVER,
+                                          RingAbort, RingArrive, RingPart, RingProbe, RingReply, RingRequest,
+                                          decode_ring_message)
 from ravnest_swarm.net.messages import HANDLERS, MessageError, decode_message
 
 PEER = "QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
@@ -47,13 +48,32 @@ def test_what_members_send_parses_as_its_kind_and_goes_on_the_wire_as_the_same_m
     arrive = dict(BASE, phase="arrive")
     excluded = dict(BASE, phase="abort", excluded=[PEER])
     failed = dict(BASE, phase="abort", failure="no chunk within the ring timeout")
-    for metadata, kind in [(part, RingPart), (arrive, RingArrive), (excluded, RingAbort), (failed, RingAbort)]:
+    probe = dict(BASE, phase="probe", coordinates=[0, 17, 40])
+    for metadata, kind in [(part, RingPart), (arrive, RingArrive), (excluded, RingAbort), (failed, RingAbort),
+                           (probe, RingProbe)]:
         message = decode_ring_message(msgpack.packb(metadata, use_bin_type=True))
         assert type(message) is kind
         assert message.as_metadata() == metadata  # the keys the hand-built dicts had, no more
     # a message without stripe/stripes is one stream
     assert decode_ring_message(msgpack.packb(dict(BASE, phase="reduce"))).stripes == 1
     assert RingReply().as_metadata() == {}
+    answer = RingReply(values=[0.5, -1.0], rows=[[0.5], [2.0]])
+    assert decode_message(RingReply, msgpack.packb(answer.as_metadata()), "ring reply") == answer
+    with pytest.raises(MessageError, match="field 'values'"):
+        decode_message(RingReply, msgpack.packb({"values": [0.0] * (MAX_PROBED + 1)}), "ring reply")
+
+
+def test_a_probe_is_answered_only_by_the_attempt_it_names_while_it_runs():
+    """Probes (robust_ring.py) come from members only, like every ring message; one for an attempt we do not run
+    (not yet, or any more) is turned away: an honest member causes it when a note changed the ring."""
+    box = mailbox()
+    probe = RingProbe(**note(phase="probe", coordinates=[3]))
+    assert NOT_A_MEMBER in refused(box.probe, probe, STRANGER)
+    reason = refused(box.probe, probe, B)
+    assert NOT_IN_ATTEMPT in reason and any(marker in reason for marker in TURNED_AWAY)
+    box.ring_state(ROUND, 0).probes[()] = lambda coordinates, sender: RingReply(values=[float(coordinates[0])])
+    assert box.probe(probe, B).values == [3.0]
+    assert NOT_IN_ATTEMPT in refused(box.probe, RingProbe(**note(phase="probe", coordinates=[3], attempt=[C])), B)
 
 
 def test_the_ring_handler_is_registered_with_its_schemas():
@@ -79,6 +99,10 @@ def test_the_ring_handler_is_registered_with_its_schemas():
     (dict(BASE, phase="abort", excluded=[PEER, 3]), "abort.excluded.1"),
     (dict(BASE, phase="abort", failure="x" * (FAILURE_CHARS + 1)), "abort.failure"),
     (dict(BASE, phase="abort", surplus=1), "abort.surplus"),
+    (dict(BASE, phase="probe"), "probe.coordinates"),
+    (dict(BASE, phase="probe", coordinates=[]), "probe.coordinates"),
+    (dict(BASE, phase="probe", coordinates=[-1]), "probe.coordinates.0"),
+    (dict(BASE, phase="probe", coordinates=list(range(MAX_PROBED + 1))), "probe.coordinates"),
 ])
 def test_a_ring_message_outside_its_schema_is_refused_naming_the_field(metadata, field):
     assert f"field '{field}'" in refusal(metadata)
