@@ -159,7 +159,8 @@ class RingRound:
         if self.state.failure is not None:
             return self._result("failed", len(view.members), self.state.failure)
         if self.peer.peer_id in view.members and len(view.members) < 2:
-            return self._result("alone", 1, "every other member was excluded or left")
+            why = "; ".join(self.state.withdrawn[member] for member in sorted(view.withdrawn))
+            return self._result("alone", 1, f"every other member was excluded or left{f' ({why})' if why else ''}"[:300])
         return None
 
     def _refused_alone(self, view: RingView) -> SegmentResult:
