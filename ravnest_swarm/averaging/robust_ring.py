@@ -118,9 +118,9 @@ class RobustRingAttempt(RingAttempt):
         (every part of it is aggregated before it is gathered, and a member probes once its gather is done)."""
         if any(coordinate >= self.segment.numel() for coordinate in coordinates):
             raise ValueError(f"probe of coordinates beyond the segment's {self.segment.numel()}")
-        if not self.handled[self.first_gather - 1].done:
-            raise ValueError("probe before our chunk was aggregated: a member probes once its gather is complete")
         owned = self.chunks[self.owned]
+        if self.handled[self.first_gather - 1].value < owned.stop - owned.start:
+            raise ValueError("probe before our chunk was aggregated: a member probes once its gather is complete")
         ours = [coordinate - owned.start for coordinate in coordinates if owned.start <= coordinate < owned.stop]
         rows = [(self.segment[owned.start:owned.stop] if member == self.peer.peer_id
                  else self.received[self.others.index(member)])[ours].tolist() for member in self.members]
