@@ -10,8 +10,8 @@ Over 400 lines because a ring's round and its attempt (the steps, their pipelini
 refuse a poisoned chunk) are one protocol, read top to bottom.
 
 Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
-in time ends that ring only, the segment keeps its local value, and the other members are told to stop at
-once. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
+in time ends that ring for whoever waited on it, the segment keeps its local value, and the other members are
+told that the ring ended for that one. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
 receiver votes against that sender and tells the ring.
@@ -135,7 +135,7 @@ class RingRound:
                 return settled
             if self.peer.peer_id in view.refusing:  # only our own vote makes us refuse: an attempt set deadline
                 if not await self.state.news(max(0.0, deadline - time.monotonic())):
-                    return self._refused_alone(view)
+                    return self._refused(view)
                 continue
             missing = [member for member in members if member != self.peer.peer_id and member not in self.state.arrived]
             if missing:
@@ -163,7 +163,7 @@ class RingRound:
             return self._result("alone", 1, f"every other member was excluded or left{f' ({why})' if why else ''}"[:300])
         return None
 
-    def _refused_alone(self, view: RingView) -> SegmentResult:
+    def _refused(self, view: RingView) -> SegmentResult:
         refused = sorted(self.state.refusals.get(self.peer.peer_id, set()) - view.excluded)
         reason = (f"we refused {', '.join(member[-8:] for member in refused)} and no majority of the ring did "
                   f"within the ring timeout")
@@ -240,7 +240,7 @@ class RingRound:
 
     def _say_arrived(self, deadline: float) -> None:
         """Tell every other member, in the background, that we reached the round: each starts the ring once
-        all have. A member that refuses it as a round it has finished will never come: that ends the ring. One
+        all have. A member that refuses it as a round it has finished will never come: it has left the ring. One
         that answers it is here already counts as arrived: its own note may have reached us before we expected
         this round's messages, and been refused. One that answers that the round is over for it has left the
         ring: it says so of itself only, so a hostile member cannot end the ring for us this way."""
