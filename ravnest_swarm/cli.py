@@ -756,6 +756,11 @@ def averaging_peer(
     aggregation: str = typer.Option("mean", "--aggregation", help="mean, trimmed_mean or centered_clip."),
     poison: Optional[str] = typer.Option(None, "--poison", help="Poison our values: nan, inf, scale (x1e6), or "
                                          "plausible (largest value just under the scale check) (fault tests)."),
+    hostile_abort: Optional[str] = typer.Option(None, "--hostile-abort", help="Act as a hostile ring member: once "
+                                                "the ring runs, vote against our successor (exclude) or end the ring "
+                                                "(fail), and send nothing (attack tests)."),
+    alter_aggregate: float = typer.Option(0.0, "--alter-aggregate", help="Act as a hostile chunk owner: add this to "
+                                          "our robust aggregate before gathering it (attack tests)."),
     out: Optional[str] = typer.Option(None, "--out", help="Write our averaged range here (safetensors)."),
     publish_plan: int = typer.Option(0, "--publish-plan", min=0, help="Stand in for the planner: publish the plan once N peers are placed."),
     plan_timeout: float = typer.Option(60.0, "--plan-timeout", min=1.0, help="Seconds to wait for the plan."),
@@ -782,7 +787,8 @@ def averaging_peer(
         options = AveragingPeerOptions(
             initial_peers=_initial_peers(initial_peers), run=run, cluster=cluster, stage=stage,
             layer_sizes=parse_ints(layer_sizes, "--layer-sizes"), layers=tuple(layer_range), seed=seed, step=step,
-            timeout=timeout, compression=compression, aggregation=aggregation, poison=poison, out=out,
+            timeout=timeout, compression=compression, aggregation=aggregation, poison=poison,
+            hostile_abort=hostile_abort, alter_aggregate=alter_aggregate, out=out,
             publish_plan=publish_plan,
             plan_timeout=plan_timeout, delay_start=delay_start, part_bytes=part_bytes, lose_replies=lose_replies,
             cut_streams=cut_streams, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bench_config=bench_config,

@@ -22,11 +22,13 @@ from hivemind.proto import runtime_pb2
 from ravnest_swarm.codecs.codec import RAW
 from ravnest_swarm.averaging.averager import TURNED_AWAY
 from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
-                                             OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox)
-from ravnest_swarm.averaging.ring import RingPeer, RingRound, RoundLog
+                                             NOT_IN_ATTEMPT, OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox,
+                                             RingState, majority)
+from ravnest_swarm.averaging.ring import ContributionRejected, RingPeer, RingRound, RoundLog
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, MAX_STRIPES, RING_HANDLER, ROUND_OVER, RingAbort, RingArrive,
-                                          RingPart, RingReply, RingRequest, decode_ring_message)
+from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, MAX_PROBED, MAX_STRIPES, RING_HANDLER, ROUND_OVER,
+                                          RingAbort, RingArrive, RingPart, RingProbe, RingReply, RingRequest,
+                                          decode_ring_message)
 from ravnest_swarm.net.messages import HANDLERS, MessageError, decode_message
 
 PEER = "QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
@@ -46,13 +48,32 @@ def test_what_members_send_parses_as_its_kind_and_goes_on_the_wire_as_the_same_m
     arrive = dict(BASE, phase="arrive")
     excluded = dict(BASE, phase="abort", excluded=[PEER])
     failed = dict(BASE, phase="abort", failure="no chunk within the ring timeout")
-    for metadata, kind in [(part, RingPart), (arrive, RingArrive), (excluded, RingAbort), (failed, RingAbort)]:
+    probe = dict(BASE, phase="probe", coordinates=[0, 17, 40])
+    for metadata, kind in [(part, RingPart), (arrive, RingArrive), (excluded, RingAbort), (failed, RingAbort),
+                           (probe, RingProbe)]:
         message = decode_ring_message(msgpack.packb(metadata, use_bin_type=True))
         assert type(message) is kind
         assert message.as_metadata() == metadata  # the keys the hand-built dicts had, no more
     # a message without stripe/stripes is one stream
     assert decode_ring_message(msgpack.packb(dict(BASE, phase="reduce"))).stripes == 1
     assert RingReply().as_metadata() == {}
+    answer = RingReply(values=[0.5, -1.0], rows=[[0.5], [2.0]])
+    assert decode_message(RingReply, msgpack.packb(answer.as_metadata()), "ring reply") == answer
+    with pytest.raises(MessageError, match="field 'values'"):
+        decode_message(RingReply, msgpack.packb({"values": [0.0] * (MAX_PROBED + 1)}), "ring reply")
+
+
+def test_a_probe_is_answered_only_by_the_attempt_it_names_while_it_runs():
+    """Probes (robust_ring.py) come from members only, like every ring message; one for an attempt we do not run
+    (not yet, or any more) is turned away: an honest member causes it when a note changed the ring."""
+    box = mailbox()
+    probe = RingProbe(**note(phase="probe", coordinates=[3]))
+    assert NOT_A_MEMBER in refused(box.probe, probe, STRANGER)
+    reason = refused(box.probe, probe, B)
+    assert NOT_IN_ATTEMPT in reason and any(marker in reason for marker in TURNED_AWAY)
+    box.ring_state(ROUND, 0).probes[()] = lambda coordinates, sender: RingReply(values=[float(coordinates[0])])
+    assert box.probe(probe, B).values == [3.0]
+    assert NOT_IN_ATTEMPT in refused(box.probe, RingProbe(**note(phase="probe", coordinates=[3], attempt=[C])), B)
 
 
 def test_the_ring_handler_is_registered_with_its_schemas():
@@ -78,6 +99,10 @@ def test_the_ring_handler_is_registered_with_its_schemas():
     (dict(BASE, phase="abort", excluded=[PEER, 3]), "abort.excluded.1"),
     (dict(BASE, phase="abort", failure="x" * (FAILURE_CHARS + 1)), "abort.failure"),
     (dict(BASE, phase="abort", surplus=1), "abort.surplus"),
+    (dict(BASE, phase="probe"), "probe.coordinates"),
+    (dict(BASE, phase="probe", coordinates=[]), "probe.coordinates"),
+    (dict(BASE, phase="probe", coordinates=[-1]), "probe.coordinates.0"),
+    (dict(BASE, phase="probe", coordinates=list(range(MAX_PROBED + 1))), "probe.coordinates"),
 ])
 def test_a_ring_message_outside_its_schema_is_refused_naming_the_field(metadata, field):
     assert f"field '{field}'" in refusal(metadata)
@@ -138,12 +163,55 @@ def test_an_abort_from_a_stranger_is_refused_and_excludes_nobody():
     assert OTHER_RING in refused(box.note, RingAbort(**note(excluded=[B])), D)
     assert OTHER_RING in refused(box.note, RingAbort(**note(ring=1, excluded=[B])), C)  # C is not in ring 1
     state = box.ring_state(ROUND, 0)
-    assert not state.excluded and state.failure is None and not state.changed.is_set()
-    # a member may exclude a member (it refused that member's chunk), never a peer outside the ring
+    assert not state.refusals and not state.withdrawn and not state.changed.is_set()
+    assert state.view(RINGS[0].members).members == (ME, B, C)
+    # a member may vote against a member (it refused that member's chunk), never a peer outside the ring
     assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)
     assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[C], attempt=[STRANGER])), B)
     box.note(RingAbort(**note(excluded=[C])), B)
-    assert state.excluded == {C} and state.changed.is_set()
+    assert state.refusals == {B: {C}} and state.changed.is_set()
+
+
+# ---- votes: a member is excluded only by a majority of its ring ----------------------------------------------
+
+def test_one_members_vote_against_another_takes_only_itself_out_of_the_ring():
+    """Issue #34: a hostile member B votes against honest C (or C really poisoned B, which nobody else saw):
+    C stays in, B waits out; our own vote against C makes two of three, a majority: C is out, B back in."""
+    box = mailbox()
+    state = box.ring_state(ROUND, 0)
+    box.note(RingAbort(**note(excluded=[C])), B)
+    box.note(RingAbort(**note(excluded=[C])), B)  # a vote repeated counts once
+    view = state.view(RINGS[0].members)
+    assert (view.excluded, view.refusing, view.members) == (frozenset(), {B}, (ME, C))
+    box.note(RingAbort(**note(excluded=[B])), C)  # C's vote against its accuser: both wait out
+    assert state.view(RINGS[0].members).members == (ME,)
+    state.vote(ME, [C])
+    view = state.view(RINGS[0].members)
+    assert (view.excluded, view.refusing, view.members) == ({C}, frozenset(), (ME, B))
+
+
+def test_the_accused_members_own_vote_does_not_count_and_a_majority_is_of_the_whole_ring():
+    ring = ("a", "b", "c", "d", "e")
+    state = RingState()
+    for voter in ("a", "b", "c"):
+        state.vote(voter, ["c", "d"])  # c's vote against itself does not count: two votes against c, three against d
+    view = state.view(ring)
+    assert majority(5) == 3 and view.excluded == {"d"}
+    assert view.refusing == {"a", "b", "c"} and view.members == ("e",)  # they still refuse c, who is in
+    assert majority(2) == 2 and not RingState().view(("a", "b")).excluded  # a ring of two excludes nobody
+    two = RingState()
+    two.vote("a", ["b"])
+    assert (two.view(("a", "b")).excluded, two.view(("a", "b")).members) == (frozenset(), ("b",))
+
+
+def test_a_member_that_ends_the_ring_leaves_it_and_the_others_go_on():
+    """A failure note speaks for its sender only: it leaves; the ring goes on for the others, and ends for
+    this peer only on what it saw itself."""
+    box = mailbox()
+    state = box.ring_state(ROUND, 0)
+    box.note(RingAbort(**note(failure="no chunk within the ring timeout")), B)
+    view = state.view(RINGS[0].members)
+    assert view.withdrawn == {B} and view.members == (ME, C) and state.failure is None
 
 
 def test_arrive_notes_and_parts_count_only_from_members_of_the_ring_they_name():
@@ -249,10 +317,10 @@ class Attempt:
         self.run = run
 
 
-def test_a_member_past_the_round_because_another_excluded_it_is_left_out_once_that_note_comes():
-    """B refused C's contribution and told the ring in the background; C's round ended when its note came. Our
-    attempt reaches C before B's note reaches us: C answers that the round is over. That is not the ring's
-    failure: the note is on its way, and the ring runs again with B alone, as every other member does."""
+def test_a_member_past_the_round_because_it_left_the_ring_is_left_out_once_its_note_comes():
+    """C's ring ended for it (it saw a timeout, or a majority excluded it) and it told the ring in the
+    background. Our attempt reaches C before C's note reaches us: C answers that the round is over. That is
+    not the ring's failure: the note is on its way, and the ring runs again with B alone, as B does."""
     async def scenario():
         attempts = []
 
@@ -262,7 +330,7 @@ def test_a_member_past_the_round_because_another_excluded_it_is_left_out_once_th
             async def run():
                 if len(attempts) == 1:
                     loop = asyncio.get_running_loop()
-                    loop.call_later(0.3, ring.peer.mailbox.note, RingAbort(**note(excluded=[C])), B)
+                    loop.call_later(0.3, ring.peer.mailbox.note, RingAbort(**note(failure="timeout")), C)
                     raise P2PHandlerError(f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER} "
                                           f"(last finished {ROUND})")
                 return torch.ones(1000)
@@ -275,6 +343,41 @@ def test_a_member_past_the_round_because_another_excluded_it_is_left_out_once_th
         assert not [note for _, note in round_.peer.sender.sent if isinstance(note, RingAbort)]  # nobody told to stop
 
     asyncio.run(scenario())
+
+
+def test_a_member_that_refused_a_contribution_waits_out_until_the_others_votes_exclude_it():
+    """We refuse C's chunk: one vote of the two a ring of three needs. We wait out (B and C run the ring again,
+    and B's own check refuses C); B's vote excludes C and we run the ring again with B. Without B's vote we
+    keep our local value at the ring's deadline."""
+    async def scenario(b_agrees):
+        attempts = []
+
+        def attempt(ring, members, deadline):
+            attempts.append(members)
+
+            async def run():
+                if len(attempts) == 1:
+                    if b_agrees:
+                        asyncio.get_running_loop().call_later(0.3, ring.peer.mailbox.note,
+                                                              RingAbort(**note(excluded=[C])), B)
+                    raise ContributionRejected(C, "reduce chunk 0 holds NaN or Inf")
+                return torch.ones(1000)
+            return Attempt(run)
+
+        round_ = ring_round(attempt, timeout=1.0)
+        result = await round_.run(time.monotonic(), None)
+        await asyncio.sleep(0.1)  # the notes go in the background
+        votes = [(member, sorted(n.excluded)) for member, n in round_.peer.sender.sent if isinstance(n, RingAbort)]
+        assert sorted(votes) == [(B, [C]), (C, [C])]  # our vote, to every member
+        assert round_.log.rejected and round_.log.rejected[0]["peer"] == C
+        return attempts, result, round_.segment
+
+    attempts, result, segment = asyncio.run(scenario(b_agrees=True))
+    assert attempts == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
+    assert torch.equal(segment, torch.ones(1000))
+    attempts, result, segment = asyncio.run(scenario(b_agrees=False))
+    assert attempts == [[ME, B, C]] and result.status == "refused" and C[-8:] in result.detail
+    assert torch.equal(segment, torch.zeros(1000))  # kept local
 
 
 def test_a_member_past_the_round_with_no_note_after_it_fails_the_ring_and_tells_the_others():

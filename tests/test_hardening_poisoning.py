@@ -128,6 +128,33 @@ def test_a_nan_contribution_to_a_robust_ring_is_refused_and_the_rest_aggregate_w
             assert (got - expected).abs().max() <= 1e-5, (name, segment)
 
 
+@pytest.mark.timeout(150)
+def test_a_chunk_owner_that_alters_its_aggregate_is_caught_and_the_rest_aggregate_without_it(processes, backbone,
+                                                                                          tmp_path):
+    """Attack (issue #34): with trimmed_mean, c3s0 owns a chunk of the one ring of four and adds 5 to its
+    trimmed mean before gathering it (within every scale check), following the protocol otherwise. Each honest
+    member probes 8 random coordinates of that chunk: the trimmed mean of the rows c3s0 reports is not what it
+    gathered, so each votes against it; three votes of four exclude it, and the three honest members aggregate
+    without it: their trimmed mean (the median), exactly, everywhere."""
+    layouts = [[0, 6]] * 4
+    extra = {f"c{k}s0": ["--aggregation", TRIMMED_MEAN] for k in range(3)}
+    extra["c3s0"] = ["--aggregation", TRIMMED_MEAN, "--alter-aggregate", "5"]
+    # each honest member may be called into another attempt with the owner by a vote before it checked it (up to
+    # four attempts): the ring gets the NaN test's 40 s on a loaded machine
+    peers = start_swarm(processes, backbone, layouts, "avgowner", tmp_path, timeout=40.0, extra=extra)
+    results = {name: finish(peer) for name, peer in peers.items()}
+    culprit = results["c3s0"]["peer_id"]
+    honest = torch.stack([exact_mean([k]) for k in range(3)]).float()
+    expected = trimmed_mean(honest).double()
+    for name in ("c0s0", "c1s0", "c2s0"):
+        result = results[name]
+        assert [(r["peer"], "altered its aggregate" in r["reason"]) for r in result["rejected"]] == [(culprit, True)], \
+            (name, result["rejected"])
+        [segment] = result["segments"]
+        assert (segment["status"], segment["members"]) == ("ok", 3), (name, segment)
+        assert (averaged(tmp_path, name) - expected).abs().max() <= 1e-5, name
+
+
 @pytest.mark.timeout(240)
 def test_poisoned_activations_sent_to_a_training_volunteer_are_counted_in_its_record_and_status(processes, backbone):
     """Attack: an outsider opens the forward handler of a real volunteer training stage 1 of a run and

@@ -35,13 +35,13 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from ravnest_swarm.averaging.mailbox import NOT_EXPECTING, OTHER_RING, Expected, Inbox, Mailbox
+from ravnest_swarm.averaging.mailbox import NOT_EXPECTING, NOT_IN_ATTEMPT, OTHER_RING, Expected, Inbox, Mailbox
 from ravnest_swarm.averaging.ring import Patience, RingPeer, RingRound, RoundLog, SegmentResult
 from ravnest_swarm.averaging.robust import MEAN
 from ravnest_swarm.averaging.robust_ring import attempt_for
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PART_BYTES, RING_HANDLER, ROUND_OVER,
-                                          STREAMS_PER_STEP, RingAbort, RingArrive, RingPart, RingReply, RingSender,
+                                          STREAMS_PER_STEP, RingAbort, RingArrive, RingPart, RingProbe, RingReply, RingSender,
                                           decode_ring_message)
 from ravnest_swarm.codecs.codec import RAW, Codec
 from ravnest_swarm.net.messages import MessageError
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # refusals honest members cause: a round this peer finished or passed, a plan one of us has not adopted yet, a
 # stream stalled on a busy machine; counted as `turned_away`, apart from the hostile input `rejected` counts
-TURNED_AWAY = (ROUND_OVER, NOT_EXPECTING, OTHER_RING, INCOMPLETE)
+TURNED_AWAY = (ROUND_OVER, NOT_EXPECTING, OTHER_RING, INCOMPLETE, NOT_IN_ATTEMPT)
 
 # a stopping peer stays this long after the last ring stream it was sent: a sender whose reply was lost sends
 # the stripe again after RESEND_BACKOFF plus a dial, and a peer that had gone would fail its complete ring
@@ -237,7 +237,9 @@ class MultiRingAverager:
         if message is None:
             raise ValueError("empty message: no frames before end of stream")
         reply = RingReply()
-        if not isinstance(message, RingPart):
+        if isinstance(message, RingProbe):
+            reply = self.mailbox.probe(message, sender)
+        elif not isinstance(message, RingPart):
             state = self.mailbox.note(message, sender)
             if isinstance(message, RingArrive):
                 reply = RingReply(arrived=state.here)
@@ -255,7 +257,7 @@ class MultiRingAverager:
         logger.warning(f"{RING_HANDLER}: rejected a message from {sender}: {reason}")
         self.on_rejected(self.last_rejected)
 
-    def _decode(self, raw: bytes) -> Union[RingPart, RingArrive, RingAbort]:
+    def _decode(self, raw: bytes) -> Union[RingPart, RingArrive, RingAbort, RingProbe]:
         """The first frame's metadata, refused unless it fits its schema and is of our run (the mailbox checks
         its round as it files it)."""
         message = decode_ring_message(raw)

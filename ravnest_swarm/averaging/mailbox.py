@@ -3,13 +3,14 @@
 The handler files each part of a message in an :class:`Inbox` keyed by (step, ring, attempt, phase, position,
 sender) and answers at once; the ring coroutine that expects it takes the parts from there. So a member that
 starts its round early never waits for a late one to be listening, and a message only counts when it comes
-from the ring's expected predecessor. Notes (who arrived, who was excluded, whether the ring was ended) go
-to the ring's :class:`RingState`, keyed by (step, ring).
+from the ring's expected predecessor. Notes (who arrived, whose contribution a member refused, who ended the
+ring for itself) go to the ring's :class:`RingState`, keyed by (step, ring), which counts them as votes: a
+member is excluded only by a majority of the ring's members.
 
 Who may send what (:meth:`Mailbox.admit`, before anything is kept): what the peer's owner says it expects now
 (:class:`Expected`: its rings in the plan it follows, and a window of rounds around its training step). A
 message, note or abort counts only from a member of the ring it names, for a round in that window, and may
-name (as excluded before its attempt, or excluded now) only members of that ring. Each ring partner holds at
+name (as left out of its attempt, or as refused now) only members of that ring. Each ring partner holds at
 most its share of the mailbox (``MAX_MAILBOX_ENTRIES`` inboxes and ``max_buffered_bytes`` of parts, divided
 by the number of partners), so neither a stranger nor a member can make us hold unbounded memory or crowd the
 others out. When a round ends, everything of that step and earlier is dropped, and the keys of its messages
@@ -22,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import AsyncIterator, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
+from typing import AsyncIterator, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.averaging.wire import ROUND_OVER, RingAbort, RingArrive, RingMessage, RingPart, decode_part
+from ravnest_swarm.averaging.wire import (ROUND_OVER, RingAbort, RingArrive, RingMessage, RingPart, RingProbe,
+                                          RingReply, decode_part)
 from ravnest_swarm.codecs.codec import RAW, Codec
 
 MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds not yet asked for
@@ -42,6 +44,8 @@ NOT_A_MEMBER = "is in no ring of the plan this peer follows"
 TOO_FAR_AHEAD = "is too far ahead"
 OUTSIDE_THE_RING = "names peers outside ring"
 OVER_SHARE = "holds its share of this mailbox"
+# a probe for an attempt this peer is not running (not yet, or any more: a note changed the ring): honest timing
+NOT_IN_ATTEMPT = "runs no such attempt of the ring now"
 
 # step, ring, attempt (the peers excluded before it), phase, position, sender
 MessageKey = Tuple[int, int, Tuple[str, ...], str, int, str]
@@ -121,15 +125,38 @@ class Inbox:
             self.notify()
 
 
+def majority(members: int) -> int:
+    """How many distinct members' votes exclude one of a ring of ``members``: more than half of them."""
+    return members // 2 + 1
+
+
+class RingView(NamedTuple):
+    """Who runs the ring's next attempt, as the members' own notes decide it (:meth:`RingState.view`)."""
+
+    excluded: FrozenSet[str]  # a majority of the ring's members refused its contribution
+    withdrawn: FrozenSet[str]  # ended the ring for itself
+    refusing: FrozenSet[str]  # refused a member the majority has not excluded: waits out until it is
+    members: Tuple[str, ...]  # the rest, in ring order: the attempt's members
+
+
 class RingState:
-    """What the members of one ring in one round have told us: who arrived, exclusions, whether it was ended."""
+    """What the members of one ring in one round have told us, each about itself: who arrived, whose
+    contribution each refused (its votes), who ended the ring for itself; and whether it ended for us.
+
+    Every note is its sender's own (libp2p authenticates it), so a member speaks only for itself: it can vote,
+    once per accused member, and leave; it cannot remove anyone else. :meth:`view` turns the notes into the
+    next attempt's members.
+    """
 
     def __init__(self):
         self.arrived: Set[str] = set()
-        self.excluded: Set[str] = set()
-        self.failure: Optional[str] = None
+        self.refusals: Dict[str, Set[str]] = {}  # voter: the members whose contribution it refused
+        self.withdrawn: Dict[str, str] = {}  # member: why it ended the ring for itself
+        self.failure: Optional[str] = None  # why the ring ended for this peer (what it saw itself)
+        # the running robust attempt's answer to a member's probe, keyed by the attempt (its left-out members)
+        self.probes: Dict[Tuple[str, ...], Callable[[List[int], str], RingReply]] = {}
         self.here = False  # this peer reached the round: a member's arrive note is answered so
-        self.changed = asyncio.Event()  # exclusions or failure: a running attempt must start over or end
+        self.changed = asyncio.Event()  # votes, withdrawals or our end: a running attempt must start over or end
         self.arrival = asyncio.Event()  # someone new arrived: only the wait before the first attempt cares
 
     def arrive(self, member: str) -> None:
@@ -137,10 +164,36 @@ class RingState:
             self.arrived.add(member)
             self.arrival.set()
 
+    def vote(self, voter: str, accused: Sequence[str]) -> None:
+        """``voter`` refused the contributions of ``accused``; a vote repeated counts once."""
+        new = set(accused) - self.refusals.get(voter, set())
+        if new:
+            self.refusals.setdefault(voter, set()).update(new)
+            self.changed.set()
+
+    def withdraw(self, member: str, reason: str) -> None:
+        if member not in self.withdrawn:
+            self.withdrawn[member] = reason
+            self.changed.set()
+
     def end(self, failure: str) -> None:
         if self.failure is None:
             self.failure = failure
             self.changed.set()
+
+    def view(self, ring_members: Sequence[str]) -> RingView:
+        """Excluded: a member whose contribution a majority of the ring's members refused (the accused's own
+        vote not counted). Refusing: a member that refused one still in the ring; it cannot work with it, and
+        nobody can tell which of the two is honest, so the accuser waits out, and comes back if the others'
+        votes exclude the accused. Members: everyone else not withdrawn."""
+        need = majority(len(ring_members))
+        excluded = frozenset(member for member in ring_members
+                             if sum(member in accused for voter, accused in self.refusals.items()
+                                    if voter != member) >= need)
+        present = [member for member in ring_members if member not in excluded and member not in self.withdrawn]
+        refusing = frozenset(member for member in present if self.refusals.get(member, set()) & set(present))
+        return RingView(excluded, frozenset(self.withdrawn), refusing,
+                        tuple(member for member in present if member not in refusing))
 
     async def news(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for a change or an arrival; whether one came."""
@@ -234,7 +287,8 @@ class Mailbox:
         inbox.notify()
 
     def note(self, note: Union[RingArrive, RingAbort], sender: str) -> RingState:
-        """A member arrived, or excluded peers from the ring or ended it; the ring's state (is this peer there)."""
+        """A member arrived, refused members' contributions (its votes) or ended the ring for itself; the ring's
+        state (is this peer there)."""
         self.admit(note, sender)
         if (note.step, note.ring) not in self._rings and len(self._rings) >= MAX_MAILBOX_ENTRIES:
             raise ValueError("too many rings pending here; retry later")
@@ -242,12 +296,19 @@ class Mailbox:
         if isinstance(note, RingArrive):
             state.arrive(sender)
             return state
-        if note.excluded and not set(note.excluded) <= state.excluded:
-            state.excluded |= set(note.excluded)
-            state.changed.set()
+        if note.excluded:
+            state.vote(sender, note.excluded)
         if note.failure:
-            state.end(f"ended by {sender[-8:]}: {note.failure}")
+            state.withdraw(sender, f"{sender[-8:]} ended it: {note.failure}")
         return state
+
+    def probe(self, probe: RingProbe, sender: str) -> RingReply:
+        """A member's check of the robust attempt we run with it: our answer, or a one-line refusal."""
+        self.admit(probe, sender)
+        answer = self._rings.get((probe.step, probe.ring), RingState()).probes.get(tuple(probe.attempt))
+        if answer is None:
+            raise ValueError(f"round {probe.step}: this peer {NOT_IN_ATTEMPT} {probe.ring}")
+        return answer(list(probe.coordinates), sender)
 
     # ---- the rings' side ---------------------------------------------------------------------------
 

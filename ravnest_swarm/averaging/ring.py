@@ -10,13 +10,22 @@ Over 400 lines because a ring's round and its attempt (the steps, their pipelini
 refuse a poisoned chunk) are one protocol, read top to bottom.
 
 Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
-in time ends that ring only, the segment keeps its local value, and the other members are told to stop at
-once. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
+in time ends that ring for whoever waited on it, the segment keeps its local value, and the other members are
+told that the ring ended for that one. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
-receiver names that sender, tells the ring, and the remaining members run the ring again without it; a
-member still in the first attempt when the sender, already told, answers that the round is over for it waits
-for that note instead of failing the ring.
+receiver votes against that sender and tells the ring.
+
+Votes (``mailbox.RingState.view``). A note speaks only for its sender (libp2p authenticates it): a member can
+vote against others and leave, never remove anyone. A member is excluded once a majority of the ring's members
+voted against it (distinct senders, its own vote not counted); a member that ended the ring for itself (a
+timeout or failed send it saw, or its answer that the round is over for it) is left out; and a member that
+refused one the majority has not excluded waits out (nobody can tell which of the two lies) while the others run
+the ring again with the accused, and comes back if their own checks exclude it. So one hostile member's abort
+or vote against an honest one takes only itself out of the ring: the others average without it. A poisoner is
+caught by each member that receives its values in turn; in a ring of two nobody can tell which member lies,
+and both keep their local values. A member still in an attempt when a member, already told, answers that the
+round is over for it waits for that note instead of failing the ring.
 """
 
 from __future__ import annotations
@@ -26,13 +35,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional, Sequence
+from typing import Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional
 
 import torch
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.averaging.mailbox import Mailbox, MessageKey
+from ravnest_swarm.averaging.mailbox import Mailbox, MessageKey, RingView
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, GATHER, REDUCE, ROUND_OVER, Outbox, RingAbort,
                                           RingArrive, RingPart, RingSender, decode_part, serialize_part)
@@ -58,8 +67,9 @@ class SegmentResult:
     """How one ring ended for this peer.
 
     ``status`` is ``ok`` (averaged), ``timeout`` (a member did not answer in time), ``failed`` (a send
-    failed or another member ended the ring), ``excluded`` (our own contribution was refused) or
-    ``alone`` (every other member was excluded); all but ``ok`` keep the local value.
+    failed), ``excluded`` (a majority of the ring refused our contribution), ``refused`` (we refused a
+    member's contribution and the ring's majority did not exclude it in time) or ``alone`` (every other
+    member was excluded or left); all but ``ok`` keep the local value.
     """
 
     index: int
@@ -118,10 +128,15 @@ class RingRound:
         while True:
             self.state.changed.clear()  # before looking: a note that comes while we look wakes the waits below
             self.state.arrival.clear()
-            members = [member for member in self.ring.members if member not in self.state.excluded]
-            settled = self._settled(members)
+            view = self.state.view(self.ring.members)
+            members = list(view.members)
+            settled = self._settled(view)
             if settled is not None:
                 return settled
+            if self.peer.peer_id in view.refusing:  # only our own vote makes us refuse: an attempt set deadline
+                if not await self.state.news(max(0.0, deadline - time.monotonic())):
+                    return self._refused(view)
+                continue
             missing = [member for member in members if member != self.peer.peer_id and member not in self.state.arrived]
             if missing:
                 waiting_until = await self._wait_for(missing, waiting_until, patience)
@@ -137,15 +152,23 @@ class RingRound:
     def _result(self, status: str, members: int, detail: str = "") -> SegmentResult:
         return SegmentResult(self.ring.index, self.ring.start, self.ring.end, status, members, detail)
 
-    def _settled(self, members: List[str]) -> Optional[SegmentResult]:
-        """The ring's end that the notes decided: we were excluded, it was ended, or nobody is left with us."""
-        if self.peer.peer_id not in members:
-            return self._result("excluded", len(members), "our contribution was refused by the ring")
+    def _settled(self, view: RingView) -> Optional[SegmentResult]:
+        """The ring's end that the notes decided: a majority excluded us, it ended for us, or nobody is left."""
+        if self.peer.peer_id in view.excluded:
+            return self._result("excluded", len(view.members), "a majority of the ring refused our contribution")
         if self.state.failure is not None:
-            return self._result("failed", len(members), self.state.failure)
-        if len(members) < 2:
-            return self._result("alone", 1, "every other member was excluded")
+            return self._result("failed", len(view.members), self.state.failure)
+        if self.peer.peer_id in view.members and len(view.members) < 2:
+            why = "; ".join(self.state.withdrawn[member] for member in sorted(view.withdrawn))
+            return self._result("alone", 1, f"every other member was excluded or left{f' ({why})' if why else ''}"[:300])
         return None
+
+    def _refused(self, view: RingView) -> SegmentResult:
+        refused = sorted(self.state.refusals.get(self.peer.peer_id, set()) - view.excluded)
+        reason = (f"we refused {', '.join(member[-8:] for member in refused)} and no majority of the ring did "
+                  f"within the ring timeout")
+        logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) refused: {reason}")
+        return self._result("refused", len(view.members), reason)
 
     async def _wait_for(self, missing: List[str], until: float, patience: Optional[Patience]) -> Optional[float]:
         """Wait for news until ``until``; then ask ``patience``. Until when to wait on, or None to give up."""
@@ -158,7 +181,7 @@ class RingRound:
         reason = (f"{', '.join(member[-8:] for member in missing)} did not reach round {self.step} within "
                   f"{time.monotonic() - started:.0f}s")
         logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) timeout: {reason}")
-        self._tell_ring(members, failure=reason)
+        self._tell_ring(failure=reason)
         return self._result("timeout", len(members), reason[:300])
 
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
@@ -179,7 +202,7 @@ class RingRound:
         try:
             averaged = attempt.result()
         except ContributionRejected as e:
-            self._exclude(e, members)
+            self._exclude(e)
             return None
         except (asyncio.TimeoutError, Exception) as e:
             if ROUND_OVER in str(e) and await self._note_on_its_way(deadline):
@@ -187,7 +210,7 @@ class RingRound:
             status = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
             reason = str(e) or type(e).__name__
             logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) {status}: {reason}")
-            self._tell_ring(members, failure=reason)
+            self._tell_ring(failure=reason)
             return self._result(status, len(members), reason[:300])
         if not math.isfinite(largest(averaged)):
             # only our own contribution can be non-finite here (every received chunk was checked): the
@@ -207,19 +230,20 @@ class RingRound:
         except asyncio.TimeoutError:
             return False
 
-    def _exclude(self, rejected: ContributionRejected, members: List[str]) -> None:
+    def _exclude(self, rejected: ContributionRejected) -> None:
         self.log.rejected.append(dict(peer=rejected.peer, ring=self.ring.index, reason=str(rejected)))
         logger.warning(f"ring {self.ring.index}: refused the contribution of {rejected.peer[-8:]}: {rejected}")
-        self.state.excluded.add(rejected.peer)
-        self._tell_ring(members, excluded=sorted(self.state.excluded))
+        self.state.vote(self.peer.peer_id, [rejected.peer])
+        self._tell_ring(excluded=sorted(self.state.refusals[self.peer.peer_id]))
 
     # ---- notes to the other members ------------------------------------------------------------------
 
     def _say_arrived(self, deadline: float) -> None:
         """Tell every other member, in the background, that we reached the round: each starts the ring once
-        all have. A member that refuses it as a round it has finished will never come: that ends the ring. One
+        all have. A member that refuses it as a round it has finished will never come: it has left the ring. One
         that answers it is here already counts as arrived: its own note may have reached us before we expected
-        this round's messages, and been refused."""
+        this round's messages, and been refused. One that answers that the round is over for it has left the
+        ring: it says so of itself only, so a hostile member cannot end the ring for us this way."""
         note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[])
         self.state.here = True
 
@@ -229,7 +253,7 @@ class RingRound:
                     self.state.arrive(member)
             except P2PHandlerError as e:
                 if ROUND_OVER in str(e):
-                    self.state.end(f"{member[-8:]} is past round {self.step}")
+                    self.state.withdraw(member, f"{member[-8:]} is past round {self.step}")
             except Exception as e:  # unreachable: the wait for its own note, or the ring, runs out of time
                 logger.debug(f"could not tell {member[-8:]} we reached round {self.step}: {e}")
 
@@ -237,9 +261,10 @@ class RingRound:
             if member != self.peer.peer_id:
                 self.peer.background(tell(member))
 
-    def _tell_ring(self, members: Sequence[str], excluded: Optional[List[str]] = None,
-                   failure: Optional[str] = None) -> None:
-        """Best effort, in the background: the ring's result does not wait for these notes to arrive."""
+    def _tell_ring(self, excluded: Optional[List[str]] = None, failure: Optional[str] = None) -> None:
+        """Our votes (``excluded``) or that the ring ended for us (``failure``), to every other member of the
+        ring, those waiting out included (a vote may bring them back). Best effort, in the background: the
+        ring's result does not wait for these notes to arrive."""
         note = RingAbort(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
                          excluded=excluded, failure=None if failure is None else failure[:FAILURE_CHARS])
 
@@ -249,7 +274,7 @@ class RingRound:
             except Exception as e:
                 logger.debug(f"could not tell {member[-8:]} about ring {self.ring.index}: {e}")
 
-        for member in members:
+        for member in self.ring.members:
             if member != self.peer.peer_id:
                 self.peer.background(tell(member))
 

@@ -61,6 +61,10 @@ def centered_clip(contributions: torch.Tensor) -> torch.Tensor:
     return centre
 
 
+# aggregates computed per coordinate, so a sample of coordinates can be recomputed from the members' values
+# there (robust_ring.py checks chunk owners so); CenteredClip's norms span a whole part
+PER_COORDINATE = frozenset({TRIMMED_MEAN})
+
 ROBUST_AGGREGATES: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     TRIMMED_MEAN: trimmed_mean,
     CENTERED_CLIP: centered_clip,

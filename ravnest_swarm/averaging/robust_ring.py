@@ -18,21 +18,42 @@ The cost, beside the mean (``docs/averaging.md``, measured in ``bench averaging 
 
 Every received chunk passes the same checks as in the ring (finite, the right size, within ``max_scale`` of a
 single contribution at our scale): a value refused names its sender exactly, since nobody forwards another's.
+
+Chunk owners checked (as BTARD, arXiv 2106.11257, checks its aggregators; ``trimmed_mean``, which is computed
+per coordinate, with the ``none`` codec, whose values arrive exactly as sent). An owner could send back any
+aggregate of its chunk. So once its gather is complete, each member picks ``PROBED_PER_CHUNK`` coordinates of
+every chunk it does not own, at random (its own randomness, drawn only now: no owner knows them when it
+aggregates), and asks every other member (a ``probe``) for its own values there and, the owner, for every
+member's values it aggregated there. The owner is caught, first-hand, when the row it reports for us is not
+what we sent, or when the aggregate of the rows it reports is not what it gathered to us: we vote against it
+(``ContributionRejected``: the ring's majority rule, ``ring.py``) and, once a majority caught it, the others
+run the ring again without it. When the owner's row for a third member differs from that member's own answer,
+one of the two lies and we cannot tell which: we keep our local values for that chunk. Each member stays in
+its attempt until every other member's probe was answered (its values are the segment's until it completes).
+An owner that alters a fraction f of its chunk escapes one member's check with probability (1 - f)^8; the
+check costs each member one small message to each other member.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Callable, Coroutine, List
+import logging
+import math
+import random
+import time
+from typing import Callable, Coroutine, Dict, List, Set
 
 import torch
 
 from ravnest_swarm.averaging.mailbox import MessageKey
 from ravnest_swarm.averaging.ring import ContributionRejected, Progress, RingAttempt, RingRound, RingStep
-from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, ROBUST_AGGREGATES
-from ravnest_swarm.averaging.wire import REDUCE, Outbox, RingPart, decode_part, serialize_part
+from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, PER_COORDINATE, ROBUST_AGGREGATES
+from ravnest_swarm.averaging.wire import (PROBED_PER_CHUNK, REDUCE, Outbox, RingPart, RingProbe, RingReply, decode_part,
+                                          serialize_part)
 from ravnest_swarm.codecs.codec import RAW
+
+logger = logging.getLogger(__name__)
 
 
 def attempt_for(aggregation: str) -> Callable[[RingRound, List[str], float], RingAttempt]:
@@ -41,7 +62,8 @@ def attempt_for(aggregation: str) -> Callable[[RingRound, List[str], float], Rin
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, not {aggregation!r}")
     if aggregation == MEAN:
         return RingAttempt
-    return functools.partial(RobustRingAttempt, aggregate=ROBUST_AGGREGATES[aggregation])
+    return functools.partial(RobustRingAttempt, aggregate=ROBUST_AGGREGATES[aggregation],
+                             checked=aggregation in PER_COORDINATE)
 
 
 class RobustRingAttempt(RingAttempt):
@@ -53,9 +75,13 @@ class RobustRingAttempt(RingAttempt):
     """
 
     def __init__(self, ring_round: RingRound, members: List[str], deadline: float,
-                 aggregate: Callable[[torch.Tensor], torch.Tensor]):
+                 aggregate: Callable[[torch.Tensor], torch.Tensor], checked: bool = False):
         super().__init__(ring_round, members, deadline)
         self.aggregate = aggregate
+        # owners are checked where the aggregate is per coordinate and values arrive exactly as sent
+        self.checked = checked and self.peer.compression is RAW
+        self.probed_by: Set[str] = set()  # members whose probe we answered
+        self.all_probed = asyncio.Event()
         me = members.index(self.peer.peer_id)
         self.owned = (me + 1) % self.count
         self.others = [member for member in members if member != self.peer.peer_id]
@@ -67,6 +93,83 @@ class RobustRingAttempt(RingAttempt):
         self.scatter = [Outbox() for _ in self.others]
         self.outboxes += self.scatter
         self.first_gather = self.count - 1  # index of the first gather step in self.steps
+
+    async def run(self) -> torch.Tensor:
+        """The ring's attempt, then (``checked``) every other chunk's owner checked, and every member's probe
+        of ours answered, before the attempt completes."""
+        if not self.checked:
+            return await super().run()
+        # answered until the round ends, unless the attempt completes (the segment then holds the average): a
+        # member that failed the attempt first (it caught an owner) is still probed by the others
+        key = tuple(self.excluded_before)
+        self.round.state.probes[key] = self._answer
+        work = await super().run()
+        await self._check_owners(work)
+        try:
+            await asyncio.wait_for(self.all_probed.wait(), max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            missing = [member[-8:] for member in self.others if member not in self.probed_by]
+            raise asyncio.TimeoutError(f"no check of our chunk from {', '.join(missing)} within the ring timeout")
+        del self.round.state.probes[key]
+        return work
+
+    def _answer(self, coordinates: List[int], sender: str) -> RingReply:
+        """A member's probe: our own values at ``coordinates``, and the rows we aggregated at those in our chunk
+        (every part of it is aggregated before it is gathered, and a member probes once its gather is done)."""
+        if any(coordinate >= self.segment.numel() for coordinate in coordinates):
+            raise ValueError(f"probe of coordinates beyond the segment's {self.segment.numel()}")
+        owned = self.chunks[self.owned]
+        if self.handled[self.first_gather - 1].value < owned.stop - owned.start:
+            raise ValueError("probe before our chunk was aggregated: a member probes once its gather is complete")
+        ours = [coordinate - owned.start for coordinate in coordinates if owned.start <= coordinate < owned.stop]
+        rows = [(self.segment[owned.start:owned.stop] if member == self.peer.peer_id
+                 else self.received[self.others.index(member)])[ours].tolist() for member in self.members]
+        self.probed_by.add(sender)
+        if len(self.probed_by) == len(self.others):
+            self.all_probed.set()
+        return RingReply(values=self.segment[coordinates].tolist(), rows=rows)
+
+    async def _check_owners(self, work: torch.Tensor) -> None:
+        """Probe every other member at random coordinates of each chunk we do not own; an owner caught lying
+        is refused (:class:`ContributionRejected`), a chunk whose rows two members dispute keeps our values."""
+        draw = random.SystemRandom()
+        sampled: Dict[int, List[int]] = {}
+        for chunk in range(self.count):
+            bounds = self.chunks[chunk]
+            if chunk != self.owned and bounds.stop > bounds.start:
+                sampled[chunk] = sorted(draw.sample(range(bounds.start, bounds.stop),
+                                                    min(PROBED_PER_CHUNK, bounds.stop - bounds.start)))
+        coordinates = [coordinate for chunk in sorted(sampled) for coordinate in sampled[chunk]]
+        if not coordinates:
+            return
+        probe = RingProbe(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index, position=0,
+                          attempt=self.excluded_before, coordinates=coordinates)
+        replies = dict(zip(self.others, await asyncio.gather(*(
+            self.peer.sender.send_note(member, probe, self.deadline) for member in self.others))))
+        me = self.members.index(self.peer.peer_id)
+        for member, reply in replies.items():
+            if reply.values is None or len(reply.values) != len(coordinates):
+                raise ContributionRejected(member, "answered a probe without its values")
+        for chunk, where in sampled.items():
+            owner = self.members[(chunk - 1) % self.count]
+            rows = replies[owner].rows
+            if rows is None or len(rows) != self.count or any(len(row) != len(where) for row in rows):
+                raise ContributionRejected(owner, f"answered a probe of its chunk {chunk} without its rows")
+            if rows[me] != self.segment[where].tolist():
+                raise ContributionRejected(owner, f"misreports our values in its chunk {chunk}")
+            expected = self.aggregate(torch.tensor(rows, dtype=torch.float32))
+            got = work[where]
+            if not all(map(math.isfinite, expected.tolist())) or not torch.allclose(expected, got, rtol=1e-5, atol=1e-6):
+                raise ContributionRejected(owner, f"altered its aggregate of chunk {chunk}: it is not the "
+                                                  f"{self.aggregate.__name__} of the values it reports")
+            first = coordinates.index(where[0])
+            for index, member in enumerate(self.members):
+                if member not in (owner, self.peer.peer_id) and rows[index] != replies[member].values[first:first + len(where)]:
+                    logger.warning(f"ring {self.round.ring.index}: {owner[-8:]} and {member[-8:]} dispute "
+                                   f"{member[-8:]}'s values in chunk {chunk}: keeping our own values for it")
+                    bounds = self.chunks[chunk]
+                    work[bounds] = self.segment[bounds]
+                    break
 
     def _tasks(self) -> List[Coroutine]:
         gathers = range(self.first_gather, len(self.steps))

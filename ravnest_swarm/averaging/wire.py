@@ -45,7 +45,11 @@ PEER_ID_CHARS = 128
 # attempt and exclusion lists are peer ids: no more of them fit in the metadata limit
 MAX_LISTED_PEERS = MAX_METADATA_BYTES // PEER_ID_CHARS
 FAILURE_CHARS = 200  # why a ring was ended, as the other members report it
-REDUCE, GATHER, ABORT, ARRIVE = "reduce", "gather", "abort", "arrive"
+REDUCE, GATHER, ABORT, ARRIVE, PROBE = "reduce", "gather", "abort", "arrive", "probe"
+# coordinates a member samples of each chunk it checks (robust aggregation: robust_ring.py), and the most one
+# probe may ask about (a ring of 64 members' chunks)
+PROBED_PER_CHUNK = 8
+MAX_PROBED = 64 * PROBED_PER_CHUNK
 CONTROL_TIMEOUT = 2.0  # how long a note may take to reach a member
 MAX_RESENDS = 3  # per stripe; each waits RESEND_BACKOFF x its number first
 RESEND_BACKOFF = 0.1
@@ -102,29 +106,43 @@ class RingAbort(RingMessage):
         return self.model_dump(exclude_none=True)  # a note says one of the two
 
 
+class RingProbe(RingMessage):
+    """A check of a robust attempt (``robust_ring.py``): the sender asks for our own values at ``coordinates``
+    (offsets in the segment) and, for those in the chunk we own, every member's values we aggregated there."""
+
+    phase: Literal["probe"] = PROBE
+    coordinates: Annotated[List[Count], Field(min_length=1, max_length=MAX_PROBED)]
+
+
 def _kind(metadata) -> Optional[str]:
     """Which schema a ring message's metadata is for, by its ``phase``; None refuses it with a fixed reason
     (pydantic's own would quote the phase it got, newlines and all)."""
     phase = metadata.get("phase") if isinstance(metadata, dict) else getattr(metadata, "phase", None)
     if not isinstance(phase, str):
         return None
-    return {REDUCE: "part", GATHER: "part", ARRIVE: "arrive", ABORT: "abort"}.get(phase)
+    return {REDUCE: "part", GATHER: "part", ARRIVE: "arrive", ABORT: "abort", PROBE: "probe"}.get(phase)
 
 
 class RingRequest(RootModel[Annotated[
-    Union[Annotated[RingPart, Tag("part")], Annotated[RingArrive, Tag("arrive")], Annotated[RingAbort, Tag("abort")]],
+    Union[Annotated[RingPart, Tag("part")], Annotated[RingArrive, Tag("arrive")], Annotated[RingAbort, Tag("abort")],
+          Annotated[RingProbe, Tag("probe")]],
     Discriminator(_kind, custom_error_type="ring_phase",
-                  custom_error_message=f"'phase' must be one of {REDUCE}, {GATHER}, {ARRIVE}, {ABORT}")]]):
-    """The metadata of a ring stream's first request: a :class:`RingPart`, :class:`RingArrive` or
-    :class:`RingAbort`, told apart by ``phase``."""
+                  custom_error_message=f"'phase' must be one of {REDUCE}, {GATHER}, {ARRIVE}, {ABORT}, {PROBE}")]]):
+    """The metadata of a ring stream's first request: a :class:`RingPart`, :class:`RingArrive`,
+    :class:`RingAbort` or :class:`RingProbe`, told apart by ``phase``."""
 
 
 class RingReply(Message):
     """A ring message was filed (or was a resend of one already here). An arrive note is answered with whether
     the receiver has reached that round too (``arrived``): a note of its own may have come before we expected
-    messages of that round, and been refused; every other message with empty metadata."""
+    messages of that round, and been refused; a probe with the receiver's own values at its coordinates
+    (``values``) and, at those in the chunk it owns, one row per member of the attempt, in ring order, of the
+    values it aggregated (``rows``); every other message with empty metadata."""
 
     arrived: Optional[bool] = None
+    values: Optional[Annotated[List[float], Field(max_length=MAX_PROBED)]] = None
+    rows: Optional[Annotated[List[Annotated[List[float], Field(max_length=MAX_PROBED)]],
+                             Field(max_length=MAX_LISTED_PEERS)]] = None
 
     def as_metadata(self) -> dict:
         return self.model_dump(exclude_none=True)
@@ -134,11 +152,12 @@ register_handler(Handler(
     name=RING_HANDLER, request=RingRequest, reply=RingReply, max_bytes=MAX_MESSAGE_BYTES,
     callers="members of a ring of ours in the plan we follow: every message (part, arrive or abort note) only from "
             "a member of the ring it names, for a round in our window, naming only that ring's members; a chunk "
-            "counts only from the ring's expected predecessor (robust aggregation: a reduce chunk from each member)",
+            "counts only from the ring's expected predecessor (robust aggregation: a reduce chunk from each member, and "
+            "a probe only from a member of the attempt it names, while we run it)",
     owner=__name__))
 
 
-def decode_ring_message(raw: bytes) -> Union[RingPart, RingArrive, RingAbort]:
+def decode_ring_message(raw: bytes) -> Union[RingPart, RingArrive, RingAbort, RingProbe]:
     """A ring stream's first-request metadata as its schema, or :class:`MessageError` naming what is wrong."""
     return decode_message(RingRequest, raw, "ring message").root
 
@@ -246,8 +265,8 @@ class RingSender:
         outbox.delivered()
         return resends
 
-    async def send_note(self, peer: str, note: Union[RingArrive, RingAbort], deadline: float) -> RingReply:
-        """A note, on one stream, resent like a stripe; the receiver's reply."""
+    async def send_note(self, peer: str, note: Union[RingArrive, RingAbort, RingProbe], deadline: float) -> RingReply:
+        """A note (or a probe), on one stream, resent like a stripe; the receiver's reply."""
         response, _ = await self._send_stream(peer, note, None, deadline)
         return decode_message(RingReply, response.metadata, "ring reply")
 

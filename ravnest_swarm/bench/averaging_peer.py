@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -27,8 +28,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm import __version__
 from ravnest_swarm.averaging.averager import PART_BYTES, MultiRingAverager
 from ravnest_swarm.averaging.partners import connect_members
-from ravnest_swarm.averaging.ring import largest
-from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN
+from ravnest_swarm.averaging.ring import RingRound, largest
+from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, PER_COORDINATE, ROBUST_AGGREGATES
+from ravnest_swarm.averaging.robust_ring import RobustRingAttempt
 from ravnest_swarm.averaging.segments import element_range, plan_rings, rings_of
 from ravnest_swarm.bench.averaging_phases import run_bench_phases, run_robust_phases
 from ravnest_swarm.bench.synthetic import codec_by_name, synthetic_range
@@ -74,6 +76,8 @@ class AveragingPeerOptions:
     compression: str = "none"
     aggregation: str = MEAN
     poison: Optional[str] = None
+    hostile_abort: Optional[str] = None
+    alter_aggregate: float = 0.0
     out: Optional[str] = None
     publish_plan: int = 0
     plan_timeout: float = 60.0
@@ -182,6 +186,44 @@ class _CuttingReader:
         return await self.reader.read(n)
 
 
+HOSTILE_ABORTS = ("exclude", "fail")
+HOSTILE_DELAY = 0.5  # after every member arrived: the others' attempts are running, waiting for our chunks
+
+
+class HostileAttempt:
+    """A hostile ring member's attempt (``--hostile-abort``): it sends nothing; ``HOSTILE_DELAY`` after the ring
+    started it tells every other member, as an honest member's note would, that it refused its successor's
+    contribution (``exclude``: an honest member) or that the ring failed (``fail``); then it stays silent until
+    the ring's deadline and keeps its local values."""
+
+    def __init__(self, ring_round: RingRound, members: List[str], deadline: float, kind: str):
+        self.round, self.members, self.deadline, self.kind = ring_round, members, deadline, kind
+
+    async def run(self) -> torch.Tensor:
+        await asyncio.sleep(HOSTILE_DELAY)
+        me = self.members.index(self.round.peer.peer_id)
+        if self.kind == "exclude":
+            self.round._tell_ring(excluded=[self.members[(me + 1) % len(self.members)]])
+        else:
+            self.round._tell_ring(failure="hostile: no chunk within the ring timeout")
+        await asyncio.sleep(max(0.0, self.deadline - time.monotonic()))
+        return self.round.segment.clone()
+
+
+class AlteringRingAttempt(RobustRingAttempt):
+    """A hostile chunk owner (``--alter-aggregate X``): it adds X to the robust aggregate of its chunk before
+    gathering it, and otherwise follows the protocol (it checks the other owners with the true aggregate)."""
+
+    def __init__(self, *args, alteration: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.true_aggregate = self.aggregate
+        self.aggregate = lambda contributions: self.true_aggregate(contributions) + alteration
+
+    async def _check_owners(self, work: torch.Tensor) -> None:
+        self.aggregate = self.true_aggregate  # our own chunk is aggregated and gathered by now
+        await super()._check_owners(work)
+
+
 POISONS = ("nan", "inf", "scale", "plausible")
 PLAUSIBLE_SHARE = 0.99  # of the scale check's limit: the most a contribution can be scaled and still pass
 
@@ -209,6 +251,8 @@ def run_averaging_peer_process(options: AveragingPeerOptions) -> int:
 async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.poison not in (None, *POISONS):
         raise UserError(f"--poison must be one of {', '.join(POISONS)}")
+    if options.hostile_abort not in (None, *HOSTILE_ABORTS):
+        raise UserError(f"--hostile-abort must be one of {', '.join(HOSTILE_ABORTS)}")
     if options.aggregation not in AGGREGATIONS:
         raise UserError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}")
     compression = codec_by_name(options.compression)
@@ -233,6 +277,15 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     else:
         averager = MultiRingAverager(node.routes, options.run, timeout=options.timeout, compression=compression,
                                      part_bytes=options.part_bytes, aggregation=options.aggregation)
+    if options.alter_aggregate:
+        if options.aggregation not in PER_COORDINATE:
+            raise UserError(f"--alter-aggregate needs an --aggregation whose owners are checked: {', '.join(PER_COORDINATE)}")
+        averager.ring_peer = dataclasses.replace(averager.ring_peer, attempt=functools.partial(
+            AlteringRingAttempt, aggregate=ROBUST_AGGREGATES[options.aggregation], checked=True,
+            alteration=options.alter_aggregate))
+    if options.hostile_abort:
+        averager.ring_peer = dataclasses.replace(
+            averager.ring_peer, attempt=functools.partial(HostileAttempt, kind=options.hostile_abort))
     try:
         await averager.start()
         await publish_placement(node, options)
