@@ -53,13 +53,16 @@ async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_
     name it)."""
     from ravnest_swarm.lifecycle import install_stop_signals
     from ravnest_swarm.membership.records import make_validators
+    from ravnest_swarm.net.identity import open_identity
     from ravnest_swarm.net.node import start_node, stop_node
 
     # stages share a volunteer's cores with p2pd and their neighbours; one thread each keeps timings honest
     torch.set_num_threads(1)
     stop = install_stop_signals()
-    node = await start_node(initial_peers, record_validators=make_validators(config.run), host_maddrs=host_maddrs,
-                            announce_maddrs=announce_maddrs, identity_path=identity_path, timeout=timeout)
+    identity = open_identity(identity_path)  # signs our endpoint: it names our peer id
+    node = await start_node(initial_peers, record_validators=make_validators(config.run, signing_key=identity.key),
+                            host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
+                            timeout=timeout)
     try:
         await run_stage(config, node, stop, report_path, save_path)
     finally:

@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
@@ -24,7 +23,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.owner import (
     fingerprint, load_or_create_owner_key, load_owner_key, owner_key_path, public_key_text, sign_spec, spec_owner,
 )
-from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
+from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, signing_validator, spec_key
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
 # what the owner may change in a running run: every peer follows the lr from its next step, a training stage the length
@@ -314,7 +313,7 @@ async def ensure_spec(node: DHTNode, address: RunAddress, requested: Dict, wait:
             own = fingerprint(existing.get_public_key().to_bytes())
             record = RunSpec(**requested, **(facts or {})).check_usable().record(existing)
             if await node.store(spec_key(address.name), record, get_dht_time() + SPEC_LIFETIME,
-                                subkey=RSASignatureValidator().local_public_key):
+                                subkey=signing_validator(node).local_public_key):
                 if on_start is not None:
                     on_start(str(RunAddress(address.name, own)))
             else:
@@ -350,7 +349,7 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
                         + (f"; its owners: {', '.join(sorted(specs))}" if specs else ""), exit_code=1)
     spec = replace(RunSpec.from_record(current), **changes, version=current["version"] + 1)
     if not await node.store(spec_key(address.name), spec.record(key), get_dht_time() + SPEC_LIFETIME,
-                            subkey=RSASignatureValidator().local_public_key):
+                            subkey=signing_validator(node).local_public_key):
         raise UserError(f"no DHT node stored the new spec of run {address}: check the --initial-peers", exit_code=1)
     return spec
 
