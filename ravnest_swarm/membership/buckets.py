@@ -113,8 +113,13 @@ def confirmed(summaries: Iterable[Dict], records: Iterable[Dict]) -> List[Dict]:
 
 
 def totals(records: Iterable[Dict], buckets: int, now: float) -> Dict:
-    """:func:`add_up`'s totals counted from ``records`` themselves, every bucket of a run of ``buckets`` read."""
-    return dict(add_up([summarize(1, 0, records, now, writer="")]), buckets=buckets, buckets_summarized=buckets)
+    """:func:`add_up`'s totals counted from ``records`` themselves (``leaving`` ones excluded, every cluster named),
+    every bucket of a run of ``buckets`` read."""
+    members = [r for r in records if r["state"] != "leaving"]
+    clusters = Counter(str(r["cluster"]) for r in members if r.get("cluster") is not None and r["cluster"] >= 0)
+    return dict(buckets=buckets, buckets_summarized=buckets, peers=len(members),
+                states=dict(Counter(r["state"] for r in members)), clusters=len(clusters),
+                peers_by_cluster=dict(clusters), samples_per_s=run_samples_per_s(members), time=now)
 
 
 def add_up(summaries: Iterable[Dict]) -> Optional[Dict]:
