@@ -35,11 +35,10 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.records import (
-    PeerRecord, PlanRecord, make_validators, peers_key, plan_key, plan_subkey_prefix, signing_validator,
+    PeerRecord, PlanRecord, peers_key, plan_key, plan_subkey_prefix, signing_validator, start_peer_node,
 )
 from ravnest_swarm.membership.services import check_reachability, retried
-from ravnest_swarm.net.identity import open_identity
-from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node, store_record
+from ravnest_swarm.net.node import parse_maddrs, peer_id_of, stop_node, store_record
 
 logger = logging.getLogger(__name__)
 
@@ -219,10 +218,9 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         start, end = element_range(options.layer_sizes, options.layers)
     except ValueError as e:
         raise UserError(f"--layers: {e}")
-    identity = open_identity(None)  # our record names our peer id: signed by the same key
-    node = await start_node(options.initial_peers, record_validators=make_validators(options.run,
-                                                                                      signing_key=identity.key),
-                            host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs, identity=identity)
+    # our record names our peer id: signed by our identity's key
+    node = await start_peer_node(options.initial_peers, options.run, host_maddrs=options.host_maddrs,
+                                 announce_maddrs=options.announce_maddrs)
     if options.initial_peers:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone.
         # Tried again on a lost reply: a bench starts every peer at once against one backbone

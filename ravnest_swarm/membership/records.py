@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, PIPELINE_CODEC_PATTERN
 from ravnest_swarm.errors import UserError
@@ -30,6 +31,8 @@ from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field,
 from ravnest_swarm.membership.identity import PeerIdentityValidator
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
+from ravnest_swarm.net.identity import open_identity
+from ravnest_swarm.net.node import SwarmNode, start_node
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
@@ -355,6 +358,15 @@ def make_validators(run: str, owner: Optional[str] = None, signing_key: Optional
     """
     return [RSASignatureValidator(signing_key), RunSchemaValidator(run), OwnerSpecValidator(spec_key(run), owner),
             PeerIdentityValidator(f"{run}_{field}" for field in RunRecords.__fields__ if field not in ("plan", "spec"))]
+
+
+async def start_peer_node(initial_peers: Sequence[Multiaddr], run: str, owner: Optional[str] = None,
+                          identity_path: Optional[str] = None, **options) -> SwarmNode:
+    """``net.node.start_node`` for a peer of ``run``: its p2pd and its records under one identity (``--identity``'s,
+    else one made for this process), so the records that name it are its own (``membership/identity.py``)."""
+    identity = open_identity(identity_path)
+    return await start_node(initial_peers, record_validators=make_validators(run, owner, signing_key=identity.key),
+                            identity=identity, **options)
 
 
 def signing_validator(node: DHTNode) -> RSASignatureValidator:
