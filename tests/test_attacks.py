@@ -36,7 +36,7 @@ from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_
 from ravnest_swarm.membership.identity import NOT_THE_NAMED_PEER
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, StageEndpoint, make_validators, peers_key,
                                            parse_run_address, plan_key, plan_subkey_prefix, signing_validator, spec_key,
-                                           stage_subkey_prefix, stages_key)
+                                           stage_subkey_prefix, stages_key, start_peer_node)
 from ravnest_swarm.net.identity import open_identity, peer_id_of_owner
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
@@ -465,8 +465,8 @@ class HostileHolder(LayerStateServer):
 
 @pytest.mark.timeout(240)
 def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attacked_run, tmp_path):
-    """Attack: a raw libp2p peer of the test's own writes a signed peer record offering every layer of the
-    model at step 10^15 (as a peer that hands its layers over as it leaves, so that no planner places it)
+    """Attack: a raw libp2p peer of the test's own writes a peer record (its own, under its identity) offering every
+    layer of the model at step 10^15 (as a peer that hands its layers over as it leaves, so that no planner places it)
     and serves ``ravnest.layer_state`` with every tensor altered, live and as an averaged copy. A joiner that
     fills the model's layers from the run's holders as ``join`` does (``state_transfer.fill_layer`` with the
     run's records and adopted plan) sees the offer, yet takes each layer from v0 or v1, which the plan
@@ -482,10 +482,9 @@ def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attack
     local = ["/ip4/127.0.0.1/tcp/0"]
 
     async def attack():
-        key = RSAPrivateKey()
-        signer = RSASignatureValidator(key)
-        hostile = await start_node(parse_maddrs([attacked_run.maddr]), host_maddrs=local,
-                                   record_validators=[signer, *make_validators(RUN)[1:]])
+        # under its own identity: its record names itself, as any peer's may
+        hostile = await start_peer_node(parse_maddrs([attacked_run.maddr]), RUN, host_maddrs=local)
+        signer = signing_validator(hostile)
         joiner = None
         try:
             server = HostileHolder(hostile.routes, RUN, lambda: offered_layers(0, altered, HUGE_STEP))
