@@ -169,7 +169,7 @@ def join(
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Write this peer's checkpoint here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from this peer's checkpoint in --checkpoint-dir."),
-    identity: Optional[str] = typer.Option(None, "--identity", help="Private key file: a stable peer id across restarts."),
+    identity: Optional[str] = typer.Option(None, "--identity", help="Private key file (RSA, created on the first start): a stable peer id across restarts, and the key this peer signs its records with."),
     owner_key: Optional[str] = typer.Option(None, "--owner-key", help="The run owner's key file, for a run you start "
                                             "(default ~/.config/ravnest-swarm/owners/RUN.key)."),
     ticket: Optional[str] = typer.Option(None, "--ticket", help="Your admission ticket to an invite-only run (the "

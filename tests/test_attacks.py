@@ -8,7 +8,9 @@ late joiner last.
 """
 
 import asyncio
+import json
 import os
+import threading
 import time
 from typing import Callable, Dict, List, Tuple
 
@@ -18,6 +20,8 @@ import torch
 from safetensors.torch import load_file
 from hivemind.compression import serialize_torch_tensor
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
@@ -29,9 +33,11 @@ from ravnest_swarm.averaging.mailbox import NOT_A_MEMBER
 from ravnest_swarm.averaging.wire import RING_HANDLER
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
+from ravnest_swarm.membership.identity import NOT_THE_NAMED_PEER
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, StageEndpoint, make_validators, peers_key,
-                                           parse_run_address, plan_key, plan_subkey_prefix, spec_key, stage_subkey_prefix,
-                                           stages_key)
+                                           parse_run_address, plan_key, plan_subkey_prefix, signing_validator, spec_key,
+                                           stage_subkey_prefix, stages_key, start_peer_node)
+from ravnest_swarm.net.identity import open_identity, peer_id_of_owner
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.transport import make_request, unpack_metadata
@@ -270,7 +276,7 @@ def test_backward_from_a_stranger(attacked_run):
 
 @pytest.mark.timeout(180)
 def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_run):
-    """Attack: a stranger's DHT node writes a well-formed endpoint record, signed with its own key, for the
+    """Attack: a stranger's DHT node writes a well-formed endpoint record, signed with its own identity, for the
     slot of the cluster's stage 1, naming itself and dated far ahead, so it is the newest record for that slot
     (the old rule, the newest ``time`` wins, gave it the slot: stage 0 would have sent its activations there at
     its next resolve), and serves the forward handler to catch them. A slot resolves only to the peer the plan
@@ -280,8 +286,11 @@ def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_
     slot = (second["cluster"], 1)
 
     async def attack():
-        node = await start_node(parse_maddrs([attacked_run.maddr]), record_validators=make_validators(RUN),
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        # its own identity signs the record, which names it: such a record is stored (it speaks for itself)
+        identity = open_identity(None)
+        node = await start_node(parse_maddrs([attacked_run.maddr]),
+                                record_validators=make_validators(RUN, signing_key=identity.key),
+                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=identity)
         caught = []
 
         async def catch(info, reader, writer):
@@ -296,7 +305,7 @@ def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_
                                     time=time.time() + 10**6).dict()
             # it outlives this test, so the late joiner's placement meets it too
             stored = await node.store(stages_key(RUN, slot[0]), hostile, get_dht_time() + 600,
-                                      subkey=stage_subkey_prefix(*slot) + RSASignatureValidator().local_public_key)
+                                      subkey=stage_subkey_prefix(*slot) + signing_validator(node).local_public_key)
             newest = (await read_endpoints(node, RUN, slot[0])).get(slot)
             named = (await read_endpoints(node, RUN, slot[0], {slot: second["peer_id"]})).get(slot)
             resolver = EndpointResolver(node, RUN, slot[0], 0, lambda: Neighbours(next=second["peer_id"]))
@@ -456,8 +465,8 @@ class HostileHolder(LayerStateServer):
 
 @pytest.mark.timeout(240)
 def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attacked_run, tmp_path):
-    """Attack: a raw libp2p peer of the test's own writes a signed peer record offering every layer of the
-    model at step 10^15 (as a peer that hands its layers over as it leaves, so that no planner places it)
+    """Attack: a raw libp2p peer of the test's own writes a peer record (its own, under its identity) offering every
+    layer of the model at step 10^15 (as a peer that hands its layers over as it leaves, so that no planner places it)
     and serves ``ravnest.layer_state`` with every tensor altered, live and as an averaged copy. A joiner that
     fills the model's layers from the run's holders as ``join`` does (``state_transfer.fill_layer`` with the
     run's records and adopted plan) sees the offer, yet takes each layer from v0 or v1, which the plan
@@ -473,10 +482,9 @@ def test_a_holder_claiming_a_huge_step_with_altered_layers_is_not_trusted(attack
     local = ["/ip4/127.0.0.1/tcp/0"]
 
     async def attack():
-        key = RSAPrivateKey()
-        signer = RSASignatureValidator(key)
-        hostile = await start_node(parse_maddrs([attacked_run.maddr]), host_maddrs=local,
-                                   record_validators=[signer, *make_validators(RUN)[1:]])
+        # under its own identity: its record names itself, as any peer's may
+        hostile = await start_peer_node(parse_maddrs([attacked_run.maddr]), RUN, host_maddrs=local)
+        signer = signing_validator(hostile)
         joiner = None
         try:
             server = HostileHolder(hostile.routes, RUN, lambda: offered_layers(0, altered, HUGE_STEP))
@@ -570,6 +578,115 @@ def test_plan_for_a_far_future_round_is_ignored(attacked_run):
     peers = attacked_run.keeps_training()
     assert all(peers[name]["plan_round"] == honest_round for name in ("v0", "v1")), peers
     assert attacked_run.observer.call(read_adopted_plan(attacked_run.observer.node, RUN))["round"] == honest_round
+
+
+class LaxStranger:
+    """A stranger's stock hivemind DHT server in the run's DHT: it signs with its own key and checks nothing of
+    ours, so it stores whatever it writes and serves it to every reader that asks it: the readers are the guard.
+    Its event loop runs in a thread of its own, so it answers while the test waits; :meth:`close` stops it."""
+
+    def __init__(self, run: AttackedRun):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.node = self.call(start_node(parse_maddrs([run.maddr]),
+                                         record_validators=[RSASignatureValidator(RSAPrivateKey())],
+                                         host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        self.own = signing_validator(self.node).local_public_key
+
+    def call(self, coroutine, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def store(self, key: str, value: dict, subkey: bytes) -> bool:
+        """Store the record; whether this node holds it now (``store`` answers with the last replica's reply)."""
+        self.call(self.node.store(key, value, get_dht_time() + 600, subkey=subkey))
+        held = self.node.protocol.storage.get(DHTID.generate(source=key))
+        return held is not None and isinstance(held.value, DictionaryDHTValue) and subkey in held.value
+
+    def close(self) -> None:
+        try:
+            self.call(stop_node(self.node))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+def status_document(run: AttackedRun) -> dict:
+    result = ravnest("status", "--initial-peers", run.maddr, "--run", run.address, "--json", timeout=90)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(240)
+def test_a_strangers_copy_of_an_honest_peers_record_saying_leaving_or_standby(attacked_run):
+    """Attack: a stranger copies v1's peer record, dated ahead, once as ``leaving`` and once as ``standby``, and
+    writes both under its own signed subkeys from a DHT server that stores them (the view rule keeps records per
+    writer, but a copy that named v1 still counted as a record of v1: a newer ``standby`` one was shown, and a
+    ``leaving`` one removed v1 once v1's own expired). Each record names a peer that is not its writer: no node of
+    the run stores them, every reader refuses them from the stranger's node, and ``status`` says so. Everyone
+    still sees v1 training in the plan it followed, and planning goes on as before."""
+    before = attacked_run.training()
+    victim = {name: value for name, value in before["v1"].items() if name != "expires_in"}
+
+    stranger = LaxStranger(attacked_run)
+    try:
+        stored = [stranger.store(peers_key(RUN), PeerRecord.parse_obj(dict(victim, state=state,
+                                                                           time=time.time() + 3600)).dict(),
+                                 subkey=prefix + stranger.own)
+                  for prefix, state in ((b"", "leaving"), (b"s.", "standby"))]
+        assert all(stored)  # the stranger's own node holds them
+        for _ in range(3):  # reads over a few heartbeats: the copies never show
+            peers = attacked_run.observer.peers()
+            assert peers["v1"]["state"] == "training" and peers["v1"]["time"] < victim["time"] + 3000, peers["v1"]
+            time.sleep(2.0)
+        document = status_document(attacked_run)
+        by_name = {p["name"]: p for p in document["peers"]}
+        assert by_name["v1"]["state"] == "training" and by_name["v1"]["time"] < victim["time"] + 3000
+        assert document["summary"]["states"].get("standby", 0) == 0, document["summary"]
+        assert document["refused"].get(NOT_THE_NAMED_PEER, 0) >= 1, document["refused"]
+        peers = attacked_run.keeps_training()
+        assert all(peers[name]["plan_round"] == before[name]["plan_round"] for name in ("v0", "v1")), peers
+    finally:
+        stranger.close()
+
+
+@pytest.mark.timeout(240)
+def test_records_of_made_up_peers_confirming_a_plan(attacked_run):
+    """Attack: a stranger writes a plan for the round after the honest one that places two made-up peers (ids of
+    keys it made and threw away), and a training record of each at its slot, naming that plan's round, all signed
+    with its own key from a DHT server that stores them: once more than half of a plan's stages were confirmed by
+    a record naming the peer placed there, the plan counted, and the run would have moved to it. The records name
+    peers that are not their writer: refused by every reader, so the plan is confirmed by nobody, nobody follows
+    it, and the made-up peers appear nowhere."""
+    before = attacked_run.training()
+    honest_round = before["v0"]["plan_round"]
+    made_up = [peer_id_of_owner(RSAPrivateKey().get_public_key().to_bytes()) for _ in range(2)]
+    template = {name: value for name, value in before["v0"].items() if name != "expires_in"}
+
+    round_number = honest_round + 1
+    stranger = LaxStranger(attacked_run)
+    try:
+        plan = PlanRecord(round=round_number, time=time.time(),
+                          clusters=[[dict(peer_id=peer_id, layers=[0, 9])] for peer_id in made_up]).dict()
+        stored = [stranger.store(plan_key(RUN), plan, subkey=plan_subkey_prefix(round_number) + stranger.own)]
+        for cluster, peer_id in enumerate(made_up):
+            record = PeerRecord.parse_obj(dict(template, peer_id=peer_id, name=f"made-up-{cluster}", cluster=cluster,
+                                               stage=0, layers=[0, 9], plan_round=round_number,
+                                               time=time.time())).dict()
+            stored.append(stranger.store(peers_key(RUN), record, subkey=f"{cluster}.".encode() + stranger.own))
+        assert all(stored)
+        observer = attacked_run.observer
+        for _ in range(3):
+            assert observer.call(read_adopted_plan(observer.node, RUN))["round"] == honest_round
+            assert not {p["peer_id"] for p in observer.peers().values()} & set(made_up)
+            time.sleep(2.0)
+        document = status_document(attacked_run)
+        assert not {p["peer_id"] for p in document["peers"]} & set(made_up)
+        peers = attacked_run.keeps_training()
+        assert all(peers[name]["plan_round"] == honest_round for name in ("v0", "v1")), peers
+    finally:
+        stranger.close()
 
 
 # --- attacks go above this line, each a test named after its attack ---

@@ -16,7 +16,7 @@ from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.own_record import RecordError, publishable
 from ravnest_swarm.membership.reader import read_peers
-from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.records import make_validators, start_peer_node
 from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
@@ -161,8 +161,7 @@ def test_a_record_with_an_out_of_range_loss_publishes_and_others_read_it():
 
     async def scenario():
         server = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
-        peer = await start_node(await server.get_visible_maddrs(), record_validators=make_validators(RUN),
-                                host_maddrs=LOCAL, client_mode=True)
+        peer = await start_peer_node(await server.get_visible_maddrs(), RUN, host_maddrs=LOCAL, client_mode=True)
         try:
             announcer = PeerAnnouncer(peer, RUN, "own", Capabilities(ram_gb=8.0, gflops=20.0, bandwidth_mbps=100.0))
             problems = []

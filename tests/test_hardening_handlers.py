@@ -25,14 +25,14 @@ from hivemind.proto import runtime_pb2
 from ravnest_swarm.averaging.averager import RING_HANDLER, MultiRingAverager
 from ravnest_swarm.averaging.mailbox import OVER_SHARE
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.membership.records import start_peer_node
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, DIAL_BACK, PING, BackboneServices
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
-from ravnest_swarm.net.node import start_node, stop_node
+from ravnest_swarm.net.node import stop_node
 from ravnest_swarm.net.relay import RelayServices
 from ravnest_swarm.net.routes import DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, PROBE, REVERSE_CONNECT, start_routes
 from ravnest_swarm.net.transport import make_request, unpack_metadata
@@ -62,7 +62,7 @@ class Peer:
         self.loop.run_until_complete(self._start())
 
     async def _start(self):
-        self.node = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
+        self.node = await start_peer_node((), RUN, host_maddrs=LOCAL)
         p2p = self.node.p2p
         self.relay = RelayServices(p2p, max_forward_bytes=LIMIT, forward_timeout=3 * TIMEOUT)
         await BackboneServices(p2p, probe_timeout=TIMEOUT, relay=self.relay).add_handlers()

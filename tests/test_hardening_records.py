@@ -29,19 +29,22 @@ from ravnest_swarm.pipeline.endpoints import read_endpoints
 from ravnest_swarm.planning.round import PlanningRounds
 from ravnest_swarm.membership.owner import fingerprint
 from ravnest_swarm.swarm.spec import RunSpec, read_spec
+from ravnest_swarm.net.identity import open_identity
 from ravnest_swarm.net.node import start_node, stop_node
 
 RUN = "hardening"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 NOW = time.time()
-PEER = PeerRecord(peer_id="12D3KooWHonest", name="honest", state="training", ram_gb=8.0, bandwidth_mbps=100.0,
+HONEST = open_identity(None)  # the honest writer: its p2pd and its records under one key
+HONEST_ID = HONEST.peer_id
+PEER = PeerRecord(peer_id=HONEST_ID, name="honest", state="training", ram_gb=8.0, bandwidth_mbps=100.0,
                   gflops=50.0, reachability="direct", maddrs=[], version="0.1.0", time=NOW, cluster=0, stage=0,
                   layers=[0, 2], step=10, plan_round=1).dict()
-STAGE = StageEndpoint(peer_id="12D3KooWHonest", maddrs=[], model="mlp-digits", layers=[0, 2], version=3,
+STAGE = StageEndpoint(peer_id=HONEST_ID, maddrs=[], model="mlp-digits", layers=[0, 2], version=3,
                       time=NOW).dict()
-PROPOSAL = RoundProposal(round=1, deadline=get_dht_time() + 600, peer_id="12D3KooWHonest", ram_gb=8.0, gflops=50.0,
-                         bandwidth_mbps=100.0, fitness=2.0, clusters=[["12D3KooWHonest"]], time=NOW).dict()
-PLAN = PlanRecord(round=1, time=NOW, clusters=[[dict(peer_id="12D3KooWHonest", layers=[0, 2])]]).dict()
+PROPOSAL = RoundProposal(round=1, deadline=get_dht_time() + 600, peer_id=HONEST_ID, ram_gb=8.0, gflops=50.0,
+                         bandwidth_mbps=100.0, fitness=2.0, clusters=[[HONEST_ID]], time=NOW).dict()
+PLAN = PlanRecord(round=1, time=NOW, clusters=[[dict(peer_id=HONEST_ID, layers=[0, 2])]]).dict()
 OWNER = RSAPrivateKey()  # the run owner's key: only specs it signed count
 OWNER_FINGERPRINT = fingerprint(OWNER.get_public_key().to_bytes())
 SPEC = RunSpec("mlp-digits", microbatch_size=16, max_in_flight=4, averaging_period=10).record(OWNER)
@@ -69,6 +72,12 @@ def malformed_values():
         (peers_key(RUN), OWN, [1, 2, 3], "peers: not a dict"),
         (peers_key(RUN), OWN, GARBAGE, "peers: raw bytes"),
         (peers_key(RUN), b"anonymous", PEER, "peers: unsigned subkey"),
+        # the honest peer's record copied under the attacker's own key, newer and leaving: it names a peer that is
+        # not its writer (records are bound to their writer's identity, membership/identity.py)
+        (peers_key(RUN), OWN, dict(PEER, state="leaving", time=NOW + 60), "peers: the honest peer's, leaving"),
+        (peers_key(RUN), OWN, dict(PEER, state="standby", time=NOW + 60), "peers: the honest peer's, standby"),
+        (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, maddrs=["/ip4/6.6.6.6/tcp/1"]), "stages: the honest peer's"),
+        (round_key(RUN), OWN, dict(PROPOSAL, fitness=1e11), "round: the honest peer's"),
         (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, layers=[0, 1, 2]), "stages: wrong shape"),
         (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, time=float("nan")), "stages: NaN"),
         (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, model=HUGE), "stages: huge string"),
@@ -103,25 +112,30 @@ async def write_as_attacker(attacker, signature, victim_subkeys):
     Returns label -> whether any node reported storing it.
     """
     expiration = get_dht_time() + 300  # later than the honest records': it would win if it were stored
+
+    async def attacker_store(*args, **kwargs):
+        # what the other nodes said: hivemind also stores on the writer itself (a client too, validating nothing
+        # here), and that True stood whenever the storage node's reply came late on a loaded machine
+        return await attacker.store(*args, exclude_self=True, **kwargs)
     own = signature.local_public_key
     outcomes = {}
     for key, subkey, value, label in malformed_values():
         if subkey == NO_SUBKEY:
-            outcomes[label] = await attacker.store(key, value, expiration)
+            outcomes[label] = await attacker_store(key, value, expiration)
             continue
         subkey = {OWN: own, OWN_STAGE: stage_subkey_prefix(0, 0) + own, OWN_PLAN: plan_subkey_prefix(2) + own}.get(
             subkey, subkey)
-        outcomes[label] = await attacker.store(key, value, expiration, subkey=subkey)
+        outcomes[label] = await attacker_store(key, value, expiration, subkey=subkey)
     forged = {peers_key(RUN): dict(PEER, name="mallory", ram_gb=4000.0),
               stages_key(RUN, 0): dict(STAGE, peer_id="12D3KooWMallory"),
               round_key(RUN): dict(PROPOSAL, peer_id="12D3KooWMallory", fitness=1e11),
               plan_key(RUN): dict(PLAN, clusters=[[dict(peer_id="12D3KooWMallory", layers=[0, 2])]])}
     for key, value in forged.items():
-        outcomes[f"forged {key}"] = await attacker.store(key, value, expiration, subkey=victim_subkeys[key])
+        outcomes[f"forged {key}"] = await attacker_store(key, value, expiration, subkey=victim_subkeys[key])
     # well-formed plans under the attacker's own signed subkey: storable, since whether a plan counts depends on
     # the live peer records, which the readers check; the first one stopped planning for good before (issue #19)
     for round_number, clusters in ((10**15, PLAN["clusters"]), (2, [[dict(peer_id="12D3KooWMallory", layers=[0, 2])]])):
-        await attacker.store(plan_key(RUN), dict(PLAN, round=round_number, clusters=clusters), expiration,
+        await attacker_store(plan_key(RUN), dict(PLAN, round=round_number, clusters=clusters), expiration,
                              subkey=plan_subkey_prefix(round_number) + own)
     return outcomes
 
@@ -146,7 +160,7 @@ def check_only_honest(view, spec):
     assert [(p["name"], p["ram_gb"]) for p in view["peers"]] == [("honest", 8.0)]
     assert view["stages"] == {(0, 0): STAGE}
     assert view["proposals"] == [PROPOSAL]
-    assert view["alive"] == ["12D3KooWHonest"]
+    assert view["alive"] == [HONEST_ID]
     assert view["plan"] == PLAN
     assert view["spec"] == spec
 
@@ -179,13 +193,14 @@ def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
         # the storage node and the honest reader know the run's address, owner included (backbone --run name@owner)
         server = await start_node(record_validators=make_validators(RUN, OWNER_FINGERPRINT), host_maddrs=LOCAL)
         maddrs = await server.get_visible_maddrs()
-        honest = await start_node(maddrs, record_validators=make_validators(RUN, OWNER_FINGERPRINT), host_maddrs=LOCAL,
-                                  client_mode=True)
+        honest = await start_node(maddrs, record_validators=make_validators(RUN, OWNER_FINGERPRINT,
+                                                                            signing_key=HONEST.key),
+                                  host_maddrs=LOCAL, client_mode=True, identity=HONEST)
         signature = RSASignatureValidator(RSAPrivateKey())
         attacker = await start_node(maddrs, record_validators=[signature], host_maddrs=LOCAL, client_mode=True)
         lax = None
         try:
-            own = RSASignatureValidator().local_public_key  # this process's key: the honest writer's
+            own = RSASignatureValidator(HONEST.key).local_public_key  # the honest writer's identity
             expiration = get_dht_time() + 120
             victim_subkeys = {peers_key(RUN): own, stages_key(RUN, 0): stage_subkey_prefix(0, 0) + own,
                               round_key(RUN): own, plan_key(RUN): plan_subkey_prefix(1) + own}
@@ -205,6 +220,7 @@ def test_forged_and_malformed_records_of_every_key_are_refused_and_never_read():
             check_only_honest(await honest_view(honest), spec)
             document = await status_json(str(maddrs[0]))
             assert [(p["name"], p["ram_gb"]) for p in document["peers"]] == [("honest", 8.0)]
+            assert document["summary"]["peers"] == 1 and document["summary"]["states"] == {"training": 1}
         finally:
             for node in (attacker, honest, lax, server):
                 if node is not None:

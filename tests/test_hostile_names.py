@@ -12,9 +12,7 @@ import re
 import sys
 
 import pytest
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.timed_storage import get_dht_time
 from rich.cells import cell_len
 from rich.console import Console
 
@@ -23,7 +21,8 @@ from ravnest_swarm.dashboard.peers_table import peers_table
 from ravnest_swarm.dashboard.state import SwarmState
 from ravnest_swarm.dashboard.view import render_text
 from ravnest_swarm.membership.records import PeerRecord, peers_key
-from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node, store_record
+from ravnest_swarm.bench.records import store_as_signers
+from ravnest_swarm.net.identity import peer_id_of_owner
 from test_dashboard import PTY_WRAPPER, peer
 
 RUN = "hostile"
@@ -73,22 +72,14 @@ def test_the_table_and_the_dashboard_show_hostile_names_literally():
 
 
 async def write_records(maddr: str):
-    """Three standby records of RUN signed by a stock client: markup, wide, and a control character."""
-    signature = RSASignatureValidator(RSAPrivateKey())
-    node = await start_node(parse_maddrs([maddr]), record_validators=[signature], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                            client_mode=True)
-    try:
-        own = signature.local_public_key
-        honest = PeerRecord(peer_id="QmStock", name="stock", state="standby", ram_gb=4.0, bandwidth_mbps=100.0,
-                            gflops=100.0, reachability="direct", maddrs=[], version="0.1.0", time=1.0).dict()
-        for index, name in enumerate((MARKUP, WIDE, CONTROL)):
-            # one signer may own several subkeys: each embeds its public key after a prefix of its own. The
-            # joiner's node refuses the control character, the backbone (no --run) stores everything
-            stored = await store_record(node, peers_key(RUN), dict(honest, peer_id=f"QmStock{index}", name=name),
-                                        get_dht_time() + 300, subkey=str(index).encode() + own)
-            assert stored, name
-    finally:
-        await stop_node(node)
+    """Three standby records of RUN, each signed by its own peer's key through a stock client: markup, wide, and a
+    control character. The joiner's node refuses the control character, the backbone (no --run) stores everything."""
+    keys = [RSAPrivateKey() for _ in range(3)]
+    honest = PeerRecord(peer_id="QmStock", name="stock", state="standby", ram_gb=4.0, bandwidth_mbps=100.0,
+                        gflops=100.0, reachability="direct", maddrs=[], version="0.1.0", time=1.0).dict()
+    await store_as_signers(maddr, [
+        (peers_key(RUN), dict(honest, peer_id=peer_id_of_owner(key.get_public_key().to_bytes()), name=name), b"", key)
+        for key, name in zip(keys, (MARKUP, WIDE, CONTROL))], lifetime=300)
 
 
 def status(maddr, *flags):

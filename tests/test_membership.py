@@ -19,7 +19,7 @@ from commands import ravnest
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_peers
-from ravnest_swarm.membership.records import make_validators, peers_key
+from ravnest_swarm.membership.records import make_validators, peers_key, start_peer_node
 from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node
 
 RUN = "test-run"
@@ -189,8 +189,7 @@ def test_a_record_outlives_every_volunteer_nearest_its_key(backbone):
     key_id = DHTID.generate(source=peers_key(RUN))
 
     async def publish_then_leave():
-        volunteer = await start_node(parse_maddrs([backbone]), record_validators=make_validators(RUN),
-                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        volunteer = await start_peer_node(parse_maddrs([backbone]), RUN, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         holders = []
         try:
             backbone_id = volunteer.protocol.routing_table.get(peer_id=peer_id_of(parse_maddrs([backbone])[0]))

@@ -7,19 +7,18 @@ import time
 
 import pytest
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, P2PHandlerError
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.proto.runtime_pb2 import CompressionType
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.streaming import split_for_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from pipeline_helpers import read_report, start_stages, wait_all
 from waiting import wait_until_async
 from ravnest_swarm.codecs import blockwise
-from ravnest_swarm.membership.records import StageEndpoint, make_validators, stage_subkey_prefix, stages_key
+from ravnest_swarm.membership.records import (StageEndpoint, make_validators, signing_validator, stage_subkey_prefix,
+                                              stages_key, start_peer_node)
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.endpoints import EndpointResolver
@@ -224,8 +223,8 @@ def test_a_stage_that_moved_refuses_as_misaddressed_and_the_sender_resends_to_it
                            microbatch_timeout=4, send_timeout=60, heartbeat=5)
 
     async def scenario():
-        nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
-                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
+        nodes = [await start_peer_node(parse_maddrs([backbone]), run, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                 for _ in range(3)]
         workers = []
         try:
             first, moving = StageWorker(config(0, 0), nodes[0]), StageWorker(config(0, 1), nodes[1])
@@ -324,8 +323,8 @@ def test_a_run_reaches_its_length_in_steps_whatever_stage_0_drops(backbone, capl
 async def train_two_stages(backbone, run, config, prepare):
     """Stage 0 and stage 1 of ``run`` (``config(stage)``), each on a DHT node of its own, until the run ends;
     ``prepare(workers)`` sets them up before they start. Each stage's final step and counters."""
-    nodes = [await start_node(parse_maddrs([backbone]), record_validators=make_validators(run),
-                              host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+    nodes = [await start_peer_node(parse_maddrs([backbone]), run, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+             for _ in range(2)]
     workers = [StageWorker(config(0), nodes[0]), StageWorker(config(1), nodes[1])]
     try:
         prepare(workers)
@@ -524,8 +523,7 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
                            send_timeout=60, heartbeat=5, neighbours=neighbours)
 
     async def scenario():
-        # the stranger signs with a key of its own (the stages here share this process's), as a stranger would
-        stranger_key = RSASignatureValidator(RSAPrivateKey())
+        # every node here, the stranger's too, writes under its own identity: a record naming itself
         nodes, workers, caught = [], [], []
 
         async def catch(info, reader, writer):
@@ -534,9 +532,8 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
 
         try:
             for index in range(4):
-                nodes.append(await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                              record_validators=make_validators(run) if index < 3 else
-                                              [stranger_key, *make_validators(run)[1:]]))
+                nodes.append(await start_peer_node(parse_maddrs([backbone]), run,
+                                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
             first_id, dying_id, standby_id, stranger_id = (node.peer_id.to_base58() for node in nodes)
             await nodes[3].p2p.add_binary_stream_handler(wire.FORWARD, catch)
             # the stranger's endpoint for stage 1, newer than any honest renewal, for as long as the test runs
@@ -544,7 +541,7 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
                                    maddrs=[str(m) for m in await nodes[3].p2p.get_visible_maddrs()],
                                    time=time.time() + 10**6).dict()
             assert await nodes[3].store(stages_key(run, 0), record, get_dht_time() + 600,
-                                        subkey=stage_subkey_prefix(0, 1) + stranger_key.local_public_key)
+                                        subkey=stage_subkey_prefix(0, 1) + signing_validator(nodes[3]).local_public_key)
             first = StageWorker(config(0, Neighbours(next=dying_id)), nodes[0])
             dying = StageWorker(config(1, Neighbours(previous=first_id)), nodes[1])
             workers += [first, dying]

@@ -2,8 +2,8 @@
 ``test_membership.py`` shows the same rule with real processes."""
 
 from ravnest_swarm.membership.buckets import (
-    MAX_BUCKETS, PEERS_PER_BUCKET, add_up, bucket_count_for, bucket_field, bucket_of, next_bucket_count, summarize,
-    writes_summary)
+    MAX_BUCKETS, PEERS_PER_BUCKET, add_up, bucket_count_for, bucket_field, bucket_of, confirmed, counts_named,
+    next_bucket_count, summarize, totals, writes_summary)
 from ravnest_swarm.membership.view import LIFETIME_HEARTBEATS, PeerView, timing_for
 
 
@@ -96,13 +96,32 @@ def test_a_buckets_smallest_peer_writes_its_summary_and_the_run_adds_them_up():
     members = [dict(record(f"p{i}", 1.0), cluster=i % 2, stage=i // 2, samples_per_s=2.0) for i in range(5)]
     members.append(record("p9", 1.0, state="leaving"))
     assert writes_summary("p0", members) and not writes_summary("p1", members)
-    first = summarize(2, 0, members, now=50.0)
+    first = summarize(2, 0, members, now=50.0, writer="p0")
+    assert first["peer_id"] == "p0"
     assert first["peers"] == 5 and first["states"] == {"training": 5} and first["clusters"] == {"0": 3, "1": 2}
     assert first["samples_per_s"] == 4.0  # each pipeline counted once (its first stage), not once per stage
-    second = summarize(2, 1, [dict(record("q", 1.0), cluster=1, stage=0, samples_per_s=1.0)], now=51.0)
+    second = summarize(2, 1, [dict(record("q", 1.0), cluster=1, stage=0, samples_per_s=1.0)], now=51.0, writer="q")
     older = dict(second, peers=0, time=40.0)
-    stale_level = summarize(1, 0, members[:2], now=30.0)  # from before the swarm split in two buckets
+    stale_level = summarize(1, 0, members[:2], now=30.0, writer="p0")  # from before the swarm split in two buckets
     totals = add_up([first, older, second, stale_level])
     assert totals["buckets"] == 2 and totals["peers"] == 6 and totals["clusters"] == 2
     assert totals["peers_by_cluster"] == {"0": 3, "1": 3} and totals["samples_per_s"] == 5.0
     assert add_up([]) is None
+
+
+def test_a_summary_counts_only_where_its_writers_own_record_is_in_the_bucket_it_summarizes():
+    """Anyone can write a summary: one counts (``confirmed``) only when its writer is a live member of the bucket
+    it names; every count named is still read (``counts_named``), and ``status``'s totals come from the records."""
+    writer = next(f"p{i}" for i in range(100) if bucket_of(f"p{i}", 2) == 0)
+    elsewhere = next(f"p{i}" for i in range(100) if bucket_of(f"p{i}", 2) == 1)
+    members = [dict(record(writer, 1.0), cluster=0, stage=0, samples_per_s=3.0), record(elsewhere, 1.0)]
+    own = summarize(2, 0, members[:1], now=50.0, writer=writer)
+    forged = [dict(summarize(256, bucket, [], now=60.0, writer="stranger"), peers=40) for bucket in range(256)]
+    misplaced = summarize(2, 0, members, now=50.0, writer=elsewhere)  # a member, but of the other bucket
+    gone = summarize(2, 0, members, now=50.0, writer=writer)
+    assert confirmed([own, misplaced, *forged], members) == [own]
+    assert confirmed([gone], [record(writer, 1.0, state="leaving")]) == []
+    assert counts_named(forged) == [1, 256] and counts_named([]) == [1]
+    counted = totals(members, 2, now=70.0)
+    assert counted["peers"] == 2 and counted["buckets"] == counted["buckets_summarized"] == 2
+    assert counted["samples_per_s"] == 3.0 and counted["states"] == {"training": 2}

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
@@ -38,10 +37,10 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import configure_logging, run_async
 from ravnest_swarm.membership.reader import read_adopted_plan, read_peers
 from ravnest_swarm.membership.records import (
-    PeerRecord, PlanRecord, make_validators, peers_key, plan_key, plan_subkey_prefix,
+    PeerRecord, PlanRecord, peers_key, plan_key, plan_subkey_prefix, signing_validator, start_peer_node,
 )
 from ravnest_swarm.membership.services import check_reachability, retried
-from ravnest_swarm.net.node import parse_maddrs, peer_id_of, start_node, stop_node, store_record
+from ravnest_swarm.net.node import parse_maddrs, peer_id_of, stop_node, store_record
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: 
         rejected=rejected, plan_round=0,  # the plan of round 0 that the peers' placements form (below)
     )
     await store_record(node, peers_key(options.run), PeerRecord.parse_obj(record).dict(),
-                       get_dht_time() + RECORD_LIFETIME, subkey=RSASignatureValidator().local_public_key)
+                       get_dht_time() + RECORD_LIFETIME, subkey=signing_validator(node).local_public_key)
 
 
 async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadline: float) -> dict:
@@ -124,7 +123,7 @@ async def publish_plan_when_placed(node: DHTNode, run: str, expected: int, deadl
         for k in sorted(clusters)
     ]).dict()
     if not await node.store(plan_key(run), plan, get_dht_time() + RECORD_LIFETIME,
-                            subkey=plan_subkey_prefix(0) + RSASignatureValidator().local_public_key):
+                            subkey=plan_subkey_prefix(0) + signing_validator(node).local_public_key):
         raise UserError("no DHT node accepted the plan record", exit_code=1)
     return plan
 
@@ -263,8 +262,9 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         start, end = element_range(options.layer_sizes, options.layers)
     except ValueError as e:
         raise UserError(f"--layers: {e}")
-    node = await start_node(options.initial_peers, record_validators=make_validators(options.run),
-                            host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
+    # our record names our peer id: signed by our identity's key
+    node = await start_peer_node(options.initial_peers, options.run, host_maddrs=options.host_maddrs,
+                                 announce_maddrs=options.announce_maddrs)
     if options.initial_peers:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone.
         # Tried again on a lost reply: a bench starts every peer at once against one backbone

@@ -1,8 +1,8 @@
 """Light peers: many membership peers in one OS process, so that ``bench membership`` can run a hundred and more.
 
 A light peer is what ``join`` is up to its heartbeat, and nothing more: a real hivemind DHT node on its own p2pd
-(``net.node.start_node_patiently``, with the run's validators, ``records.make_validators``, under its own RSA key),
-running the real :class:`~ravnest_swarm.membership.announcer.PeerAnnouncer` (publish and refresh_view every
+(``net.node.start_node_patiently``, with the run's validators, ``records.make_validators``, under its own identity:
+one RSA key for its p2pd and its records, ``net/identity.py``), running the real :class:`~ravnest_swarm.membership.announcer.PeerAnnouncer` (publish and refresh_view every
 heartbeat, ``heartbeat_forever``). It has no trainer and measures nothing: its capabilities are given. hivemind
 imports torch, so the host process imports it too; it does no torch work.
 
@@ -38,13 +38,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, run_async
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.records import make_validators
+from ravnest_swarm.net.identity import open_identity
 from ravnest_swarm.net.node import ValidRecords, parse_maddrs, start_node_patiently, stop_node
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 
@@ -91,10 +91,11 @@ class LightPeer:
         def waiting(reason: str, attempt: int, wait: float, left: float) -> None:
             logger.info(f"{self.name}: waiting for the initial peers (attempt {attempt}: {reason}); again in {wait:.0f}s")
 
+        identity = open_identity(None)  # each light peer its own, for p2pd and its records, as a volunteer's
         self.node = await start_node_patiently(
             parse_maddrs(options.initial_peers), options.patience, waiting,
-            record_validators=make_validators(options.run, signing_key=RSAPrivateKey()), valid_records=valid_records,
-            host_maddrs=[f"/ip4/{options.host}/tcp/0"], timeout=options.timeout)
+            record_validators=make_validators(options.run, signing_key=identity.key), valid_records=valid_records,
+            host_maddrs=[f"/ip4/{options.host}/tcp/0"], identity=identity, timeout=options.timeout)
         self.announcer = PeerAnnouncer(self.node, options.run, self.name, CAPABILITIES, options.heartbeat)
         maddrs = [str(m) for m in await self.node.p2p.get_visible_maddrs()]
         self.announcer.update(state="standby", maddrs=maddrs[:16])

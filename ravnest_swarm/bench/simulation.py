@@ -156,7 +156,7 @@ class Swarm:
         for bucket, peers in members.items():
             writer = min(peers, key=lambda peer: peer.peer_id)
             value = BucketSummary.parse_obj(summarize(buckets, bucket, [p.announcer.record for p in peers],
-                                                      now)).dict()
+                                                      now, writer.peer_id)).dict()
             self.dht.place(summary_key(RUN), value, now + self.timing.lifetime,
                            summary_subkey_prefix(buckets, bucket) + writer.announcer.subkey)
 

@@ -25,10 +25,11 @@ COLUMNS = (("name", "left"), ("state", "left"), ("mem GB", "right"), ("Mb/s", "r
 
 
 def status_document(run: str, steps: Optional[int], finished: bool, summary: Optional[Dict],
-                    peers: List[Dict]) -> Dict:
-    """What ``status --json`` prints: the run's length and whether it is finished, its summary (the buckets'
-    counts added up, ``membership.buckets.add_up``; None while no peer has written one) and every record read."""
-    return dict(run=run, steps=steps, finished=finished, summary=summary, peers=peers)
+                    peers: List[Dict], refused: Optional[Dict[str, int]] = None) -> Dict:
+    """What ``status --json`` prints: the run's length and whether it is finished, its totals (counted from the
+    records read, ``membership.buckets.totals``; None without any), every record read, and the records refused,
+    by reason (``membership.identity.PeerIdentityValidator``)."""
+    return dict(run=run, steps=steps, finished=finished, summary=summary, peers=peers, refused=refused or {})
 
 
 def _matters(peer: Dict) -> int:

@@ -176,7 +176,7 @@ class PeerAnnouncer:
         members = admitted(self.node, self.view.members(now))
         own_members = [r for r in members if bucket_of(r["peer_id"], buckets) == own]
         if writes_summary(self.peer_id, own_members):
-            await self.store(self.node, summary_key(self.run), summarize(buckets, own, own_members, now),
+            await self.store(self.node, summary_key(self.run), summarize(buckets, own, own_members, now, self.peer_id),
                              now + self.timing.lifetime, subkey=summary_subkey_prefix(buckets, own) + self.subkey)
         renewed_within = FRESH_HEARTBEATS * self.timing.heartbeat
         fresh = sum(record["expires_in"] >= self.timing.lifetime - renewed_within for record in own_members)

@@ -12,8 +12,11 @@ the swarm; a joiner starts from the run's summary. While it moves from one ``B``
 one record lifetime, so a reader still at the old ``B`` does not lose it.
 
 The summary (``{run}_summary``): the peer with the smallest id in each bucket writes the bucket's counts (peers by
-state and cluster, throughput); ``status`` and the dashboard add them up (:func:`add_up`) instead of reading every
-record. Pure: no network (``membership/reader.py`` does the reading).
+state and cluster, throughput). Anyone can write a summary for any bucket, so a summary says only where to look
+(:func:`counts_named`); its counts are added up (:func:`add_up`) only once its writer's own record was found in the
+bucket it summarizes (:func:`confirmed`): a dashboard of a large run, which reads part of the run's records, counts
+the rest so. ``status`` reads every record and counts those (:func:`totals`). Pure: no network
+(``membership/reader.py`` does the reading).
 """
 
 from __future__ import annotations
@@ -70,13 +73,12 @@ def next_bucket_count(buckets: int, own_bucket_peers: int, fresh_peers: Optional
     return buckets
 
 
-def summarize(buckets: int, bucket: int, records: Iterable[Dict], now: float) -> Dict:
-    """A bucket's summary (``records.BucketSummary``) from its members' records (``leaving`` ones excluded).
-
-    Its samples/s is the sum of its first stages' (:func:`run_samples_per_s`)."""
+def summarize(buckets: int, bucket: int, records: Iterable[Dict], now: float, writer: str) -> Dict:
+    """A bucket's summary (``records.BucketSummary``) by the peer ``writer``, from its members' records (``leaving``
+    ones excluded). Its samples/s is the sum of its first stages' (:func:`run_samples_per_s`)."""
     members = [r for r in records if r["state"] != "leaving"]
     clusters = Counter(str(r["cluster"]) for r in members if r.get("cluster") is not None and r["cluster"] >= 0)
-    return dict(buckets=buckets, bucket=bucket, peers=len(members),
+    return dict(peer_id=writer, buckets=buckets, bucket=bucket, peers=len(members),
                 states=dict(Counter(r["state"] for r in members)),
                 clusters=dict(clusters.most_common(MAX_SUMMARY_CLUSTERS)),
                 samples_per_s=run_samples_per_s(members), time=now)
@@ -94,6 +96,30 @@ def writes_summary(peer_id: str, bucket_members: Iterable[Dict]) -> bool:
     """Whether ``peer_id`` writes its bucket's summary: the smallest id of the bucket's live members does."""
     ids = [r["peer_id"] for r in bucket_members if r["state"] != "leaving"]
     return bool(ids) and peer_id == min(ids)
+
+
+def counts_named(summaries: Iterable[Dict]) -> List[int]:
+    """The bucket counts ``summaries`` name (1 always): where a reader looks for a run's records. A stranger's
+    summary can add a count, which costs a read of its buckets, never hide the others."""
+    return sorted({1} | {summary["buckets"] for summary in summaries})
+
+
+def confirmed(summaries: Iterable[Dict], records: Iterable[Dict]) -> List[Dict]:
+    """The summaries whose writer has a live record (one of ``records``, not ``leaving``) in the bucket it summarizes;
+    the rest, anyone's, count nothing."""
+    members = {r["peer_id"] for r in records if r["state"] != "leaving"}
+    return [summary for summary in summaries if summary["peer_id"] in members
+            and bucket_of(summary["peer_id"], summary["buckets"]) == summary["bucket"]]
+
+
+def totals(records: Iterable[Dict], buckets: int, now: float) -> Dict:
+    """:func:`add_up`'s totals counted from ``records`` themselves (``leaving`` ones excluded, every cluster named),
+    every bucket of a run of ``buckets`` read."""
+    members = [r for r in records if r["state"] != "leaving"]
+    clusters = Counter(str(r["cluster"]) for r in members if r.get("cluster") is not None and r["cluster"] >= 0)
+    return dict(buckets=buckets, buckets_summarized=buckets, peers=len(members),
+                states=dict(Counter(r["state"] for r in members)), clusters=len(clusters),
+                peers_by_cluster=dict(clusters), samples_per_s=run_samples_per_s(members), time=now)
 
 
 def add_up(summaries: Iterable[Dict]) -> Optional[Dict]:

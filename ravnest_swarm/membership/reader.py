@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.buckets import add_up, bucket_of
+from ravnest_swarm.membership.buckets import add_up, bucket_of, counts_named
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.records import peers_key, plan_key, round_key, summary_key
 from ravnest_swarm.membership.tickets import admitted
@@ -54,8 +54,14 @@ async def read_bucket_counts(node: DHTNode, run: str, wanted: Dict[int, Optional
 
 
 async def read_summary(node: DHTNode, run: str) -> Optional[Dict]:
-    """The run's totals, added up from its buckets' summaries (``membership.buckets.add_up``), or None."""
-    return add_up(value for _, value, _ in _entries(await node.get(summary_key(run), latest=True)))
+    """The run's totals, added up from its buckets' summaries (``membership.buckets.add_up``), or None: anyone's
+    summaries, so a guess (a joiner's first bucket count), never a count to show (:func:`read_summaries`)."""
+    return add_up(await read_summaries(node, run))
+
+
+async def read_summaries(node: DHTNode, run: str) -> List[Dict]:
+    """Every bucket summary of ``{run}_summary``, whoever wrote it (``buckets.confirmed`` says which count)."""
+    return [value for _, value, _ in _entries(await node.get(summary_key(run), latest=True))]
 
 
 async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
@@ -64,8 +70,10 @@ async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
     """Every live peer record of ``run``, sorted by name, each with ``expires_in`` (seconds until it expires); in an
     invite-only run, those of peers with a valid ticket (the node's ``admission``, ``membership/tickets.py``).
 
-    Reads the summary and the one-bucket key at once; where the summary says the run has more buckets, reads
-    those (only the buckets of ``peer_ids`` where given: a trainer needs only its neighbours).
+    Reads the summaries and the one-bucket key at once; then the buckets of every other bucket count a summary
+    names (only the buckets of ``peer_ids`` where given: a trainer needs only its neighbours). Every count named, not
+    the one the summaries add up to: anyone can write summaries, and a stranger's for 256 buckets made readers read
+    256 empty buckets and none of the run's.
 
     :param alive_at: only records still valid at this DHT time (a planning round's view of who is alive)
     :param view: a view kept between reads (``membership.view``): the read is merged into it and its records
@@ -80,8 +88,8 @@ async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
     if bucket_counts is None:
         found = await node.get_many([summary_key(run), peers_key(run)], sufficient_expiration_time=float("inf"))
         entries = _entries(found.get(peers_key(run)))
-        summary = add_up(value for _, value, _ in _entries(found.get(summary_key(run))))
-        bucket_counts = [summary["buckets"]] if summary is not None and summary["buckets"] > 1 else []
+        bucket_counts = [count for count in counts_named(value for _, value, _ in _entries(found.get(summary_key(run))))
+                         if count > 1]
     wanted = {count: None if peer_ids is None else [bucket_of(peer_id, count) for peer_id in peer_ids]
               for count in bucket_counts}
     if wanted:

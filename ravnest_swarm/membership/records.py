@@ -3,7 +3,8 @@
 Every key a run uses is a field of :class:`RunRecords`; hivemind's ``SchemaValidator`` with the run
 name as prefix spells the DHT key ``{run}_{field}`` (``demo_peers``). Per-peer values live under a
 subkey that embeds the writer's RSA public key (``[owner:ssh-rsa ...]``), so hivemind's
-``RSASignatureValidator`` rejects anyone else's write. Every node of a run installs both validators,
+``RSASignatureValidator`` rejects anyone else's write; a record that names a peer counts only when that
+peer's own identity signed it (``membership/identity.py``). Every node of a run installs these validators,
 which check records when they are stored on the node and when they are fetched from others, so a
 malformed or forged record never reaches the code that reads it.
 
@@ -17,20 +18,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, PIPELINE_CODEC_PATTERN
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
+from ravnest_swarm.membership.identity import PeerIdentityValidator
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
 from ravnest_swarm.membership.tickets import MAX_REVOKED, MAX_TICKET_CHARS, TICKET_ID_RE, TICKET_TEXT_PATTERN
+from ravnest_swarm.net.identity import open_identity
+from ravnest_swarm.net.node import SwarmNode, start_node
 
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
@@ -278,8 +283,10 @@ class RunSpecRecord(pydantic.BaseModel):
 
 class BucketSummary(pydantic.BaseModel):
     """One bucket's counts, under ``{run}_summary``, written by the bucket's member with the smallest peer id
-    (``membership/buckets.py``); ``status`` and the dashboard add them up instead of reading every record."""
+    (``membership/buckets.py``), ``peer_id``: a dashboard of a large run adds up the summaries whose writer's own
+    record is in the bucket it summarizes (``buckets.add_up``)."""
 
+    peer_id: _shown_text(1, 128)
     buckets: pydantic.conint(strict=True, ge=1, le=2**16)
     bucket: pydantic.conint(strict=True, ge=0, le=2**16)
     peers: pydantic.conint(strict=True, ge=0, le=10**6)
@@ -349,13 +356,24 @@ class _ForbidExtra(pydantic.BaseConfig):
 
 def make_validators(run: str, owner: Optional[str] = None, signing_key: Optional[RSAPrivateKey] = None) -> List:
     """The record validators every node of ``run`` installs (signature first, then schema, then the spec's
-    owner: any spec must be signed by the key it names, and by ``owner``'s, a fingerprint, where it is known).
+    owner: any spec must be signed by the key it names, and by ``owner``'s, a fingerprint, where it is known; then
+    the writer's identity: every record that names a peer but plans and specs, by that peer's own key).
 
     :param signing_key: the key this node signs its records with; by default the process-wide key (a process is
         one peer). Several peers in one process (``bench/light.py``) each need their own, or their records,
         written under the same subkey, would replace one another.
     """
-    return [RSASignatureValidator(signing_key), RunSchemaValidator(run), OwnerSpecValidator(spec_key(run), owner)]
+    return [RSASignatureValidator(signing_key), RunSchemaValidator(run), OwnerSpecValidator(spec_key(run), owner),
+            PeerIdentityValidator(f"{run}_{field}" for field in RunRecords.__fields__ if field not in ("plan", "spec"))]
+
+
+async def start_peer_node(initial_peers: Sequence[Multiaddr], run: str, owner: Optional[str] = None,
+                          identity_path: Optional[str] = None, **options) -> SwarmNode:
+    """``net.node.start_node`` for a peer of ``run``: its p2pd and its records under one identity (``--identity``'s,
+    else one made for this process), so the records that name it are its own (``membership/identity.py``)."""
+    identity = open_identity(identity_path)
+    return await start_node(initial_peers, record_validators=make_validators(run, owner, signing_key=identity.key),
+                            identity=identity, **options)
 
 
 def signing_validator(node: DHTNode) -> RSASignatureValidator:

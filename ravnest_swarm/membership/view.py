@@ -14,10 +14,10 @@ The rule (docs/records.md, "Views"):
   training record cannot bring it back;
 * a peer that comes back with the same identity (peer id) publishes a record newer than its leaving one, and is back.
 
-Records are kept per peer id and writer (the record's signed subkey): anyone can write a record naming any peer id
-(docs/security.md), so a stranger's ``leaving`` record naming an honest peer must not remove it. A peer restarted
-with the same identity writes with a new key; its old record counts until it expires, as one peer with the newest
-record shown.
+Records are kept per peer id and writer (the record's signed subkey). Every node refuses a record whose writer is
+not the peer it names (``membership/identity.py``), so a stranger's ``leaving`` record naming an honest peer never
+reaches a view; keeping writers apart still holds where a reader got one anyway (a record under a prefixed subkey
+of the same writer, a copy kept from before a peer's key changed).
 """
 
 from __future__ import annotations

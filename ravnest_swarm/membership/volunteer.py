@@ -22,6 +22,7 @@ from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities, measure_gflops, measure_ram_gb
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.services import check_reachability, failure_reason, measure_bandwidth, retried
+from ravnest_swarm.net.identity import open_identity
 from ravnest_swarm.net.node import answering_initial_peer, start_node_patiently, stop_node
 
 logger = logging.getLogger(__name__)
@@ -115,12 +116,14 @@ class Membership:
         self._heartbeat_task: Optional[asyncio.Task] = None
 
     async def start(self) -> PeerAnnouncer:
+        # one key for p2pd and for our records: every node checks that a record naming us was signed by us
+        identity = open_identity(self.options.identity_path)
         self.node = await start_node_patiently(
             self.options.initial_peers, self.options.patience, self._waiting_for_initial_peers,
-            record_validators=make_validators(self.options.run, self.options.owner),
+            record_validators=make_validators(self.options.run, self.options.owner, signing_key=identity.key),
             host_maddrs=self.options.host_maddrs,
             announce_maddrs=self.options.announce_maddrs,
-            identity_path=self.options.identity_path,
+            identity=identity,
             timeout=self.options.timeout,
         )
         try:

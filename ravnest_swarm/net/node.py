@@ -12,7 +12,7 @@ import socket
 import struct
 import time
 from collections import OrderedDict
-from contextlib import closing
+from contextlib import closing, nullcontext
 from typing import Any, Callable, List, Optional, Sequence
 
 from hivemind.dht.node import DHTID, DHTNode
@@ -22,6 +22,7 @@ from hivemind.p2p.p2p_daemon import P2PD_FILENAME
 from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.net.identity import PeerIdentity, check_identity_file, p2pd_identity_file
 from ravnest_swarm.net.routes import Routes, start_routes
 
 logger = logging.getLogger(__name__)
@@ -137,36 +138,6 @@ def explain_daemon_error(error: Exception, initial_peers: Sequence[Multiaddr]) -
     return UserError(f"p2pd failed to start ({text.strip()}); tried initial peers: {tried}", exit_code=1)
 
 
-def check_identity_file(path: str) -> None:
-    """Raise a :class:`UserError` naming ``path`` unless it is a private key file, or a new file we can create.
-
-    hivemind creates a missing one (an RSA key) and passes an existing one to p2pd, which would stop with
-    "proto: cannot parse invalid wire-format data" for any other file, and a directory ended in a traceback.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(path):
-        if not os.path.isdir(directory):
-            raise UserError(f"identity directory {directory} does not exist: create it or pass another --identity")
-        if not os.access(directory, os.W_OK):
-            raise UserError(f"cannot create --identity {path}: directory {directory} is not writable by this user")
-        return
-    if os.path.isdir(path):
-        raise UserError(f"--identity {path} is a directory: pass the path of a key file (created on the first start)")
-    if not os.path.isfile(path):
-        raise UserError(f"--identity {path} is not a regular file: pass the path of a key file")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise UserError(f"cannot read --identity {path} ({e.strerror}): run as the user that owns it, or fix its "
-                        f"permissions")
-    try:
-        PeerID.from_identity(data)
-    except Exception:
-        raise UserError(f"--identity {path} is not a private key file (ravnest-swarm writes an RSA key in libp2p's "
-                        f"format there): pass the right file, or a new path to create one")
-
-
 def check_ports_free(host_maddrs: Sequence[str]) -> None:
     """Raise a :class:`UserError` for a TCP port of ``host_maddrs`` (other than 0) that is taken on this machine.
 
@@ -209,6 +180,7 @@ async def start_node(
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
     announce_maddrs: Optional[Sequence[str]] = None,
     identity_path: Optional[str] = None,
+    identity: Optional[PeerIdentity] = None,
     timeout: float = 15.0,
     rpc_timeout: Optional[float] = None,
     valid_records: Optional[ValidRecords] = None,
@@ -222,6 +194,8 @@ async def start_node(
     :param host_maddrs: where p2pd listens
     :param announce_maddrs: addresses others should dial (a server's public address)
     :param identity_path: private key file; created if missing, so the peer id stays the same
+    :param identity: the key p2pd starts with instead, the one the node's records are signed with
+        (``make_validators(signing_key=identity.key)``): a peer of a run (``net/identity.py``)
     :param timeout: seconds to wait for p2pd and the initial peers
     :param rpc_timeout: seconds to wait for one DHT request (hivemind's ``wait_timeout``, 3 s by default); a node
         that does not answer in time is left out of that read and of the next ones for a while (hivemind's
@@ -235,15 +209,19 @@ async def start_node(
     check_ports_free(host_maddrs)
     try:
         spare_p2pd_from_ctrl_c(asyncio.get_running_loop())
-        p2p = await asyncio.wait_for(P2P.create(
-            initial_peers=list(initial_peers),
-            host_maddrs=list(host_maddrs),
-            announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
-            identity_path=identity_path,
-            startup_timeout=timeout,
-            dht_mode="client" if client_mode else "server",
-            **p2p_kwargs,
-        ), timeout=timeout + 5)
+        if identity is not None:
+            # a key made just now is free: hivemind's check that no peer uses it (a second p2pd) is for saved ones
+            p2p_kwargs.setdefault("check_if_identity_free", not identity.new)
+        with p2pd_identity_file(identity) if identity is not None else nullcontext(identity_path) as p2pd_identity:
+            p2p = await asyncio.wait_for(P2P.create(
+                initial_peers=list(initial_peers),
+                host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+                identity_path=p2pd_identity,
+                startup_timeout=timeout,
+                dht_mode="client" if client_mode else "server",
+                **p2p_kwargs,
+            ), timeout=timeout + 5)
     except asyncio.TimeoutError:
         tried = ", ".join(str(m) for m in initial_peers)
         raise InitialPeersUnavailable(

@@ -6,12 +6,11 @@ import logging
 import time
 from typing import Callable, Dict, Optional, Tuple
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import PeerID
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.membership.records import StageEndpoint, stage_subkey_prefix, stages_key
+from ravnest_swarm.membership.records import StageEndpoint, signing_validator, stage_subkey_prefix, stages_key
 from ravnest_swarm.membership.tickets import admission_of
 from ravnest_swarm.net.node import maddrs_without_peer_id
 from ravnest_swarm.pipeline.config import Neighbours
@@ -26,7 +25,7 @@ async def publish_endpoint(node: DHTNode, run: str, cluster: int, stage: int, mo
     # the schema validator compares the stored dict with its parsed form, so store the parsed dict
     value = StageEndpoint(peer_id=node.peer_id.to_base58(), maddrs=maddrs, model=model, layers=list(layers),
                           version=version, time=time.time()).dict()
-    subkey = stage_subkey_prefix(cluster, stage) + RSASignatureValidator().local_public_key
+    subkey = stage_subkey_prefix(cluster, stage) + signing_validator(node).local_public_key
     return bool(await node.store(stages_key(run, cluster), value, get_dht_time() + lifetime, subkey=subkey))
 
 

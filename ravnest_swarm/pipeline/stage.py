@@ -52,14 +52,15 @@ async def serve_stage(config: StageConfig, initial_peers, host_maddrs, announce_
     ``identity_path``: a private key file, so the stage's peer id is known before it starts (its neighbours
     name it)."""
     from ravnest_swarm.lifecycle import install_stop_signals
-    from ravnest_swarm.membership.records import make_validators
-    from ravnest_swarm.net.node import start_node, stop_node
+    from ravnest_swarm.membership.records import start_peer_node
+    from ravnest_swarm.net.node import stop_node
 
     # stages share a volunteer's cores with p2pd and their neighbours; one thread each keeps timings honest
     torch.set_num_threads(1)
     stop = install_stop_signals()
-    node = await start_node(initial_peers, record_validators=make_validators(config.run), host_maddrs=host_maddrs,
-                            announce_maddrs=announce_maddrs, identity_path=identity_path, timeout=timeout)
+    # our endpoint names our peer id: signed by our identity's key
+    node = await start_peer_node(initial_peers, config.run, identity_path=identity_path, host_maddrs=host_maddrs,
+                                 announce_maddrs=announce_maddrs, timeout=timeout)
     try:
         await run_stage(config, node, stop, report_path, save_path)
     finally:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
@@ -34,6 +33,7 @@ from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.reader import read_adopted_plan, read_plans, read_proposals
 from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
+    signing_validator,
 )
 from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
@@ -179,7 +179,7 @@ class PlanningRounds:
         self.node, self.run, self.announcer, self.options, self.console = node, run, announcer, options, console
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
-        self.subkey = RSASignatureValidator().local_public_key
+        self.subkey = signing_validator(node).local_public_key  # our identity's: records name us
         self.triggers = RoundTriggers(options.min_peers, options.round_period, options.workload)
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2

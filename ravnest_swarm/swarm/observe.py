@@ -2,7 +2,8 @@
 
 A run's peer records spread over buckets (``membership/buckets.py``), up to 256 keys at 10,000 peers, and the
 run's summary adds up every bucket's counts. ``status`` reads the summary and every bucket at once, and every
-bucket again only where it found fewer peers than the summary counts (:func:`read_status`). A dashboard redraws
+bucket again only where it found fewer peers than the summaries count (:func:`read_status`); the figures it shows
+are counted from the records themselves. A dashboard redraws
 every period for as long as it is up, so in a run of more than :data:`FULL_READ_BUCKETS` buckets it reads
 (:class:`SnapshotReader`) the summary, the viewer's own bucket, the buckets of its pipeline and ring neighbours
 (from the plan it follows), and :data:`ROTATING_BUCKETS` more in turn: a bounded read whatever the run's size,
@@ -22,9 +23,9 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.dashboard.focus import FULL_READ_BUCKETS  # as the peers' own views (announcer.FULL_VIEW_BUCKETS)
-from ravnest_swarm.membership.buckets import bucket_of
-from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, read_buckets, read_peers, read_plans,
-                                             read_summary)
+from ravnest_swarm.membership.buckets import add_up, bucket_of, confirmed, counts_named, totals
+from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, read_bucket_counts, read_buckets,
+                                             read_plans, read_summaries)
 from ravnest_swarm.membership.view import PeerView
 
 # beyond, each redraw also reads this many buckets in turn: 256 buckets are all met within 32 redraws (160 s at
@@ -32,17 +33,39 @@ from ravnest_swarm.membership.view import PeerView
 ROTATING_BUCKETS = 8
 
 
+async def _look(node: DHTNode, run: str, view: PeerView) -> List[Dict]:
+    """Every bucket of every bucket count a summary names, merged into ``view``; the summaries read."""
+    summaries, entries = await read_bucket_counts(node, run, {1: None})
+    view.merge(entries)
+    more = {count: None for count in counts_named(summaries) if count > 1}
+    if more:
+        view.merge((await read_bucket_counts(node, run, more, with_summaries=False))[1])
+    return summaries
+
+
 async def read_status(node: DHTNode, run: str) -> Tuple[Optional[Dict], List[Dict]]:
-    """The run's summary (None while it has none) and every live peer record found, the newest copy of each,
-    sorted by name: the summary and every bucket at once, then, where that found fewer peers than the summary
-    counts (or there is no summary to tell), every bucket once more (one read can miss records that a DHT node did
-    not answer in time). Not two looks always: checking a record's schema costs milliseconds (membership/records.py),
-    so a look at 10,000 records costs seconds of CPU."""
+    """The run's totals counted from the peer records read (``buckets.totals``; None without any record) and every
+    live peer record found, the newest copy of each, sorted by name.
+
+    Reads every bucket of every bucket count a summary names, then, where that found fewer peers than the
+    summaries of the run's own peers count (or there is no such summary to tell), all of them once more (one read
+    can miss records that a DHT node did not answer in time). Not two looks always: checking a record's schema
+    costs milliseconds (membership/records.py), so a look at 10,000 records costs seconds of CPU. A summary
+    counts nothing but where to look: anyone can write one, and 256 forged summaries made ``status`` show a run
+    of 10,240 peers that did not exist. The totals say how many summaries were ignored (``ignored_summaries``:
+    their writer's record is not in the bucket they summarize)."""
     view = PeerView()
-    summary, _ = await asyncio.gather(read_summary(node, run), read_peers(node, run, view=view))
-    if summary is None or len(view.members(get_dht_time())) < summary["peers"]:
-        await read_peers(node, run, view=view)
-    return summary, view.records(get_dht_time())
+    summaries = await _look(node, run, view)
+    counted = add_up(confirmed(summaries, view.records(get_dht_time())))
+    if counted is None or len(view.members(get_dht_time())) < counted["peers"]:
+        summaries = await _look(node, run, view)
+    records = view.records(get_dht_time())
+    if not records:
+        return None, records
+    trusted = confirmed(summaries, records)
+    counted = add_up(trusted)
+    return dict(totals(records, counted["buckets"] if counted else 1, get_dht_time()),
+                ignored_summaries=len(summaries) - len(trusted)), records
 
 
 def neighbour_ids(plan: Optional[Dict], peer_id: str) -> Set[str]:
@@ -107,13 +130,16 @@ class SnapshotReader:
         return await read_plans(self.node, self.run) if self.with_plan else []
 
     async def snapshot(self) -> Dict:
-        summary, plans, small_run = await asyncio.gather(read_summary(self.node, self.run), self._plans(),
-                                                         read_buckets(self.node, self.run, 1))
+        summaries, plans, small_run = await asyncio.gather(read_summaries(self.node, self.run), self._plans(),
+                                                           read_buckets(self.node, self.run, 1))
         self.view.merge(small_run)
-        if summary is not None and summary["buckets"] > 1:
-            self.view.merge(await read_buckets(self.node, self.run, summary["buckets"],
-                                               self.buckets_to_read(summary["buckets"])))
+        for count in counts_named(summaries):
+            if count > 1:
+                self.view.merge(await read_buckets(self.node, self.run, count, self.buckets_to_read(count)))
         peers = self.view.records(get_dht_time())
+        # the buckets not read this time are counted by the summaries of their own peers, as a record read earlier
+        # and still live confirms them; anyone else's count nothing
+        summary = add_up(confirmed(summaries, peers))
         plan = adopted_plan(plans, peers)
         followed = plan if plan is not None else self._followed_plan(plans, peers)
         if followed is not None and (self.plan is None or followed["round"] >= self.plan["round"]):

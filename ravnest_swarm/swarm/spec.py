@@ -14,7 +14,6 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
@@ -25,7 +24,7 @@ from ravnest_swarm.membership.owner import (
     fingerprint, load_or_create_owner_key, load_owner_key, owner_key_path, public_key_text, sign_spec, spec_owner,
 )
 from ravnest_swarm.membership.reader import why_finished
-from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, spec_key
+from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, signing_validator, spec_key
 from ravnest_swarm.membership.tickets import MAX_REVOKED, TICKET_ID_RE
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
@@ -332,7 +331,7 @@ async def ensure_spec(node: DHTNode, address: RunAddress, requested: Dict, wait:
             own = fingerprint(existing.get_public_key().to_bytes())
             record = RunSpec(**requested, **(facts or {})).check_usable().record(existing)
             if await node.store(spec_key(address.name), record, get_dht_time() + SPEC_LIFETIME,
-                                subkey=RSASignatureValidator().local_public_key):
+                                subkey=signing_validator(node).local_public_key):
                 if on_start is not None:
                     on_start(str(RunAddress(address.name, own)))
             else:
@@ -377,7 +376,7 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
         revoked = [ticket for ticket in spec.revoked if ticket not in revoke] + list(dict.fromkeys(revoke))
         spec = replace(spec, revoked=revoked[-MAX_REVOKED:])
     if not await node.store(spec_key(address.name), spec.record(key), get_dht_time() + SPEC_LIFETIME,
-                            subkey=RSASignatureValidator().local_public_key):
+                            subkey=signing_validator(node).local_public_key):
         raise UserError(f"no DHT node stored the new spec of run {address}: check the --initial-peers", exit_code=1)
     return spec
 

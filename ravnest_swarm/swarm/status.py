@@ -17,6 +17,7 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
     """Print the run's summary and peers once (a table of the peers that matter, every one with ``show_all``, or
     one JSON document), or watch it until Ctrl-C."""
     from ravnest_swarm.dashboard.peers_table import status_document, status_view
+    from ravnest_swarm.membership.identity import refusals, refusals_line
     from ravnest_swarm.membership.progress import run_finished
     from ravnest_swarm.membership.records import make_validators, parse_run_address
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
@@ -26,7 +27,8 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
 
     address = parse_run_address(run)
     run = address.name
-    node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(run, address.owner),
+    validators = make_validators(run, address.owner)
+    node = await start_node(parse_maddrs(initial_peers), record_validators=validators,
                             client_mode=True, timeout=timeout, rpc_timeout=timeout)
 
     async def spec_or_none():
@@ -52,10 +54,18 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
         spec, (summary, peers) = await asyncio.gather(spec_or_none(), read_status(node, run))
         # signed by the owner (update-spec --finish, or its peer at the end), or seen in the records of the peers
         finished = spec is not None and (spec.finished or run_finished(peers, spec.steps))
+        refused = refusals(validators)
         if as_json:
-            print(json.dumps(status_document(run, spec.steps if spec else None, finished, summary, peers)),
+            print(json.dumps(status_document(run, spec.steps if spec else None, finished, summary, peers, refused)),
                   flush=True)
             return
+        # what a stranger tried is said, not dropped in silence: the table and totals below hold none of it
+        ignored = (summary or {}).get("ignored_summaries", 0)
+        notes = [refusals_line(refused)] if refused else []
+        notes += [f"ignored {ignored} bucket summar{'ies' if ignored != 1 else 'y'} not written by a peer of the "
+                  f"bucket summarized"] if ignored else []
+        if notes:
+            Console().print("; ".join(notes), markup=False, highlight=False)
         if not peers and finished:
             Console().print(f"run {run} is finished (its owner signed its end into its spec, version {spec.version}); "
                             f"every peer has left", markup=False, highlight=False)
