@@ -274,7 +274,7 @@ def update_spec(
           --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
     """
     configure_logging(verbose)
-    from ravnest_swarm.swarm.spec import update_spec as publish
+    from ravnest_swarm.swarm.spec_versions import update_spec as publish
 
     from ravnest_swarm.swarm.spec import length_from_option
 

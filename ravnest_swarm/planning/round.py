@@ -224,10 +224,7 @@ class PlanningRounds:
         plan = await read_adopted_plan(self.node, self.run, await self.announcer.read_peers(), live_round)
         known = max((p for p in (self.adopted, self.seen) if p is not None), key=lambda p: p["round"], default=None)
         if known is not None and (plan is None or plan["round"] < known["round"]):
-            # a plan we saw in force still is, though its peers no longer confirm it: half of a cluster of two
-            # that left is no majority, and a standby that then took it for no plan at all opened "round 1",
-            # a plan of its own beside the others' next round (both adopted; layers moved twice)
-            return known
+            return known  # its peers may have left since: it stays in force until a round adopts the next
         self.seen = plan
         return plan
 

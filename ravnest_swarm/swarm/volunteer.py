@@ -64,7 +64,8 @@ from ravnest_swarm.swarm.hand_over import hand_over
 from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.exported import newest_export, read_export
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
-from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, publish_spec_version, read_spec, run_length
+from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, read_spec, run_length
+from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
 from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
