@@ -188,6 +188,17 @@ def test_an_open_ended_run_its_owner_ended_is_finished_at_the_step_its_stages_re
     assert "finished at step 812" in render_text(state, width=100)
 
 
+def test_the_dashboard_says_how_many_records_its_validator_refused():
+    """``status --watch`` and a volunteer's dashboard read through a validator that refuses records not written by
+    the peer they name (membership/identity.py); the snapshot carries its counts and the totals line says them."""
+    state = SwarmState(run="demo")
+    state.feed(dict(run="demo", at=1, peers=[peer("a", cluster=0, stage=0)], refused={}))
+    assert "refused" not in render_text(state, width=160)
+    state.feed(dict(run="demo", at=2, peers=[peer("a", cluster=0, stage=0)],
+                    refused={"written by a key that is not the peer they name": 3}))
+    assert "refused 3 records" in render_text(state, width=160)
+
+
 def test_replaced_even_after_the_slot_was_vacant():
     state = SwarmState()
     state.update([peer("a", cluster=0, stage=1), peer("spare", "standby")], at=1)

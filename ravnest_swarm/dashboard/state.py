@@ -103,14 +103,14 @@ class SwarmState:
     def __init__(self, run: str = "", max_events: int = 200, max_losses: int = 240, max_names: int = 4096,
                  steps: Optional[int] = None):
         self.run, self.steps, self.ended = run, steps, False  # ended: its owner signed its end into its spec
+        self.refused: Dict[str, int] = {}  # records the observer's validator refused, by reason (membership/identity.py)
         self.max_events, self.max_losses, self.max_names = max_events, max_losses, max_names
         self.events: Deque[Event] = deque(maxlen=max_events)
         self.losses: Deque[Tuple[float, float]] = deque(maxlen=max_losses)  # (at, mean loss)
         self.peers: List[Dict] = []
         self.plan: Optional[Dict] = None
         self.summary: Optional[Dict] = None  # the run's totals (membership.buckets.add_up), the last one read
-        self.at: Optional[float] = None
-        self.snapshots = 0
+        self.at, self.snapshots = None, 0  # the last snapshot's time, and how many were fed
         # the last peer seen at each slot, kept while the slot is vacant, so a stand-in that arrives after
         # the old holder's record expired still counts as a replacement; reset by every new round
         self.last_holders: Dict[Slot, Dict] = {}
@@ -129,11 +129,11 @@ class SwarmState:
 
     def feed(self, snapshot: Dict) -> List[Event]:
         """Take one snapshot as ``swarm.observe.SnapshotReader`` makes it and recordings hold it:
-        ``{"run", "at", "peers", "plan", "summary"}`` (see :meth:`update`; old recordings have no summary), and
-        from ``status --watch`` the spec's ``"steps"`` (the run's length) and ``"finished"`` (signed by its owner)."""
+        ``{"run", "at", "peers", "plan", "summary", "refused"}`` (see :meth:`update`; old recordings lack the last
+        two), and from ``status --watch`` the spec's ``"steps"`` and ``"finished"`` (signed by its owner)."""
         if snapshot.get("steps") is not None:
             self.steps = snapshot["steps"]
-        self.ended = self.ended or bool(snapshot.get("finished"))
+        self.ended, self.refused = self.ended or bool(snapshot.get("finished")), snapshot.get("refused") or self.refused
         return self.update(snapshot["peers"], snapshot.get("plan"), snapshot["at"], snapshot.get("summary"))
 
     def update(self, peers: Iterable[Dict], plan: Optional[Dict] = None, at: Optional[float] = None,

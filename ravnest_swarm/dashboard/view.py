@@ -97,8 +97,14 @@ def _totals(state: SwarmState, width: int) -> Text:
         f"{_rate(totals.samples_per_s)} samples/s",
         f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed{running}",
         f"plan round {'-' if totals.plan_round is None else totals.plan_round}",
-    ]
+    ] + _refused(state)
     return _pack(items, width, " │ ")
+
+
+def _refused(state: SwarmState) -> List[str]:
+    """What the observer's own validator refused (records written by a key that is not the peer they name...)."""
+    total = sum(state.refused.values())
+    return [f"refused {total} record{'s' if total != 1 else ''}"] if total else []
 
 
 def _run_totals(state: SwarmState, width: int) -> Text:
@@ -110,7 +116,7 @@ def _run_totals(state: SwarmState, width: int) -> Text:
              f"clusters {figures.clusters}",
              f"{_rate(figures.samples_per_s)} samples/s",
              f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed",
-             f"plan round {'-' if totals.plan_round is None else totals.plan_round}"]
+             f"plan round {'-' if totals.plan_round is None else totals.plan_round}"] + _refused(state)
     if figures.read < figures.peers:
         items.append(f"{figures.read} records read")
     return _pack(items, width, " │ ")

@@ -84,6 +84,13 @@ def refusals(validators: Iterable) -> Dict[str, int]:
     return counts
 
 
+def node_refusals(node) -> Dict[str, int]:
+    """:func:`refusals` of a hivemind ``DHTNode``'s validators (its CompositeValidator keeps its parts in
+    ``_validators``): what an observer's or a volunteer's dashboard says it refused."""
+    validator = node.protocol.record_validator
+    return refusals(getattr(validator, "_validators", [validator]))
+
+
 def refusals_line(refused: Dict[str, int]) -> str:
     """``refused 12 records: 12 written by a key that is not the peer they name`` (empty without refusals)."""
     total = sum(refused.values())

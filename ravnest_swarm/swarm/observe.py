@@ -24,6 +24,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.dashboard.focus import FULL_READ_BUCKETS  # as the peers' own views (announcer.FULL_VIEW_BUCKETS)
 from ravnest_swarm.membership.buckets import add_up, bucket_of, confirmed, counts_named, totals
+from ravnest_swarm.membership.identity import node_refusals
 from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, read_bucket_counts, read_buckets,
                                              read_plans, read_summaries)
 from ravnest_swarm.membership.view import PeerView
@@ -144,7 +145,8 @@ class SnapshotReader:
         followed = plan if plan is not None else self._followed_plan(plans, peers)
         if followed is not None and (self.plan is None or followed["round"] >= self.plan["round"]):
             self.plan = followed
-        snapshot = dict(run=self.run, at=time.time(), peers=peers, plan=plan, summary=summary)
+        snapshot = dict(run=self.run, at=time.time(), peers=peers, plan=plan, summary=summary,
+                        refused=node_refusals(self.node))
         recording = os.environ.get(RECORD_SNAPSHOTS_ENV)
         if recording:
             with open(recording, "a") as f:
