@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
@@ -26,10 +25,11 @@ from commands import ravnest
 from run_observer import RunObserver
 from ravnest_swarm.averaging.wire import RING_HANDLER
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
-from ravnest_swarm.membership.records import StageEndpoint, make_validators, stage_subkey_prefix, stages_key
+from ravnest_swarm.membership.records import (StageEndpoint, signing_validator, stage_subkey_prefix, stages_key,
+                                           start_peer_node)
 from ravnest_swarm.membership.tickets import Admission, issue_ticket
 from ravnest_swarm.models import get_model
-from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+from ravnest_swarm.net.node import parse_maddrs, stop_node
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.endpoints import read_endpoints
 from ravnest_swarm.processes import ProcessGroup
@@ -273,8 +273,9 @@ def test_a_strangers_endpoint_record_does_not_count(invited_run):
     records = list(invited_run.observer.peers().values())  # with their tickets, as a peer of the run reads them
 
     async def attack():
-        node = await start_node(parse_maddrs([invited_run.maddr]), record_validators=make_validators(RUN),
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        # its own identity signs the record, which names it: records bound to their writer store it (it speaks
+        # for itself); only the run's admission keeps it from counting
+        node = await start_peer_node(parse_maddrs([invited_run.maddr]), RUN, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         caught = []
 
         async def catch(info, reader, writer):
@@ -288,7 +289,7 @@ def test_a_strangers_endpoint_record_does_not_count(invited_run):
                                     layers=list(second["layers"]), version=second["step"],
                                     time=time.time() + 10**6).dict()
             stored = await node.store(stages_key(RUN, slot[0]), hostile, get_dht_time() + 600,
-                                      subkey=stage_subkey_prefix(*slot) + RSASignatureValidator().local_public_key)
+                                      subkey=stage_subkey_prefix(*slot) + signing_validator(node).local_public_key)
             unchecked = (await read_endpoints(node, RUN, slot[0])).get(slot)
             node.admission = Admission(RUN, spec["owner"], spec["invite_only"], spec["revoked"])
             node.admission.admitted(records)
