@@ -64,6 +64,17 @@ def load_owner_key(path: str) -> Optional[RSAPrivateKey]:
     return key
 
 
+def required_owner_key(run: str, path: Optional[str]) -> RSAPrivateKey:
+    """The owner key a command that signs for run ``run`` needs (``path``, else the run's default file), or a
+    one-line :class:`UserError` where this machine has none."""
+    path = path or owner_key_path(run)
+    key = load_owner_key(path)
+    if key is None:
+        raise UserError(f"no run owner key at {path}: only the machine that started the run holds it "
+                        f"(--owner-key names another file)")
+    return key
+
+
 def load_or_create_owner_key(path: str) -> RSAPrivateKey:
     """The owner key at ``path``, created (readable by this user only) if there is none.
 

@@ -11,7 +11,7 @@ import time
 from typing import Callable, Optional
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
+from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path, required_owner_key
 from ravnest_swarm.membership.records import RunAddress, parse_run_address
 from ravnest_swarm.membership.tickets import Admission, admission_of, issue_ticket, parse_expiry
 from ravnest_swarm.swarm.spec import RunSpec, read_specs
@@ -99,10 +99,7 @@ def print_invite(run: str, peer: Optional[str], expires: str, owner_key_file: Op
                         f"the run")
     until = parse_expiry(expires)
     key_file = owner_key_file or owner_key_path(address.name)
-    key = load_owner_key(key_file)
-    if key is None:
-        raise UserError(f"no run owner key at {key_file}: only the machine that started the run holds it "
-                        f"(--owner-key names another file)")
+    key = required_owner_key(address.name, key_file)
     if fingerprint(key.get_public_key().to_bytes()) != address.owner:
         raise UserError(f"the owner key {key_file} is not run {address}'s (it is {address.name}@"
                         f"{fingerprint(key.get_public_key().to_bytes())}): only the run's owner signs its tickets")

@@ -12,7 +12,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
+from ravnest_swarm.membership.owner import fingerprint, required_owner_key
 from ravnest_swarm.membership.reader import why_finished
 from ravnest_swarm.membership.records import RunAddress, signing_validator, spec_key
 from ravnest_swarm.membership.tickets import MAX_REVOKED, TICKET_ID_RE
@@ -66,11 +66,7 @@ async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_k
         if not TICKET_ID_RE.match(ticket):
             raise UserError(f"--revoke {ticket!r}: a ticket id is 16 hex digits, as `invite` printed it")
     address = parse_run_address(run)
-    key_file = owner_key_file or owner_key_path(address.name)
-    key = load_owner_key(key_file)
-    if key is None:
-        raise UserError(f"no run owner key at {key_file}: only the machine that started the run holds it "
-                        f"(--owner-key names another file)")
+    key = required_owner_key(address.name, owner_key_file)
     node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(address.name, address.owner),
                             client_mode=True, timeout=timeout)
     try:
