@@ -37,7 +37,7 @@ from ravnest_swarm.membership.identity import NOT_THE_NAMED_PEER
 from ravnest_swarm.membership.records import (PeerRecord, PlanRecord, StageEndpoint, make_validators, peers_key,
                                            parse_run_address, plan_key, plan_subkey_prefix, signing_validator, spec_key,
                                            stage_subkey_prefix, stages_key, start_peer_node)
-from ravnest_swarm.net.identity import open_identity, peer_id_of_owner
+from ravnest_swarm.net.identity import peer_id_of_owner
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import maddrs_without_peer_id, parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.transport import make_request, unpack_metadata
@@ -274,6 +274,26 @@ def test_backward_from_a_stranger(attacked_run):
     attacked_run.keeps_training()
 
 
+async def serve_a_hostile_endpoint(node, run: str, slot: Tuple[int, int], holder: Dict) -> Tuple[bool, List[str]]:
+    """A stranger's ``node`` writes a well-formed endpoint record for ``slot`` (the cluster's stage held by
+    ``holder``), signed with its own identity and naming itself, so it is stored (it speaks for itself), dated far
+    ahead, so it is the slot's newest, and serves the forward handler to catch what reaches it. Whether a node
+    stored the record, and the senders caught (filled as forwards arrive)."""
+    caught = []
+
+    async def catch(info, reader, writer):
+        caught.append(info.peer_id.to_base58())
+        writer.close()
+
+    await node.p2p.add_binary_stream_handler(wire.FORWARD, catch)
+    hostile = StageEndpoint(peer_id=node.peer_id.to_base58(), model="mlp-digits",
+                            maddrs=[str(m) for m in await node.p2p.get_visible_maddrs()],
+                            layers=list(holder["layers"]), version=holder["step"], time=time.time() + 10**6).dict()
+    stored = await node.store(stages_key(run, slot[0]), hostile, get_dht_time() + 600,
+                              subkey=stage_subkey_prefix(*slot) + signing_validator(node).local_public_key)
+    return stored, caught
+
+
 @pytest.mark.timeout(180)
 def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_run):
     """Attack: a stranger's DHT node writes a well-formed endpoint record, signed with its own identity, for the
@@ -286,26 +306,10 @@ def test_endpoint_record_for_a_slot_from_a_peer_the_plan_does_not_name(attacked_
     slot = (second["cluster"], 1)
 
     async def attack():
-        # its own identity signs the record, which names it: such a record is stored (it speaks for itself)
-        identity = open_identity(None)
-        node = await start_node(parse_maddrs([attacked_run.maddr]),
-                                record_validators=make_validators(RUN, signing_key=identity.key),
-                                host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity=identity)
-        caught = []
-
-        async def catch(info, reader, writer):
-            caught.append(info.peer_id.to_base58())
-            writer.close()
-
+        node = await start_peer_node(parse_maddrs([attacked_run.maddr]), RUN, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
-            await node.p2p.add_binary_stream_handler(wire.FORWARD, catch)
-            hostile = StageEndpoint(peer_id=node.peer_id.to_base58(), model="mlp-digits",
-                                    maddrs=[str(m) for m in await node.p2p.get_visible_maddrs()],
-                                    layers=list(second["layers"]), version=second["step"],
-                                    time=time.time() + 10**6).dict()
             # it outlives this test, so the late joiner's placement meets it too
-            stored = await node.store(stages_key(RUN, slot[0]), hostile, get_dht_time() + 600,
-                                      subkey=stage_subkey_prefix(*slot) + signing_validator(node).local_public_key)
+            stored, caught = await serve_a_hostile_endpoint(node, RUN, slot, second)
             newest = (await read_endpoints(node, RUN, slot[0])).get(slot)
             named = (await read_endpoints(node, RUN, slot[0], {slot: second["peer_id"]})).get(slot)
             resolver = EndpointResolver(node, RUN, slot[0], 0, lambda: Neighbours(next=second["peer_id"]))

@@ -19,14 +19,12 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.timed_storage import get_dht_time
 
 from commands import ravnest
 from run_observer import RunObserver
 from ravnest_swarm.averaging.wire import RING_HANDLER
 from ravnest_swarm.membership.owner import OWNER_KEYS_ENV, fingerprint, load_or_create_owner_key
-from ravnest_swarm.membership.records import (StageEndpoint, signing_validator, stage_subkey_prefix, stages_key,
-                                           start_peer_node)
+from ravnest_swarm.membership.records import start_peer_node
 from ravnest_swarm.membership.tickets import Admission, issue_ticket
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import parse_maddrs, stop_node
@@ -35,7 +33,7 @@ from ravnest_swarm.pipeline.endpoints import read_endpoints
 from ravnest_swarm.processes import ProcessGroup
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec, read_specs
-from test_attacks import send_as, send_ring_messages
+from test_attacks import send_as, send_ring_messages, serve_a_hostile_endpoint
 
 RUN = "invited"
 MODEL_GB = model_workload(get_model("mlp-digits"), RunSpec("mlp-digits"), 8)[0].model_gb
@@ -276,20 +274,8 @@ def test_a_strangers_endpoint_record_does_not_count(invited_run):
         # its own identity signs the record, which names it: records bound to their writer store it (it speaks
         # for itself); only the run's admission keeps it from counting
         node = await start_peer_node(parse_maddrs([invited_run.maddr]), RUN, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        caught = []
-
-        async def catch(info, reader, writer):
-            caught.append(info.peer_id.to_base58())
-            writer.close()
-
         try:
-            await node.p2p.add_binary_stream_handler(wire.FORWARD, catch)
-            hostile = StageEndpoint(peer_id=node.peer_id.to_base58(), model="mlp-digits",
-                                    maddrs=[str(m) for m in await node.p2p.get_visible_maddrs()],
-                                    layers=list(second["layers"]), version=second["step"],
-                                    time=time.time() + 10**6).dict()
-            stored = await node.store(stages_key(RUN, slot[0]), hostile, get_dht_time() + 600,
-                                      subkey=stage_subkey_prefix(*slot) + signing_validator(node).local_public_key)
+            stored, caught = await serve_a_hostile_endpoint(node, RUN, slot, second)
             unchecked = (await read_endpoints(node, RUN, slot[0])).get(slot)
             node.admission = Admission(RUN, spec["owner"], spec["invite_only"], spec["revoked"])
             node.admission.admitted(records)
