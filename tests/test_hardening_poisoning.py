@@ -128,9 +128,6 @@ def test_a_nan_contribution_to_a_robust_ring_is_refused_and_the_rest_aggregate_w
             assert (got - expected).abs().max() <= 1e-5, (name, segment)
 
 
-@pytest.mark.xfail(strict=False, reason="a race open in the chunk-owner check: in about one run of three here the "
-                   "votes do not converge (an honest member left in an attempt of two, or the culprit kept in a ring of "
-                   "four while the honest refuse it); docs/security.md, Known limits")
 @pytest.mark.timeout(150)
 def test_a_chunk_owner_that_alters_its_aggregate_is_caught_and_the_rest_aggregate_without_it(processes, backbone,
                                                                                           tmp_path):

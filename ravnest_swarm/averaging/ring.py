@@ -25,7 +25,10 @@ the ring again with the accused, and comes back if their own checks exclude it. 
 or vote against an honest one takes only itself out of the ring: the others average without it. A poisoner is
 caught by each member that receives its values in turn; in a ring of two nobody can tell which member lies,
 and both keep their local values. A member still in an attempt when a member, already told, answers that the
-round is over for it waits for that note instead of failing the ring.
+round is over for it waits for that note; with no note, that member has left the ring (it says so of itself).
+A vote that comes while a member checks the chunk owners of its attempt (``robust_ring.py``) waits for that
+check, so each honest member votes on what it saw itself; a member waiting out asks the one it accused, every
+``ACCUSED_ASKED_EVERY`` seconds, whether it is still in the round (a hostile owner can finish its own attempt).
 """
 
 from __future__ import annotations
@@ -52,6 +55,20 @@ logger = logging.getLogger(__name__)
 # How long a ring waits for a member that has not reached the round yet, beyond the ring timeout: the caller
 # (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
 Patience = Callable[[int, List[str]], Awaitable[float]]
+ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused whether it is still in the round
+
+
+class MemberPastRound(Exception):
+    """``member`` answered that the round is over for it: it says so of itself, so it has left the ring."""
+
+    def __init__(self, member: str, reason: str):
+        super().__init__(reason)
+        self.member = member
+
+
+def past_round_or(error: Exception, member: str) -> Exception:
+    """What a send to ``member`` that raised ``error`` means for the ring: the member left, or the error."""
+    return MemberPastRound(member, str(error)) if ROUND_OVER in str(error) else error
 
 
 class ContributionRejected(Exception):
@@ -134,8 +151,13 @@ class RingRound:
             if settled is not None:
                 return settled
             if self.peer.peer_id in view.refusing:  # only our own vote makes us refuse: an attempt set deadline
-                if not await self.state.news(max(0.0, deadline - time.monotonic())):
-                    return self._refused(view)
+                # the accused may have ended its round (a hostile owner completes its own attempt): it says so
+                # of itself when asked, which takes it out of the ring and brings us back
+                for accused in self.state.refusals[self.peer.peer_id] & set(view.members):
+                    self.peer.background(self._tell_arrived(accused, min(deadline, time.monotonic() + CONTROL_TIMEOUT)))
+                if not await self.state.news(max(0.0, min(ACCUSED_ASKED_EVERY, deadline - time.monotonic()))):
+                    if time.monotonic() >= deadline:
+                        return self._refused(view)
                 continue
             missing = [member for member in members if member != self.peer.peer_id and member not in self.state.arrived]
             if missing:
@@ -186,10 +208,21 @@ class RingRound:
 
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
-        attempt = asyncio.create_task(self.peer.attempt(self, members, deadline).run())
+        running = self.peer.attempt(self, members, deadline)
+        attempt = asyncio.create_task(running.run())
         interrupted = asyncio.create_task(self.state.changed.wait())
         try:
             await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+            if not attempt.done() and running.checking:
+                # a member's vote came while we check the chunk owners of this very attempt: our check ends first,
+                # so that our own vote (or none) says what we saw, as the accuser's says what it saw; cancelled
+                # here, an honest member would never check the accused, and the votes against it never reach a
+                # majority
+                check_ended = asyncio.create_task(running.check_ended.wait())
+                try:
+                    await asyncio.wait({attempt, check_ended}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    check_ended.cancel()
         finally:
             # also when the round itself is cancelled (its peer stops, or leaves its stage): an attempt left
             # running would end later on its own, its exception never retrieved, its streams still open
@@ -204,9 +237,11 @@ class RingRound:
         except ContributionRejected as e:
             self._exclude(e)
             return None
+        except MemberPastRound as e:
+            if not await self._note_on_its_way(deadline):  # no vote or end of the ring explains it: it left
+                self.state.withdraw(e.member, f"{e.member[-8:]} is past round {self.step}")
+            return None
         except (asyncio.TimeoutError, Exception) as e:
-            if ROUND_OVER in str(e) and await self._note_on_its_way(deadline):
-                return None  # the member that is past the round was excluded, or ended the ring: decide again
             status = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
             reason = str(e) or type(e).__name__
             logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) {status}: {reason}")
@@ -220,10 +255,11 @@ class RingRound:
         return self._result("ok", len(members))
 
     async def _note_on_its_way(self, deadline: float) -> bool:
-        """A member of our attempt answered that the round is over for it. It cannot have completed the ring
-        without us: another member refused its contribution (its own round ended when it was told) or it ended
-        the ring, and either way a note to us is on its way, which may come after its answer (it was sent in the
-        background). Wait for it, at most as long as a note may take; whether it came."""
+        """A member of our attempt answered that the round is over for it. An honest one cannot have completed
+        the ring without us: another member refused its contribution (its own round ended when it was told) or it
+        ended the ring, and either way a note to us is on its way, which may come after its answer (it was sent in
+        the background). Wait for it, at most as long as a note may take; whether it came. (A hostile chunk owner
+        can complete its own attempt while the others refuse it: no note comes, and it has left the ring.)"""
         try:
             await asyncio.wait_for(self.state.changed.wait(), max(0.0, min(CONTROL_TIMEOUT, deadline - time.monotonic())))
             return True
@@ -244,22 +280,21 @@ class RingRound:
         that answers it is here already counts as arrived: its own note may have reached us before we expected
         this round's messages, and been refused. One that answers that the round is over for it has left the
         ring: it says so of itself only, so a hostile member cannot end the ring for us this way."""
-        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[])
         self.state.here = True
-
-        async def tell(member: str) -> None:
-            try:
-                if (await self.peer.sender.send_note(member, note, deadline)).arrived:
-                    self.state.arrive(member)
-            except P2PHandlerError as e:
-                if ROUND_OVER in str(e):
-                    self.state.withdraw(member, f"{member[-8:]} is past round {self.step}")
-            except Exception as e:  # unreachable: the wait for its own note, or the ring, runs out of time
-                logger.debug(f"could not tell {member[-8:]} we reached round {self.step}: {e}")
-
         for member in self.ring.members:
             if member != self.peer.peer_id:
-                self.peer.background(tell(member))
+                self.peer.background(self._tell_arrived(member, deadline))
+
+    async def _tell_arrived(self, member: str, deadline: float) -> None:
+        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[])
+        try:
+            if (await self.peer.sender.send_note(member, note, deadline)).arrived:
+                self.state.arrive(member)
+        except P2PHandlerError as e:
+            if ROUND_OVER in str(e):
+                self.state.withdraw(member, f"{member[-8:]} is past round {self.step}")
+        except Exception as e:  # unreachable: the wait for its own note, or the ring, runs out of time
+            logger.debug(f"could not tell {member[-8:]} we reached round {self.step}: {e}")
 
     def _tell_ring(self, excluded: Optional[List[str]] = None, failure: Optional[str] = None) -> None:
         """Our votes (``excluded``) or that the ring ended for us (``failure``), to every other member of the
@@ -338,6 +373,10 @@ class RingAttempt:
         # honest partial sums stay within `contributions` times values of our own scale (the infinity norm:
         # one pass, no temporary the size of the chunk); taken per chunk when the first part of it arrives
         self.scales: Dict[int, float] = {}
+        # a robust attempt checks the chunk owners once its gather is complete (robust_ring.py): while it does, a
+        # change of the ring waits for the check to end (RingRound._attempt)
+        self.checking = False
+        self.check_ended = asyncio.Event()
 
     async def run(self) -> torch.Tensor:
         """Every step's send and receive at once; the averaged segment, or the first failure."""
@@ -364,7 +403,10 @@ class RingAttempt:
         step = self.steps[index]
         message = RingPart(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index,
                            position=step.position, attempt=self.excluded_before, phase=step.phase)
-        resent = await self.peer.sender.send_chunk(self.following, message, self.outboxes[index], self.deadline)
+        try:
+            resent = await self.peer.sender.send_chunk(self.following, message, self.outboxes[index], self.deadline)
+        except P2PHandlerError as e:
+            raise past_round_or(e, self.following)
         self.round.log.resends += resent  # not `+= await`: that would read the count before other sends added theirs
 
     async def _send_own_chunk(self) -> None:

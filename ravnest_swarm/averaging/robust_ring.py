@@ -45,9 +45,11 @@ import time
 from typing import Callable, Coroutine, Dict, List, Set
 
 import torch
+from hivemind.p2p import P2PHandlerError
 
 from ravnest_swarm.averaging.mailbox import MessageKey
-from ravnest_swarm.averaging.ring import ContributionRejected, Progress, RingAttempt, RingRound, RingStep
+from ravnest_swarm.averaging.ring import (ContributionRejected, Progress, RingAttempt, RingRound, RingStep,
+                                          past_round_or)
 from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, PER_COORDINATE, ROBUST_AGGREGATES
 from ravnest_swarm.averaging.wire import (PROBED_PER_CHUNK, REDUCE, Outbox, RingPart, RingProbe, RingReply, decode_part,
                                           serialize_part)
@@ -104,7 +106,12 @@ class RobustRingAttempt(RingAttempt):
         key = tuple(self.excluded_before)
         self.round.state.probes[key] = self._answer
         work = await super().run()
-        await self._check_owners(work)
+        self.checking = True
+        try:
+            await self._check_owners(work)
+        finally:
+            self.checking = False
+            self.check_ended.set()
         try:
             await asyncio.wait_for(self.all_probed.wait(), max(0.0, self.deadline - time.monotonic()))
         except asyncio.TimeoutError:
@@ -145,7 +152,7 @@ class RobustRingAttempt(RingAttempt):
         probe = RingProbe(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index, position=0,
                           attempt=self.excluded_before, coordinates=coordinates)
         replies = dict(zip(self.others, await asyncio.gather(*(
-            self.peer.sender.send_note(member, probe, self.deadline) for member in self.others))))
+            self._probe(member, probe) for member in self.others))))
         me = self.members.index(self.peer.peer_id)
         for member, reply in replies.items():
             if reply.values is None or len(reply.values) != len(coordinates):
@@ -171,6 +178,12 @@ class RobustRingAttempt(RingAttempt):
                     work[bounds] = self.segment[bounds]
                     break
 
+    async def _probe(self, member: str, probe: RingProbe) -> RingReply:
+        try:
+            return await self.peer.sender.send_note(member, probe, self.deadline)
+        except P2PHandlerError as e:
+            raise past_round_or(e, member)
+
     def _tasks(self) -> List[Coroutine]:
         gathers = range(self.first_gather, len(self.steps))
         return ([self._send_to_owner(j) for j in range(len(self.others))] + [self._serialize_chunks()]
@@ -180,7 +193,10 @@ class RobustRingAttempt(RingAttempt):
     async def _send_to_owner(self, index: int) -> None:
         message = RingPart(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index, position=0,
                            attempt=self.excluded_before, phase=REDUCE)
-        resent = await self.peer.sender.send_chunk(self.others[index], message, self.scatter[index], self.deadline)
+        try:
+            resent = await self.peer.sender.send_chunk(self.others[index], message, self.scatter[index], self.deadline)
+        except P2PHandlerError as e:
+            raise past_round_or(e, self.others[index])
         self.round.log.resends += resent
 
     async def _serialize_chunks(self) -> None:
