@@ -122,6 +122,9 @@ def join(
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
     max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, max=1024, help="Run spec: microbatches in flight per cluster."),
     averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
+    averaging_overlap: Optional[bool] = typer.Option(None, "--averaging-overlap/--no-averaging-overlap", help="Run "
+                                                     "spec: stages train on while their averaging round runs and "
+                                                     "apply it one round late (default: off, docs/averaging.md)."),
     pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: the codec of "
                                                        "activations and gradients between stages: none, float16, meanstd16, "
                                                        "int8, int6, int4 or int3 (docs/pipeline.md)."),
@@ -210,8 +213,8 @@ def join(
         timeout=timeout, patience=patience, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, identity=identity,
         owner_key=owner_key, ticket=ticket, invite_only=invite_only, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
-        averaging_period=averaging_period, pipeline_compression=pipeline_compression,
-        link_bound_compression=link_bound_compression, steps=steps,
+        averaging_period=averaging_period, averaging_overlap=averaging_overlap,
+        pipeline_compression=pipeline_compression, link_bound_compression=link_bound_compression, steps=steps,
         precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
         weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr,
@@ -407,6 +410,8 @@ def local(
                                        "instead of the model's own data."),
     chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
+    averaging_overlap: bool = typer.Option(False, "--averaging-overlap/--no-averaging-overlap", help="Stages train on "
+                                           "while their averaging round runs (docs/averaging.md)."),
     pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="The codec of activations "
                                              "and gradients between stages: none, float16, meanstd16, int8, int6, "
                                              "int4 or int3 (docs/pipeline.md)."),
@@ -462,6 +467,7 @@ def local(
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
+                                            averaging_overlap=averaging_overlap,
                                             pipeline_compression=pipeline_compression,
                                             link_bound_compression=link_bound_compression, precision=precision,
                                             backward=backward, microbatch_size=microbatch_size, lr=lr,

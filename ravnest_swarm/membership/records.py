@@ -254,6 +254,7 @@ class RunSpecRecord(pydantic.BaseModel):
     microbatch_size: pydantic.conint(strict=True, ge=1, le=4096)
     max_in_flight: pydantic.conint(strict=True, ge=1, le=1024)
     averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
+    averaging_overlap: pydantic.StrictBool = False  # swarm/stage_averaging.py: rounds beside training
     pipeline_compression: pydantic.constr(strict=True, regex=PIPELINE_CODEC_PATTERN) = "none"  # codecs.CODECS
     link_bound_compression: pydantic.constr(strict=True, regex=f"{PIPELINE_CODEC_PATTERN}|^$") = ""  # link_codec.py
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast

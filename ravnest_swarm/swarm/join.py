@@ -60,6 +60,7 @@ class JoinOptions:
     microbatch_size: Optional[int] = None
     max_in_flight: Optional[int] = None
     averaging_period: Optional[int] = None
+    averaging_overlap: Optional[bool] = None
     pipeline_compression: Optional[str] = None
     link_bound_compression: Optional[str] = None
     steps: Optional[int] = None
@@ -100,6 +101,7 @@ class JoinOptions:
     verbose: bool = False
 
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
+                   "averaging_overlap",
                    "pipeline_compression", "link_bound_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
                    "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
                    "steps", "invite_only")

@@ -193,13 +193,11 @@ class LocalSwarm:
         if self.options.max_ram_gb is not None:  # peers measure their RAM and offer at most this
             offer["max_ram_gb"] = self.options.max_ram_gb
             offer["ram_gb"] = None
+        # every field of our spec that a joiner may ask for (the optimizers too, which once went missing here)
+        spec = {name: getattr(self.spec, name) for name in JoinOptions.SPEC_FIELDS if name != "steps"}
         options = JoinOptions(
-            initial_peers=[maddr], run=RUN, name=name, dashboard=False, model=self.spec.model,
-            model_config=self.spec.model_config, steps=self.options.steps, lr=self.spec.lr,
-            microbatch_size=self.spec.microbatch_size, max_in_flight=self.spec.max_in_flight,
-            averaging_period=self.spec.averaging_period, pipeline_compression=self.spec.pipeline_compression,
-            link_bound_compression=self.spec.link_bound_compression,
-            precision=self.spec.precision, backward=self.spec.backward, device=self.options.device, heartbeat=4.0,
+            initial_peers=[maddr], run=RUN, name=name, dashboard=False, steps=self.options.steps, **spec,
+            device=self.options.device, heartbeat=4.0,
             min_peers=self.options.peers, checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.options.checkpoint_every,
             identity=os.path.join(self.checkpoint_dir, f"{RUN}-{name}.key"), host_maddrs=["/ip4/127.0.0.1/tcp/0"],

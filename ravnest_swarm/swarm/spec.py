@@ -82,6 +82,8 @@ class RunSpec:
     :param microbatch_size: samples per microbatch
     :param max_in_flight: microbatches in flight per cluster (bounded staleness)
     :param averaging_period: optimizer steps between averaging rounds (H)
+    :param averaging_overlap: a stage trains on while its round runs and applies the result one round late
+      (``swarm/stage_averaging.py``); off, it stands still for the round
     :param pipeline_compression: the codec stages send activations and gradients in (``codecs.CODECS``): ``none``,
       16 bits, or ``int8`` ... ``int3`` blockwise for a quarter to a tenth of the bytes on slow home links
       (docs/pipeline.md)
@@ -128,6 +130,7 @@ class RunSpec:
     # layers lost 1.5 points of held-out accuracy to it in `bench quality`; at 2, 0.3 (docs/benchmarks.md)
     max_in_flight: int = 2
     averaging_period: int = 25
+    averaging_overlap: bool = False
     pipeline_compression: str = "none"
     # measured (docs/pipeline.md, "Codecs"): int8 keeps the held-out loss within 1 % of float32 at 3.85x fewer
     # bytes, and wins on a link-bound boundary (1.86x the samples/s at 100 Mbit/s), while on a compute-bound one

@@ -4,10 +4,18 @@ Every ``averaging_period`` steps the volunteer's hook (``Volunteer._between_step
 :meth:`StageAveraging.average` with its running worker and the plan it follows: the rings are the plan's
 (``averaging.segments``), the round is named by the step, and the averaged vector is written back into the
 stage's parameters. A round never stops training: what fails keeps the local values, is counted, said and noted.
+
+With the run spec's ``averaging_overlap`` the stage does not stand still for a round: the hook starts it
+(:meth:`StageAveraging.begin`) with the values of that step and returns, and at every later step boundary asks
+whether it ended (:meth:`StageAveraging.take_finished`). Its result is applied one round late, as Streaming
+DiLoCo (arXiv 2501.18512) and eager outer updates do: the result, the same on every member, takes the place of the
+values sent, and the steps trained since are kept on top of it. So members agree on each round's result (what
+``keep_averaged`` offers joiners, and the outer optimizer's state), not on their live weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -35,6 +43,17 @@ class Following:
 
     worker: Optional[StageWorker]
     plan: Optional[dict]
+
+
+@dataclass
+class InFlightRound:
+    """A round that runs while the stage trains on (``averaging_overlap``): whose layers, its step, the values
+    we sent, and the task that returns what :meth:`StageAveraging._round` does."""
+
+    worker: StageWorker
+    step: int
+    sent: torch.Tensor
+    task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
 
 
 class StageAveraging:
@@ -71,24 +90,79 @@ class StageAveraging:
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
         self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
+        self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
 
     async def start(self) -> None:
         await self.averager.start()
 
     async def shutdown(self) -> None:
+        cancelled = self.cancel()
+        if cancelled is not None:
+            await asyncio.gather(cancelled, return_exceptions=True)
         await self.averager.shutdown()
 
     async def average(self, worker: StageWorker, plan: dict, step: int) -> bool:
-        """One averaging round of ``worker``'s layers in ``plan``'s rings; whether every ring of ours averaged.
-        ``rounds`` counts those, ``failures`` those in which one did not (its segment kept the local values), and
-        the record's note says why; a round we have no ring in is neither."""
-        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes))
-        if not rings or step <= self.averager.last_finished_step:
-            return False  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
-        self.announcer.update(state="averaging")
-        started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
+        """One averaging round of ``worker``'s layers in ``plan``'s rings, the stage standing still meanwhile;
+        whether every ring of ours averaged. ``rounds`` counts those, ``failures`` those in which one did not (its
+        segment kept the local values), and the record's note says why; a round we have no ring in is neither."""
         parameters = list(worker.module.parameters())
         local = flatten([p.detach().cpu() for p in parameters])  # rings read and write host memory
+        outcome = await self._round(worker, plan, step, local)
+        if outcome is None:
+            return False
+        ok, values = outcome
+        self._write(worker, step, ok, values)
+        return ok
+
+    async def begin(self, worker: StageWorker, plan: dict, step: int) -> Optional[bool]:
+        """Start a round of ``worker``'s layers as they are now, and return: the stage trains on meanwhile
+        (the run spec's ``averaging_overlap``). :meth:`take_finished`, called at each step boundary, applies it
+        once it ended. The round before, if it still runs, ends first, the stage waiting for it: every member
+        takes part in every round, and a result is at most one round late. Returns what :meth:`take_finished`
+        returned for that round."""
+        finished = None
+        if self.in_flight is not None:
+            await asyncio.gather(asyncio.shield(self.in_flight.task), return_exceptions=True)
+            finished = self.take_finished(worker)
+        sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
+        self.in_flight = InFlightRound(worker, step, sent, asyncio.create_task(
+            self._round(worker, plan, step, sent.clone(), beside_training=True)))
+        return finished
+
+    def take_finished(self, worker: StageWorker) -> Optional[bool]:
+        """At a step boundary of ``worker``: the round in flight, once it ended, applied one round late. Its
+        result (the same on every member) takes the place of the values we sent, and what we trained since
+        is kept on top of it: parameters = result + (now - sent). None: no round ended (or it ended for
+        another worker, whose layers we no longer train); else whether every ring of ours averaged."""
+        if self.in_flight is None or not self.in_flight.task.done():
+            return None
+        finished, self.in_flight = self.in_flight, None
+        try:
+            outcome = finished.task.result()
+        except (asyncio.CancelledError, Exception) as e:  # averaging must never stop training
+            self._failed(finished.step, f"{type(e).__name__}: {e}")
+            outcome = None
+        applied: Optional[bool] = None
+        if outcome is not None and finished.worker is worker:
+            applied, values = outcome
+            parameters = list(worker.module.parameters())
+            trained = flatten([p.detach().cpu() for p in parameters]) - finished.sent
+            self._write(worker, finished.step, applied, values)
+            with torch.no_grad():
+                unflatten_into(values + trained, parameters)
+        return applied
+
+    async def _round(self, worker: StageWorker, plan: dict, step: int, local: torch.Tensor,
+                     beside_training: bool = False) -> Optional[Tuple[bool, torch.Tensor]]:
+        """The rings of one round over ``local`` (our flat values, written in place), then the outer step: whether
+        every ring of ours averaged, and the values the stage takes. None: no ring of ours in this round. Our
+        record's state says ``averaging`` while the stage stands still for it, not ``beside_training``."""
+        state = "training" if beside_training else "averaging"
+        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes))
+        if not rings or step <= self.averager.last_finished_step:
+            return None  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
+        self.announcer.update(state=state)
+        started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
         try:
             # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
@@ -98,7 +172,7 @@ class StageAveraging:
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self._failed(step, f"{type(e).__name__}: {e}")
             self.announcer.update(state="training")
-            return False
+            return None
         finally:
             self.times.append((started, time.time()))  # a failed round costs its time too
         if self._outer_worker is not worker:  # a new stage: its outer state starts at its first round's mean
@@ -107,8 +181,6 @@ class StageAveraging:
             local = self.outer.step(local)  # every ring of ours gave the mean: the outer step takes it
         else:
             self.outer.forget()  # some segments kept their own values: the next round starts the outer state anew
-        with torch.no_grad():
-            unflatten_into(local, parameters)
         if result.rejected:
             self.on_rejected(len(result.rejected))
             first = result.rejected[0]
@@ -116,13 +188,28 @@ class StageAveraging:
                       f"{first['peer'][-8:]}: {first['reason']}")
         if result.ok:
             self.rounds += 1
-            # as every member of our rings now holds them: what a joiner compares across holders
-            self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
         else:
             failed = next(segment for segment in result.segments if segment.status != "ok")
             self._failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
         self.announcer.update(state="training", averaging_rounds=self.rounds, averaging_failures=self.failures)
-        return result.ok
+        return result.ok, local
+
+    def _write(self, worker: StageWorker, step: int, ok: bool, values: torch.Tensor) -> None:
+        """``values`` into the stage's parameters; a round in which every ring of ours averaged is kept as what a
+        joiner compares across holders (every member of our rings now holds it)."""
+        with torch.no_grad():
+            unflatten_into(values, list(worker.module.parameters()))
+        if ok:
+            self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
+
+    def cancel(self) -> Optional[asyncio.Task]:
+        """Stop the round in flight (we leave, or stop training: its result would be for layers we no longer
+        train); its task, which ends by itself."""
+        if self.in_flight is None:
+            return None
+        task, self.in_flight = self.in_flight.task, None
+        task.cancel()
+        return task
 
     def _expected(self) -> Optional[Expected]:
         """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
@@ -134,7 +221,10 @@ class StageAveraging:
         if self._plan_rings[0] is not now.plan:
             self._plan_rings = (now.plan, plan_rings(now.plan, self.layer_sizes))
         version = now.worker.version
-        return Expected(self._plan_rings[1], self.peer_id, version - self.period, version + 2 * self.period)
+        first = version - self.period
+        if self.in_flight is not None:
+            first = min(first, self.in_flight.step)  # a round beside training lasts as long as it needs
+        return Expected(self._plan_rings[1], self.peer_id, first, version + 2 * self.period)
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""

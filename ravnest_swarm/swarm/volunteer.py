@@ -405,6 +405,7 @@ class Volunteer:
         # hand the layers to the state server first: others may be fetching them while the worker stops
         self.held, self.worker = (worker.start_layer, worker.module, worker.version), None
         self.stopped_worker = worker
+        self.averaging.cancel()  # a round beside training (averaging_overlap) was for the layers it trained
         await worker.shutdown()
         # an update in flight may have finished while the worker stopped: offer the final step with the weights
         self.held = (worker.start_layer, worker.module, worker.version)
@@ -517,7 +518,14 @@ class Volunteer:
         if worker is None:
             return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
         self._set_lr(worker)  # the schedule moves with the step
-        if self.spec.averaging_period and step % self.spec.averaging_period == 0:
+        if self.spec.averaging_overlap:
+            averaged = self.averaging.take_finished(worker)  # a round beside training ended: applied at this boundary
+            if self.spec.averaging_period and step % self.spec.averaging_period == 0 and self._averages_now():
+                waited_for = await self.averaging.begin(worker, self.plan, step)  # the last one ends first
+                averaged = averaged if waited_for is None else waited_for
+            if averaged is not None:
+                worker.mark_restore_point("the averaged state" if averaged else "its own state")
+        elif self.spec.averaging_period and step % self.spec.averaging_period == 0:
             averaged = await self._average(worker, step)
             # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (one
             # cluster, a failed round) our own, kept only while the loss is at its level
@@ -527,11 +535,16 @@ class Volunteer:
 
     async def _average(self, worker: StageWorker, step: int) -> bool:
         """Average our stage in the plan we follow (``stage_averaging.py``); whether every ring of ours averaged."""
+        if not self._averages_now():
+            return False
+        return await self.averaging.average(worker, self.plan, step)
+
+    def _averages_now(self) -> bool:
+        """Whether our stage has partners to average with in the plan we follow."""
         if self.plan is None or len(self.plan["clusters"]) < 2:
             return False
-        if self.adopted is not self.plan and placement_in(self.adopted, self.peer_id) != self.placement:
-            return False  # the plan just adopted moves us: this worker stops next, and its partners moved too
-        return await self.averaging.average(worker, self.plan, step)
+        # the plan just adopted moves us: this worker stops next, and its partners moved too
+        return self.adopted is self.plan or placement_in(self.adopted, self.peer_id) == self.placement
 
     def _count_rejected(self, count: int) -> None:
         self.rejected_before += count
