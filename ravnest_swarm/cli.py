@@ -159,6 +159,9 @@ def join(
                                                       "spec: a loss above this many times a stage's level skips its "
                                                       "step, three in a row restore its last good state (default 10; "
                                                       "0: only a loss that is not finite)."),
+    move_horizon: Optional[float] = typer.Option(None, "--move-horizon", min=1.0, max=1e7, help="Run spec: seconds "
+                                                 "within which a new plan must pay back moving layers with its gain "
+                                                 "in throughput, or the plan in force stays (default 600)."),
     device: str = typer.Option("auto", "--device", help="Where this peer's stages compute: auto (the first GPU "
                                "torch sees, else the CPU), cpu, or cuda (cuda:N)."),
     device_memory_gb: Optional[float] = typer.Option(None, "--device-memory-gb", min=0.0, help="Override the "
@@ -215,7 +218,7 @@ def join(
         precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
         weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr,
-        divergence_factor=divergence_factor, data=data, handover_timeout=handover_timeout,
+        divergence_factor=divergence_factor, move_horizon_s=move_horizon, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
         snapshot_dir=snapshot_dir, snapshot_every=snapshot_every, init_from=init_from,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,

@@ -223,7 +223,10 @@ class Volunteer:
         self.rounds = PlanningRounds(self.node, self.run, self.announcer,
                                      RoundOptions(workload, self.options.min_peers, self.options.round_period,
                                                   self.options.round_seconds, len(self.model.layers),
-                                                  layer_profile=profile),
+                                                  layer_profile=profile, move_horizon_s=self.spec.move_horizon_s,
+                                                  # a moved stage downloads its new layers' parameters
+                                                  layer_download_gb=[layer.param_bytes / 1e9
+                                                                     for layer in self.model.layers]),
                                      self.console, on_adopt=self._on_adopt)
         planner = asyncio.create_task(self.rounds.run_forever(stop))
         graceful = False
