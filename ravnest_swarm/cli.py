@@ -107,7 +107,7 @@ def join(
     gflop_per_sample: float = typer.Option(1.0, "--gflop-per-sample", hidden=True, help="Planning: forward+backward GFLOP per sample."),
     activation_mb: float = typer.Option(0.0, "--activation-mb", hidden=True, help="Planning: activations between stages per sample, MB."),
     max_stages: int = typer.Option(8, "--max-stages", min=1, max=64, help="Planning: most peers per cluster."),
-    min_peers: int = typer.Option(2, "--min-peers", min=1, help="Planning: open a round once this many unplanned peers are live."),
+    min_peers: int = typer.Option(2, "--min-peers", min=1, help="Planning: open the first round once this many peers are live."),
     round_period: float = typer.Option(600.0, "--round-period", min=0.0, help="Planning: revise the plan after this many seconds (0: never)."),
     round_seconds: float = typer.Option(10.0, "--round-seconds", min=3.0, help="Planning: seconds from a round's opening to its deadline."),
     num_layers: int = typer.Option(32, "--num-layers", min=1, hidden=True, help="Planning: identical layers cut into stage ranges."),

@@ -6,15 +6,19 @@ import re
 import time
 
 import numpy as np
+import pydantic.v1 as pydantic
 import pytest
+from hivemind.utils.crypto import RSAPrivateKey
 
 from commands import ravnest
+from ravnest_swarm.membership.records import RunSpecRecord
 from ravnest_swarm.planning.cost import (
     MOVE_PAUSE_S, MoveCost, MovePrice, Peer, Workload, horizon_throughput, move_cost, pays_back, swarm_throughput,
 )
 from ravnest_swarm.planning.ga import GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.moves import Pricing, in_force_throughput, price_plan
 from ravnest_swarm.planning.plan import assignment_clusters, uniform_layers
+from ravnest_swarm.swarm.spec import RunSpec
 
 # M = 10 GB in 32 layers of 0.3125 GB; four equal peers of 5 GB: two clusters of two, 20 GFLOP/s each
 WORKLOAD = Workload(10.0, 20.0, 0.0, 8)
@@ -61,6 +65,15 @@ def test_a_plan_is_adopted_only_when_its_gain_pays_back_the_samples_its_moves_lo
     assert not pays_back(current=9.0, proposed=9.0 * (1 + 1e-12), move_seconds=0.0, horizon_s=600.0)  # round-off
     with pytest.raises(ValueError, match="move horizon"):
         MovePrice((1.0,), horizon_s=0.0)
+
+
+def test_the_spec_carries_the_horizon_and_refuses_one_out_of_bounds():
+    key = RSAPrivateKey()
+    assert RunSpec("mlp-digits").record(key)["move_horizon_s"] == 600.0
+    assert RunSpec.from_record(RunSpec("mlp-digits", move_horizon_s=3600.0).record(key)).move_horizon_s == 3600.0
+    for bad in (0.0, float("nan"), 1e8, "600"):
+        with pytest.raises(pydantic.ValidationError):
+            RunSpecRecord.parse_obj(dict(RunSpec("mlp-digits").record(key), move_horizon_s=bad))
 
 
 def test_a_plan_in_force_that_lost_a_peer_has_no_throughput_to_keep():

@@ -59,7 +59,7 @@ class RoundOptions:
     """How a volunteer takes part in planning rounds.
 
     :param workload: the model's needs (M, F, A, D)
-    :param min_peers: open a round once this many live peers are not yet planned for
+    :param min_peers: open the first round once this many peers are live
     :param round_period: seconds after which a plan is revised anyway (0: never)
     :param round_seconds: how long a round runs from its opening to its deadline
     :param num_layers: identical layers the stages' layer ranges are cut from

@@ -318,7 +318,7 @@ class Volunteer:
     async def _standby_reason(self, plan: dict) -> str:
         """Why we have no slot, and what would give us one (a round opens for each of these by itself)."""
         reason = standby_reason(plan, await self.rounds.read_alive(get_dht_time()), self.rounds.options.workload)
-        when = "when a placed peer leaves or more peers join"
+        when = "when a placed peer leaves or joiners allow a plan that pays back its moves"
         if self.options.round_period > 0:
             revision = max(0.0, plan["time"] + self.options.round_period - time.time())
             when += f", or at the latest in {revision:.0f}s when the plan is revised"
