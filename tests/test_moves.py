@@ -16,6 +16,7 @@ from ravnest_swarm.planning.cost import (
     MOVE_PAUSE_S, MoveCost, MovePrice, Peer, Workload, horizon_throughput, move_cost, pays_back, swarm_throughput,
 )
 from ravnest_swarm.planning.ga import GAConfig, IslandGA, SwarmArrays
+from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.moves import Pricing, in_force_throughput, price_plan
 from ravnest_swarm.planning.plan import assignment_clusters, uniform_layers
 from ravnest_swarm.swarm.spec import RunSpec
@@ -125,6 +126,24 @@ def test_the_ga_objective_counts_moves_so_keeping_placed_peers_wins_a_tie():
         for _, stages in price_plan(in_force, EQUAL, None, pricing).plan.clusters]}
     swapped = price_plan([["a", "c"], ["b", "d"]], EQUAL, record, pricing)
     assert swapped.value == pytest.approx(weighed[1])
+
+
+def test_weighing_moves_only_lowers_fitness_and_never_that_of_the_plan_in_force():
+    rng = np.random.default_rng(3)
+    peers = [Peer(f"p{i}", float(rng.uniform(2, 8)), float(rng.uniform(10, 80)), float(rng.uniform(50, 500)))
+             for i in range(9)]
+    plain = SwarmArrays(peers, WORKLOAD)
+    in_force = greedy_plan(plain)  # a plan the evaluation keeps whole
+    clusters = [np.flatnonzero(in_force == k).tolist() for k in range(in_force.max() + 1)]
+    assert len(clusters) >= 2
+    weighed = SwarmArrays(peers, WORKLOAD)
+    weighed.weigh_moves([(cluster, len(cluster)) for cluster in clusters], PRICE)
+    population = rng.integers(-1, plain.max_clusters, size=(200, plain.size)).astype(np.int32)
+    population[0] = in_force
+    raw, _, _ = plain.evaluate(population.copy())
+    priced, _, _ = weighed.evaluate(population.copy())
+    assert priced[0] == raw[0] > 0
+    assert np.all(priced <= raw) and np.any((priced < raw) & (raw > 0))
 
 
 def test_the_ga_started_from_a_reshuffled_plan_returns_to_the_placed_peers_places():

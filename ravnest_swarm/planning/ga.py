@@ -53,7 +53,8 @@ class SwarmArrays:
         self.size = len(self.peer_index)
         # no more clusters can be feasible than the total RAM holds copies of the model
         self.max_clusters = max(1, min(self.size, int(math.floor(self.caps.sum() + FEASIBILITY_SLACK))))
-        self.moves: Optional[MovePrice] = None
+        self.moves: Optional[MovePrice] = None  # weigh_moves: the price, each column's cluster in force, their sizes
+        self.held, self.held_sizes = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
 
     def weigh_moves(self, in_force: Sequence[Tuple[Sequence[int], int]], price: MovePrice) -> None:
         """Score plans by their throughput over ``price.horizon_s`` after moving from the plan in force.
@@ -132,17 +133,18 @@ class SwarmArrays:
         if self.moves is not None and len(self.held_sizes):
             row_of = rows[starts]
             in_plan = feasible & (position[row_of, np.maximum(segment_ids, 0)] < clusters[row_of])
-            fitness = fitness * self._horizon_share(member, peer, rows, starts, segment_of, count, in_plan)
+            fitness = fitness * self._horizon_share(individuals, member, peer, rows, starts, segment_of, count,
+                                                    in_plan)
         relabelled = new_id[everyone[:, None], np.where(population >= 0, population, slots)]
         excess = (sorted_ids >= 0) & ~member
         relabelled[rows[excess], peer[excess]] = STANDBY
         population[:] = relabelled
         return fitness, margin, clusters
 
-
-    def _horizon_share(self, member, peer, rows, starts, segment_of, count, in_plan):
-        """Per individual, the share of the horizon left after its moves (see :meth:`weigh_moves`)."""
-        individuals, price = len(rows) // max(1, self.size), self.moves
+    def _horizon_share(self, individuals, member, peer, rows, starts, segment_of, count, in_plan):
+        """Per individual, the share of the horizon left after its moves (see :meth:`weigh_moves`). The sorted
+        members are ``individuals`` rows of ``size`` each, so per-row figures are maxima over a reshape."""
+        price = self.moves
         held = np.where(member, self.held[peer], STANDBY)
         lowest = np.minimum.reduceat(np.where(member, held, np.iinfo(np.int64).max), starts)
         highest = np.maximum.reduceat(held, starts)
@@ -150,10 +152,9 @@ class SwarmArrays:
         moved = member & (in_plan & ~unchanged)[segment_of]
         with np.errstate(divide="ignore"):
             download = np.where(moved, 8000 * price.download_gb / count[segment_of] / self.bandwidth[peer], 0.0)
-        slowest = np.zeros(individuals)
-        np.maximum.at(slowest, rows, download)
+        slowest = download.reshape(individuals, self.size).max(axis=1)
         kept = np.bincount(rows[starts][in_plan & unchanged], minlength=individuals)
-        changed = np.bincount(rows, weights=moved, minlength=individuals) > 0
+        changed = moved.reshape(individuals, self.size).any(axis=1)
         seconds = np.where(changed | (kept < len(self.held_sizes)), price.pause_s + slowest, 0.0)
         return np.maximum(0.0, price.horizon_s - seconds) / price.horizon_s
 
