@@ -100,8 +100,8 @@ def test_a_peer_that_missed_a_round_is_weighed_against_the_plan_it_missed():
     """A peer seen when round 1 opened whose proposal was not live at the deadline (a slow start under
     load) must not stay standby for good: as a standby of the new plan it is weighed once, and opens a round
     because a second cluster pays back its moves; it is not weighed again until a plan is adopted."""
-    options = RoundOptions(WORKLOAD)
-    triggers = RoundTriggers(min_peers=4, round_period=0.0, options=options)
+    options = RoundOptions(WORKLOAD, min_peers=4, round_period=0.0)
+    triggers = RoundTriggers(options)
     alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
     assert triggers.reason(None, alive) == "4 live peers"
     triggers.adopted()
@@ -114,7 +114,7 @@ def test_a_peer_that_missed_a_round_is_weighed_against_the_plan_it_missed():
 
 
 def test_a_planned_peer_is_called_gone_only_after_several_looks():
-    triggers = RoundTriggers(min_peers=2, round_period=0.0, options=RoundOptions(WORKLOAD))
+    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0))
     alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1")}
     plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": "v0", "layers": [0, 16]},
                                                            {"peer_id": "v1", "layers": [16, 32]}]]}
@@ -122,6 +122,20 @@ def test_a_planned_peer_is_called_gone_only_after_several_looks():
     looks = [triggers.reason(plan, without_v1) for _ in range(GONE_POLLS)]
     assert looks[:-1] == [None] * (GONE_POLLS - 1) and looks[-1] == "1 planned peer(s) gone"
     assert triggers.reason(plan, alive) is None
+
+
+def test_the_round_period_counts_from_a_round_that_kept_the_plan_too():
+    """A round opened because the period elapsed may keep the plan in force (nothing paid back its moves):
+    the next revision waits a period from then, rather than opening a round at every look."""
+    options = RoundOptions(WORKLOAD, round_period=60.0)
+    triggers = RoundTriggers(options)
+    plan = dict(planned(("v0", "v1", "v2", "v3"), options), time=time.time() - 61)
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    assert triggers.reason(plan, alive) == "round period elapsed"
+    triggers.declined()
+    assert triggers.reason(plan, alive) is None
+    triggers.declined_at -= 61
+    assert triggers.reason(plan, alive) == "round period elapsed"
 
 
 def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
@@ -132,9 +146,9 @@ def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
     standby that adds nothing is told why."""
     four = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
     everyone = dict(four, v4=Peer("v4", *map(float, CAPABILITIES["v4"])))
-    hour = RoundOptions(WORKLOAD, move_horizon_s=3600.0)
+    hour = RoundOptions(WORKLOAD, round_period=0.0, move_horizon_s=3600.0)
     plan = planned(four, hour)
-    triggers = RoundTriggers(min_peers=2, round_period=0.0, options=hour)
+    triggers = RoundTriggers(hour)
     assert triggers.reason(plan, four) is None
     assert triggers.reason(plan, everyone) == ("1 standby peer(s) can raise the swarm's throughput from 9 to 12 "
                                                "samples/s, moving 1 peer(s) in 210s")
@@ -142,8 +156,7 @@ def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
     current, possible = improvement(plan, everyone, hour.pricing())
     assert (current, possible.throughput, possible.cost) == (9.0, 12.0, MoveCost(210.0, 10.0, 1))
 
-    ten_minutes = RoundOptions(WORKLOAD, move_horizon_s=600.0)
-    triggers = RoundTriggers(min_peers=2, round_period=0.0, options=ten_minutes)
+    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0, move_horizon_s=600.0))
     assert triggers.reason(plan, everyone) is None
     standbys, current, possible = triggers.unpaid
     assert standbys == {"v4"} and current == 9.0 and possible.value == pytest.approx(7.8)

@@ -113,13 +113,12 @@ class RoundTriggers:
     throughput enough to pay back the moves (:func:`improvement`, the same estimate the round adopts by),
     weighed once per set of standbys until a plan is adopted; and every ``round_period`` seconds.
 
-    :param min_peers: open the first round once this many peers are live
-    :param round_period: seconds after which a plan is revised anyway (0: never)
-    :param options: the round options whose workload and move price weigh the standbys
+    :param options: the round options: ``min_peers``, ``round_period``, and the workload and move price that
+        weigh the standbys
     """
 
-    def __init__(self, min_peers: int, round_period: float, options: RoundOptions):
-        self.min_peers, self.round_period, self.options = min_peers, round_period, options
+    def __init__(self, options: RoundOptions):
+        self.options = options
         self.considered: set = set()  # standbys already weighed against the plan in force
         self.missing: Dict[str, int] = {}  # planned peer id -> consecutive polls without its record
         self.declined_at = 0.0  # when a round last adopted nothing: the round period counts from then too
@@ -138,7 +137,7 @@ class RoundTriggers:
     def reason(self, plan: Optional[dict], alive: Dict[str, Peer]) -> Optional[str]:
         """Why a new round should open now, or None."""
         if plan is None:
-            return f"{len(alive)} live peers" if len(alive) >= self.min_peers else None
+            return f"{len(alive)} live peers" if len(alive) >= self.options.min_peers else None
         members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
         # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
         self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
@@ -155,7 +154,8 @@ class RoundTriggers:
                         f"{possible.throughput:.3g} samples/s, moving {possible.cost.moved} peer(s) in "
                         f"{possible.cost.seconds:.0f}s")
             self.unpaid = (standbys, current, possible)
-        if self.round_period > 0 and time.time() - max(plan["time"], self.declined_at) >= self.round_period:
+        period = self.options.round_period
+        if period > 0 and time.time() - max(plan["time"], self.declined_at) >= period:
             return "round period elapsed"
         return None
 
@@ -188,7 +188,7 @@ class PlanningRounds:
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
         self.subkey = signing_validator(node).local_public_key  # our identity's: records name us
-        self.triggers = RoundTriggers(options.min_peers, options.round_period, options)
+        self.triggers = RoundTriggers(options)
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
