@@ -107,7 +107,7 @@ def join(
     gflop_per_sample: float = typer.Option(1.0, "--gflop-per-sample", hidden=True, help="Planning: forward+backward GFLOP per sample."),
     activation_mb: float = typer.Option(0.0, "--activation-mb", hidden=True, help="Planning: activations between stages per sample, MB."),
     max_stages: int = typer.Option(8, "--max-stages", min=1, max=64, help="Planning: most peers per cluster."),
-    min_peers: int = typer.Option(2, "--min-peers", min=1, help="Planning: open a round once this many unplanned peers are live."),
+    min_peers: int = typer.Option(2, "--min-peers", min=1, help="Planning: open the first round once this many peers are live."),
     round_period: float = typer.Option(600.0, "--round-period", min=0.0, help="Planning: revise the plan after this many seconds (0: never)."),
     round_seconds: float = typer.Option(10.0, "--round-seconds", min=3.0, help="Planning: seconds from a round's opening to its deadline."),
     num_layers: int = typer.Option(32, "--num-layers", min=1, hidden=True, help="Planning: identical layers cut into stage ranges."),
@@ -162,6 +162,9 @@ def join(
                                                       "spec: a loss above this many times a stage's level skips its "
                                                       "step, three in a row restore its last good state (default 10; "
                                                       "0: only a loss that is not finite)."),
+    move_horizon: Optional[float] = typer.Option(None, "--move-horizon", min=1.0, max=1e7, help="Run spec: seconds "
+                                                 "within which a new plan must pay back moving layers with its gain "
+                                                 "in throughput, or the plan in force stays (default 600)."),
     device: str = typer.Option("auto", "--device", help="Where this peer's stages compute: auto (the first GPU "
                                "torch sees, else the CPU), cpu, or cuda (cuda:N)."),
     device_memory_gb: Optional[float] = typer.Option(None, "--device-memory-gb", min=0.0, help="Override the "
@@ -218,7 +221,7 @@ def join(
         precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
         weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr,
-        divergence_factor=divergence_factor, data=data, handover_timeout=handover_timeout,
+        divergence_factor=divergence_factor, move_horizon_s=move_horizon, data=data, handover_timeout=handover_timeout,
         checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, report=report,
         snapshot_dir=snapshot_dir, snapshot_every=snapshot_every, init_from=init_from,
         model_gb=model_gb, gflop_per_sample=gflop_per_sample, activation_mb=activation_mb, max_stages=max_stages,

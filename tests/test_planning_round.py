@@ -7,9 +7,10 @@ import time
 import pytest
 
 from commands import ravnest
-from ravnest_swarm.planning.cost import Peer, Workload
+from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
+from ravnest_swarm.planning.moves import improvement, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.planning.round import GONE_POLLS, RoundTriggers, improvement, standby_reason
+from ravnest_swarm.planning.round import GONE_POLLS, RoundOptions, RoundTriggers, standby_reason
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -86,45 +87,79 @@ def test_peer_killed_mid_round_does_not_block_it(processes, backbone):
     assert float(fitness) == pytest.approx(9.0, rel=1e-9)
 
 
-def test_a_peer_that_missed_a_round_gets_one_more_round_of_its_own():
+def planned(names, options, round_number=1):
+    """The plan record a round adopts for one cluster of ``names``, as the round builds it."""
+    peers = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in names}
+    priced = price_plan([sorted(peers)], peers, None, options.pricing())
+    return {"round": round_number, "time": time.time(),
+            "clusters": [[{"peer_id": s.peer_id, "layers": list(s.layers)} for s in stages]
+                         for _, stages in priced.plan.clusters]}
+
+
+def test_a_peer_that_missed_a_round_is_weighed_against_the_plan_it_missed():
     """A peer seen when round 1 opened whose proposal was not live at the deadline (a slow start under
-    load) must not stay standby for good: its return opens one more round, and only one."""
-    triggers = RoundTriggers(min_peers=4, round_period=0.0)
+    load) must not stay standby for good: as a standby of the new plan it is weighed once, and opens a round
+    because a second cluster pays back its moves; it is not weighed again until a plan is adopted."""
+    options = RoundOptions(WORKLOAD, min_peers=4, round_period=0.0)
+    triggers = RoundTriggers(options)
     alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
     assert triggers.reason(None, alive) == "4 live peers"
-    triggers.adopted(snapshot_ids=set(alive), participants={"v1", "v2"})
-    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": "v1"}, {"peer_id": "v2"}]]}
-    assert triggers.reason(plan, alive) == "2 peer(s) missed round 1"
-    assert triggers.reason(plan, alive) is None  # the retry was its one more round
-    triggers.adopted(snapshot_ids=set(alive), participants=set(alive))
-    assert triggers.reason(plan, alive) is None
+    triggers.adopted()
+    plan = planned(("v1", "v2"), options)
+    assert triggers.reason(plan, alive) == ("2 standby peer(s) can raise the swarm's throughput from 4 to 7.5 "
+                                            "samples/s, moving 2 peer(s) in 129s")
+    assert triggers.reason(plan, alive) is None  # weighed once
+    triggers.adopted()
+    assert triggers.reason(plan, alive) is not None
 
 
 def test_a_planned_peer_is_called_gone_only_after_several_looks():
-    triggers = RoundTriggers(min_peers=2, round_period=0.0)
+    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0))
     alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1")}
-    triggers.adopted(snapshot_ids=set(alive), participants=set(alive))
-    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": "v0"}, {"peer_id": "v1"}]]}
+    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": "v0", "layers": [0, 16]},
+                                                           {"peer_id": "v1", "layers": [16, 32]}]]}
     without_v1 = {"v0": alive["v0"]}
     looks = [triggers.reason(plan, without_v1) for _ in range(GONE_POLLS)]
     assert looks[:-1] == [None] * (GONE_POLLS - 1) and looks[-1] == "1 planned peer(s) gone"
     assert triggers.reason(plan, alive) is None
 
 
-def test_one_new_standby_opens_a_round_when_it_completes_a_cluster_and_is_weighed_once():
-    """With v0..v3 planned as one cluster of four (the best without v4), v4 alone joining can form a second
-    cluster: the greedy plan over every live peer beats the plan in force, so a round opens without waiting
-    for min_peers newcomers; a standby that adds nothing is told why instead, and no set is weighed twice."""
-    triggers = RoundTriggers(min_peers=2, round_period=0.0, workload=WORKLOAD)
+def test_the_round_period_counts_from_a_round_that_kept_the_plan_too():
+    """A round opened because the period elapsed may keep the plan in force (nothing paid back its moves):
+    the next revision waits a period from then, rather than opening a round at every look."""
+    options = RoundOptions(WORKLOAD, round_period=60.0)
+    triggers = RoundTriggers(options)
+    plan = dict(planned(("v0", "v1", "v2", "v3"), options), time=time.time() - 61)
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    assert triggers.reason(plan, alive) == "round period elapsed"
+    triggers.declined()
+    assert triggers.reason(plan, alive) is None
+    triggers.declined_at -= 61
+    assert triggers.reason(plan, alive) == "round period elapsed"
+
+
+def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
+    """With v0..v3 planned as one cluster of four (9 samples/s, the best without v4), v4 alone joining can
+    form a second cluster (12 samples/s with the plan in force kept) if it downloads its 10 GB over its
+    400 Mbit/s (200 s) plus the pause: within an hour's horizon that pays back, within 10 minutes it does not
+    (12 x 390 / 600 = 7.8 < 9), so no round opens; either way a set of standbys is weighed once, and a
+    standby that adds nothing is told why."""
     four = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
-    triggers.adopted(snapshot_ids=set(four), participants=set(four))
-    plan = {"round": 1, "time": time.time(), "clusters": [[{"peer_id": name} for name in sorted(four)]]}
-    assert triggers.reason(plan, four) is None
     everyone = dict(four, v4=Peer("v4", *map(float, CAPABILITIES["v4"])))
-    assert triggers.reason(plan, everyone) == "1 standby peer(s) can raise the swarm's throughput"
+    hour = RoundOptions(WORKLOAD, round_period=0.0, move_horizon_s=3600.0)
+    plan = planned(four, hour)
+    triggers = RoundTriggers(hour)
+    assert triggers.reason(plan, four) is None
+    assert triggers.reason(plan, everyone) == ("1 standby peer(s) can raise the swarm's throughput from 9 to 12 "
+                                               "samples/s, moving 1 peer(s) in 210s")
     assert triggers.reason(plan, everyone) is None  # weighed once: a round that finds no better plan is not retried
-    now, possible = improvement(plan, everyone, WORKLOAD)
-    assert possible > now * 1.05
+    current, possible = improvement(plan, everyone, hour.pricing())
+    assert (current, possible.throughput, possible.cost) == (9.0, 12.0, MoveCost(210.0, 10.0, 1))
+
+    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0, move_horizon_s=600.0))
+    assert triggers.reason(plan, everyone) is None
+    standbys, current, possible = triggers.unpaid
+    assert standbys == {"v4"} and current == 9.0 and possible.value == pytest.approx(7.8)
 
     slow = dict(four, v5=Peer("v5", 1.0, 1.0, 10.0))  # too little RAM for a cluster of its own
     assert triggers.reason(plan, slow) is None

@@ -262,6 +262,7 @@ class RunSpecRecord(pydantic.BaseModel):
     aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust
     lr_scaling: pydantic.constr(strict=True, regex="^(none|sqrt|linear|warmup)$") = "none"  # swarm.spec.cluster_lr
     divergence_factor: _bounded_float(0.0, 1e6) = 10.0  # pipeline/guard.py
+    move_horizon_s: _bounded_float(1.0, 1e7) = 600.0  # planning/cost.py::pays_back (DEFAULT_MOVE_HORIZON_S)
     steps: pydantic.conint(strict=True, ge=1, le=2**53) = 300
     finished: pydantic.StrictBool = False  # the owner ended the run (update-spec --finish, or its peer at the end)
     # only peers with the owner's ticket count, and those of the revoked tickets not (membership/tickets.py)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 # sums of fractions are compared with 1 with this slack, so a cluster whose RAM is exactly M stays feasible
 FEASIBILITY_SLACK = 1e-12
@@ -220,3 +220,98 @@ class _LayerProfile:
             ranges.append((start, end))
             end = start
         return best[stages - 1][layers], ranges[::-1]
+
+
+# What a change of plan costs: the stages whose place changes stop while they download the layers they lack
+# and build their new stage, and their clusters' other stages wait for them. MOVE_PAUSE_S is the part that
+# does not depend on bytes: a round's length (``RoundOptions.round_seconds``, 10 s) of stopping, rebuilding
+# and finding new neighbours, about what `local`'s re-plans took before their first step.
+MOVE_PAUSE_S = 10.0
+# The spec's default ``move_horizon_s``: a plan must pay for its moves within the time it is likely to stay in
+# force. Plans are revised anyway every ``--round-period`` (600 s by default), and with a tenth of a swarm of
+# ten changing every hour a change comes about every 6 minutes: 600 s is the horizon both point to.
+DEFAULT_MOVE_HORIZON_S = 600.0
+# a gain smaller than this share of the throughput is round-off of the same plan recomputed, not a gain
+GAIN_ROUND_OFF = 1e-9
+
+@dataclass(frozen=True)
+class MovePrice:
+    """What moving layers costs a run.
+
+    :param layer_download_gb: the bytes a peer downloads per layer it lacks (its parameters), GB
+    :param horizon_s: seconds within which a new plan must pay back its moves (the spec's ``move_horizon_s``)
+    :param pause_s: seconds a change of plan stops training besides the downloads
+    """
+
+    layer_download_gb: Tuple[float, ...]
+    horizon_s: float = DEFAULT_MOVE_HORIZON_S
+    pause_s: float = MOVE_PAUSE_S
+
+    def __post_init__(self):
+        if not (math.isfinite(self.horizon_s) and self.horizon_s > 0):
+            raise ValueError(f"the move horizon must be a positive number of seconds, got {self.horizon_s}")
+
+    @property
+    def download_gb(self) -> float:
+        return sum(self.layer_download_gb)
+
+
+Stages = Sequence[Tuple[str, Tuple[int, int]]]  # a cluster: (peer id, half-open layer range) per stage, in order
+
+
+@dataclass(frozen=True)
+class MoveCost:
+    """What adopting a plan instead of the one in force costs.
+
+    :param seconds: how long training stops: the slowest download plus :data:`MOVE_PAUSE_S`, 0 if no place changes
+    :param download_gb: layer bytes all moved peers download together, GB
+    :param moved: peers whose place (cluster, stage neighbours or layers) changes; a peer sent to standby is not one
+    """
+
+    seconds: float
+    download_gb: float
+    moved: int
+
+
+def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_mbps: Dict[str, float],
+              price: MovePrice) -> MoveCost:
+    """The cost of going from the plan ``in_force`` to ``proposed`` (both as clusters of :data:`Stages`).
+
+    A peer keeps its place when it holds the same layers in a cluster of the same stages as before; any other
+    placed peer moves and downloads the layers of its new range that its old range lacked (all of them if it
+    was standby), over its advertised link (``bandwidth_mbps``; a peer without one never finishes: inf).
+    The swarm waits for the slowest download plus ``price.pause_s``: every cluster averages with the others,
+    and a moved stage's cluster cannot train without it. A plan that only drops clusters moves nobody but
+    still pauses.
+    """
+    def places(clusters: Sequence[Stages]) -> Dict[str, Tuple[Tuple[str, ...], Tuple[int, int]]]:
+        return {peer: (tuple(p for p, _ in cluster), tuple(layers)) for cluster in clusters for peer, layers in cluster}
+
+    before, after = places(in_force), places(proposed)
+    prefix = [0.0]
+    for gb in price.layer_download_gb:
+        prefix.append(prefix[-1] + gb)
+    moved, slowest, total = 0, 0.0, 0.0
+    for peer, (stages, (first, last)) in after.items():
+        if before.get(peer) == (stages, (first, last)):
+            continue
+        moved += 1
+        held_first, held_last = before[peer][1] if peer in before else (0, 0)
+        kept_first, kept_last = max(first, held_first), min(last, held_last)  # layers it holds already
+        gb = prefix[last] - prefix[first] - (prefix[kept_last] - prefix[kept_first] if kept_last > kept_first else 0)
+        total += gb
+        link = bandwidth_mbps.get(peer, 0.0)
+        slowest = max(slowest, 8000 * gb / link if link > 0 else (math.inf if gb > 0 else 0.0))
+    changed = moved > 0 or bool(set(before) - set(after))
+    return MoveCost(price.pause_s + slowest if changed else 0.0, total, moved)
+
+
+def horizon_throughput(throughput: float, move_seconds: float, horizon_s: float) -> float:
+    """Samples per second over the horizon of a plan that first stops ``move_seconds`` to move layers."""
+    return throughput * max(0.0, horizon_s - move_seconds) / horizon_s
+
+
+def pays_back(current: float, proposed: float, move_seconds: float, horizon_s: float) -> bool:
+    """The payback rule: adopt a plan only if its gain over the horizon beats the samples its moves lose,
+    (proposed - current) x horizon > proposed x move_seconds, i.e. its horizon throughput beats the plan in force."""
+    return horizon_throughput(proposed, move_seconds, horizon_s) > current * (1 + GAIN_ROUND_OFF)

@@ -20,11 +20,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ravnest_swarm.planning.cost import FEASIBILITY_SLACK, Peer, Workload
+from ravnest_swarm.planning.cost import FEASIBILITY_SLACK, MovePrice, Peer, Workload
 
 STANDBY = -1
 
@@ -53,11 +53,29 @@ class SwarmArrays:
         self.size = len(self.peer_index)
         # no more clusters can be feasible than the total RAM holds copies of the model
         self.max_clusters = max(1, min(self.size, int(math.floor(self.caps.sum() + FEASIBILITY_SLACK))))
+        self.moves: Optional[MovePrice] = None  # weigh_moves: the price, each column's cluster in force, their sizes
+        self.held, self.held_sizes = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+
+    def weigh_moves(self, in_force: Sequence[Tuple[Sequence[int], int]], price: MovePrice) -> None:
+        """Score plans by their throughput over ``price.horizon_s`` after moving from the plan in force.
+
+        ``in_force`` lists that plan's clusters as (columns of their live members, their size in the plan): a
+        cluster that lost a member can never be kept. A cluster is kept when a plan has exactly its members;
+        every member of any other cluster moves and, as an estimate, downloads an even share of the model's
+        bytes over its link; any change pauses the swarm for the slowest download plus ``price.pause_s``
+        (``cost.move_cost`` is the exact figure the round adopts by; this is its vectorised estimate).
+        """
+        self.held = np.full(self.size, STANDBY, dtype=np.int64)
+        for cluster, (columns, _) in enumerate(in_force):
+            self.held[list(columns)] = cluster
+        self.held_sizes = np.array([size for _, size in in_force], dtype=np.int64)
+        self.moves = price
 
     def evaluate(self, population: np.ndarray):
         """Score and repair a population in place; returns ``(fitness, bottleneck_margin, clusters)``.
 
-        ``fitness`` is K x min T per individual; ``bottleneck_margin`` is the throughput of its
+        ``fitness`` is K x min T per individual (with :meth:`weigh_moves`, its share of the horizon left
+        after the moves); ``bottleneck_margin`` is the throughput of its
         second-slowest kept cluster (0 with fewer than two), used to break ties in selection in favour
         of plans whose next bottleneck is already faster; ``clusters`` is K per individual.
         """
@@ -112,11 +130,33 @@ class SwarmArrays:
         position[everyone[:, None], ranking] = np.arange(slots)
         kept = position < clusters[:, None]
         new_id[:, :slots] = np.where(kept, position, STANDBY)
+        if self.moves is not None and len(self.held_sizes):
+            row_of = rows[starts]
+            in_plan = feasible & (position[row_of, np.maximum(segment_ids, 0)] < clusters[row_of])
+            fitness = fitness * self._horizon_share(individuals, member, peer, rows, starts, segment_of, count,
+                                                    in_plan)
         relabelled = new_id[everyone[:, None], np.where(population >= 0, population, slots)]
         excess = (sorted_ids >= 0) & ~member
         relabelled[rows[excess], peer[excess]] = STANDBY
         population[:] = relabelled
         return fitness, margin, clusters
+
+    def _horizon_share(self, individuals, member, peer, rows, starts, segment_of, count, in_plan):
+        """Per individual, the share of the horizon left after its moves (see :meth:`weigh_moves`). The sorted
+        members are ``individuals`` rows of ``size`` each, so per-row figures are maxima over a reshape."""
+        price = self.moves
+        held = np.where(member, self.held[peer], STANDBY)
+        lowest = np.minimum.reduceat(np.where(member, held, np.iinfo(np.int64).max), starts)
+        highest = np.maximum.reduceat(held, starts)
+        unchanged = (lowest == highest) & (highest >= 0) & (count == self.held_sizes[np.maximum(highest, 0)])
+        moved = member & (in_plan & ~unchanged)[segment_of]
+        with np.errstate(divide="ignore"):
+            download = np.where(moved, 8000 * price.download_gb / count[segment_of] / self.bandwidth[peer], 0.0)
+        slowest = download.reshape(individuals, self.size).max(axis=1)
+        kept = np.bincount(rows[starts][in_plan & unchanged], minlength=individuals)
+        changed = moved.reshape(individuals, self.size).any(axis=1)
+        seconds = np.where(changed | (kept < len(self.held_sizes)), price.pause_s + slowest, 0.0)
+        return np.maximum(0.0, price.horizon_s - seconds) / price.horizon_s
 
 
 def _exchange(population: np.ndarray, rows: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:

@@ -1,5 +1,8 @@
 """The distributed planning round: every volunteer runs a GA island and all adopt the same plan.
 
+Over 400 lines because opening, evolving, freezing and adopting are one protocol over the same proposals;
+what a plan is worth after its moves lives apart, in ``moves.py``.
+
 No coordinator. Round r is 1 + the newest adopted plan's round. A peer opens it when it sees a
 trigger (see :class:`RoundTriggers`) by publishing a proposal whose deadline is ``round_seconds``
 ahead; any peer that sees a proposal of round r joins it, and the round's deadline is the earliest
@@ -7,7 +10,8 @@ deadline any proposal names. Until shortly before the deadline each participant 
 island (seed from run, round and peer id), republishes its best plan under ``{run}_round`` and
 migrates the others' best plans into its population. Shortly after the deadline every peer reads all
 proposals of round r and adopts the best one whose clustered peers are all alive at the deadline
-(fitness recomputed from the peer records; ties by hash), updates its peer record, and writes the plan
+(its throughput over the move horizon recomputed from the proposals, ties by hash) if it pays back its moves
+from the plan in force (``cost.pays_back``), updates its peer record, and writes the plan
 under ``{run}_plan`` if it is one of the first three participants or finds no copy (``keep_plan_copy``).
 A peer dying mid-round only drops out: the others exclude it, and proposals that still use it lose.
 """
@@ -35,16 +39,16 @@ from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
     signing_validator,
 )
-from ravnest_swarm.planning.cost import Peer, Workload, swarm_throughput
+from ravnest_swarm.planning.cost import DEFAULT_MOVE_HORIZON_S, MovePrice, Peer, Workload, pays_back, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
-from ravnest_swarm.planning.plan import assignment_clusters, build_plan, check_feasible, memory, uniform_layers
+from ravnest_swarm.planning.moves import PricedPlan, Pricing, candidate_plans, improvement, in_force_throughput, price_plan
+from ravnest_swarm.planning.plan import assignment_clusters, check_feasible, memory, uniform_layers
 
 logger = logging.getLogger(__name__)
 
 GONE_POLLS = 3
 PLAN_COPIES = 3  # adopters that write a copy of each round's plan; the others only where none is readable
-MIN_GAIN = 0.05  # a new round for standbys only when the greedy plan is this much faster: moving layers costs
 # an island whose best stood this many generations rests until the deadline (IslandGA.evolve_for); `local`'s
 # swarms found their best plan within 1000 generations whatever the seed, after plateaus of up to 608 (7 peers)
 ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=1000)
@@ -55,7 +59,7 @@ class RoundOptions:
     """How a volunteer takes part in planning rounds.
 
     :param workload: the model's needs (M, F, A, D)
-    :param min_peers: open a round once this many live peers are not yet planned for
+    :param min_peers: open the first round once this many peers are live
     :param round_period: seconds after which a plan is revised anyway (0: never)
     :param round_seconds: how long a round runs from its opening to its deadline
     :param num_layers: identical layers the stages' layer ranges are cut from
@@ -66,6 +70,9 @@ class RoundOptions:
         before the proposals freeze (they renew about every half second); default half the round
     :param layer_profile: the real model's per-layer memory (GB) and GFLOP, to cut stages at its layer
         boundaries; None cuts ``num_layers`` identical layers
+    :param move_horizon_s: a new plan must pay back its moves within this many seconds (the spec's
+        ``move_horizon_s``, ``cost.pays_back``)
+    :param layer_download_gb: what a peer downloads per layer it lacks (GB); None: the layers' memory
     """
 
     workload: Workload
@@ -77,6 +84,15 @@ class RoundOptions:
     settle: float = 1.5
     fresh_within: Optional[float] = None
     layer_profile: Optional[Tuple[Sequence[float], Sequence[float]]] = None
+    move_horizon_s: float = DEFAULT_MOVE_HORIZON_S
+    layer_download_gb: Optional[Sequence[float]] = None
+
+    def pricing(self) -> Pricing:
+        """How a round builds and prices plans: stages cut from the real model's layers or ``num_layers`` identical
+        ones, moves priced by the layers' download size or, without one, their memory."""
+        profile = self.layer_profile or uniform_layers(max(self.num_layers, self.workload.max_stages), self.workload)
+        return Pricing(self.workload, profile, MovePrice(tuple(self.layer_download_gb or profile[0]),
+                                                         self.move_horizon_s))
 
 
 def plan_hash(clusters: Sequence[Sequence[str]]) -> str:
@@ -90,66 +106,58 @@ def canonical(clusters: Sequence[Sequence[str]]) -> List[List[str]]:
 
 
 class RoundTriggers:
-    """Decides, from the adopted plan and the live peers, whether a new round should open.
+    """Decides, from the plan in force and the live peers, whether a new round should open.
 
-    :param min_peers: open the first round once this many peers are live, and a later one once this
-        many live peers are neither planned for nor took part in the last round
-    :param round_period: seconds after which a plan is revised anyway (0: never)
+    A round is opened only when it can adopt something: before the first plan, once ``min_peers`` peers are
+    live; when a planned peer is gone (the plan cannot be followed); when standbys can raise the swarm's
+    throughput enough to pay back the moves (:func:`improvement`, the same estimate the round adopts by),
+    weighed once per set of standbys until a plan is adopted; and every ``round_period`` seconds.
+
+    :param options: the round options: ``min_peers``, ``round_period``, and the workload and move price that
+        weigh the standbys
     """
 
-    def __init__(self, min_peers: int, round_period: float, workload: Optional[Workload] = None):
-        self.min_peers, self.round_period, self.workload = min_peers, round_period, workload
-        self.considered: set = set()  # standbys already weighed for a better plan (each set weighed once)
-        self.planned_with: set = set()  # peer ids that took part in the last round adopted
-        # peers seen when a round opened whose proposals were not live at its deadline (slow start, a lost
-        # renewal): each gets one more round of its own, so a hiccup does not leave it standby for good
-        self.missed: set = set()
-        self.retried: set = set()
+    def __init__(self, options: RoundOptions):
+        self.options = options
+        self.considered: set = set()  # standbys already weighed against the plan in force
         self.missing: Dict[str, int] = {}  # planned peer id -> consecutive polls without its record
+        self.declined_at = 0.0  # when a round last adopted nothing: the round period counts from then too
+        # standbys last weighed that could not pay back their moves, the plan in force's throughput and their best
+        # plan: PlanningRounds tells the volunteers once why no round opened
+        self.unpaid: Optional[Tuple[set, float, PricedPlan]] = None
 
-    def adopted(self, snapshot_ids: set, participants: set) -> None:
-        """A round was adopted: ``snapshot_ids`` were seen when it opened, ``participants`` were live at its end."""
-        self.planned_with = set(participants)
-        self.missed = set(snapshot_ids) - set(participants)
+    def adopted(self) -> None:
+        """A round adopted a plan: every standby is weighed against it anew (one that missed the round too)."""
+        self.considered = set()
+
+    def declined(self) -> None:
+        """A round kept the plan in force (nothing paid back its moves)."""
+        self.declined_at = time.time()
 
     def reason(self, plan: Optional[dict], alive: Dict[str, Peer]) -> Optional[str]:
         """Why a new round should open now, or None."""
         if plan is None:
-            return f"{len(alive)} live peers" if len(alive) >= self.min_peers else None
+            return f"{len(alive)} live peers" if len(alive) >= self.options.min_peers else None
         members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
         # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
         self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
         gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
         if gone:
             return f"{len(gone)} planned peer(s) gone"
-        new = set(alive) - self.planned_with - members
-        if len(new) >= self.min_peers:
-            return f"{len(new)} new standby peers"
         standbys = set(alive) - members
-        if self.workload is not None and standbys - self.considered and members <= set(alive):
-            # one new peer can be enough to add a cluster: weigh the plan with it once, not every poll
+        if standbys - self.considered and members <= set(alive):
+            # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
             self.considered |= standbys
-            now, possible = improvement(plan, alive, self.workload)
-            if possible > now * (1 + MIN_GAIN):
-                return f"{len(standbys)} standby peer(s) can raise the swarm's throughput"
-        missed = (self.missed & set(alive)) - members - self.retried
-        if missed:
-            self.retried |= missed
-            return f"{len(missed)} peer(s) missed round {plan['round']}"
-        if self.round_period > 0 and time.time() - plan["time"] >= self.round_period:
+            current, possible = improvement(plan, alive, self.options.pricing())
+            if pays_back(current, possible.throughput, possible.cost.seconds, self.options.move_horizon_s):
+                return (f"{len(standbys)} standby peer(s) can raise the swarm's throughput from {current:.3g} to "
+                        f"{possible.throughput:.3g} samples/s, moving {possible.cost.moved} peer(s) in "
+                        f"{possible.cost.seconds:.0f}s")
+            self.unpaid = (standbys, current, possible)
+        period = self.options.round_period
+        if period > 0 and time.time() - max(plan["time"], self.declined_at) >= period:
             return "round period elapsed"
         return None
-
-
-def improvement(plan: dict, alive: Dict[str, Peer], workload: Workload) -> Tuple[float, float]:
-    """The adopted plan's throughput (K x min T) and the greedy plan's over every live peer: a lower bound
-    of what a new round would find, so a round is worth opening when the second is clearly larger."""
-    now = swarm_throughput([[alive[stage["peer_id"]] for stage in cluster] for cluster in plan["clusters"]],
-                           workload)
-    peers = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
-    arrays = SwarmArrays(peers, workload)
-    clusters = assignment_clusters(arrays, greedy_plan(arrays))
-    return now, swarm_throughput([[peers[i] for i in members] for members in clusters], workload)
 
 
 def standby_reason(plan: dict, alive: Dict[str, Peer], workload: Workload) -> str:
@@ -180,7 +188,7 @@ class PlanningRounds:
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
         self.subkey = signing_validator(node).local_public_key  # our identity's: records name us
-        self.triggers = RoundTriggers(options.min_peers, options.round_period, options.workload)
+        self.triggers = RoundTriggers(options)
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
@@ -234,15 +242,25 @@ class PlanningRounds:
         now = get_dht_time()
         proposals = await self.read_proposals(round_number, deadline_after=now - self.options.settle)
         if proposals:
-            await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined")
+            await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan)
             return
         alive = await self.read_alive(now)
         reason = self.triggers.reason(plan, alive)
+        if self.triggers.unpaid is not None:
+            self._say_unpaid(*self.triggers.unpaid)
+            self.triggers.unpaid = None
         if reason is not None:
-            await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})")
+            await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})", plan)
 
-    async def take_part(self, round_number: int, deadline: float, how: str) -> None:
-        """Run our island until shortly before the deadline, then adopt the round's plan."""
+    def _say_unpaid(self, standbys: set, current: float, possible: PricedPlan) -> None:
+        names = ",".join(sorted(self.names.get(i, i) for i in standbys))
+        self.say(f"standby {names} opened no round: their best plan ({possible.throughput:.9e} samples/s) would move "
+                 f"{possible.cost.moved} peer(s) for {possible.cost.seconds:.1f}s and not pay that back within "
+                 f"{self.options.move_horizon_s:g}s over the plan in force ({current:.9e})")
+
+    async def take_part(self, round_number: int, deadline: float, how: str, in_force: Optional[dict]) -> None:
+        """Run our island until shortly before the deadline, then adopt the round's plan if it pays back its moves
+        from the plan ``in_force``."""
         options = self.options
         alive = await self.read_alive(get_dht_time())
         snapshot = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
@@ -258,7 +276,14 @@ class PlanningRounds:
         column_of = {snapshot[i].peer_id: column for column, i in enumerate(arrays.peer_index)}
         joined = get_dht_time()
         seed = zlib.crc32(f"{self.run}/{round_number}/{self.peer_id}".encode())
+        if in_force is not None:
+            arrays.weigh_moves([([column_of[stage["peer_id"]] for stage in cluster if stage["peer_id"] in column_of],
+                                 len(cluster)) for cluster in in_force["clusters"]], options.pricing().price)
         ga = IslandGA(arrays, greedy_plan(arrays), seed=seed, config=ROUND_GA)
+        if in_force is not None:  # keeping the plan in force, or adding standby clusters to it, moves nobody
+            seeds = [_as_assignment(c, column_of, arrays.max_clusters, arrays.size)
+                     for c in candidate_plans(in_force, {p.peer_id: p for p in snapshot}, options.workload)]
+            ga.inject([a for a in seeds if a is not None])
         loop = asyncio.get_running_loop()
         state = {"deadline": deadline}
         # proposals are renewed by their own task: a DHT call that waits on a dead peer's timeout must
@@ -287,7 +312,7 @@ class PlanningRounds:
             publisher.cancel()
         deadline = state["deadline"]
         await asyncio.sleep(max(0.0, deadline - get_dht_time()) + options.settle)
-        await self.adopt(round_number, deadline, {p.peer_id for p in snapshot})
+        await self.adopt(round_number, deadline, in_force)
 
     async def _keep_publishing(self, round_number: int, state: dict, snapshot: List[Peer], arrays: SwarmArrays,
                                ga: IslandGA) -> None:
@@ -312,26 +337,31 @@ class PlanningRounds:
         await self.node.store(round_key(self.run), value, get_dht_time() + 2 * self.options.round_seconds + 60,
                               subkey=self.subkey, await_all_replicas=False)
 
-    def choose(self, proposals: List[dict], alive: Dict[str, Peer]) -> Optional[Tuple[float, str, List[List[str]]]]:
-        """The best valid proposal as ``(fitness, hash, clusters)``: every peer given the same inputs picks the same."""
-        workload, best = self.options.workload, None
+    def choose(self, proposals: List[dict], alive: Dict[str, Peer],
+               in_force: Optional[dict]) -> Optional[Tuple[float, str, List[List[str]], PricedPlan]]:
+        """The best valid proposal as ``(value, hash, clusters, priced plan)``, the value being its throughput over
+        the move horizon after moving from the plan ``in_force``: every peer given the same inputs picks the same."""
+        workload, pricing, best, seen = self.options.workload, self.options.pricing(), None, set()
         for proposal in proposals:
             clusters = canonical(proposal["clusters"])
             members = [i for c in clusters for i in c]
             if not clusters or len(set(members)) != len(members) or not set(members) <= set(alive):
                 continue
             groups = [[alive[i] for i in c] for c in clusters]
-            fitness = swarm_throughput(groups, workload)
-            if fitness <= 0 or any(len(c) > workload.max_stages for c in clusters):
+            digest = plan_hash(clusters)
+            if digest in seen or swarm_throughput(groups, workload) <= 0 or any(len(c) > workload.max_stages
+                                                                                for c in clusters):
                 continue
+            seen.add(digest)
             # claims are recomputed, never trusted; a round-off-sized disagreement is no tie-breaker
-            key = (float(f"{fitness:.9e}"), plan_hash(clusters))
+            priced = price_plan(clusters, alive, in_force, pricing)
+            key = (float(f"{priced.value:.9e}"), digest)
             if best is None or key[0] > best[0] or (key[0] == best[0] and key[1] < best[1]):
-                best = (key[0], key[1], clusters)
+                best = (key[0], key[1], clusters, priced)
         return best
 
-    async def adopt(self, round_number: int, deadline: float, snapshot_ids: set) -> None:
-        """Read the frozen proposals of this round and adopt the best valid one.
+    async def adopt(self, round_number: int, deadline: float, in_force: Optional[dict]) -> None:
+        """Read the frozen proposals of this round and adopt the best valid one, if it pays back its moves.
 
         Liveness comes from the proposals themselves, not from peer records: they stop changing before
         the deadline, so every peer decides on the same inputs. Alive means a proposal renewed within
@@ -341,19 +371,22 @@ class PlanningRounds:
         proposals = [p for p in await self.read_proposals(round_number) if p["deadline"] == deadline]
         alive = {p["peer_id"]: Peer(p["peer_id"], p["ram_gb"], p["gflops"], p["bandwidth_mbps"])
                  for p in proposals if p["time"] >= frozen_at - self.fresh_within}
-        chosen = self.choose(proposals, alive)
+        chosen = self.choose(proposals, alive, in_force)
         if chosen is None:
             fresh, kept = ",".join(sorted(self.names.get(i, i) for i in alive)), "keeping the previous plan"
             self.say(f"round {round_number}: none of {len(proposals)} proposal(s) is valid at the deadline "
                      f"(live participants: {fresh or 'none'}); {kept if round_number > 1 else 'no plan yet'}")
             return
-        fitness, digest, clusters = chosen
-        peers = list(alive.values())
-        index = {p.peer_id: i for i, p in enumerate(peers)}
-        workload = self.options.workload
-        profile = self.options.layer_profile or uniform_layers(max(self.options.num_layers, workload.max_stages),
-                                                               workload)
-        plan = build_plan(peers, [[index[i] for i in c] for c in clusters], workload, profile)
+        _, digest, clusters, priced = chosen
+        plan, cost = priced.plan, priced.cost
+        current = in_force_throughput(in_force, alive, self.options.workload)
+        if current is not None and not pays_back(current, plan.swarm_throughput, cost.seconds,
+                                                 self.options.move_horizon_s):
+            self.triggers.declined()
+            self.say(f"round {round_number}: keeping plan round {in_force['round']} ({current:.9e} samples/s): the "
+                     f"best plan ({plan.swarm_throughput:.9e}) would move {cost.moved} peer(s) for {cost.seconds:.1f}s "
+                     f"and not pay that back within {self.options.move_horizon_s:g}s")
+            return
         record = PlanRecord(round=round_number, time=time.time(), clusters=[
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
         ]).dict()
@@ -368,12 +401,14 @@ class PlanningRounds:
         else:
             self.announcer.update(plan_round=round_number, **placement)
             await self.announcer.renew()
-        self.triggers.adopted(snapshot_ids, set(alive))
+        self.triggers.adopted()
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
-        self.say(f"adopted plan round {round_number} fitness {fitness:.9e} hash {digest} "
+        self.say(f"adopted plan round {round_number} fitness {plan.swarm_throughput:.9e} hash {digest} "
                  f"clusters {len(clusters)} members {member_names}")
+        if in_force is not None:
+            self.say(f"round {round_number} moves {cost.moved} peer(s): {memory(cost.download_gb)} to download, "
+                     f"{cost.seconds:.1f}s without training")
         await self.keep_plan_copy(record, sorted(alive))
-
 
     async def keep_plan_copy(self, record: dict, participants: List[str]) -> None:
         """Write our copy of the plan (own signed subkey) if we are one of the first :data:`PLAN_COPIES` participants,

@@ -70,6 +70,7 @@ class JoinOptions:
     aggregation: Optional[str] = None
     lr_scaling: Optional[str] = None
     divergence_factor: Optional[float] = None
+    move_horizon_s: Optional[float] = None
     optimizer: Optional[str] = None
     weight_decay: Optional[float] = None
     lr_schedule: Optional[str] = None
@@ -104,7 +105,7 @@ class JoinOptions:
                    "averaging_overlap",
                    "pipeline_compression", "link_bound_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
                    "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
-                   "steps", "invite_only")
+                   "move_horizon_s", "steps", "invite_only")
 
     def requested_spec(self) -> dict:
         """The spec fields we were given, for a run that has no spec yet."""
@@ -227,11 +228,13 @@ def membership_options(options: JoinOptions):
 
 
 def planning_options(options: JoinOptions):
+    from ravnest_swarm.planning.cost import DEFAULT_MOVE_HORIZON_S
     from ravnest_swarm.planning.plan import make_workload
     from ravnest_swarm.planning.round import RoundOptions
 
     workload = make_workload(options.model_gb, options.gflop_per_sample, options.activation_mb, options.max_stages)
-    return RoundOptions(workload, options.min_peers, options.round_period, options.round_seconds, options.num_layers)
+    return RoundOptions(workload, options.min_peers, options.round_period, options.round_seconds, options.num_layers,
+                        move_horizon_s=options.move_horizon_s or DEFAULT_MOVE_HORIZON_S)
 
 
 def volunteer_options(options: JoinOptions):

@@ -24,6 +24,7 @@ from ravnest_swarm.membership.owner import (
     fingerprint, load_or_create_owner_key, load_owner_key, owner_key_path, public_key_text, sign_spec, spec_owner,
 )
 from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, signing_validator, spec_key
+from ravnest_swarm.planning.cost import DEFAULT_MOVE_HORIZON_S
 
 SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
 # what the owner may change in a running run: every peer follows the lr from its next step, a training stage the length
@@ -102,6 +103,9 @@ class RunSpec:
     :param precision: ``fp32``, or ``bf16`` / ``fp16``: stages compute their forward under a 16-bit autocast
       (weights, gradients, optimizer state and what travels stay float32; ``devices.autocast_dtype`` says what
       a device that lacks the dtype runs instead)
+    :param move_horizon_s: seconds within which a new plan must pay back the samples its moves lose (layer
+      downloads over each moved peer's link, and a pause) with its gain in throughput, or it is not adopted
+      (``planning/cost.py::pays_back``, docs/planning.md "Moves")
     :param steps: the run's length: optimizer steps every stage trains for. It belongs to the run, not to a
       volunteer, so peers that join late or replace others train towards the same end, and the run is
       finished once its placed peers reach it; :data:`OPEN_ENDED` (``--steps 0``): until its owner ends it
@@ -143,6 +147,7 @@ class RunSpec:
     aggregation: str = "mean"
     lr_scaling: str = "none"
     divergence_factor: float = 10.0
+    move_horizon_s: float = DEFAULT_MOVE_HORIZON_S
     steps: int = 300
     finished: bool = False
     invite_only: bool = False

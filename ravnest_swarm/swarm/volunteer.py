@@ -223,7 +223,10 @@ class Volunteer:
         self.rounds = PlanningRounds(self.node, self.run, self.announcer,
                                      RoundOptions(workload, self.options.min_peers, self.options.round_period,
                                                   self.options.round_seconds, len(self.model.layers),
-                                                  layer_profile=profile),
+                                                  layer_profile=profile, move_horizon_s=self.spec.move_horizon_s,
+                                                  # a moved stage downloads its new layers' parameters
+                                                  layer_download_gb=[layer.param_bytes / 1e9
+                                                                     for layer in self.model.layers]),
                                      self.console, on_adopt=self._on_adopt)
         planner = asyncio.create_task(self.rounds.run_forever(stop))
         graceful = False
@@ -315,7 +318,7 @@ class Volunteer:
     async def _standby_reason(self, plan: dict) -> str:
         """Why we have no slot, and what would give us one (a round opens for each of these by itself)."""
         reason = standby_reason(plan, await self.rounds.read_alive(get_dht_time()), self.rounds.options.workload)
-        when = "when a placed peer leaves or more peers join"
+        when = "when a placed peer leaves or joiners allow a plan that pays back its moves"
         if self.options.round_period > 0:
             revision = max(0.0, plan["time"] + self.options.round_period - time.time())
             when += f", or at the latest in {revision:.0f}s when the plan is revised"

@@ -1,0 +1,92 @@
+"""What a new plan is worth once its moves are paid: the one estimate a round's trigger and its adoption share.
+
+The plan in force places peers on layers; a new plan moves some of them (``cost.move_cost``), and is worth its
+throughput over the spec's move horizon after that pause (``cost.horizon_throughput``). A round adopts its best
+proposal only if that beats the plan in force (``cost.pays_back``), and a round is opened for standbys only if
+the plans it is sure to consider (:func:`candidate_plans`) already do (:func:`improvement`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ravnest_swarm.membership.records import MAX_ROUND_PEERS
+from ravnest_swarm.planning.cost import MoveCost, MovePrice, Peer, Workload, horizon_throughput, move_cost, swarm_throughput
+from ravnest_swarm.planning.ga import SwarmArrays
+from ravnest_swarm.planning.greedy import greedy_plan
+from ravnest_swarm.planning.plan import Plan, assignment_clusters, build_plan
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How plans are built and priced: the workload, the layers stages are cut from, what moving costs."""
+
+    workload: Workload
+    layer_profile: Tuple[Sequence[float], Sequence[float]]
+    price: MovePrice
+
+
+@dataclass
+class PricedPlan:
+    """A plan as every adopter builds it, what moving to it from the plan in force costs, and its throughput
+    over the move horizon (``cost.horizon_throughput``: its own throughput when no plan is in force)."""
+
+    plan: Plan
+    cost: MoveCost
+    value: float
+
+    @property
+    def throughput(self) -> float:
+        return self.plan.swarm_throughput
+
+
+def in_force_stages(plan: dict) -> List[List[Tuple[str, Tuple[int, int]]]]:
+    """A plan record's clusters as ``cost.Stages``."""
+    return [[(stage["peer_id"], tuple(stage["layers"])) for stage in cluster] for cluster in plan["clusters"]]
+
+
+def price_plan(clusters: Sequence[Sequence[str]], peers: Dict[str, Peer], in_force: Optional[dict],
+               pricing: Pricing) -> PricedPlan:
+    """``clusters`` (peer ids) built into a plan over ``peers`` and priced against the plan ``in_force``."""
+    ordered = list(peers.values())
+    index = {p.peer_id: i for i, p in enumerate(ordered)}
+    plan = build_plan(ordered, [[index[i] for i in c] for c in clusters], pricing.workload, pricing.layer_profile)
+    if in_force is None:  # nothing is held yet: the first plan's stages start from the run's holders or fresh
+        return PricedPlan(plan, MoveCost(0.0, 0.0, 0), plan.swarm_throughput)
+    cost = move_cost(in_force_stages(in_force), [[(s.peer_id, s.layers) for s in stages] for _, stages in plan.clusters],
+                     {i: p.bandwidth_mbps for i, p in peers.items()}, pricing.price)
+    return PricedPlan(plan, cost, horizon_throughput(plan.swarm_throughput, cost.seconds, pricing.price.horizon_s))
+
+
+def in_force_throughput(plan: Optional[dict], peers: Dict[str, Peer], workload: Workload) -> Optional[float]:
+    """The throughput of the plan in force with ``peers``' capabilities, or None when there is none to keep:
+    no plan yet, or one of its peers is gone (its cluster cannot train: any valid plan beats it)."""
+    if plan is None or any(stage["peer_id"] not in peers for cluster in plan["clusters"] for stage in cluster):
+        return None
+    return swarm_throughput([[peers[stage["peer_id"]] for stage in cluster] for cluster in plan["clusters"]], workload)
+
+
+def candidate_plans(plan: dict, alive: Dict[str, Peer], workload: Workload) -> List[List[List[str]]]:
+    """Plans a round is sure to consider (its islands start from them): the greedy plan over every live peer,
+    and the plan in force with greedy clusters of its standbys added, which moves nobody."""
+    peers = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
+    arrays = SwarmArrays(peers, workload)
+    everyone = [[peers[i].peer_id for i in members] for members in assignment_clusters(arrays, greedy_plan(arrays))]
+    kept = [[stage["peer_id"] for stage in cluster] for cluster in plan["clusters"]]
+    placed = {i for cluster in kept for i in cluster}
+    standbys = [p for p in peers if p.peer_id not in placed]
+    added = []
+    if standbys:
+        spare = SwarmArrays(standbys, workload)
+        added = [[standbys[i].peer_id for i in members] for members in assignment_clusters(spare, greedy_plan(spare))]
+    return [everyone, kept + added]
+
+
+def improvement(plan: dict, alive: Dict[str, Peer], pricing: Pricing) -> Tuple[float, PricedPlan]:
+    """The plan in force's throughput and the best of :func:`candidate_plans` priced by its moves: a lower bound
+    of what a round would adopt, so a round is worth opening when the second pays back (``cost.pays_back``).
+    Every peer of ``plan`` must be in ``alive`` (the plan in force is then among the candidates)."""
+    current = in_force_throughput(plan, alive, pricing.workload)
+    priced = [price_plan(c, alive, plan, pricing) for c in candidate_plans(plan, alive, pricing.workload) if c]
+    return current or 0.0, max(priced, key=lambda p: p.value)
