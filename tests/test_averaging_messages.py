@@ -412,6 +412,32 @@ def test_a_vote_that_comes_while_we_check_the_chunk_owners_waits_for_our_own_che
     asyncio.run(scenario())
 
 
+def test_a_note_that_leaves_the_attempts_members_as_they_are_does_not_end_it():
+    """C is excluded (our vote and B's) and we run the ring with B. C's note that the ring ended for it comes during
+    that attempt: it changes nothing of it, so the attempt goes on. Ended and begun again, it would have the same
+    key, and take the first one's parts for its own."""
+    async def scenario():
+        attempts = []
+
+        def attempt(ring, members, deadline):
+            attempts.append(members)
+
+            async def run():
+                if len(attempts) == 1:
+                    ring.peer.mailbox.note(RingAbort(**note(excluded=[C])), B)
+                    raise ContributionRejected(C, "reduce chunk 0 holds NaN or Inf")
+                ring.peer.mailbox.note(RingAbort(**note(failure="excluded by a majority")), C)
+                await asyncio.sleep(0.3)
+                return torch.ones(1000)
+            return Attempt(run)
+
+        round_ = ring_round(attempt)
+        result = await round_.run(time.monotonic(), None)
+        assert attempts == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
+
+    asyncio.run(scenario())
+
+
 def test_a_member_past_the_round_with_no_note_after_it_has_left_the_ring_and_the_others_go_on():
     """C answers that the round is over for it and no note explains why (a hostile chunk owner can complete its
     own attempt while the others refuse it): C said so of itself, so it has left the ring, and we run the ring

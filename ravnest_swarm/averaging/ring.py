@@ -27,7 +27,8 @@ caught by each member that receives its values in turn; in a ring of two nobody 
 and both keep their local values. A member still in an attempt when a member, already told, answers that the
 round is over for it waits for that note; with no note, that member has left the ring (it says so of itself).
 A vote that comes while a member checks the chunk owners of its attempt (``robust_ring.py``) waits for that
-check, so each honest member votes on what it saw itself; a member waiting out asks the one it accused, every
+check, so each honest member votes on what it saw itself; a note that leaves an attempt's members as they are
+(a vote against, or the withdrawal of, a member already out of it) does not end the attempt; a member waiting out asks the one it accused, every
 ``ACCUSED_ASKED_EVERY`` seconds, whether it is still in the round (a hostile owner can finish its own attempt).
 """
 
@@ -210,23 +211,35 @@ class RingRound:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
         running = self.peer.attempt(self, members, deadline)
         attempt = asyncio.create_task(running.run())
-        interrupted = asyncio.create_task(self.state.changed.wait())
         try:
-            await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
-            if not attempt.done() and running.checking:
-                # a member's vote came while we check the chunk owners of this very attempt: our check ends first,
-                # so that our own vote (or none) says what we saw, as the accuser's says what it saw; cancelled
-                # here, an honest member would never check the accused, and the votes against it never reach a
-                # majority
-                check_ended = asyncio.create_task(running.check_ended.wait())
+            while not attempt.done():
+                interrupted = asyncio.create_task(self.state.changed.wait())
                 try:
-                    await asyncio.wait({attempt, check_ended}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
-                    check_ended.cancel()
+                    interrupted.cancel()
+                if not attempt.done() and running.checking:
+                    # a member's vote came while we check the chunk owners of this very attempt: our check ends
+                    # first, so that our own vote (or none) says what we saw, as the accuser's says what it saw;
+                    # cancelled here, an honest member would never check the accused, and the votes against it
+                    # never reach a majority
+                    check_ended = asyncio.create_task(running.check_ended.wait())
+                    try:
+                        await asyncio.wait({attempt, check_ended}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        check_ended.cancel()
+                if attempt.done():
+                    break
+                self.state.changed.clear()
+                view = self.state.view(self.ring.members)
+                if list(view.members) != members or self.peer.peer_id in view.refusing or self._settled(view):
+                    break  # the ring changed: this attempt is over, decide again from the state
+                # a note that changes nothing of this attempt (a vote against, or the withdrawal of, a member
+                # already out of it) goes on with it: a new attempt of the same members would have the same key,
+                # and the parts of this one would be taken for its own
         finally:
             # also when the round itself is cancelled (its peer stops, or leaves its stage): an attempt left
             # running would end later on its own, its exception never retrieved, its streams still open
-            interrupted.cancel()
             if not attempt.done():
                 attempt.cancel()
                 await asyncio.gather(attempt, return_exceptions=True)
