@@ -286,7 +286,7 @@ class Outbox:
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
         attempt = 0
-        with self.busy.measure():
+        with self.busy.measure("sending"):
             while True:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
@@ -324,7 +324,7 @@ class Outbox:
         channel = self._channels.get((handler, stage))
         if channel is None or channel.closed or channel.peer_id != peer_id:
             self._close_channel(handler, stage)
-            channel = self._channels[(handler, stage)] = MessageChannel(self.node.p2p, peer_id, handler)
+            channel = self._channels[(handler, stage)] = MessageChannel(self.node.p2p, peer_id, handler, routes.traffic)
         return await channel.call(frames)
 
     def _close_channel(self, handler: str, stage: int) -> None:

@@ -19,7 +19,7 @@ from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import Neighbours, StageConfig, check_config
 from ravnest_swarm.pipeline.endpoints import publish_endpoint
 from ravnest_swarm.pipeline.messaging import Inbox, Outbox
-from ravnest_swarm.pipeline.counters import BusyTime, Counters
+from ravnest_swarm.pipeline.counters import BusyTime, Counters, WallTime
 from ravnest_swarm.pipeline.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,11 @@ class StageWorker:
 
     :param config: the stage's settings
     :param node: a started DHT node with the run's validators
+    :param wall_time: where the stage's compute, sends and waits for its neighbours are charged (a volunteer's, which
+        outlives its workers); by default one of its own
     """
 
-    def __init__(self, config: StageConfig, node: DHTNode):
+    def __init__(self, config: StageConfig, node: DHTNode, wall_time: Optional[WallTime] = None):
         check_config(config)
         self.config, self.node = config, node
         self.spec = load_model(config.model, config.model_config, config.data)
@@ -44,7 +46,7 @@ class StageWorker:
         dataset = self.spec.dataset()
         sampler = ShardedSampler(dataset.size, config.cluster, config.clusters, config.microbatch_size, config.seed)
         self.counters = Counters()
-        busy = BusyTime(self.counters)
+        busy = self.busy = BusyTime(self.counters, wall_time)
         self.outbox = Outbox(config, node, self.counters, busy)
         self.scheduler = Scheduler(config, self.compute, self.counters, busy, self.outbox.send,
                                    dataset if config.stage == 0 else None, sampler)
