@@ -141,12 +141,13 @@ class StageWorker:
         return self.inbox.status().as_metadata()
 
     def report(self) -> Dict:
-        c = self.counters
+        c, traffic = self.counters, self.node.routes.traffic
         return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
                     routes=dict(self.node.routes.counts), bytes_sent=dict(c.bytes_sent), codec=self.config.compression,
                     codecs={handler.rsplit(".", 1)[-1]: link.current for handler, link in self.outbox.codecs.items()},
-                    codec_switches=c.codec_switches,
+                    codec_switches=c.codec_switches, time_shares=self.busy.wall_time.shares(),
+                    traffic=dict(sent=dict(traffic.sent), received=dict(traffic.received)),
                     inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
                     compute=c.compute, trace=c.trace)
 
