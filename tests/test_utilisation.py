@@ -91,9 +91,12 @@ def test_a_stage_charges_its_compute_and_sends_to_its_volunteers_wall_time():
     busy = BusyTime(counters, wall)
     with busy.measure("computing"):
         clock.now += 2.0
-    with busy.measure("sending"):
+    with busy.measure():  # a send's retries and waits between them: busy, but charged only where it sends
         clock.now += 1.0
-    assert (wall.seconds["computing"], wall.seconds["sending"]) == (2.0, 1.0) and len(counters.busy) == 2
+        with wall.using("sending"):
+            clock.now += 1.0
+    assert (wall.seconds["computing"], wall.seconds["sending"], wall.seconds["other"]) == (2.0, 1.0, 1.0)
+    assert len(counters.busy) == 2
 
 
 def test_counted_streams_add_what_passes_by_handler():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field as dataclass_field
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -60,10 +60,11 @@ class Counters:
 class WallTime:
     """Where a volunteer's wall time goes while it is placed (``counting``): seconds per use of :data:`TIME_USES`.
 
-    Each moment counts once, for the first that holds: a forward or backward computes; a send is in progress; an
-    idle cause is in force (:data:`IDLE_CAUSES`, in their precedence: the volunteer downloads layers, moves for a
-    plan, or averages; the scheduler waits for a microbatch or a gradient from a neighbour); else ``other`` (the
-    loop between tasks, a checkpoint). Overlapping uses and causes are counted, not stacked, so the tasks that
+    Each moment counts once, for the first that holds: a forward or backward computes; a message of ours is on its
+    way (written, its reply awaited; not a send's waits between attempts); an idle cause is in force
+    (:data:`IDLE_CAUSES`, in their precedence: the volunteer downloads layers, moves for a plan, or averages; the
+    scheduler waits for a microbatch or a gradient from a neighbour); else ``other`` (the loop between tasks, a
+    checkpoint). Overlapping uses and causes are counted, not stacked, so the tasks that
     enter and leave them need not nest. A few additions per change, nothing per microbatch kept.
     """
 
@@ -129,13 +130,14 @@ class BusyTime:
         self._active, self._since = 0, 0.0
 
     @contextmanager
-    def measure(self, use: str) -> Iterator[None]:
-        """``use``: ``computing`` or ``sending``."""
+    def measure(self, use: Optional[str] = None) -> Iterator[None]:
+        """``use``: what ``wall_time`` charges the time within to (``computing``), if anything: a send charges only
+        its attempts (``Outbox.send``), not its waits between them."""
         if self._active == 0:
             self._since = time.time()
         self._active += 1
         try:
-            with self.wall_time.using(use):
+            with self.wall_time.using(use) if use is not None else nullcontext():
                 yield
         finally:
             self._active -= 1

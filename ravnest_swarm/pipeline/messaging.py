@@ -286,13 +286,14 @@ class Outbox:
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
         attempt = 0
-        with self.busy.measure("sending"):
+        with self.busy.measure():
             while True:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
                     self.counters.bytes_sent[handler.rsplit(".", 1)[-1]] += size  # what the link carries, resends too
-                    reply = await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
-                                                   max(1.0, deadline - time.monotonic()))
+                    with self.busy.wall_time.using("sending"):  # on its way: written, and its reply awaited
+                        reply = await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
+                                                       max(1.0, deadline - time.monotonic()))
                     self._on_link(handler, reply)
                     return None
                 except P2PHandlerError as e:
