@@ -71,3 +71,11 @@ def test_three_stages_with_many_in_flight_halve_the_loss(processes, backbone, tm
     assert first["completed"] == 160 and first["dropped"] == 0
     # many microbatches really were in flight at once: later ones were forwarded on older weights
     assert first["max_staleness"] >= 3
+    # each stage said where its time went, and counted the bytes its streams carried: stage 0 sent activations
+    # and received gradients, the middle stage both
+    middle = read_report(str(tmp_path), 1)
+    for report in (first, middle, last):
+        assert sum(report["time_shares"].values()) == pytest.approx(1.0) and report["time_shares"]["computing"] > 0
+    forward, backward = "ravnest.pipeline.forward", "ravnest.pipeline.backward"
+    assert first["traffic"]["sent"][forward] > 0 and first["traffic"]["received"][backward] > 0
+    assert middle["traffic"]["received"][forward] > 0 and middle["traffic"]["sent"][backward] > 0

@@ -8,7 +8,7 @@ import pytest
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.bench.soak import LogScan, placed_now
+from ravnest_swarm.bench.soak import LogScan, placed_now, round_figures, stage_use, use_lines
 
 
 def test_the_log_scan_keeps_unexpected_lines_and_one_entry_per_traceback(tmp_path):
@@ -26,6 +26,32 @@ def test_the_log_scan_keeps_unexpected_lines_and_one_entry_per_traceback(tmp_pat
     assert not placed_now(log.read_text(), "peer0")  # its last placement line says standby
     assert placed_now("peer1: standby in plan round 1: x\npeer1: training cluster 1 stage 0/2 layers 0:4 from step 5",
                       "peer1")
+
+
+def test_the_report_adds_up_the_stages_time_by_seconds_and_counts_rounds_and_moves_from_the_logs():
+    logs = {"peer0": "round 1 opened (first plan): 4 peers, deadline in 5.0s\nadopted plan round 1 fitness 1 hash x\n"
+                     "peer0: training cluster 0 stage 0/2 layers 0:4 from step 0 on cpu\n"
+                     "round 2 opened (a planned peer gone): 3 peers\nadopted plan round 2 fitness 1 hash y\n"
+                     "peer0: training cluster 1 stage 0/2 layers 0:4 from step 9 on cpu\n",
+            "peer1": "round 1 opened (first plan): 4 peers\nadopted plan round 1 fitness 1 hash x\n"
+                     "peer1: training cluster 0 stage 1/2 layers 4:9 from step 0 on cpu\nround 3 opened (late): 4\n"}
+    rounds = round_figures(logs)
+    assert rounds == dict(rounds_opened=3, rounds_adopted=2, moves=1, moves_per_adopted_round=1.0)
+    shares = dict(computing=0.5, sending=0.3, download=0.1, plan=0.0, averaging=0.05, neighbour=0.05, other=0.0)
+    volunteers = [dict(time_shares=shares, window_s=100.0, moved_bytes=2_000_000),
+                  dict(time_shares=dict(shares, computing=0.9, sending=0.1, download=0.0, averaging=0.0, neighbour=0.0),
+                       window_s=300.0, moved_bytes=None),
+                  dict(time_shares=None, window_s=None, moved_bytes=None)]  # never placed: counts no time
+    use = stage_use(volunteers)
+    assert use["stage_seconds"] == 400.0 and use["moved_bytes"] == 2_000_000
+    assert use["time_shares"]["computing"] == 0.8 and use["time_shares"]["download"] == 0.025
+    assert use["utilisation"] == round(0.95 / 0.975, 4)  # computing and sending outside downloads
+    lines = use_lines(dict(use=use, rounds=rounds)).splitlines()
+    assert lines[0].startswith("placed stages (6.7 stage-minutes): computing 80.0%, sending 15.0%, so 97.4% busy")
+    assert "2.0 MB of layers downloaded for moves" in lines[0]
+    assert lines[1] == ("planning rounds: 3 opened, 2 adopted; 1 move(s) of placed volunteers, 1.0 per adopted round "
+                        "after the first")
+    assert stage_use(volunteers[2:]) is None
 
 
 @pytest.mark.timeout(240)
@@ -59,6 +85,11 @@ def test_bench_soak_survives_a_ctrl_c_and_a_sigkill_and_leaves_nothing_running(p
     assert len(report["timeline"]) >= 3 and any(look.get("peers") for look in report["timeline"])
     # survived: no log line said "unexpected" or held a traceback
     assert report["unexpected_errors"] == [] and report["survived"] is True, report["unexpected_errors"]
+    # the placed stages said where their time went, and the logs how many rounds opened and were adopted
+    assert 0.0 < report["use"]["utilisation"] <= 1.0 and report["use"]["stage_seconds"] > 0, report["use"]
+    assert sum(report["use"]["time_shares"].values()) == pytest.approx(1.0, abs=0.01)
+    assert report["rounds"]["rounds_adopted"] >= 1 and report["rounds"]["rounds_opened"] >= 1
+    assert "placed stages (" in bench.stdout() and "planning rounds: " in bench.stdout()
     assert all((out / f"{name}.err").exists() for name in volunteers)
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{LAB_PREFIX}{bench.pid}-" not in namespaces

@@ -1,6 +1,9 @@
 """``bench soak``: real ``join`` volunteers in the network lab for a long run, with churn on a schedule: did any
 peer hit an unexpected error?
 
+Over 400 lines because the soak is one run whose parts share its lab, processes and clock: starting, churning,
+looking, and the report of what the peers and their logs said.
+
 Each volunteer has a lab host of its own (link, delay, CPU quota) and offers RAM for 1.2 / S of the model, as in
 ``bench speedup``: clusters of S stages that average with each other. The first one starts the run (a length no
 soak reaches); the soak's minutes count from the first one placed. Every ``churn_every`` seconds a random placed
@@ -9,6 +12,11 @@ volunteer gets, alternately, Ctrl-C (SIGINT to its process group: it hands its l
 from a lab host of its own, records the peers every :data:`STATUS_EVERY` seconds. At the end everything is stopped
 by pid (on Ctrl-C and errors too) and every log under ``--out`` is scanned for ``unexpected`` and ``Traceback``: a
 table, then one JSON object on stdout's last line (``survived``: none found; ``time_s``: since the bench started).
+
+Where the placed stages' time went comes from the peers' own records (``time_shares`` over ``window_s``, their
+whole time placed: ``pipeline/counters.py``), each volunteer's as its last look saw it, added up by seconds
+(:func:`stage_use`); the planning rounds opened and adopted, and the volunteers each adopted round moved, from the
+logs (:func:`round_figures`).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
@@ -35,7 +43,9 @@ from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.membership.owner import fingerprint, load_or_create_owner_key
+from ravnest_swarm.membership.progress import TIME_USES
 from ravnest_swarm.models import get_model
+from ravnest_swarm.pipeline.counters import utilisation
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.placement import MAX_STAGE_SHARE, model_workload
 from ravnest_swarm.swarm.spec import RunSpec
@@ -51,8 +61,10 @@ HANDOVER_S = 60.0  # a Ctrl-C'd volunteer waits this long for a peer to take its
 EXIT_BOUND = HANDOVER_S + 30.0  # then it must have exited
 MAX_ERRORS, MAX_LINE = 200, 500  # error lines kept in the report (all are counted), and their length
 KINDS = ("ctrl-c", "sigkill")
-RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds", "averaging_failures")
+RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds", "averaging_failures", "utilisation",
+                 "time_shares", "window_s", "moved_bytes", "bytes_up_per_s", "bytes_down_per_s")
 STEP_RE = re.compile(r"\bstep (\d+)")
+OPENED_RE, ADOPTED_RE = re.compile(r"\bround (\d+) opened\b"), re.compile(r"\badopted plan round (\d+) ")
 
 
 @dataclass
@@ -87,6 +99,31 @@ def log_figures(log: str, name: str) -> Dict:
                 placements=sum(line.startswith(f"{name}: training cluster ") for line in own),
                 averaging_failures=sum(line.startswith(f"{name}: averaging at step ") and " failed: " in line
                                        for line in own))
+
+
+def round_figures(logs: Dict[str, str]) -> Dict:
+    """From every volunteer's log (by name): the planning rounds opened and adopted (each round once, however many
+    took part), and the moves: placements of a volunteer that had been placed before (a joiner's first is none), per
+    adopted round after the first (which places everyone)."""
+    opened = {int(n) for log in logs.values() for n in OPENED_RE.findall(log)}
+    adopted = {int(n) for log in logs.values() for n in ADOPTED_RE.findall(log)}
+    moves = sum(max(0, log_figures(log, name)["placements"] - 1) for name, log in logs.items())
+    return dict(rounds_opened=len(opened), rounds_adopted=len(adopted), moves=moves,
+                moves_per_adopted_round=round(moves / (len(adopted) - 1), 2) if len(adopted) > 1 else None)
+
+
+def stage_use(volunteers: List[Dict]) -> Optional[Dict]:
+    """Where the placed stages' time went, every volunteer's ``time_shares`` weighted by its ``window_s``: the
+    share of each use, the seconds counted, and the utilisation (computing or sending outside downloads); None
+    where no record said."""
+    counted = [v for v in volunteers if v.get("time_shares") and v.get("window_s")]
+    seconds = sum(v["window_s"] for v in counted)
+    if not seconds:
+        return None
+    shares = {use: sum(v["time_shares"].get(use, 0.0) * v["window_s"] for v in counted) / seconds for use in TIME_USES}
+    return dict(stage_seconds=round(seconds, 1), utilisation=round(utilisation(shares), 4),
+                time_shares={use: round(share, 4) for use, share in shares.items()},
+                moved_bytes=sum(v.get("moved_bytes") or 0 for v in volunteers))
 
 
 class LogScan:
@@ -331,17 +368,21 @@ class Soak:
                     checkpoint_step=saved, placements=from_log["placements"], last_state=record.get("state"),
                     averaging_rounds=record.get("averaging_rounds"),
                     averaging_failures=max(record.get("averaging_failures") or 0, from_log["averaging_failures"]),
+                    utilisation=record.get("utilisation"), time_shares=record.get("time_shares"),
+                    window_s=record.get("window_s"), moved_bytes=record.get("moved_bytes"),
                     unexpected_errors=sum(error["peer"] == name for error in self.scan.found))
 
     def report(self) -> Dict:
         errors = self.scan.found
+        volunteers = [self._volunteer(name) for name in self.processes]
         return dict(
             benchmark="soak", model=self.options.model, stages=self.options.stages, minutes=self.options.minutes,
             minutes_run=round(min(self.soaked(), self.total) / 60, 2), startup_s=self.soak_from, seconds=self.now(),
             interrupted=self.interrupted, peers=self.options.peers, churn_every_s=self.options.churn_every,
             seed=self.options.seed, steps=self.options.steps, averaging_period=self.options.averaging_period,
             run=self.address, churn_events=self.churn, joins=self.joins, exits=self.exits,
-            volunteers=[self._volunteer(name) for name in self.processes], timeline=self.timeline,
+            volunteers=volunteers, timeline=self.timeline, use=stage_use(volunteers),
+            rounds=round_figures({name: process.stderr() for name, process in self.processes.items()}),
             unexpected_errors=errors[:MAX_ERRORS], unexpected_error_count=len(errors), survived=not errors,
             cpus_per_peer=self.cpus, link=self.link, out=self.out, cpu_count=os.cpu_count(),
             load_avg=[round(x, 2) for x in os.getloadavg()])
@@ -381,7 +422,9 @@ def bench_soak(options: SoakOptions) -> int:
             clock=f"{min(soaked, soak.total) / 60:.1f}/{soak.total / 60:g} min"))
     if report["link"].get("mode") != "netns":
         console.print("[yellow]no network namespaces: the links were NOT rate-limited[/]")
-    Console(width=None if sys.stdout.isatty() else 120).print(summary_table(report))
+    shown = Console(width=None if sys.stdout.isatty() else 120)
+    shown.print(summary_table(report))
+    shown.print(use_lines(report), markup=False, highlight=False)
     print(json.dumps(report), flush=True)
     return 130 if report["interrupted"] else 0
 
@@ -389,11 +432,29 @@ def bench_soak(options: SoakOptions) -> int:
 def summary_table(report: Dict) -> Table:
     verdict = "survived" if report["survived"] else f"NOT survived: {report['unexpected_error_count']} error line(s)"
     table = Table(*("peer", "joined s", "ended", "exit", "final step", "placed", "averaging ok / failed", "last state",
-                    "errors"), title=f"bench soak: {report['model']}, {report['peers']} volunteers, "
+                    "busy", "errors"), title=f"bench soak: {report['model']}, {report['peers']} volunteers, "
                   f"{report['minutes_run']} min, {len(report['churn_events'])} churn event(s); {verdict}")
     for peer in report["volunteers"]:
         ended = f"{peer['ended_by']} at {peer['ended_s']} s" if peer["ended_s"] is not None else peer["ended_by"]
         table.add_row(peer["name"], str(peer["joined_s"]), ended, str(peer["exit_code"]), str(peer["final_step"]),
                       str(peer["placements"]), f"{peer['averaging_rounds']} / {peer['averaging_failures']}",
-                      str(peer["last_state"]), str(peer["unexpected_errors"]))
+                      str(peer["last_state"]), "-" if peer["utilisation"] is None else f"{peer['utilisation']:.0%}",
+                      str(peer["unexpected_errors"]))
     return table
+
+
+def use_lines(report: Dict) -> str:
+    """Where the placed stages' time went (the peers' own counts) and the planning rounds, in two lines."""
+    use, rounds = report["use"], report["rounds"]
+    if use is None:
+        where = "placed stages: no peer record said where their time went"
+    else:
+        shares = use["time_shares"]
+        idle = ", ".join(f"{use_name} {shares[use_name]:.1%}" for use_name in TIME_USES[2:])
+        where = (f"placed stages ({use['stage_seconds'] / 60:.1f} stage-minutes): computing {shares['computing']:.1%}, "
+                 f"sending {shares['sending']:.1%}, so {use['utilisation']:.1%} busy outside layer downloads; idle: "
+                 f"{idle}; {use['moved_bytes'] / 1e6:.1f} MB of layers downloaded for moves")
+    per_round = rounds["moves_per_adopted_round"]
+    return (f"{where}\nplanning rounds: {rounds['rounds_opened']} opened, {rounds['rounds_adopted']} adopted; "
+            f"{rounds['moves']} move(s) of placed volunteers"
+            f"{'' if per_round is None else f', {per_round} per adopted round after the first'}")

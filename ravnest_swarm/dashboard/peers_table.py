@@ -16,20 +16,25 @@ from rich.table import Table
 from rich.text import Text
 
 from ravnest_swarm.membership.buckets import run_samples_per_s
+from ravnest_swarm.membership.progress import TIME_USES, placed_use
 
 # (header, justify): short headers so that the table fits 80 columns with names up to ~16 characters
 # a table this long (plus its title, header and caption) fits a 24-row terminal
 SCREENFUL_ROWS = 18
 COLUMNS = (("name", "left"), ("state", "left"), ("mem GB", "right"), ("Mb/s", "right"), ("GF/s", "right"),
            ("reach", "left"), ("c/s", "left"), ("step", "right"), ("loss", "right"), ("ttl", "right"))
+# the table of where each peer's time and traffic go: the shares of TIME_USES but computing and sending, shortened
+IDLE_HEADERS = dict(download="dl", plan="plan", averaging="avg", neighbour="nbr", other="oth")
 
 
 def status_document(run: str, steps: Optional[int], finished: bool, summary: Optional[Dict],
                     peers: List[Dict], refused: Optional[Dict[str, int]] = None) -> Dict:
     """What ``status --json`` prints: the run's length and whether it is finished, its totals (counted from the
     records read, ``membership.buckets.totals``; None without any), every record read, and the records refused,
-    by reason (``membership.identity.PeerIdentityValidator``)."""
-    return dict(run=run, steps=steps, finished=finished, summary=summary, peers=peers, refused=refused or {})
+    by reason (``membership.identity.PeerIdentityValidator``), and where the placed stages' time goes
+    (``membership.progress.placed_use``: None while no record says)."""
+    return dict(run=run, steps=steps, finished=finished, summary=summary, peers=peers, refused=refused or {},
+                use=placed_use(peers))
 
 
 def _matters(peer: Dict) -> int:
@@ -130,3 +135,44 @@ def memory_cell(peer: Dict) -> str:
         return f"g{gb(peer['device_peak_gb'])}/{gb(peer.get('device_memory_gb'))}"
     offer = peer.get("device_memory_gb")
     return f"{gb(peer.get('peak_memory_gb'))}/{gb(peer['ram_gb'] if offer is None else offer)}"
+
+
+def use_table(peers: List[Dict]) -> Optional[Table]:
+    """Where each peer's time and traffic go, for the peers whose records say (None if none does): ``busy``, its
+    share computing or sending (layer downloads left out); ``comp`` and ``send``; the idle shares by cause (a
+    download of layers to move, a plan's move, averaging, waiting for a neighbour, other); kB/s out and in;
+    the codecs of its pipeline messages (forward/backward) and of its averaging ring. A title line gives the
+    placed stages' mean."""
+    shown = [p for p in peers if p.get("time_shares") or p.get("bytes_up_per_s") is not None]
+    if not shown:
+        return None
+    run_use = placed_use(peers)
+    title = "time and traffic" + ("" if run_use is None else
+                                  f": placed stages {run_use['utilisation']:.0%} busy (mean of {run_use['stages']})")
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0), expand=False)
+    headers = ["name", "busy", "comp", "send"] + [IDLE_HEADERS[use] for use in TIME_USES[2:]] + \
+        ["kB/s ↑/↓", "codecs"]
+    for header in headers:
+        table.add_column(header, justify="left" if header in ("name", "codecs") else "right",
+                         no_wrap=header != "name", overflow="ellipsis", min_width=8 if header == "name" else None)
+    for peer in sorted(shown, key=lambda p: (p["name"], p["peer_id"])):
+        shares = peer.get("time_shares") or {}
+        busy = "-" if peer.get("utilisation") is None else f"{peer['utilisation']:.0%}"
+        table.add_row(Text(peer["name"]), busy, *(f"{shares[use]:.0%}" if use in shares else "-" for use in TIME_USES),
+                      f"{_per_second(peer.get('bytes_up_per_s'))}/{_per_second(peer.get('bytes_down_per_s'))}",
+                      codecs_cell(peer))
+    return table
+
+
+def _per_second(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / 1000:.0f}" if value >= 10_000 else f"{value / 1000:.1f}"
+
+
+def codecs_cell(peer: Dict) -> str:
+    """``forward/backward ring``: the codecs of the peer's pipeline messages (one where both are the same) and of its
+    averaging ring's parts; ``-`` for what its record does not say."""
+    codecs = peer.get("codecs") or {}
+    pipeline = sorted(set(codecs.values()))
+    shown = codecs.get("forward", "-") + "/" + codecs.get("backward", "-") if len(pipeline) > 1 else \
+        (pipeline[0] if pipeline else "-")
+    return f"{shown} {peer.get('averaging_codec') or '-'}"

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
-from ravnest_swarm.membership.progress import run_finished
+from ravnest_swarm.membership.progress import TRAINING_STATES, run_finished
 
 Slot = Tuple[int, int]  # (cluster, stage)
 # a volunteer's record ``note`` says what last went wrong, starting with one of these
@@ -30,7 +30,6 @@ AVERAGING_NOTE = "averaging"
 REFUSAL_NOTE = "refused"
 DIVERGED_NOTE = "diverged"
 
-TRAINING_STATES = ("training", "averaging")  # the loss curve's peers: a finished ("done") peer's loss is old
 EVENT_KINDS = ("start", "joined", "left", "replaced", "round", "avg-fail", "rejected", "diverged")
 # a peer's counter that grew: (field, event kind, text, its note's kind, only for a peer seen before: a joiner's)
 COUNTED_EVENTS = (("averaging_failures", "avg-fail", "averaging failed on", AVERAGING_NOTE, True),

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from ravnest_swarm.dashboard.focus import Focus, focus, is_large, run_figures
 from ravnest_swarm.dashboard.state import Event, SwarmState
+from ravnest_swarm.membership.progress import placed_use
 
 STATE_STYLES = {"training": "green", "averaging": "cyan", "standby": "yellow", "joining": "magenta",
                 "leaving": "red"}
@@ -97,8 +98,21 @@ def _totals(state: SwarmState, width: int) -> Text:
         f"{_rate(totals.samples_per_s)} samples/s",
         f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed{running}",
         f"plan round {'-' if totals.plan_round is None else totals.plan_round}",
-    ] + _refused(state)
+    ] + _use(state) + _refused(state)
     return _pack(items, width, " │ ")
+
+
+def _use(state: SwarmState) -> List[str]:
+    """The placed stages' mean utilisation and the traffic of the peers read, added up, where their records say."""
+    utilisation = (placed_use(state.peers) or {}).get("utilisation")
+    up, down = (sum(p.get(field) or 0.0 for p in state.peers) for field in ("bytes_up_per_s", "bytes_down_per_s"))
+    return ([] if utilisation is None else [f"busy {utilisation:.0%}"]) + \
+        ([f"up {_bytes(up)}/s down {_bytes(down)}/s"] if up or down else [])
+
+
+def _bytes(value: float) -> str:
+    return next(f"{value / scale:.1f} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B"))
+                if value >= scale or unit == "B")
 
 
 def _refused(state: SwarmState) -> List[str]:
@@ -116,7 +130,7 @@ def _run_totals(state: SwarmState, width: int) -> Text:
              f"clusters {figures.clusters}",
              f"{_rate(figures.samples_per_s)} samples/s",
              f"avg rounds {totals.averaging_done} done, {totals.averaging_failures} failed",
-             f"plan round {'-' if totals.plan_round is None else totals.plan_round}"] + _refused(state)
+             f"plan round {'-' if totals.plan_round is None else totals.plan_round}"] + _use(state) + _refused(state)
     if figures.read < figures.peers:
         items.append(f"{figures.read} records read")
     return _pack(items, width, " │ ")
@@ -244,8 +258,9 @@ def _cell(state: SwarmState, slot, holders: Optional[List[Dict]], width: int, me
     if compact:
         lines = [(peer["name"], name_style), (f"{short} L{layers}{loss}", style)]
     else:
+        busy = "" if peer.get("utilisation") is None else f" {peer['utilisation']:.0%}"
         lines = [(peer["name"], name_style), (f"{short} L{layers}{_memory(peer)}", style),
-                 (f"#{step} {rate}/s{loss}", "")]
+                 (f"#{step} {rate}/s{loss}{busy}", "")]
     if len(holders) > 1:
         lines.append((f"+ {', '.join(p['name'] for p in holders[1:])}", "dim"))
     return _lines(lines, width)

@@ -32,6 +32,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
 from ravnest_swarm.membership.identity import PeerIdentityValidator
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
+from ravnest_swarm.membership.progress import TIME_USES
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
 from ravnest_swarm.membership.tickets import MAX_REVOKED, MAX_TICKET_CHARS, TICKET_ID_RE, TICKET_TEXT_PATTERN
 from ravnest_swarm.net.identity import open_identity
@@ -144,6 +145,18 @@ class PeerRecord(pydantic.BaseModel):
     # the codecs our stage's messages go in now, forward and backward (``pipeline/link_codec.py``)
     codecs: Optional[Dict[pydantic.constr(strict=True, regex=r"^(forward|backward)\Z"),
                           pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN)]] = None
+    # where our wall time went since we were first placed, while placed (docs/records.md): each use's share of
+    # ``window_s`` seconds, and ``utilisation``, the share computing or sending outside layer downloads
+    utilisation: Optional[_bounded_float(0.0, 1.0)] = None
+    time_shares: Optional[Dict[pydantic.constr(strict=True, regex="^(" + "|".join(TIME_USES) + r")\Z"),
+                               _bounded_float(0.0, 1.0)]] = None
+    window_s: Optional[_bounded_float(0.0, 1e9)] = None
+    # bytes per second our streams carried lately, out and in (``net/traffic.py``), the bytes of the layers we
+    # downloaded to take our places, and the codec of our averaging ring's parts
+    bytes_up_per_s: Optional[_bounded_float(0.0, 1e12)] = None
+    bytes_down_per_s: Optional[_bounded_float(0.0, 1e12)] = None
+    moved_bytes: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    averaging_codec: Optional[_shown_text(1, 64)] = None  # the spec's name for it, whatever its codecs are called
     # the owner's admission ticket, in an invite-only run (``membership/tickets.py``): readers check it
     ticket: Optional[pydantic.constr(strict=True, max_length=MAX_TICKET_CHARS, regex=TICKET_TEXT_PATTERN)] = None
 

@@ -41,6 +41,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from pydantic import AfterValidator, ConfigDict, Field
 
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
+from ravnest_swarm.net.traffic import Traffic
 from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, call_stream,
                                          make_request, make_response, send_reply)
 
@@ -227,6 +228,7 @@ class Routes:
         # invite-only run admits the peers with a valid ticket (membership/tickets.py: ``Admission.refusal``)
         self.gate: Optional[Callable[[PeerID, str], Optional[str]]] = None
         self.on_gate_refusal: Optional[Callable[[str], None]] = None  # told each refusal of the gate, in one line
+        self.traffic = Traffic()  # the bytes of our gated handlers' streams and of our calls (net/traffic.py)
 
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
@@ -247,7 +249,7 @@ class Routes:
         async def gated(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             reason = self.gate(info.peer_id, name) if self.gate is not None else None
             if reason is None:
-                await serve(info, reader, writer)
+                await serve(info, *self.traffic.counted(name, reader, writer))
                 return
             self._refuse(info.peer_id, reason)
             if self.on_gate_refusal is not None:
@@ -360,6 +362,7 @@ class Routes:
                     return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, name)
             with closing(writer):
+                reader, writer = self.traffic.counted(name, reader, writer)
                 return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}")
         except (P2PHandlerError, ForwardBusy):
             raise  # the peer (or the backbone, busy) answered: the route works
@@ -376,6 +379,7 @@ class Routes:
     async def _call_forwarded(self, backbone: PeerID, peer_id: PeerID, name: str, requests, output_type):
         _, reader, writer = await self.p2p.call_binary_stream_handler(backbone, FORWARD)
         with closing(writer):
+            reader, writer = self.traffic.counted(name, reader, writer)
             header = ForwardHeader(to=peer_id.to_base58(), handler=name)
             await P2P.send_protobuf(make_request(header.as_metadata()), writer)
             what = f"`{name}` at {peer_id} via {backbone}"

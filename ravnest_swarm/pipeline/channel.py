@@ -21,16 +21,19 @@ from typing import Deque, Optional, Sequence
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 
+from ravnest_swarm.net.traffic import Traffic
+
 
 class MessageChannel:
     """A stream to ``handler`` of ``peer_id`` that carries message after message; replies come back in order.
 
     A broken stream fails every message still awaiting its reply with ``ConnectionError`` (the caller
     resends; receivers acknowledge a message they already hold), and the channel stays closed.
+    ``traffic``: where the stream's bytes are counted (the node's, ``net/traffic.py``), if anywhere.
     """
 
-    def __init__(self, p2p: P2P, peer_id: PeerID, handler: str):
-        self.p2p, self.peer_id, self.handler = p2p, peer_id, handler
+    def __init__(self, p2p: P2P, peer_id: PeerID, handler: str, traffic: Optional[Traffic] = None):
+        self.p2p, self.peer_id, self.handler, self.traffic = p2p, peer_id, handler, traffic
         self.closed = False
         self._writer: Optional[asyncio.StreamWriter] = None
         self._reader_task: Optional[asyncio.Task] = None
@@ -44,6 +47,8 @@ class MessageChannel:
                 raise ConnectionError(f"the stream to {self.peer_id} is closed")
             if self._writer is None:
                 _, reader, self._writer = await self.p2p.call_binary_stream_handler(self.peer_id, self.handler)
+                if self.traffic is not None:
+                    reader, self._writer = self.traffic.counted(self.handler, reader, self._writer)
                 self._reader_task = asyncio.create_task(self._read_replies(reader))
             # queued before writing: a receiver may refuse (and answer) before it has read the whole message
             reply = asyncio.get_running_loop().create_future()

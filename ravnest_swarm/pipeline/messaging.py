@@ -291,8 +291,9 @@ class Outbox:
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
                     self.counters.bytes_sent[handler.rsplit(".", 1)[-1]] += size  # what the link carries, resends too
-                    reply = await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
-                                                   max(1.0, deadline - time.monotonic()))
+                    with self.busy.wall_time.using("sending"):  # on its way: written, and its reply awaited
+                        reply = await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
+                                                       max(1.0, deadline - time.monotonic()))
                     self._on_link(handler, reply)
                     return None
                 except P2PHandlerError as e:
@@ -324,7 +325,7 @@ class Outbox:
         channel = self._channels.get((handler, stage))
         if channel is None or channel.closed or channel.peer_id != peer_id:
             self._close_channel(handler, stage)
-            channel = self._channels[(handler, stage)] = MessageChannel(self.node.p2p, peer_id, handler)
+            channel = self._channels[(handler, stage)] = MessageChannel(self.node.p2p, peer_id, handler, routes.traffic)
         return await channel.call(frames)
 
     def _close_channel(self, handler: str, stage: int) -> None:

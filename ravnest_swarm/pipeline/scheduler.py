@@ -161,7 +161,8 @@ class Scheduler:
                 return
             else:
                 self.wakeup.clear()
-                await self.wakeup.wait()
+                with self.busy.wall_time.using("neighbour"):  # no microbatch or gradient to work on
+                    await self.wakeup.wait()
 
     async def _between_steps(self) -> None:
         """Run the hook (the volunteer averages there, which can wait long for a slower cluster). Our neighbours
@@ -228,7 +229,7 @@ class Scheduler:
         self.queued_forward.discard(microbatch)
         compute = self.compute
         self.trace("forward_started", microbatch)
-        with self.busy.measure(), self.counters.computing():
+        with self.busy.measure("computing"), self.counters.computing():
             try:
                 if self.is_last:
                     loss, input_grad = await compute.run(compute.forward_backward_last, inputs, targets)
@@ -268,7 +269,7 @@ class Scheduler:
             self._tell_previous(microbatch, pending.inputs, dropped=dropped)
             return
         self.trace("backward_started", microbatch)
-        with self.busy.measure(), self.counters.computing():
+        with self.busy.measure("computing"), self.counters.computing():
             try:
                 if diverged is not None:
                     await self.compute.run(self.compute.restore, f"a later stage: {diverged}")

@@ -29,6 +29,7 @@ async def run_stage(config: StageConfig, node: DHTNode, stop: asyncio.Event, rep
     worker = StageWorker(config, node)
     worker.print_progress = True
     await worker.start()
+    worker.busy.wall_time.count(True)  # a stage process is placed from its start: its report says where its time went
     print(f"stage {config.stage} of cluster {config.cluster} serving layers {config.layers[0]}:{config.layers[1]} "
           f"as {node.peer_id}", flush=True)
     waiters = [asyncio.create_task(worker.finished.wait()), asyncio.create_task(stop.wait())]

@@ -19,7 +19,7 @@ from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import Neighbours, StageConfig, check_config
 from ravnest_swarm.pipeline.endpoints import publish_endpoint
 from ravnest_swarm.pipeline.messaging import Inbox, Outbox
-from ravnest_swarm.pipeline.counters import BusyTime, Counters
+from ravnest_swarm.pipeline.counters import BusyTime, Counters, WallTime
 from ravnest_swarm.pipeline.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,11 @@ class StageWorker:
 
     :param config: the stage's settings
     :param node: a started DHT node with the run's validators
+    :param wall_time: where the stage's compute, sends and waits for its neighbours are charged (a volunteer's, which
+        outlives its workers); by default one of its own
     """
 
-    def __init__(self, config: StageConfig, node: DHTNode):
+    def __init__(self, config: StageConfig, node: DHTNode, wall_time: Optional[WallTime] = None):
         check_config(config)
         self.config, self.node = config, node
         self.spec = load_model(config.model, config.model_config, config.data)
@@ -44,7 +46,7 @@ class StageWorker:
         dataset = self.spec.dataset()
         sampler = ShardedSampler(dataset.size, config.cluster, config.clusters, config.microbatch_size, config.seed)
         self.counters = Counters()
-        busy = BusyTime(self.counters)
+        busy = self.busy = BusyTime(self.counters, wall_time)
         self.outbox = Outbox(config, node, self.counters, busy)
         self.scheduler = Scheduler(config, self.compute, self.counters, busy, self.outbox.send,
                                    dataset if config.stage == 0 else None, sampler)
@@ -139,12 +141,13 @@ class StageWorker:
         return self.inbox.status().as_metadata()
 
     def report(self) -> Dict:
-        c = self.counters
+        c, traffic = self.counters, self.node.routes.traffic
         return dict(self.status(), layers=list(self.config.layers), schedule=self.config.schedule,
                     mode=self.config.mode, microbatch_size=self.config.microbatch_size, losses=c.losses,
                     routes=dict(self.node.routes.counts), bytes_sent=dict(c.bytes_sent), codec=self.config.compression,
                     codecs={handler.rsplit(".", 1)[-1]: link.current for handler, link in self.outbox.codecs.items()},
-                    codec_switches=c.codec_switches,
+                    codec_switches=c.codec_switches, time_shares=self.busy.wall_time.shares(),
+                    traffic=dict(sent=dict(traffic.sent), received=dict(traffic.received)),
                     inject_times=c.inject_times, complete_times=c.complete_times, busy=c.busy,
                     compute=c.compute, trace=c.trace)
 

@@ -233,8 +233,10 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
         step = 0
         request = make_request(LayerStateRequest(run=run, layers=[layer], averaged=averaged).as_metadata())
         stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, request, runtime_pb2.ExpertResponse)
+        routes.traffic.sent[LAYER_STATE] += request.ByteSize()  # hivemind's stream: its protobufs counted, not framing
         header, parts = None, []
         async for response in stream:
+            routes.traffic.received[LAYER_STATE] += response.ByteSize()
             if not parts:
                 header = _reply(LayerStateTensorHeader, response.metadata, LAYER_STATE, holder)
                 if header.layer != layer or header.name not in expected:

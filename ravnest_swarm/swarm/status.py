@@ -16,7 +16,8 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
                       show_all: bool = False) -> None:
     """Print the run's summary and peers once (a table of the peers that matter, every one with ``show_all``, or
     one JSON document), or watch it until Ctrl-C."""
-    from ravnest_swarm.dashboard.peers_table import status_document, status_view
+    from ravnest_swarm.dashboard.peers_table import (SCREENFUL_ROWS, peers_that_matter, status_document, status_view,
+                                                     use_table)
     from ravnest_swarm.membership.identity import refusals, refusals_line
     from ravnest_swarm.membership.progress import run_finished
     from ravnest_swarm.membership.records import make_validators, parse_run_address
@@ -78,6 +79,9 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
         line, table = status_view(run, summary, peers, show_all)
         Console().print(line)
         Console().print(table)
+        use = use_table(peers if show_all or len(peers) <= SCREENFUL_ROWS else peers_that_matter(peers, SCREENFUL_ROWS))
+        if use is not None:
+            Console().print(use)
         if finished:
             Console().print(f"run {run} is finished: " + ("its owner ended it" if spec.finished and not
                                                            run_finished(peers, spec.steps) else

@@ -52,6 +52,7 @@ from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress, make_validators
 from ravnest_swarm.membership.volunteer import Membership
 from ravnest_swarm.models import ModelSpec, first_difference, model_layout
+from ravnest_swarm.pipeline.counters import WallTime, utilisation
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
@@ -68,8 +69,8 @@ from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, read_spec, r
 from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
-from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_layer,
-                                                offered_layers, offers_of)
+from ravnest_swarm.swarm.state_transfer import (LAYER_STATE, LAYER_STATE_MESSAGE, LayerOffer, LayerStateServer,
+                                                agreed_step, counted_offers, fill_layer, offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,11 @@ class Volunteer:
         self._noted_divergence: Optional[str] = None
         self._divergence_looks: List[Tuple[int, int]] = []  # (step, restores) each time we saw a new one
         self._diverging_said = 0  # the restores counted when we last said the cluster keeps diverging
+        # where our wall time goes while we are placed, across our stage workers (pipeline/counters.py), and
+        # (time, bytes sent, bytes received) looks at our node's traffic over the last RATE_WINDOW seconds
+        self.wall_time = WallTime()
+        self._traffic_looks: Deque[Tuple[float, int, int]] = deque()
+        self.moved_bytes = 0  # of the layers we downloaded to take our places
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -241,6 +247,7 @@ class Volunteer:
                 await until_set(self._adopted.wait(), stop, timeout=2.0)
                 await self._follow_spec()
                 self._publish_progress()
+                self._publish_use()
                 await self._record_history()
                 self._maybe_snapshot()
                 await self._explain_stall()
@@ -303,9 +310,10 @@ class Volunteer:
             self.worker.follow_neighbours(neighbours_in(plan, placement[0], placement[1]))
             await self.announcer.renew()
             return
-        await self._stop_worker()
-        self.plan, self.placement = plan, placement
         if placement is None:
+            await self._stop_worker()
+            self.wall_time.count(False)  # a standby's time is no stage's
+            self.plan, self.placement = plan, placement
             # a standby keeps offering the layers it last trained, so others can still fetch them
             held = dict(layers=[self.held[0], self.held[0] + len(self.held[1])], step=self.held[2]) if self.held \
                 else dict(layers=None, step=None)
@@ -313,7 +321,11 @@ class Volunteer:
             await self.announcer.renew()
             self.say(f"{self.name}: standby in plan round {plan['round']}: {await self._standby_reason(plan)}")
             return
-        await self._start_worker(placement, plan)
+        self.wall_time.count(True)  # from the plan that places us: the move to our place is our stage's time
+        with self.wall_time.using("plan"):
+            await self._stop_worker()
+            self.plan, self.placement = plan, placement
+            await self._start_worker(placement, plan)
 
     async def _standby_reason(self, plan: dict) -> str:
         """Why we have no slot, and what would give us one (a round opens for each of these by itself)."""
@@ -340,7 +352,7 @@ class Volunteer:
                              divergence_factor=self.spec.divergence_factor,
                              heartbeat=self.membership.options.heartbeat,
                              neighbours=neighbours_in(plan, cluster, stage))
-        worker = StageWorker(config, self.node)
+        worker = StageWorker(config, self.node, self.wall_time)
         if worker.precision_note is not None and worker.precision_note != self._precision_said:
             self._precision_said = worker.precision_note
             self.say(f"{self.name}: {worker.precision_note}")
@@ -478,8 +490,11 @@ class Volunteer:
                                        record.get("reachability"))
 
         step = 0
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      console=self.console, transient=False) as progress:
+        traffic = links.traffic.received
+        before = traffic[LAYER_STATE] + traffic[LAYER_STATE_MESSAGE]
+        with self.wall_time.using("download"), \
+                Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                         console=self.console, transient=False) as progress:
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
             for layer, offers in sorted(remote.items()):
                 filled = await fill_layer(links, self.run, module[layer - start], layer, offers,
@@ -491,6 +506,7 @@ class Volunteer:
                     self.say(f"{self.name}: {filled.problem}")
                 step = max(step, filled.step)
                 progress.advance(task)
+        self.moved_bytes += traffic[LAYER_STATE] + traffic[LAYER_STATE_MESSAGE] - before
         return step
 
     def _offered_layers(self) -> Dict[int, Tuple[Dict[str, torch.Tensor], int]]:
@@ -524,7 +540,8 @@ class Volunteer:
         if self.spec.averaging_overlap:
             averaged = self.averaging.take_finished(worker)  # a round beside training ended: applied at this boundary
             if self.spec.averaging_period and step % self.spec.averaging_period == 0 and self._averages_now():
-                waited_for = await self.averaging.begin(worker, self.plan, step)  # the last one ends first
+                with self.wall_time.using("averaging"):  # only while the last round, still running, ends first
+                    waited_for = await self.averaging.begin(worker, self.plan, step)
                 averaged = averaged if waited_for is None else waited_for
             if averaged is not None:
                 worker.mark_restore_point("the averaged state" if averaged else "its own state")
@@ -540,7 +557,8 @@ class Volunteer:
         """Average our stage in the plan we follow (``stage_averaging.py``); whether every ring of ours averaged."""
         if not self._averages_now():
             return False
-        return await self.averaging.average(worker, self.plan, step)
+        with self.wall_time.using("averaging"):  # the stage stands still meanwhile (the scheduler awaits us)
+            return await self.averaging.average(worker, self.plan, step)
 
     def _averages_now(self) -> bool:
         """Whether our stage has partners to average with in the plan we follow."""
@@ -609,6 +627,26 @@ class Volunteer:
             # whose count reached the run's length is not done before the finish: it may be ahead of stage 0
             # (a step on a microbatch stage 0 dropped), which draws another in its place (docs/pipeline.md)
             self.announcer.update(state="done", samples_per_s=0.0)  # still serving its layers to others
+            self.wall_time.count(False)  # nothing left to train: the time after is no stage's
+
+    def _publish_use(self) -> None:
+        """Where our wall time went while placed, and our traffic: bytes/s out and in over the last RATE_WINDOW
+        seconds, the layers we downloaded to move, and the codecs in use (the pipeline's are ``codecs``)."""
+        now = time.monotonic()
+        up, down = self.node.routes.traffic.totals()
+        looks = self._traffic_looks
+        looks.append((now, up, down))
+        while len(looks) > 2 and looks[1][0] <= now - RATE_WINDOW:
+            looks.popleft()  # keeps one look at or before the window's start
+        since, up_then, down_then = looks[0]
+        rates = dict(bytes_up_per_s=round((up - up_then) / (now - since), 1),
+                     bytes_down_per_s=round((down - down_then) / (now - since), 1)) if now > since else {}
+        shares = self.wall_time.shares()
+        use = dict(utilisation=round(utilisation(shares), 4), window_s=round(self.wall_time.total(), 1),
+                   time_shares={name: round(share, 4) for name, share in shares.items()}) if shares else {}
+        # "averaging_compression": the ring's codec, in the spec of the runs that have one
+        self.announcer.update(**rates, **use, moved_bytes=self.moved_bytes,
+                              averaging_codec=getattr(self.spec, "averaging_compression", "none"))
 
     async def _record_history(self) -> None:
         """With ``--snapshot-dir``, one line of the run's figures as our view of it holds them, every heartbeat."""
