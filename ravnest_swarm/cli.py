@@ -128,6 +128,10 @@ def join(
     link_bound_compression: Optional[str] = typer.Option(None, "--link-bound-compression", help="Run spec: the "
                                                          "stronger codec a stage boundary switches to while its link is "
                                                          "the bottleneck (default int8; the run's own codec: never)."),
+    averaging_compression: Optional[str] = typer.Option(None, "--averaging-compression", help="Run spec: the codec "
+                                                        "of the averaging rings: none (default: parameters in float32), "
+                                                        "or int8, int4 ...: pseudo-gradients with error feedback "
+                                                        "(docs/averaging.md)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=0, max=2**53, help="Run spec: the run's length, "
                                         "optimizer steps of every stage (default 300); every volunteer trains until the "
                                         "run reaches it. 0: open-ended, until its owner runs update-spec --finish."),
@@ -211,7 +215,7 @@ def join(
         owner_key=owner_key, ticket=ticket, invite_only=invite_only, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, pipeline_compression=pipeline_compression,
-        link_bound_compression=link_bound_compression, steps=steps,
+        link_bound_compression=link_bound_compression, averaging_compression=averaging_compression, steps=steps,
         precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
         weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr,
@@ -413,6 +417,9 @@ def local(
     link_bound_compression: str = typer.Option("int8", "--link-bound-compression", help="The stronger codec a "
                                                "stage boundary switches to while its link is the bottleneck (the run's "
                                                "own codec: never)."),
+    averaging_compression: str = typer.Option("none", "--averaging-compression", help="The codec of the averaging "
+                                              "rings: none (parameters in float32), or int8, int4 ...: "
+                                              "pseudo-gradients with error feedback (docs/averaging.md)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
@@ -457,13 +464,15 @@ def local(
         if log_file is not None:
             log_to_file(log_file)
         check_spec_choices(pipeline_compression, backward, optimizer=optimizer, lr_schedule=lr_schedule,
-                           outer_optimizer=outer_optimizer, link_bound_compression=link_bound_compression)
+                           outer_optimizer=outer_optimizer, link_bound_compression=link_bound_compression,
+                           averaging_compression=averaging_compression)
         check_precision(precision)
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
                                             pipeline_compression=pipeline_compression,
-                                            link_bound_compression=link_bound_compression, precision=precision,
+                                            link_bound_compression=link_bound_compression,
+                                            averaging_compression=averaging_compression, precision=precision,
                                             backward=backward, microbatch_size=microbatch_size, lr=lr,
                                             optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
                                             warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,

@@ -256,6 +256,8 @@ class RunSpecRecord(pydantic.BaseModel):
     averaging_period: pydantic.conint(strict=True, ge=1, le=10**6)
     pipeline_compression: pydantic.constr(strict=True, regex=PIPELINE_CODEC_PATTERN) = "none"  # codecs.CODECS
     link_bound_compression: pydantic.constr(strict=True, regex=f"{PIPELINE_CODEC_PATTERN}|^$") = ""  # link_codec.py
+    # the ring's codec: with one that compresses, the rings average pseudo-gradients with error feedback
+    averaging_compression: pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN) = "none"  # swarm.stage_averaging
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     backward: pydantic.constr(strict=True, regex="^(stash|recompute)$") = "stash"
     aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust

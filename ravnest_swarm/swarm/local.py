@@ -199,6 +199,7 @@ class LocalSwarm:
             microbatch_size=self.spec.microbatch_size, max_in_flight=self.spec.max_in_flight,
             averaging_period=self.spec.averaging_period, pipeline_compression=self.spec.pipeline_compression,
             link_bound_compression=self.spec.link_bound_compression,
+            averaging_compression=self.spec.averaging_compression,
             precision=self.spec.precision, backward=self.spec.backward, device=self.options.device, heartbeat=4.0,
             min_peers=self.options.peers, checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.options.checkpoint_every,

@@ -18,6 +18,7 @@ import torch
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.codecs.codec import codec
 from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import PeerAnnouncer
@@ -56,7 +57,8 @@ class StageAveraging:
     def __init__(self, announcer: PeerAnnouncer, state_server: LayerStateServer, following: Callable[[], Following],
                  layer_sizes: List[int], period: int, microbatch_size: int, heartbeat: float, timeout: float,
                  aggregation: str, say: Callable[[str], None], note: Callable[[str], None],
-                 on_rejected: Callable[[int], None], outer: Tuple[str, float, float] = ("average", 1.0, 0.0)):
+                 on_rejected: Callable[[int], None], outer: Tuple[str, float, float] = ("average", 1.0, 0.0),
+                 compression: str = "none"):
         self.announcer, self.node, self.state_server = announcer, announcer.node, state_server
         self.run, self.peer_id = announcer.run, announcer.peer_id
         self.following, self.layer_sizes = following, layer_sizes
@@ -64,7 +66,8 @@ class StageAveraging:
         self.say, self.note, self.on_rejected = say, note, on_rejected
         self.rounds = self.failures = 0  # rounds in which every ring of ours averaged, and those in which one did not
         self.times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
-        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, aggregation=aggregation)
+        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, compression=codec(compression),
+                                          aggregation=aggregation)
         self.averager.follow(self._expected)
         self.averager.on_rejected = self._rejected
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)

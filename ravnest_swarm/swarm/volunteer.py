@@ -173,7 +173,8 @@ class Volunteer:
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
                                         on_rejected=self._count_rejected,
-                                        outer=(run_spec.outer_optimizer, run_spec.outer_lr, run_spec.outer_momentum))
+                                        outer=(run_spec.outer_optimizer, run_spec.outer_lr, run_spec.outer_momentum),
+                                        compression=run_spec.averaging_compression)
         self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
