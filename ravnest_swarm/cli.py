@@ -945,6 +945,9 @@ def bench_diloco(
     samples: int = typer.Option(19_200, "--samples", min=1, help="Samples each configuration trains on, in all."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Steps between averaging rounds."),
     outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The nesterov outer step's lr."),
+    averaging_compression: str = typer.Option("none", "--averaging-compression", help="Ring codecs each "
+                                              "configuration of K > 1 runs in, comma-separated (none,int8,int4): "
+                                              "bytes per round and held-out loss side by side."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
     """Inner (sgd, momentum, adamw) and outer (average, nesterov) optimizers, K = 4 against 1, side by side.
@@ -952,12 +955,21 @@ def bench_diloco(
     \b
     Example:
       ravnest-swarm bench diloco --json
+      ravnest-swarm bench diloco --averaging-compression none,int8,int4
     """
     configure_logging(False)
     from ravnest_swarm.bench.diloco import DilocoOptions, bench_diloco as run
+    from ravnest_swarm.codecs.codec import CODECS
 
-    sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr),
-                 as_json))
+    compressions = tuple(name.strip() for name in averaging_compression.split(",") if name.strip())
+    unknown = [name for name in compressions if name not in CODECS]
+    if unknown or not compressions:
+        raise UserError(f"--averaging-compression must name codecs among {', '.join(CODECS)}, not "
+                        f"{averaging_compression!r}")
+    if "none" not in compressions:
+        compressions = ("none",) + compressions  # what the others are compared with
+    sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr,
+                               compressions=compressions), as_json))
 
 
 @bench_app.command("speedup")

@@ -128,6 +128,8 @@ class PeerRecord(pydantic.BaseModel):
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    # bytes our averaging rounds put on ring streams, counted as sent (``swarm/stage_averaging.py``)
+    averaging_bytes_sent: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     rejected: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # poisoned or malformed input refused
     note: Optional[_shown_text(0, MAX_NOTE_LEN)] = None
     # where its stages compute and what memory they measurably took (docs/records.md); optional, so that the
