@@ -14,9 +14,9 @@ from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.ring import PARAMETERS, PSEUDO_GRADIENTS, RingAttempt
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import serialize_part
-from ravnest_swarm.codecs.codec import CODECS, RAW
+from ravnest_swarm.codecs.codec import CODECS, compression_residual
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
-from ravnest_swarm.optimizers.outer import OuterOptimizer, compression_residual
+from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.swarm.stage_averaging import outer_round
 
 SIZE = 3000  # two rings: [0, 1500) and [1500, 3000)

@@ -30,11 +30,11 @@ from rich.progress import Progress
 from ravnest_swarm.averaging.segments import chunk_bounds
 from ravnest_swarm.averaging.wire import GATHER, PART_BYTES, REDUCE, STREAMS_PER_STEP, RingArrive, RingPart
 from ravnest_swarm.bench.lr_scaling import DIVERGED_LOSS, heldout_loss
-from ravnest_swarm.codecs.codec import CODECS, RAW, Codec
+from ravnest_swarm.codecs.codec import CODECS, RAW, Codec, compression_residual
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.net.transport import make_request
 from ravnest_swarm.optimizers.inner import make_inner_optimizer
-from ravnest_swarm.optimizers.outer import OuterOptimizer, compression_residual
+from ravnest_swarm.optimizers.outer import OuterOptimizer
 
 # (inner optimizer, its lr, outer optimizer): today's scheme first
 CONFIGURATIONS = (("sgd", 0.05, "average"), ("sgd", 0.05, "nesterov"), ("momentum", 0.05, "average"),

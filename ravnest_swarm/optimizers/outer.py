@@ -17,7 +17,7 @@ each member's pseudo-gradient ``anchor - parameters + error`` in the codec (:met
 wherever a ring's members share the outer state over its segment (:meth:`OuterOptimizer.digest`), and the step
 above runs on their mean (:meth:`OuterOptimizer.step_segments`; ``average`` is lr 1, mu 0, so it keeps an anchor
 too). ``error`` is what the codec dropped of what we sent, ``sent - decoded(encoded(sent))`` (error feedback,
-:func:`compression_residual`), added to the next round's pseudo-gradient: over rounds what is sent adds up to
+``codecs.codec.compression_residual``), added to the next round's pseudo-gradient: over rounds what is sent adds up to
 the pseudo-gradients, less the last error. A segment whose ring averaged parameters instead (members' outer
 states differed) takes their mean, and its outer state starts there: momentum and error at zero.
 """
@@ -30,20 +30,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ravnest_swarm.codecs.codec import Codec
-
 OUTER_OPTIMIZERS = ("average", "nesterov")
-
-
-def compression_residual(values: torch.Tensor, codec: Codec, bounds: Sequence[Tuple[int, int]]) -> torch.Tensor:
-    """What ``codec`` drops of ``values``: ``values - decoded(encoded(values))``, each of ``bounds`` (a ring's
-    segment, where the codec's blocks start) encoded on its own; zero elsewhere."""
-    residual = torch.zeros_like(values)
-    for lo, hi in bounds:
-        if hi > lo:
-            segment = values[lo:hi]
-            residual[lo:hi] = segment - codec.decode(codec.encode(segment), "pseudo-gradient", None)
-    return residual
 
 
 @dataclass

@@ -25,10 +25,10 @@ from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience
 from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
-from ravnest_swarm.codecs.codec import RAW, codec
+from ravnest_swarm.codecs.codec import RAW, codec, compression_residual
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import PeerAnnouncer
-from ravnest_swarm.optimizers.outer import OuterOptimizer, compression_residual
+from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.pipeline.stage import StageWorker
 from ravnest_swarm.swarm.placement import arrival_wait
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
