@@ -192,3 +192,20 @@ def test_a_corrupt_or_oversized_compressed_part_is_refused_and_the_ring_goes_on_
     if kind == "corrupt":
         assert sum(handler_refusals[:2]) >= 1  # refused as it was read, and counted as hostile input
     assert results[2].segments[0].status != "ok"
+
+
+def test_the_bench_ring_mean_is_the_rings_arithmetic_and_counts_its_encoded_messages():
+    """``bench diloco``'s in-process ring (``bench.diloco.ring_mean``): in float32 the exact mean, in int8 the
+    members' mean within the codec's steps; its bytes are the messages' (metadata and parts as encoded), about
+    2 (K - 1) / K of the vector per member in float32, and 3.9x fewer in int8 once parts dwarf their metadata."""
+    from ravnest_swarm.bench.diloco import ring_mean
+
+    torch.manual_seed(3)
+    values = [torch.randn(40_000) * 0.01 for _ in range(4)]
+    exact = torch.stack(values).double().mean(0)
+    mean, float32_bytes = ring_mean(values, CODECS["none"])
+    assert (mean.double() - exact).abs().max() <= 1e-7
+    assert 2 * 3 / 4 * 40_000 * 4 < float32_bytes < 2 * 3 / 4 * 40_000 * 4 * 1.02
+    mean, int8_bytes = ring_mean(values, CODECS["int8"])
+    assert (mean.double() - exact).abs().max() <= 0.01 * 4 * 3 / 127
+    assert 3.7 < float32_bytes / int8_bytes < 4.0
