@@ -36,7 +36,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.mailbox import NOT_EXPECTING, NOT_IN_ATTEMPT, OTHER_RING, Expected, Inbox, Mailbox
-from ravnest_swarm.averaging.ring import Patience, RingPeer, RingRound, RoundLog, SegmentResult
+from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience, RingPeer, RingRound, RoundLog, SegmentResult
 from ravnest_swarm.averaging.robust import MEAN
 from ravnest_swarm.averaging.robust_ring import attempt_for
 from ravnest_swarm.averaging.segments import Ring
@@ -83,6 +83,10 @@ class RoundResult:
         """One short line for logs and the peer record's dashboard field."""
         done = sum(segment.status == "ok" for segment in self.segments)
         text = f"step {self.step}: {done}/{len(self.segments)} segments averaged in {self.seconds:.2f}s"
+        compressed = sum(segment.status == "ok" and segment.mode == PSEUDO_GRADIENTS for segment in self.segments)
+        if compressed:
+            text += f" ({compressed} as compressed pseudo-gradients)"
+        text += f", {self.bytes_sent / 1e6:.3g} MB sent"
         failed = [f"{s.index}:{s.status}" for s in self.segments if s.status != "ok"]
         if failed:
             text += "; kept local " + ",".join(failed)
