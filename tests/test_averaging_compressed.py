@@ -12,6 +12,7 @@ from hivemind.p2p import PeerID
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.ring import PARAMETERS, PSEUDO_GRADIENTS, RingAttempt
+from ravnest_swarm.averaging.robust import MEAN, ROBUST_AGGREGATES, TRIMMED_MEAN
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import serialize_part
 from ravnest_swarm.codecs.codec import CODECS, compression_residual
@@ -68,9 +69,10 @@ class CorruptingAttempt(RingAttempt):
         self.outboxes[0].close()
 
 
-async def ring_of(backbone: str, count: int, codec: str):
+async def ring_of(backbone: str, count: int, codec: str, aggregation: str = MEAN):
     nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(count)]
-    averagers = [MultiRingAverager(node.routes, "compressed", timeout=15.0, compression=CODECS[codec]) for node in nodes]
+    averagers = [MultiRingAverager(node.routes, "compressed", timeout=15.0, compression=CODECS[codec],
+                                   aggregation=aggregation) for node in nodes]
     for averager in averagers:
         await averager.start()
     ids = [node.peer_id.to_base58() for node in nodes]
@@ -100,11 +102,18 @@ def modes(result) -> List[str]:
     return [segment.mode for segment in result.segments]
 
 
+def aggregate(values: List[torch.Tensor], aggregation: str) -> torch.Tensor:
+    stacked = torch.stack(values).double()
+    return stacked.mean(0) if aggregation == MEAN else ROBUST_AGGREGATES[aggregation](stacked)
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("outer_name", ["average", "nesterov"])
-def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_float32(backbone, outer_name):
-    """Three members, two rings, int8. Round 1: nobody has an outer state, so both rings average parameters in
-    float32: the exact mean, the same on all. Round 2: every member shares the anchor, both rings average
+@pytest.mark.parametrize("outer_name, aggregation", [("average", MEAN), ("nesterov", MEAN), ("average", TRIMMED_MEAN)])
+def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_float32(backbone, outer_name,
+                                                                                      aggregation):
+    """Three members, two rings, int8 (the mean, or a robust aggregation on decoded values: with three members the
+    trimmed mean is the median). Round 1: nobody has an outer state, so both rings average parameters in
+    float32: the exact aggregate, the same on all. Round 2: every member shares the anchor, both rings average
     pseudo-gradients in int8: the members end bit for bit the same, near the float32 outer step, sending about
     a quarter of round 1's bytes. Round 3: one member's anchor differs over ring 0's segment (it missed a round):
     ring 0 averages parameters in float32 (the exact mean), ring 1 still pseudo-gradients; all end the same.
@@ -112,7 +121,7 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
     torch.manual_seed(1)
 
     async def scenario():
-        nodes, averagers, rings = await ring_of(backbone, 3, "int8")
+        nodes, averagers, rings = await ring_of(backbone, 3, "int8", aggregation)
         try:
             outers = [OuterOptimizer(outer_name, 0.7, 0.9) for _ in averagers]
             start = [torch.randn(SIZE) for _ in averagers]
@@ -132,13 +141,13 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
 
     rounds, _ = asyncio.run(scenario())
     (first, after1, start), (second, after2, trained2, expected2) = rounds[0], rounds[1]
-    exact = torch.stack(start).double().mean(0)
+    exact = aggregate(start, aggregation)
     assert all(r.ok and modes(r) == [PARAMETERS, PARAMETERS] for r in first)
     assert all(torch.equal(after1[0], values) for values in after1)
     assert (after1[0].double() - exact).abs().max() <= 1e-5
     assert all(r.ok and modes(r) == [PSEUDO_GRADIENTS, PSEUDO_GRADIENTS] for r in second), [r.summary() for r in second]
     assert all(torch.equal(after2[0], values) for values in after2)
-    float32_step = expected2.step(torch.stack(trained2).mean(0))  # the same outer step on the exact mean
+    float32_step = expected2.step(aggregate(trained2, aggregation).float())  # the same step on the exact aggregate
     assert 0 < (after2[0] - float32_step).abs().max() <= 0.01
     # counted from what was sent: int8 parts are 3.9x fewer bytes, but parts of 500 values here are about the
     # size of a message's metadata and notes, which int8 leaves alone (docs/benchmarks.md: a real stage's ratio)
@@ -148,7 +157,7 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
     third, after3, trained3, _ = rounds[2]
     assert all(r.ok and modes(r) == [PARAMETERS, PSEUDO_GRADIENTS] for r in third), [r.as_dict() for r in third]
     assert all(torch.equal(after3[0], values) for values in after3)
-    exact3 = torch.stack(trained3).double().mean(0)[:1500]
+    exact3 = aggregate(trained3, aggregation)[:1500]
     assert (after3[0][:1500].double() - exact3).abs().max() <= 1e-5  # re-synced on the float32 mean
     fourth, after4, _, _ = rounds[3]
     assert all(r.ok and modes(r) == [PSEUDO_GRADIENTS, PSEUDO_GRADIENTS] for r in fourth)
