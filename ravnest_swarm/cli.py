@@ -131,6 +131,10 @@ def join(
     link_bound_compression: Optional[str] = typer.Option(None, "--link-bound-compression", help="Run spec: the "
                                                          "stronger codec a stage boundary switches to while its link is "
                                                          "the bottleneck (default int8; the run's own codec: never)."),
+    averaging_compression: Optional[str] = typer.Option(None, "--averaging-compression", help="Run spec: the codec "
+                                                        "of the averaging rings: none (default: parameters in float32), "
+                                                        "or int8, int4 ...: pseudo-gradients with error feedback "
+                                                        "(docs/averaging.md)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=0, max=2**53, help="Run spec: the run's length, "
                                         "optimizer steps of every stage (default 300); every volunteer trains until the "
                                         "run reaches it. 0: open-ended, until its owner runs update-spec --finish."),
@@ -217,7 +221,8 @@ def join(
         owner_key=owner_key, ticket=ticket, invite_only=invite_only, model=model,
         model_config=model_config, lr=lr, microbatch_size=microbatch_size, max_in_flight=max_in_flight,
         averaging_period=averaging_period, averaging_overlap=averaging_overlap,
-        pipeline_compression=pipeline_compression, link_bound_compression=link_bound_compression, steps=steps,
+        pipeline_compression=pipeline_compression, link_bound_compression=link_bound_compression,
+        averaging_compression=averaging_compression, steps=steps,
         precision=precision, backward=backward, aggregation=aggregation, lr_scaling=lr_scaling, optimizer=optimizer,
         weight_decay=weight_decay, lr_schedule=lr_schedule, warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
         outer_lr=outer_lr,
@@ -421,6 +426,9 @@ def local(
     link_bound_compression: str = typer.Option("int8", "--link-bound-compression", help="The stronger codec a "
                                                "stage boundary switches to while its link is the bottleneck (the run's "
                                                "own codec: never)."),
+    averaging_compression: str = typer.Option("none", "--averaging-compression", help="The codec of the averaging "
+                                              "rings: none (parameters in float32), or int8, int4 ...: "
+                                              "pseudo-gradients with error feedback (docs/averaging.md)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="Keep the peers' checkpoints here."),
     checkpoint_every: int = typer.Option(50, "--checkpoint-every", min=1, help="Steps between a stage's checkpoints."),
@@ -465,14 +473,16 @@ def local(
         if log_file is not None:
             log_to_file(log_file)
         check_spec_choices(pipeline_compression, backward, optimizer=optimizer, lr_schedule=lr_schedule,
-                           outer_optimizer=outer_optimizer, link_bound_compression=link_bound_compression)
+                           outer_optimizer=outer_optimizer, link_bound_compression=link_bound_compression,
+                           averaging_compression=averaging_compression)
         check_precision(precision)
         where = resolve_device(device)  # before any process starts: `--device cuda` without a GPU is one line
         options = LocalOptions(peers=peers, steps=steps, model=model, chaos=chaos, time_limit=time_limit, data=data,
                                spec=RunSpec(model=model, model_config=model_config, averaging_period=averaging_period,
                                             averaging_overlap=averaging_overlap,
                                             pipeline_compression=pipeline_compression,
-                                            link_bound_compression=link_bound_compression, precision=precision,
+                                            link_bound_compression=link_bound_compression,
+                                            averaging_compression=averaging_compression, precision=precision,
                                             backward=backward, microbatch_size=microbatch_size, lr=lr,
                                             optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
                                             warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
@@ -945,6 +955,9 @@ def bench_diloco(
     samples: int = typer.Option(19_200, "--samples", min=1, help="Samples each configuration trains on, in all."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Steps between averaging rounds."),
     outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The nesterov outer step's lr."),
+    averaging_compression: str = typer.Option("none", "--averaging-compression", help="Ring codecs each "
+                                              "configuration of K > 1 runs in, comma-separated (none,int8,int4): "
+                                              "bytes per round and held-out loss side by side."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
     """Inner (sgd, momentum, adamw) and outer (average, nesterov) optimizers, K = 4 against 1, side by side.
@@ -952,12 +965,21 @@ def bench_diloco(
     \b
     Example:
       ravnest-swarm bench diloco --json
+      ravnest-swarm bench diloco --averaging-compression none,int8,int4
     """
     configure_logging(False)
     from ravnest_swarm.bench.diloco import DilocoOptions, bench_diloco as run
+    from ravnest_swarm.codecs.codec import CODECS
 
-    sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr),
-                 as_json))
+    compressions = tuple(name.strip() for name in averaging_compression.split(",") if name.strip())
+    unknown = [name for name in compressions if name not in CODECS]
+    if unknown or not compressions:
+        raise UserError(f"--averaging-compression must name codecs among {', '.join(CODECS)}, not "
+                        f"{averaging_compression!r}")
+    if "none" not in compressions:
+        compressions = ("none",) + compressions  # what the others are compared with
+    sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr,
+                               compressions=compressions), as_json))
 
 
 @bench_app.command("speedup")

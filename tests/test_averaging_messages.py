@@ -43,19 +43,23 @@ def refusal(metadata) -> str:
 
 
 def test_what_members_send_parses_as_its_kind_and_goes_on_the_wire_as_the_same_map():
-    part = dict(BASE, phase="gather", position=1, attempt=[PEER], stripe=1, stripes=2)
+    part = dict(BASE, phase="gather", position=1, attempt=[PEER], codec="int8", stripe=1, stripes=2)
     arrive = dict(BASE, phase="arrive")
+    told = dict(BASE, phase="arrive", anchor="0123456789abcdef" * 2)  # a digest of its outer state (stage_averaging)
     excluded = dict(BASE, phase="abort", excluded=[PEER])
     failed = dict(BASE, phase="abort", failure="no chunk within the ring timeout")
     probe = dict(BASE, phase="probe", coordinates=[0, 17, 40])
-    for metadata, kind in [(part, RingPart), (arrive, RingArrive), (excluded, RingAbort), (failed, RingAbort),
-                           (probe, RingProbe)]:
+    for metadata, kind in [(part, RingPart), (arrive, RingArrive), (told, RingArrive), (excluded, RingAbort),
+                           (failed, RingAbort), (probe, RingProbe)]:
         message = decode_ring_message(msgpack.packb(metadata, use_bin_type=True))
         assert type(message) is kind
         assert message.as_metadata() == metadata  # the keys the hand-built dicts had, no more
     # a message without stripe/stripes is one stream
     assert decode_ring_message(msgpack.packb(dict(BASE, phase="reduce"))).stripes == 1
     assert RingReply().as_metadata() == {}
+    for bad in [dict(part, codec="int7"), dict(told, anchor="not hex"), dict(told, anchor="ab" * 40)]:
+        with pytest.raises(MessageError, match="codec|anchor"):
+            decode_ring_message(msgpack.packb(bad))
     answer = RingReply(values=[0.5, -1.0], rows=[[0.5], [2.0]])
     assert decode_message(RingReply, msgpack.packb(answer.as_metadata()), "ring reply") == answer
     with pytest.raises(MessageError, match="field 'values'"):

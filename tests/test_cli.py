@@ -97,6 +97,13 @@ def test_unknown_pipeline_compression(verb):
     assert_one_line_error(result, "--pipeline-compression must be one of none, float16, meanstd16", code=2)
 
 
+@pytest.mark.parametrize("verb", ["local", "join"])
+def test_unknown_averaging_compression(verb):
+    peer_flags = ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a"] if verb == "join" else []
+    result = cli(verb, *peer_flags, "--averaging-compression", "int7")
+    assert_one_line_error(result, "--averaging-compression must be one of none, float16, meanstd16, int8", code=2)
+
+
 def test_unknown_aggregation():
     result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a",
                  "--aggregation", "median")

@@ -79,6 +79,21 @@ def test_local_swarm_forms_clusters_averages_and_halves_the_loss(tmp_path):
     assert summary["max_peer_memory_fraction"] is not None
 
 
+@pytest.mark.timeout(420)
+def test_local_swarm_with_int8_pseudo_gradients_averages_and_halves_the_loss(tmp_path):
+    """`--averaging-compression int8` (issue 30): the spec reaches every peer's averager, the rings average
+    pseudo-gradients, training still halves the loss, and each peer's record counts the bytes it sent."""
+    result = ravnest("local", "--peers", "6", "--steps", "300", "--json", "--no-dashboard", "--time-limit", "360",
+                     "--averaging-compression", "int8", timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["clusters"] >= 2 and summary["averaging_rounds"] >= 2, summary
+    assert summary["loss_end"] <= summary["loss_start"] / 2, summary
+    assert summary["metric_name"] == "heldout_accuracy" and summary["metric"] > 0.8, summary
+    averaging = [record for record in summary["peer_records"].values() if record.get("averaging_rounds")]
+    assert averaging and all((record.get("averaging_bytes_sent") or 0) > 0 for record in averaging), averaging
+
+
 def averaging_in_logs(log_dir, name):
     """What a peer's own log says of its averaging rounds: (rounds every ring of it averaged, rounds that failed)."""
     log = (log_dir / f"{name}.err").read_text(errors="replace")

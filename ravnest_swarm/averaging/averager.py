@@ -29,21 +29,21 @@ import math
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Callable, Coroutine, List, Optional, Sequence, Set, Union
+from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Set, Union
 
 import torch
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from ravnest_swarm.averaging.mailbox import NOT_EXPECTING, NOT_IN_ATTEMPT, OTHER_RING, Expected, Inbox, Mailbox
-from ravnest_swarm.averaging.ring import Patience, RingPeer, RingRound, RoundLog, SegmentResult
+from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience, RingPeer, RingRound, RoundLog, SegmentResult
 from ravnest_swarm.averaging.robust import MEAN
 from ravnest_swarm.averaging.robust_ring import attempt_for
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PART_BYTES, RING_HANDLER, ROUND_OVER,
                                           STREAMS_PER_STEP, RingAbort, RingArrive, RingPart, RingProbe, RingReply, RingSender,
                                           decode_ring_message)
-from ravnest_swarm.codecs.codec import RAW, Codec
+from ravnest_swarm.codecs.codec import CODECS, RAW, Codec
 from ravnest_swarm.net.messages import MessageError
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.net.transport import INCOMPLETE, iterate_frames, make_response, message_reply, send_reply
@@ -61,14 +61,16 @@ RESEND_QUIET = 0.5
 
 @dataclass
 class RoundResult:
-    """One averaging round of this peer: a result per ring, every refused contribution, and how many ring
-    streams (stripes of its messages) it sent again after a transport failure."""
+    """One averaging round of this peer: a result per ring, every refused contribution, how many ring
+    streams (stripes of its messages) it sent again after a transport failure, and the bytes it put on ring
+    streams meanwhile (metadata and parts as encoded, counted by its sender)."""
 
     step: int
     seconds: float
     segments: List[SegmentResult]
     rejected: List[dict] = field(default_factory=list)
     resends: int = 0
+    bytes_sent: int = 0
 
     @property
     def ok(self) -> bool:
@@ -81,6 +83,10 @@ class RoundResult:
         """One short line for logs and the peer record's dashboard field."""
         done = sum(segment.status == "ok" for segment in self.segments)
         text = f"step {self.step}: {done}/{len(self.segments)} segments averaged in {self.seconds:.2f}s"
+        compressed = sum(segment.status == "ok" and segment.mode == PSEUDO_GRADIENTS for segment in self.segments)
+        if compressed:
+            text += f" ({compressed} as compressed pseudo-gradients)"
+        text += f", {self.bytes_sent / 1e6:.3g} MB sent"
         failed = [f"{s.index}:{s.status}" for s in self.segments if s.status != "ok"]
         if failed:
             text += "; kept local " + ",".join(failed)
@@ -92,7 +98,8 @@ class RoundResult:
 
     def as_dict(self) -> dict:
         return dict(step=self.step, seconds=self.seconds, ok=self.ok, segments=[s.as_dict() for s in self.segments],
-                    failed_segments=self.failed_segments(), rejected=self.rejected, resends=self.resends)
+                    failed_segments=self.failed_segments(), rejected=self.rejected, resends=self.resends,
+                    bytes_sent=self.bytes_sent)
 
 
 class MultiRingAverager:
@@ -226,7 +233,7 @@ class MultiRingAverager:
                 if isinstance(message, RingPart):
                     inbox = self.mailbox.inbox_for(message, sender)
                     if inbox is not None:
-                        inbox.join(message.stripes)
+                        inbox.join(message.stripes, CODECS[message.codec])
                         filling.append(inbox)
             if not isinstance(message, RingPart):
                 continue  # a note carries no tensor
@@ -242,7 +249,7 @@ class MultiRingAverager:
         elif not isinstance(message, RingPart):
             state = self.mailbox.note(message, sender)
             if isinstance(message, RingArrive):
-                reply = RingReply(arrived=state.here)
+                reply = RingReply(arrived=state.here, anchor=state.anchor if state.here else None)
         elif inbox is not None and not inbox.taken:
             inbox.end_stripe(message.stripe, index)  # a stripe may be empty, the whole message may not
         return make_response(reply.as_metadata())
@@ -268,7 +275,8 @@ class MultiRingAverager:
     # ---- a round ---------------------------------------------------------------------------------------
 
     async def average(self, step: int, local: torch.Tensor, local_start: int, rings: Sequence[Ring],
-                      patience: Optional[Patience] = None) -> RoundResult:
+                      patience: Optional[Patience] = None, pseudo_gradient: Optional[torch.Tensor] = None,
+                      anchors: Optional[Dict[int, Optional[str]]] = None) -> RoundResult:
         """Average every segment this peer owns with its owners in the other clusters, all rings at once.
 
         Each ring first waits for every member to reach the round (each says so to the others as it does):
@@ -283,6 +291,12 @@ class MultiRingAverager:
             messages for this round (:meth:`expect`, :meth:`follow`), or their members could not reach it
         :param patience: asked, once the wait for missing members passed the timeout, how many seconds more
             to wait for them; None gives up then
+        :param pseudo_gradient: beside ``local``, its pseudo-gradient (same range; None: we have no outer state):
+            a ring whose members all have our anchor averages it in our codec instead of ``local``, any other
+            ring averages ``local`` in float32 (``ring.RingRound``; each segment's result says which it averaged)
+        :param anchors: given (even empty), we average pseudo-gradients where our rings agree: by ring index, the
+            digest of our outer state over its segment (missing or None: we have none); None: every ring
+            averages ``local`` in our codec
         """
         if step <= self.last_finished_step:
             raise ValueError(f"step {step} is not after the last averaged step {self.last_finished_step}")
@@ -293,15 +307,20 @@ class MultiRingAverager:
             if expected is None or not expected.first_step <= step <= expected.last_step \
                     or expected.rings.get(ring.index) != frozenset(ring.members):
                 raise ValueError(f"ring {ring.index} of round {step} is not one this peer expects messages for")
-        started = time.monotonic()
+        if pseudo_gradient is not None and pseudo_gradient.shape != local.shape:
+            raise ValueError(f"a pseudo-gradient of {pseudo_gradient.numel()} values for {local.numel()} parameters")
+        started, sent_before = time.monotonic(), self.sender.bytes_sent
         log = RoundLog()
-        results = await asyncio.gather(*(
-            RingRound(self.ring_peer, step, ring, local[ring.start - local_start:ring.end - local_start], log)
-            .run(started, patience)
-            for ring in rings
-        ))
+
+        def ring_round(ring: Ring) -> RingRound:
+            where = slice(ring.start - local_start, ring.end - local_start)
+            return RingRound(self.ring_peer, step, ring, local[where], log, anchors is not None,
+                             None if pseudo_gradient is None else pseudo_gradient[where], (anchors or {}).get(ring.index))
+
+        results = await asyncio.gather(*(ring_round(ring).run(started, patience) for ring in rings))
         self.mailbox.finish_round(step)
-        result = RoundResult(step, time.monotonic() - started, list(results), log.rejected, log.resends)
+        result = RoundResult(step, time.monotonic() - started, list(results), log.rejected, log.resends,
+                             self.sender.bytes_sent - sent_before)
         self.last_result = result
         (logger.info if result.ok else logger.warning)(f"averaging {result.summary()}")
         return result

@@ -51,6 +51,10 @@ NOT_IN_ATTEMPT = "runs no such attempt of the ring now"
 MessageKey = Tuple[int, int, Tuple[str, ...], str, int, str]
 
 
+class UndecodablePart(ValueError):
+    """A part of an expected message did not decode in its codec: only its sender made it so (a vote against it)."""
+
+
 def message_key(message: RingPart, sender: str) -> MessageKey:
     return message.step, message.ring, tuple(message.attempt), message.phase, message.position, sender
 
@@ -82,6 +86,7 @@ class Inbox:
 
     def __init__(self, sender: str):
         self.sender = sender  # whose share of the mailbox it takes
+        self.codec: Optional[Codec] = None  # what its parts are in, as its first stream said
         self.parts: Dict[int, Tuple[torch.Tensor, runtime_pb2.Tensor, int]] = {}  # index: (values, as sent, bytes)
         self.stripes: Optional[int] = None  # set by the first stream of the message that arrives
         self.accepted: List[int] = []  # per stripe: parts kept so far, whichever stream brought them
@@ -90,17 +95,21 @@ class Inbox:
         self.complete = False  # every stripe ended: every part is here
         self.taken = False  # the ring coroutine is done with it (finished, or its attempt was abandoned)
         self.error: Optional[str] = None  # refused midway: the ring that expects it fails
+        self.undecodable: Optional[str] = None  # a part its sender encoded wrong: the ring refuses the sender
         self.changed = asyncio.Event()
 
     def notify(self) -> None:
         self.changed.set()
 
-    def join(self, stripes: int) -> None:
-        """A stream of this message arrived, dealt over ``stripes`` streams; every stream of it must agree."""
+    def join(self, stripes: int, codec: Codec = RAW) -> None:
+        """A stream of this message arrived, dealt over ``stripes`` streams in ``codec``; every stream of it must
+        agree."""
         if self.stripes is None:
-            self.stripes, self.accepted = stripes, [0] * stripes
+            self.stripes, self.accepted, self.codec = stripes, [0] * stripes, codec
         elif stripes != self.stripes:
             raise ValueError(f"ring message striped over {stripes} streams, earlier over {self.stripes}")
+        elif codec is not self.codec:
+            raise ValueError(f"ring message in codec {codec.name}, earlier in {self.codec.name}")
 
     def end_stripe(self, stripe: int, count: int) -> None:
         """Stripe ``stripe``'s stream ended after ``count`` parts; once every stripe has, the message is complete."""
@@ -156,10 +165,13 @@ class RingState:
         # the running robust attempt's answer to a member's probe, keyed by the attempt (its left-out members)
         self.probes: Dict[Tuple[str, ...], Callable[[List[int], str], RingReply]] = {}
         self.here = False  # this peer reached the round: a member's arrive note is answered so
+        self.anchor: Optional[str] = None  # our outer state's digest over the ring's segment, told with ``here``
+        self.anchors: Dict[str, Optional[str]] = {}  # each arrived member's, as its note or its answer to ours said
         self.changed = asyncio.Event()  # votes, withdrawals or our end: a running attempt must start over or end
         self.arrival = asyncio.Event()  # someone new arrived: only the wait before the first attempt cares
 
-    def arrive(self, member: str) -> None:
+    def arrive(self, member: str, anchor: Optional[str] = None) -> None:
+        self.anchors[member] = anchor
         if member not in self.arrived:
             self.arrived.add(member)
             self.arrival.set()
@@ -210,7 +222,8 @@ class Mailbox:
     """Every inbox and ring state of this peer, bounded, and the rounds it has finished.
 
     ``expecting`` says what this peer expects now (None: nothing, every message is refused); its owner sets it.
-    ``codec``: the one every part arrives in (the averager's), decoded as it is filed.
+    ``codec``: the averager's; a part arrives in it or (a ring that fell back to parameters) in ``none``, as its
+    message says, and is decoded as it is filed.
     """
 
     def __init__(self, max_buffered_bytes: int, codec: Codec = RAW):
@@ -259,6 +272,9 @@ class Mailbox:
         if message.step <= self.last_finished_step and key in self._delivered:
             return None  # the sender lost our reply: acknowledge again, keep nothing
         self.admit(message, sender)
+        if message.codec not in (RAW.name, self.codec.name):
+            raise ValueError(f"ring message in codec {message.codec}: this peer averages in {self.codec.name} "
+                             f"or none")
         if key not in self.inboxes:
             if self._held_inboxes[sender] >= self._share[0]:
                 raise ValueError(f"{sender[-8:]} {OVER_SHARE}: {self._held_inboxes[sender]} ring messages")
@@ -280,7 +296,13 @@ class Mailbox:
             raise ValueError(f"{inbox.sender[-8:]} {OVER_SHARE}: {self._share[1]} bytes of ring data")
         if self._buffered_bytes + size > self.max_buffered_bytes:
             raise ValueError("too much ring data buffered here; retry later")
-        inbox.parts[stripe + index * inbox.stripes] = (decode_part(part, self.codec), part, size)
+        try:
+            values = decode_part(part, inbox.codec)
+        except ValueError as e:  # refused to the sender too (the handler's error); its ring votes against it
+            inbox.undecodable = inbox.undecodable or str(e)
+            inbox.notify()
+            raise
+        inbox.parts[stripe + index * inbox.stripes] = (values, part, size)
         inbox.accepted[stripe] += 1
         self._buffered_bytes += size
         self._held_bytes[inbox.sender] += size
@@ -294,7 +316,7 @@ class Mailbox:
             raise ValueError("too many rings pending here; retry later")
         state = self.ring_state(note.step, note.ring)
         if isinstance(note, RingArrive):
-            state.arrive(sender)
+            state.arrive(sender, note.anchor)
             return state
         if note.excluded:
             state.vote(sender, note.excluded)
@@ -315,17 +337,24 @@ class Mailbox:
     def ring_state(self, step: int, ring: int) -> RingState:
         return self._rings.setdefault((step, ring), RingState())
 
-    async def receive(self, key: MessageKey, deadline: float) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
-        """The parts of one expected message, in order, as they arrive (values, and the part as sent)."""
+    async def receive(self, key: MessageKey, deadline: float,
+                      codec: Codec) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
+        """The parts of one expected message, in order, as they arrive (values, and the part as sent); in
+        ``codec``, what the ring's attempt runs in (a member that runs it in another codec fails the ring)."""
         inbox = self._inbox(key)
         try:
             while True:
+                if inbox.codec is not None and inbox.codec is not codec:
+                    raise ValueError(f"the {key[3]} step {key[4]} message from {key[-1][-8:]} is in codec "
+                                     f"{inbox.codec.name}; this ring runs in {codec.name}")
                 if inbox.next in inbox.parts:
                     tensor, part, size = inbox.parts.pop(inbox.next)
                     inbox.next += 1
                     self._buffered_bytes -= size
                     self._held_bytes[inbox.sender] -= size
                     yield tensor, part
+                elif inbox.undecodable is not None:
+                    raise UndecodablePart(inbox.undecodable)
                 elif inbox.error is not None:
                     raise ConnectionError(f"the {key[3]} step {key[4]} message from {key[-1][-8:]} {inbox.error}")
                 elif inbox.complete:

@@ -11,7 +11,8 @@ refuse a poisoned chunk) are one protocol, read top to bottom.
 
 Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
 in time ends that ring for whoever waited on it, the segment keeps its local value, and the other members are
-told that the ring ended for that one. A received chunk with NaN or Inf, or absurdly scaled (its largest magnitude above ``max_scale`` times
+told that the ring ended for that one. A received chunk with NaN or Inf, a part that does not decode in its
+codec, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
 receiver votes against that sender and tells the ring.
@@ -39,19 +40,21 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional
+from typing import AsyncIterator, Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.averaging.mailbox import Mailbox, MessageKey, RingView
+from ravnest_swarm.averaging.mailbox import Mailbox, MessageKey, RingView, UndecodablePart
 from ravnest_swarm.averaging.segments import Ring, chunk_bounds
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, GATHER, REDUCE, ROUND_OVER, Outbox, RingAbort,
                                           RingArrive, RingPart, RingSender, decode_part, serialize_part)
 from ravnest_swarm.codecs.codec import RAW, Codec
 
 logger = logging.getLogger(__name__)
+
+PARAMETERS, PSEUDO_GRADIENTS = "parameters", "pseudo_gradients"  # what a ring's attempt averages
 
 # How long a ring waits for a member that has not reached the round yet, beyond the ring timeout: the caller
 # (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
@@ -87,7 +90,8 @@ class SegmentResult:
     ``status`` is ``ok`` (averaged), ``timeout`` (a member did not answer in time), ``failed`` (a send
     failed), ``excluded`` (a majority of the ring refused our contribution), ``refused`` (we refused a
     member's contribution and the ring's majority did not exclude it in time) or ``alone`` (every other
-    member was excluded or left); all but ``ok`` keep the local value.
+    member was excluded or left); all but ``ok`` keep the local value. ``mode``: what its last attempt averaged,
+    :data:`PARAMETERS` or :data:`PSEUDO_GRADIENTS` (see :class:`RingRound`).
     """
 
     index: int
@@ -96,10 +100,11 @@ class SegmentResult:
     status: str
     members: int
     detail: str = ""
+    mode: str = "parameters"
 
     def as_dict(self) -> dict:
         return dict(index=self.index, start=self.start, end=self.end, status=self.status, members=self.members,
-                    detail=self.detail)
+                    detail=self.detail, mode=self.mode)
 
 
 @dataclass
@@ -131,10 +136,27 @@ class RingPeer:
 
 
 class RingRound:
-    """One ring of one round as this peer runs it: members arrive, then attempts until one settles it."""
+    """One ring of one round as this peer runs it: members arrive, then attempts until one settles it.
 
-    def __init__(self, peer: RingPeer, step: int, ring: Ring, segment: torch.Tensor, log: RoundLog):
-        self.peer, self.step, self.ring, self.segment, self.log = peer, step, ring, segment, log
+    What it averages. Without ``pseudo`` its ``parameters``, in the averager's codec (as always). With it (a
+    compressing codec: ``swarm/stage_averaging.py``), each member tells the others, as it arrives, the digest of
+    its ``anchor`` (its outer state over the segment; None: it has none); an attempt whose members all told the
+    same digest as ours averages their ``pseudo_gradient`` in the averager's codec, any other averages the
+    parameters in float32
+    (``none``), so that members whose outer states differ (a newcomer, one that missed a round) end the round on
+    the same parameters and can compress again the round after. Every honest member decides alike: it knows
+    every member's digest once all arrived, and the attempt's members are the same for all. A member that told
+    different digests to different members makes them run one attempt in two codecs: its parts are refused
+    (``Mailbox.receive``) and the ring fails, as a member that does not answer would make it.
+    Whichever it averages is written in place once the ring completes.
+    """
+
+    def __init__(self, peer: RingPeer, step: int, ring: Ring, segment: torch.Tensor, log: RoundLog,
+                 pseudo: bool = False, pseudo_gradient: Optional[torch.Tensor] = None, anchor: Optional[str] = None):
+        self.peer, self.step, self.ring, self.log = peer, step, ring, log
+        self.parameters, self.pseudo, self.pseudo_gradient, self.anchor = segment, pseudo, pseudo_gradient, anchor
+        # what the next attempt averages, and in which codec (``_choose``)
+        self.segment, self.codec, self.mode = segment, peer.compression, PARAMETERS
         self.state = peer.mailbox.ring_state(step, ring.index)
 
     async def run(self, started: float, patience: Optional[Patience]) -> SegmentResult:
@@ -173,7 +195,20 @@ class RingRound:
                 return result
 
     def _result(self, status: str, members: int, detail: str = "") -> SegmentResult:
-        return SegmentResult(self.ring.index, self.ring.start, self.ring.end, status, members, detail)
+        return SegmentResult(self.ring.index, self.ring.start, self.ring.end, status, members, detail, self.mode)
+
+    def _choose(self, members: List[str]) -> None:
+        """What an attempt with ``members`` averages: pseudo-gradients where every member told our anchor's digest."""
+        if not self.pseudo:
+            self.segment, self.codec, self.mode = self.parameters, self.peer.compression, PARAMETERS
+        elif self.anchor is not None and self.pseudo_gradient is not None and all(self.state.anchors.get(member) == self.anchor
+                                             for member in members if member != self.peer.peer_id):
+            self.segment, self.codec, self.mode = self.pseudo_gradient, self.peer.compression, PSEUDO_GRADIENTS
+        else:
+            if self.mode != PARAMETERS or self.codec is not RAW:  # said once per ring and round
+                logger.info(f"ring {self.ring.index} at round {self.step}: its members' outer states differ (or one "
+                            f"has none): averaging parameters in float32 this round")
+            self.segment, self.codec, self.mode = self.parameters, RAW, PARAMETERS
 
     def _settled(self, view: RingView) -> Optional[SegmentResult]:
         """The ring's end that the notes decided: a majority excluded us, it ended for us, or nobody is left."""
@@ -210,6 +245,7 @@ class RingRound:
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
         running = self.peer.attempt(self, members, deadline)
+        self._choose(members)
         attempt = asyncio.create_task(running.run())
         try:
             while not attempt.done():
@@ -228,15 +264,12 @@ class RingRound:
                         await asyncio.wait({attempt, check_ended}, return_when=asyncio.FIRST_COMPLETED)
                     finally:
                         check_ended.cancel()
-                if attempt.done():
+                if attempt.done() or self._changes_attempt(members):
                     break
+                # a note that leaves this attempt as it is (a vote against, or the withdrawal of, a member already
+                # out of it): the attempt goes on. Started again, it would be named as before, find the parts its
+                # predecessor sent already taken, and blame that member for a chunk of 0 elements
                 self.state.changed.clear()
-                view = self.state.view(self.ring.members)
-                if list(view.members) != members or self.peer.peer_id in view.refusing or self._settled(view):
-                    break  # the ring changed: this attempt is over, decide again from the state
-                # a note that changes nothing of this attempt (a vote against, or the withdrawal of, a member
-                # already out of it) goes on with it: a new attempt of the same members would have the same key,
-                # and the parts of this one would be taken for its own
         finally:
             # also when the round itself is cancelled (its peer stops, or leaves its stage): an attempt left
             # running would end later on its own, its exception never retrieved, its streams still open
@@ -267,6 +300,12 @@ class RingRound:
         self.segment.copy_(averaged)
         return self._result("ok", len(members))
 
+    def _changes_attempt(self, members: List[str]) -> bool:
+        """Whether the ring's notes now end it for us or make its next attempt another than ``members``'."""
+        view = self.state.view(self.ring.members)
+        return (self._settled(view) is not None or self.peer.peer_id in view.refusing
+                or list(view.members) != members)
+
     async def _note_on_its_way(self, deadline: float) -> bool:
         """A member of our attempt answered that the round is over for it. An honest one cannot have completed
         the ring without us: another member refused its contribution (its own round ended when it was told) or it
@@ -293,16 +332,19 @@ class RingRound:
         that answers it is here already counts as arrived: its own note may have reached us before we expected
         this round's messages, and been refused. One that answers that the round is over for it has left the
         ring: it says so of itself only, so a hostile member cannot end the ring for us this way."""
+        self.state.anchor = self.anchor  # told with ``here`` to a member whose note comes before ours reaches it
         self.state.here = True
         for member in self.ring.members:
             if member != self.peer.peer_id:
                 self.peer.background(self._tell_arrived(member, deadline))
 
     async def _tell_arrived(self, member: str, deadline: float) -> None:
-        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[])
+        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
+                          anchor=self.anchor)
         try:
-            if (await self.peer.sender.send_note(member, note, deadline)).arrived:
-                self.state.arrive(member)
+            reply = await self.peer.sender.send_note(member, note, deadline)
+            if reply.arrived:
+                self.state.arrive(member, reply.anchor)
         except P2PHandlerError as e:
             if ROUND_OVER in str(e):
                 self.state.withdraw(member, f"{member[-8:]} is past round {self.step}")
@@ -368,7 +410,7 @@ class RingAttempt:
     """
 
     def __init__(self, ring_round: RingRound, members: List[str], deadline: float):
-        self.round, self.peer, self.segment = ring_round, ring_round.peer, ring_round.segment
+        self.round, self.peer, self.segment, self.codec = ring_round, ring_round.peer, ring_round.segment, ring_round.codec
         self.members, self.deadline = members, deadline
         count, me = len(members), members.index(self.peer.peer_id)
         self.count = count
@@ -415,7 +457,7 @@ class RingAttempt:
     async def _send(self, index: int) -> None:
         step = self.steps[index]
         message = RingPart(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index,
-                           position=step.position, attempt=self.excluded_before, phase=step.phase)
+                           position=step.position, attempt=self.excluded_before, phase=step.phase, codec=self.codec.name)
         try:
             resent = await self.peer.sender.send_chunk(self.following, message, self.outboxes[index], self.deadline)
         except P2PHandlerError as e:
@@ -430,7 +472,7 @@ class RingAttempt:
         bounds = range(first.start, first.stop, part_elements) if first.stop > first.start else [first.start]
         for lo in bounds:
             self.outboxes[0].put(serialize_part(self.segment[lo:min(lo + part_elements, first.stop)],
-                                                self.peer.compression))
+                                                self.codec))
             await asyncio.sleep(0)
         self.outboxes[0].close()
 
@@ -441,7 +483,7 @@ class RingAttempt:
         length, offset = chunk.stop - chunk.start, 0
         key: MessageKey = (self.round.step, self.round.ring.index, tuple(self.excluded_before), step.phase,
                            step.position, self.preceding)
-        async for received, as_sent in self.peer.mailbox.receive(key, self.deadline):
+        async for received, as_sent in self._parts(key):
             received = self._checked(step, received, offset, length)
             if index > 0:
                 previous = self.chunks[self.steps[index - 1].receives]
@@ -454,6 +496,14 @@ class RingAttempt:
         if index + 1 < len(self.steps):
             self.outboxes[index + 1].close()
         self.handled[index].advance(length, done=True)
+
+    async def _parts(self, key: MessageKey) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
+        """The parts of the message ``key`` names as they arrive; one that does not decode is its sender's."""
+        try:
+            async for received, as_sent in self.peer.mailbox.receive(key, self.deadline, self.codec):
+                yield received, as_sent
+        except UndecodablePart as e:
+            raise ContributionRejected(key[-1], f"a part does not decode: {e}")
 
     def _checked(self, step: RingStep, received: torch.Tensor, offset: int, length: int) -> torch.Tensor:
         """A received part as flat float32, or :class:`ContributionRejected`: too long, non-finite, absurdly scaled."""
@@ -495,10 +545,10 @@ class RingAttempt:
         if step.phase == GATHER:
             self.outboxes[index + 1].put(as_sent)  # forwarded exactly as the owner compressed it
             return
-        part = serialize_part(values, self.peer.compression)
-        if last_reduce and self.peer.compression is not RAW:
+        part = serialize_part(values, self.codec)
+        if last_reduce and self.codec is not RAW:
             # the others get our chunk through the compression: keep the same value so all agree
-            values.copy_(decode_part(part, self.peer.compression))
+            values.copy_(decode_part(part, self.codec))
         self.outboxes[index + 1].put(part)
 
 

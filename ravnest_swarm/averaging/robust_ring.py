@@ -81,7 +81,7 @@ class RobustRingAttempt(RingAttempt):
         super().__init__(ring_round, members, deadline)
         self.aggregate = aggregate
         # owners are checked where the aggregate is per coordinate and values arrive exactly as sent
-        self.checked = checked and self.peer.compression is RAW
+        self.checked = checked and self.codec is RAW
         self.probed_by: Set[str] = set()  # members whose probe we answered
         self.all_probed = asyncio.Event()
         me = members.index(self.peer.peer_id)
@@ -192,7 +192,7 @@ class RobustRingAttempt(RingAttempt):
 
     async def _send_to_owner(self, index: int) -> None:
         message = RingPart(run=self.peer.sender.run, step=self.round.step, ring=self.round.ring.index, position=0,
-                           attempt=self.excluded_before, phase=REDUCE)
+                           attempt=self.excluded_before, phase=REDUCE, codec=self.codec.name)
         try:
             resent = await self.peer.sender.send_chunk(self.others[index], message, self.scatter[index], self.deadline)
         except P2PHandlerError as e:
@@ -210,7 +210,7 @@ class RobustRingAttempt(RingAttempt):
                 elements = self.chunks[chunk]
                 if lo < elements.stop - elements.start or lo == 0:  # an empty chunk is one empty part
                     hi = min(elements.start + lo + part_elements, elements.stop)
-                    outbox.put(serialize_part(self.segment[elements.start + lo:hi], self.peer.compression))
+                    outbox.put(serialize_part(self.segment[elements.start + lo:hi], self.codec))
             await asyncio.sleep(0)
         for outbox in self.scatter:
             outbox.close()
@@ -220,7 +220,7 @@ class RobustRingAttempt(RingAttempt):
         sender, length, offset = self.others[index], self.received.shape[1], 0
         check_as = RingStep(REDUCE, 0, self.owned, self.owned)  # a single contribution to our chunk
         key: MessageKey = (self.round.step, self.round.ring.index, tuple(self.excluded_before), REDUCE, 0, sender)
-        async for values, _ in self.peer.mailbox.receive(key, self.deadline):
+        async for values, _ in self._parts(key):
             try:
                 values = self._checked(check_as, values, offset, length)
             except ContributionRejected as e:  # _checked blames the ring's predecessor; here the sender is known
@@ -245,10 +245,10 @@ class RobustRingAttempt(RingAttempt):
             values = self.work[owned.start + lo:owned.start + hi]
             ours = self.segment[owned.start + lo:owned.start + hi]
             values.copy_(self.aggregate(torch.cat([ours.unsqueeze(0), self.received[:, lo:hi]])))
-            part = serialize_part(values, self.peer.compression)
-            if self.peer.compression is not RAW:
+            part = serialize_part(values, self.codec)
+            if self.codec is not RAW:
                 # the others get our chunk through the compression: keep the same value so all agree
-                values.copy_(decode_part(part, self.peer.compression))
+                values.copy_(decode_part(part, self.codec))
             self.outboxes[self.first_gather].put(part)
             mark.advance(hi)
             await asyncio.sleep(0)  # a part's aggregate is CPU work: let the streams move between parts

@@ -28,7 +28,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import Discriminator, Field, RootModel, Tag, model_validator
 
-from ravnest_swarm.codecs.codec import Codec
+from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, Codec
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.routes import ForwardBusy, Routes
@@ -57,6 +57,9 @@ BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.2, 1.0  # a forwarding backbone without a slo
 ROUND_OVER = "is over here"  # how a peer refuses a message for a round it has finished
 
 Count = Annotated[int, Field(ge=0, le=2**53)]
+# a digest of a member's outer state over a ring's segment (``optimizers.outer.OuterOptimizer.digest``): members whose
+# digests agree average pseudo-gradients in the ring's codec, others their parameters in float32
+AnchorDigest = Annotated[str, Field(pattern="^[0-9a-f]{32}$")]
 PeerIdText = Annotated[str, Field(max_length=PEER_ID_CHARS)]
 PeerIds = Annotated[List[PeerIdText], Field(max_length=MAX_LISTED_PEERS)]
 
@@ -79,6 +82,8 @@ class RingPart(RingMessage):
     """One stripe of a ring step's chunk: its parts follow as the stream's further requests."""
 
     phase: Literal["reduce", "gather"]
+    # the codec its parts are in: the averager's, or ``none`` where a ring fell back to parameters in float32
+    codec: Annotated[str, Field(pattern=CODEC_NAME_PATTERN)] = "none"
     stripe: Annotated[int, Field(ge=0, lt=MAX_STRIPES)] = 0  # a message without stripe/stripes is one stream
     stripes: Annotated[int, Field(ge=1, le=MAX_STRIPES)] = 1
 
@@ -90,9 +95,14 @@ class RingPart(RingMessage):
 
 
 class RingArrive(RingMessage):
-    """A note: the sender reached this round; a ring starts once every member has."""
+    """A note: the sender reached this round; a ring starts once every member has. ``anchor``: the digest of
+    its outer state over the ring's segment, where it averages pseudo-gradients (None: it has none)."""
 
     phase: Literal["arrive"] = ARRIVE
+    anchor: Optional[AnchorDigest] = None
+
+    def as_metadata(self) -> dict:
+        return self.model_dump(exclude_none=True)  # parameters alone: no anchor to tell
 
 
 class RingAbort(RingMessage):
@@ -134,12 +144,13 @@ class RingRequest(RootModel[Annotated[
 
 class RingReply(Message):
     """A ring message was filed (or was a resend of one already here). An arrive note is answered with whether
-    the receiver has reached that round too (``arrived``): a note of its own may have come before we expected
-    messages of that round, and been refused; a probe with the receiver's own values at its coordinates
+    the receiver has reached that round too (``arrived``, and then its ``anchor`` digest, as its own note says):
+    a note of its own may have come before we expected messages of that round, and been refused; a probe with the receiver's own values at its coordinates
     (``values``) and, at those in the chunk it owns, one row per member of the attempt, in ring order, of the
     values it aggregated (``rows``); every other message with empty metadata."""
 
     arrived: Optional[bool] = None
+    anchor: Optional[AnchorDigest] = None
     values: Optional[Annotated[List[float], Field(max_length=MAX_PROBED)]] = None
     rows: Optional[Annotated[List[Annotated[List[float], Field(max_length=MAX_PROBED)]],
                              Field(max_length=MAX_LISTED_PEERS)]] = None
@@ -229,12 +240,16 @@ class Outbox:
 
 
 class RingSender:
-    """Sends this peer's ring messages: a step's chunk over ``streams_per_step`` stripes, a note on one stream."""
+    """Sends this peer's ring messages: a step's chunk over ``streams_per_step`` stripes, a note on one stream.
+
+    ``bytes_sent`` counts every request it has put on a stream (metadata and parts as encoded, resends included):
+    what averaging cost this peer's uplink, counted, not computed from the segment's size."""
 
     def __init__(self, routes: Routes, run: str, streams_per_step: int = STREAMS_PER_STEP):
         if not 1 <= streams_per_step <= MAX_STRIPES:
             raise ValueError(f"streams_per_step must be 1-{MAX_STRIPES}")
         self.routes, self.run, self.streams_per_step = routes, run, streams_per_step
+        self.bytes_sent = 0
 
     async def send_chunk(self, peer: str, message: RingPart, outbox: Outbox, deadline: float) -> int:
         """Every part of ``outbox`` as soon as it is ready, dealt round-robin over the stripes.
@@ -286,10 +301,14 @@ class RingSender:
 
         async def stream():
             # the metadata goes alone: a stripe of a message shorter than its stripes carries no part
-            yield make_request(metadata)
+            request = make_request(metadata)
+            self.bytes_sent += request.ByteSize()
+            yield request
             if parts is not None:
                 async for part in parts():
-                    yield runtime_pb2.ExpertRequest(tensors=[part])
+                    request = runtime_pb2.ExpertRequest(tensors=[part])
+                    self.bytes_sent += request.ByteSize()
+                    yield request
 
         async def call() -> runtime_pb2.ExpertResponse:
             if ready is not None:

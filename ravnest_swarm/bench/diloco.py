@@ -6,6 +6,13 @@ for ``samples`` samples in all, averaging every ``averaging_period`` steps throu
 (``optimizers.inner``) at its lr; K = 1 with the same inner optimizer is the reference. Reported: the held-out loss
 at the end (equal samples) and the samples each needed to first reach the target (K = 1 ``sgd``'s loss at the end),
 evaluated every ``eval_every`` steps. A pipeline's stages compose the same function, so only the optimizers differ.
+
+``--averaging-compression none,int8,int4`` runs each configuration of K > 1 in each ring codec: ``none`` averages
+parameters as above, a compressing codec averages the replicas' pseudo-gradients with error feedback, as a run's
+``averaging_compression`` does (``optimizers.outer``). Each round's mean comes from :func:`ring_mean`, the ring's
+own arithmetic over encoded parts, and its bytes are those of the messages the ring would send, built as it builds
+them (metadata and parts as encoded, one stripe per ``STREAMS_PER_STEP``, and the arrive notes): bytes per member
+per round, reported beside the held-out loss.
 """
 
 from __future__ import annotations
@@ -20,8 +27,12 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
+from ravnest_swarm.averaging.segments import chunk_bounds
+from ravnest_swarm.averaging.wire import GATHER, PART_BYTES, REDUCE, STREAMS_PER_STEP, RingArrive, RingPart
 from ravnest_swarm.bench.lr_scaling import DIVERGED_LOSS, heldout_loss
+from ravnest_swarm.codecs.codec import CODECS, RAW, Codec, compression_residual
 from ravnest_swarm.models import ShardedSampler, get_model
+from ravnest_swarm.net.transport import make_request
 from ravnest_swarm.optimizers.inner import make_inner_optimizer
 from ravnest_swarm.optimizers.outer import OuterOptimizer
 
@@ -41,9 +52,44 @@ class DilocoOptions:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     seed: int = 0
+    compressions: Sequence[str] = ("none",)  # the ring codecs each configuration of K > 1 runs in
 
 
-def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, progress=None) -> Dict:
+def ring_mean(values: Sequence[torch.Tensor], codec: Codec, run: str = "bench") -> Tuple[torch.Tensor, int]:
+    """The mean a ring of ``len(values)`` members computes of their flat ``values`` in ``codec`` (``ring.RingAttempt``:
+    chunk c starts at member c as its own encoded part, each next member adds its own to the decoded partial sum
+    and encodes it again, the last divides and keeps what it sends; the gather forwards that), and the bytes one
+    member sends in the round, on average: every message's requests as ``RingSender`` counts them."""
+    count, length = len(values), values[0].numel()
+    part_elements = max(1, PART_BYTES // 4)
+    mean = torch.empty(length)
+    sent = 0
+    note = RingArrive(run=run, step=1, ring=0, position=0, attempt=[])
+    sent += count * (count - 1) * make_request(note.as_metadata()).ByteSize()
+    for phase, position in [(REDUCE, t) for t in range(count - 1)] + [(GATHER, t) for t in range(count - 1)]:
+        metadata = RingPart(run=run, step=1, ring=0, position=position, attempt=[], phase=phase, codec=codec.name,
+                            stripes=STREAMS_PER_STEP)
+        sent += count * STREAMS_PER_STEP * make_request(metadata.as_metadata()).ByteSize()
+    for chunk, (lo, hi) in enumerate(chunk_bounds(length, count)):
+        for start in range(lo, hi, part_elements) if hi > lo else [lo]:
+            part = slice(start, min(start + part_elements, hi))
+            encoded = codec.encode(values[chunk][part])
+            sent += make_request({}, [encoded]).ByteSize() - make_request({}).ByteSize()
+            partial = codec.decode(encoded, "part", None)
+            for step in range(1, count):
+                partial = partial + values[(chunk + step) % count][part]
+                if step == count - 1:
+                    partial /= count
+                encoded = codec.encode(partial)
+                size = make_request({}, [encoded]).ByteSize() - make_request({}).ByteSize()
+                sent += size if step < count - 1 else size * (count - 1)  # the owner's is forwarded around
+                partial = codec.decode(encoded, "part", None) if codec is not RAW else partial
+            mean[part] = partial
+    return mean, sent // count
+
+
+def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, progress=None,
+          compression: str = "none") -> Dict:
     spec = get_model(options.model)
     data = spec.dataset()
     torch.manual_seed(options.seed)
@@ -52,7 +98,14 @@ def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, pro
     optimizers = [make_inner_optimizer(r.parameters(), inner, lr) for r in replicas]
     samplers = [ShardedSampler(data.size, c, k, options.microbatch_size, options.seed) for c in range(k)]
     state = OuterOptimizer(outer, options.outer_lr, options.outer_momentum)
-    state.step(torch.nn.utils.parameters_to_vector(start.parameters()).detach())  # the shared start is the anchor
+    start_vector = torch.nn.utils.parameters_to_vector(start.parameters()).detach()
+    codec = CODECS[compression]
+    if codec is RAW:
+        state.step(start_vector)  # the shared start is the anchor
+    else:  # the shared start is the anchor of every replica's pseudo-gradient; each keeps its own error
+        state.step_segments(start_vector, start_vector, [], torch.zeros_like(start_vector))
+    errors = [torch.zeros_like(start_vector) for _ in range(k)]
+    round_bytes: List[int] = []
     steps = options.samples // (k * options.microbatch_size)
     curve: List[Tuple[int, float]] = []
     diverged = False
@@ -70,8 +123,17 @@ def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, pro
             break
         if k > 1 and (step + 1) % options.averaging_period == 0:
             with torch.no_grad():
-                mean = torch.stack([torch.nn.utils.parameters_to_vector(r.parameters()) for r in replicas]).mean(0)
-                after = state.step(mean)
+                vectors = [torch.nn.utils.parameters_to_vector(r.parameters()) for r in replicas]
+                if codec is RAW:
+                    after = state.step(torch.stack(vectors).mean(0))  # today's mean; the ring's bytes beside it
+                    round_bytes.append(ring_mean(vectors, codec)[1])
+                else:
+                    sent = [state.anchor - vector + error for vector, error in zip(vectors, errors)]
+                    errors = [compression_residual(values, codec, [(0, values.numel())]) for values in sent]
+                    mean, size = ring_mean(sent, codec)
+                    round_bytes.append(size)
+                    after = state.step_segments(vectors[0], mean, [(0, mean.numel())], errors[0])
+                    state.error = None  # the bench keeps each replica's error itself, in ``errors``
                 for replica in replicas:
                     torch.nn.utils.vector_to_parameters(after, replica.parameters())
         if (step + 1) % options.eval_every == 0 or step == steps - 1:
@@ -82,8 +144,9 @@ def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, pro
             curve.append(((step + 1) * k * options.microbatch_size, heldout_loss(spec, model)))
         if progress is not None:
             progress()
-    return dict(inner=inner, lr=lr, outer=outer, clusters=k, diverged=diverged,
-                heldout_loss=None if diverged or not curve else round(curve[-1][1], 4), curve=curve)
+    return dict(inner=inner, lr=lr, outer=outer, clusters=k, compression=compression, diverged=diverged,
+                heldout_loss=None if diverged or not curve else round(curve[-1][1], 4), curve=curve,
+                bytes_per_round=round(sum(round_bytes) / len(round_bytes)) if round_bytes else None)
 
 
 def samples_to(curve: List[Tuple[int, float]], target: float) -> Optional[int]:
@@ -93,25 +156,37 @@ def samples_to(curve: List[Tuple[int, float]], target: float) -> Optional[int]:
 def bench_diloco(options: DilocoOptions, as_json: bool,
                  configurations: Sequence[Tuple[str, float, str]] = CONFIGURATIONS) -> int:
     console = Console(stderr=True)
-    runs = [(inner, lr, outer, k) for inner, lr, outer in configurations for k in options.clusters
+    runs = [(inner, lr, outer, k, compression) for inner, lr, outer in configurations for k in options.clusters
+            for compression in (options.compressions if k > 1 else ("none",))
             if k > 1 or outer == "average"]  # one cluster has no round: its outer optimizer does nothing
-    total = sum(options.samples // (k * options.microbatch_size) for *_, k in runs)
+    total = sum(options.samples // (k * options.microbatch_size) for *_, k, _ in runs)
     results = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("configurations", total=total)
-        for inner, lr, outer, k in runs:
-            results.append(train(options, inner, lr, outer, k, progress=lambda: bar.advance(task)))
+        for inner, lr, outer, k, compression in runs:
+            results.append(train(options, inner, lr, outer, k, progress=lambda: bar.advance(task),
+                                 compression=compression))
     reference = next(r for r in results if r["clusters"] == 1 and r["inner"] == configurations[0][0])
     target = reference["heldout_loss"]
     for r in results:
         r["samples_to_target"] = samples_to(r["curve"], target)
         r["loss_vs_one_sgd_cluster"] = None if r["heldout_loss"] is None else round(r["heldout_loss"] / target, 3)
-        console.print(f"K={r['clusters']} {r['inner']:<8} lr {r['lr']:<6g} {r['outer']:<8} held-out loss "
-                      f"{r['heldout_loss']} ({r['loss_vs_one_sgd_cluster']}x), samples to {target:.4f}: "
-                      f"{r['samples_to_target']}", highlight=False)
+        # against the same configuration averaged in float32: bytes and held-out loss
+        float32 = next(f for f in results if f["compression"] == "none" and
+                       (f["inner"], f["lr"], f["outer"], f["clusters"]) == (r["inner"], r["lr"], r["outer"], r["clusters"]))
+        r["fewer_bytes_than_float32"] = (round(float32["bytes_per_round"] / r["bytes_per_round"], 2)
+                                         if r["bytes_per_round"] and float32["bytes_per_round"] else None)
+        r["loss_vs_float32"] = (round(r["heldout_loss"] / float32["heldout_loss"], 4)
+                                if r["heldout_loss"] is not None and float32["heldout_loss"] else None)
+        traffic = (f", {r['bytes_per_round']} B/round ({r['fewer_bytes_than_float32']}x fewer, loss "
+                   f"{r['loss_vs_float32']}x of float32's)" if r["bytes_per_round"] else "")
+        console.print(f"K={r['clusters']} {r['inner']:<8} lr {r['lr']:<6g} {r['outer']:<8} {r['compression']:<7} "
+                      f"held-out loss {r['heldout_loss']} ({r['loss_vs_one_sgd_cluster']}x), samples to "
+                      f"{target:.4f}: {r['samples_to_target']}{traffic}", highlight=False)
         r["curve"] = [[s, round(v, 4)] for s, v in r["curve"]]
     output = dict(benchmark="diloco", model=options.model, samples=options.samples,
                   averaging_period=options.averaging_period, outer_lr=options.outer_lr,
-                  outer_momentum=options.outer_momentum, target_loss=target, results=results)
+                  outer_momentum=options.outer_momentum, compressions=list(options.compressions), target_loss=target,
+                  results=results)
     print(json.dumps(output) if as_json else json.dumps(output, indent=1), flush=True)
     return 0

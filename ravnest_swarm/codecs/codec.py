@@ -170,6 +170,17 @@ def is_pipeline_codec(name: str) -> bool:
     return name.count("/") <= 1 and all(part in CODECS for part in name.split("/"))
 
 
+def compression_residual(values: torch.Tensor, codec: Codec, bounds: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """What ``codec`` drops of ``values``: ``values - decoded(encoded(values))``, each of ``bounds`` (a ring's
+    segment, where the codec's blocks start) encoded on its own; zero elsewhere."""
+    residual = torch.zeros_like(values)
+    for lo, hi in bounds:
+        if hi > lo:
+            segment = values[lo:hi]
+            residual[lo:hi] = segment - codec.decode(codec.encode(segment), "pseudo-gradient", None)
+    return residual
+
+
 def codec(name: str) -> Codec:
     """The codec called ``name``; a name nobody knows is a ValueError that lists the known ones."""
     if name not in CODECS:

@@ -129,6 +129,8 @@ class PeerRecord(pydantic.BaseModel):
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    # bytes our averaging rounds put on ring streams, counted as sent (``swarm/stage_averaging.py``)
+    averaging_bytes_sent: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     rejected: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None  # poisoned or malformed input refused
     note: Optional[_shown_text(0, MAX_NOTE_LEN)] = None
     # where its stages compute and what memory they measurably took (docs/records.md); optional, so that the
@@ -270,6 +272,8 @@ class RunSpecRecord(pydantic.BaseModel):
     averaging_overlap: pydantic.StrictBool = False  # swarm/stage_averaging.py: rounds beside training
     pipeline_compression: pydantic.constr(strict=True, regex=PIPELINE_CODEC_PATTERN) = "none"  # codecs.CODECS
     link_bound_compression: pydantic.constr(strict=True, regex=f"{PIPELINE_CODEC_PATTERN}|^$") = ""  # link_codec.py
+    # the ring's codec: with one that compresses, the rings average pseudo-gradients with error feedback
+    averaging_compression: pydantic.constr(strict=True, regex=CODEC_NAME_PATTERN) = "none"  # swarm.stage_averaging
     precision: pydantic.constr(strict=True, regex="^(fp32|bf16|fp16)$") = "fp32"  # the stages' autocast
     backward: pydantic.constr(strict=True, regex="^(stash|recompute)$") = "stash"
     aggregation: pydantic.constr(strict=True, regex="^(mean|trimmed_mean|centered_clip)$") = "mean"  # averaging.robust

@@ -63,6 +63,7 @@ class JoinOptions:
     averaging_overlap: Optional[bool] = None
     pipeline_compression: Optional[str] = None
     link_bound_compression: Optional[str] = None
+    averaging_compression: Optional[str] = None
     steps: Optional[int] = None
     invite_only: Optional[bool] = None
     precision: Optional[str] = None
@@ -102,7 +103,7 @@ class JoinOptions:
     verbose: bool = False
 
     SPEC_FIELDS = ("model", "model_config", "lr", "microbatch_size", "max_in_flight", "averaging_period",
-                   "averaging_overlap",
+                   "averaging_overlap", "averaging_compression",
                    "pipeline_compression", "link_bound_compression", "precision", "backward", "aggregation", "lr_scaling", "divergence_factor",
                    "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
                    "move_horizon_s", "steps", "invite_only")
@@ -206,7 +207,7 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",
                        options.aggregation or "mean", options.optimizer or "sgd", options.lr_schedule or "constant",
                        options.outer_optimizer or "average", options.lr_scaling or "none",
-                       options.link_bound_compression or "")
+                       options.link_bound_compression or "", options.averaging_compression or "none")
     check_precision(options.precision or "fp32")
     return facts
 

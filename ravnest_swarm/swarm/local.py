@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 RUN = "local"
 # what the summary's peer_records keep of each peer's last record
 PEER_RECORD_FIELDS = ("state", "cluster", "stage", "step", "averaging_rounds", "averaging_failures", "rejected", "note",
-                      "device", "device_memory_gb", "peak_memory_gb", "device_peak_gb", "codecs")
+                      "device", "device_memory_gb", "peak_memory_gb", "device_peak_gb", "codecs", "averaging_bytes_sent")
 CHECKPOINT_NAME = re.compile(rf"^{RUN}-(peer\d+)\.safetensors$")
 
 

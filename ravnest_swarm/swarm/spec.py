@@ -90,6 +90,9 @@ class RunSpec:
       (docs/pipeline.md)
     :param link_bound_compression: the stronger codec a stage boundary switches to while its link is the
       bottleneck, and back from once it is not ("" or the run's own codec: never; ``pipeline/link_codec.py``)
+    :param averaging_compression: the codec of the averaging rings' parts (``codecs.CODECS``): ``none`` sends the
+      stages' parameters in float32; a compressing one (``int8``, ``int4`` ...) sends each stage's pseudo-gradient
+      with error feedback (``swarm/stage_averaging.py``, docs/averaging.md, "Compressed pseudo-gradients")
     :param backward: how a stage computes a microbatch's backward: ``stash`` keeps the activations and a copy
       of the weights of its forward until its gradient returns (memory grows with the microbatches in flight);
       ``recompute`` keeps only its input and redoes the forward with the current weights (a third more
@@ -140,6 +143,7 @@ class RunSpec:
     # bytes, and wins on a link-bound boundary (1.86x the samples/s at 100 Mbit/s), while on a compute-bound one
     # its encoding costs more than the bytes it saves: so float32, and int8 where the link is the bottleneck
     link_bound_compression: str = "int8"
+    averaging_compression: str = "none"
     precision: str = "fp32"
     backward: str = "stash"
     # the mean by default: exact and the fastest; with two clusters no aggregate can tell which member is hostile,
@@ -235,7 +239,7 @@ def model_facts(model: str, model_config: str, data: Optional[str]) -> Dict:
 
 def check_spec_choices(pipeline_compression: str, backward: str, aggregation: str = "mean", optimizer: str = "sgd",
                        lr_schedule: str = "constant", outer_optimizer: str = "average", lr_scaling: str = "none",
-                       link_bound_compression: str = "") -> None:
+                       link_bound_compression: str = "", averaging_compression: str = "none") -> None:
     """The spec's named choices, checked before a run is started with them: a wrong one is one line naming its flag."""
     from ravnest_swarm.averaging.robust import AGGREGATIONS
     from ravnest_swarm.optimizers.inner import INNER_OPTIMIZERS, LR_SCHEDULES
@@ -248,6 +252,8 @@ def check_spec_choices(pipeline_compression: str, backward: str, aggregation: st
         if value and not is_pipeline_codec(value) or flag == "--pipeline-compression" and not value:
             raise UserError(f"{flag} must be one of {', '.join(CODECS)}, or two of them as forward/backward "
                             f"(int4/int3), not {value!r}")
+    if averaging_compression not in CODECS:
+        raise UserError(f"--averaging-compression must be one of {', '.join(CODECS)}, not {averaging_compression!r}")
     for flag, value, choices in (("--backward", backward, MODES), ("--aggregation", aggregation, AGGREGATIONS),
                                  ("--optimizer", optimizer, INNER_OPTIMIZERS),
                                  ("--outer-optimizer", outer_optimizer, OUTER_OPTIMIZERS),

@@ -5,6 +5,11 @@ Every ``averaging_period`` steps the volunteer's hook (``Volunteer._between_step
 (``averaging.segments``), the round is named by the step, and the averaged vector is written back into the
 stage's parameters. A round never stops training: what fails keeps the local values, is counted, said and noted.
 
+With a compressing ``averaging_compression`` the rings average pseudo-gradients with error feedback where their
+members share the outer state, parameters in float32 where they do not (``optimizers.outer``, ``ring.RingRound``;
+docs/averaging.md, "Compressed pseudo-gradients"). Either way the bytes each round put on ring streams are
+counted (``bytes_sent_last_round``, ``bytes_sent``, and the record's ``averaging_bytes_sent``).
+
 With the run spec's ``averaging_overlap`` the stage does not stand still for a round: the hook starts it
 (:meth:`StageAveraging.begin`) with the values of that step and returns, and at every later step boundary asks
 whether it ended (:meth:`StageAveraging.take_finished`). Its result is applied one round late, as Streaming
@@ -19,14 +24,16 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ravnest_swarm.averaging.averager import MultiRingAverager
+from ravnest_swarm.averaging.averager import MultiRingAverager, RoundResult
 from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
+from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience
 from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
+from ravnest_swarm.codecs.codec import RAW, codec, compression_residual
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.optimizers.outer import OuterOptimizer
@@ -70,12 +77,15 @@ class StageAveraging:
     :param note: our record's note
     :param on_rejected: told how many hostile contributions or messages were refused
     :param outer: the run's outer optimizer, its lr and momentum (``optimizers.outer``): what a round's mean becomes
+    :param compression: the run's ``averaging_compression``: ``none`` averages parameters in float32, any other
+        codec pseudo-gradients with error feedback
     """
 
     def __init__(self, announcer: PeerAnnouncer, state_server: LayerStateServer, following: Callable[[], Following],
                  layer_sizes: List[int], period: int, microbatch_size: int, heartbeat: float, timeout: float,
                  aggregation: str, say: Callable[[str], None], note: Callable[[str], None],
-                 on_rejected: Callable[[int], None], outer: Tuple[str, float, float] = ("average", 1.0, 0.0)):
+                 on_rejected: Callable[[int], None], outer: Tuple[str, float, float] = ("average", 1.0, 0.0),
+                 compression: str = "none"):
         self.announcer, self.node, self.state_server = announcer, announcer.node, state_server
         self.run, self.peer_id = announcer.run, announcer.peer_id
         self.following, self.layer_sizes = following, layer_sizes
@@ -83,7 +93,12 @@ class StageAveraging:
         self.say, self.note, self.on_rejected = say, note, on_rejected
         self.rounds = self.failures = 0  # rounds in which every ring of ours averaged, and those in which one did not
         self.times: List[Tuple[float, float]] = []  # (start, end) of each round we took part in
-        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, aggregation=aggregation)
+        self.bytes_sent_last_round = 0  # put on ring streams in our last round: metadata and parts as encoded
+        self.bytes_sent = 0  # in every round so far
+        self.compressed_segments = self.fallback_segments = 0  # rings that averaged pseudo-gradients, or parameters
+        self.codec = codec(compression)
+        self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, compression=self.codec,
+                                          aggregation=aggregation)
         self.averager.follow(self._expected)
         self.averager.on_rejected = self._rejected
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
@@ -164,23 +179,27 @@ class StageAveraging:
         self.announcer.update(state=state)
         started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
+        if self._outer_worker is not worker:  # a new stage: its outer state starts at its first round's mean
+            self._outer_worker, self.outer = worker, OuterOptimizer(*self.outer_spec)
+        sent_before = self.averager.sender.bytes_sent
         try:
             # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
             # dial them at the addresses their records announce, as the pipeline does for its neighbours
             await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
-            result = await self.averager.average(step, local, local_start, rings, self._arrival_patience)
+            result, local = await outer_round(self.averager, self.outer, step, local, local_start, rings,
+                                              self._arrival_patience)
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self._failed(step, f"{type(e).__name__}: {e}")
             self.announcer.update(state="training")
             return None
         finally:
             self.times.append((started, time.time()))  # a failed round costs its time too
-        if self._outer_worker is not worker:  # a new stage: its outer state starts at its first round's mean
-            self._outer_worker, self.outer = worker, OuterOptimizer(*self.outer_spec)
-        if result.ok:
-            local = self.outer.step(local)  # every ring of ours gave the mean: the outer step takes it
-        else:
-            self.outer.forget()  # some segments kept their own values: the next round starts the outer state anew
+            self.bytes_sent_last_round = self.averager.sender.bytes_sent - sent_before
+            self.bytes_sent += self.bytes_sent_last_round
+        if self.codec is not RAW:
+            modes = [segment.mode for segment in result.segments if segment.status == "ok"]
+            self.compressed_segments += modes.count(PSEUDO_GRADIENTS)
+            self.fallback_segments += len(modes) - modes.count(PSEUDO_GRADIENTS)
         if result.rejected:
             self.on_rejected(len(result.rejected))
             first = result.rejected[0]
@@ -191,7 +210,8 @@ class StageAveraging:
         else:
             failed = next(segment for segment in result.segments if segment.status != "ok")
             self._failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
-        self.announcer.update(state="training", averaging_rounds=self.rounds, averaging_failures=self.failures)
+        self.announcer.update(state="training", averaging_rounds=self.rounds, averaging_failures=self.failures,
+                              averaging_bytes_sent=self.bytes_sent)
         return result.ok, local
 
     def _write(self, worker: StageWorker, step: int, ok: bool, values: torch.Tensor) -> None:
@@ -249,3 +269,38 @@ class StageAveraging:
             if all(member in records for member in missing):
                 break
         return arrival_wait(step, missing, records, self.microbatch_size, self.heartbeat)
+
+
+async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: int, local: torch.Tensor,
+                      local_start: int, rings: Sequence[Ring],
+                      patience: Optional[Patience] = None) -> Tuple[RoundResult, torch.Tensor]:
+    """One averaging round of a stage's flat parameters ``local`` (from element ``local_start``) in ``rings``, and
+    the outer step of ``outer`` (the stage's outer state) on what it gave: the round, and the stage's parameters.
+
+    With the averager's codec ``none`` the rings average parameters and ``outer.step`` takes their mean, as it
+    always did. With a compressing one, each ring averages pseudo-gradients where its members share our outer
+    state, parameters in float32 where they do not (``ring.RingRound``), and ``outer.step_segments`` steps each
+    segment by what its ring averaged, keeping what the codec dropped of ours as the next round's error.
+    A round in which some ring failed keeps the local values there (the others' means elsewhere) and forgets the
+    outer state: the next round averages parameters, and every member of a ring ends it on the same values.
+    """
+    compressing = averager.compression is not RAW
+    bounds = [(ring.start - local_start, ring.end - local_start) for ring in rings]
+    pseudo_gradient = residual = anchors = None
+    if compressing:
+        anchors = {ring.index: outer.digest(lo, hi) for ring, (lo, hi) in zip(rings, bounds)}
+        if outer.has_anchor(local):
+            pseudo_gradient = outer.pseudo_gradient(local)
+            # what the codec drops of what we send, taken before the ring overwrites it with the mean
+            residual = compression_residual(pseudo_gradient, averager.compression, bounds)
+    result = await averager.average(step, local, local_start, rings, patience, pseudo_gradient, anchors)
+    compressed = [(segment.start - local_start, segment.end - local_start) for segment in result.segments
+                  if segment.status == "ok" and segment.mode == PSEUDO_GRADIENTS]
+    if result.ok and compressing:
+        return result, outer.step_segments(local, pseudo_gradient, compressed, residual)
+    if result.ok:
+        return result, outer.step(local)  # every ring of ours gave the mean: the outer step takes it
+    for lo, hi in compressed:  # a ring that averaged pseudo-gradients: its mean taken as a plain average's step
+        local[lo:hi] = outer.anchor[lo:hi] - pseudo_gradient[lo:hi]
+    outer.forget()  # some segments kept their own values: the next round starts the outer state anew
+    return result, local

@@ -174,7 +174,8 @@ class Volunteer:
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
                                         on_rejected=self._count_rejected,
-                                        outer=(run_spec.outer_optimizer, run_spec.outer_lr, run_spec.outer_momentum))
+                                        outer=(run_spec.outer_optimizer, run_spec.outer_lr, run_spec.outer_momentum),
+                                        compression=run_spec.averaging_compression)
         self._adopted = asyncio.Event()
         # (time, step) looks at the running worker over the last RATE_WINDOW seconds: the samples/s it publishes
         self._progress: Deque[Tuple[float, int]] = deque()
@@ -644,9 +645,7 @@ class Volunteer:
         shares = self.wall_time.shares()
         use = dict(utilisation=round(utilisation(shares), 4), window_s=round(self.wall_time.total(), 1),
                    time_shares={name: round(share, 4) for name, share in shares.items()}) if shares else {}
-        # "averaging_compression": the ring's codec, in the spec of the runs that have one
-        self.announcer.update(**rates, **use, moved_bytes=self.moved_bytes,
-                              averaging_codec=getattr(self.spec, "averaging_compression", "none"))
+        self.announcer.update(**rates, **use, moved_bytes=self.moved_bytes, averaging_codec=self.spec.averaging_compression)
 
     async def _record_history(self) -> None:
         """With ``--snapshot-dir``, one line of the run's figures as our view of it holds them, every heartbeat."""
