@@ -244,8 +244,8 @@ class RingRound:
 
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
+        self._choose(members)  # before the attempt is made: it reads what the round averages, and in which codec
         running = self.peer.attempt(self, members, deadline)
-        self._choose(members)
         attempt = asyncio.create_task(running.run())
         try:
             while not attempt.done():
