@@ -107,6 +107,17 @@ class StageWorker:
         if neighbours.next != before.next:
             self.scheduler.receiver_replaced()
 
+    def follow_clusters(self, clusters: int) -> None:
+        """Draw this cluster's share of the data among ``clusters`` from the next microbatch stage 0 injects (a new
+        plan added or dropped a cluster and kept this stage in place); the volunteer's lr rule reads
+        ``config.clusters`` at the next optimizer step."""
+        if clusters == self.config.clusters:
+            return
+        self.config.clusters = clusters
+        sampler = self.scheduler.sampler
+        self.scheduler.sampler = ShardedSampler(sampler.size, self.config.cluster, clusters, sampler.microbatch_size,
+                                                sampler.seed)
+
     async def shutdown(self) -> None:
         # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go
         # on delivering into this stopped worker (the volunteer starts another worker on the same peer when a
