@@ -3,13 +3,19 @@ leaves its stage worker running. Before, a placed peer stopped and restarted its
 changed anything about it, such as the number of clusters when a joiner formed one more."""
 
 import re
+import time
 import pytest
 
+from ravnest_swarm.models.data import ShardedSampler
+from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.pipeline.worker import StageWorker
 from ravnest_swarm.planning.moves import kept_cluster_numbers
 from ravnest_swarm.swarm.placement import same_slot
+from ravnest_swarm.swarm.spec import cluster_lr
 from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 
 KEPT = ("p0", "p1")
+ROUND_SECONDS = 6  # test_swarm's join
 
 
 def test_a_placement_of_the_same_stage_among_more_clusters_is_the_same_slot():
@@ -18,6 +24,23 @@ def test_a_placement_of_the_same_stage_among_more_clusters_is_the_same_slot():
     assert not same_slot((0, 1, 2, (2, 4), 2), (0, 1, 3, (2, 4), 2))  # a cluster of other stages
     assert not same_slot((0, 1, 2, (2, 4), 2), (0, 1, 2, (1, 4), 2))  # other layers
     assert not same_slot(None, (0, 1, 2, (2, 4), 2)) and not same_slot((0, 1, 2, (2, 4), 2), None)
+
+
+def test_a_running_worker_follows_a_new_number_of_clusters_from_its_next_step():
+    # not started: following the clusters touches neither the network nor the compute thread
+    worker = StageWorker(StageConfig(run="r", stage=0, stages=1, model="mlp-digits", layers=(0, 1), cluster=1,
+                                     clusters=2), node=None)
+    try:
+        worker.resume_at(50)
+        worker.compute.version = 70  # it trained 20 steps among 2 clusters
+        worker.follow_clusters(3)
+        assert worker.config.clusters == 3 and worker.clusters_since == 70  # warmup's lr rule counts from here
+        # stage 0 draws cluster 1's share among 3 from its next microbatch
+        assert worker.scheduler.sampler.sample_ids(71) == ShardedSampler(worker.scheduler.sampler.size, 1, 3,
+                                                                         16).sample_ids(71)
+        assert cluster_lr(0.1, 3, "warmup", worker.version - worker.clusters_since) == 0.1  # the ramp starts again
+    finally:
+        worker.compute.close()
 
 
 def stages(*clusters):
@@ -52,9 +75,10 @@ def test_training_goes_on_during_a_round_that_keeps_the_placed_peers(swarm):
     def followed(peers):
         for name in KEPT:
             if name in peers:
-                looks[name].append((peers[name]["state"], peers[name].get("step") or 0, peers[name].get("plan_round")))
+                looks[name].append((peers[name]["state"], peers[name].get("step") or 0, peers[name].get("plan_round"),
+                                    time.monotonic()))
         return all(looks[n] and looks[n][-1][2] > first_round[n] and
-                   looks[n][-1][1] > min(step for _, step, round_ in looks[n] if round_ > first_round[n]) for n in KEPT)
+                   looks[n][-1][1] > min(step for _, step, round_, _ in looks[n] if round_ > first_round[n]) for n in KEPT)
 
     swarm("late", ram_fraction=1.5, steps=100_000, extra=("--min-peers", "2"))
     try:
@@ -66,10 +90,13 @@ def test_training_goes_on_during_a_round_that_keeps_the_placed_peers(swarm):
         seen = looks[name]
         # the record never left training (a restart says "training" again only after its download) and its step
         # never went back (a restarted worker counts from its layers' step)
-        assert all(state in ("training", "averaging") for state, _, _ in seen), seen
-        steps = [step for _, step, _ in seen]
+        assert all(state in ("training", "averaging") for state, _, _, _ in seen), seen
+        steps = [step for _, step, _, _ in seen]
         assert steps == sorted(steps), seen
-        assert any(plan_round > first_round[name] for _, _, plan_round in seen), seen
+        # it trained through the round: its step rose over the round's length (--round-seconds 6) before the plan
+        adopted_at = next(at for _, _, plan_round, at in seen if plan_round > first_round[name])
+        during = [step for _, step, _, at in seen if adopted_at - ROUND_SECONDS <= at < adopted_at]
+        assert during and during[-1] > during[0], seen
         log = kept[name].stderr()
         assert len(re.findall(rf"{name}: training cluster", log)) == 1, log[-3000:]
         assert re.search(rf"{name}: plan round \d+ keeps us in place: cluster \d+ stage 0/1 layers \S+ trains on; "

@@ -51,6 +51,7 @@ class StageWorker:
         self.inbox = Inbox(config, self.scheduler, self.spec.layers[self.start_layer], dataset.targets)
         self.pending, self.finished = self.scheduler.pending, self.scheduler.finished
         self.resumed_at = 0  # the step this worker started from (resume_at)
+        self.clusters_since = 0  # the step from which it has trained among config.clusters (resume_at, follow_clusters)
         self._tasks: List[asyncio.Task] = []
 
     @property
@@ -85,7 +86,7 @@ class StageWorker:
     def resume_at(self, step: int) -> None:
         """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
         data stream where that step left it and injects only the microbatches still to train."""
-        self.resumed_at = self.compute.version = self.scheduler.hooked_version = step
+        self.resumed_at = self.clusters_since = self.compute.version = self.scheduler.hooked_version = step
         if self.config.stage == 0:
             self.counters.injected = min(step, self.config.microbatches)
 
@@ -113,7 +114,7 @@ class StageWorker:
         ``config.clusters`` at the next optimizer step."""
         if clusters == self.config.clusters:
             return
-        self.config.clusters = clusters
+        self.config.clusters, self.clusters_since = clusters, self.version
         sampler = self.scheduler.sampler
         self.scheduler.sampler = ShardedSampler(sampler.size, self.config.cluster, clusters, sampler.microbatch_size,
                                                 sampler.seed)

@@ -514,10 +514,10 @@ class Volunteer:
     # ------------------------------------------------------------------ between optimizer steps
     def _set_lr(self, worker: StageWorker) -> None:
         """Our stage's lr: the run's, as the spec's rule scales it with the clusters (``spec.cluster_lr``;
-        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start, along the
-        spec's schedule at the run's step (``optimizers.inner.scheduled_lr``)."""
+        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start or its last
+        change of the number of clusters, along the spec's schedule at the run's step (``optimizers.inner.scheduled_lr``)."""
         lr = scheduled_lr(cluster_lr(self.spec.lr, worker.config.clusters, self.spec.lr_scaling,
-                                     worker.version - worker.resumed_at),
+                                     worker.version - worker.clusters_since),
                           worker.version, self.spec.steps, self.spec.lr_schedule, self.spec.warmup_steps)
         for group in worker.optimizer.param_groups:
             group["lr"] = lr
