@@ -53,6 +53,7 @@ class StageWorker:
         self.inbox = Inbox(config, self.scheduler, self.spec.layers[self.start_layer], dataset.targets)
         self.pending, self.finished = self.scheduler.pending, self.scheduler.finished
         self.resumed_at = 0  # the step this worker started from (resume_at)
+        self.clusters_since = 0  # the step from which it has trained among config.clusters (resume_at, follow_clusters)
         self._tasks: List[asyncio.Task] = []
 
     @property
@@ -87,7 +88,7 @@ class StageWorker:
     def resume_at(self, step: int) -> None:
         """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
         data stream where that step left it and injects only the microbatches still to train."""
-        self.resumed_at = self.compute.version = self.scheduler.hooked_version = step
+        self.resumed_at = self.clusters_since = self.compute.version = self.scheduler.hooked_version = step
         if self.config.stage == 0:
             self.counters.injected = min(step, self.config.microbatches)
 
@@ -108,6 +109,17 @@ class StageWorker:
             self.scheduler.sender_replaced()
         if neighbours.next != before.next:
             self.scheduler.receiver_replaced()
+
+    def follow_clusters(self, clusters: int) -> None:
+        """Draw this cluster's share of the data among ``clusters`` from the next microbatch stage 0 injects (a new
+        plan added or dropped a cluster and kept this stage in place); the volunteer's lr rule reads
+        ``config.clusters`` at the next optimizer step."""
+        if clusters == self.config.clusters:
+            return
+        self.config.clusters, self.clusters_since = clusters, self.version
+        sampler = self.scheduler.sampler
+        self.scheduler.sampler = ShardedSampler(sampler.size, self.config.cluster, clusters, sampler.microbatch_size,
+                                                sampler.seed)
 
     async def shutdown(self) -> None:
         # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go

@@ -67,6 +67,29 @@ def in_force_throughput(plan: Optional[dict], peers: Dict[str, Peer], workload: 
     return swarm_throughput([[peers[stage["peer_id"]] for stage in cluster] for cluster in plan["clusters"]], workload)
 
 
+def kept_cluster_numbers(clusters: List[List[dict]], in_force: Optional[dict]) -> List[List[dict]]:
+    """A new plan record's ``clusters`` (stages as ``dict(peer_id, layers)``) in the order that lets a cluster of
+    the plan ``in_force`` (the same peers in the same order) keep its number where the new plan has that many: its
+    stages on the same layers then keep their place and train on (``swarm.placement.same_slot``), where a cluster
+    renumbered would restart every stage. The other clusters take the numbers left, in their order. Every adopter
+    orders the same, having the same plan in force."""
+    if in_force is None:
+        return clusters
+    numbers = {tuple(stage["peer_id"] for stage in cluster): number for number, cluster in enumerate(in_force["clusters"])}
+    ordered: List[Optional[List[dict]]] = [None] * len(clusters)
+    others = []
+    for cluster in clusters:
+        number = numbers.get(tuple(stage["peer_id"] for stage in cluster))
+        if number is not None and number < len(clusters):
+            ordered[number] = cluster  # peers are in one cluster at most, so no two clusters claim a number
+        else:
+            others.append(cluster)
+    free = iter(number for number, cluster in enumerate(ordered) if cluster is None)
+    for cluster in others:
+        ordered[next(free)] = cluster
+    return ordered
+
+
 def candidate_plans(plan: dict, alive: Dict[str, Peer], workload: Workload) -> List[List[List[str]]]:
     """Plans a round is sure to consider (its islands start from them): the greedy plan over every live peer,
     and the plan in force with greedy clusters of its standbys added, which moves nobody."""

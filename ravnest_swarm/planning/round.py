@@ -42,7 +42,8 @@ from ravnest_swarm.membership.records import (
 from ravnest_swarm.planning.cost import DEFAULT_MOVE_HORIZON_S, MovePrice, Peer, Workload, pays_back, swarm_throughput
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
-from ravnest_swarm.planning.moves import PricedPlan, Pricing, candidate_plans, improvement, in_force_throughput, price_plan
+from ravnest_swarm.planning.moves import (PricedPlan, Pricing, candidate_plans, improvement, in_force_throughput,
+                                         kept_cluster_numbers, price_plan)
 from ravnest_swarm.planning.plan import assignment_clusters, check_feasible, memory, uniform_layers
 
 logger = logging.getLogger(__name__)
@@ -387,15 +388,16 @@ class PlanningRounds:
                      f"best plan ({plan.swarm_throughput:.9e}) would move {cost.moved} peer(s) for {cost.seconds:.1f}s "
                      f"and not pay that back within {self.options.move_horizon_s:g}s")
             return
-        record = PlanRecord(round=round_number, time=time.time(), clusters=[
+        # a cluster kept from the plan in force keeps its number: its stages train on through the change
+        record = PlanRecord(round=round_number, time=time.time(), clusters=kept_cluster_numbers([
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
-        ]).dict()
+        ], in_force)).dict()
         self.adopted = record
         placement = dict(cluster=-1, stage=None, layers=None)
-        for number, (_, stages) in enumerate(plan.clusters):
-            for stage in stages:
-                if stage.peer_id == self.peer_id:
-                    placement = dict(cluster=number, stage=stage.stage, layers=list(stage.layers))
+        for number, stages in enumerate(record["clusters"]):
+            for index, stage in enumerate(stages):
+                if stage["peer_id"] == self.peer_id:
+                    placement = dict(cluster=number, stage=index, layers=list(stage["layers"]))
         if self.on_adopt is not None:
             self.on_adopt(record)  # a training volunteer places itself: it knows what layers it still holds
         else:

@@ -65,6 +65,13 @@ def placement_in(plan: dict, peer_id: str) -> Optional[Placement]:
     return None
 
 
+def same_slot(placement: Optional[Placement], other: Optional[Placement]) -> bool:
+    """Whether two placements give a peer the same stage: the same cluster, stage, stages and layers. The number of
+    clusters may differ: a running stage worker follows it in place (its lr rule and its share of the data), so a
+    plan that adds or drops a cluster stops none of the stages it keeps."""
+    return placement is not None and other is not None and placement[:4] == other[:4]
+
+
 def neighbours_in(plan: dict, cluster: int, stage: int) -> Neighbours:
     """The peers ``plan`` puts beside ``stage`` of ``cluster``: the only ones that stage takes pipeline messages
     from, and the only ones its sends resolve those slots to."""

@@ -52,7 +52,7 @@ def length_from_option(steps: Optional[int]) -> Optional[int]:
 def cluster_lr(lr: float, clusters: int, rule: str, steps_since_start: int, warmup_steps: int = LR_WARMUP_STEPS) -> float:
     """A cluster's learning rate when the run's is ``lr`` and ``clusters`` train: ``none`` keeps it, ``sqrt`` and
     ``linear`` multiply it by sqrt K and K, ``warmup`` goes from lr to K x lr over ``warmup_steps`` steps after the
-    stage started (a re-plan starts every stage anew). docs/swarm.md, "The learning rate across clusters"."""
+    stage started among ``clusters`` (a stage a re-plan keeps in place counts from the change). docs/swarm.md, "The learning rate across clusters"."""
     if rule == "none" or clusters <= 1:
         return lr
     if rule == "sqrt":

@@ -58,7 +58,7 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
-                                           neighbours_in, offered_step, placement_in)
+                                           neighbours_in, offered_step, placement_in, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over
@@ -304,11 +304,17 @@ class Volunteer:
     async def _follow_plan(self, plan: dict) -> None:
         placement = placement_in(plan, self.peer_id)
         self.announcer.update(plan_round=plan["round"])
-        if placement == self.placement and self.worker is not None:
-            # same slot: the worker goes on, taking messages from (and sending to) whoever the plan now puts
-            # beside it, such as a standby that replaced a dead neighbour
-            self.plan = plan
+        if same_slot(placement, self.placement) and self.worker is not None:
+            # same slot: the worker goes on without a pause, taking messages from (and sending to) whoever the plan
+            # now puts beside it, such as a standby that replaced a dead neighbour, averaging in the new plan's
+            # rings, and with the lr rule and data share of its number of clusters from its next step
+            before, self.plan, self.placement = self.placement, plan, placement
             self.worker.follow_neighbours(neighbours_in(plan, placement[0], placement[1]))
+            self.worker.follow_clusters(placement[4])
+            cluster, stage, stages, layers, clusters = placement
+            changed = f"; {before[4]} -> {clusters} clusters from its next step" if clusters != before[4] else ""
+            self.say(f"{self.name}: plan round {plan['round']} keeps us in place: cluster {cluster} stage "
+                     f"{stage}/{stages} layers {layers[0]}:{layers[1]} trains on{changed}")
             await self.announcer.renew()
             return
         if placement is None:
@@ -525,10 +531,10 @@ class Volunteer:
     # ------------------------------------------------------------------ between optimizer steps
     def _set_lr(self, worker: StageWorker) -> None:
         """Our stage's lr: the run's, as the spec's rule scales it with the clusters (``spec.cluster_lr``;
-        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start, along the
-        spec's schedule at the run's step (``optimizers.inner.scheduled_lr``)."""
+        docs/swarm.md, "The learning rate across clusters"), ``warmup`` counting from our worker's start or its last
+        change of the number of clusters, along the spec's schedule at the run's step (``optimizers.inner.scheduled_lr``)."""
         lr = scheduled_lr(cluster_lr(self.spec.lr, worker.config.clusters, self.spec.lr_scaling,
-                                     worker.version - worker.resumed_at),
+                                     worker.version - worker.clusters_since),
                           worker.version, self.spec.steps, self.spec.lr_schedule, self.spec.warmup_steps)
         for group in worker.optimizer.param_groups:
             group["lr"] = lr
@@ -566,7 +572,7 @@ class Volunteer:
         if self.plan is None or len(self.plan["clusters"]) < 2:
             return False
         # the plan just adopted moves us: this worker stops next, and its partners moved too
-        return self.adopted is self.plan or placement_in(self.adopted, self.peer_id) == self.placement
+        return self.adopted is self.plan or same_slot(placement_in(self.adopted, self.peer_id), self.placement)
 
     def _count_rejected(self, count: int) -> None:
         self.rejected_before += count
