@@ -59,7 +59,7 @@ PARAMETERS, PSEUDO_GRADIENTS = "parameters", "pseudo_gradients"  # what a ring's
 # How long a ring waits for a member that has not reached the round yet, beyond the ring timeout: the caller
 # (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
 Patience = Callable[[int, List[str]], Awaitable[float]]
-ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused whether it is still in the round
+ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused: still in the round?
 
 
 class MemberPastRound(Exception):
@@ -176,8 +176,9 @@ class RingRound:
             if self.peer.peer_id in view.refusing:  # only our own vote makes us refuse: an attempt set deadline
                 # the accused may have ended its round (a hostile owner completes its own attempt): it says so
                 # of itself when asked, which takes it out of the ring and brings us back
+                asked_until = min(deadline, time.monotonic() + CONTROL_TIMEOUT)
                 for accused in self.state.refusals[self.peer.peer_id] & set(view.members):
-                    self.peer.background(self._tell_arrived(accused, min(deadline, time.monotonic() + CONTROL_TIMEOUT)))
+                    self.peer.background(self._tell_arrived(accused, asked_until))
                 if not await self.state.news(max(0.0, min(ACCUSED_ASKED_EVERY, deadline - time.monotonic()))):
                     if time.monotonic() >= deadline:
                         return self._refused(view)
