@@ -191,15 +191,19 @@ def test_a_corrupt_or_oversized_compressed_part_is_refused_and_the_ring_goes_on_
 
     results, after, trained, handler_refusals, _ = asyncio.run(scenario())
     culprit_rejections = [entry for result in results[:2] for entry in result.rejected]
-    assert culprit_rejections, [r.as_dict() for r in results]
+    if kind == "corrupt":
+        # refused as it was read, and counted as hostile input. Its sender's own send fails on that refusal, so an
+        # honest-coded sender ends the ring for itself: whether its receiver's ring also voted against it depends
+        # on which came first, the sender's note or the receiver's attempt reading the part
+        assert sum(handler_refusals[:2]) >= 1
+    else:
+        assert culprit_rejections, [r.as_dict() for r in results]
     for result in results[:2]:
         [segment] = result.segments
         assert (segment.status, segment.members, segment.mode) == ("ok", 2, PSEUDO_GRADIENTS), result.as_dict()
     assert torch.equal(after[0][:1500], after[1][:1500])  # the rest of the vector is in no ring here
     honest_mean = (trained[0][:1500] + trained[1][:1500]) / 2
     assert (after[0][:1500] - honest_mean).abs().max() <= 0.05  # int4 of pseudo-gradients of about 0.15
-    if kind == "corrupt":
-        assert sum(handler_refusals[:2]) >= 1  # refused as it was read, and counted as hostile input
     assert results[2].segments[0].status != "ok"
 
 

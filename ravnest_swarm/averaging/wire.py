@@ -13,7 +13,8 @@ forwarding backbone a message is one stream, opened once its first part is ready
 Resends. A stripe whose stream fails on the transport (closed or reset, reply lost) is sent again from its
 first part, at most ``MAX_RESENDS`` times within the ring's deadline; the receiver keeps each part once
 (``mailbox.Inbox``). A refusal from the receiver is final; a forwarding backbone that had no slot for a stream
-(``ForwardBusy``) is asked again until the deadline.
+(``ForwardBusy``), or a member our daemon could not dial (nothing was delivered; after one failed dial libp2p
+refuses every dial to that address for about 6 s, its "dial backoff"), is asked again until the deadline.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ CONTROL_TIMEOUT = 2.0  # how long a note may take to reach a member
 MAX_RESENDS = 3  # per stripe; each waits RESEND_BACKOFF x its number first
 RESEND_BACKOFF = 0.1
 BUSY_BACKOFF, MAX_BUSY_BACKOFF = 0.2, 1.0  # a forwarding backbone without a slot for us: asked again after these
+DIAL_BACKOFF, MAX_DIAL_BACKOFF = 0.5, 2.0  # a member our daemon could not dial: dialled again after these
+NOT_DIALED = "failed to dial"  # how the daemon says it reached no address of the peer (a ``ControlFailure``)
 ROUND_OVER = "is over here"  # how a peer refuses a message for a round it has finished
 
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -293,8 +296,10 @@ class RingSender:
 
         A transport failure (the stream closed or reset, the reply lost) sends it again from its first part, up
         to ``MAX_RESENDS`` times within ``deadline``; the receiver keeps each part once. A forwarding backbone that
-        had no slot for it (``ForwardBusy``: nothing was delivered) is asked again until ``deadline``. A refusal
-        from the receiver is final. Returns the receiver's reply and how many times the stream was sent again.
+        had no slot for it (``ForwardBusy``), or a dial that reached no address of the peer, delivered nothing: it
+        is tried again until ``deadline`` (a dial that failed once on a loaded host is refused by libp2p's dial
+        backoff for seconds, longer than the resends last: CI saw a ring ended by it). A refusal from the
+        receiver is final. Returns the receiver's reply and how many times the stream was sent again.
         """
         metadata = message.as_metadata()
         routes, peer_id = self.routes, PeerID.from_base58(peer)
@@ -315,7 +320,7 @@ class RingSender:
                 await ready()
             return await routes.call(peer_id, RING_HANDLER, stream(), runtime_pb2.ExpertResponse, small=parts is None)
 
-        resends, busy = 0, 0
+        resends, busy, dials = 0, 0, 0
         while True:
             try:
                 response = await asyncio.wait_for(call(), max(0.0, deadline - time.monotonic()))
@@ -329,14 +334,31 @@ class RingSender:
                     raise
                 logger.info(f"ring message {_what(message)} to {peer[-8:]} waits for the backbone ({e})")
                 await asyncio.sleep(backoff)
-            except Exception as e:
-                backoff = RESEND_BACKOFF * (resends + 1)
-                if not _lost_on_the_way(e) or resends == MAX_RESENDS or time.monotonic() + backoff >= deadline:
+            except P2PDaemonError as e:
+                if NOT_DIALED not in str(e):
+                    resends = await self._resend_after(e, message, peer, resends, deadline)
+                    continue
+                dials += 1
+                backoff = min(DIAL_BACKOFF * dials, MAX_DIAL_BACKOFF)
+                if time.monotonic() + backoff >= deadline:
                     raise
-                resends += 1
-                logger.warning(f"ring message {_what(message)} to {peer[-8:]} was lost ({type(e).__name__}: {e}); "
-                               f"sending it again ({resends}/{MAX_RESENDS})")
+                logger.info(f"ring message {_what(message)} to {peer[-8:]}: could not dial it ({e}); trying again")
                 await asyncio.sleep(backoff)
+            except Exception as e:
+                resends = await self._resend_after(e, message, peer, resends, deadline)
+
+    @staticmethod
+    async def _resend_after(error: Exception, message: RingMessage, peer: str, resends: int, deadline: float) -> int:
+        """After a stream failed with ``error``: raise it unless it lost the message on the way and a resend is left
+        within ``deadline``; otherwise wait the resend's backoff and return the resends made."""
+        backoff = RESEND_BACKOFF * (resends + 1)
+        if not _lost_on_the_way(error) or resends == MAX_RESENDS or time.monotonic() + backoff >= deadline:
+            raise error
+        resends += 1
+        logger.warning(f"ring message {_what(message)} to {peer[-8:]} was lost ({type(error).__name__}: {error}); "
+                       f"sending it again ({resends}/{MAX_RESENDS})")
+        await asyncio.sleep(backoff)
+        return resends
 
 
 def _what(message: RingMessage) -> str:
