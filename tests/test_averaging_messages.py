@@ -316,34 +316,44 @@ def ring_round(attempt, timeout=5.0):
 
 
 class Attempt:
-    checking = False  # a robust attempt's owner check: none here
+    """What RingRound reads of a running attempt: ``run()``, and whether it checks chunk owners (robust_ring.py)."""
 
     def __init__(self, run):
-        self.run = run
+        self.run, self.checking, self.check_ended = run, False, asyncio.Event()
+
+
+async def completes(ring, running):
+    return torch.ones(1000)
+
+
+class Scripted:
+    """Attempts that play a script: the first runs ``first(ring, running)``, every later one ``later`` (by default:
+    the ring completes, all ones); ``members`` lists each attempt's members as RingRound made it."""
+
+    def __init__(self, first, later=completes):
+        self.first, self.later, self.members = first, later, []
+
+    def __call__(self, ring, members, deadline):
+        self.members.append(members)
+        script = self.first if len(self.members) == 1 else self.later
+        running = Attempt(None)
+        running.run = lambda: script(ring, running)
+        return running
 
 
 def test_a_member_past_the_round_because_it_left_the_ring_is_left_out_once_its_note_comes():
     """C's ring ended for it (it saw a timeout, or a majority excluded it) and it told the ring in the
     background. Our attempt reaches C before C's note reaches us: C answers that the round is over. That is
     not the ring's failure: the note is on its way, and the ring runs again with B alone, as B does."""
+    async def c_past_the_round(ring, running):
+        asyncio.get_running_loop().call_later(0.3, ring.peer.mailbox.note, RingAbort(**note(failure="timeout")), C)
+        raise MemberPastRound(C, f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER} (last finished {ROUND})")
+
     async def scenario():
-        attempts = []
-
-        def attempt(ring, members, deadline):
-            attempts.append(members)
-
-            async def run():
-                if len(attempts) == 1:
-                    loop = asyncio.get_running_loop()
-                    loop.call_later(0.3, ring.peer.mailbox.note, RingAbort(**note(failure="timeout")), C)
-                    raise MemberPastRound(C, f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER} "
-                                             f"(last finished {ROUND})")
-                return torch.ones(1000)
-            return Attempt(run)
-
-        round_ = ring_round(attempt)
+        attempts = Scripted(c_past_the_round)
+        round_ = ring_round(attempts)
         result = await round_.run(time.monotonic(), None)
-        assert attempts == [[ME, B, C], [ME, B]]
+        assert attempts.members == [[ME, B, C], [ME, B]]
         assert (result.status, result.members) == ("ok", 2) and torch.equal(round_.segment, torch.ones(1000))
         assert not [note for _, note in round_.peer.sender.sent if isinstance(note, RingAbort)]  # nobody told to stop
 
@@ -355,27 +365,19 @@ def test_a_member_that_refused_a_contribution_waits_out_until_the_others_votes_e
     and B's own check refuses C); B's vote excludes C and we run the ring again with B. Without B's vote we
     keep our local value at the ring's deadline."""
     async def scenario(b_agrees):
-        attempts = []
+        async def refuse_c(ring, running):
+            if b_agrees:
+                asyncio.get_running_loop().call_later(0.3, ring.peer.mailbox.note, RingAbort(**note(excluded=[C])), B)
+            raise ContributionRejected(C, "reduce chunk 0 holds NaN or Inf")
 
-        def attempt(ring, members, deadline):
-            attempts.append(members)
-
-            async def run():
-                if len(attempts) == 1:
-                    if b_agrees:
-                        asyncio.get_running_loop().call_later(0.3, ring.peer.mailbox.note,
-                                                              RingAbort(**note(excluded=[C])), B)
-                    raise ContributionRejected(C, "reduce chunk 0 holds NaN or Inf")
-                return torch.ones(1000)
-            return Attempt(run)
-
-        round_ = ring_round(attempt, timeout=1.0)
+        attempts = Scripted(refuse_c)
+        round_ = ring_round(attempts, timeout=1.0)
         result = await round_.run(time.monotonic(), None)
         await asyncio.sleep(0.1)  # the notes go in the background
         votes = [(member, sorted(n.excluded)) for member, n in round_.peer.sender.sent if isinstance(n, RingAbort)]
         assert sorted(votes) == [(B, [C]), (C, [C])]  # our vote, to every member
         assert round_.log.rejected and round_.log.rejected[0]["peer"] == C
-        return attempts, result, round_.segment
+        return attempts.members, result, round_.segment
 
     attempts, result, segment = asyncio.run(scenario(b_agrees=True))
     assert attempts == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
@@ -389,28 +391,19 @@ def test_a_vote_that_comes_while_we_check_the_chunk_owners_waits_for_our_own_che
     """B votes against C while our attempt checks the chunk owners (robust_ring.py). Our check ends first, and
     finds C too: our vote and B's exclude C (two of three), and we run the ring again with B. Cancelled on B's
     vote, our check would never be done, and C never excluded."""
+    async def check_c_as_b_votes(ring, running):
+        running.checking = True
+        ring.peer.mailbox.note(RingAbort(**note(excluded=[C])), B)  # B's vote comes now
+        await asyncio.sleep(0.3)  # our own probes of C's chunk
+        running.checking = False
+        running.check_ended.set()
+        raise ContributionRejected(C, "altered its aggregate of chunk 2")
+
     async def scenario():
-        attempts = []
-
-        def attempt(ring, members, deadline):
-            attempts.append(members)
-            running = Attempt(None)
-
-            async def run():
-                if len(attempts) == 1:
-                    running.checking = True
-                    ring.peer.mailbox.note(RingAbort(**note(excluded=[C])), B)  # B's vote comes now
-                    await asyncio.sleep(0.3)  # our own probes of C's chunk
-                    running.checking = False
-                    running.check_ended.set()
-                    raise ContributionRejected(C, "altered its aggregate of chunk 2")
-                return torch.ones(1000)
-            running.run, running.check_ended = run, asyncio.Event()
-            return running
-
-        round_ = ring_round(attempt)
+        attempts = Scripted(check_c_as_b_votes)
+        round_ = ring_round(attempts)
         result = await round_.run(time.monotonic(), None)
-        assert attempts == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
+        assert attempts.members == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
         assert [rejected["peer"] for rejected in round_.log.rejected] == [C]
 
     asyncio.run(scenario())
@@ -420,24 +413,19 @@ def test_a_note_that_leaves_the_attempts_members_as_they_are_does_not_end_it():
     """C is excluded (our vote and B's) and we run the ring with B. C's note that the ring ended for it comes during
     that attempt: it changes nothing of it, so the attempt goes on. Ended and begun again, it would have the same
     key, and take the first one's parts for its own."""
+    async def exclude_c(ring, running):
+        ring.peer.mailbox.note(RingAbort(**note(excluded=[C])), B)
+        raise ContributionRejected(C, "reduce chunk 0 holds NaN or Inf")
+
+    async def c_ends_its_ring_meanwhile(ring, running):
+        ring.peer.mailbox.note(RingAbort(**note(failure="excluded by a majority")), C)
+        await asyncio.sleep(0.3)
+        return torch.ones(1000)
+
     async def scenario():
-        attempts = []
-
-        def attempt(ring, members, deadline):
-            attempts.append(members)
-
-            async def run():
-                if len(attempts) == 1:
-                    ring.peer.mailbox.note(RingAbort(**note(excluded=[C])), B)
-                    raise ContributionRejected(C, "reduce chunk 0 holds NaN or Inf")
-                ring.peer.mailbox.note(RingAbort(**note(failure="excluded by a majority")), C)
-                await asyncio.sleep(0.3)
-                return torch.ones(1000)
-            return Attempt(run)
-
-        round_ = ring_round(attempt)
-        result = await round_.run(time.monotonic(), None)
-        assert attempts == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
+        attempts = Scripted(exclude_c, c_ends_its_ring_meanwhile)
+        result = await ring_round(attempts).run(time.monotonic(), None)
+        assert attempts.members == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
 
     asyncio.run(scenario())
 
@@ -446,22 +434,15 @@ def test_a_member_past_the_round_with_no_note_after_it_has_left_the_ring_and_the
     """C answers that the round is over for it and no note explains why (a hostile chunk owner can complete its
     own attempt while the others refuse it): C said so of itself, so it has left the ring, and we run the ring
     again with B, after waiting for a note as long as one may take. Nobody is told to stop."""
+    async def c_past_the_round(ring, running):
+        raise MemberPastRound(C, f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER}")
+
     async def scenario():
-        attempts = []
-
-        def attempt(ring, members, deadline):
-            attempts.append(members)
-
-            async def run():
-                if len(attempts) == 1:
-                    raise MemberPastRound(C, f"Failed to call handler at {C}: round {ROUND} {ROUND_OVER}")
-                return torch.ones(1000)
-            return Attempt(run)
-
-        round_ = ring_round(attempt)
+        attempts = Scripted(c_past_the_round)
+        round_ = ring_round(attempts)
         started = time.monotonic()
         result = await round_.run(started, None)
-        assert attempts == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
+        assert attempts.members == [[ME, B, C], [ME, B]] and (result.status, result.members) == ("ok", 2)
         assert CONTROL_TIMEOUT <= time.monotonic() - started < CONTROL_TIMEOUT + 2  # waited for a note, no longer
         await asyncio.sleep(0.1)  # the notes go in the background
         assert not [note for _, note in round_.peer.sender.sent if isinstance(note, RingAbort)]
