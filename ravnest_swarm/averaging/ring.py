@@ -246,6 +246,11 @@ class RingRound:
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
         self._choose(members)  # before the attempt is made: it reads what the round averages, and in which codec
+        view = self.state.view(self.ring.members)
+        logger.debug(f"{self.peer.peer_id[-8:]}: ring {self.ring.index} round {self.step} attempt with "
+                     f"{[member[-8:] for member in members]} (excluded {sorted(m[-8:] for m in view.excluded)}, "
+                     f"withdrawn {sorted(self.state.withdrawn.values())}, votes "
+                     f"{ {v[-8:]: sorted(a[-8:] for a in accused) for v, accused in self.state.refusals.items()} })")
         running = self.peer.attempt(self, members, deadline)
         attempt = asyncio.create_task(running.run())
         try:
@@ -278,7 +283,12 @@ class RingRound:
                 attempt.cancel()
                 await asyncio.gather(attempt, return_exceptions=True)
         if attempt.cancelled():
+            logger.debug(f"{self.peer.peer_id[-8:]}: ring {self.ring.index} round {self.step}: attempt with "
+                         f"{[member[-8:] for member in members]} given up: the ring's notes changed it")
             return None  # membership changed or the ring was ended: decide again from the state
+        if attempt.exception() is not None:
+            logger.debug(f"{self.peer.peer_id[-8:]}: ring {self.ring.index} round {self.step}: attempt with "
+                         f"{[member[-8:] for member in members]} ended: {attempt.exception()!r}")
         try:
             averaged = attempt.result()
         except ContributionRejected as e:
