@@ -165,10 +165,7 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["corrupt", pytest.param("oversized", marks=pytest.mark.xfail(strict=False, reason=(
-    "open ring bug, about 1 run in 4 under load: the hostile member's part never reaches its follower, whose "
-    "streams to the next member break off at the attempt's start unnoticed by their sender, and the ring times "
-    "out instead of excluding it (logs with the ring's debug lines: docs/security.md, Limits)")))])
+@pytest.mark.parametrize("kind", ["corrupt", "oversized"])
 def test_a_corrupt_or_oversized_compressed_part_is_refused_and_the_ring_goes_on_without_its_sender(backbone, kind):
     """Three members share an anchor and average int4 pseudo-gradients; the third sends its own chunk as a part
     that does not decode, or as one of twice the chunk's values. Each is refused from its sender and counted,

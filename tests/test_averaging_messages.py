@@ -23,7 +23,8 @@ from ravnest_swarm.averaging.averager import TURNED_AWAY
 from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
                                              NOT_IN_ATTEMPT, OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox,
                                              RingState, majority)
-from ravnest_swarm.averaging.ring import ContributionRejected, MemberPastRound, RingPeer, RingRound, RoundLog
+from ravnest_swarm.averaging.ring import (ContributionRejected, MemberPastRound, RingPeer, RingRound, RoundLog,
+                                         cancel_until_ended)
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, MAX_PROBED, MAX_STRIPES, RING_HANDLER, ROUND_OVER,
                                           RingAbort, RingArrive, RingPart, RingProbe, RingReply, RingRequest,
@@ -476,5 +477,29 @@ def test_a_cancelled_round_ends_its_attempt_and_leaves_no_exception_unretrieved(
         await asyncio.sleep(0.6)
         gc.collect()
         assert not unretrieved, unretrieved
+
+    asyncio.run(scenario())
+
+
+def test_an_attempts_step_that_goes_on_after_one_cancel_is_cancelled_until_it_ends():
+    """Python 3.11's ``asyncio.wait_for`` returns, dropping the cancellation, when what it awaits ends just as it is
+    cancelled (CPython gh-86296): a receiving step resumed that way went on to wait for a step that had ended, and
+    held its ring until the round's timeout (about one run in four of the oversized-part test under load). The
+    attempt's steps are cancelled until they end."""
+    async def scenario():
+        never = asyncio.Event()
+
+        async def goes_on_after_one_cancel():
+            try:
+                await never.wait()
+            except asyncio.CancelledError:
+                pass  # as wait_for drops it
+            await never.wait()
+
+        step = asyncio.create_task(goes_on_after_one_cancel())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await asyncio.wait_for(cancel_until_ended([step]), 5)
+        assert step.cancelled() and time.monotonic() - started < 1
 
     asyncio.run(scenario())

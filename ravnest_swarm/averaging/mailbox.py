@@ -362,8 +362,12 @@ class Mailbox:
                 else:
                     inbox.changed.clear()
                     try:
-                        await asyncio.wait_for(inbox.changed.wait(), max(0.0, deadline - time.monotonic()))
-                    except asyncio.TimeoutError:
+                        # not ``asyncio.wait_for``: in Python 3.11 it returns, dropping the cancellation, when its
+                        # wait ends as it is cancelled (CPython gh-86296); a part that arrived as its attempt was
+                        # given up made the ring's receiver go on, and wait for ever on a step that had ended
+                        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                            await inbox.changed.wait()
+                    except TimeoutError:
                         raise asyncio.TimeoutError(
                             f"no chunk from {key[-1][-8:]} ({key[3]} step {key[4]}) within the ring timeout")
         finally:

@@ -60,6 +60,7 @@ PARAMETERS, PSEUDO_GRADIENTS = "parameters", "pseudo_gradients"  # what a ring's
 # (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
 Patience = Callable[[int, List[str]], Awaitable[float]]
 ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused: still in the round?
+CANCEL_AGAIN_AFTER = 0.1  # seconds a cancelled step may take to end before it is cancelled again
 
 
 class MemberPastRound(Exception):
@@ -279,9 +280,7 @@ class RingRound:
         finally:
             # also when the round itself is cancelled (its peer stops, or leaves its stage): an attempt left
             # running would end later on its own, its exception never retrieved, its streams still open
-            if not attempt.done():
-                attempt.cancel()
-                await asyncio.gather(attempt, return_exceptions=True)
+            await cancel_until_ended([attempt])
         if attempt.cancelled():
             logger.debug(f"{self.peer.peer_id[-8:]}: ring {self.ring.index} round {self.step}: attempt with "
                          f"{[member[-8:] for member in members]} given up: the ring's notes changed it")
@@ -324,9 +323,10 @@ class RingRound:
         the background). Wait for it, at most as long as a note may take; whether it came. (A hostile chunk owner
         can complete its own attempt while the others refuse it: no note comes, and it has left the ring.)"""
         try:
-            await asyncio.wait_for(self.state.changed.wait(), max(0.0, min(CONTROL_TIMEOUT, deadline - time.monotonic())))
+            async with asyncio.timeout(max(0.0, min(CONTROL_TIMEOUT, deadline - time.monotonic()))):  # not wait_for:
+                await self.state.changed.wait()  # see mailbox.receive
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     def _exclude(self, rejected: ContributionRejected) -> None:
@@ -458,7 +458,7 @@ class RingAttempt:
                 task.cancel()
             for outbox in self.outboxes:
                 outbox.abandon()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_until_ended(tasks)
         return self.work
 
     def _tasks(self) -> List[Coroutine]:
@@ -561,6 +561,22 @@ class RingAttempt:
             # the others get our chunk through the compression: keep the same value so all agree
             values.copy_(decode_part(part, self.codec))
         self.outboxes[index + 1].put(part)
+
+
+async def cancel_until_ended(tasks: List[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, its exception retrieved.
+
+    Cancelled again while one goes on: a library's ``asyncio.wait_for`` (Python 3.11) returns, dropping the
+    cancellation, when what it awaits ends at the moment it is cancelled (CPython gh-86296). One cancel was all an
+    attempt gave its steps: a receiving step resumed that way waited for ever on a step that had ended, and held
+    its ring until the round's timeout."""
+    pending = [task for task in tasks if not task.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, still = await asyncio.wait(pending, timeout=CANCEL_AGAIN_AFTER)
+        pending = list(still)
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def largest(values: torch.Tensor) -> float:

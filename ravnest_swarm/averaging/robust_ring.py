@@ -113,8 +113,9 @@ class RobustRingAttempt(RingAttempt):
             self.checking = False
             self.check_ended.set()
         try:
-            await asyncio.wait_for(self.all_probed.wait(), max(0.0, self.deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(0.0, self.deadline - time.monotonic())):  # not wait_for: mailbox.receive
+                await self.all_probed.wait()
+        except TimeoutError:
             missing = [member[-8:] for member in self.others if member not in self.probed_by]
             raise asyncio.TimeoutError(f"no check of our chunk from {', '.join(missing)} within the ring timeout")
         del self.round.state.probes[key]
