@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import statistics
 
-import torch
 from rich.console import Console
 from rich.progress import Progress
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ShardedSampler, get_model
+from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.local import LocalOptions, LocalSwarm
 from ravnest_swarm.swarm.spec import RunSpec, cluster_lr
 
@@ -32,10 +32,13 @@ def train_single_process(spec: RunSpec, microbatches: int, seed: int = 0, progre
     model = get_model(spec.model)
     data = model.dataset()
     full = model.build_full()
-    optimizer = torch.optim.SGD(full.parameters(), lr=spec.lr)
+    # the stages' own inner optimizer and schedule, over the same number of steps
+    optimizer = make_inner_optimizer(full.parameters(), spec.optimizer, spec.lr, spec.weight_decay)
     sampler = ShardedSampler(data.size, 0, 1, spec.microbatch_size, seed)
     for microbatch in range(microbatches):
         inputs, targets = data.get(sampler.sample_ids(microbatch))
+        for group in optimizer.param_groups:
+            group["lr"] = scheduled_lr(spec.lr, microbatch, microbatches, spec.lr_schedule, spec.warmup_steps)
         optimizer.zero_grad()
         model.loss(full(inputs), targets).backward()
         optimizer.step()
