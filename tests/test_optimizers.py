@@ -1,13 +1,18 @@
 """A stage's inner optimizer (sgd, momentum, adamw) and its schedule, its state in checkpoints, the planner's memory
 for it, and the outer optimizer that turns an averaging round's mean into the stage's parameters (issue 30)."""
 
+import json
 import math
 import os
 
 import pytest
 import torch
 
-from ravnest_swarm.checkpoint import load_optimizer_state, read_stage, save_stage
+from safetensors.torch import save
+
+from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, load_outer_state, read_stage,
+                                      save_stage, write_atomically)
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
 from ravnest_swarm.optimizers.inner import FINAL_LR_FRACTION, make_inner_optimizer, scheduled_lr
 from ravnest_swarm.optimizers.outer import OuterOptimizer
@@ -100,6 +105,75 @@ def test_the_outer_step_is_nesterov_on_the_averaged_pseudo_gradient_and_average_
     assert torch.allclose(OuterOptimizer("nesterov", 1.0, 0.0, anchor.clone(), torch.zeros(2)).step(mean), mean)
     outer.forget()
     assert torch.equal(outer.step(mean), mean) and math.isclose(float(outer.momentum.abs().sum()), 0.0)
+
+
+def outer_after_rounds(name: str, size: int, rounds: int = 3) -> OuterOptimizer:
+    """An outer optimizer after ``rounds`` compressed rounds of a stage of ``size`` parameters: anchor, error and
+    (nesterov) momentum all set."""
+    torch.manual_seed(2)
+    outer, parameters = OuterOptimizer(name, 0.7, 0.9), torch.randn(size)
+    for _ in range(rounds):
+        local = parameters - 0.01 * torch.randn(size)
+        pseudo_gradient = outer.pseudo_gradient(local) if outer.has_anchor(local) else local
+        parameters = outer.step_segments(local, pseudo_gradient, [(0, size)], 0.001 * torch.randn(size))
+    return outer
+
+
+@pytest.mark.parametrize("name", ["nesterov", "average"])
+def test_the_outer_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path, name):
+    """Anchor, momentum and error are written beside the layers and read back bit for bit: the restored stage tells
+    its ring the same digest (so it compresses at once) and takes the same outer step as the one it was saved from."""
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    size = sum(parameter.numel() for parameter in module.parameters())
+    outer = outer_after_rounds(name, size)
+    assert set(outer.state_tensors()) == ({"anchor", "momentum", "error"} if name == "nesterov" else {"anchor", "error"})
+    assert set(outer.state_tensors()) <= set(OUTER_STATE_KEYS)
+    path = str(tmp_path / "stage.safetensors")
+    save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 60, "layers": [0, 3]},
+               outer=outer.state_tensors())
+    restored = OuterOptimizer(name, 0.7, 0.9)
+    assert restored.restore(load_outer_state(path, size))
+    assert restored.digest(0, size) == outer.digest(0, size) and restored.digest(0, 7) == outer.digest(0, 7)
+    local, mean, residual = torch.randn(size), 0.01 * torch.randn(size), 0.001 * torch.randn(size)
+    assert torch.equal(restored.pseudo_gradient(local.clone()), outer.pseudo_gradient(local.clone()))
+    after = [o.step_segments(local.clone(), mean, [(0, size)], residual) for o in (outer, restored)]
+    assert torch.equal(after[0], after[1]) and torch.equal(outer.anchor, restored.anchor)
+    # a stage that has no outer state yet keeps none, and one of the other outer optimizer is not taken
+    save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 0, "layers": [0, 3]},
+               outer=OuterOptimizer(name).state_tensors())
+    assert load_outer_state(path, size) == {}
+    other = OuterOptimizer("average" if name == "nesterov" else "nesterov")
+    assert not other.restore(outer.state_tensors()) and other.anchor is None
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("short", r"anchor is torch.float32 \[10\], not float32 \[38\]"),
+    ("float64", r"momentum is torch.float64 \[38\], not float32 \[38\]"),
+    ("nan", "error is not finite"),
+    ("unknown", "velocity is not one of anchor, momentum, error"),
+    ("no anchor", "it has no anchor")])
+def test_a_corrupt_outer_state_in_a_checkpoint_is_a_one_line_error(tmp_path, damage, problem):
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    size = sum(parameter.numel() for parameter in module.parameters())
+    assert size == 38
+    path = str(tmp_path / "stage.safetensors")
+    save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 60, "layers": [0, 3]},
+               outer=outer_after_rounds("nesterov", size).state_tensors())
+    tensors, metadata = read_stage(path)
+    if damage == "short":
+        tensors["outer.anchor"] = tensors["outer.anchor"][:10].clone()
+    elif damage == "float64":
+        tensors["outer.momentum"] = tensors["outer.momentum"].double()
+    elif damage == "nan":
+        tensors["outer.error"] = tensors["outer.error"].clone().index_fill_(0, torch.tensor([3]), math.nan)
+    elif damage == "unknown":
+        tensors["outer.velocity"] = tensors.pop("outer.momentum")
+    else:
+        del tensors["outer.anchor"]
+    write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))  # the read maps the old file
+    with pytest.raises(UserError, match=problem) as refused:
+        load_outer_state(path, size)
+    assert "\n" not in str(refused.value) and "corrupt outer optimizer state" in str(refused.value)
 
 
 @pytest.mark.timeout(300)

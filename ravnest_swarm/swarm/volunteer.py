@@ -44,8 +44,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import until_set
-from ravnest_swarm.checkpoint import (load_optimizer_state, load_stage_layers, remove_unfinished_writes, save_stage,
-                                     write_atomically)
+from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, load_outer_state, load_stage_layers,
+                                     remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE, SwarmState
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
@@ -188,6 +188,7 @@ class Volunteer:
         self.announcer.on_renewal_problem = self._renewal_problem
         self.node.routes.on_gate_refusal = self._gate_refusal  # an invite-only run's messages from the unadmitted
         self.resumed_optimizer: Optional[tuple] = None  # ((first, last), step, state) a checkpoint kept
+        self.resumed_outer: Optional[tuple] = None  # ((first, last), step, outer state) a checkpoint kept
         self.divergences_before = 0  # restores of stage workers already stopped
         self._noted_divergence: Optional[str] = None
         self._divergence_looks: List[Tuple[int, int]] = []  # (step, restores) each time we saw a new one
@@ -374,6 +375,7 @@ class Volunteer:
         worker.resume_at(step)
         self._set_lr(worker)
         self._take_optimizer_state(worker, tuple(layers), step)
+        self._take_outer_state(worker, tuple(layers), step)
         if downloaded:
             self._save_checkpoint(worker)  # fetched layers are work a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
@@ -418,6 +420,21 @@ class Volunteer:
                      f"step {step} (it does not travel with layers)")
             self._note(f"{self.spec.optimizer} state reset at step {step}: layers {layers[0]}:{layers[1]} came "
                        f"without it")
+
+    def _take_outer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
+        """A resumed stage goes on with the outer optimizer's state its checkpoint kept (the last round's anchor, the
+        momentum, the error feedback): its first round then compresses again where its ring's members kept the
+        same anchor. Other layers or another step start it at their first round, which we say."""
+        resumed, self.resumed_outer = self.resumed_outer, None
+        if resumed is None:
+            return
+        if resumed[0] == layers and resumed[1] == step and self.averaging.resume_outer(worker, resumed[2]):
+            kept = ", ".join(key for key in OUTER_STATE_KEYS if key in resumed[2])
+            self.say(f"{self.name}: outer state ({kept}) resumed from the checkpoint of step {step}")
+        else:
+            self.say(f"{self.name}: the outer state of the checkpoint (layers {resumed[0][0]}:{resumed[0][1]}, step "
+                     f"{resumed[1]}) is not this stage's (layers {layers[0]}:{layers[1]}, step {step}, outer optimizer "
+                     f"{self.spec.outer_optimizer}): it starts at the stage's first round")
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -823,7 +840,7 @@ class Volunteer:
             return
         save_stage(path, worker.module, worker.optimizer,
                    {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
-                    "model": self.spec.model})
+                    "model": self.spec.model}, outer=self.averaging.outer_state(worker))
 
     def _write_report(self, worker: StageWorker) -> None:
         if self.options.report is None:
@@ -849,6 +866,9 @@ class Volunteer:
         optimizer = make_inner_optimizer(module.parameters(), self.spec.optimizer, self.spec.lr)
         if load_optimizer_state(path, optimizer):  # read now: our next checkpoint rewrites the file
             self.resumed_optimizer = ((start, end), int(info["step"]), optimizer.state_dict()["state"])
+        outer = load_outer_state(path, sum(parameter.numel() for parameter in module.parameters()))
+        if outer:
+            self.resumed_outer = ((start, end), int(info["step"]), outer)
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
