@@ -4,6 +4,8 @@ for it, and the outer optimizer that turns an averaging round's mean into the st
 import json
 import math
 import os
+import re
+import signal
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from ravnest_swarm.optimizers.inner import FINAL_LR_FRACTION, make_inner_optimiz
 from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.planning.cost import Peer
+from ravnest_swarm.planning.plan import plan_swarm
+from ravnest_swarm.processes import session_members
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec
 from run_observer import RunObserver
@@ -51,6 +56,31 @@ def test_the_planner_counts_the_optimizers_state():
     parameters_gb = sum(layer.param_bytes for layer in model.layers) / 1e9
     assert memory["momentum"] - memory["sgd"] == pytest.approx(parameters_gb)
     assert memory["adamw"] - memory["sgd"] == pytest.approx(2 * parameters_gb)
+    # the outer state: an anchor (nesterov, or any compression), nesterov's momentum, compression's error feedback
+    outer = {(name, compression): model_workload(model, RunSpec("mlp-digits", outer_optimizer=name,
+                                                                averaging_compression=compression), 8)[0].model_gb
+             - memory["sgd"] for name in ("average", "nesterov") for compression in ("none", "int8")}
+    assert outer == pytest.approx({("average", "none"): 0, ("average", "int8"): 2 * parameters_gb,
+                                   ("nesterov", "none"): 2 * parameters_gb, ("nesterov", "int8"): 3 * parameters_gb})
+
+
+@pytest.mark.parametrize("ram, spec, stages", [
+    (1.2, {}, [1, 1, 1, 1]),
+    (1.2, {"optimizer": "adamw"}, [2, 2]),  # AdamW's moments: the model no longer fits one peer
+    (1.5, {"optimizer": "adamw"}, [1, 1, 1, 1]),
+    (1.5, {"optimizer": "adamw", "outer_optimizer": "nesterov", "averaging_compression": "int8"}, [2, 2])])
+def test_where_memory_is_tight_the_optimizers_state_changes_the_plan(ram, spec, stages):
+    """Four equal peers that each offer ``ram`` times what a stage of plain SGD needs for the whole model: with the
+    optimizers' state counted, AdamW (and then the outer state on top of it) no longer fits one peer, and the
+    planner splits the model into two-stage clusters."""
+    model = get_model("mlp-digits")
+    sgd_gb = model_workload(model, RunSpec("mlp-digits"), 8)[0].model_gb
+    workload, profile = model_workload(model, RunSpec("mlp-digits", **spec), 8)
+    peers = [Peer(f"p{index}", ram * sgd_gb, 20.0, 100.0) for index in range(4)]
+    plan = plan_swarm(peers, workload, seed=0, time_limit=2, layer_profile=profile)
+    assert sorted(len(cluster) for _, cluster in plan.clusters) == stages
+    for _, cluster in plan.clusters:
+        assert all(sum(profile[0][slice(*stage.layers)]) <= ram * sgd_gb * (1 + 1e-9) for stage in cluster)
 
 
 def test_adamw_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path):
@@ -209,3 +239,60 @@ def test_a_sigkilled_adamw_volunteer_resumes_its_optimizer_state_and_its_loss(tm
         observer.close()
     assert before["loss"] < 1.0 and after["loss"] < 1.0, (before, after)
     assert "unexpected" not in second.stderr() and "Traceback" not in second.stderr()
+
+
+COMPRESSED_ROUND = re.compile(r"averaging step (\d+): 1/1 segments averaged in \S+ \(1 as compressed pseudo-gradients\)")
+ANY_ROUND = re.compile(r"averaging step (\d+): (\d+)/(\d+) segments averaged")
+
+
+@pytest.mark.timeout(300)
+def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their_first_round(tmp_path, processes,
+                                                                                            backbone):
+    """Two real ``join`` peers, a cluster of one stage each, average int8 pseudo-gradients with nesterov; both are
+    frozen and SIGKILLed (their whole sessions, p2pd included) and started again with ``--resume``. Each says it
+    took its outer state from its checkpoint, and the first round each logs after the resume averages compressed
+    pseudo-gradients: its anchor digest matched the other's, no float32 re-sync was needed."""
+    run, checkpoints = "outer-resume", tmp_path / "checkpoints"
+
+    def join(name, *extra):
+        return processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name, "--no-dashboard",
+                                "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
+                                "--gflops", "20", "--averaging-period", "20", "--checkpoint-every", "20",
+                                "--averaging-compression", "int8", "--outer-optimizer", "nesterov",
+                                "--round-seconds", "3", "--heartbeat", "2", "--checkpoint-dir", str(checkpoints),
+                                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], f"{name}-{len(processes.processes)}")
+
+    first = {name: join(name) for name in ("p0", "p1")}
+    observer = RunObserver(backbone, run, period=1.0)
+    try:
+        peers = observer.wait_for(lambda peers: all((peers.get(n, {}).get("averaging_rounds") or 0) >= 3
+                                                    for n in first), 200, "three averaging rounds each")
+        assert {peers[n]["cluster"] for n in first} == {0, 1}, peers
+        for peer in first.values():  # freeze both first: neither sees the other go and fails a round meanwhile
+            for pid in session_members(peer.pid):
+                os.kill(pid, signal.SIGSTOP)
+        for peer in first.values():
+            peer.kill_group()
+        saved = {}
+        for name in first:
+            tensors, metadata = read_stage(str(checkpoints / f"{run}-{name}.safetensors"))
+            saved[name] = metadata["info"]["step"]
+            assert {"outer.anchor", "outer.momentum", "outer.error"} <= set(tensors), sorted(tensors)
+        assert len(set(saved.values())) == 1, saved  # both checkpointed the same round last
+        second = {name: join(name, "--resume") for name in first}
+        for name, peer in second.items():
+            peer.wait_for_output(rf"^{name}: outer state \(anchor, momentum, error\) resumed from the checkpoint of "
+                                 rf"step {saved[name]}", 120, stream="stderr")
+        for name, peer in second.items():
+            peer.wait_for_output(ANY_ROUND.pattern, 120, stream="stderr")
+        after = observer.wait_for(lambda peers: all(peers.get(n, {}).get("state") == "training" for n in second), 60,
+                                  "both training again")
+    finally:
+        observer.close()
+    for name, peer in second.items():
+        log = peer.stderr()
+        first_round = ANY_ROUND.search(log)
+        assert COMPRESSED_ROUND.match(log, first_round.start()), (name, first_round.group(0))
+        assert int(first_round.group(1)) > saved[name]
+        assert "unexpected" not in log and "Traceback" not in log, log[-3000:]
+    assert all(after[n]["loss"] is None or after[n]["loss"] < 1.0 for n in second), after  # on from where it was

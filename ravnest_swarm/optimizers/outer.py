@@ -33,6 +33,14 @@ import torch
 OUTER_OPTIMIZERS = ("average", "nesterov")
 
 
+def state_copies(name: str, compression: str) -> int:
+    """Copies of the stage's parameters its outer state holds, what the planner's memory model adds: an anchor
+    wherever there is one (``nesterov``, or any compressing ``averaging_compression``), nesterov's momentum one
+    more, compression's error feedback one more; none for plain ``average`` in float32 (it takes the mean)."""
+    compressing = compression != "none"
+    return (name == "nesterov" or compressing) + (name == "nesterov") + compressing
+
+
 @dataclass
 class OuterOptimizer:
     """One stage's outer state over its flat parameter vector (host memory, float32)."""

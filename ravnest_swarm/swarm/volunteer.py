@@ -365,6 +365,10 @@ class Volunteer:
             self._precision_said = worker.precision_note
             self.say(f"{self.name}: {worker.precision_note}")
         step, downloaded = await self._fill_layers(worker.module, layers)
+        # a checkpoint's optimizer states go with its layers at their step, also where the cluster counts on from
+        # the run's step below: they belong to the parameters, not to the count
+        self._take_optimizer_state(worker, tuple(layers), step)
+        self._take_outer_state(worker, tuple(layers), step)
         run_step = await self._run_step(plan, cluster) if stage == 0 else None
         if run_step is not None and run_step > step:
             # the other clusters trained on while we downloaded: counting from the layers' step, our rounds would
@@ -374,8 +378,6 @@ class Volunteer:
             step = run_step
         worker.resume_at(step)
         self._set_lr(worker)
-        self._take_optimizer_state(worker, tuple(layers), step)
-        self._take_outer_state(worker, tuple(layers), step)
         if downloaded:
             self._save_checkpoint(worker)  # fetched layers are work a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
