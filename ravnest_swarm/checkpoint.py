@@ -152,7 +152,8 @@ def load_outer_state(path: str, parameter_count: int) -> Dict[str, torch.Tensor]
     per parameter, with an anchor: anything else is a corrupt checkpoint, a one-line :class:`UserError`."""
     tensors, _ = read_stage(path)
     # copies: the file read is mapped, and the stage's outer steps must not depend on it staying as it is
-    state = {name[len(OUTER_PREFIX):]: tensor.clone() for name, tensor in tensors.items() if name.startswith(OUTER_PREFIX)}
+    state = {name[len(OUTER_PREFIX):]: tensor.clone() for name, tensor in tensors.items()
+             if name.startswith(OUTER_PREFIX)}
     problems = [f"{key} is not one of {', '.join(OUTER_STATE_KEYS)}" for key in state if key not in OUTER_STATE_KEYS]
     if state and "anchor" not in state:
         problems.append("it has no anchor")
@@ -162,8 +163,8 @@ def load_outer_state(path: str, parameter_count: int) -> Dict[str, torch.Tensor]
         elif not bool(torch.isfinite(tensor).all()):
             problems.append(f"{key} is not finite")
     if problems:
-        raise UserError(f"checkpoint {path} holds a corrupt outer optimizer state ({problems[0]}); move it away to start "
-                        f"this stage fresh", exit_code=1)
+        raise UserError(f"checkpoint {path} holds a corrupt outer optimizer state ({problems[0]}); move it away "
+                        f"to start this stage fresh", exit_code=1)
     return state
 
 

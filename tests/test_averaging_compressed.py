@@ -238,7 +238,8 @@ def test_a_member_resumed_from_its_checkpoint_compresses_again_from_its_first_ro
             await close(nodes, averagers)
 
     results, after = asyncio.run(scenario(True))
-    assert all(r.ok and modes(r) == [PSEUDO_GRADIENTS, PSEUDO_GRADIENTS] for r in results), [r.summary() for r in results]
+    assert all(r.ok and modes(r) == [PSEUDO_GRADIENTS, PSEUDO_GRADIENTS] for r in results), \
+        [r.summary() for r in results]
     assert all(torch.equal(after[0], values) for values in after)
     results, after = asyncio.run(scenario(False))
     assert all(r.ok and modes(r) == [PARAMETERS, PARAMETERS] for r in results), [r.summary() for r in results]

@@ -64,7 +64,7 @@ def resuming_volunteer(path: str, outer: str = "average") -> SimpleNamespace:
     return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
                            spec=SimpleNamespace(model="mlp-digits", optimizer="sgd", lr=0.05, outer_optimizer=outer),
                            model=get_model("mlp-digits"), cache={}, averaging=stage_averaging(outer),
-                           held=None, announcer=announcer, said=said, say=said.append, resumed_outer=None)
+                           held=None, announcer=announcer, said=said, say=said.append, kept_outer=None)
 
 
 def test_resume_restores_a_stage_exactly(tmp_path):
@@ -202,3 +202,35 @@ def test_resume_restores_the_outer_state_of_the_stage_its_checkpoint_kept(tmp_pa
         else:
             assert again.averaging.outer is None and again.averaging.outer_state(resumed) == {}
             assert any("starts at the stage's first round" in line for line in again.said), again.said
+
+
+def test_a_stage_placed_back_on_the_layers_it_stopped_keeps_both_optimizers_state():
+    """A plan stops our stage worker and a later one places us back on its layers, which come from our cache at its
+    step: the new worker goes on with the stopped one's AdamW moments and outer state. At another step (fresher
+    layers came from elsewhere) both start afresh, and the log says so."""
+    stopped = StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS, lr=0.01,
+                                      optimizer="adamw"), node=None)
+    train(stopped, [torch.randn(4, 64) for _ in range(3)])
+    stopped.resume_at(80)
+    size = sum(parameter.numel() for parameter in stopped.module.parameters())
+    for step, kept in ((80, True), (100, False)):
+        volunteer = resuming_volunteer(None, "nesterov")
+        volunteer.spec.optimizer, volunteer._note = "adamw", lambda text: None
+        outer = OuterOptimizer("nesterov", 0.7, 0.9, anchor=torch.randn(size), momentum=torch.randn(size))
+        volunteer.averaging.outer, volunteer.averaging._outer_worker = outer, stopped
+        Volunteer._keep_optimizer_states(volunteer, stopped)
+        placed_back = StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS,
+                                              lr=0.01, optimizer="adamw"), node=None)
+        Volunteer._take_optimizer_state(volunteer, placed_back, LAYERS, step)
+        Volunteer._take_outer_state(volunteer, placed_back, LAYERS, step)
+        moments = [state["exp_avg"] for state in placed_back.optimizer.state_dict()["state"].values()]
+        if kept:
+            expected = [state["exp_avg"] for state in stopped.optimizer.state_dict()["state"].values()]
+            assert len(moments) == len(expected) > 0 and all(torch.equal(a, b) for a, b in zip(moments, expected))
+            assert volunteer.averaging.outer.digest(0, size) == outer.digest(0, size)
+            assert volunteer.said == ["peer: adamw state resumed from its stage stopped at step 80",
+                                      "peer: outer state (anchor, momentum) resumed from its stage stopped at step 80"]
+        else:
+            assert moments == [] and volunteer.averaging.outer_state(placed_back) == {}  # its first round starts it
+            assert "peer: adamw state of layers 0:2 starts afresh at step 100 (it does not travel with layers)" in \
+                volunteer.said

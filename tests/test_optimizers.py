@@ -6,6 +6,7 @@ import math
 import os
 import re
 import signal
+import time
 
 import pytest
 import torch
@@ -156,7 +157,8 @@ def test_the_outer_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_pat
     module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
     size = sum(parameter.numel() for parameter in module.parameters())
     outer = outer_after_rounds(name, size)
-    assert set(outer.state_tensors()) == ({"anchor", "momentum", "error"} if name == "nesterov" else {"anchor", "error"})
+    kept = {"anchor", "momentum", "error"} if name == "nesterov" else {"anchor", "error"}
+    assert set(outer.state_tensors()) == kept
     assert set(outer.state_tensors()) <= set(OUTER_STATE_KEYS)
     path = str(tmp_path / "stage.safetensors")
     save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 60, "layers": [0, 3]},
@@ -241,8 +243,19 @@ def test_a_sigkilled_adamw_volunteer_resumes_its_optimizer_state_and_its_loss(tm
     assert "unexpected" not in second.stderr() and "Traceback" not in second.stderr()
 
 
-COMPRESSED_ROUND = re.compile(r"averaging step (\d+): 1/1 segments averaged in \S+ \(1 as compressed pseudo-gradients\)")
+COMPRESSED_ROUND = re.compile(r"averaging step (\d+): 1/1 segments averaged in \S+ "
+                              r"\(1 as compressed pseudo-gradients\)")
 ANY_ROUND = re.compile(r"averaging step (\d+): (\d+)/(\d+) segments averaged")
+
+
+def signal_sessions(peers, sig):
+    """``sig`` to every process of each peer's session (the peer and its p2pd)."""
+    for peer in peers:
+        for pid in session_members(peer.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.timeout(300)
@@ -268,17 +281,22 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
         peers = observer.wait_for(lambda peers: all((peers.get(n, {}).get("averaging_rounds") or 0) >= 3
                                                     for n in first), 200, "three averaging rounds each")
         assert {peers[n]["cluster"] for n in first} == {0, 1}, peers
-        for peer in first.values():  # freeze both first: neither sees the other go and fails a round meanwhile
-            for pid in session_members(peer.pid):
-                os.kill(pid, signal.SIGSTOP)
+        # freeze both (neither sees the other go and fails a round meanwhile) at a moment when both checkpoints are
+        # of the same round: one may write its checkpoint of a round a moment before the other, and is let go on
+        for attempt in range(30):
+            signal_sessions(first.values(), signal.SIGSTOP)
+            saved = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors"))[1]["info"]["step"]
+                     for name in first}
+            if len(set(saved.values())) == 1:
+                break
+            signal_sessions(first.values(), signal.SIGCONT)
+            time.sleep(0.5)
         for peer in first.values():
             peer.kill_group()
-        saved = {}
-        for name in first:
-            tensors, metadata = read_stage(str(checkpoints / f"{run}-{name}.safetensors"))
-            saved[name] = metadata["info"]["step"]
-            assert {"outer.anchor", "outer.momentum", "outer.error"} <= set(tensors), sorted(tensors)
         assert len(set(saved.values())) == 1, saved  # both checkpointed the same round last
+        for name in first:
+            tensors = read_stage(str(checkpoints / f"{run}-{name}.safetensors"))[0]
+            assert {"outer.anchor", "outer.momentum", "outer.error"} <= set(tensors), sorted(tensors)
         second = {name: join(name, "--resume") for name in first}
         for name, peer in second.items():
             peer.wait_for_output(rf"^{name}: outer state \(anchor, momentum, error\) resumed from the checkpoint of "

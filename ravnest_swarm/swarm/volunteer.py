@@ -187,8 +187,10 @@ class Volunteer:
         self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
         self.announcer.on_renewal_problem = self._renewal_problem
         self.node.routes.on_gate_refusal = self._gate_refusal  # an invite-only run's messages from the unadmitted
-        self.resumed_optimizer: Optional[tuple] = None  # ((first, last), step, state) a checkpoint kept
-        self.resumed_outer: Optional[tuple] = None  # ((first, last), step, outer state) a checkpoint kept
+        # ((first, last), step, state, where from) of the inner and the outer optimizer, kept by our checkpoint or
+        # our last stage worker: a stage that starts on those layers at that step goes on with them
+        self.kept_optimizer: Optional[tuple] = None
+        self.kept_outer: Optional[tuple] = None
         self.divergences_before = 0  # restores of stage workers already stopped
         self._noted_divergence: Optional[str] = None
         self._divergence_looks: List[Tuple[int, int]] = []  # (step, restores) each time we saw a new one
@@ -408,15 +410,16 @@ class Volunteer:
         return max(steps) if steps else None
 
     def _take_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
-        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum); other
-        layers start it afresh (it does not travel with a download or a hand-over), which we say."""
+        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum), and a
+        stage placed back on the layers of the one we stopped last, at its step, with that one's; other layers start
+        it afresh (it does not travel with a download or a hand-over), which we say."""
         if self.spec.optimizer == "sgd":
             return  # no state to keep
-        resumed, self.resumed_optimizer = self.resumed_optimizer, None
-        if resumed is not None and resumed[0] == layers and resumed[1] == step:
-            worker.optimizer.load_state_dict({"state": resumed[2],
+        kept, self.kept_optimizer = self.kept_optimizer, None
+        if kept is not None and kept[0] == layers and kept[1] == step:
+            worker.optimizer.load_state_dict({"state": kept[2],
                                               "param_groups": worker.optimizer.state_dict()["param_groups"]})
-            self.say(f"{self.name}: {self.spec.optimizer} state resumed from the checkpoint of step {step}")
+            self.say(f"{self.name}: {self.spec.optimizer} state resumed from {kept[3]}")
         else:
             self.say(f"{self.name}: {self.spec.optimizer} state of layers {layers[0]}:{layers[1]} starts afresh at "
                      f"step {step} (it does not travel with layers)")
@@ -425,17 +428,18 @@ class Volunteer:
 
     def _take_outer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
         """A resumed stage goes on with the outer optimizer's state its checkpoint kept (the last round's anchor, the
-        momentum, the error feedback): its first round then compresses again where its ring's members kept the
-        same anchor. Other layers or another step start it at their first round, which we say."""
-        resumed, self.resumed_outer = self.resumed_outer, None
-        if resumed is None:
+        momentum, the error feedback), and a stage placed back on the layers of the one we stopped last, at its
+        step, with that one's: its first round then compresses again where its ring's members kept the same anchor.
+        Other layers or another step start it at their first round, which we say."""
+        kept, self.kept_outer = self.kept_outer, None
+        if kept is None:
             return
-        if resumed[0] == layers and resumed[1] == step and self.averaging.resume_outer(worker, resumed[2]):
-            kept = ", ".join(key for key in OUTER_STATE_KEYS if key in resumed[2])
-            self.say(f"{self.name}: outer state ({kept}) resumed from the checkpoint of step {step}")
+        if kept[0] == layers and kept[1] == step and self.averaging.resume_outer(worker, kept[2]):
+            names = ", ".join(key for key in OUTER_STATE_KEYS if key in kept[2])
+            self.say(f"{self.name}: outer state ({names}) resumed from {kept[3]}")
         else:
-            self.say(f"{self.name}: the outer state of the checkpoint (layers {resumed[0][0]}:{resumed[0][1]}, step "
-                     f"{resumed[1]}) is not this stage's (layers {layers[0]}:{layers[1]}, step {step}, outer optimizer "
+            self.say(f"{self.name}: the outer state of {kept[3]} (layers {kept[0][0]}:{kept[0][1]}) is not this "
+                     f"stage's (layers {layers[0]}:{layers[1]}, step {step}, outer optimizer "
                      f"{self.spec.outer_optimizer}): it starts at the stage's first round")
 
     async def _stop_worker(self) -> None:
@@ -457,7 +461,17 @@ class Volunteer:
         for offset, layer in enumerate(worker.module):
             self.cache[worker.start_layer + offset] = (
                 {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}, worker.version)
+        self._keep_optimizer_states(worker)
         self._save_checkpoint(worker)
+
+    def _keep_optimizer_states(self, worker: StageWorker) -> None:
+        """Keep a stopped worker's inner and outer optimizer state: a plan that places us back on its layers, which
+        then come from our cache at its step, goes on with them (AdamW's moments and the outer anchor belong to
+        these very parameters)."""
+        layers, source = (worker.start_layer, worker.end_layer), f"its stage stopped at step {worker.version}"
+        self.kept_optimizer = (layers, worker.version, worker.optimizer.state_dict()["state"], source)
+        outer = self.averaging.outer_state(worker)
+        self.kept_outer = (layers, worker.version, outer, source) if outer else None
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> Tuple[int, bool]:
         """Load every owned layer from the freshest source; return the step training continues from, and
@@ -866,11 +880,12 @@ class Volunteer:
         # these then found nobody offering them and started them from step 0 (test_swarm, kill and resume)
         self.held = (start, module, int(info["step"]))
         optimizer = make_inner_optimizer(module.parameters(), self.spec.optimizer, self.spec.lr)
+        source = f"the checkpoint of step {info['step']}"
         if load_optimizer_state(path, optimizer):  # read now: our next checkpoint rewrites the file
-            self.resumed_optimizer = ((start, end), int(info["step"]), optimizer.state_dict()["state"])
+            self.kept_optimizer = ((start, end), int(info["step"]), optimizer.state_dict()["state"], source)
         outer = load_outer_state(path, sum(parameter.numel() for parameter in module.parameters()))
         if outer:
-            self.resumed_outer = ((start, end), int(info["step"]), outer)
+            self.kept_outer = ((start, end), int(info["step"]), outer, source)
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
