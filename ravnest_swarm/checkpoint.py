@@ -1,10 +1,12 @@
 """Stage checkpoints as safetensors: parameters, optimizer state, step and layer range, written atomically.
 
-A checkpoint is one ``.safetensors`` file. Tensors are the stage's parameters (``param.<name>``) and its
-optimizer's per-parameter state (``optim.<index>.<key>``); everything else (step, layer range, model,
-run, optimizer hyper-parameters and scalar state) is JSON in the safetensors metadata. Nothing is
-pickled, so a checkpoint from anywhere is safe to open. Resume (:func:`load_stage_layers`) restores the
-parameters and the step; the optimizer state kept beside them is empty for a stage's plain SGD.
+A checkpoint is one ``.safetensors`` file. Tensors are the stage's parameters (``param.<name>``), its inner
+optimizer's per-parameter state (``optim.<index>.<key>``) and its outer optimizer's state over the stage's flat
+parameter vector (``outer.anchor``, ``outer.momentum``, ``outer.error``: ``optimizers/outer.py``), where it has
+one; everything else (step, layer range, model, run, optimizer hyper-parameters and scalar state) is JSON in the
+safetensors metadata. Nothing is pickled, so a checkpoint from anywhere is safe to open. Resume
+(:func:`load_stage_layers`, :func:`load_optimizer_state`, :func:`load_outer_state`) restores the parameters, the
+step and both optimizers' state; the inner state kept is empty for plain SGD.
 
 Writes go to a temporary file in the same directory, are fsynced, then renamed over the old file
 (and the directory fsynced), so a crash at any moment leaves either the old or the new checkpoint,
@@ -30,6 +32,9 @@ from safetensors.torch import load_file, save
 from ravnest_swarm.errors import UserError
 
 FORMAT = "ravnest-stage-checkpoint/1"
+# the outer optimizer's state a checkpoint may keep (``OuterOptimizer``'s fields), each one float32 value per
+# parameter of the stage, under ``outer.<key>``
+OUTER_PREFIX, OUTER_STATE_KEYS = "outer.", ("anchor", "momentum", "error")
 TEMPORARY_PREFIX, TEMPORARY_SUFFIX = ".tmp-", ".part"
 
 
@@ -71,13 +76,16 @@ def remove_unfinished_writes(directory: str, target: Optional[str] = None) -> Li
     return unfinished
 
 
-def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, info: Dict) -> None:
+def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimizer, info: Dict,
+               outer: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """Write a stage checkpoint.
 
     :param path: the ``.safetensors`` file to (re)write
     :param module: the stage's layers
     :param optimizer: its optimizer (per-parameter state is saved as tensors)
     :param info: JSON-able facts to keep: at least ``step`` and ``layers``; usually ``run`` and ``model``
+    :param outer: its outer optimizer's state (``OuterOptimizer.state_tensors``: some of
+        :data:`OUTER_STATE_KEYS`), none when it has none yet
     """
     # host copies: a stage on a GPU checkpoints what a CPU peer can load, and safetensors writes from the host
     tensors = {f"param.{name}": tensor.detach().to("cpu", copy=True).contiguous()
@@ -90,6 +98,10 @@ def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimi
                 tensors[f"optim.{index}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
             else:
                 scalars.setdefault(str(index), {})[key] = value.item() if torch.is_tensor(value) else value
+    for key, value in (outer or {}).items():
+        if key not in OUTER_STATE_KEYS:
+            raise ValueError(f"no outer optimizer state is called {key!r}: one of {', '.join(OUTER_STATE_KEYS)}")
+        tensors[OUTER_PREFIX + key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
     metadata = {"format": FORMAT, "info": info, "param_groups": state["param_groups"], "optimizer_scalars": scalars}
     write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))
 
@@ -134,14 +146,36 @@ def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer) -> bool:
     return True
 
 
+def load_outer_state(path: str, parameter_count: int) -> Dict[str, torch.Tensor]:
+    """The outer optimizer's state a checkpoint kept (:data:`OUTER_STATE_KEYS`; empty when it kept none), for a stage
+    of ``parameter_count`` parameters (the checkpoint's layers). Each must be a finite float32 vector of one value
+    per parameter, with an anchor: anything else is a corrupt checkpoint, a one-line :class:`UserError`."""
+    tensors, _ = read_stage(path)
+    # copies: the file read is mapped, and the stage's outer steps must not depend on it staying as it is
+    state = {name[len(OUTER_PREFIX):]: tensor.clone() for name, tensor in tensors.items()
+             if name.startswith(OUTER_PREFIX)}
+    problems = [f"{key} is not one of {', '.join(OUTER_STATE_KEYS)}" for key in state if key not in OUTER_STATE_KEYS]
+    if state and "anchor" not in state:
+        problems.append("it has no anchor")
+    for key, tensor in state.items():
+        if tensor.dtype != torch.float32 or tuple(tensor.shape) != (parameter_count,):
+            problems.append(f"{key} is {tensor.dtype} {list(tensor.shape)}, not float32 [{parameter_count}]")
+        elif not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{key} is not finite")
+    if problems:
+        raise UserError(f"checkpoint {path} holds a corrupt outer optimizer state ({problems[0]}); move it away "
+                        f"to start this stage fresh", exit_code=1)
+    return state
+
+
 def load_stage_layers(path: str, build_stage: Callable[[int, int], torch.nn.Sequential]
                       ) -> Tuple[Dict, torch.nn.Sequential]:
     """What ``--resume`` restores: the saved ``info`` (step, layer range) and the checkpoint's layers, built with
     ``build_stage(start, end)`` and loaded with the saved parameters.
 
     Names and shapes must match the built layers exactly; a checkpoint of other layers is refused, not
-    partially applied. The optimizer is not restored: a stage's is plain SGD, which keeps no per-parameter
-    state, and its learning rate comes from the plan the stage joins (tests/test_checkpoint.py holds both).
+    partially applied. The optimizers' state is read apart (:func:`load_optimizer_state`, :func:`load_outer_state`),
+    and the learning rate comes from the plan the stage joins (tests/test_checkpoint.py, tests/test_optimizers.py).
     """
     tensors, metadata = read_stage(path)
     info = metadata["info"]

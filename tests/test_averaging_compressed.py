@@ -15,6 +15,7 @@ from ravnest_swarm.averaging.ring import PARAMETERS, PSEUDO_GRADIENTS, RingAttem
 from ravnest_swarm.averaging.robust import MEAN, ROBUST_AGGREGATES, TRIMMED_MEAN
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import serialize_part
+from ravnest_swarm.checkpoint import load_outer_state, read_stage, save_stage
 from ravnest_swarm.codecs.codec import CODECS, compression_residual
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.optimizers.outer import OuterOptimizer
@@ -205,6 +206,48 @@ def test_a_corrupt_or_oversized_compressed_part_is_refused_and_the_ring_goes_on_
     honest_mean = (trained[0][:1500] + trained[1][:1500]) / 2
     assert (after[0][:1500] - honest_mean).abs().max() <= 0.05  # int4 of pseudo-gradients of about 0.15
     assert results[2].segments[0].status != "ok"
+
+
+@pytest.mark.timeout(180)
+def test_a_member_resumed_from_its_checkpoint_compresses_again_from_its_first_round(backbone, tmp_path):
+    """Three members average int8 pseudo-gradients with nesterov; after round 20 the third one's stage is stopped
+    and its checkpoint (``save_stage`` with its outer state) read back into a new outer optimizer, as ``--resume``
+    does. Its digests match the others' at once: round 30 averages pseudo-gradients on both rings (no float32
+    re-sync) and every member ends it with the same parameters, bit for bit. Without the checkpoint's outer state
+    the same member makes both rings fall back to float32 parameters."""
+    torch.manual_seed(4)
+    path = str(tmp_path / "member2.safetensors")
+
+    async def scenario(resumed_with_state: bool):
+        nodes, averagers, rings = await ring_of(backbone, 3, "int8")
+        try:
+            outers = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in averagers]
+            parameters = [torch.randn(SIZE) for _ in averagers]
+            for step in (10, 20):
+                trained = [values - torch.randn(SIZE) * 0.05 for values in parameters]
+                _, parameters = await one_round(averagers, outers, step, trained, rings)
+            stage = torch.nn.Linear(SIZE, 1, bias=False)  # the stopped member's layers: one value per parameter
+            with torch.no_grad():
+                stage.weight.copy_(parameters[2].view(1, SIZE))
+            save_stage(path, stage, torch.optim.SGD(stage.parameters(), lr=0.1), {"step": 20, "layers": [0, 1]},
+                       outer=outers[2].state_tensors())
+            outers[2] = OuterOptimizer("nesterov", 0.7, 0.9)
+            if resumed_with_state:
+                assert outers[2].restore(load_outer_state(path, SIZE))
+            parameters[2] = read_stage(path)[0]["param.weight"].view(SIZE).clone()
+            trained = [values - torch.randn(SIZE) * 0.05 for values in parameters]
+            results, after = await one_round(averagers, outers, 30, trained, rings)
+            return results, after
+        finally:
+            await close(nodes, averagers)
+
+    results, after = asyncio.run(scenario(True))
+    assert all(r.ok and modes(r) == [PSEUDO_GRADIENTS, PSEUDO_GRADIENTS] for r in results), \
+        [r.summary() for r in results]
+    assert all(torch.equal(after[0], values) for values in after)
+    results, after = asyncio.run(scenario(False))
+    assert all(r.ok and modes(r) == [PARAMETERS, PARAMETERS] for r in results), [r.summary() for r in results]
+    assert all(torch.equal(after[0], values) for values in after)
 
 
 def test_the_bench_ring_mean_is_the_rings_arithmetic_and_counts_its_encoded_messages():

@@ -14,7 +14,9 @@ from ravnest_swarm.checkpoint import (TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_s
                                       remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
+from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
+from ravnest_swarm.swarm.stage_averaging import StageAveraging
 from ravnest_swarm.swarm.volunteer import Volunteer
 
 RUN, LAYERS = "resume", (0, 2)
@@ -43,17 +45,26 @@ def train(worker: StageWorker, batches) -> None:
         worker.optimizer.step()
 
 
-def resuming_volunteer(path: str) -> SimpleNamespace:
+def stage_averaging(outer: str) -> StageAveraging:
+    """A volunteer's averager as its checkpoints and resume see it: the run's outer optimizer and the outer state
+    of the stage it averaged last (none yet); its rings are never started here."""
+    averaging = StageAveraging.__new__(StageAveraging)
+    averaging.outer_spec, averaging.outer, averaging._outer_worker = (outer, 0.7, 0.9), None, None
+    return averaging
+
+
+def resuming_volunteer(path: str, outer: str = "average") -> SimpleNamespace:
     """What a :class:`Volunteer`'s checkpoint and resume methods read of it: a peer alone in its first plan (its
     announcer reads no other peer)."""
     async def no_peers(**reads):
         return []
 
     announcer = SimpleNamespace(update=lambda **fields: None, read_peers=no_peers)
+    said = []
     return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
-                           spec=SimpleNamespace(model="mlp-digits", optimizer="sgd", lr=0.05),
-                           model=get_model("mlp-digits"), cache={},
-                           held=None, announcer=announcer, say=lambda line: None)
+                           spec=SimpleNamespace(model="mlp-digits", optimizer="sgd", lr=0.05, outer_optimizer=outer),
+                           model=get_model("mlp-digits"), cache={}, averaging=stage_averaging(outer),
+                           held=None, announcer=announcer, said=said, say=said.append, kept_outer=None)
 
 
 def test_resume_restores_a_stage_exactly(tmp_path):
@@ -161,3 +172,65 @@ def test_a_writer_clears_only_its_own_unfinished_writes(tmp_path):
     theirs.write_bytes(b"being written")
     assert remove_unfinished_writes(str(tmp_path), "run-peer0.safetensors") == [mine.name]
     assert sorted(os.listdir(tmp_path)) == [theirs.name]
+
+
+def test_resume_restores_the_outer_state_of_the_stage_its_checkpoint_kept(tmp_path):
+    """Through the methods `join --resume` runs: the outer state (anchor, momentum, error) of the stage a checkpoint
+    was written for is the resumed stage's, tensor for tensor, at the checkpoint's layers and step; the same
+    checkpoint resumed at another step starts the outer state anew (the stage's first round), and says so."""
+    trained = stage_worker()
+    train(trained, [torch.randn(4, 64) for _ in range(3)])
+    trained.resume_at(40)
+    size = sum(parameter.numel() for parameter in trained.module.parameters())
+    volunteer = resuming_volunteer(str(tmp_path / f"{RUN}-peer.safetensors"), "nesterov")
+    outer = OuterOptimizer("nesterov", 0.7, 0.9, anchor=torch.randn(size), momentum=torch.randn(size),
+                           error=torch.randn(size))
+    volunteer.averaging.outer, volunteer.averaging._outer_worker = outer, trained
+    Volunteer._save_checkpoint(volunteer, trained)
+
+    for step, kept in ((40, True), (60, False)):
+        again = resuming_volunteer(volunteer.checkpoint_path, "nesterov")
+        Volunteer._load_checkpoint_into_cache(again)
+        resumed = stage_worker()
+        Volunteer._take_outer_state(again, resumed, LAYERS, step)
+        if kept:
+            assert again.averaging.outer_state(resumed).keys() == {"anchor", "momentum", "error"}
+            assert all(torch.equal(getattr(outer, key), value)
+                       for key, value in again.averaging.outer_state(resumed).items())
+            assert again.averaging.outer.digest(0, size) == outer.digest(0, size)
+            assert "peer: outer state (anchor, momentum, error) resumed from the checkpoint of step 40" in again.said
+        else:
+            assert again.averaging.outer is None and again.averaging.outer_state(resumed) == {}
+            assert any("starts at the stage's first round" in line for line in again.said), again.said
+
+
+def test_a_stage_placed_back_on_the_layers_it_stopped_keeps_both_optimizers_state():
+    """A plan stops our stage worker and a later one places us back on its layers, which come from our cache at its
+    step: the new worker goes on with the stopped one's AdamW moments and outer state. At another step (fresher
+    layers came from elsewhere) both start afresh, and the log says so."""
+    stopped = StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS, lr=0.01,
+                                      optimizer="adamw"), node=None)
+    train(stopped, [torch.randn(4, 64) for _ in range(3)])
+    stopped.resume_at(80)
+    size = sum(parameter.numel() for parameter in stopped.module.parameters())
+    for step, kept in ((80, True), (100, False)):
+        volunteer = resuming_volunteer(None, "nesterov")
+        volunteer.spec.optimizer, volunteer._note = "adamw", lambda text: None
+        outer = OuterOptimizer("nesterov", 0.7, 0.9, anchor=torch.randn(size), momentum=torch.randn(size))
+        volunteer.averaging.outer, volunteer.averaging._outer_worker = outer, stopped
+        Volunteer._keep_optimizer_states(volunteer, stopped)
+        placed_back = StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS,
+                                              lr=0.01, optimizer="adamw"), node=None)
+        Volunteer._take_optimizer_state(volunteer, placed_back, LAYERS, step)
+        Volunteer._take_outer_state(volunteer, placed_back, LAYERS, step)
+        moments = [state["exp_avg"] for state in placed_back.optimizer.state_dict()["state"].values()]
+        if kept:
+            expected = [state["exp_avg"] for state in stopped.optimizer.state_dict()["state"].values()]
+            assert len(moments) == len(expected) > 0 and all(torch.equal(a, b) for a, b in zip(moments, expected))
+            assert volunteer.averaging.outer.digest(0, size) == outer.digest(0, size)
+            assert volunteer.said == ["peer: adamw state resumed from its stage stopped at step 80",
+                                      "peer: outer state (anchor, momentum) resumed from its stage stopped at step 80"]
+        else:
+            assert moments == [] and volunteer.averaging.outer_state(placed_back) == {}  # its first round starts it
+            assert "peer: adamw state of layers 0:2 starts afresh at step 100 (it does not travel with layers)" in \
+                volunteer.said

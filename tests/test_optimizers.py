@@ -1,18 +1,29 @@
 """A stage's inner optimizer (sgd, momentum, adamw) and its schedule, its state in checkpoints, the planner's memory
 for it, and the outer optimizer that turns an averaging round's mean into the stage's parameters (issue 30)."""
 
+import json
 import math
 import os
+import re
+import signal
+import time
 
 import pytest
 import torch
 
-from ravnest_swarm.checkpoint import load_optimizer_state, read_stage, save_stage
+from safetensors.torch import save
+
+from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, load_outer_state, read_stage,
+                                      save_stage, write_atomically)
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
 from ravnest_swarm.optimizers.inner import FINAL_LR_FRACTION, make_inner_optimizer, scheduled_lr
 from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.planning.cost import Peer
+from ravnest_swarm.planning.plan import plan_swarm
+from ravnest_swarm.processes import session_members
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec
 from run_observer import RunObserver
@@ -46,6 +57,31 @@ def test_the_planner_counts_the_optimizers_state():
     parameters_gb = sum(layer.param_bytes for layer in model.layers) / 1e9
     assert memory["momentum"] - memory["sgd"] == pytest.approx(parameters_gb)
     assert memory["adamw"] - memory["sgd"] == pytest.approx(2 * parameters_gb)
+    # the outer state: an anchor (nesterov, or any compression), nesterov's momentum, compression's error feedback
+    outer = {(name, compression): model_workload(model, RunSpec("mlp-digits", outer_optimizer=name,
+                                                                averaging_compression=compression), 8)[0].model_gb
+             - memory["sgd"] for name in ("average", "nesterov") for compression in ("none", "int8")}
+    assert outer == pytest.approx({("average", "none"): 0, ("average", "int8"): 2 * parameters_gb,
+                                   ("nesterov", "none"): 2 * parameters_gb, ("nesterov", "int8"): 3 * parameters_gb})
+
+
+@pytest.mark.parametrize("ram, spec, stages", [
+    (1.2, {}, [1, 1, 1, 1]),
+    (1.2, {"optimizer": "adamw"}, [2, 2]),  # AdamW's moments: the model no longer fits one peer
+    (1.5, {"optimizer": "adamw"}, [1, 1, 1, 1]),
+    (1.5, {"optimizer": "adamw", "outer_optimizer": "nesterov", "averaging_compression": "int8"}, [2, 2])])
+def test_where_memory_is_tight_the_optimizers_state_changes_the_plan(ram, spec, stages):
+    """Four equal peers that each offer ``ram`` times what a stage of plain SGD needs for the whole model: with the
+    optimizers' state counted, AdamW (and then the outer state on top of it) no longer fits one peer, and the
+    planner splits the model into two-stage clusters."""
+    model = get_model("mlp-digits")
+    sgd_gb = model_workload(model, RunSpec("mlp-digits"), 8)[0].model_gb
+    workload, profile = model_workload(model, RunSpec("mlp-digits", **spec), 8)
+    peers = [Peer(f"p{index}", ram * sgd_gb, 20.0, 100.0) for index in range(4)]
+    plan = plan_swarm(peers, workload, seed=0, time_limit=2, layer_profile=profile)
+    assert sorted(len(cluster) for _, cluster in plan.clusters) == stages
+    for _, cluster in plan.clusters:
+        assert all(sum(profile[0][slice(*stage.layers)]) <= ram * sgd_gb * (1 + 1e-9) for stage in cluster)
 
 
 def test_adamw_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path):
@@ -102,6 +138,76 @@ def test_the_outer_step_is_nesterov_on_the_averaged_pseudo_gradient_and_average_
     assert torch.equal(outer.step(mean), mean) and math.isclose(float(outer.momentum.abs().sum()), 0.0)
 
 
+def outer_after_rounds(name: str, size: int, rounds: int = 3) -> OuterOptimizer:
+    """An outer optimizer after ``rounds`` compressed rounds of a stage of ``size`` parameters: anchor, error and
+    (nesterov) momentum all set."""
+    torch.manual_seed(2)
+    outer, parameters = OuterOptimizer(name, 0.7, 0.9), torch.randn(size)
+    for _ in range(rounds):
+        local = parameters - 0.01 * torch.randn(size)
+        pseudo_gradient = outer.pseudo_gradient(local) if outer.has_anchor(local) else local
+        parameters = outer.step_segments(local, pseudo_gradient, [(0, size)], 0.001 * torch.randn(size))
+    return outer
+
+
+@pytest.mark.parametrize("name", ["nesterov", "average"])
+def test_the_outer_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path, name):
+    """Anchor, momentum and error are written beside the layers and read back bit for bit: the restored stage tells
+    its ring the same digest (so it compresses at once) and takes the same outer step as the one it was saved from."""
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    size = sum(parameter.numel() for parameter in module.parameters())
+    outer = outer_after_rounds(name, size)
+    kept = {"anchor", "momentum", "error"} if name == "nesterov" else {"anchor", "error"}
+    assert set(outer.state_tensors()) == kept
+    assert set(outer.state_tensors()) <= set(OUTER_STATE_KEYS)
+    path = str(tmp_path / "stage.safetensors")
+    save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 60, "layers": [0, 3]},
+               outer=outer.state_tensors())
+    restored = OuterOptimizer(name, 0.7, 0.9)
+    assert restored.restore(load_outer_state(path, size))
+    assert restored.digest(0, size) == outer.digest(0, size) and restored.digest(0, 7) == outer.digest(0, 7)
+    local, mean, residual = torch.randn(size), 0.01 * torch.randn(size), 0.001 * torch.randn(size)
+    assert torch.equal(restored.pseudo_gradient(local.clone()), outer.pseudo_gradient(local.clone()))
+    after = [o.step_segments(local.clone(), mean, [(0, size)], residual) for o in (outer, restored)]
+    assert torch.equal(after[0], after[1]) and torch.equal(outer.anchor, restored.anchor)
+    # a stage that has no outer state yet keeps none, and one of the other outer optimizer is not taken
+    save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 0, "layers": [0, 3]},
+               outer=OuterOptimizer(name).state_tensors())
+    assert load_outer_state(path, size) == {}
+    other = OuterOptimizer("average" if name == "nesterov" else "nesterov")
+    assert not other.restore(outer.state_tensors()) and other.anchor is None
+
+
+@pytest.mark.parametrize("damage, problem", [
+    ("short", r"anchor is torch.float32 \[10\], not float32 \[38\]"),
+    ("float64", r"momentum is torch.float64 \[38\], not float32 \[38\]"),
+    ("nan", "error is not finite"),
+    ("unknown", "velocity is not one of anchor, momentum, error"),
+    ("no anchor", "it has no anchor")])
+def test_a_corrupt_outer_state_in_a_checkpoint_is_a_one_line_error(tmp_path, damage, problem):
+    module = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    size = sum(parameter.numel() for parameter in module.parameters())
+    assert size == 38
+    path = str(tmp_path / "stage.safetensors")
+    save_stage(path, module, make_inner_optimizer(module.parameters(), "sgd", 0.1), {"step": 60, "layers": [0, 3]},
+               outer=outer_after_rounds("nesterov", size).state_tensors())
+    tensors, metadata = read_stage(path)
+    if damage == "short":
+        tensors["outer.anchor"] = tensors["outer.anchor"][:10].clone()
+    elif damage == "float64":
+        tensors["outer.momentum"] = tensors["outer.momentum"].double()
+    elif damage == "nan":
+        tensors["outer.error"] = tensors["outer.error"].clone().index_fill_(0, torch.tensor([3]), math.nan)
+    elif damage == "unknown":
+        tensors["outer.velocity"] = tensors.pop("outer.momentum")
+    else:
+        del tensors["outer.anchor"]
+    write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))  # the read maps the old file
+    with pytest.raises(UserError, match=problem) as refused:
+        load_outer_state(path, size)
+    assert "\n" not in str(refused.value) and "corrupt outer optimizer state" in str(refused.value)
+
+
 @pytest.mark.timeout(300)
 def test_a_sigkilled_adamw_volunteer_resumes_its_optimizer_state_and_its_loss(tmp_path, processes, backbone):
     """A real ``join`` training with AdamW is SIGKILLed (its whole session, p2pd included) and started again with
@@ -135,3 +241,76 @@ def test_a_sigkilled_adamw_volunteer_resumes_its_optimizer_state_and_its_loss(tm
         observer.close()
     assert before["loss"] < 1.0 and after["loss"] < 1.0, (before, after)
     assert "unexpected" not in second.stderr() and "Traceback" not in second.stderr()
+
+
+COMPRESSED_ROUND = re.compile(r"averaging step (\d+): 1/1 segments averaged in \S+ "
+                              r"\(1 as compressed pseudo-gradients\)")
+ANY_ROUND = re.compile(r"averaging step (\d+): (\d+)/(\d+) segments averaged")
+
+
+def signal_sessions(peers, sig):
+    """``sig`` to every process of each peer's session (the peer and its p2pd)."""
+    for peer in peers:
+        for pid in session_members(peer.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(300)
+def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their_first_round(tmp_path, processes,
+                                                                                            backbone):
+    """Two real ``join`` peers, a cluster of one stage each, average int8 pseudo-gradients with nesterov; both are
+    frozen and SIGKILLed (their whole sessions, p2pd included) and started again with ``--resume``. Each says it
+    took its outer state from its checkpoint, and the first round each logs after the resume averages compressed
+    pseudo-gradients: its anchor digest matched the other's, no float32 re-sync was needed."""
+    run, checkpoints = "outer-resume", tmp_path / "checkpoints"
+
+    def join(name, *extra):
+        return processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name, "--no-dashboard",
+                                "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
+                                "--gflops", "20", "--averaging-period", "20", "--checkpoint-every", "20",
+                                "--averaging-compression", "int8", "--outer-optimizer", "nesterov",
+                                "--round-seconds", "3", "--heartbeat", "2", "--checkpoint-dir", str(checkpoints),
+                                "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], f"{name}-{len(processes.processes)}")
+
+    first = {name: join(name) for name in ("p0", "p1")}
+    observer = RunObserver(backbone, run, period=1.0)
+    try:
+        peers = observer.wait_for(lambda peers: all((peers.get(n, {}).get("averaging_rounds") or 0) >= 3
+                                                    for n in first), 200, "three averaging rounds each")
+        assert {peers[n]["cluster"] for n in first} == {0, 1}, peers
+        # freeze both (neither sees the other go and fails a round meanwhile) at a moment when both checkpoints are
+        # of the same round: one may write its checkpoint of a round a moment before the other, and is let go on
+        for attempt in range(30):
+            signal_sessions(first.values(), signal.SIGSTOP)
+            saved = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors"))[1]["info"]["step"]
+                     for name in first}
+            if len(set(saved.values())) == 1:
+                break
+            signal_sessions(first.values(), signal.SIGCONT)
+            time.sleep(0.5)
+        for peer in first.values():
+            peer.kill_group()
+        assert len(set(saved.values())) == 1, saved  # both checkpointed the same round last
+        for name in first:
+            tensors = read_stage(str(checkpoints / f"{run}-{name}.safetensors"))[0]
+            assert {"outer.anchor", "outer.momentum", "outer.error"} <= set(tensors), sorted(tensors)
+        second = {name: join(name, "--resume") for name in first}
+        for name, peer in second.items():
+            peer.wait_for_output(rf"^{name}: outer state \(anchor, momentum, error\) resumed from the checkpoint of "
+                                 rf"step {saved[name]}", 120, stream="stderr")
+        for name, peer in second.items():
+            peer.wait_for_output(ANY_ROUND.pattern, 120, stream="stderr")
+        after = observer.wait_for(lambda peers: all(peers.get(n, {}).get("state") == "training" for n in second), 60,
+                                  "both training again")
+    finally:
+        observer.close()
+    for name, peer in second.items():
+        log = peer.stderr()
+        first_round = ANY_ROUND.search(log)
+        assert COMPRESSED_ROUND.match(log, first_round.start()), (name, first_round.group(0))
+        assert int(first_round.group(1)) > saved[name]
+        assert "unexpected" not in log and "Traceback" not in log, log[-3000:]
+    assert all(after[n]["loss"] is None or after[n]["loss"] < 1.0 for n in second), after  # on from where it was

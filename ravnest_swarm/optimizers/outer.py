@@ -26,11 +26,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 OUTER_OPTIMIZERS = ("average", "nesterov")
+
+
+def state_copies(name: str, compression: str) -> int:
+    """Copies of the stage's parameters its outer state holds, what the planner's memory model adds: an anchor
+    wherever there is one (``nesterov``, or any compressing ``averaging_compression``), nesterov's momentum one
+    more, compression's error feedback one more; none for plain ``average`` in float32 (it takes the mean)."""
+    compressing = compression != "none"
+    return (name == "nesterov" or compressing) + (name == "nesterov") + compressing
 
 
 @dataclass
@@ -56,6 +64,24 @@ class OuterOptimizer:
         parameters = self.anchor - self.lr * (delta + self.momentum_factor * self.momentum)
         self.anchor = parameters.clone()
         return parameters
+
+    def state_tensors(self) -> Dict[str, torch.Tensor]:
+        """The state a checkpoint keeps (``checkpoint.OUTER_STATE_KEYS``): those of anchor, momentum and error it has;
+        empty without an anchor (nothing to keep: the next round starts the state anew)."""
+        if self.anchor is None:
+            return {}
+        return {key: value for key, value in (("anchor", self.anchor), ("momentum", self.momentum),
+                                              ("error", self.error)) if value is not None}
+
+    def restore(self, state: Dict[str, torch.Tensor]) -> bool:
+        """Take ``state`` (:meth:`state_tensors` of a stage of the same layers, from its checkpoint) as ours; whether
+        it fits this optimizer: ``nesterov`` needs its momentum, ``average`` keeps none. One that does not fit
+        leaves us without an anchor, as a new stage is."""
+        fits = "anchor" in state and ("momentum" in state) == (self.name == "nesterov") and all(
+            value.shape == state["anchor"].shape for value in state.values())
+        if fits:
+            self.anchor, self.momentum, self.error = state["anchor"], state.get("momentum"), state.get("error")
+        return fits
 
     def forget(self) -> None:
         """No anchor any more (a divergence restored the stage to another state): the next round takes the mean."""

@@ -10,6 +10,7 @@ import torch
 
 from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.optimizers.inner import STATE_COPIES
+from ravnest_swarm.optimizers.outer import state_copies as outer_state_copies
 from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.swarm.spec import RunSpec
@@ -24,13 +25,16 @@ def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple
     """The planner's view of a model: memory M, FLOPs F (forward + backward = 3x forward) and activations A (the
     largest layer input, what crosses a link), per layer and total.
 
-    M is what a stage holds per layer: parameters, gradients, its optimizer's state, and with ``stash`` a copy of
-    the weights in flight;
+    M is what a stage holds per layer: parameters, gradients, its inner optimizer's state, its outer optimizer's
+    state (``optimizers.outer.state_copies``), and with ``stash`` a copy of the weights in flight;
     plus the activations its forward keeps for the backward, for every microbatch in flight with ``stash``
     and for the one being recomputed with ``recompute``. For a transformer at a useful microbatch, activations
     outweigh the weights (docs/models.md)."""
     copies, microbatches = (3, run_spec.max_in_flight) if run_spec.backward == "stash" else (2, 1)
     copies += STATE_COPIES[run_spec.optimizer]  # the inner optimizer's state: AdamW two more copies
+    # the outer optimizer's state (anchor, momentum, error) is in host memory: a CPU peer's device memory, and for a
+    # GPU peer a count that errs on the safe side (the planner has one memory per peer)
+    copies += outer_state_copies(run_spec.outer_optimizer, run_spec.averaging_compression)
     layer_memory_gb = [(copies * layer.param_bytes + microbatches * run_spec.microbatch_size * layer.activation_bytes)
                        / 1e9 for layer in spec.layers]
     layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]

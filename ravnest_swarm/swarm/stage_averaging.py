@@ -116,6 +116,21 @@ class StageAveraging:
             await asyncio.gather(cancelled, return_exceptions=True)
         await self.averager.shutdown()
 
+    def outer_state(self, worker: StageWorker) -> Dict[str, torch.Tensor]:
+        """``worker``'s outer state, what its checkpoint keeps (``OuterOptimizer.state_tensors``); empty before its
+        first round, or when our outer state is another worker's."""
+        return self.outer.state_tensors() if self._outer_worker is worker and self.outer is not None else {}
+
+    def resume_outer(self, worker: StageWorker, state: Dict[str, torch.Tensor]) -> bool:
+        """``worker`` goes on with the outer state its checkpoint kept (anchor, momentum, error), so that its first
+        round compresses again where its ring's members kept the same; whether it fits the run's outer optimizer
+        (else the stage's first round starts it anew, as a new stage's)."""
+        outer = OuterOptimizer(*self.outer_spec)
+        if not outer.restore(state):
+            return False
+        self._outer_worker, self.outer = worker, outer
+        return True
+
     async def average(self, worker: StageWorker, plan: dict, step: int) -> bool:
         """One averaging round of ``worker``'s layers in ``plan``'s rings, the stage standing still meanwhile;
         whether every ring of ours averaged. ``rounds`` counts those, ``failures`` those in which one did not (its

@@ -44,8 +44,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.lifecycle import until_set
-from ravnest_swarm.checkpoint import (load_optimizer_state, load_stage_layers, remove_unfinished_writes, save_stage,
-                                     write_atomically)
+from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, load_outer_state, load_stage_layers,
+                                     remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE, SwarmState
 from ravnest_swarm.membership.progress import run_finished
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
@@ -187,7 +187,10 @@ class Volunteer:
         self._precision_said: Optional[str] = None  # what our device runs of the run's precision, said once
         self.announcer.on_renewal_problem = self._renewal_problem
         self.node.routes.on_gate_refusal = self._gate_refusal  # an invite-only run's messages from the unadmitted
-        self.resumed_optimizer: Optional[tuple] = None  # ((first, last), step, state) a checkpoint kept
+        # ((first, last), step, state, where from) of the inner and the outer optimizer, kept by our checkpoint or
+        # our last stage worker: a stage that starts on those layers at that step goes on with them
+        self.kept_optimizer: Optional[tuple] = None
+        self.kept_outer: Optional[tuple] = None
         self.divergences_before = 0  # restores of stage workers already stopped
         self._noted_divergence: Optional[str] = None
         self._divergence_looks: List[Tuple[int, int]] = []  # (step, restores) each time we saw a new one
@@ -364,6 +367,10 @@ class Volunteer:
             self._precision_said = worker.precision_note
             self.say(f"{self.name}: {worker.precision_note}")
         step, downloaded = await self._fill_layers(worker.module, layers)
+        # a checkpoint's optimizer states go with its layers at their step, also where the cluster counts on from
+        # the run's step below: they belong to the parameters, not to the count
+        self._take_optimizer_state(worker, tuple(layers), step)
+        self._take_outer_state(worker, tuple(layers), step)
         run_step = await self._run_step(plan, cluster) if stage == 0 else None
         if run_step is not None and run_step > step:
             # the other clusters trained on while we downloaded: counting from the layers' step, our rounds would
@@ -373,7 +380,6 @@ class Volunteer:
             step = run_step
         worker.resume_at(step)
         self._set_lr(worker)
-        self._take_optimizer_state(worker, tuple(layers), step)
         if downloaded:
             self._save_checkpoint(worker)  # fetched layers are work a crash before the next checkpoint would lose
         worker.between_steps = self._between_steps
@@ -404,20 +410,37 @@ class Volunteer:
         return max(steps) if steps else None
 
     def _take_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
-        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum); other
-        layers start it afresh (it does not travel with a download or a hand-over), which we say."""
+        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum), and a
+        stage placed back on the layers of the one we stopped last, at its step, with that one's; other layers start
+        it afresh (it does not travel with a download or a hand-over), which we say."""
         if self.spec.optimizer == "sgd":
             return  # no state to keep
-        resumed, self.resumed_optimizer = self.resumed_optimizer, None
-        if resumed is not None and resumed[0] == layers and resumed[1] == step:
-            worker.optimizer.load_state_dict({"state": resumed[2],
+        kept, self.kept_optimizer = self.kept_optimizer, None
+        if kept is not None and kept[0] == layers and kept[1] == step:
+            worker.optimizer.load_state_dict({"state": kept[2],
                                               "param_groups": worker.optimizer.state_dict()["param_groups"]})
-            self.say(f"{self.name}: {self.spec.optimizer} state resumed from the checkpoint of step {step}")
+            self.say(f"{self.name}: {self.spec.optimizer} state resumed from {kept[3]}")
         else:
             self.say(f"{self.name}: {self.spec.optimizer} state of layers {layers[0]}:{layers[1]} starts afresh at "
                      f"step {step} (it does not travel with layers)")
             self._note(f"{self.spec.optimizer} state reset at step {step}: layers {layers[0]}:{layers[1]} came "
                        f"without it")
+
+    def _take_outer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
+        """A resumed stage goes on with the outer optimizer's state its checkpoint kept (the last round's anchor, the
+        momentum, the error feedback), and a stage placed back on the layers of the one we stopped last, at its
+        step, with that one's: its first round then compresses again where its ring's members kept the same anchor.
+        Other layers or another step start it at their first round, which we say."""
+        kept, self.kept_outer = self.kept_outer, None
+        if kept is None:
+            return
+        if kept[0] == layers and kept[1] == step and self.averaging.resume_outer(worker, kept[2]):
+            names = ", ".join(key for key in OUTER_STATE_KEYS if key in kept[2])
+            self.say(f"{self.name}: outer state ({names}) resumed from {kept[3]}")
+        else:
+            self.say(f"{self.name}: the outer state of {kept[3]} (layers {kept[0][0]}:{kept[0][1]}) is not this "
+                     f"stage's (layers {layers[0]}:{layers[1]}, step {step}, outer optimizer "
+                     f"{self.spec.outer_optimizer}): it starts at the stage's first round")
 
     async def _stop_worker(self) -> None:
         """Stop the stage worker; its layers stay in the cache, on offer to others, and in the checkpoint."""
@@ -438,7 +461,17 @@ class Volunteer:
         for offset, layer in enumerate(worker.module):
             self.cache[worker.start_layer + offset] = (
                 {k: v.detach().to("cpu", copy=True) for k, v in layer.state_dict().items()}, worker.version)
+        self._keep_optimizer_states(worker)
         self._save_checkpoint(worker)
+
+    def _keep_optimizer_states(self, worker: StageWorker) -> None:
+        """Keep a stopped worker's inner and outer optimizer state: a plan that places us back on its layers, which
+        then come from our cache at its step, goes on with them (AdamW's moments and the outer anchor belong to
+        these very parameters)."""
+        layers, source = (worker.start_layer, worker.end_layer), f"its stage stopped at step {worker.version}"
+        self.kept_optimizer = (layers, worker.version, worker.optimizer.state_dict()["state"], source)
+        outer = self.averaging.outer_state(worker)
+        self.kept_outer = (layers, worker.version, outer, source) if outer else None
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> Tuple[int, bool]:
         """Load every owned layer from the freshest source; return the step training continues from, and
@@ -823,7 +856,7 @@ class Volunteer:
             return
         save_stage(path, worker.module, worker.optimizer,
                    {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
-                    "model": self.spec.model})
+                    "model": self.spec.model}, outer=self.averaging.outer_state(worker))
 
     def _write_report(self, worker: StageWorker) -> None:
         if self.options.report is None:
@@ -847,8 +880,12 @@ class Volunteer:
         # these then found nobody offering them and started them from step 0 (test_swarm, kill and resume)
         self.held = (start, module, int(info["step"]))
         optimizer = make_inner_optimizer(module.parameters(), self.spec.optimizer, self.spec.lr)
+        source = f"the checkpoint of step {info['step']}"
         if load_optimizer_state(path, optimizer):  # read now: our next checkpoint rewrites the file
-            self.resumed_optimizer = ((start, end), int(info["step"]), optimizer.state_dict()["state"])
+            self.kept_optimizer = ((start, end), int(info["step"]), optimizer.state_dict()["state"], source)
+        outer = load_outer_state(path, sum(parameter.numel() for parameter in module.parameters()))
+        if outer:
+            self.kept_outer = ((start, end), int(info["step"]), outer, source)
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
