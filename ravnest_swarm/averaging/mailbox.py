@@ -362,9 +362,7 @@ class Mailbox:
                 else:
                     inbox.changed.clear()
                     try:
-                        # not ``asyncio.wait_for``: in Python 3.11 it returns, dropping the cancellation, when its
-                        # wait ends as it is cancelled (CPython gh-86296); a part that arrived as its attempt was
-                        # given up made the ring's receiver go on, and wait for ever on a step that had ended
+                        # not asyncio.wait_for, which drops a cancellation that comes as its wait ends (ring.py)
                         async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                             await inbox.changed.wait()
                     except TimeoutError:
