@@ -21,6 +21,9 @@ alone where others can be asked:
   weights of the holder nearest the agreed step, and say so.
   One holder alone is asked for its live weights, which it copies once for our whole download, so all the
   layers we get from it are of one step.
+* a holder keeps the averaged copies of its last :data:`KEPT_ROUNDS` rounds, and a request may name one by its
+  step: two holders whose last copies are a round apart agree on the earlier one, and the stages of a new cluster
+  all take the round its first stage took (``Volunteer._download``), so the cluster starts from one step.
 
 Wire format: a server-streaming handler ``ravnest.layer_state``. The request (one frame, read bounded)
 names the run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts
