@@ -253,3 +253,28 @@ def test_a_holder_keeps_the_last_rounds_only():
     assert sorted(server.averaged_rounds) == [step for step in range(0, 200, 20)][-KEPT_ROUNDS:]
     assert {step for _, step in server.averaged().values()} == {180}
     assert server.averaged(20) == {}
+
+
+class OtherRoundServer(LayerStateServer):
+    """Hostile: whatever round is named, serves its last copy, altered (its header says that copy's step)."""
+
+    def averaged(self, round_step=None):
+        return super().averaged(None)
+
+
+def test_a_holder_that_serves_another_round_for_a_named_one_is_not_believed():
+    """Attack: asked for the round a new cluster's first stage took, a planned holder serves an altered copy of
+    another round. Its copy is not counted (the step it says is not the round asked for): the two honest holders
+    that keep the round agree on it."""
+    taken = trained_stage(1.0)
+    # it claims the median step, so it is asked first
+    hostile = dict(server=(OtherRoundServer, {}), live=(trained_stage(500.0), 61), averaged=(trained_stage(500.0), 40),
+                   step=61)
+    honest = [dict(live=(trained_stage(2.0), step), rounds=[(taken, 20)], averaged=(trained_stage(2.0), 40), step=step)
+              for step in (60, 62)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, servers = fill([hostile, *honest], fresh, round_step=20)
+    assert all(f.loaded and f.averaged and f.copy_step == 20 for f in filled), filled
+    hostile_id = servers[0].p2p.peer_id.to_base58()
+    assert all(hostile_id not in f.holders for f in filled), filled
+    assert same_weights(taken, fresh)

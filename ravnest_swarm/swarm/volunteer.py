@@ -14,7 +14,8 @@ share the worker, the layer cache and the plan; its pure rules are in ``placemen
    two count, over ``ravnest.layer_state``), else its own
    cache or checkpoint, else a ``--init-from`` snapshot's (an export, at its step), else the model's seeded initial
    weights (identical on every peer). The
-   worker starts counting optimizer steps from that source's step, so clusters stay aligned.
+   worker starts counting optimizer steps from that source's step, so clusters stay aligned. The stages of a
+   cluster take downloaded layers from one averaging round, the one its first stage took (:meth:`_download`).
 3. Between optimizer steps, every ``averaging_period`` steps, the stage averages its layers with the
    peers of other clusters that hold the same parameters (``stage_averaging.py``: rings from the adopted plan,
    the round named by the step); every ``checkpoint_every`` steps and on exit it writes a checkpoint.
