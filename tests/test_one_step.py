@@ -4,6 +4,7 @@ each stage took its layers from holders of its own choosing, and a re-formed clu
 1,879 and 3,100."""
 
 import re
+import time
 
 import pytest
 
@@ -30,6 +31,13 @@ def test_the_stages_of_a_cluster_formed_mid_run_all_start_from_one_averaged_roun
     peers = swarm.watcher.wait_for(lambda peers: all(peers.get(n, {}).get("state") == "training" for n in LATE)
                                    and len({p["cluster"] for p in placed(peers).values()}) == 3,
                                    150, "three clusters with the two late volunteers training")
+    # every first peer started anew under the plan or stayed in place (a peer the plan moved may still download when
+    # the stage after it, which needs only its round, has started)
+    settled = re.compile(r"^\w+: (training cluster .*|plan round \d+ keeps us in place.*)$", re.MULTILINE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(settled.search(process.stderr()[before[name]:])
+                                                   for name, process in first.items()):
+        time.sleep(1)
     starts = {}  # name -> (cluster, stage, what its layers are, their steps), its last start since the late joined
     for name, process in volunteers.items():
         found = START.findall(process.stderr()[before.get(name, 0):])
