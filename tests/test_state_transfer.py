@@ -4,20 +4,22 @@ A stream cut short is retried; a holder that keeps cutting it is reported and th
 weights. Hostile holders (raw libp2p peers serving ``ravnest.layer_state``) are not trusted: one outside
 the plan that claims a huge step with altered tensors is never asked while a holder the plan names
 offers the layer; where two or more holders count, the layer is loaded only when two serve the same
-averaged copy, and the step is the median of their claims.
+averaged copy, and the step is the median of their claims. Holders keep the last rounds' copies, so the stages of a
+new cluster can all take one round's, and two holders a round apart agree on the earlier one.
 """
 
 import asyncio
 import copy
-from typing import List
+from types import SimpleNamespace
+from typing import List, Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.swarm.state_transfer import (LayerOffer, LayerStateServer, agreed_step, content_digest,
-                                                counted_offers, fill_layer, offered_layers, offers_of)
+from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LayerOffer, LayerStateServer, agreed_step,
+                                                content_digest, counted_offers, fill_layer, offered_layers, offers_of)
 
 RUN = "transfer"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -107,10 +109,11 @@ class CountingServer(LayerStateServer):
         return super()._snapshot(*args)
 
 
-def fill(holders: List[dict], fresh: torch.nn.Sequential):
+def fill(holders: List[dict], fresh: torch.nn.Sequential, round_step: Optional[int] = None):
     """Start one P2P per holder (``server``: a LayerStateServer subclass and its kwargs; ``live``/``averaged``:
-    the stage it serves and at which step; ``step``, ``planned``: its offer) and fill ``fresh``'s layers from
-    them as a joiner does; returns each layer's LayerFill and the servers."""
+    the stage it serves and at which step, ``rounds``: more averaged copies (stage, step) it keeps, older first;
+    ``step``, ``planned``: its offer) and fill ``fresh``'s layers from them as a joiner does (taking the round of
+    ``round_step``, if given); returns each layer's LayerFill and the servers."""
 
     async def scenario():
         nodes = [await P2P.create(host_maddrs=LOCAL)]
@@ -124,14 +127,14 @@ def fill(holders: List[dict], fresh: torch.nn.Sequential):
                 live, live_step = holder["live"]
                 server = cls(Routes(node, []), RUN, lambda live=live, step=live_step: offered_layers(0, live, step),
                              **kwargs)
-                if "averaged" in holder:
-                    server.keep_averaged(offered_layers(0, *holder["averaged"]))
+                for kept in holder.get("rounds", []) + ([holder["averaged"]] if "averaged" in holder else []):
+                    server.keep_averaged(offered_layers(0, *kept))
                 await server.start()
                 servers.append(server)
             offers = [LayerOffer(node.peer_id, holder["step"], holder.get("planned", True))
                       for node, holder in zip(holder_nodes, holders)]
-            filled = [await fill_layer(Routes(joiner, []), RUN, fresh[layer], layer, offers, 30.0)
-                      for layer in range(len(fresh))]
+            filled = [await fill_layer(Routes(joiner, []), RUN, fresh[layer], layer, offers, 30.0,
+                                       round_step=round_step) for layer in range(len(fresh))]
             return filled, servers
         finally:
             for node in nodes:
@@ -215,3 +218,63 @@ def test_holders_without_an_averaged_copy_give_the_live_weights_of_the_one_at_th
     assert "no two of its 2 holders serve the same averaged copy (0 different ones): took the live weights of" \
         in filled[0].problem, filled[0]
     assert same_weights(first, fresh)
+
+
+def test_two_holders_a_round_apart_agree_on_the_round_both_keep():
+    """One holder has finished the round of step 40, the other not yet: their last copies differ, so the joiner
+    asks both for the earlier round, which both keep, and loads it (before, it kept its seeded weights)."""
+    earlier, later = trained_stage(1.0), trained_stage(2.0)
+    holders = [dict(live=(later, 41), rounds=[(earlier, 20)], averaged=(later, 40), step=41),
+               dict(live=(earlier, 39), averaged=(earlier, 20), step=39)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, _ = fill(holders, fresh)
+    assert all(f.loaded and f.averaged and f.copy_step == 20 for f in filled), filled
+    assert same_weights(earlier, fresh)
+
+
+def test_the_round_a_new_clusters_first_stage_took_is_taken_and_one_nobody_keeps_is_not():
+    """A later stage of a new cluster asks for the round its first stage took: two holders that keep it serve it,
+    though both have averaged since; a round nobody keeps any more gives their last one, which says its step."""
+    taken, since = trained_stage(1.0), trained_stage(2.0)
+    holders = [dict(live=(since, 61), rounds=[(taken, 20)], averaged=(since, 40), step=61) for _ in range(2)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, _ = fill(holders, fresh, round_step=20)
+    assert all(f.loaded and f.averaged and f.copy_step == 20 for f in filled), filled
+    assert same_weights(taken, fresh)
+    filled, _ = fill(holders, fresh, round_step=0)
+    assert all(f.loaded and f.averaged and f.copy_step == 40 for f in filled), filled
+    assert same_weights(since, fresh)
+
+
+def test_a_holder_keeps_the_last_rounds_only():
+    server = LayerStateServer(SimpleNamespace(p2p=None), RUN, dict)
+    for step in range(0, 200, 20):
+        server.keep_averaged(offered_layers(0, trained_stage(step), step))
+    assert sorted(server.averaged_rounds) == [step for step in range(0, 200, 20)][-KEPT_ROUNDS:]
+    assert {step for _, step in server.averaged().values()} == {180}
+    assert server.averaged(20) == {}
+
+
+class OtherRoundServer(LayerStateServer):
+    """Hostile: whatever round is named, serves its last copy, altered (its header says that copy's step)."""
+
+    def averaged(self, round_step=None):
+        return super().averaged(None)
+
+
+def test_a_holder_that_serves_another_round_for_a_named_one_is_not_believed():
+    """Attack: asked for the round a new cluster's first stage took, a planned holder serves an altered copy of
+    another round. Its copy is not counted (the step it says is not the round asked for): the two honest holders
+    that keep the round agree on it."""
+    taken = trained_stage(1.0)
+    # it claims the median step, so it is asked first
+    hostile = dict(server=(OtherRoundServer, {}), live=(trained_stage(500.0), 61), averaged=(trained_stage(500.0), 40),
+                   step=61)
+    honest = [dict(live=(trained_stage(2.0), step), rounds=[(taken, 20)], averaged=(trained_stage(2.0), 40), step=step)
+              for step in (60, 62)]
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    filled, servers = fill([hostile, *honest], fresh, round_step=20)
+    assert all(f.loaded and f.averaged and f.copy_step == 20 for f in filled), filled
+    hostile_id = servers[0].p2p.peer_id.to_base58()
+    assert all(hostile_id not in f.holders for f in filled), filled
+    assert same_weights(taken, fresh)

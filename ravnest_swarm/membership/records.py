@@ -124,6 +124,9 @@ class PeerRecord(pydantic.BaseModel):
     step: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     # [first, last, step] of the stage this peer stopped last: it still serves those layers to others
     held: Optional[pydantic.conlist(pydantic.conint(strict=True, ge=0, le=2**53), min_items=3, max_items=3)] = None
+    # the step of the averaging round whose state its stage's layers came from, set when it took them under the plan
+    # round it follows (``plan_round``): its cluster's other stages take theirs from the same round (docs/swarm.md)
+    start_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None

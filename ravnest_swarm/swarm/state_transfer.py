@@ -21,6 +21,9 @@ alone where others can be asked:
   weights of the holder nearest the agreed step, and say so.
   One holder alone is asked for its live weights, which it copies once for our whole download, so all the
   layers we get from it are of one step.
+* a holder keeps the averaged copies of its last :data:`KEPT_ROUNDS` rounds, and a request may name one by its
+  step: two holders whose last copies are a round apart agree on the earlier one, and the stages of a new cluster
+  all take the round its first stage took (``Volunteer._download``), so the cluster starts from one step.
 
 Wire format: a server-streaming handler ``ravnest.layer_state``. The request (one frame, read bounded)
 names the run and the layers; the answer is a stream of ``ExpertResponse``: for each tensor, its parts
@@ -69,6 +72,9 @@ MAX_PARTS = 1 << 16  # of one tensor: 64 GiB in parts of PART_BYTES
 MAX_LAYERS_PER_REQUEST = MAX_LAYOUT_LAYERS
 MAX_REQUEST_BYTES = 64 * 1024
 ATTEMPTS_PER_HOLDER = 2
+# averaging rounds whose state a holder keeps: the stages of a new cluster all start from one round's (the one its
+# first stage took), which must still be on offer when the others ask (a moment later: a record's renewal)
+KEPT_ROUNDS = 4
 
 RunNameText = Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
 LayerIndex = Annotated[int, Field(ge=0, lt=MAX_LAYOUT_LAYERS)]
@@ -77,11 +83,13 @@ Step = Annotated[int, Field(ge=0)]
 
 
 class LayerStateRequest(Message):
-    """The layers of ``run`` whose tensors the caller wants: live, or as the last averaging round left them."""
+    """The layers of ``run`` whose tensors the caller wants: live, or as an averaging round left them (the last one,
+    or the round of step ``round_step``)."""
 
     run: RunNameText
     layers: List[LayerIndex] = Field(min_length=1, max_length=MAX_LAYERS_PER_REQUEST)
     averaged: bool = False
+    round_step: Optional[Step] = None
 
 
 class LayerStateMessageRequest(Message):
@@ -90,6 +98,7 @@ class LayerStateMessageRequest(Message):
     run: RunNameText
     layers: List[LayerIndex] = Field(min_length=1, max_length=1)
     averaged: bool = False
+    round_step: Optional[Step] = None
 
 
 class LayerStateTensorHeader(Message):
@@ -140,14 +149,28 @@ class LayerStateServer:
     def __init__(self, routes: Routes, run: str, provider: StateProvider, request_timeout: float = 60.0):
         self.routes, self.p2p = routes, routes.p2p
         self.run, self.provider, self.request_timeout = run, provider, request_timeout
-        self.averaged: LayerStates = {}  # the layers as our last averaging rounds left them (keep_averaged)
+        # the layers as our last KEPT_ROUNDS averaging rounds left them, by the round's step (keep_averaged)
+        self.averaged_rounds: Dict[int, LayerStates] = {}
         self._copies: Dict[PeerID, Tuple[float, LayerStates]] = {}  # each requester's: (when, what) (_held_copy)
 
     def keep_averaged(self, layers: LayerStates) -> None:
         """Keep a copy of ``layers`` as an averaging round in which all our rings finished left them: the
-        same on every member, so what two holders of a layer in different clusters serve can be compared."""
-        self.averaged.update({index: ({name: t.detach().to("cpu", copy=True) for name, t in state.items()}, step)
-                              for index, (state, step) in layers.items()})
+        same on every member, so what two holders of a layer in different clusters serve can be compared. The
+        last :data:`KEPT_ROUNDS` rounds are kept, so a new cluster's stages can all take one round's state."""
+        for index, (state, step) in layers.items():
+            self.averaged_rounds.setdefault(step, {})[index] = (
+                {name: t.detach().to("cpu", copy=True) for name, t in state.items()}, step)
+        for step in sorted(self.averaged_rounds)[:-KEPT_ROUNDS]:
+            del self.averaged_rounds[step]
+
+    def averaged(self, round_step: Optional[int] = None) -> LayerStates:
+        """The layers as the round of step ``round_step`` left them; without one, each layer as its last round did."""
+        if round_step is not None:
+            return self.averaged_rounds.get(round_step, {})
+        latest: LayerStates = {}
+        for step in sorted(self.averaged_rounds):
+            latest.update(self.averaged_rounds[step])
+        return latest
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(LAYER_STATE, self.routes.gated(LAYER_STATE, self._serve_layer_state))
@@ -161,11 +184,13 @@ class LayerStateServer:
         asked = decode_message(schema, request.metadata, handler)
         if asked.run != self.run:
             raise ValueError(f"this peer serves run {self.run!r}")
-        offered = self.averaged if asked.averaged else self._held_copy(asked.layers, requester)
+        offered = self.averaged(asked.round_step) if asked.averaged else self._held_copy(asked.layers, requester)
         missing = [i for i in asked.layers if i not in offered]
         if missing:
-            raise ValueError(f"this peer does not hold {'an averaged copy of layers' if asked.averaged else 'layers'} "
-                             f"{missing}")
+            kind = "an averaged copy of layers" if asked.averaged else "layers"
+            of_round = f" of the round of step {asked.round_step}" if asked.averaged and asked.round_step is not None \
+                else ""
+            raise ValueError(f"this peer does not hold {kind} {missing}{of_round}")
         return [(i, offered[i][0], offered[i][1]) for i in asked.layers]
 
     def _held_copy(self, layers: List[int], requester: PeerID) -> LayerStates:
@@ -224,14 +249,16 @@ class LayerStateServer:
 
 
 async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
-                      timeout: float, averaged: bool = False) -> Tuple[Dict[str, torch.Tensor], int]:
-    """One layer's tensors from ``holder`` (its averaged copy if ``averaged``), checked against ``expected``
-    (the layer as built locally)."""
+                      timeout: float, averaged: bool = False,
+                      round_step: Optional[int] = None) -> Tuple[Dict[str, torch.Tensor], int]:
+    """One layer's tensors from ``holder`` (its averaged copy if ``averaged``: of the round of step ``round_step``,
+    or its last), checked against ``expected`` (the layer as built locally)."""
 
     async def collect() -> Tuple[Dict[str, torch.Tensor], int]:
         received: Dict[str, torch.Tensor] = {}
         step = 0
-        request = make_request(LayerStateRequest(run=run, layers=[layer], averaged=averaged).as_metadata())
+        request = make_request(LayerStateRequest(run=run, layers=[layer], averaged=averaged,
+                                                 round_step=round_step).as_metadata())
         stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, request, runtime_pb2.ExpertResponse)
         routes.traffic.sent[LAYER_STATE] += request.ByteSize()  # hivemind's stream: its protobufs counted, not framing
         header, parts = None, []
@@ -253,11 +280,13 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
 
 
 async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
-                              timeout: float, averaged: bool = False) -> Tuple[Dict[str, torch.Tensor], int]:
+                              timeout: float, averaged: bool = False,
+                              round_step: Optional[int] = None) -> Tuple[Dict[str, torch.Tensor], int]:
     """:func:`fetch_layer` in one reply message, over the route :class:`Routes` chose (forwarding included)."""
 
     async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield make_request(LayerStateMessageRequest(run=run, layers=[layer], averaged=averaged).as_metadata())
+        yield make_request(LayerStateMessageRequest(run=run, layers=[layer], averaged=averaged,
+                                                    round_step=round_step).as_metadata())
 
     response = await asyncio.wait_for(routes.call(holder, LAYER_STATE_MESSAGE, request()), timeout)
     reply = _reply(LayerStateMessageReply, response.metadata, LAYER_STATE_MESSAGE, holder)
@@ -307,13 +336,15 @@ class LayerOffer:
 @dataclass(frozen=True)
 class LayerFill:
     """What :func:`fill_layer` did: the step training goes on from, whether the layer was loaded, and if not why;
-    whose copy was loaded (two that agreed, or the only one) and its step (an export names both, export.py)."""
+    whose copy was loaded (two that agreed, or the only one), its step (an export names both, export.py), and
+    whether it was an averaging round's (the same on every cluster) or a holder's live weights."""
 
     step: int
     loaded: bool
     problem: Optional[str] = None
     holders: Tuple[str, ...] = ()
     copy_step: Optional[int] = None
+    averaged: bool = False
 
 
 def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int) -> List[LayerOffer]:
@@ -352,9 +383,15 @@ def content_digest(tensors: Dict[str, torch.Tensor]) -> str:
 
 
 async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, layer: int, offers: Sequence[LayerOffer],
-                     timeout: float, reach: Optional[Callable[[PeerID], Awaitable[str]]] = None) -> LayerFill:
+                     timeout: float, reach: Optional[Callable[[PeerID], Awaitable[str]]] = None,
+                     round_step: Optional[int] = None) -> LayerFill:
     """Load ``layer_module`` (layer ``layer``) from its holders, trusting no single claim where others can be
     asked (module docstring); on failure it keeps its weights and :attr:`LayerFill.problem` says why.
+
+    ``round_step``: the averaging round whose state to take (the one a new cluster's first stage took, so that all
+    its stages start from one step): where two holders that count agree on their copy of that round (or the only
+    one serves it), it is loaded; where none does, the layer is filled as without it, and
+    :attr:`LayerFill.copy_step` says which step it came from.
 
     ``reach`` connects to a holder before it is asked and returns the route (``Routes.connect``): a
     holder behind NAT dials us back at a backbone's request; one reachable only through a backbone's
@@ -367,25 +404,28 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
     averaged = len(counted) > 1
     ordered = sorted(counted, key=lambda offer: abs(offer.step - step))  # the likeliest to agree first
     errors: List[str] = []
+    if round_step is not None:
+        copies: Dict[str, Set[PeerID]] = {}
+        fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, copies,
+                                  step, round_step, needed=2 if averaged else 1)
+        if fill is not None:
+            return fill
+        errors.clear()  # what follows says what went wrong, if anything does
     if not averaged:  # the only holder that counts: its live weights, at the step it serves them at
         fill = await _first_live_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors)
         if fill is not None:
             return fill
     else:
-        copies: Dict[str, Set[PeerID]] = {}  # content digest -> the holders that served it
-        for offer in ordered:
-            try:
-                tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach,
-                                                         True)
-            except StateTransferError as e:
-                errors.append(str(e))
-                continue
-            agreeing = copies.setdefault(content_digest(tensors), set())
-            agreeing.add(offer.holder)
-            if len(agreeing) == 2:
-                layer_module.load_state_dict(tensors)
-                return LayerFill(step, True, holders=tuple(sorted(h.to_base58() for h in agreeing)),
-                                 copy_step=served_step)
+        copies = {}  # content digest -> the holders that served it
+        served: Set[int] = set()  # the rounds (steps) their copies were of
+        fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, copies,
+                                  step, served=served)
+        if fill is None and len(served) > 1:
+            # one had finished a round the other had not yet: the earlier round, which both keep (KEPT_ROUNDS)
+            fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, {},
+                                      step, round_step=min(served))
+        if fill is not None:
+            return fill
         disagreement = f"no two of its {len(counted)} holders serve the same averaged copy ({len(copies)} different ones)"
         # none has averaged yet (the run's first clusters: a holder that trained alone, and joiners that took its
         # layers a moment ago): the live weights of the holder at the agreed step beat our seeded ones, which
@@ -399,6 +439,35 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
         errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
     return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"))
+
+
+async def _agreed_copy(routes: Routes, run: str, layer_module: torch.nn.Module, layer: int,
+                       offers: Sequence[LayerOffer], expected: Dict[str, torch.Tensor], timeout: float,
+                       reach: Optional[Callable[[PeerID], Awaitable[str]]], errors: List[str],
+                       copies: Dict[str, Set[PeerID]], step: int, round_step: Optional[int] = None,
+                       needed: int = 2, served: Optional[Set[int]] = None) -> Optional[LayerFill]:
+    """The averaged copy (of the round of step ``round_step``, or each holder's last) that ``needed`` of
+    ``offers`` serve alike, asked holder after holder, loaded; None when none does (``copies``: each content's
+    digest and who served it, ``served``: the rounds their copies were of, ``errors``: why others failed)."""
+    for offer in offers:
+        try:
+            tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach, True,
+                                                     round_step)
+        except StateTransferError as e:
+            errors.append(str(e))
+            continue
+        if round_step is not None and served_step != round_step:
+            errors.append(f"{offer.holder} served the round of step {served_step} for that of step {round_step}")
+            continue
+        if served is not None:
+            served.add(served_step)
+        agreeing = copies.setdefault(content_digest(tensors), set())
+        agreeing.add(offer.holder)
+        if len(agreeing) == needed:
+            layer_module.load_state_dict(tensors)
+            return LayerFill(step, True, holders=tuple(sorted(h.to_base58() for h in agreeing)), copy_step=served_step,
+                             averaged=True)
+    return None
 
 
 async def _first_live_copy(routes: Routes, run: str, layer_module: torch.nn.Module, layer: int,
@@ -419,7 +488,7 @@ async def _first_live_copy(routes: Routes, run: str, layer_module: torch.nn.Modu
 
 async def _fetch_from(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],
                       timeout: float, reach: Optional[Callable[[PeerID], Awaitable[str]]],
-                      averaged: bool) -> Tuple[Dict[str, torch.Tensor], int]:
+                      averaged: bool, round_step: Optional[int] = None) -> Tuple[Dict[str, torch.Tensor], int]:
     """One holder's copy of the layer, asked twice: a stream that ran on a relayed connection ends when the
     relay resets it (after 128 KiB, docs/nat.md), and the next one runs on the direct connection the reversal
     opened. :class:`StateTransferError` names the holder and what went wrong."""
@@ -428,7 +497,7 @@ async def _fetch_from(routes: Routes, run: str, holder: PeerID, layer: int, expe
         try:
             forwarded = reach is not None and await reach(holder) == "forward"
             fetch = fetch_layer_message if forwarded else fetch_layer
-            return await fetch(routes, run, holder, layer, expected, timeout, averaged)
+            return await fetch(routes, run, holder, layer, expected, timeout, averaged, round_step)
         except StateTransferError as e:  # it misbehaved (the error names it), or its stream was cut short
             problems.append(str(e))
         except asyncio.TimeoutError:

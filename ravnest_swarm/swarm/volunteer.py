@@ -14,7 +14,8 @@ share the worker, the layer cache and the plan; its pure rules are in ``placemen
    two count, over ``ravnest.layer_state``), else its own
    cache or checkpoint, else a ``--init-from`` snapshot's (an export, at its step), else the model's seeded initial
    weights (identical on every peer). The
-   worker starts counting optimizer steps from that source's step, so clusters stay aligned.
+   worker starts counting optimizer steps from that source's step, so clusters stay aligned. The stages of a
+   cluster take downloaded layers from one averaging round, the one its first stage took (:meth:`_download`).
 3. Between optimizer steps, every ``averaging_period`` steps, the stage averages its layers with the
    peers of other clusters that hold the same parameters (``stage_averaging.py``: rings from the adopted plan,
    the round named by the step); every ``checkpoint_every`` steps and on exit it writes a checkpoint.
@@ -69,8 +70,9 @@ from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, read_spec, r
 from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
-from ravnest_swarm.swarm.state_transfer import (LAYER_STATE, LAYER_STATE_MESSAGE, LayerOffer, LayerStateServer,
-                                                agreed_step, counted_offers, fill_layer, offered_layers, offers_of)
+from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerOffer,
+                                                LayerStateServer, agreed_step, counted_offers, fill_layer,
+                                                offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
 
 logger = logging.getLogger(__name__)
@@ -200,6 +202,7 @@ class Volunteer:
         self.wall_time = WallTime()
         self._traffic_looks: Deque[Tuple[float, int, int]] = deque()
         self.moved_bytes = 0  # of the layers we downloaded to take our places
+        self.layers_came_from = ""  # of the layers we downloaded last: their step(s), averaged or live (_download)
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -320,6 +323,8 @@ class Volunteer:
                      f"{stage}/{stages} layers {layers[0]}:{layers[1]} trains on{changed}")
             await self.announcer.renew()
             return
+        # a new place: the averaging round our layers come from is said anew (:meth:`_download`)
+        self.announcer.update(start_round=None)
         if placement is None:
             await self._stop_worker()
             self.wall_time.count(False)  # a standby's time is no stage's
@@ -366,7 +371,8 @@ class Volunteer:
         if worker.precision_note is not None and worker.precision_note != self._precision_said:
             self._precision_said = worker.precision_note
             self.say(f"{self.name}: {worker.precision_note}")
-        step, downloaded = await self._fill_layers(worker.module, layers)
+        step, downloaded = await self._fill_layers(worker.module, layers, plan, cluster, stage)
+        came_from = f"; {self.layers_came_from}" if downloaded else ""
         # a checkpoint's optimizer states go with its layers at their step, also where the cluster counts on from
         # the run's step below: they belong to the parameters, not to the count
         self._take_optimizer_state(worker, tuple(layers), step)
@@ -390,7 +396,7 @@ class Volunteer:
         # line in the log too; published first, the record's step came before the line that says where it started
         precision = f" with {worker.autocast_dtype} autocast".replace("torch.", "") if worker.autocast_dtype else ""
         self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
-                 f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}")
+                 f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}{came_from}")
         self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
         await self.announcer.renew()
 
@@ -473,9 +479,12 @@ class Volunteer:
         outer = self.averaging.outer_state(worker)
         self.kept_outer = (layers, worker.version, outer, source) if outer else None
 
-    async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int]) -> Tuple[int, bool]:
+    async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int], plan: Optional[dict] = None,
+                           cluster: int = 0, stage: int = 0) -> Tuple[int, bool]:
         """Load every owned layer from the freshest source; return the step training continues from, and
-        whether any layer came from another peer."""
+        whether any layer came from another peer (then :attr:`layers_came_from` says from which step).
+        ``plan``, ``cluster``, ``stage``: where the plan we follow puts us (the stages of our cluster take their
+        layers from one averaging round, :meth:`_download`)."""
         start, end = layers
         for attempt in range(HOLDER_LOOKUPS):
             # a leaving peer counts: it serves the layers it trained until someone has them (_hand_over)
@@ -509,12 +518,21 @@ class Volunteer:
             self.say(f"{self.name}: layers {snapshot[0][0]}:{snapshot[-1][0] + 1} from the snapshot {init.path} (step "
                      f"{max(s for _, s in snapshot)}): nobody serves them")
         if remote:
-            step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers}))
+            first_stage = plan["clusters"][cluster][0] if plan is not None and stage > 0 else None
+            step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers},
+                                                  first_stage, plan["round"] if plan is not None else None))
         return step, bool(remote)
 
     async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[LayerOffer]],
-                        records: Dict[str, Dict]) -> int:
+                        records: Dict[str, Dict], first_stage: Optional[Dict] = None,
+                        plan_round: Optional[int] = None) -> int:
         """Fetch the layers in ``remote`` from the holders that offer them (``fill_layer``), with a progress bar.
+
+        All from one step: the state of one averaging round, the same on every cluster. The first stage of a
+        cluster takes the last round its holders agree on and says which in its record (``start_round``); a
+        later stage (``first_stage``: where the plan puts its cluster's first stage) takes the round that record
+        names, so a new or re-formed cluster does not start with stages from different steps (issue 33: 1,879 and
+        3,100). :attr:`layers_came_from` says which step the layers came from.
 
         A layer no holder gives, or whose holders disagree, keeps its local weights (said in our log and note),
         but the step still follows the holders': the rest of the cluster is there, and a stage that restarted
@@ -535,19 +553,62 @@ class Volunteer:
         with self.wall_time.using("download"), \
                 Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                          console=self.console, transient=False) as progress:
+            round_step = None if first_stage is None else await self._start_round_of(first_stage, plan_round)
+            wanted = round_step
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
+            copy_steps = []  # each layer's, and whether it was an averaged round's
             for layer, offers in sorted(remote.items()):
                 filled = await fill_layer(links, self.run, module[layer - start], layer, offers,
-                                          self.options.transfer_timeout, reach=reach)
+                                          self.options.transfer_timeout, reach=reach, round_step=round_step)
                 if not filled.loaded:
                     self.say(f"{self.name}: {filled.problem}; keeping this layer's local weights")
                     self._note(f"kept the local weights of {filled.problem}")
                 elif filled.problem:
                     self.say(f"{self.name}: {filled.problem}")
+                if filled.loaded:
+                    copy_steps.append((filled.copy_step, filled.averaged))
+                if round_step is None and first_stage is None and filled.averaged:
+                    # we decide our cluster's round: the rest of our layers, and its other stages, take the same
+                    round_step = filled.copy_step
+                    self.announcer.update(start_round=round_step)
+                    await self.announcer.renew()
                 step = max(step, filled.step)
                 progress.advance(task)
         self.moved_bytes += traffic[LAYER_STATE] + traffic[LAYER_STATE_MESSAGE] - before
+        if copy_steps and len(set(copy_steps)) == 1 and copy_steps[0][1]:  # one averaging round's state
+            self.announcer.update(start_round=copy_steps[0][0])
+        self.layers_came_from = _came_from(copy_steps, wanted)
         return step
+
+    async def _start_round_of(self, first_stage: Dict, plan_round: Optional[int]) -> Optional[int]:
+        """The averaging round (its step) whose state our cluster's first stage took its layers from, as its record
+        says under ``plan_round``; None when it started without one (it kept its layers, or took live ones),
+        follows another plan, or says nothing within ``transfer_timeout``."""
+        deadline = time.monotonic() + self.options.transfer_timeout
+        while time.monotonic() < deadline:
+            try:
+                records = await self.announcer.read_peers(peer_ids=[first_stage["peer_id"]])
+            except Exception as e:  # no news of it yet: ask again
+                logger.warning(f"reading our first stage's record failed: {e}")
+                records = []
+            for record in records:
+                if record["peer_id"] != first_stage["peer_id"] or record.get("plan_round") is None:
+                    continue
+                if record["plan_round"] > plan_round:
+                    return None  # a newer plan: the one we follow is over
+                start_round, its_step = record.get("start_round"), record.get("step")
+                if record["plan_round"] == plan_round and start_round is not None:
+                    # a first stage that kept its place took its round long ago, which holders no longer keep
+                    kept = its_step is None or its_step - start_round <= KEPT_ROUNDS * self.spec.averaging_period
+                    return start_round if kept else None
+                started = record["state"] in ("training", "averaging", "done") and record.get("stage") == 0 and \
+                    record.get("layers") == list(first_stage["layers"])
+                if record["plan_round"] == plan_round and started:
+                    return None
+            await asyncio.sleep(0.5)
+        self.say(f"{self.name}: our first stage said no averaging round to start from within "
+                 f"{self.options.transfer_timeout:.0f}s; taking each layer's latest")
+        return None
 
     def _offered_layers(self) -> Dict[int, Tuple[Dict[str, torch.Tensor], int]]:
         """Every layer this peer can give, freshest copy of each: the cache (stopped workers, checkpoint),
@@ -921,3 +982,18 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
                       highlight=False, soft_wrap=True)
         return
     await Volunteer(membership, spec, model, options, console, owner).run_until(stop, leave_now)
+
+
+def _came_from(copy_steps: List[Tuple[int, bool]], wanted: Optional[int]) -> str:
+    """What a stage's start line says of the layers it downloaded: of which step(s), averaged or live, given each
+    loaded layer's ``(step, averaged)``, and whether that is the round its first stage took (``wanted``)."""
+    steps = sorted({step for step, _ in copy_steps})
+    if not steps:
+        return "none of its downloaded layers could be loaded"
+    averaged = [kind for _, kind in copy_steps]
+    kind = "the run's averaged state" if all(averaged) else "live weights" if not any(averaged) else \
+        "averaged and live weights"
+    said = f"its layers are {kind} of step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+    if wanted is not None and steps != [wanted]:
+        said += f", not all of the round of step {wanted} its first stage took (no longer served)"
+    return said
