@@ -1,4 +1,5 @@
-"""``bench speedup``: the same stages trained by K = 1, 2 and 4 clusters, side by side, on the lab's links and CPUs.
+"""``bench speedup``: the same stages trained by K = 1, 2 and 4 clusters, side by side, on the lab's links and CPUs,
+in each of several training schemes (``--schemes``: today's and the new one by default).
 
 For each K a fresh :class:`~ravnest_swarm.bench.netlab.NetLab` gives every peer a host of its own: the same access
 link (``tc tbf`` rate, the relay's one-way delay) and the same CPU quota (a cgroup) for every K, as if each
@@ -9,14 +10,24 @@ error). Each K trains the same number of samples (``samples``): a stage's length
 size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at the run's lr as its
 ``lr_scaling`` scales it for K: ``docs/swarm.md``).
 
+A scheme is a named set of run-spec settings (:data:`SCHEMES`, or ``name:key=value,...``: :func:`parse_schemes`):
+every (K, scheme) trains in a lab of its own, K by K, the schemes of one K one after the other. The first scheme is
+the reference: its K = 1's held-out loss at the end is the target every run is timed to.
+
 Throughput: the samples every cluster's stage 0 completed, over the time from the first injection of any
 cluster to the last completion of any (the peers' reports, ``join --report``): averaging rounds, and a
 cluster that starts or ends late, count against it. Held-out loss: the clusters' final weights averaged layer
-by layer (what the next averaging round would give every cluster), on the model's held-out split.
+by layer (what the next averaging round would give every cluster), on the model's held-out split. Along the way:
+every peer checkpoints :data:`CURVE_POINTS` times in the run, a watcher keeps a copy of each checkpoint as it is
+written, and each step at which every peer's copy exists is a point of the held-out curve, at the samples the
+clusters trained by then and the wall time since the first injection at which the last of those checkpoints was
+written: what a user waits for to reach the target loss (:func:`time_to_target`).
 
 What bounds it, measured per K over that window: each peer's CPU use (its process tree, p2pd included)
 against its quota, the share of quota periods in which its host was throttled, the machine's CPU busy share
-(every process on it, other work included), each stage's busy share, and the time averaging rounds took.
+(every process on it, other work included), each stage's busy share, the time averaging rounds took, and the share
+of its time each stage stood still for averaging (its wall time's ``averaging`` use: with ``averaging_overlap`` a
+round runs beside training, and only the wait for a round still running counts).
 """
 
 from __future__ import annotations
@@ -25,10 +36,13 @@ import json
 import math
 import os
 import re
+import shutil
 import tempfile
+import threading
 import time
 from bisect import bisect_left
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import psutil
 import torch
@@ -43,12 +57,33 @@ from ravnest_swarm.bench.pipeline import busy_fraction
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.placement import MAX_STAGE_SHARE, model_workload
-from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec import RunSpec, check_spec_choices
 
 RUN = "speedup"
 PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
 GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour one
 POLL_S = 0.5
+CURVE_POINTS = 16  # checkpoints per peer in a run: the held-out curve's points, each 1/16 of the samples apart
+CHECKPOINT_POLL_S = 0.05  # how often the watcher looks for a new checkpoint: well under the time between two
+
+# the run-spec settings a scheme may set (``JoinOptions`` carries each to the run it starts)
+SCHEME_KEYS = ("optimizer", "lr", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
+               "averaging_period", "averaging_overlap", "averaging_compression", "aggregation", "lr_scaling",
+               "pipeline_compression", "max_in_flight")
+# named schemes. today: what the swarm trained with before issue 30 (plain SGD, parameters averaged in float32
+# while the stages stand still); new: DiLoCo's set (AdamW inside at bench diloco's lr, a Nesterov outer step on
+# int8 pseudo-gradients with error feedback, rounds beside training)
+SCHEMES: Dict[str, Dict[str, Any]] = {
+    "today": dict(optimizer="sgd", lr=0.05, outer_optimizer="average", averaging_compression="none",
+                  averaging_overlap=False),
+    "new": dict(optimizer="adamw", lr=0.002, outer_optimizer="nesterov", averaging_compression="int8",
+                averaging_overlap=True),
+}
+# the issue's targets for K clusters against one: the wall time to the target loss (x sooner), samples/s (x), and
+# where the machine's cores bound the rate, the share of a stage's time it stands still for averaging
+SOONER_TARGETS = {2: 1.5, 4: 2.5}
+RATE_TARGETS = {2: 1.6, 4: 3.2}
+STOOD_STILL_TARGET = 0.05
 
 
 def parse_clusters(text: str) -> List[int]:
@@ -60,6 +95,65 @@ def parse_clusters(text: str) -> List[int]:
     if not values or values[0] != 1 or values[-1] > 16:
         raise UserError(f"--clusters must include 1 (the ratios are to K = 1) and stay within 1-16, not {text!r}")
     return values
+
+
+def scheme_value(key: str, text: str) -> Any:
+    """A scheme setting's text as the run spec's type for ``key`` (one of :data:`SCHEME_KEYS`)."""
+    if key not in SCHEME_KEYS:
+        raise UserError(f"--schemes: {key!r} is not a setting a scheme may change; one of {', '.join(SCHEME_KEYS)}")
+    kind = type(next(field.default for field in fields(RunSpec) if field.name == key))
+    if kind is bool:
+        if text.lower() not in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            raise UserError(f"--schemes: {key} is on or off (true/false), not {text!r}")
+        return text.lower() in ("true", "yes", "on", "1")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UserError(f"--schemes: {key} must be a {kind.__name__}, not {text!r}")
+
+
+def parse_schemes(text: str) -> Dict[str, Dict[str, Any]]:
+    """``"today,new"`` or ``"today,fast:optimizer=adamw,lr=0.003"`` -> {name: settings}, in order. A bare name is
+    one of :data:`SCHEMES`; ``name:key=value,...`` starts from the named scheme (from ``today`` for a new name) and
+    changes what it lists, the ``key=value`` items after it included. The first scheme is the reference."""
+    schemes: Dict[str, Dict[str, Any]] = {}
+    current: Optional[str] = None
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if "=" in item and ":" not in item.split("=", 1)[0]:  # a setting of the scheme before it
+            if current is None:
+                raise UserError(f"--schemes: {item!r} names no scheme; write name:{item}")
+            key, value = (side.strip() for side in item.split("=", 1))
+            schemes[current][key] = scheme_value(key, value)
+            continue
+        name, _, setting = item.partition(":")
+        name = name.strip()
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,31}", name):
+            raise UserError(f"--schemes: a scheme's name is a word like today or fast, not {name!r}")
+        if name in schemes:
+            raise UserError(f"--schemes names {name!r} twice")
+        if not setting and name not in SCHEMES:
+            raise UserError(f"--schemes: unknown scheme {name!r}: one of {', '.join(SCHEMES)}, or "
+                            f"{name}:key=value,... for one of your own")
+        schemes[name] = dict(SCHEMES.get(name, SCHEMES["today"]))
+        current = name
+        if setting:
+            key, equals, value = setting.partition("=")
+            if not equals:
+                raise UserError(f"--schemes: {item!r} must be name:key=value")
+            schemes[name][key.strip()] = scheme_value(key.strip(), value.strip())
+    if not schemes:
+        raise UserError("--schemes names no scheme: e.g. today,new")
+    for name, settings in schemes.items():
+        merged = RunSpec(model="-", **settings)
+        try:
+                check_spec_choices(merged.pipeline_compression, merged.backward, merged.aggregation, merged.optimizer,
+                               merged.lr_schedule, merged.outer_optimizer, merged.lr_scaling,
+                               averaging_compression=merged.averaging_compression)
+        except UserError as e:
+            raise UserError(f"--schemes {name}: {e}")
+    return schemes
 
 
 def steps_per_cluster(samples: int, clusters: Sequence[int], microbatch_size: int) -> Dict[int, int]:
@@ -121,17 +215,82 @@ def quota_periods(cgroup: str) -> Optional[Tuple[int, int]]:
     return int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0))
 
 
-def layer_states(directory: str, peers: Sequence[str]) -> Dict[int, List[Dict[str, torch.Tensor]]]:
-    """Every layer's final weights in the peers' checkpoints: one state per cluster that trained it."""
+def layer_states(paths: Sequence[str]) -> Dict[int, List[Dict[str, torch.Tensor]]]:
+    """Every layer's weights in the stage checkpoints at ``paths``: one state per cluster that trained it."""
     layers: Dict[int, List[Dict[str, torch.Tensor]]] = {}
-    for name in peers:
-        tensors, metadata = read_stage(os.path.join(directory, f"{RUN}-{name}.safetensors"))
+    for path in paths:
+        tensors, metadata = read_stage(path)
         start, end = metadata["info"]["layers"]
         for layer in range(start, end):
             prefix = f"param.{layer - start}."
             layers.setdefault(layer, []).append(
                 {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)})
     return layers
+
+
+class CheckpointHistory:
+    """Keeps a copy of every checkpoint the peers write into ``directory`` (each overwrites its one file), with the
+    wall time it was written, until :meth:`stop`. A thread looks every :data:`CHECKPOINT_POLL_S`: a peer writes
+    its checkpoints by renaming a whole file into place, so a copy is always one whole checkpoint."""
+
+    def __init__(self, directory: str, copies: str):
+        self.directory, self.copies = directory, copies
+        self.kept: List[Tuple[str, str, float]] = []  # (peer, copy's path, when its checkpoint was written)
+        self._seen: Dict[str, Tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="checkpoint-history", daemon=True)
+
+    def start(self) -> "CheckpointHistory":
+        os.makedirs(self.copies, exist_ok=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._look()  # what the peers wrote as they left
+
+    def _watch(self) -> None:
+        while not self._stop.wait(CHECKPOINT_POLL_S):
+            self._look()
+
+    def _look(self) -> None:
+        for entry in os.scandir(self.directory):
+            match = re.fullmatch(rf"{RUN}-(peer\d+)\.safetensors", entry.name)
+            if match is None:
+                continue
+            try:
+                stat = entry.stat()
+                if self._seen.get(entry.name) == (stat.st_ino, stat.st_mtime_ns):
+                    continue
+                copy = os.path.join(self.copies, f"{match.group(1)}-{len(self.kept)}.safetensors")
+                shutil.copyfile(entry.path, copy)
+            except OSError:
+                continue  # replaced between the look and the copy: the next look copies the new one
+            self._seen[entry.name] = (stat.st_ino, stat.st_mtime_ns)
+            self.kept.append((match.group(1), copy, stat.st_mtime))
+
+    def by_step(self, peers: Sequence[str]) -> List[Tuple[int, List[str], float]]:
+        """(step, every peer's copy at that step, when the last of them was written), for each step at which every
+        peer of ``peers`` wrote a checkpoint, in order; a peer's first copy at a step counts."""
+        found: Dict[int, Dict[str, Tuple[str, float]]] = {}
+        for peer, path, written in self.kept:
+            try:
+                step = int(read_stage(path)[1]["info"]["step"])
+            except (UserError, KeyError, ValueError):
+                continue
+            found.setdefault(step, {}).setdefault(peer, (path, written))
+        return [(step, [found[step][peer][0] for peer in peers], max(found[step][peer][1] for peer in peers))
+                for step in sorted(found) if all(peer in found[step] for peer in peers)]
+
+
+def time_to_target(curve: Sequence[Sequence[float]], target: float) -> Tuple[Optional[float], Optional[int]]:
+    """(seconds, samples) at the first point of ``curve`` ([samples, seconds, loss], in order) whose held-out loss
+    is at most ``target``; (None, None) if none is."""
+    for samples, seconds, loss in curve:
+        if loss <= target:
+            return seconds, int(samples)
+    return None, None
 
 
 def heldout_figures(model: ModelSpec, states: Optional[Dict[int, List[Dict[str, torch.Tensor]]]],
@@ -153,14 +312,16 @@ def heldout_figures(model: ModelSpec, states: Optional[Dict[int, List[Dict[str, 
 
 
 class SpeedupRun:
-    """One K: its lab, processes and figures. ``train`` leaves nothing running, even when interrupted."""
+    """One K in one scheme: its lab, processes and figures. ``train`` leaves nothing running, even when
+    interrupted."""
 
-    def __init__(self, clusters: int, stages: int, steps: int, spec: RunSpec, model_gb: float, mbps: float,
-                 delay_ms: float, cpus: Optional[float], workdir: str, time_limit: float):
-        self.k, self.stages, self.steps, self.spec = clusters, stages, steps, spec
+    def __init__(self, clusters: int, stages: int, steps: int, spec: RunSpec, scheme: str, model_gb: float,
+                 mbps: float, delay_ms: float, cpus: Optional[float], workdir: str, time_limit: float):
+        self.k, self.stages, self.steps, self.spec, self.scheme = clusters, stages, steps, spec, scheme
         self.model_gb, self.mbps, self.delay_ms, self.cpus = model_gb, mbps, delay_ms, cpus
-        self.workdir = os.path.join(workdir, f"k{clusters}")
+        self.workdir = os.path.join(workdir, f"{scheme}-k{clusters}")
         self.checkpoints = os.path.join(self.workdir, "checkpoints")
+        self.history = CheckpointHistory(self.checkpoints, os.path.join(self.workdir, "history"))
         self.time_limit = time_limit
         self.names = [f"peer{i}" for i in range(clusters * stages)]
         self.cpu_samples: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
@@ -169,6 +330,7 @@ class SpeedupRun:
         self.periods: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
         self.throttled: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
         self.lab_description: Dict = {}
+        self.window_start = 0.0  # wall time of the first injection of any cluster (``_figures``)
 
     def _join_options(self, lab, host: int, initial: str) -> JoinOptions:
         # RAM for 1.2 / S of the model: S peers hold it, S - 1 cannot (for S <= 5), and the planner's stage share
@@ -176,15 +338,15 @@ class SpeedupRun:
         ram_gb = self.model_gb * min(MAX_STAGE_SHARE / self.stages, 1.0) * 1.001
         return JoinOptions(
             initial_peers=[initial], run=RUN, name=self.names[host], dashboard=False, model=self.spec.model,
-            steps=self.steps, lr=self.spec.lr, microbatch_size=self.spec.microbatch_size,
-            max_in_flight=self.spec.max_in_flight, averaging_period=self.spec.averaging_period,
-            pipeline_compression=self.spec.pipeline_compression, ram_gb=ram_gb, gflops=GFLOPS, bandwidth_mbps=self.mbps,
+            steps=self.steps, microbatch_size=self.spec.microbatch_size,
+            **{key: getattr(self.spec, key) for key in SCHEME_KEYS},
+            ram_gb=ram_gb, gflops=GFLOPS, bandwidth_mbps=self.mbps,
             host_maddrs=[lab.host_maddr(host)], announce_maddrs=[lab.announce_maddr(host)],
             report=self.report_path(self.names[host]),
             # when records lived two heartbeats, at 2 s a peer on a 0.2-core quota of a machine at load 20 missed its
             # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
             min_peers=len(self.names), heartbeat=4.0, handover_timeout=0.0, checkpoint_dir=self.checkpoints,
-            checkpoint_every=max(1, self.steps // 10))
+            checkpoint_every=max(1, self.steps // CURVE_POINTS))
 
     def report_path(self, name: str) -> str:
         return os.path.join(self.workdir, f"{name}.report.json")
@@ -195,6 +357,7 @@ class SpeedupRun:
         from ravnest_swarm.processes import ProcessGroup
 
         os.makedirs(self.checkpoints)
+        self.history.start()
         backbone_host = len(self.names)
         with NetLab(backbone_host + 1, mbps=self.mbps, delay_ms=self.delay_ms, cpus=self.cpus) as lab:
             self.lab_description = lab.describe()
@@ -214,6 +377,7 @@ class SpeedupRun:
                 raise UserError(f"K = {self.k}: a bench process failed ({e}); logs in {self.workdir}", exit_code=1)
             finally:
                 group.stop_all(grace=20)
+                self.history.stop()
         return self._figures(placements)
 
     def _watch(self, peers: Dict, cgroups: Dict[str, str], on_progress) -> Dict[str, Tuple[int, int, Tuple[int, int]]]:
@@ -278,6 +442,7 @@ class SpeedupRun:
         start = min(report["inject_times"][0] for report in firsts.values())
         end = max(report["complete_times"][-1] for report in firsts.values())
         window = end - start
+        self.window_start = start
         completed = {c: len(report["complete_times"]) * report["microbatch_size"] for c, report in firsts.items()}
         cluster_rates = {c: round(completed[c] / (r["complete_times"][-1] - r["inject_times"][0]), 2)
                          for c, r in sorted(firsts.items())}
@@ -302,6 +467,8 @@ class SpeedupRun:
             averaging_failures=sum(report["averaging_failures"] for report in reports.values()),
             averaging_round_s=round(sum(rounds) / len(rounds), 3) if rounds else None,
             averaging_share=round(sum(averaging_in_window) / len(averaging_in_window), 3),
+            # each stage's share of its training time (downloads and plans left out) it stood still for averaging
+            stood_still_share=[stood_still_share(reports[name].get("time_shares")) for name in ordered],
             busy_fraction=[round(busy_fraction(reports[name]["busy"], start, end), 3) for name in ordered],
             compute_fraction=[round(busy_fraction(reports[name]["compute"], start, end), 3) for name in ordered],
             peer_cores=[None if cores[name] is None else round(cores[name], 3) for name in ordered],
@@ -317,22 +484,81 @@ class SpeedupRun:
             peers_order=ordered,
         )
 
-    def evaluate(self, model: ModelSpec) -> Tuple[float, float]:
-        return heldout_figures(model, layer_states(self.checkpoints, self.names))
+    def evaluate(self, model: ModelSpec) -> Dict:
+        """The held-out loss and accuracy at the end (the peers' last checkpoints), and the held-out curve:
+        [samples, seconds since the first injection, loss] at each step every peer checkpointed."""
+        loss, accuracy = heldout_figures(model, layer_states(
+            [os.path.join(self.checkpoints, f"{RUN}-{name}.safetensors") for name in self.names]))
+        curve = [[step * self.k * self.spec.microbatch_size, round(written - self.window_start, 2),
+                  heldout_figures(model, layer_states(paths))[0]]
+                 for step, paths, written in self.history.by_step(self.names)]
+        return dict(heldout_loss=loss, heldout_accuracy=accuracy, curve=curve)
+
+
+def stood_still_share(shares: Optional[Dict[str, float]]) -> Optional[float]:
+    """Of a stage's wall time (``WallTime`` shares) while it trained, the share it stood still for averaging: its
+    downloads and plans (before it trains, or a move) are left out. None without shares."""
+    if not shares:
+        return None
+    training = 1.0 - shares.get("download", 0.0) - shares.get("plan", 0.0)
+    return round(shares.get("averaging", 0.0) / training, 4) if training > 0 else None
+
+
+def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
+    return None if numerator is None or not denominator else round(numerator / denominator, 3)
+
+
+def compare(runs: Dict[str, Dict[int, Dict]], reference: str, target: float) -> Dict[str, Dict[str, Dict]]:
+    """Each (scheme, K)'s figures against K = 1 of its scheme and the same K of the reference scheme: the wall time
+    and samples to ``target`` (first point of its held-out curve at or below it), how many times sooner than
+    K = 1 (its time over ours), samples/s and its ratios, the final loss, and the share stages stood still for
+    averaging (the largest of any stage); then the issue's targets met or not (:data:`SOONER_TARGETS`)."""
+    results: Dict[str, Dict[str, Dict]] = {}
+    for scheme, by_k in runs.items():
+        results[scheme] = {}
+        for k, run in by_k.items():
+            seconds, samples = time_to_target(run["curve"], target)
+            alone, same_k = by_k[1], runs[reference][k]
+            alone_seconds, reference_seconds = (time_to_target(other["curve"], target)[0] for other in (alone, same_k))
+            stood_still = [share for share in run["stood_still_share"] if share is not None]
+            results[scheme][str(k)] = dict(
+                seconds_to_target=seconds, samples_to_target=samples,
+                sooner_than_k1=ratio(alone_seconds, seconds), sooner_than_reference=ratio(reference_seconds, seconds),
+                samples_per_s=run["samples_per_s"],
+                samples_per_s_vs_k1=ratio(run["samples_per_s"], alone["samples_per_s"]),
+                samples_per_s_vs_reference=ratio(run["samples_per_s"], same_k["samples_per_s"]),
+                heldout_loss=run["heldout_loss"], heldout_loss_vs_target=ratio(run["heldout_loss"], target),
+                heldout_accuracy=run["heldout_accuracy"], window_s=run["window_s"],
+                stood_still_share=max(stood_still) if stood_still else None, averaging_share=run["averaging_share"])
+    for scheme, by_k in results.items():
+        for key, figures in by_k.items():
+            k = int(key)
+            if k in SOONER_TARGETS:
+                figures["targets"] = dict(
+                    sooner=figures["sooner_than_k1"] is not None and figures["sooner_than_k1"] >= SOONER_TARGETS[k],
+                    samples_per_s=figures["samples_per_s_vs_k1"] is not None
+                    and figures["samples_per_s_vs_k1"] >= RATE_TARGETS[k],
+                    stood_still=figures["stood_still_share"] is not None
+                    and figures["stood_still_share"] < STOOD_STILL_TARGET)
+    return results
 
 
 def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples: int, mbps: float, delay_ms: float,
-                  averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool) -> int:
+                  averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool,
+                  schemes: Optional[Dict[str, Dict[str, Any]]] = None) -> int:
     from ravnest_swarm.bench.netlab import cpu_quota_unavailable
 
+    schemes = schemes or parse_schemes("today,new")
     try:
         model = get_model(model_name)
     except ValueError as e:
         raise UserError(str(e))
     if stages > len(model.layers):
         raise UserError(f"{model_name} has {len(model.layers)} layers: at most that many --stages")
-    spec = RunSpec(model=model_name, averaging_period=averaging_period)
-    steps = steps_per_cluster(samples, clusters, spec.microbatch_size)
+    specs = {name: RunSpec(model=model_name, **{"averaging_period": averaging_period, **settings})
+             for name, settings in schemes.items()}
+    microbatch_size = RunSpec(model=model_name).microbatch_size
+    steps = steps_per_cluster(samples, clusters, microbatch_size)
     console = Console(stderr=True)
     no_quota = cpu_quota_unavailable()
     if cpus_per_peer is None:
@@ -341,39 +567,36 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
             console.print(f"[yellow]no CPU quota per peer ({no_quota}): the peers share the machine's cores[/]")
     elif cpus_per_peer and no_quota:
         raise UserError(f"--cpus-per-peer is not possible here: {no_quota}; pass 0 to share the cores")
-    model_gb = model_workload(model, spec, len(model.layers))[0].model_gb
     workdir = tempfile.mkdtemp(prefix="ravnest-bench-speedup-")
-    runs: Dict[int, Dict] = {}
-    losses: Dict[int, Tuple[float, float]] = {}
+    runs: Dict[str, Dict[int, Dict]] = {name: {} for name in schemes}
     description: Dict = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=not as_json) as progress:
-        tasks = {k: progress.add_task(f"K = {k}: waiting", total=steps[k] * k) for k in clusters}
-        for k in clusters:
-            run = SpeedupRun(k, stages, steps[k], spec, model_gb, mbps, delay_ms, cpus_per_peer or None, workdir,
-                             time_limit)
-            runs[k] = run.train(lambda text, done, k=k: progress.update(
-                tasks[k], description=f"K = {k}: {text}", completed=done))
-            losses[k] = run.evaluate(model)
-            description = run.lab_description
+        tasks = {(name, k): progress.add_task(f"{name}, K = {k}: waiting", total=steps[k] * k)
+                 for k in clusters for name in schemes}
+        for k in clusters:  # the schemes of one K one after the other: they meet the most similar load
+            for name, spec in specs.items():
+                # the model's memory in the planner's model of this scheme (AdamW's state is two more copies)
+                model_gb = model_workload(model, spec, len(model.layers))[0].model_gb
+                run = SpeedupRun(k, stages, steps[k], spec, name, model_gb, mbps, delay_ms, cpus_per_peer or None,
+                                 workdir, time_limit)
+                figures = run.train(lambda text, done, task=tasks[name, k], label=f"{name}, K = {k}":
+                                    progress.update(task, description=f"{label}: {text}", completed=done))
+                runs[name][k] = dict(figures, **run.evaluate(model))
+                description = run.lab_description
     if description.get("mode") != "netns":
         console.print("[yellow]no network namespaces: the links were NOT rate-limited[/]")
-    base = runs[1]["samples_per_s"]
+    reference = next(iter(schemes))
+    target = runs[reference][1]["heldout_loss"]
     start_loss, start_accuracy = heldout_figures(model, None)
     report = dict(
         benchmark="speedup", model=model_name, stages=stages, clusters=list(clusters), samples=samples,
-        microbatch_size=spec.microbatch_size, averaging_period=averaging_period, lr=spec.lr,
-        samples_per_s={str(k): runs[k]["samples_per_s"] for k in clusters},
-        speedup={str(k): round(runs[k]["samples_per_s"] / base, 3) for k in clusters},
-        efficiency={str(k): round(runs[k]["samples_per_s"] / base / k, 3) for k in clusters},
-        heldout_loss={str(k): losses[k][0] for k in clusters},
-        heldout_loss_vs_k1={str(k): round(losses[k][0] / losses[1][0], 4) for k in clusters},
-        heldout_accuracy={str(k): losses[k][1] for k in clusters},
-        heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
-        targets={str(k): dict(speedup_at_least_0_8k=runs[k]["samples_per_s"] >= 0.8 * k * base,
-                              loss_within_5_percent=abs(losses[k][0] / losses[1][0] - 1) <= 0.05)
-                 for k in clusters if k > 1},
-        cpus_per_peer=cpus_per_peer or None, link=description, runs={str(k): runs[k] for k in clusters},
+        microbatch_size=microbatch_size, averaging_period=averaging_period,
+        schemes={name: {key: getattr(spec, key) for key in SCHEME_KEYS} for name, spec in specs.items()},
+        reference=reference, target_loss=target, heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
+        results=compare(runs, reference, target),
+        cpus_per_peer=cpus_per_peer or None, link=description,
+        runs={name: {str(k): run for k, run in by_k.items()} for name, by_k in runs.items()},
         cpu_count=os.cpu_count(), load_avg=[round(x, 2) for x in os.getloadavg()], logs=workdir,
     )
     if as_json:
@@ -385,16 +608,21 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
 
 def summary_table(report: Dict) -> Table:
     table = Table(title=f"bench speedup: {report['model']}, {report['stages']} stages per cluster, "
-                        f"{report['samples']} samples per K, {report['cpus_per_peer'] or 'shared'} cores per peer")
-    for column in ("K", "samples/s", "x K=1", "x K=1 / K", "held-out loss", "vs K=1", "averaging s/round",
-                   "averaging share", "cores per peer", "machine busy cores"):
+                        f"{report['samples']} samples per K, {report['cpus_per_peer'] or 'shared'} cores per peer; "
+                        f"target: {report['reference']} K = 1's held-out loss at the end, {report['target_loss']}")
+    for column in ("scheme", "K", "s to target", "x sooner than K=1", "samples to target", "samples/s", "x K=1",
+                   f"x {report['reference']}", "held-out loss", "stood still (max stage)", "averaging s/round",
+                   "cores per peer", "machine busy cores"):
         table.add_column(column, justify="right")
-    for k in report["clusters"]:
-        run, key = report["runs"][str(k)], str(k)
-        cores = [c for c in run["peer_cores"] if c is not None]
-        table.add_row(key, str(report["samples_per_s"][key]), str(report["speedup"][key]),
-                      str(report["efficiency"][key]), str(report["heldout_loss"][key]),
-                      str(report["heldout_loss_vs_k1"][key]), str(run["averaging_round_s"] or "-"),
-                      str(run["averaging_share"]), f"{min(cores, default=0):.2f}-{max(cores, default=0):.2f}",
-                      str(run["machine_busy_cores"]))
+    shown = lambda value: "-" if value is None else str(value)  # noqa: E731
+    for scheme, by_k in report["results"].items():
+        for key, figures in by_k.items():
+            run = report["runs"][scheme][key]
+            cores = [c for c in run["peer_cores"] if c is not None]
+            table.add_row(scheme, key, shown(figures["seconds_to_target"]), shown(figures["sooner_than_k1"]),
+                          shown(figures["samples_to_target"]), str(figures["samples_per_s"]),
+                          shown(figures["samples_per_s_vs_k1"]), shown(figures["samples_per_s_vs_reference"]),
+                          str(figures["heldout_loss"]), shown(figures["stood_still_share"]),
+                          shown(run["averaging_round_s"]), f"{min(cores, default=0):.2f}-{max(cores, default=0):.2f}",
+                          shown(run["machine_busy_cores"]))
     return table
