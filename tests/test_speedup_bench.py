@@ -93,7 +93,9 @@ def test_bench_speedup_runs_two_schemes_at_each_k_times_them_to_the_target_and_l
             curve = run["curve"]
             assert len(curve) >= 8 and curve[-1][0] == 2560
             assert all(a[0] < b[0] and a[1] <= b[1] for a, b in zip(curve, curve[1:]))
-            assert curve[-1][1] <= run["window_s"] + 5
+            # the last point is timed at the end of the training and its last round (which lasts 20 s at most), not
+            # when the peers wrote their last checkpoints on leaving
+            assert run["window_s"] - 1 <= curve[-1][1] <= run["window_s"] + 20
             # the ratios come from the measured figures
             assert figures["samples_per_s_vs_k1"] == pytest.approx(
                 run["samples_per_s"] / report["runs"][scheme]["1"]["samples_per_s"], abs=1e-3)

@@ -331,6 +331,8 @@ class SpeedupRun:
         self.throttled: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
         self.lab_description: Dict = {}
         self.window_start = 0.0  # wall time of the first injection of any cluster (``_figures``)
+        # when the last state was reached: the last completion or averaging round of any peer (``_figures``)
+        self.trained_until = 0.0
 
     def _join_options(self, lab, host: int, initial: str) -> JoinOptions:
         # RAM for 1.2 / S of the model: S peers hold it, S - 1 cannot (for S <= 5), and the planner's stage share
@@ -443,6 +445,7 @@ class SpeedupRun:
         end = max(report["complete_times"][-1] for report in firsts.values())
         window = end - start
         self.window_start = start
+        self.trained_until = max([end] + [b for report in reports.values() for _, b in report["averaging"]])
         completed = {c: len(report["complete_times"]) * report["microbatch_size"] for c, report in firsts.items()}
         cluster_rates = {c: round(completed[c] / (r["complete_times"][-1] - r["inject_times"][0]), 2)
                          for c, r in sorted(firsts.items())}
@@ -489,7 +492,10 @@ class SpeedupRun:
         [samples, seconds since the first injection, loss] at each step every peer checkpointed."""
         loss, accuracy = heldout_figures(model, layer_states(
             [os.path.join(self.checkpoints, f"{RUN}-{name}.safetensors") for name in self.names]))
-        curve = [[step * self.k * self.spec.microbatch_size, round(written - self.window_start, 2),
+        # a peer writes its last checkpoint as it leaves, seconds after its state was reached: that point is timed
+        # at the end of the training (and of the rounds) instead
+        curve = [[step * self.k * self.spec.microbatch_size,
+                  round(min(written, self.trained_until) - self.window_start, 2),
                   heldout_figures(model, layer_states(paths))[0]]
                  for step, paths, written in self.history.by_step(self.names)]
         return dict(heldout_loss=loss, heldout_accuracy=accuracy, curve=curve)
