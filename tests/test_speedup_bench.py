@@ -8,9 +8,9 @@ import pytest
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.bench.speedup import (
-    SCHEMES, compare, parse_clusters, parse_schemes, steps_per_cluster, stood_still_share, time_to_target,
-)
+from ravnest_swarm.bench.speedup import parse_clusters, steps_per_cluster
+from ravnest_swarm.bench.speedup_curve import time_to_target
+from ravnest_swarm.bench.speedup_schemes import SCHEMES, compare, parse_schemes, stood_still_share
 from ravnest_swarm.errors import UserError
 
 

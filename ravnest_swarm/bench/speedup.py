@@ -10,7 +10,7 @@ error). Each K trains the same number of samples (``samples``): a stage's length
 size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at the run's lr as its
 ``lr_scaling`` scales it for K: ``docs/swarm.md``).
 
-A scheme is a named set of run-spec settings (:data:`SCHEMES`, or ``name:key=value,...``: :func:`parse_schemes`):
+A scheme is a named set of run-spec settings (``speedup_schemes.py``: today's, the new one, or the user's own):
 every (K, scheme) trains in a lab of its own, K by K, the schemes of one K one after the other. The first scheme is
 the reference: its K = 1's held-out loss at the end is the target every run is timed to.
 
@@ -21,7 +21,7 @@ by layer (what the next averaging round would give every cluster), on the model'
 every peer checkpoints :data:`CURVE_POINTS` times in the run, a watcher keeps a copy of each checkpoint as it is
 written, and each step at which every peer's copy exists is a point of the held-out curve, at the samples the
 clusters trained by then and the wall time since the first injection at which the last of those checkpoints was
-written: what a user waits for to reach the target loss (:func:`time_to_target`).
+written: what a user waits for to reach the target loss (``speedup_curve.py``).
 
 What bounds it, measured per K over that window: each peer's CPU use (its process tree, p2pd included)
 against its quota, the share of quota periods in which its host was throttled, the machine's CPU busy share
@@ -36,55 +36,31 @@ import json
 import math
 import os
 import re
-import shutil
 import tempfile
-import threading
 import time
 from bisect import bisect_left
-from dataclasses import fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import psutil
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.bench.pipeline import busy_fraction
+from ravnest_swarm.bench.speedup_curve import CheckpointHistory, heldout_figures, layer_states
+from ravnest_swarm.bench.speedup_schemes import SCHEME_KEYS, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.placement import MAX_STAGE_SHARE, model_workload
-from ravnest_swarm.swarm.spec import RunSpec, check_spec_choices
+from ravnest_swarm.swarm.spec import RunSpec
 
 RUN = "speedup"
 PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
 GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour one
 POLL_S = 0.5
 CURVE_POINTS = 16  # checkpoints per peer in a run: the held-out curve's points, each 1/16 of the samples apart
-CHECKPOINT_POLL_S = 0.05  # how often the watcher looks for a new checkpoint: well under the time between two
-
-# the run-spec settings a scheme may set (``JoinOptions`` carries each to the run it starts)
-SCHEME_KEYS = ("optimizer", "lr", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",
-               "averaging_period", "averaging_overlap", "averaging_compression", "aggregation", "lr_scaling",
-               "pipeline_compression", "max_in_flight")
-# named schemes. today: what the swarm trained with before issue 30 (plain SGD, parameters averaged in float32
-# while the stages stand still); new: DiLoCo's set (AdamW inside at bench diloco's lr, a Nesterov outer step on
-# int8 pseudo-gradients with error feedback, rounds beside training)
-SCHEMES: Dict[str, Dict[str, Any]] = {
-    "today": dict(optimizer="sgd", lr=0.05, outer_optimizer="average", averaging_compression="none",
-                  averaging_overlap=False),
-    "new": dict(optimizer="adamw", lr=0.002, outer_optimizer="nesterov", averaging_compression="int8",
-                averaging_overlap=True),
-}
-# the issue's targets for K clusters against one: the wall time to the target loss (x sooner), samples/s (x), and
-# where the machine's cores bound the rate, the share of a stage's time it stands still for averaging
-SOONER_TARGETS = {2: 1.5, 4: 2.5}
-RATE_TARGETS = {2: 1.6, 4: 3.2}
-STOOD_STILL_TARGET = 0.05
-
 
 def parse_clusters(text: str) -> List[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``; K = 1 must be among them, as the ratios are to it."""
@@ -95,65 +71,6 @@ def parse_clusters(text: str) -> List[int]:
     if not values or values[0] != 1 or values[-1] > 16:
         raise UserError(f"--clusters must include 1 (the ratios are to K = 1) and stay within 1-16, not {text!r}")
     return values
-
-
-def scheme_value(key: str, text: str) -> Any:
-    """A scheme setting's text as the run spec's type for ``key`` (one of :data:`SCHEME_KEYS`)."""
-    if key not in SCHEME_KEYS:
-        raise UserError(f"--schemes: {key!r} is not a setting a scheme may change; one of {', '.join(SCHEME_KEYS)}")
-    kind = type(next(field.default for field in fields(RunSpec) if field.name == key))
-    if kind is bool:
-        if text.lower() not in ("true", "false", "yes", "no", "on", "off", "1", "0"):
-            raise UserError(f"--schemes: {key} is on or off (true/false), not {text!r}")
-        return text.lower() in ("true", "yes", "on", "1")
-    try:
-        return kind(text)
-    except ValueError:
-        raise UserError(f"--schemes: {key} must be a {kind.__name__}, not {text!r}")
-
-
-def parse_schemes(text: str) -> Dict[str, Dict[str, Any]]:
-    """``"today,new"`` or ``"today,fast:optimizer=adamw,lr=0.003"`` -> {name: settings}, in order. A bare name is
-    one of :data:`SCHEMES`; ``name:key=value,...`` starts from the named scheme (from ``today`` for a new name) and
-    changes what it lists, the ``key=value`` items after it included. The first scheme is the reference."""
-    schemes: Dict[str, Dict[str, Any]] = {}
-    current: Optional[str] = None
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        if "=" in item and ":" not in item.split("=", 1)[0]:  # a setting of the scheme before it
-            if current is None:
-                raise UserError(f"--schemes: {item!r} names no scheme; write name:{item}")
-            key, value = (side.strip() for side in item.split("=", 1))
-            schemes[current][key] = scheme_value(key, value)
-            continue
-        name, _, setting = item.partition(":")
-        name = name.strip()
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,31}", name):
-            raise UserError(f"--schemes: a scheme's name is a word like today or fast, not {name!r}")
-        if name in schemes:
-            raise UserError(f"--schemes names {name!r} twice")
-        if not setting and name not in SCHEMES:
-            raise UserError(f"--schemes: unknown scheme {name!r}: one of {', '.join(SCHEMES)}, or "
-                            f"{name}:key=value,... for one of your own")
-        schemes[name] = dict(SCHEMES.get(name, SCHEMES["today"]))
-        current = name
-        if setting:
-            key, equals, value = setting.partition("=")
-            if not equals:
-                raise UserError(f"--schemes: {item!r} must be name:key=value")
-            schemes[name][key.strip()] = scheme_value(key.strip(), value.strip())
-    if not schemes:
-        raise UserError("--schemes names no scheme: e.g. today,new")
-    for name, settings in schemes.items():
-        merged = RunSpec(model="-", **settings)
-        try:
-                check_spec_choices(merged.pipeline_compression, merged.backward, merged.aggregation, merged.optimizer,
-                               merged.lr_schedule, merged.outer_optimizer, merged.lr_scaling,
-                               averaging_compression=merged.averaging_compression)
-        except UserError as e:
-            raise UserError(f"--schemes {name}: {e}")
-    return schemes
 
 
 def steps_per_cluster(samples: int, clusters: Sequence[int], microbatch_size: int) -> Dict[int, int]:
@@ -215,102 +132,6 @@ def quota_periods(cgroup: str) -> Optional[Tuple[int, int]]:
     return int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0))
 
 
-def layer_states(paths: Sequence[str]) -> Dict[int, List[Dict[str, torch.Tensor]]]:
-    """Every layer's weights in the stage checkpoints at ``paths``: one state per cluster that trained it."""
-    layers: Dict[int, List[Dict[str, torch.Tensor]]] = {}
-    for path in paths:
-        tensors, metadata = read_stage(path)
-        start, end = metadata["info"]["layers"]
-        for layer in range(start, end):
-            prefix = f"param.{layer - start}."
-            layers.setdefault(layer, []).append(
-                {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)})
-    return layers
-
-
-class CheckpointHistory:
-    """Keeps a copy of every checkpoint the peers write into ``directory`` (each overwrites its one file), with the
-    wall time it was written, until :meth:`stop`. A thread looks every :data:`CHECKPOINT_POLL_S`: a peer writes
-    its checkpoints by renaming a whole file into place, so a copy is always one whole checkpoint."""
-
-    def __init__(self, directory: str, copies: str):
-        self.directory, self.copies = directory, copies
-        self.kept: List[Tuple[str, str, float]] = []  # (peer, copy's path, when its checkpoint was written)
-        self._seen: Dict[str, Tuple[int, int]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="checkpoint-history", daemon=True)
-
-    def start(self) -> "CheckpointHistory":
-        os.makedirs(self.copies, exist_ok=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._look()  # what the peers wrote as they left
-
-    def _watch(self) -> None:
-        while not self._stop.wait(CHECKPOINT_POLL_S):
-            self._look()
-
-    def _look(self) -> None:
-        for entry in os.scandir(self.directory):
-            match = re.fullmatch(rf"{RUN}-(peer\d+)\.safetensors", entry.name)
-            if match is None:
-                continue
-            try:
-                stat = entry.stat()
-                if self._seen.get(entry.name) == (stat.st_ino, stat.st_mtime_ns):
-                    continue
-                copy = os.path.join(self.copies, f"{match.group(1)}-{len(self.kept)}.safetensors")
-                shutil.copyfile(entry.path, copy)
-            except OSError:
-                continue  # replaced between the look and the copy: the next look copies the new one
-            self._seen[entry.name] = (stat.st_ino, stat.st_mtime_ns)
-            self.kept.append((match.group(1), copy, stat.st_mtime))
-
-    def by_step(self, peers: Sequence[str]) -> List[Tuple[int, List[str], float]]:
-        """(step, every peer's copy at that step, when the last of them was written), for each step at which every
-        peer of ``peers`` wrote a checkpoint, in order; a peer's first copy at a step counts."""
-        found: Dict[int, Dict[str, Tuple[str, float]]] = {}
-        for peer, path, written in self.kept:
-            try:
-                step = int(read_stage(path)[1]["info"]["step"])
-            except (UserError, KeyError, ValueError):
-                continue
-            found.setdefault(step, {}).setdefault(peer, (path, written))
-        return [(step, [found[step][peer][0] for peer in peers], max(found[step][peer][1] for peer in peers))
-                for step in sorted(found) if all(peer in found[step] for peer in peers)]
-
-
-def time_to_target(curve: Sequence[Sequence[float]], target: float) -> Tuple[Optional[float], Optional[int]]:
-    """(seconds, samples) at the first point of ``curve`` ([samples, seconds, loss], in order) whose held-out loss
-    is at most ``target``; (None, None) if none is."""
-    for samples, seconds, loss in curve:
-        if loss <= target:
-            return seconds, int(samples)
-    return None, None
-
-
-def heldout_figures(model: ModelSpec, states: Optional[Dict[int, List[Dict[str, torch.Tensor]]]],
-                    batch: int = 256) -> Tuple[float, float]:
-    """(loss, accuracy) on the held-out split of the model whose layers are the mean of ``states`` (the
-    clusters' copies; None: the seeded start every peer trains from)."""
-    full = model.build_full()
-    if states is not None:
-        for layer, copies in states.items():
-            full[layer].load_state_dict({key: torch.stack([copy[key] for copy in copies]).mean(dim=0)
-                                         for key in copies[0]})
-    data = model.heldout()
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, data.size, batch):
-            inputs, targets = data.get(range(start, min(start + batch, data.size)))
-            total += float(model.loss(full(inputs), targets)) * len(inputs)
-    return round(total / data.size, 5), round(model.evaluate(full), 4)
-
-
 class SpeedupRun:
     """One K in one scheme: its lab, processes and figures. ``train`` leaves nothing running, even when
     interrupted."""
@@ -321,7 +142,7 @@ class SpeedupRun:
         self.model_gb, self.mbps, self.delay_ms, self.cpus = model_gb, mbps, delay_ms, cpus
         self.workdir = os.path.join(workdir, f"{scheme}-k{clusters}")
         self.checkpoints = os.path.join(self.workdir, "checkpoints")
-        self.history = CheckpointHistory(self.checkpoints, os.path.join(self.workdir, "history"))
+        self.history = CheckpointHistory(self.checkpoints, os.path.join(self.workdir, "history"), RUN)
         self.time_limit = time_limit
         self.names = [f"peer{i}" for i in range(clusters * stages)]
         self.cpu_samples: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
@@ -501,54 +322,6 @@ class SpeedupRun:
         return dict(heldout_loss=loss, heldout_accuracy=accuracy, curve=curve)
 
 
-def stood_still_share(shares: Optional[Dict[str, float]]) -> Optional[float]:
-    """Of a stage's wall time (``WallTime`` shares) while it trained, the share it stood still for averaging: its
-    downloads and plans (before it trains, or a move) are left out. None without shares."""
-    if not shares:
-        return None
-    training = 1.0 - shares.get("download", 0.0) - shares.get("plan", 0.0)
-    return round(shares.get("averaging", 0.0) / training, 4) if training > 0 else None
-
-
-def ratio(numerator: Optional[float], denominator: Optional[float]) -> Optional[float]:
-    return None if numerator is None or not denominator else round(numerator / denominator, 3)
-
-
-def compare(runs: Dict[str, Dict[int, Dict]], reference: str, target: float) -> Dict[str, Dict[str, Dict]]:
-    """Each (scheme, K)'s figures against K = 1 of its scheme and the same K of the reference scheme: the wall time
-    and samples to ``target`` (first point of its held-out curve at or below it), how many times sooner than
-    K = 1 (its time over ours), samples/s and its ratios, the final loss, and the share stages stood still for
-    averaging (the largest of any stage); then the issue's targets met or not (:data:`SOONER_TARGETS`)."""
-    results: Dict[str, Dict[str, Dict]] = {}
-    for scheme, by_k in runs.items():
-        results[scheme] = {}
-        for k, run in by_k.items():
-            seconds, samples = time_to_target(run["curve"], target)
-            alone, same_k = by_k[1], runs[reference][k]
-            alone_seconds, reference_seconds = (time_to_target(other["curve"], target)[0] for other in (alone, same_k))
-            stood_still = [share for share in run["stood_still_share"] if share is not None]
-            results[scheme][str(k)] = dict(
-                seconds_to_target=seconds, samples_to_target=samples,
-                sooner_than_k1=ratio(alone_seconds, seconds), sooner_than_reference=ratio(reference_seconds, seconds),
-                samples_per_s=run["samples_per_s"],
-                samples_per_s_vs_k1=ratio(run["samples_per_s"], alone["samples_per_s"]),
-                samples_per_s_vs_reference=ratio(run["samples_per_s"], same_k["samples_per_s"]),
-                heldout_loss=run["heldout_loss"], heldout_loss_vs_target=ratio(run["heldout_loss"], target),
-                heldout_accuracy=run["heldout_accuracy"], window_s=run["window_s"],
-                stood_still_share=max(stood_still) if stood_still else None, averaging_share=run["averaging_share"])
-    for scheme, by_k in results.items():
-        for key, figures in by_k.items():
-            k = int(key)
-            if k in SOONER_TARGETS:
-                figures["targets"] = dict(
-                    sooner=figures["sooner_than_k1"] is not None and figures["sooner_than_k1"] >= SOONER_TARGETS[k],
-                    samples_per_s=figures["samples_per_s_vs_k1"] is not None
-                    and figures["samples_per_s_vs_k1"] >= RATE_TARGETS[k],
-                    stood_still=figures["stood_still_share"] is not None
-                    and figures["stood_still_share"] < STOOD_STILL_TARGET)
-    return results
-
-
 def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples: int, mbps: float, delay_ms: float,
                   averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool,
                   schemes: Optional[Dict[str, Dict[str, Any]]] = None) -> int:
@@ -610,25 +383,3 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
     else:
         console.print(summary_table(report))
     return 0
-
-
-def summary_table(report: Dict) -> Table:
-    table = Table(title=f"bench speedup: {report['model']}, {report['stages']} stages per cluster, "
-                        f"{report['samples']} samples per K, {report['cpus_per_peer'] or 'shared'} cores per peer; "
-                        f"target: {report['reference']} K = 1's held-out loss at the end, {report['target_loss']}")
-    for column in ("scheme", "K", "s to target", "x sooner than K=1", "samples to target", "samples/s", "x K=1",
-                   f"x {report['reference']}", "held-out loss", "stood still (max stage)", "averaging s/round",
-                   "cores per peer", "machine busy cores"):
-        table.add_column(column, justify="right")
-    shown = lambda value: "-" if value is None else str(value)  # noqa: E731
-    for scheme, by_k in report["results"].items():
-        for key, figures in by_k.items():
-            run = report["runs"][scheme][key]
-            cores = [c for c in run["peer_cores"] if c is not None]
-            table.add_row(scheme, key, shown(figures["seconds_to_target"]), shown(figures["sooner_than_k1"]),
-                          shown(figures["samples_to_target"]), str(figures["samples_per_s"]),
-                          shown(figures["samples_per_s_vs_k1"]), shown(figures["samples_per_s_vs_reference"]),
-                          str(figures["heldout_loss"]), shown(figures["stood_still_share"]),
-                          shown(run["averaging_round_s"]), f"{min(cores, default=0):.2f}-{max(cores, default=0):.2f}",
-                          shown(run["machine_busy_cores"]))
-    return table
