@@ -5,12 +5,13 @@ import math
 import subprocess
 
 import pytest
+from rich.console import Console
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
 from ravnest_swarm.bench.speedup import parse_clusters, steps_per_cluster
 from ravnest_swarm.bench.speedup_curve import time_to_target
-from ravnest_swarm.bench.speedup_schemes import SCHEMES, compare, parse_schemes, stood_still_share
+from ravnest_swarm.bench.speedup_schemes import SCHEMES, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.errors import UserError
 
 
@@ -70,14 +71,25 @@ def test_time_to_target_is_the_first_point_at_or_below_it_and_ratios_come_from_t
     assert new["stood_still_share"] == 0.03 and new["heldout_loss_vs_target"] == 0.95
     assert new["targets"] == dict(sooner=True, samples_per_s=True, stood_still=True)
     assert "targets" not in results["new"]["1"]
+    # the table a person reads shows each (scheme, K), a target not reached as "-"
+    report = dict(model="mlp-digits", stages=2, samples=3200, cpus_per_peer=0.36, reference="today", target_loss=0.2,
+                  results=results, runs={scheme: {str(k): dict(run, peer_cores=[0.2, 0.3], averaging_round_s=None,
+                                                               machine_busy_cores=2.0) for k, run in by_k.items()}
+                                         for scheme, by_k in runs.items()})
+    console = Console(record=True, width=400)
+    console.print(summary_table(report))
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in console.export_text().splitlines()]
+    rows = [row for row in rows if row and row[0] in ("today", "new")]
+    assert [row[:3] for row in rows] == [["today", "1", "16.0"], ["today", "2", "-"], ["new", "1", "9.0"],
+                                         ["new", "2", "4.0"]]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)  # four labs one after the other: 4.3 min at load average 5, over 7 at 21
 @pytest.mark.netns
 def test_bench_speedup_runs_two_schemes_at_each_k_times_them_to_the_target_and_leaves_nothing_running(processes):
     bench = processes.start(["bench", "speedup", "--json", "--clusters", "1,2", "--samples", "2560",
                              "--averaging-period", "10", "--schemes", "today,new"], "bench")
-    exits_leaving_nothing(bench, 400)  # the peers, their p2pd, the backbones, the relays
+    exits_leaving_nothing(bench, 570)  # the peers, their p2pd, the backbones, the relays
     report = json.loads(bench.stdout().strip().splitlines()[-1])
     assert report["benchmark"] == "speedup" and report["clusters"] == [1, 2] and report["stages"] == 2
     assert report["link"]["mode"] == "netns" and report["link"]["mbps"] == 100.0

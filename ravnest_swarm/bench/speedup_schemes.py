@@ -38,7 +38,6 @@ RATE_TARGETS = {2: 1.6, 4: 3.2}
 STOOD_STILL_TARGET = 0.05
 
 
-
 def scheme_value(key: str, text: str) -> Any:
     """A scheme setting's text as the run spec's type for ``key`` (one of :data:`SCHEME_KEYS`)."""
     if key not in SCHEME_KEYS:
@@ -56,8 +55,9 @@ def scheme_value(key: str, text: str) -> Any:
 
 def parse_schemes(text: str) -> Dict[str, Dict[str, Any]]:
     """``"today,new"`` or ``"today,fast:optimizer=adamw,lr=0.003"`` -> {name: settings}, in order. A bare name is
-    one of :data:`SCHEMES`; ``name:key=value,...`` starts from the named scheme (from ``today`` for a new name) and
-    changes what it lists, the ``key=value`` items after it included. The first scheme is the reference."""
+    one of :data:`SCHEMES`; ``name:key=value`` starts from the named scheme (from ``today`` for a new name) and
+    changes that setting, as does each ``key=value`` item after it (of the scheme before it). The first scheme is
+    the reference."""
     schemes: Dict[str, Dict[str, Any]] = {}
     current: Optional[str] = None
     for item in (part.strip() for part in text.split(",")):
@@ -90,7 +90,7 @@ def parse_schemes(text: str) -> Dict[str, Dict[str, Any]]:
     for name, settings in schemes.items():
         merged = RunSpec(model="-", **settings)
         try:
-                check_spec_choices(merged.pipeline_compression, merged.backward, merged.aggregation, merged.optimizer,
+            check_spec_choices(merged.pipeline_compression, merged.backward, merged.aggregation, merged.optimizer,
                                merged.lr_schedule, merged.outer_optimizer, merged.lr_scaling,
                                averaging_compression=merged.averaging_compression)
         except UserError as e:
@@ -133,10 +133,8 @@ def compare(runs: Dict[str, Dict[int, Dict]], reference: str, target: float) -> 
                 heldout_loss=run["heldout_loss"], heldout_loss_vs_target=ratio(run["heldout_loss"], target),
                 heldout_accuracy=run["heldout_accuracy"], window_s=run["window_s"],
                 stood_still_share=max(stood_still) if stood_still else None, averaging_share=run["averaging_share"])
-    for scheme, by_k in results.items():
-        for key, figures in by_k.items():
-            k = int(key)
             if k in SOONER_TARGETS:
+                figures = results[scheme][str(k)]
                 figures["targets"] = dict(
                     sooner=figures["sooner_than_k1"] is not None and figures["sooner_than_k1"] >= SOONER_TARGETS[k],
                     samples_per_s=figures["samples_per_s_vs_k1"] is not None
@@ -144,7 +142,6 @@ def compare(runs: Dict[str, Dict[int, Dict]], reference: str, target: float) -> 
                     stood_still=figures["stood_still_share"] is not None
                     and figures["stood_still_share"] < STOOD_STILL_TARGET)
     return results
-
 
 
 def summary_table(report: Dict) -> Table:
