@@ -62,6 +62,7 @@ GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour on
 POLL_S = 0.5
 CURVE_POINTS = 16  # checkpoints per peer in a run: the held-out curve's points, each 1/16 of the samples apart
 
+
 def parse_clusters(text: str) -> List[int]:
     """``"1,2,4"`` -> ``[1, 2, 4]``; K = 1 must be among them, as the ratios are to it."""
     try:
@@ -180,12 +181,12 @@ class SpeedupRun:
         from ravnest_swarm.processes import ProcessGroup
 
         os.makedirs(self.checkpoints)
-        self.history.start()
         backbone_host = len(self.names)
         with NetLab(backbone_host + 1, mbps=self.mbps, delay_ms=self.delay_ms, cpus=self.cpus) as lab:
             self.lab_description = lab.describe()
             group = ProcessGroup(self.workdir)
             try:
+                self.history.start()
                 on_progress(f"starting {backbone_host} peers and a backbone", 0)
                 backbone = group.start_library(run_backbone_process, BackboneOptions(
                     host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)],
@@ -197,7 +198,7 @@ class SpeedupRun:
                 cgroups = {name: lab.cgroup(host) for host, name in enumerate(self.names)} if lab.cpus else {}
                 placements = self._watch(peers, cgroups, on_progress)
             except (RuntimeError, TimeoutError, StopIteration) as e:
-                raise UserError(f"K = {self.k}: a bench process failed ({e}); logs in {self.workdir}", exit_code=1)
+                raise UserError(f"{self.scheme}, K = {self.k}: a bench process failed ({e}); logs in {self.workdir}", exit_code=1)
             finally:
                 group.stop_all(grace=20)
                 self.history.stop()
