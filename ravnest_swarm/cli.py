@@ -997,20 +997,29 @@ def bench_speedup(
     cpus_per_peer: Optional[float] = typer.Option(None, "--cpus-per-peer", min=0.0, help="CPU cores each peer's host "
                                                   "may use, the same for every K (default: 0.9 x the machine's cores "
                                                   "/ (largest K x stages + 1), at most 1; 0: no limit)."),
-    time_limit: float = typer.Option(600.0, "--time-limit", min=10.0, help="Seconds each K may take."),
+    time_limit: float = typer.Option(600.0, "--time-limit", min=10.0, help="Seconds each K of each scheme may "
+                                     "take."),
+    schemes: str = typer.Option("today,new", "--schemes", help="Training schemes to run side by side, each at every "
+                                "K: today (sgd, average, float32, stages stand still), new (adamw, nesterov, int8, "
+                                "averaging beside training), or name:key=value,... of your own (run-spec settings, "
+                                "from today's). The first is the reference: its K = 1's final held-out loss is the "
+                                "target all are timed to."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
-    """Samples/s of K = 1, 2 and 4 clusters of the same stages, same links and CPU per peer; held-out loss.
+    """Wall time and samples to a held-out loss, and samples/s, of K = 1, 2 and 4 clusters of the same stages in
+    each scheme, same links and CPU per peer.
 
     \b
-    Example:
+    Examples:
       sudo ravnest-swarm bench speedup --json
+      sudo ravnest-swarm bench speedup --clusters 1,2 --samples 4800 --schemes today,new,adamw:optimizer=adamw,lr=0.002
     """
     configure_logging(False)
-    from ravnest_swarm.bench.speedup import bench_speedup as run, parse_clusters
+    from ravnest_swarm.bench.speedup import bench_speedup as run, parse_clusters, parse_schemes
 
     sys.exit(run_blocking(lambda: run(parse_clusters(clusters), stages, model, samples, mbps, delay_ms,
-                                      averaging_period, cpus_per_peer, time_limit, as_json)))
+                                      averaging_period, cpus_per_peer, time_limit, as_json,
+                                      parse_schemes(schemes))))
 
 
 @bench_app.command("soak")

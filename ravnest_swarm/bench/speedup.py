@@ -1,4 +1,5 @@
-"""``bench speedup``: the same stages trained by K = 1, 2 and 4 clusters, side by side, on the lab's links and CPUs.
+"""``bench speedup``: the same stages trained by K = 1, 2 and 4 clusters, side by side, on the lab's links and CPUs,
+in each of several training schemes (``--schemes``: today's and the new one by default).
 
 For each K a fresh :class:`~ravnest_swarm.bench.netlab.NetLab` gives every peer a host of its own: the same access
 link (``tc tbf`` rate, the relay's one-way delay) and the same CPU quota (a cgroup) for every K, as if each
@@ -9,14 +10,24 @@ error). Each K trains the same number of samples (``samples``): a stage's length
 size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at the run's lr as its
 ``lr_scaling`` scales it for K: ``docs/swarm.md``).
 
+A scheme is a named set of run-spec settings (``speedup_schemes.py``: today's, the new one, or the user's own):
+every (K, scheme) trains in a lab of its own, K by K, the schemes of one K one after the other. The first scheme is
+the reference: its K = 1's held-out loss at the end is the target every run is timed to.
+
 Throughput: the samples every cluster's stage 0 completed, over the time from the first injection of any
 cluster to the last completion of any (the peers' reports, ``join --report``): averaging rounds, and a
 cluster that starts or ends late, count against it. Held-out loss: the clusters' final weights averaged layer
-by layer (what the next averaging round would give every cluster), on the model's held-out split.
+by layer (what the next averaging round would give every cluster), on the model's held-out split. Along the way:
+every peer checkpoints :data:`CURVE_POINTS` times in the run, a watcher keeps a copy of each checkpoint as it is
+written, and each step at which every peer's copy exists is a point of the held-out curve, at the samples the
+clusters trained by then and the wall time since the first injection at which the last of those checkpoints was
+written: what a user waits for to reach the target loss (``speedup_curve.py``).
 
 What bounds it, measured per K over that window: each peer's CPU use (its process tree, p2pd included)
 against its quota, the share of quota periods in which its host was throttled, the machine's CPU busy share
-(every process on it, other work included), each stage's busy share, and the time averaging rounds took.
+(every process on it, other work included), each stage's busy share, the time averaging rounds took, and the share
+of its time each stage stood still for averaging (its wall time's ``averaging`` use: with ``averaging_overlap`` a
+round runs beside training, and only the wait for a round still running counts).
 """
 
 from __future__ import annotations
@@ -28,18 +39,18 @@ import re
 import tempfile
 import time
 from bisect import bisect_left
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import psutil
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.bench.pipeline import busy_fraction
+from ravnest_swarm.bench.speedup_curve import CheckpointHistory, heldout_figures, layer_states
+from ravnest_swarm.bench.speedup_schemes import SCHEME_KEYS, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.placement import MAX_STAGE_SHARE, model_workload
@@ -49,6 +60,7 @@ RUN = "speedup"
 PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
 GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour one
 POLL_S = 0.5
+CURVE_POINTS = 16  # checkpoints per peer in a run: the held-out curve's points, each 1/16 of the samples apart
 
 
 def parse_clusters(text: str) -> List[int]:
@@ -121,46 +133,17 @@ def quota_periods(cgroup: str) -> Optional[Tuple[int, int]]:
     return int(stat.get("nr_periods", 0)), int(stat.get("nr_throttled", 0))
 
 
-def layer_states(directory: str, peers: Sequence[str]) -> Dict[int, List[Dict[str, torch.Tensor]]]:
-    """Every layer's final weights in the peers' checkpoints: one state per cluster that trained it."""
-    layers: Dict[int, List[Dict[str, torch.Tensor]]] = {}
-    for name in peers:
-        tensors, metadata = read_stage(os.path.join(directory, f"{RUN}-{name}.safetensors"))
-        start, end = metadata["info"]["layers"]
-        for layer in range(start, end):
-            prefix = f"param.{layer - start}."
-            layers.setdefault(layer, []).append(
-                {key[len(prefix):]: value for key, value in tensors.items() if key.startswith(prefix)})
-    return layers
-
-
-def heldout_figures(model: ModelSpec, states: Optional[Dict[int, List[Dict[str, torch.Tensor]]]],
-                    batch: int = 256) -> Tuple[float, float]:
-    """(loss, accuracy) on the held-out split of the model whose layers are the mean of ``states`` (the
-    clusters' copies; None: the seeded start every peer trains from)."""
-    full = model.build_full()
-    if states is not None:
-        for layer, copies in states.items():
-            full[layer].load_state_dict({key: torch.stack([copy[key] for copy in copies]).mean(dim=0)
-                                         for key in copies[0]})
-    data = model.heldout()
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, data.size, batch):
-            inputs, targets = data.get(range(start, min(start + batch, data.size)))
-            total += float(model.loss(full(inputs), targets)) * len(inputs)
-    return round(total / data.size, 5), round(model.evaluate(full), 4)
-
-
 class SpeedupRun:
-    """One K: its lab, processes and figures. ``train`` leaves nothing running, even when interrupted."""
+    """One K in one scheme: its lab, processes and figures. ``train`` leaves nothing running, even when
+    interrupted."""
 
-    def __init__(self, clusters: int, stages: int, steps: int, spec: RunSpec, model_gb: float, mbps: float,
-                 delay_ms: float, cpus: Optional[float], workdir: str, time_limit: float):
-        self.k, self.stages, self.steps, self.spec = clusters, stages, steps, spec
+    def __init__(self, clusters: int, stages: int, steps: int, spec: RunSpec, scheme: str, model_gb: float,
+                 mbps: float, delay_ms: float, cpus: Optional[float], workdir: str, time_limit: float):
+        self.k, self.stages, self.steps, self.spec, self.scheme = clusters, stages, steps, spec, scheme
         self.model_gb, self.mbps, self.delay_ms, self.cpus = model_gb, mbps, delay_ms, cpus
-        self.workdir = os.path.join(workdir, f"k{clusters}")
+        self.workdir = os.path.join(workdir, f"{scheme}-k{clusters}")
         self.checkpoints = os.path.join(self.workdir, "checkpoints")
+        self.history = CheckpointHistory(self.checkpoints, os.path.join(self.workdir, "history"), RUN)
         self.time_limit = time_limit
         self.names = [f"peer{i}" for i in range(clusters * stages)]
         self.cpu_samples: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
@@ -169,6 +152,9 @@ class SpeedupRun:
         self.periods: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
         self.throttled: Dict[str, List[Tuple[float, float]]] = {name: [] for name in self.names}
         self.lab_description: Dict = {}
+        self.window_start = 0.0  # wall time of the first injection of any cluster (``_figures``)
+        # when the last state was reached: the last completion or averaging round of any peer (``_figures``)
+        self.trained_until = 0.0
 
     def _join_options(self, lab, host: int, initial: str) -> JoinOptions:
         # RAM for 1.2 / S of the model: S peers hold it, S - 1 cannot (for S <= 5), and the planner's stage share
@@ -176,15 +162,15 @@ class SpeedupRun:
         ram_gb = self.model_gb * min(MAX_STAGE_SHARE / self.stages, 1.0) * 1.001
         return JoinOptions(
             initial_peers=[initial], run=RUN, name=self.names[host], dashboard=False, model=self.spec.model,
-            steps=self.steps, lr=self.spec.lr, microbatch_size=self.spec.microbatch_size,
-            max_in_flight=self.spec.max_in_flight, averaging_period=self.spec.averaging_period,
-            pipeline_compression=self.spec.pipeline_compression, ram_gb=ram_gb, gflops=GFLOPS, bandwidth_mbps=self.mbps,
+            steps=self.steps, microbatch_size=self.spec.microbatch_size,
+            **{key: getattr(self.spec, key) for key in SCHEME_KEYS},
+            ram_gb=ram_gb, gflops=GFLOPS, bandwidth_mbps=self.mbps,
             host_maddrs=[lab.host_maddr(host)], announce_maddrs=[lab.announce_maddr(host)],
             report=self.report_path(self.names[host]),
             # when records lived two heartbeats, at 2 s a peer on a 0.2-core quota of a machine at load 20 missed its
             # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
             min_peers=len(self.names), heartbeat=4.0, handover_timeout=0.0, checkpoint_dir=self.checkpoints,
-            checkpoint_every=max(1, self.steps // 10))
+            checkpoint_every=max(1, self.steps // CURVE_POINTS))
 
     def report_path(self, name: str) -> str:
         return os.path.join(self.workdir, f"{name}.report.json")
@@ -200,6 +186,7 @@ class SpeedupRun:
             self.lab_description = lab.describe()
             group = ProcessGroup(self.workdir)
             try:
+                self.history.start()
                 on_progress(f"starting {backbone_host} peers and a backbone", 0)
                 backbone = group.start_library(run_backbone_process, BackboneOptions(
                     host_maddrs=[lab.host_maddr(backbone_host)], announce_maddrs=[lab.announce_maddr(backbone_host)],
@@ -211,9 +198,10 @@ class SpeedupRun:
                 cgroups = {name: lab.cgroup(host) for host, name in enumerate(self.names)} if lab.cpus else {}
                 placements = self._watch(peers, cgroups, on_progress)
             except (RuntimeError, TimeoutError, StopIteration) as e:
-                raise UserError(f"K = {self.k}: a bench process failed ({e}); logs in {self.workdir}", exit_code=1)
+                raise UserError(f"{self.scheme}, K = {self.k}: a bench process failed ({e}); logs in {self.workdir}", exit_code=1)
             finally:
                 group.stop_all(grace=20)
+                self.history.stop()
         return self._figures(placements)
 
     def _watch(self, peers: Dict, cgroups: Dict[str, str], on_progress) -> Dict[str, Tuple[int, int, Tuple[int, int]]]:
@@ -278,6 +266,8 @@ class SpeedupRun:
         start = min(report["inject_times"][0] for report in firsts.values())
         end = max(report["complete_times"][-1] for report in firsts.values())
         window = end - start
+        self.window_start = start
+        self.trained_until = max([end] + [b for report in reports.values() for _, b in report["averaging"]])
         completed = {c: len(report["complete_times"]) * report["microbatch_size"] for c, report in firsts.items()}
         cluster_rates = {c: round(completed[c] / (r["complete_times"][-1] - r["inject_times"][0]), 2)
                          for c, r in sorted(firsts.items())}
@@ -302,6 +292,8 @@ class SpeedupRun:
             averaging_failures=sum(report["averaging_failures"] for report in reports.values()),
             averaging_round_s=round(sum(rounds) / len(rounds), 3) if rounds else None,
             averaging_share=round(sum(averaging_in_window) / len(averaging_in_window), 3),
+            # each stage's share of its training time (downloads and plans left out) it stood still for averaging
+            stood_still_share=[stood_still_share(reports[name].get("time_shares")) for name in ordered],
             busy_fraction=[round(busy_fraction(reports[name]["busy"], start, end), 3) for name in ordered],
             compute_fraction=[round(busy_fraction(reports[name]["compute"], start, end), 3) for name in ordered],
             peer_cores=[None if cores[name] is None else round(cores[name], 3) for name in ordered],
@@ -317,22 +309,36 @@ class SpeedupRun:
             peers_order=ordered,
         )
 
-    def evaluate(self, model: ModelSpec) -> Tuple[float, float]:
-        return heldout_figures(model, layer_states(self.checkpoints, self.names))
+    def evaluate(self, model: ModelSpec) -> Dict:
+        """The held-out loss and accuracy at the end (the peers' last checkpoints), and the held-out curve:
+        [samples, seconds since the first injection, loss] at each step every peer checkpointed."""
+        loss, accuracy = heldout_figures(model, layer_states(
+            [os.path.join(self.checkpoints, f"{RUN}-{name}.safetensors") for name in self.names]))
+        # a peer writes its last checkpoint as it leaves, seconds after its state was reached: that point is timed
+        # at the end of the training (and of the rounds) instead
+        curve = [[step * self.k * self.spec.microbatch_size,
+                  round(min(written, self.trained_until) - self.window_start, 2),
+                  heldout_figures(model, layer_states(paths))[0]]
+                 for step, paths, written in self.history.by_step(self.names)]
+        return dict(heldout_loss=loss, heldout_accuracy=accuracy, curve=curve)
 
 
 def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples: int, mbps: float, delay_ms: float,
-                  averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool) -> int:
+                  averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool,
+                  schemes: Optional[Dict[str, Dict[str, Any]]] = None) -> int:
     from ravnest_swarm.bench.netlab import cpu_quota_unavailable
 
+    schemes = schemes or parse_schemes("today,new")
     try:
         model = get_model(model_name)
     except ValueError as e:
         raise UserError(str(e))
     if stages > len(model.layers):
         raise UserError(f"{model_name} has {len(model.layers)} layers: at most that many --stages")
-    spec = RunSpec(model=model_name, averaging_period=averaging_period)
-    steps = steps_per_cluster(samples, clusters, spec.microbatch_size)
+    specs = {name: RunSpec(model=model_name, **{"averaging_period": averaging_period, **settings})
+             for name, settings in schemes.items()}
+    microbatch_size = RunSpec(model=model_name).microbatch_size
+    steps = steps_per_cluster(samples, clusters, microbatch_size)
     console = Console(stderr=True)
     no_quota = cpu_quota_unavailable()
     if cpus_per_peer is None:
@@ -341,39 +347,36 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
             console.print(f"[yellow]no CPU quota per peer ({no_quota}): the peers share the machine's cores[/]")
     elif cpus_per_peer and no_quota:
         raise UserError(f"--cpus-per-peer is not possible here: {no_quota}; pass 0 to share the cores")
-    model_gb = model_workload(model, spec, len(model.layers))[0].model_gb
     workdir = tempfile.mkdtemp(prefix="ravnest-bench-speedup-")
-    runs: Dict[int, Dict] = {}
-    losses: Dict[int, Tuple[float, float]] = {}
+    runs: Dict[str, Dict[int, Dict]] = {name: {} for name in schemes}
     description: Dict = {}
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=not as_json) as progress:
-        tasks = {k: progress.add_task(f"K = {k}: waiting", total=steps[k] * k) for k in clusters}
-        for k in clusters:
-            run = SpeedupRun(k, stages, steps[k], spec, model_gb, mbps, delay_ms, cpus_per_peer or None, workdir,
-                             time_limit)
-            runs[k] = run.train(lambda text, done, k=k: progress.update(
-                tasks[k], description=f"K = {k}: {text}", completed=done))
-            losses[k] = run.evaluate(model)
-            description = run.lab_description
+        tasks = {(name, k): progress.add_task(f"{name}, K = {k}: waiting", total=steps[k] * k)
+                 for k in clusters for name in schemes}
+        for k in clusters:  # the schemes of one K one after the other: they meet the most similar load
+            for name, spec in specs.items():
+                # the model's memory in the planner's model of this scheme (AdamW's state is two more copies)
+                model_gb = model_workload(model, spec, len(model.layers))[0].model_gb
+                run = SpeedupRun(k, stages, steps[k], spec, name, model_gb, mbps, delay_ms, cpus_per_peer or None,
+                                 workdir, time_limit)
+                figures = run.train(lambda text, done, task=tasks[name, k], label=f"{name}, K = {k}":
+                                    progress.update(task, description=f"{label}: {text}", completed=done))
+                runs[name][k] = dict(figures, **run.evaluate(model))
+                description = run.lab_description
     if description.get("mode") != "netns":
         console.print("[yellow]no network namespaces: the links were NOT rate-limited[/]")
-    base = runs[1]["samples_per_s"]
+    reference = next(iter(schemes))
+    target = runs[reference][1]["heldout_loss"]
     start_loss, start_accuracy = heldout_figures(model, None)
     report = dict(
         benchmark="speedup", model=model_name, stages=stages, clusters=list(clusters), samples=samples,
-        microbatch_size=spec.microbatch_size, averaging_period=averaging_period, lr=spec.lr,
-        samples_per_s={str(k): runs[k]["samples_per_s"] for k in clusters},
-        speedup={str(k): round(runs[k]["samples_per_s"] / base, 3) for k in clusters},
-        efficiency={str(k): round(runs[k]["samples_per_s"] / base / k, 3) for k in clusters},
-        heldout_loss={str(k): losses[k][0] for k in clusters},
-        heldout_loss_vs_k1={str(k): round(losses[k][0] / losses[1][0], 4) for k in clusters},
-        heldout_accuracy={str(k): losses[k][1] for k in clusters},
-        heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
-        targets={str(k): dict(speedup_at_least_0_8k=runs[k]["samples_per_s"] >= 0.8 * k * base,
-                              loss_within_5_percent=abs(losses[k][0] / losses[1][0] - 1) <= 0.05)
-                 for k in clusters if k > 1},
-        cpus_per_peer=cpus_per_peer or None, link=description, runs={str(k): runs[k] for k in clusters},
+        microbatch_size=microbatch_size, averaging_period=averaging_period,
+        schemes={name: {key: getattr(spec, key) for key in SCHEME_KEYS} for name, spec in specs.items()},
+        reference=reference, target_loss=target, heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
+        results=compare(runs, reference, target),
+        cpus_per_peer=cpus_per_peer or None, link=description,
+        runs={name: {str(k): run for k, run in by_k.items()} for name, by_k in runs.items()},
         cpu_count=os.cpu_count(), load_avg=[round(x, 2) for x in os.getloadavg()], logs=workdir,
     )
     if as_json:
@@ -381,20 +384,3 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
     else:
         console.print(summary_table(report))
     return 0
-
-
-def summary_table(report: Dict) -> Table:
-    table = Table(title=f"bench speedup: {report['model']}, {report['stages']} stages per cluster, "
-                        f"{report['samples']} samples per K, {report['cpus_per_peer'] or 'shared'} cores per peer")
-    for column in ("K", "samples/s", "x K=1", "x K=1 / K", "held-out loss", "vs K=1", "averaging s/round",
-                   "averaging share", "cores per peer", "machine busy cores"):
-        table.add_column(column, justify="right")
-    for k in report["clusters"]:
-        run, key = report["runs"][str(k)], str(k)
-        cores = [c for c in run["peer_cores"] if c is not None]
-        table.add_row(key, str(report["samples_per_s"][key]), str(report["speedup"][key]),
-                      str(report["efficiency"][key]), str(report["heldout_loss"][key]),
-                      str(report["heldout_loss_vs_k1"][key]), str(run["averaging_round_s"] or "-"),
-                      str(run["averaging_share"]), f"{min(cores, default=0):.2f}-{max(cores, default=0):.2f}",
-                      str(run["machine_busy_cores"]))
-    return table
