@@ -600,6 +600,9 @@ def bench_quality(
     steps: int = typer.Option(300, "--steps", min=1, help="Optimizer steps per stage."),
     model: str = typer.Option("mlp-digits", "--model"),
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Swarm runs (and baseline seeds) averaged."),
+    scheme: str = typer.Option("today", "--scheme", help="The run's optimizers and averaging, as `bench speedup "
+                               "--schemes` names one: today, new, or name:key=value,... (the baseline trains with "
+                               "the same inner optimizer)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
     """Swarm held-out accuracy beside a single process trained on as many samples; per-peer memory share.
@@ -607,11 +610,12 @@ def bench_quality(
     \b
     Example:
       ravnest-swarm bench quality --peers 6 --steps 300 --json
+      ravnest-swarm bench quality --scheme new --repeats 3 --json
     """
     configure_logging(False)
     from ravnest_swarm.bench.quality import bench_quality as run
 
-    sys.exit(run_async(run(peers, steps, model, as_json, repeats)))
+    sys.exit(run_async(run(peers, steps, model, as_json, repeats, scheme)))
 
 
 @bench_app.command("export")

@@ -259,3 +259,11 @@ def test_doctor_says_cannot_join_without_a_backbone():
 def test_update_spec_without_a_change_is_one_line():
     result = cli("update-spec", "--initial-peers", DEAD_PEER.format(port=free_port()), "--run", "r")
     assert_one_line_error(result, "--lr, --steps, --finish, --invite-only or --revoke", code=2)
+
+
+def test_bench_quality_refuses_a_scheme_it_cannot_run_in_one_line():
+    """``bench quality --scheme`` takes one scheme as ``bench speedup --schemes`` names it; anything else is one line
+    naming the option, before any peer starts."""
+    assert_one_line_error(cli("bench", "quality", "--scheme", "bogus"), "--scheme", "unknown scheme 'bogus'")
+    assert_one_line_error(cli("bench", "quality", "--scheme", "today,new"), "--scheme names one scheme")
+    assert_one_line_error(cli("bench", "quality", "--scheme", "mine:lr=fast"), "--scheme", "lr must be a float")

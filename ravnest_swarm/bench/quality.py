@@ -4,7 +4,8 @@ One run: a ``local`` swarm (real processes) trains for ``steps`` optimizer steps
 this process, the same model is trained with the same optimizer, learning rate and microbatch size on
 the same number of samples (steps x microbatch size x clusters), drawn in order from one shard; and
 once more at the learning rate the swarm's stages use (the run's, scaled by its ``lr_scaling``: ``spec.cluster_lr``).
-Both are evaluated on the held-out split. Also reported: the largest share of the model (parameters
+Both are evaluated on the held-out split. ``--scheme`` sets the run's optimizers and averaging as ``bench
+speedup`` names them (``today``, ``new``); the single process trains with the same inner optimizer and schedule. Also reported: the largest share of the model (parameters
 and optimizer state, in bytes of tensors held) that any peer holds, relative to 1/stages.
 
 The held-out split of ``mlp-digits`` is 300 digits, so one run's accuracy has a standard error of
@@ -14,12 +15,15 @@ the baseline with as many data-order seeds, and the gap is judged on the means.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+from typing import Any, Dict, Tuple
 
 from rich.console import Console
 from rich.progress import Progress
 
+from ravnest_swarm.bench.speedup_schemes import parse_schemes
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
@@ -47,9 +51,22 @@ def train_single_process(spec: RunSpec, microbatches: int, seed: int = 0, progre
     return model.evaluate(full)
 
 
-async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repeats: int = 1) -> int:
+def parse_scheme(text: str) -> Tuple[str, Dict[str, Any]]:
+    """``--scheme``: one scheme as ``bench speedup --schemes`` names it (``today``, ``new``, ``name:key=value,...``)."""
+    try:
+        schemes = parse_schemes(text)
+    except UserError as e:
+        raise UserError(str(e).replace("--schemes", "--scheme"))
+    if len(schemes) != 1:
+        raise UserError(f"--scheme names one scheme, not {len(schemes)}: {', '.join(schemes)}")
+    return next(iter(schemes.items()))
+
+
+async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repeats: int = 1,
+                        scheme_text: str = "today") -> int:
     console = Console(stderr=True)
-    spec = RunSpec(model=model)
+    scheme = parse_scheme(scheme_text)
+    spec = RunSpec(model=model, **scheme[1])
     swarm_results, baselines, scaled_baselines = [], [], []
     for repeat in range(repeats):
         swarm = LocalSwarm(LocalOptions(peers=peers, steps=steps, model=model, spec=spec, dashboard=False), console)
@@ -61,7 +78,7 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
                             f"accuracy would not compare with the baseline's, so nothing is reported", exit_code=1)
         clusters = swarm_result["clusters"] or 1
         microbatches = steps * clusters
-        scaled = RunSpec(model=model, lr=cluster_lr(spec.lr, clusters, spec.lr_scaling, steps))
+        scaled = dataclasses.replace(spec, lr=cluster_lr(spec.lr, clusters, spec.lr_scaling, steps))
         with Progress(console=console, transient=True) as bar:
             task = bar.add_task(f"single-process baselines, seed {repeat}", total=2 * microbatches)
             baselines.append(train_single_process(spec, microbatches, seed=repeat,
@@ -76,6 +93,8 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
     result = {
         "benchmark": "quality",
         "model": model,
+        "scheme": scheme[0],
+        "settings": scheme[1],
         "repeats": repeats,
         "swarm_accuracy": None if swarm_accuracy is None else round(swarm_accuracy, 4),
         "baseline_accuracy": round(baseline_accuracy, 4),
