@@ -224,3 +224,17 @@ def test_a_plan_in_force_without_a_readable_copy_is_written_again_by_its_adopter
                 await stop_node(node)
 
     asyncio.run(scenario())
+
+
+def test_peers_placed_by_another_plan_are_no_standbys_of_ours():
+    """The soak's second swarm (peer12's plan rounds) counted the first swarm's six placed peers as standbys
+    that could raise its throughput, opened a round, and kept its plan, as they never took part: again and again.
+    Peers whose records follow another plan round are not weighed; a real standby still is."""
+    options = RoundOptions(WORKLOAD, round_period=0.0)
+    plan = planned(("v1", "v2"), options)  # round 1
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    triggers = RoundTriggers(options)
+    assert triggers.reason(plan, alive, {"v1": 1, "v2": 1, "v0": 11, "v3": 11}) is None
+    assert triggers.unpaid is None and triggers.considered == set()
+    assert triggers.reason(plan, alive, {"v1": 1, "v2": 1}) == (
+        "2 standby peer(s) can raise the swarm's throughput from 4 to 7.5 samples/s, moving 2 peer(s) in 129s")

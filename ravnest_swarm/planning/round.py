@@ -165,6 +165,12 @@ class RoundTriggers:
         gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
         if gone:
             return f"{len(gone)} planned peer(s) gone"
+        # a peer another plan places is no standby of ours: it takes part in its own plan's rounds, not ours, so
+        # weighing it opened round after round that kept the plan in force ("6 standby peer(s) can raise ...",
+        # then "would move 0 peer(s)") in the soak's second swarm
+        elsewhere = {peer for peer, round_number in (followed or {}).items()
+                     if round_number != plan["round"] and peer not in members}
+        alive = {peer: capabilities for peer, capabilities in alive.items() if peer not in elsewhere}
         standbys = set(alive) - members
         if standbys - self.considered and members <= set(alive):
             # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
