@@ -1,16 +1,23 @@
 """The distributed planning round with real volunteer processes on a real DHT (backbone + 5 `join`s)."""
 
+import asyncio
 import json
 import re
 import time
 
 import pytest
+from rich.console import Console
 
 from commands import ravnest
+from ravnest_swarm.membership.announcer import PeerAnnouncer
+from ravnest_swarm.membership.capabilities import Capabilities
+from ravnest_swarm.membership.reader import read_adopted_plan, read_plans
+from ravnest_swarm.membership.records import PlanRecord, make_validators, start_peer_node
+from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import improvement, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.planning.round import GONE_POLLS, RoundOptions, RoundTriggers, standby_reason
+from ravnest_swarm.planning.round import GONE_POLLS, PlanningRounds, RoundOptions, RoundTriggers, standby_reason
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -165,3 +172,69 @@ def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
     assert triggers.reason(plan, slow) is None
     assert standby_reason(plan, slow, WORKLOAD) == ("the 1 cluster(s) are full and the standbys offer 1.00 GB "
                                                    "together, 9.00 GB short of a new cluster's 10.00 GB")
+
+
+def test_a_joiner_that_reads_no_plan_its_live_peers_follow_waits_for_it_before_a_round_of_its_own():
+    """Soak (30 min, 8 volunteers, churn): peer12 joined while six peers trained plan round 10, read no copy of it,
+    and opened a round 1 of its own, 14 times, until peer13 joined and the two adopted a plan round 1 that later
+    joiners followed: two swarms that never averaged. While live peers' records say they follow a plan, a peer
+    that reads none waits ``plan_wait`` for it; only then (anyone can write such a record) does it open one."""
+    options = RoundOptions(WORKLOAD, min_peers=2, plan_wait=60.0)
+    triggers = RoundTriggers(options)
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2")}
+    followed = {"v0": 10, "v1": 10}  # v2 joined: a standby
+    assert triggers.reason(None, alive, followed) is None
+    assert triggers.reason(None, alive, followed) is None
+    triggers.unread_plan_since -= 61
+    assert triggers.reason(None, alive, followed) == "3 live peers"
+    assert triggers.reason(None, alive, {}) == "3 live peers"  # a new run: nobody follows a plan yet
+    assert triggers.unread_plan_since is None
+
+
+def test_a_plan_in_force_without_a_readable_copy_is_written_again_by_its_adopters():
+    """The other half of the soak's split: the copies of a plan are written once, by its first adopters, and a
+    store that failed on a loaded machine, nodes that left with them or their expiry left a joiner nothing to read.
+    An adopter whose poll reads no copy of the plan it follows writes its own again: a joiner then finds it in
+    force (real DHT: a storage node, the adopter and a joiner)."""
+    run = "rewrite"
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await server.get_visible_maddrs()
+        adopter = await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        joiner = await start_node(maddrs, record_validators=make_validators(run), client_mode=True,
+                                  host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            announcer = PeerAnnouncer(adopter, run, "adopter", Capabilities(ram_gb=8.0, gflops=50.0,
+                                                                            bandwidth_mbps=100.0))
+            rounds = PlanningRounds(adopter, run, announcer, RoundOptions(WORKLOAD), Console(quiet=True))
+            plan = PlanRecord(round=3, time=time.time(), clusters=[[dict(peer_id=rounds.peer_id, layers=[0, 8])]]).dict()
+            rounds.adopted = plan  # its copy's store failed: nobody can read it
+            announcer.update(state="training", plan_round=3, cluster=0, stage=0, layers=[0, 8])
+            assert await announcer.renew()
+            assert await read_plans(joiner, run) == [] and await read_adopted_plan(joiner, run) is None
+
+            assert await rounds.current_plan() == plan
+            assert await read_adopted_plan(joiner, run) == plan
+            assert len(await read_plans(joiner, run)) == 1
+            await rounds.current_plan()  # a copy is readable now: none is written again
+            assert len(await read_plans(joiner, run)) == 1
+        finally:
+            for node in (joiner, adopter, server):
+                await stop_node(node)
+
+    asyncio.run(scenario())
+
+
+def test_peers_placed_by_another_plan_are_no_standbys_of_ours():
+    """The soak's second swarm (peer12's plan rounds) counted the first swarm's six placed peers as standbys
+    that could raise its throughput, opened a round, and kept its plan, as they never took part: again and again.
+    Peers whose records follow another plan round are not weighed; a real standby still is."""
+    options = RoundOptions(WORKLOAD, round_period=0.0)
+    plan = planned(("v1", "v2"), options)  # round 1
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    triggers = RoundTriggers(options)
+    assert triggers.reason(plan, alive, {"v1": 1, "v2": 1, "v0": 11, "v3": 11}) is None
+    assert triggers.unpaid is None and triggers.considered == set()
+    assert triggers.reason(plan, alive, {"v1": 1, "v2": 1}) == (
+        "2 standby peer(s) can raise the swarm's throughput from 4 to 7.5 samples/s, moving 2 peer(s) in 129s")

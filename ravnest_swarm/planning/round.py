@@ -34,7 +34,7 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
-from ravnest_swarm.membership.reader import read_adopted_plan, read_plans, read_proposals
+from ravnest_swarm.membership.reader import adopted_plan, read_plans, read_proposals
 from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
     signing_validator,
@@ -74,6 +74,8 @@ class RoundOptions:
     :param move_horizon_s: a new plan must pay back its moves within this many seconds (the spec's
         ``move_horizon_s``, ``cost.pays_back``)
     :param layer_download_gb: what a peer downloads per layer it lacks (GB); None: the layers' memory
+    :param plan_wait: seconds a peer that reads no plan in force, while live peers' records say they follow
+        one, waits for that plan's record before it opens a first round of its own
     """
 
     workload: Workload
@@ -87,6 +89,7 @@ class RoundOptions:
     layer_profile: Optional[Tuple[Sequence[float], Sequence[float]]] = None
     move_horizon_s: float = DEFAULT_MOVE_HORIZON_S
     layer_download_gb: Optional[Sequence[float]] = None
+    plan_wait: float = 60.0
 
     def pricing(self) -> Pricing:
         """How a round builds and prices plans: stages cut from the real model's layers or ``num_layers`` identical
@@ -126,6 +129,8 @@ class RoundTriggers:
         # standbys last weighed that could not pay back their moves, the plan in force's throughput and their best
         # plan: PlanningRounds tells the volunteers once why no round opened
         self.unpaid: Optional[Tuple[set, float, PricedPlan]] = None
+        # since when live peers say they follow a plan whose record we cannot read (None: we can, or none do)
+        self.unread_plan_since: Optional[float] = None
 
     def adopted(self) -> None:
         """A round adopted a plan: every standby is weighed against it anew (one that missed the round too)."""
@@ -135,16 +140,37 @@ class RoundTriggers:
         """A round kept the plan in force (nothing paid back its moves)."""
         self.declined_at = time.time()
 
-    def reason(self, plan: Optional[dict], alive: Dict[str, Peer]) -> Optional[str]:
-        """Why a new round should open now, or None."""
+    def reason(self, plan: Optional[dict], alive: Dict[str, Peer],
+               followed: Optional[Dict[str, int]] = None) -> Optional[str]:
+        """Why a new round should open now, or None.
+
+        :param followed: the plan round each live placed peer's record names (``PlanningRounds.followed``)
+        """
         if plan is None:
+            # peers follow a plan we cannot read (yet): a round 1 of our own would start a second swarm beside
+            # theirs that never averages with it (a soak's joiner did, and later joiners followed it); wait for
+            # their plan, as its adopters write it again where it is missing, but not for ever: anyone can write
+            # a record that says it follows a plan
+            if followed:
+                self.unread_plan_since = self.unread_plan_since or time.time()
+                if time.time() - self.unread_plan_since < self.options.plan_wait:
+                    return None
+            else:
+                self.unread_plan_since = None
             return f"{len(alive)} live peers" if len(alive) >= self.options.min_peers else None
+        self.unread_plan_since = None
         members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
         # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
         self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
         gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
         if gone:
             return f"{len(gone)} planned peer(s) gone"
+        # a peer another plan places is no standby of ours: it takes part in its own plan's rounds, not ours, so
+        # weighing it opened round after round that kept the plan in force ("6 standby peer(s) can raise ...",
+        # then "would move 0 peer(s)") in the soak's second swarm
+        elsewhere = {peer for peer, round_number in (followed or {}).items()
+                     if round_number != plan["round"] and peer not in members}
+        alive = {peer: capabilities for peer, capabilities in alive.items() if peer not in elsewhere}
         standbys = set(alive) - members
         if standbys - self.considered and members <= set(alive):
             # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
@@ -195,6 +221,8 @@ class PlanningRounds:
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
         self.adopted: Optional[dict] = None  # the plan we adopted last: we trust our own adoption over any record
         self.seen: Optional[dict] = None  # the newest plan we saw its peers follow (a standby adopts none)
+        self.followed: Dict[str, int] = {}  # live placed peer id -> the plan round its record names
+        self.rewritten_at = 0.0  # when we last wrote again a copy of the plan in force that no read found
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -230,12 +258,30 @@ class PlanningRounds:
         """The plan in force: the newest that its peers follow (``reader.adopted_plan``: a plan record anyone
         wrote, for any round, does not count by itself), or the one we adopted or last saw in force if newer."""
         live_round = None if self.adopted is None else self.adopted["round"]
-        plan = await read_adopted_plan(self.node, self.run, await self.announcer.read_peers(), live_round)
+        peers, plans = await self.announcer.read_peers(), await read_plans(self.node, self.run)
+        plan = adopted_plan(plans, peers, live_round)
+        self.followed = {record["peer_id"]: record["plan_round"] for record in peers
+                         if record.get("plan_round") is not None and isinstance(record.get("cluster"), int)
+                         and record["cluster"] >= 0 and record.get("state") != "leaving"}
         known = max((p for p in (self.adopted, self.seen) if p is not None), key=lambda p: p["round"], default=None)
         if known is not None and (plan is None or plan["round"] < known["round"]):
+            await self.keep_readable(known, plans)
             return known  # its peers may have left since: it stays in force until a round adopts the next
         self.seen = plan
         return plan
+
+    async def keep_readable(self, plan: dict, plans: List[dict]) -> None:
+        """Write our copy of the plan in force again where no copy of it is readable (at most once a round's
+        length): a joiner that reads no plan opens a round 1 of its own. Copies are written once, by the first
+        adopters, and their stores can fail on a loaded machine, the nodes holding them leave, and they expire."""
+        if any(p["round"] == plan["round"] and p["clusters"] == plan["clusters"] for p in plans):
+            return
+        if time.monotonic() - self.rewritten_at < self.options.round_seconds:
+            return
+        self.rewritten_at = time.monotonic()
+        stored = await self.store_plan_copy(plan)
+        self.say(f"plan round {plan['round']} in force had no readable copy: wrote ours again"
+                 f"{'' if stored else ', but no node stored it'}")
 
     async def poll_once(self) -> None:
         plan = await self.current_plan()
@@ -246,7 +292,12 @@ class PlanningRounds:
             await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan)
             return
         alive = await self.read_alive(now)
-        reason = self.triggers.reason(plan, alive)
+        waiting = self.triggers.unread_plan_since
+        reason = self.triggers.reason(plan, alive, self.followed)
+        if waiting is None and self.triggers.unread_plan_since is not None:
+            rounds = ",".join(str(r) for r in sorted(set(self.followed.values())))
+            self.say(f"no plan in force is readable, but {len(self.followed)} live peer(s) follow plan round "
+                     f"{rounds}: waiting up to {self.options.plan_wait:g}s for it before opening a round of our own")
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
             self.triggers.unpaid = None
@@ -420,8 +471,12 @@ class PlanningRounds:
             if any(p["round"] == record["round"] and p["clusters"] == record["clusters"]
                    for p in await read_plans(self.node, self.run)):
                 return
-        await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
-                              subkey=plan_subkey_prefix(record["round"]) + self.subkey)
+        await self.store_plan_copy(record)
+
+    async def store_plan_copy(self, record: dict) -> bool:
+        """Store ``record`` under our own signed subkey of its round; whether any node took it."""
+        return bool(await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
+                                          subkey=plan_subkey_prefix(record["round"]) + self.subkey))
 
 
 def _as_assignment(clusters: Sequence[Sequence[str]], column_of: Dict[str, int], slots: int,
