@@ -232,6 +232,20 @@ def test_a_round_budget_reaches_a_plan_with_one_more_cluster(size):
         assert ga.best_fitness == pytest.approx(optimum, rel=1e-9), seed
 
 
+def test_a_round_with_one_stage_per_cluster_founds_clusters_of_one_peer():
+    """``--max-stages 1`` (D = 1): every peer that holds the model is a cluster of its own. Founding a cluster put
+    2..D peers in it, and with D = 1 every round step failed ("low >= high") and no plan was ever made."""
+    workload = Workload(0.5, 1.0, 0.0, 1)
+    peers = [Peer(f"p{i}", 1.0, 20.0, 100.0) for i in range(3)]
+    arrays = SwarmArrays(peers, workload)
+    for seed in range(4):
+        ga = IslandGA(arrays, greedy_plan(arrays), seed=seed, config=ROUND_GA)
+        for _ in range(200):
+            ga.step()
+        assert ga.best_fitness == pytest.approx(3 * 20.0), seed
+        assert sorted(ga.best) == [0, 1, 2], seed
+
+
 def test_layer_cuts_keep_each_stage_within_its_peers_ram_when_whole_layers_allow():
     """Fractions respect RAM, whole layers need not: 0.47 of 20 equal layers rounds to 9, over a peer that
     holds 8.6. The cut must move to a layer boundary that fits, or keep the nearest if none does."""

@@ -408,7 +408,7 @@ class IslandGA:
         population[index, peer] = clusters[index] - 1
 
     def _found_cluster(self, population: np.ndarray, rows: np.ndarray, clusters: np.ndarray) -> None:
-        """Put 2..D fast standby peers together under the unused id K, then swap one of them with a random peer.
+        """Put 2..D (1 where D = 1) fast standby peers together under the unused id K, then swap one of them with a random peer.
 
         A lone peer rarely holds the model, and repair dissolves a cluster short of RAM, so a new cluster
         can only appear when several standby peers join it in one move. Standby peers are the slow
@@ -419,8 +419,8 @@ class IslandGA:
         index = np.flatnonzero(rows)
         if not len(index):
             return
-        first = None
-        for _ in range(int(self.rng.integers(2, self.arrays.workload.max_stages + 1))):
+        first, most = None, self.arrays.workload.max_stages
+        for _ in range(int(self.rng.integers(min(2, most), most + 1))):  # D = 1: clusters of one peer each
             chosen = self._standby_candidates(population, index)
             ok = chosen >= 0
             population[index[ok], chosen[ok]] = clusters[index[ok]]
