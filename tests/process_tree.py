@@ -27,6 +27,17 @@ def alive(pids):
     return running
 
 
+def signal_session(process, sig):
+    """``sig`` to every process of a started peer's session (the peer and its p2pd): SIGSTOP freezes it whole."""
+    from ravnest_swarm.processes import session_members
+
+    for pid in session_members(process.pid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def kill_pids(pids):
     """SIGKILL each pid's process group and the pid itself (teardown after a failed test)."""
     for pid in pids:

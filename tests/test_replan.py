@@ -7,25 +7,16 @@ machine that swaps) in the middle of training and averaging, long enough for the
 one left to adopt a plan of one cluster; then they wake up into it.
 """
 
-import os
 import re
 import signal
 import time
 
 import pytest
 
-from ravnest_swarm.processes import session_members
+from process_tree import signal_session
 from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 
 ADOPTED_ONE = r"adopted plan round (\d+) fitness \S+ hash \S+ clusters 1 "
-
-
-def freeze(process, sig):
-    for pid in session_members(process.pid):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.timeout(300)
@@ -41,7 +32,7 @@ def test_a_replan_to_one_cluster_while_rounds_are_in_flight_leaves_every_peer_ru
                            150, f"{clusters} clusters of one stage that averaged")
     survivor, frozen = names[0], names[1:]
     for name in frozen:
-        freeze(volunteers[name], signal.SIGSTOP)
+        signal_session(volunteers[name], signal.SIGSTOP)
     try:
         # their records expire (3 heartbeats of 2 s), a round adopts a plan of one cluster; frozen longer than the 15 s
         # after which a stalled stage explains its stall: what read the new plan with the old placement
@@ -49,7 +40,7 @@ def test_a_replan_to_one_cluster_while_rounds_are_in_flight_leaves_every_peer_ru
         time.sleep(16)
     finally:
         for name in frozen:
-            freeze(volunteers[name], signal.SIGCONT)
+            signal_session(volunteers[name], signal.SIGCONT)
     # they wake up to the plan of one cluster (theirs are gone from it), and a later round places them again
     swarm.watcher.wait_for(lambda peers: len(placed(peers)) == clusters and
                            all(p["state"] in ("training", "averaging") for p in placed(peers).values()),
