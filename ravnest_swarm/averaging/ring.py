@@ -247,11 +247,12 @@ class RingRound:
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
         self._choose(members)  # before the attempt is made: it reads what the round averages, and in which codec
-        view = self.state.view(self.ring.members)
-        logger.debug(f"{self.peer.peer_id[-8:]}: ring {self.ring.index} round {self.step} attempt with "
-                     f"{[member[-8:] for member in members]} (excluded {sorted(m[-8:] for m in view.excluded)}, "
-                     f"withdrawn {sorted(self.state.withdrawn.values())}, votes "
-                     f"{ {v[-8:]: sorted(a[-8:] for a in accused) for v, accused in self.state.refusals.items()} })")
+        if logger.isEnabledFor(logging.DEBUG):  # the text walks the ring's state: built only when it is shown
+            view = self.state.view(self.ring.members)
+            logger.debug(f"{self.peer.peer_id[-8:]}: ring {self.ring.index} round {self.step} attempt with "
+                         f"{[member[-8:] for member in members]} (excluded {sorted(m[-8:] for m in view.excluded)}, "
+                         f"withdrawn {sorted(self.state.withdrawn.values())}, votes "
+                         f"{ {v[-8:]: sorted(a[-8:] for a in accused) for v, accused in self.state.refusals.items()} })")
         running = self.peer.attempt(self, members, deadline)
         attempt = asyncio.create_task(running.run())
         try:
