@@ -1048,6 +1048,9 @@ def bench_soak(
     out: Optional[str] = typer.Option(None, "--out", help="A new directory for every peer's log and checkpoints "
                                       "(default: a temporary one, printed)."),
     seed: int = typer.Option(0, "--seed", help="Which volunteers the churn picks."),
+    scheme: str = typer.Option("today", "--scheme", help="The run's training scheme, one of bench speedup's: today "
+                               "(SGD, float32 averaging while stages stand still), new (AdamW, nesterov on int8 "
+                               "pseudo-gradients beside training), or name:key=value,... of your own."),
 ):
     """A long run of real join volunteers in the network lab with churn on a schedule: did any peer hit an
     unexpected error? A table, then one JSON object on the last line.
@@ -1061,7 +1064,7 @@ def bench_soak(
 
     options = SoakOptions(peers=peers, minutes=minutes, churn_every=churn_every, mbps=mbps, delay_ms=delay_ms,
                           model=model, stages=stages, steps=steps, averaging_period=averaging_period,
-                          cpus_per_peer=cpus_per_peer, out=out, seed=seed)
+                          cpus_per_peer=cpus_per_peer, out=out, seed=seed, scheme=scheme)
     sys.exit(run_blocking(lambda: run(options)))
 
 

@@ -39,6 +39,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from ravnest_swarm.bench.speedup import GFLOPS, default_cpus_per_peer
+from ravnest_swarm.bench.speedup_schemes import parse_schemes
 from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
@@ -83,6 +84,7 @@ class SoakOptions:
     cpus_per_peer: Optional[float] = None
     out: Optional[str] = None
     seed: int = 0
+    scheme: str = "today"  # a scheme of bench speedup's (``speedup_schemes.parse_schemes``): the run's spec settings
 
 
 def placed_now(log: str, name: str) -> bool:
@@ -164,6 +166,7 @@ class Soak:
 
     def __init__(self, options: SoakOptions, ram_gb: float, cpus: Optional[float], out: str):
         self.options, self.ram_gb, self.cpus, self.out = options, ram_gb, cpus, out
+        self.settings = scheme_settings(options)
         self.rng = random.Random(options.seed)
         self.total = options.minutes * 60
         spares = max(1, min(int(self.total // options.churn_every), MAX_SPARE_HOSTS, 248 - options.peers))
@@ -238,6 +241,8 @@ class Soak:
         if not self.processes:  # the first starts the run (the others wait for its spec)
             options.model, options.steps = self.options.model, self.options.steps
             options.averaging_period, options.owner_key = self.options.averaging_period, self.owner_key
+            for key, value in self.settings.items():
+                setattr(options, key, value)
         process = self.group.start_library(run_join, options, name, lab_host=self.lab.lab_host(host))
         self.processes[name] = self.live[name] = process
         self.hosts[name] = host
@@ -380,12 +385,21 @@ class Soak:
             minutes_run=round(min(self.soaked(), self.total) / 60, 2), startup_s=self.soak_from, seconds=self.now(),
             interrupted=self.interrupted, peers=self.options.peers, churn_every_s=self.options.churn_every,
             seed=self.options.seed, steps=self.options.steps, averaging_period=self.options.averaging_period,
+            scheme=self.options.scheme, settings=self.settings,
             run=self.address, churn_events=self.churn, joins=self.joins, exits=self.exits,
             volunteers=volunteers, timeline=self.timeline, use=stage_use(volunteers),
             rounds=round_figures({name: process.stderr() for name, process in self.processes.items()}),
             unexpected_errors=errors[:MAX_ERRORS], unexpected_error_count=len(errors), survived=not errors,
             cpus_per_peer=self.cpus, link=self.link, out=self.out, cpu_count=os.cpu_count(),
             load_avg=[round(x, 2) for x in os.getloadavg()])
+
+
+def scheme_settings(options: SoakOptions) -> Dict:
+    """The run-spec settings of the soak's ``--scheme``, as JSON-ready values."""
+    schemes = parse_schemes(options.scheme)
+    if len(schemes) != 1:
+        raise UserError(f"--scheme names one scheme (today, new or name:key=value,...), not {len(schemes)}")
+    return next(iter(schemes.values()))
 
 
 def bench_soak(options: SoakOptions) -> int:
@@ -398,6 +412,9 @@ def bench_soak(options: SoakOptions) -> int:
     if options.stages > len(model.layers) or options.churn_every > options.minutes * 60:
         raise UserError(f"at most {len(model.layers)} --stages ({options.model}'s layers), and a --churn-every within "
                         f"the soak's --minutes ({options.minutes:g}), or no churn would happen")
+    # the scheme's settings win over --averaging-period, as in the run its first volunteer starts
+    spec = RunSpec(model=options.model, **{"averaging_period": options.averaging_period, **scheme_settings(options)})
+    model_gb = model_workload(model, spec, len(model.layers))[0].model_gb  # AdamW's state is two more copies
     console = Console(stderr=True)
     no_quota, cpus = cpu_quota_unavailable(), options.cpus_per_peer
     if cpus is None:
@@ -412,7 +429,6 @@ def bench_soak(options: SoakOptions) -> int:
     os.makedirs(out, exist_ok=True)
     console.print(f"logs and checkpoints in {out}", markup=False, highlight=False)
     # RAM for 1.2 / S of the model, as bench speedup's: S peers hold it, S - 1 cannot
-    model_gb = model_workload(model, RunSpec(model=options.model), len(model.layers))[0].model_gb
     soak = Soak(options, model_gb * min(MAX_STAGE_SHARE / options.stages, 1.0) * 1.001, cpus or None, out)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[clock]}"),
                   console=console) as progress:
