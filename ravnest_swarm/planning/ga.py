@@ -408,7 +408,8 @@ class IslandGA:
         population[index, peer] = clusters[index] - 1
 
     def _found_cluster(self, population: np.ndarray, rows: np.ndarray, clusters: np.ndarray) -> None:
-        """Put 2..D (1 where D = 1) fast standby peers together under the unused id K, then swap one of them with a random peer.
+        """Put 2..D fast standby peers (one where D = 1) together under the unused id K, then swap one of them with a
+        random peer.
 
         A lone peer rarely holds the model, and repair dissolves a cluster short of RAM, so a new cluster
         can only appear when several standby peers join it in one move. Standby peers are the slow
