@@ -342,7 +342,11 @@ class RingSender:
                 backoff = min(DIAL_BACKOFF * dials, MAX_DIAL_BACKOFF)
                 if time.monotonic() + backoff >= deadline:
                     raise
-                logger.info(f"ring message {_what(message)} to {peer[-8:]}: could not dial it ({e}); trying again")
+                # one line, once per message: p2pd's error lists every address tried, one per line, and a member
+                # that died is dialled again until the deadline
+                (logger.info if dials == 1 else logger.debug)(
+                    f"ring message {_what(message)} to {peer[-8:]}: could not dial it "
+                    f"({' '.join(str(e).split())[:200]}); trying again until the round's deadline")
                 await asyncio.sleep(backoff)
             except Exception as e:
                 resends = await self._resend_after(e, message, peer, resends, deadline)
