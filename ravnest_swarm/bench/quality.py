@@ -18,12 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from typing import Any, Dict, Tuple
 
 from rich.console import Console
 from rich.progress import Progress
 
-from ravnest_swarm.bench.speedup_schemes import parse_schemes
+from ravnest_swarm.bench.speedup_schemes import parse_scheme
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
@@ -49,17 +48,6 @@ def train_single_process(spec: RunSpec, microbatches: int, seed: int = 0, progre
         if progress is not None:
             progress()
     return model.evaluate(full)
-
-
-def parse_scheme(text: str) -> Tuple[str, Dict[str, Any]]:
-    """``--scheme``: one scheme as ``bench speedup --schemes`` names it (``today``, ``new``, ``name:key=value,...``)."""
-    try:
-        schemes = parse_schemes(text)
-    except UserError as e:
-        raise UserError(str(e).replace("--schemes", "--scheme"))
-    if len(schemes) != 1:
-        raise UserError(f"--scheme names one scheme, not {len(schemes)}: {', '.join(schemes)}")
-    return next(iter(schemes.items()))
 
 
 async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repeats: int = 1,

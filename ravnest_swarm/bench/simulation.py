@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ravnest_swarm.bench.simulated_dht import (NetworkModel, NodeLoad, SimulatedDHT, SimulatedNode,
+from ravnest_swarm.bench.simulated_dht import (NetworkModel, SimulatedDHT, SimulatedNode,
                                                store_on_simulated_dht)
 from ravnest_swarm.bench.virtual_time import run_virtual
 from ravnest_swarm.errors import UserError

@@ -39,7 +39,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from ravnest_swarm.bench.speedup import GFLOPS, default_cpus_per_peer
-from ravnest_swarm.bench.speedup_schemes import parse_schemes
+from ravnest_swarm.bench.speedup_schemes import parse_scheme
 from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
@@ -396,10 +396,7 @@ class Soak:
 
 def scheme_settings(options: SoakOptions) -> Dict:
     """The run-spec settings of the soak's ``--scheme``, as JSON-ready values."""
-    schemes = parse_schemes(options.scheme)
-    if len(schemes) != 1:
-        raise UserError(f"--scheme names one scheme (today, new or name:key=value,...), not {len(schemes)}")
-    return next(iter(schemes.values()))
+    return parse_scheme(options.scheme)[1]
 
 
 def bench_soak(options: SoakOptions) -> int:

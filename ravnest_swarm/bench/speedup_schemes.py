@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from rich.table import Table
 
@@ -98,6 +98,17 @@ def parse_schemes(text: str) -> Dict[str, Dict[str, Any]]:
     return schemes
 
 
+def parse_scheme(text: str) -> Tuple[str, Dict[str, Any]]:
+    """``--scheme``: one scheme as ``bench speedup --schemes`` names it (``today``, ``new``, ``name:key=value,...``)."""
+    try:
+        schemes = parse_schemes(text)
+    except UserError as e:
+        raise UserError(str(e).replace("--schemes", "--scheme"))
+    if len(schemes) != 1:
+        raise UserError(f"--scheme names one scheme, not {len(schemes)}: {', '.join(schemes)}")
+    return next(iter(schemes.items()))
+
+
 def stood_still_share(shares: Optional[Dict[str, float]]) -> Optional[float]:
     """Of a stage's wall time (``WallTime`` shares) while it trained, the share it stood still for averaging: its
     downloads and plans (before it trains, or a move) are left out. None without shares."""
@@ -164,3 +175,4 @@ def summary_table(report: Dict) -> Table:
                           shown(run["averaging_round_s"]), f"{min(cores, default=0):.2f}-{max(cores, default=0):.2f}",
                           shown(run["machine_busy_cores"]))
     return table
+
