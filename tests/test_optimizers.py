@@ -23,9 +23,9 @@ from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.planning.cost import Peer
 from ravnest_swarm.planning.plan import plan_swarm
-from process_tree import signal_session
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec
+from process_tree import signal_session
 from run_observer import RunObserver
 
 
@@ -267,7 +267,8 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
                                 "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
                                 "--gflops", "20", "--averaging-period", "20", "--checkpoint-every", "20",
                                 "--averaging-compression", "int8", "--outer-optimizer", "nesterov",
-                                "--round-seconds", "3", "--max-stages", "1", "--heartbeat", "2", "--checkpoint-dir", str(checkpoints),
+                                "--round-seconds", "3", "--max-stages", "1", "--heartbeat", "2",
+                                "--checkpoint-dir", str(checkpoints),
                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], f"{name}-{len(processes.processes)}")
 
     first = {name: join(name) for name in ("p0", "p1")}
