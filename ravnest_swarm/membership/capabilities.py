@@ -108,7 +108,9 @@ def _timed(step, flop_per_step: float, seconds: float, device: str) -> float:
         step()
         steps += 1
     _synchronize(device)  # a GPU runs ahead of Python: count the time its queued work takes
-    return round(flop_per_step * steps / (time.perf_counter() - started) / 1e9, 3)
+    # three significant figures, not decimals: a small layer on a loaded CPU measures well under 0.001 GFLOP/s, and
+    # a rate rounded to 0 would make the planner drop this peer
+    return float(f"{flop_per_step * steps / (time.perf_counter() - started) / 1e9:.3g}")
 
 
 def _synchronize(device: str) -> None:
