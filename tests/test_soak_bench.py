@@ -8,8 +8,8 @@ import pytest
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.bench.soak import LogScan, placed_now, round_figures, stage_use, use_lines
+from ravnest_swarm.checkpoint import read_stage
 
 
 def test_the_log_scan_keeps_unexpected_lines_and_one_entry_per_traceback(tmp_path):

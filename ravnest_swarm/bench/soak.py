@@ -84,7 +84,7 @@ class SoakOptions:
     cpus_per_peer: Optional[float] = None
     out: Optional[str] = None
     seed: int = 0
-    scheme: str = "today"  # a scheme of bench speedup's (``speedup_schemes.parse_schemes``): the run's spec settings
+    scheme: str = "today"  # a scheme of bench speedup's (``speedup_schemes.parse_scheme``): the run's spec settings
 
 
 def placed_now(log: str, name: str) -> bool:
@@ -164,9 +164,8 @@ class LogScan:
 class Soak:
     """One soak: its lab, processes, churn and observations. ``run`` leaves nothing running, even when interrupted."""
 
-    def __init__(self, options: SoakOptions, ram_gb: float, cpus: Optional[float], out: str):
-        self.options, self.ram_gb, self.cpus, self.out = options, ram_gb, cpus, out
-        self.settings = scheme_settings(options)
+    def __init__(self, options: SoakOptions, settings: Dict, ram_gb: float, cpus: Optional[float], out: str):
+        self.options, self.settings, self.ram_gb, self.cpus, self.out = options, settings, ram_gb, cpus, out
         self.rng = random.Random(options.seed)
         self.total = options.minutes * 60
         spares = max(1, min(int(self.total // options.churn_every), MAX_SPARE_HOSTS, 248 - options.peers))
@@ -394,11 +393,6 @@ class Soak:
             load_avg=[round(x, 2) for x in os.getloadavg()])
 
 
-def scheme_settings(options: SoakOptions) -> Dict:
-    """The run-spec settings of the soak's ``--scheme``, as JSON-ready values."""
-    return parse_scheme(options.scheme)[1]
-
-
 def bench_soak(options: SoakOptions) -> int:
     from ravnest_swarm.bench.netlab import cpu_quota_unavailable
 
@@ -410,7 +404,8 @@ def bench_soak(options: SoakOptions) -> int:
         raise UserError(f"at most {len(model.layers)} --stages ({options.model}'s layers), and a --churn-every within "
                         f"the soak's --minutes ({options.minutes:g}), or no churn would happen")
     # the scheme's settings win over --averaging-period, as in the run its first volunteer starts
-    spec = RunSpec(model=options.model, **{"averaging_period": options.averaging_period, **scheme_settings(options)})
+    settings = parse_scheme(options.scheme)[1]
+    spec = RunSpec(model=options.model, **{"averaging_period": options.averaging_period, **settings})
     model_gb = model_workload(model, spec, len(model.layers))[0].model_gb  # AdamW's state is two more copies
     console = Console(stderr=True)
     no_quota, cpus = cpu_quota_unavailable(), options.cpus_per_peer
@@ -426,7 +421,7 @@ def bench_soak(options: SoakOptions) -> int:
     os.makedirs(out, exist_ok=True)
     console.print(f"logs and checkpoints in {out}", markup=False, highlight=False)
     # RAM for 1.2 / S of the model, as bench speedup's: S peers hold it, S - 1 cannot
-    soak = Soak(options, model_gb * min(MAX_STAGE_SHARE / options.stages, 1.0) * 1.001, cpus or None, out)
+    soak = Soak(options, settings, model_gb * min(MAX_STAGE_SHARE / options.stages, 1.0) * 1.001, cpus or None, out)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[clock]}"),
                   console=console) as progress:
         task = progress.add_task("soak: starting", total=soak.total, clock="")
