@@ -4,7 +4,8 @@ The last stage judges every microbatch's loss before its gradient is taken (``St
 
 - not finite: the stage **diverged** (its weights, or its input, are already poisoned);
 - above ``factor`` x the stage's *level* (the median of its first :data:`LEVEL_WINDOW` losses since it started or
-  last restored): a **spike**, whose step is skipped; :data:`PATIENCE` spikes in a row are a divergence.
+  last restored, at least :data:`LEVEL_FLOOR`): a **spike**, whose step is skipped; :data:`PATIENCE` spikes in a
+  row are a divergence.
 
 The level is where this stage's training started, not a trailing mean: a loss that grows by a few percent a step
 (a learning rate too high for the cluster, as in issue 29's lab run, where two clusters passed 10^6 in 7 s)
@@ -23,6 +24,11 @@ from typing import Dict, List, Optional
 import torch
 
 LEVEL_WINDOW = 20  # losses that set a stage's level
+# the lowest level a spike is measured against: a stage that starts on layers trained to a loss near 0 (a classifier
+# fit to its training set, whose cross-entropy underflows to 0.0) took every loss above 0 for a spike and skipped
+# every step (seen: a standby placed on mlp-digits' layers after 15,000 AdamW steps), and at a floor of 0.05 still
+# skipped the microbatches of misclassified samples (losses 0.8-3.5); the guard is there for blow-ups
+LEVEL_FLOOR = 1.0
 PATIENCE = 3  # spikes in a row that make a divergence
 
 
@@ -61,7 +67,7 @@ class DivergenceGuard:
         if self.level is None:
             self.first.append(loss)
             if len(self.first) >= self.window:
-                self.level = statistics.median(self.first)
+                self.level = max(LEVEL_FLOOR, statistics.median(self.first))
             return Verdict("ok")
         if self.factor <= 0 or loss <= self.factor * self.level:
             self.spikes = 0
