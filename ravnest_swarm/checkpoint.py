@@ -90,9 +90,22 @@ def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimi
     # host copies: a stage on a GPU checkpoints what a CPU peer can load, and safetensors writes from the host
     tensors = {f"param.{name}": tensor.detach().to("cpu", copy=True).contiguous()
                for name, tensor in module.state_dict().items()}
-    state = optimizer.state_dict()
+    state_tensors, scalars = optimizer_tensors(optimizer, outer)
+    tensors.update(state_tensors)
+    metadata = {"format": FORMAT, "info": info, "param_groups": optimizer.state_dict()["param_groups"],
+                "optimizer_scalars": scalars}
+    write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, outer: Optional[Dict[str, torch.Tensor]] = None
+                      ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict]]:
+    """A stage's optimizer state as a checkpoint names it: host copies of the inner optimizer's per-parameter
+    tensors (``optim.<index>.<key>``) and of the outer state (``outer.<key>``), and the inner optimizer's scalars
+    by parameter index (AdamW's step counts). What a checkpoint keeps, and what a stage that stopped hands to the
+    peer taking it over (``swarm/stage_state.py``)."""
+    tensors: Dict[str, torch.Tensor] = {}
     scalars: Dict[str, Dict] = {}
-    for index, per_parameter in state["state"].items():
+    for index, per_parameter in optimizer.state_dict()["state"].items():
         for key, value in per_parameter.items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors[f"optim.{index}.{key}"] = value.detach().to("cpu", copy=True).contiguous()
@@ -102,8 +115,7 @@ def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimi
         if key not in OUTER_STATE_KEYS:
             raise ValueError(f"no outer optimizer state is called {key!r}: one of {', '.join(OUTER_STATE_KEYS)}")
         tensors[OUTER_PREFIX + key] = value.detach().to("cpu", torch.float32, copy=True).contiguous()
-    metadata = {"format": FORMAT, "info": info, "param_groups": state["param_groups"], "optimizer_scalars": scalars}
-    write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))
+    return tensors, scalars
 
 
 def read_stage(path: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
@@ -119,8 +131,9 @@ def read_stage(path: str) -> Tuple[Dict[str, torch.Tensor], Dict]:
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"checkpoint {path} is corrupt or not a ravnest checkpoint ({type(e).__name__}); "
                         f"move it away to start this stage fresh", exit_code=1)
-    if metadata.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path} has format {metadata.get('format')!r}, expected {FORMAT!r}", exit_code=1)
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise UserError(f"checkpoint {path} has format {found!r}, expected {FORMAT!r}", exit_code=1)
     return tensors, metadata
 
 
@@ -128,15 +141,29 @@ def load_optimizer_state(path: str, optimizer: torch.optim.Optimizer) -> bool:
     """Load the per-parameter state a checkpoint kept (AdamW's moments, momentum buffers) into ``optimizer``, whose
     parameters are those of the checkpoint's layers in the same order; its hyper-parameters (the lr the schedule
     sets) stay. False when the checkpoint kept no state, or state of other shapes (then nothing is loaded)."""
-    tensors, metadata = read_stage(path)
+    return take_optimizer_state(*read_stage(path), optimizer)
+
+
+def take_optimizer_state(tensors: Dict[str, torch.Tensor], metadata: Dict, optimizer: torch.optim.Optimizer) -> bool:
+    """:func:`load_optimizer_state` from a checkpoint's tensors and metadata, read or received: only finite float
+    tensors of the parameters' shapes, and finite numbers for their scalars (AdamW's step count), are loaded."""
     state: Dict[int, Dict] = {}
     for name, tensor in tensors.items():
         if name.startswith("optim."):
-            _, index, key = name.split(".", 2)
+            _, index, key = (name.split(".", 2) + ["", ""])[:3]
+            if not index.isdigit() or not key or not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+                return False
             state.setdefault(int(index), {})[key] = tensor
-    for index, scalars in metadata.get("optimizer_scalars", {}).items():
+    scalars = metadata.get("optimizer_scalars", {})
+    if not isinstance(scalars, dict):
+        return False
+    for index, values in scalars.items():
+        if not str(index).isdigit() or not isinstance(values, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+                for v in values.values()):
+            return False
         state.setdefault(int(index), {}).update({key: torch.tensor(value, dtype=torch.float32) if key == "step"
-                                                 else value for key, value in scalars.items()})
+                                                 else value for key, value in values.items()})
     current = optimizer.state_dict()
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     if not state or any(i >= len(parameters) or any(torch.is_tensor(v) and v.dim() > 0 and v.shape != parameters[i].shape
@@ -150,7 +177,16 @@ def load_outer_state(path: str, parameter_count: int) -> Dict[str, torch.Tensor]
     """The outer optimizer's state a checkpoint kept (:data:`OUTER_STATE_KEYS`; empty when it kept none), for a stage
     of ``parameter_count`` parameters (the checkpoint's layers). Each must be a finite float32 vector of one value
     per parameter, with an anchor: anything else is a corrupt checkpoint, a one-line :class:`UserError`."""
-    tensors, _ = read_stage(path)
+    try:
+        return take_outer_state(read_stage(path)[0], parameter_count)
+    except ValueError as e:
+        raise UserError(f"checkpoint {path} holds a corrupt outer optimizer state ({e}); move it away "
+                        f"to start this stage fresh", exit_code=1)
+
+
+def take_outer_state(tensors: Dict[str, torch.Tensor], parameter_count: int) -> Dict[str, torch.Tensor]:
+    """:func:`load_outer_state` from a checkpoint's tensors, read or received; a ``ValueError`` names what is
+    wrong."""
     # copies: the file read is mapped, and the stage's outer steps must not depend on it staying as it is
     state = {name[len(OUTER_PREFIX):]: tensor.clone() for name, tensor in tensors.items()
              if name.startswith(OUTER_PREFIX)}
@@ -163,8 +199,7 @@ def load_outer_state(path: str, parameter_count: int) -> Dict[str, torch.Tensor]
         elif not bool(torch.isfinite(tensor).all()):
             problems.append(f"{key} is not finite")
     if problems:
-        raise UserError(f"checkpoint {path} holds a corrupt outer optimizer state ({problems[0]}); move it away "
-                        f"to start this stage fresh", exit_code=1)
+        raise ValueError(problems[0])
     return state
 
 

@@ -232,5 +232,5 @@ def test_a_stage_placed_back_on_the_layers_it_stopped_keeps_both_optimizers_stat
                                       "peer: outer state (anchor, momentum) resumed from its stage stopped at step 80"]
         else:
             assert moments == [] and volunteer.averaging.outer_state(placed_back) == {}  # its first round starts it
-            assert "peer: adamw state of layers 0:2 starts afresh at step 100 (it does not travel with layers)" in \
-                volunteer.said
+            assert ("peer: adamw state of layers 0:2 starts afresh at step 100 (no peer that stopped training them "
+                    "handed theirs over)") in volunteer.said

@@ -31,6 +31,7 @@ from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
+from ravnest_swarm.swarm.stage_state import STAGE_STATE, StageStateServer, StoppedStage
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
 from ravnest_swarm.net.node import stop_node
 from ravnest_swarm.net.relay import RelayServices
@@ -45,7 +46,7 @@ TIMEOUT = 4.0  # ... and streams that stay silent this long
 MAX_RSS_GROWTH = 300 * 1024**2
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 END_OF_STREAM = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
-STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE, LAYER_STATE_MESSAGE)
+STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE, LAYER_STATE_MESSAGE, STAGE_STATE)
 UNARY_HANDLERS = (PING, DIAL_BACK, wire.STATUS)
 # the probe is fuzzed as the backbone's bandwidth probe (the same handler with a shorter timeout): its own 120 s
 # timeout would hold every stalled example that long
@@ -75,6 +76,12 @@ class Peer:
         await self.stage.start()
         await LayerStateServer(self.node.routes, RUN, lambda: offered_layers(1, self.stage.module, self.stage.version),
                                request_timeout=TIMEOUT).start()
+        # the optimizer state of a stage this peer stopped (layers 1:3, with AdamW's moments after one step)
+        adamw = torch.optim.AdamW(self.stage.module.parameters())
+        sum(p.sum() for p in self.stage.module.parameters()).backward()
+        adamw.step()
+        stopped = StoppedStage((1, 3), 7, adamw, {})
+        await StageStateServer(self.node.routes, RUN, lambda: stopped, request_timeout=TIMEOUT).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id
         # the attacker is the victim's partner in ring 0 of round 5: the ring handler takes its messages
@@ -156,6 +163,10 @@ class Peer:
         assert await self.layer_state(make_request({"run": RUN, "layers": [1]})) == "ok"
         layer_request = make_request({"run": RUN, "layers": [1]})
         assert await self.raw(LAYER_STATE_MESSAGE, frames_bytes([layer_request]) + END_OF_STREAM) == "ok"
+        stage_request = make_request({"run": RUN, "layers": [1, 3]})
+        assert await self.raw_reply(STAGE_STATE, frames_bytes([stage_request]) + END_OF_STREAM) == (
+            "ok", {"names": [f"optim.{i}.{key}" for i in range(4) for key in ("exp_avg", "exp_avg_sq")],
+                   "scalars": {str(i): {"step": 1.0} for i in range(4)}, "step": 7})
         probe = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(1000))])
         assert await self.raw(BANDWIDTH_PROBE, frames_bytes([probe]) + END_OF_STREAM) == "ok"
         abort = make_request(dict(run=RUN, step=5, ring=0, phase="abort", position=0, attempt=[]))
@@ -270,9 +281,9 @@ requests, streams = fuzz_strategies()
 @pytest.mark.timeout(240)
 def test_random_and_mutated_stream_messages_get_an_answer_and_the_peer_keeps_serving(peer):
     """Attack: random, mutated and malformed messages to every streaming handler (pipeline forward and
-    backward, averaging ring, bandwidth probe, one-message layer state): garbage metadata, wrong
-    shapes/dtypes/chunk counts, truncated protobufs, bad frame markers, flipped bytes, frame headers
-    announcing huge lengths. Each must get an answer (a reply or an error with a reason), never a hang,
+    backward, averaging ring, bandwidth probe, one-message layer state, a stopped stage's optimizer state):
+    garbage metadata, wrong shapes/dtypes/chunk counts, truncated protobufs, bad frame markers, flipped bytes, frame
+    headers announcing huge lengths. Each must get an answer (a reply or an error with a reason), never a hang,
     and the peer keeps serving."""
     before = rss()
 

@@ -13,8 +13,8 @@ import torch
 
 from safetensors.torch import save
 
-from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, load_outer_state, read_stage,
-                                      save_stage, write_atomically)
+from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, load_outer_state, optimizer_tensors,
+                                      read_stage, save_stage, take_optimizer_state, write_atomically)
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
 from ravnest_swarm.optimizers.inner import FINAL_LR_FRACTION, make_inner_optimizer, scheduled_lr
@@ -25,6 +25,7 @@ from ravnest_swarm.planning.cost import Peer
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.stage_state import stage_giver
 from process_tree import signal_session
 from run_observer import RunObserver
 
@@ -107,6 +108,49 @@ def test_adamw_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path):
     plain = make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "sgd", 0.1)
     save_stage(path, torch.nn.Linear(6, 4), plain, {"step": 0, "layers": [0, 1]})
     assert not load_optimizer_state(path, make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "adamw", 0.1))
+
+
+def test_optimizer_state_that_is_not_finite_or_does_not_fit_the_layers_is_not_taken():
+    """What a checkpoint or a stopped stage's peer (``swarm/stage_state.py``) gives is numbers for our parameters:
+    a NaN moment, a moment of another shape, a negative or non-numeric step count, a malformed name, and the
+    optimizer keeps its own state."""
+    module = torch.nn.Linear(6, 4)
+    giver = make_inner_optimizer(module.parameters(), "adamw", 1e-2)
+    module(torch.randn(8, 6)).square().sum().backward()
+    giver.step()
+    tensors, scalars = optimizer_tensors(giver)
+    metadata = {"optimizer_scalars": scalars}
+    taker = make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "adamw", 1e-2)
+    assert take_optimizer_state(tensors, metadata, taker)
+    assert torch.equal(taker.state_dict()["state"][0]["exp_avg"], giver.state_dict()["state"][0]["exp_avg"])
+    damaged = [
+        (dict(tensors, **{"optim.0.exp_avg": torch.full((4, 6), math.nan)}), metadata),
+        (dict(tensors, **{"optim.0.exp_avg": torch.zeros(6, 4)}), metadata),
+        (dict(tensors, **{"optim.x.exp_avg": torch.zeros(4, 6)}), metadata),
+        (dict(tensors, **{"optim.0": torch.zeros(4, 6)}), metadata),
+        (tensors, {"optimizer_scalars": {"0": {"step": -1.0}}}),
+        (tensors, {"optimizer_scalars": {"0": {"step": "many"}}}),
+        (tensors, {"optimizer_scalars": {"0": {"step": math.inf}}}),
+    ]
+    for bad_tensors, bad_metadata in damaged:
+        fresh = make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "adamw", 1e-2)
+        assert not take_optimizer_state(bad_tensors, bad_metadata, fresh)
+        assert not fresh.state_dict()["state"]
+
+
+def test_the_giver_of_a_stages_optimizer_state_stopped_training_exactly_its_layers():
+    """The state goes with a stage's place: from a peer leaving with exactly our layers, else one a plan moved off
+    them (its ``held``); never from a peer that trains them still (its error feedback is its own), nor from one
+    that held other layers."""
+    me = {"peer_id": "me", "state": "standby"}
+    trainer = {"peer_id": "t", "name": "t", "state": "training", "layers": [0, 9], "held": None}
+    moved = {"peer_id": "m", "name": "m", "state": "training", "layers": [9, 12], "held": [0, 9, 400]}
+    leaver = {"peer_id": "l", "name": "l", "state": "leaving", "layers": [0, 9], "held": [0, 9, 420]}
+    partial = {"peer_id": "p", "name": "p", "state": "leaving", "layers": [0, 5]}
+    assert stage_giver([me, trainer, moved, leaver, partial], "me", (0, 9)) is leaver
+    assert stage_giver([me, trainer, moved, partial], "me", (0, 9)) is moved
+    assert stage_giver([me, trainer, partial], "me", (0, 9)) is None
+    assert stage_giver([dict(leaver, peer_id="me")], "me", (0, 9)) is None
 
 
 def test_members_with_one_history_end_an_outer_step_with_the_same_parameters_bit_for_bit():
@@ -312,3 +356,57 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
         assert int(first_round.group(1)) > saved[name]
         assert "unexpected" not in log and "Traceback" not in log, log[-3000:]
     assert all(after[n]["loss"] is None or after[n]["loss"] < 1.0 for n in second), after  # on from where it was
+
+
+@pytest.mark.timeout(300)
+def test_a_graceful_leave_hands_its_adamw_and_outer_state_to_the_standby_that_takes_its_place(tmp_path, processes,
+                                                                                             backbone):
+    """Two real ``join`` peers, a cluster of one stage each (AdamW inside, nesterov on int8 pseudo-gradients
+    outside), and a standby that joined after them: a third cluster would not pay back its move within the run's
+    25 s horizon, a replacement does. p1 leaves by Ctrl-C. The other cluster holds its layers at once, so p1 once
+    left at once and its state went with it; now it waits until the standby that takes its place has its AdamW
+    moments and outer state. The standby says it took both from p1, it averages compressed pseudo-gradients with
+    p0, at least 90 % of its rounds from its first on complete (a cluster re-formed by a re-plan meets the run),
+    and its loss goes on from where p1's was, not from the start. (Its first round may be a float32 one: p0's
+    round during the leave had no partner, and p0 starts its outer state anew after such a round.)"""
+    run = "state-hand-over"
+
+    def join(name):
+        return processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name, "--no-dashboard",
+                                "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
+                                "--gflops", "20", "--bandwidth-mbps", "100", "--averaging-period", "20",
+                                "--optimizer", "adamw", "--lr", "0.002", "--outer-optimizer", "nesterov",
+                                "--averaging-compression", "int8", "--move-horizon", "25", "--round-seconds", "3",
+                                "--max-stages", "1", "--heartbeat", "2", "--checkpoint-dir", str(tmp_path),
+                                "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], name)
+
+    peers = {name: join(name) for name in ("p0", "p1")}
+    observer = RunObserver(backbone, run, period=1.0)
+    try:
+        before = observer.wait_for(lambda seen: all((seen.get(n, {}).get("averaging_rounds") or 0) >= 3
+                                                    for n in peers), 200, "three averaging rounds each")
+        assert {before[n]["cluster"] for n in peers} == {0, 1}, before
+        peers["p2"] = join("p2")
+        peers["p0"].wait_for_output(r"standby p2 opened no round", 90, stream="stderr")
+        os.killpg(peers["p1"].pid, signal.SIGINT)
+        took = peers["p2"].wait_for_output(r"^p2: adamw state resumed from p1, which stopped training them at step "
+                                           r"(\d+)$", 120, stream="stderr")
+        peers["p2"].wait_for_output(rf"^p2: outer state \(anchor, momentum, error\) resumed from p1, which stopped "
+                                    rf"training them at step {took.group(1)}$", 10, stream="stderr")
+        peers["p1"].wait_for_output(r"^p1: layers \d+:\d+ handed over at step \d+ to ", 60, stream="stderr")
+        assert peers["p1"].wait(30) == 0
+        peers["p2"].wait_for_output(COMPRESSED_ROUND.pattern, 120, stream="stderr")
+        # a cluster re-formed by a re-plan that moved a peer meets the run from its first round (issue 30)
+        after = observer.wait_for(lambda seen: seen.get("p2", {}).get("state") == "training" and
+                                  seen["p2"].get("loss") is not None and
+                                  (seen["p2"].get("averaging_rounds") or 0) +
+                                  (seen["p2"].get("averaging_failures") or 0) >= 10, 90, "p2's first 10 rounds")
+    finally:
+        observer.close()
+    done, failed = after["p2"].get("averaging_rounds") or 0, after["p2"].get("averaging_failures") or 0
+    assert done / (done + failed) >= 0.9, after["p2"]
+    log = peers["p2"].stderr()
+    assert "starts afresh" not in log and "it starts at the stage's first round" not in log
+    assert after["p2"]["loss"] < 1.0, after["p2"]  # cross-entropy on the digits starts near ln 10 = 2.3
+    for name in ("p1", "p2"):
+        assert "unexpected" not in peers[name].stderr() and "Traceback" not in peers[name].stderr(), name

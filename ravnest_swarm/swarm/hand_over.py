@@ -3,7 +3,8 @@
 It says ``leaving`` at once (with its layers and step), so the planners replace it at their next poll and the
 replacement downloads from it (``Volunteer._fill_layers`` counts a leaving holder too). Bounded by
 ``handover_timeout`` and by a second Ctrl-C; nothing to wait for when no live peer is left to take them. If nobody
-took them, a checkpoint keeps them, and it says how to resume.
+took them, a checkpoint keeps them, and it says how to resume. Where a standby may take our place, it also waits for
+the stage's optimizer state to be taken (``stage_state.py``): another cluster that holds our layers has its own.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import os
 import shlex
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from rich.console import Console
 from rich.markup import escape
@@ -32,11 +33,15 @@ LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", 
 
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
-                    save: Callable[[StageWorker, str], None], address: str) -> None:
+                    save: Callable[[StageWorker, str], None], address: str,
+                    state_awaited: Callable[[List[Dict]], bool] = lambda peers: False) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer), or
     write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume (``address``: the run's,
-    ``name@owner``, as a joiner gives it)."""
+    ``name@owner``, as a joiner gives it). ``state_awaited(peers)``: whether to wait on, the layers held, for a
+    peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
+    several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
+    with us)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
@@ -61,7 +66,7 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                 peers = None
             if peers is not None:
                 taker = holders_of(peers, start, end, step)
-                if taker is not None or not any(p["state"] != "leaving" for p in peers):
+                if (taker is not None and not state_awaited(peers)) or not any(p["state"] != "leaving" for p in peers):
                     break  # handed over, or nobody is left who could take them
             await until_set(leave_now.wait(), leave_now, timeout=1.0)
     if taker is not None:

@@ -70,6 +70,7 @@ from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, read_spec, r
 from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
+from ravnest_swarm.swarm.stage_state import StageStateServer, StoppedStage, fetch_stage_state, stage_giver
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerOffer,
                                                 LayerStateServer, agreed_step, counted_offers, fill_layer,
                                                 offered_layers, offers_of)
@@ -171,6 +172,9 @@ class Volunteer:
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
         self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
+        # the optimizer state of the stage we stopped last, for the peer that takes its layers over (stage_state.py)
+        self.stopped_stage: Optional[StoppedStage] = None
+        self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage)
         self.averaging = StageAveraging(self.announcer, self.state_server, lambda: Following(self.worker, self.plan),
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
@@ -222,6 +226,7 @@ class Volunteer:
         """
         await self.averaging.start()
         await self.state_server.start()
+        await self.stage_state_server.start()
         if self.checkpoint_path is not None and os.path.isdir(self.options.checkpoint_dir):
             # a write of ours that a kill cut short; other peers may share the directory and write now
             remove_unfinished_writes(self.options.checkpoint_dir, os.path.basename(self.checkpoint_path))
@@ -375,6 +380,7 @@ class Volunteer:
         came_from = f"; {self.layers_came_from}" if downloaded else ""
         # a checkpoint's optimizer states go with its layers at their step, also where the cluster counts on from
         # the run's step below: they belong to the parameters, not to the count
+        await self._take_handed_state(worker, tuple(layers), step)
         self._take_optimizer_state(worker, tuple(layers), step)
         self._take_outer_state(worker, tuple(layers), step)
         run_step = await self._run_step(plan, cluster) if stage == 0 else None
@@ -415,10 +421,49 @@ class Volunteer:
                  and r.get("stage") == 0 and r.get("step") is not None]
         return max(steps) if steps else None
 
+    async def _take_handed_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
+        """Where a peer stopped training our very layers (it leaves, or a plan moved it) and keeps its stage's
+        optimizer state, take its inner and outer state as ours (``stage_state.py``): its place in the run is ours
+        now. Not where we keep our own for them (our cache or checkpoint, at this step); a failure is said, and
+        the state then starts afresh as before."""
+        if any(kept is not None and kept[0] == layers and kept[1] == step
+               for kept in (self.kept_optimizer, self.kept_outer)):
+            return
+        try:
+            giver = stage_giver(await self.announcer.read_peers(), self.peer_id, layers)
+        except Exception as e:  # no news of a giver: the state starts afresh, as _take_optimizer_state says
+            logger.warning(f"reading the peer records for a stage's optimizer state failed: {e}")
+            return
+        if giver is None:
+            return
+        holder, links = PeerID.from_base58(giver["peer_id"]), self.node.routes
+        try:
+            await links.connect(holder, maddrs_without_peer_id(giver["maddrs"], holder), giver.get("reachability"))
+            inner, outer, its_step = await fetch_stage_state(links, self.run, holder, layers, worker.module,
+                                                             worker.optimizer, self.options.transfer_timeout)
+        except Exception as e:
+            timed_out = isinstance(e, asyncio.TimeoutError)
+            reason = "no answer in time" if timed_out else CONTROL_CHARACTER_RE.sub(" ", str(e))
+            self.say(f"{self.name}: could not take the optimizer state of layers {layers[0]}:{layers[1]} from "
+                     f"{giver['name']}: {reason}")
+            return
+        source = f"{giver['name']}, which stopped training them at step {its_step}"
+        self.kept_optimizer = (layers, step, inner, source) if inner else None
+        self.kept_outer = (layers, step, outer, source) if outer else None
+
+    def _state_awaited(self, peers: List[Dict]) -> bool:
+        """Whether our graceful leave waits on for the stage's optimizer state to be taken (``hand_over``): we have
+        some, nobody took it, and a standby is there that a new plan may put in our place."""
+        stage = self.stopped_stage
+        if stage is None or self.stage_state_server.served or not (stage.optimizer.state or stage.outer):
+            return False
+        return any(p["state"] in ("standby", "joining") for p in peers)
+
     def _take_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
-        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum), and a
-        stage placed back on the layers of the one we stopped last, at its step, with that one's; other layers start
-        it afresh (it does not travel with a download or a hand-over), which we say."""
+        """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum), a
+        stage placed back on the layers of the one we stopped last, at its step, with that one's, and a stage that
+        takes over the layers of a peer that stopped training them with that peer's (:meth:`_take_handed_state`);
+        otherwise it starts afresh, which we say."""
         if self.spec.optimizer == "sgd":
             return  # no state to keep
         kept, self.kept_optimizer = self.kept_optimizer, None
@@ -426,9 +471,9 @@ class Volunteer:
             worker.optimizer.load_state_dict({"state": kept[2],
                                               "param_groups": worker.optimizer.state_dict()["param_groups"]})
             self.say(f"{self.name}: {self.spec.optimizer} state resumed from {kept[3]}")
-        else:
+        elif step > 0:  # at a run's start there is no state to speak of
             self.say(f"{self.name}: {self.spec.optimizer} state of layers {layers[0]}:{layers[1]} starts afresh at "
-                     f"step {step} (it does not travel with layers)")
+                     f"step {step} (no peer that stopped training them handed theirs over)")
             self._note(f"{self.spec.optimizer} state reset at step {step}: layers {layers[0]}:{layers[1]} came "
                        f"without it")
 
@@ -478,6 +523,7 @@ class Volunteer:
         self.kept_optimizer = (layers, worker.version, worker.optimizer.state_dict()["state"], source)
         outer = self.averaging.outer_state(worker)
         self.kept_outer = (layers, worker.version, outer, source) if outer else None
+        self.stopped_stage = StoppedStage(layers, worker.version, worker.optimizer, outer)
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int], plan: Optional[dict] = None,
                            cluster: int = 0, stage: int = 0) -> Tuple[int, bool]:
@@ -909,7 +955,8 @@ class Volunteer:
             return
         # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
         await hand_over(self.announcer, worker, self.name, self.console, self.options.handover_timeout, leave_now,
-                        self.checkpoint_path, self._save_checkpoint, str(RunAddress(self.run, self.owner)))
+                        self.checkpoint_path, self._save_checkpoint, str(RunAddress(self.run, self.owner)),
+                        self._state_awaited)
 
     def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
         path = path or self.checkpoint_path

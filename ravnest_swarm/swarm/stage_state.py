@@ -1,0 +1,159 @@
+"""A stage's optimizer state handed to the peer that takes its layers over (issue 30).
+
+Layers travel with ``state_transfer.py``; the inner optimizer's state (AdamW's moments, momentum buffers, AdamW's
+step counts) and the outer optimizer's (the last round's anchor, the Nesterov momentum, the codec's error feedback)
+travel here. Only a stage nobody trains any more hands it over: a peer that is ``leaving`` (Ctrl-C, ``hand_over.py``)
+or that a plan moved to other layers (its record's ``held``). Its state belongs to that stage's place in the run,
+and without it the taker starts AdamW afresh, whose first steps move every weight by the full lr, and its outer
+state at its first round, a float32 round instead of a compressed one. A stage that still trains its layers keeps
+its state: its error feedback is its own, and a copy would count twice.
+
+The taker asks for exactly its layer range (the outer state is one flat vector over the stage, so only the same
+range can take it) and checks what comes as it checks a checkpoint (``checkpoint.take_optimizer_state``,
+``take_outer_state``): names, shapes, dtypes, finite values. A holder can serve numbers, never structure.
+
+Wire format: ``ravnest.stage_state``, one request and one reply (forwardable, within a backbone's byte cap): the
+request names the run and the range; the reply's metadata ``{"names", "scalars", "step"}`` names its tensors in
+order (``optim.<index>.<key>``, ``outer.<key>``, as a checkpoint names them) and carries the inner optimizer's
+scalar state by parameter index; its tensors are hivemind ``serialize_torch_tensor`` protobufs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Annotated, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import runtime_pb2
+from pydantic import Field
+
+from ravnest_swarm.checkpoint import optimizer_tensors, take_optimizer_state, take_outer_state
+from ravnest_swarm.membership.records import MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
+from ravnest_swarm.net.messages import Handler, Message, MessageError, decode_message, register_handler
+from ravnest_swarm.net.routes import Routes
+from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response
+
+logger = logging.getLogger(__name__)
+
+STAGE_STATE = "ravnest.stage_state"
+MAX_REQUEST_BYTES = 64 * 1024
+# per parameter tensor of a stage: AdamW's two moments (or one momentum buffer); the outer state's three vectors
+MAX_STATE_TENSORS = 2 * MAX_LAYOUT_TENSORS + 3
+
+LayerIndex = Annotated[int, Field(ge=0, le=MAX_LAYOUT_LAYERS)]
+StateName = Annotated[str, Field(min_length=1, max_length=300, pattern=r"^(optim\.\d+\.[A-Za-z_]+|outer\.[a-z]+)$")]
+ScalarName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_]+$")]
+
+
+class StageStateRequest(Message):
+    """The optimizer state of the stage of layers ``layers[0]:layers[1]`` of ``run``."""
+
+    run: Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
+    layers: List[LayerIndex] = Field(min_length=2, max_length=2)
+
+
+class StageStateReply(Message):
+    """The tensors' names in order, the inner optimizer's scalar state by parameter index, and the stage's step."""
+
+    names: List[StateName] = Field(max_length=MAX_STATE_TENSORS)
+    scalars: Dict[Annotated[str, Field(pattern=r"^\d{1,6}$")], Dict[ScalarName, float]] = Field(
+        max_length=MAX_LAYOUT_TENSORS)
+    step: Annotated[int, Field(ge=0)]
+
+
+register_handler(Handler(STAGE_STATE, StageStateRequest, StageStateReply, MAX_REQUEST_BYTES,
+                         callers="the peer that takes over a stage this peer stopped training (a leave, a move)",
+                         owner=__name__))
+
+
+@dataclass(frozen=True)
+class StoppedStage:
+    """A stage this peer trained and stopped: its range, its last step, its inner optimizer and its outer state."""
+
+    layers: Tuple[int, int]
+    step: int
+    optimizer: torch.optim.Optimizer
+    outer: Dict[str, torch.Tensor]
+
+
+class StageStateServer:
+    """Serves the optimizer state of the stage this peer stopped last (``stopped()``, None while there is none)."""
+
+    def __init__(self, routes: Routes, run: str, stopped: Callable[[], Optional[StoppedStage]],
+                 request_timeout: float = 60.0):
+        self.routes, self.run, self.stopped, self.request_timeout = routes, run, stopped, request_timeout
+        self.served: Set[str] = set()  # the peers we sent a stage's state (a leave waits for one: hand_over.py)
+
+    async def start(self) -> None:
+        await self.routes.add_forwardable_handler(STAGE_STATE, bounded_stream_handler(
+            STAGE_STATE, self.routes.p2p.peer_id, self._reply, MAX_REQUEST_BYTES, self.request_timeout))
+
+    async def _reply(self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
+        if len(frames) != 1:
+            raise ValueError(f"{STAGE_STATE} takes one request frame, got {len(frames)}")
+        asked = decode_message(StageStateRequest, frames[0].metadata, STAGE_STATE)
+        if asked.run != self.run:
+            raise ValueError(f"this peer serves run {self.run!r}")
+        stage = self.stopped()
+        if stage is None or stage.layers != tuple(asked.layers):
+            raise ValueError(f"this peer stopped no stage of layers {asked.layers[0]}:{asked.layers[1]}")
+        tensors, scalars = optimizer_tensors(stage.optimizer, stage.outer)
+        names = list(tensors)
+        self.served.add(context.remote_id.to_base58())
+        reply = StageStateReply(names=names, scalars={index: {key: float(value) for key, value in values.items()}
+                                                      for index, values in scalars.items()}, step=stage.step)
+        return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
+
+
+@dataclass(frozen=True)
+class HandedState:
+    """What a taker got: the inner optimizer's per-parameter state (``optimizer.state_dict()["state"]`` of its
+    stage), the outer state (empty when the giver had none yet), and from whom, as the log says it."""
+
+    inner: Dict[int, Dict]
+    outer: Dict[str, torch.Tensor]
+    source: str
+
+
+def stage_giver(records: List[Dict], self_id: str, layers: Tuple[int, int]) -> Optional[Dict]:
+    """The record of the peer that stopped training exactly ``layers`` and can hand its state over: one leaving
+    with them, else one whose ``held`` stage they are while it trains other layers; None when none did."""
+    wanted = list(layers)
+    others = [r for r in records if r["peer_id"] != self_id]
+    leaving = [r for r in others if r["state"] == "leaving" and r.get("layers") == wanted]
+    moved = [r for r in others if r.get("held") and list(r["held"][:2]) == wanted and r.get("layers") != wanted]
+    return (leaving or moved or [None])[0]
+
+
+async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tuple[int, int],
+                            module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            timeout: float) -> Tuple[Dict[int, Dict], Dict[str, torch.Tensor], int]:
+    """The inner and outer optimizer state ``holder`` kept of the stage of ``layers``, checked against ``module``
+    (our layers, the same range) and loaded into a scratch copy of ``optimizer``'s kind; its step. A ``ValueError``
+    says what was wrong with it."""
+
+    async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        yield make_request(StageStateRequest(run=run, layers=list(layers)).as_metadata())
+
+    response = await asyncio.wait_for(routes.call(holder, STAGE_STATE, request()), timeout)
+    try:
+        reply = decode_message(StageStateReply, response.metadata, STAGE_STATE)
+    except MessageError as e:
+        raise ValueError(f"a malformed reply: {e}") from None
+    if len(reply.names) != len(response.tensors):
+        raise ValueError(f"{len(reply.names)} names for {len(response.tensors)} tensors")
+    tensors = {name: deserialize_torch_tensor(serialized) for name, serialized in zip(reply.names, response.tensors)}
+    inner: Dict[int, Dict] = {}
+    if any(name.startswith("optim.") for name in tensors):
+        # an optimizer of our kind on our own parameters takes the state (and checks it), leaving ours as it is;
+        # only its state is read back, so its hyper-parameters do not matter
+        scratch = type(optimizer)(module.parameters(), lr=optimizer.defaults["lr"])
+        if not take_optimizer_state(tensors, {"optimizer_scalars": reply.scalars}, scratch):
+            raise ValueError("its inner optimizer state does not fit our layers")
+        inner = scratch.state_dict()["state"]
+    outer = take_outer_state(tensors, sum(p.numel() for p in module.parameters()))
+    return inner, outer, reply.step
