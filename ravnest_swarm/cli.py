@@ -118,13 +118,14 @@ def join(
                                                "e.g. layers=12,width=768,heads=12,context=256."),
     data: Optional[str] = typer.Option(None, "--data", help="Train on this directory (text files, or .npy arrays; "
                                        "docs/models.md) instead of the model's own data; every peer needs a copy."),
-    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="Run spec: learning rate."),
+    lr: Optional[float] = typer.Option(None, "--lr", min=0.0, help="Run spec: learning rate (default 0.002)."),
     microbatch_size: Optional[int] = typer.Option(None, "--microbatch-size", min=1, max=4096, help="Run spec: samples per microbatch."),
     max_in_flight: Optional[int] = typer.Option(None, "--max-in-flight", min=1, max=1024, help="Run spec: microbatches in flight per cluster."),
     averaging_period: Optional[int] = typer.Option(None, "--averaging-period", min=1, help="Run spec: optimizer steps between averaging rounds."),
     averaging_overlap: Optional[bool] = typer.Option(None, "--averaging-overlap/--no-averaging-overlap", help="Run "
                                                      "spec: stages train on while their averaging round runs and "
-                                                     "apply it one round late (default: off, docs/averaging.md)."),
+                                                     "apply it one round late (default: on; --no-averaging-overlap: "
+                                                     "they stand still, docs/averaging.md)."),
     pipeline_compression: Optional[str] = typer.Option(None, "--pipeline-compression", help="Run spec: the codec of "
                                                        "activations and gradients between stages: none, float16, meanstd16, "
                                                        "int8, int6, int4 or int3 (docs/pipeline.md)."),
@@ -132,8 +133,8 @@ def join(
                                                          "stronger codec a stage boundary switches to while its link is "
                                                          "the bottleneck (default int8; the run's own codec: never)."),
     averaging_compression: Optional[str] = typer.Option(None, "--averaging-compression", help="Run spec: the codec "
-                                                        "of the averaging rings: none (default: parameters in float32), "
-                                                        "or int8, int4 ...: pseudo-gradients with error feedback "
+                                                        "of the averaging rings: none (parameters in float32), or int8 "
+                                                        "(default), int4 ...: pseudo-gradients with error feedback "
                                                         "(docs/averaging.md)."),
     steps: Optional[int] = typer.Option(None, "--steps", min=0, max=2**53, help="Run spec: the run's length, "
                                         "optimizer steps of every stage (default 300); every volunteer trains until the "
@@ -146,8 +147,8 @@ def join(
     aggregation: Optional[str] = typer.Option(None, "--aggregation", help="Run spec: how averaging combines the "
                                               "clusters' values: mean (default), or trimmed_mean or centered_clip, "
                                               "which bound what one hostile peer of a ring can do (docs/averaging.md)."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Run spec: the stages' inner optimizer: sgd "
-                                            "(default), momentum or adamw (docs/swarm.md)."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="Run spec: the stages' inner optimizer: sgd, "
+                                            "momentum or adamw (default; docs/swarm.md)."),
     weight_decay: Optional[float] = typer.Option(None, "--weight-decay", min=0.0, max=10.0, help="Run spec: its "
                                                  "weight decay (default 0)."),
     lr_schedule: Optional[str] = typer.Option(None, "--lr-schedule", help="Run spec: constant (default), or cosine: "
@@ -155,7 +156,7 @@ def join(
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", min=0, help="Run spec: steps of linear lr "
                                                "warm-up from the run's start (default 0)."),
     outer_optimizer: Optional[str] = typer.Option(None, "--outer-optimizer", help="Run spec: what an averaging "
-                                                  "round's mean becomes: average (default) or nesterov (DiLoCo's "
+                                                  "round's mean becomes: average or nesterov (default: DiLoCo's "
                                                   "outer step on the averaged pseudo-gradient)."),
     outer_lr: Optional[float] = typer.Option(None, "--outer-lr", min=0.0, max=10.0, help="Run spec: the outer "
                                              "step's lr (default 0.7)."),
@@ -418,7 +419,7 @@ def local(
                                        "instead of the model's own data."),
     chaos: bool = typer.Option(False, "--chaos", help="SIGKILL a training stage partway and start one more peer late."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Optimizer steps between averaging rounds."),
-    averaging_overlap: bool = typer.Option(False, "--averaging-overlap/--no-averaging-overlap", help="Stages train on "
+    averaging_overlap: bool = typer.Option(True, "--averaging-overlap/--no-averaging-overlap", help="Stages train on "
                                            "while their averaging round runs (docs/averaging.md)."),
     pipeline_compression: str = typer.Option("none", "--pipeline-compression", help="The codec of activations "
                                              "and gradients between stages: none, float16, meanstd16, int8, int6, "
@@ -426,7 +427,7 @@ def local(
     link_bound_compression: str = typer.Option("int8", "--link-bound-compression", help="The stronger codec a "
                                                "stage boundary switches to while its link is the bottleneck (the run's "
                                                "own codec: never)."),
-    averaging_compression: str = typer.Option("none", "--averaging-compression", help="The codec of the averaging "
+    averaging_compression: str = typer.Option("int8", "--averaging-compression", help="The codec of the averaging "
                                               "rings: none (parameters in float32), or int8, int4 ...: "
                                               "pseudo-gradients with error feedback (docs/averaging.md)."),
     time_limit: float = typer.Option(900.0, "--time-limit", min=10.0, help="Stop after this many seconds regardless."),
@@ -438,13 +439,13 @@ def local(
     precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 or fp16 autocast of the stages' forward."),
     backward: str = typer.Option("stash", "--backward", help="stash, or recompute: less memory, more compute."),
     microbatch_size: int = typer.Option(32, "--microbatch-size", min=1, max=4096, help="Samples per microbatch."),
-    lr: float = typer.Option(0.05, "--lr", min=0.0, max=10.0, help="Learning rate."),
-    optimizer: str = typer.Option("sgd", "--optimizer", help="The stages' inner optimizer: sgd, momentum or adamw."),
+    lr: float = typer.Option(0.002, "--lr", min=0.0, max=10.0, help="Learning rate."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="The stages' inner optimizer: sgd, momentum or adamw."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, max=10.0, help="Its weight decay."),
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant, or cosine (warm-up, then a cosine "
                                     "decay over the run)."),
     warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Steps of linear lr warm-up from the start."),
-    outer_optimizer: str = typer.Option("average", "--outer-optimizer", help="What an averaging round's mean "
+    outer_optimizer: str = typer.Option("nesterov", "--outer-optimizer", help="What an averaging round's mean "
                                         "becomes: average (take it) or nesterov (DiLoCo's outer step)."),
     outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The outer step's lr (nesterov)."),
     max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Every peer offers at most this "
