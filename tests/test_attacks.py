@@ -154,12 +154,12 @@ def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_foll
     for name in ("v0", "v1"):
         assert "spec version" not in attacked_run.volunteers[name].stderr() + attacked_run.volunteers[name].stdout()
 
-    result = ravnest("update-spec", "--initial-peers", attacked_run.maddr, "--run", attacked_run.address, "--lr", "0.02",
+    result = ravnest("update-spec", "--initial-peers", attacked_run.maddr, "--run", attacked_run.address, "--lr", "0.001",
                      timeout=60, env=attacked_run.owner_env)
     assert result.returncode == 0 and "spec version 2" in result.stdout, result.stderr
     published = time.monotonic()
     for name in ("v0", "v1"):
-        attacked_run.volunteers[name].wait_for_output(r"spec version 2 from its owner: lr 0\.05 -> 0\.02", 30,
+        attacked_run.volunteers[name].wait_for_output(r"spec version 2 from its owner: lr 0\.002 -> 0\.001", 30,
                                                       stream="stderr")
     assert time.monotonic() - published < 4 * 2 + 10  # a heartbeat or two (2 s here), on a loaded 2-core machine
     attacked_run.keeps_training()

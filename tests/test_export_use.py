@@ -42,7 +42,8 @@ def test_a_local_gpt_exported_evaluates_to_its_summary_loads_samples_and_plots(t
     out, history = tmp_path / "model", tmp_path / "history"
     # long enough for several looks at the peers' records while they train (they renew them every 4 s): 500 steps
     # once were, but a run with one planning round now trains them in about 12 s, three looks
-    summary = local("--peers", "3", "--steps", "1500", "--model", "gpt", "--model-config", GPT_CONFIG, "--lr", "0.1",
+    summary = local("--peers", "3", "--steps", "1500", "--model", "gpt", "--model-config", GPT_CONFIG,
+                    "--optimizer", "sgd", "--lr", "0.1",
                     "--export", str(out), "--snapshot-dir", str(history))
     assert summary["finished"] and summary["export"] == str(out), summary["stopped"]
     figures = figures_of(out)
@@ -79,7 +80,8 @@ def test_a_local_gpt_exported_evaluates_to_its_summary_loads_samples_and_plots(t
 def test_a_user_model_exported_from_local_evaluates_to_its_summary_and_loads(tmp_path, user_models_on_path):
     data, out = features_dir(tmp_path / "data"), tmp_path / "model"
     summary = local("--peers", "3", "--steps", "150", "--model", "tabular:build", "--model-config", "hidden=64",
-                    "--lr", "0.3", "--data", data, "--export", str(out), env={"PYTHONPATH": USER_MODELS})
+                    "--optimizer", "sgd", "--lr", "0.3", "--data", data, "--export", str(out),
+                    env={"PYTHONPATH": USER_MODELS})
     assert summary["finished"], summary["stopped"]
     env = {"PYTHONPATH": USER_MODELS}
     figures = figures_of(out, "--data", data, env=env)

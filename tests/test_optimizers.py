@@ -51,16 +51,20 @@ def test_the_schedule_warms_up_and_decays_along_a_cosine_to_a_tenth():
     assert scheduled_lr(0.05, 10, 1000, "constant") == 0.05
 
 
+# today's scheme: no inner optimizer state, no outer state (the defaults carry both)
+PLAIN = dict(optimizer="sgd", outer_optimizer="average", averaging_compression="none")
+
+
 def test_the_planner_counts_the_optimizers_state():
     model = get_model("mlp-digits")
-    memory = {name: model_workload(model, RunSpec("mlp-digits", optimizer=name), 8)[0].model_gb
+    memory = {name: model_workload(model, RunSpec("mlp-digits", **dict(PLAIN, optimizer=name)), 8)[0].model_gb
               for name in ("sgd", "momentum", "adamw")}
     parameters_gb = sum(layer.param_bytes for layer in model.layers) / 1e9
     assert memory["momentum"] - memory["sgd"] == pytest.approx(parameters_gb)
     assert memory["adamw"] - memory["sgd"] == pytest.approx(2 * parameters_gb)
     # the outer state: an anchor (nesterov, or any compression), nesterov's momentum, compression's error feedback
-    outer = {(name, compression): model_workload(model, RunSpec("mlp-digits", outer_optimizer=name,
-                                                                averaging_compression=compression), 8)[0].model_gb
+    outer = {(name, compression): model_workload(model, RunSpec("mlp-digits", **dict(
+                 PLAIN, outer_optimizer=name, averaging_compression=compression)), 8)[0].model_gb
              - memory["sgd"] for name in ("average", "nesterov") for compression in ("none", "int8")}
     assert outer == pytest.approx({("average", "none"): 0, ("average", "int8"): 2 * parameters_gb,
                                    ("nesterov", "none"): 2 * parameters_gb, ("nesterov", "int8"): 3 * parameters_gb})
@@ -76,8 +80,8 @@ def test_where_memory_is_tight_the_optimizers_state_changes_the_plan(ram, spec, 
     optimizers' state counted, AdamW (and then the outer state on top of it) no longer fits one peer, and the
     planner splits the model into two-stage clusters."""
     model = get_model("mlp-digits")
-    sgd_gb = model_workload(model, RunSpec("mlp-digits"), 8)[0].model_gb
-    workload, profile = model_workload(model, RunSpec("mlp-digits", **spec), 8)
+    sgd_gb = model_workload(model, RunSpec("mlp-digits", **PLAIN), 8)[0].model_gb
+    workload, profile = model_workload(model, RunSpec("mlp-digits", **dict(PLAIN, **spec)), 8)
     peers = [Peer(f"p{index}", ram * sgd_gb, 20.0, 100.0) for index in range(4)]
     plan = plan_swarm(peers, workload, seed=0, time_limit=2, layer_profile=profile)
     assert sorted(len(cluster) for _, cluster in plan.clusters) == stages

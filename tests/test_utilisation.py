@@ -195,7 +195,7 @@ def test_status_json_shows_a_training_peers_utilisation_and_traffic(swarm, proce
         assert sum(peer["time_shares"].values()) == pytest.approx(1.0, abs=0.01)
         assert peer["time_shares"]["computing"] > 0
         assert peer["bytes_up_per_s"] > 0 and peer["bytes_down_per_s"] > 0, peer
-        assert peer["codecs"] and peer["averaging_codec"] == "none"
+        assert peer["codecs"] and peer["averaging_codec"] == "int8"  # the run's default
     assert document["use"]["stages"] == 2 and 0.0 <= document["use"]["utilisation"] <= 1.0
     table = processes.start(["status", "--initial-peers", swarm.maddr, "--run", "swarm-test"], "status-table",
                             env={"COLUMNS": "100"})
