@@ -43,7 +43,8 @@ def peak_mb_of_peers(summary) -> dict:
 def swarm(config: str) -> dict:
     return local("--peers", "3", "--steps", str(STEPS), "--model", MODEL, "--model-config", config,
                  "--microbatch-size", str(MICROBATCH), "--optimizer", "sgd", "--lr", str(LR),
-                 "--max-ram-gb", str(OFFER_GB))
+                 # no outer state either: the peers' memory is held against one SGD process's
+                 "--outer-optimizer", "average", "--averaging-compression", "none", "--max-ram-gb", str(OFFER_GB))
 
 
 def test_a_gpt_bigger_than_any_peers_offer_trains_and_each_peer_holds_about_its_share():

@@ -86,7 +86,8 @@ class StageStateServer:
     def __init__(self, routes: Routes, run: str, stopped: Callable[[], Optional[StoppedStage]],
                  request_timeout: float = 60.0):
         self.routes, self.run, self.stopped, self.request_timeout = routes, run, stopped, request_timeout
-        self.served: Set[str] = set()  # the peers we sent a stage's state (a leave waits for one: hand_over.py)
+        # (peer, layers, step) of each stage state we sent (a leave waits for its stage's: hand_over.py)
+        self.served: Set[Tuple[str, Tuple[int, int], int]] = set()
 
     async def start(self) -> None:
         await self.routes.add_forwardable_handler(STAGE_STATE, bounded_stream_handler(
@@ -103,7 +104,7 @@ class StageStateServer:
             raise ValueError(f"this peer stopped no stage of layers {asked.layers[0]}:{asked.layers[1]}")
         tensors, scalars = optimizer_tensors(stage.optimizer, stage.outer)
         names = list(tensors)
-        self.served.add(context.remote_id.to_base58())
+        self.served.add((context.remote_id.to_base58(), stage.layers, stage.step))
         reply = StageStateReply(names=names, scalars={index: {key: float(value) for key, value in values.items()}
                                                       for index, values in scalars.items()}, step=stage.step)
         return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])

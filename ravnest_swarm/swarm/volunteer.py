@@ -455,7 +455,9 @@ class Volunteer:
         """Whether our graceful leave waits on for the stage's optimizer state to be taken (``hand_over``): we have
         some, nobody took it, and a standby is there that a new plan may put in our place."""
         stage = self.stopped_stage
-        if stage is None or self.stage_state_server.served or not (stage.optimizer.state or stage.outer):
+        if stage is None or not (stage.optimizer.state or stage.outer):
+            return False
+        if any((layers, step) == (stage.layers, stage.step) for _, layers, step in self.stage_state_server.served):
             return False
         return any(p["state"] in ("standby", "joining") for p in peers)
 
