@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ravnest_swarm.averaging.segments import (
-    build_rings, chunk_bounds, element_range, flatten, layer_offsets, ring_bytes_per_peer, rings_of, unflatten_into,
+    build_rings, chunk_bounds, element_range, flatten, layer_offsets, plan_rings, ring_bytes_per_peer, rings_of,
+    unflatten_into,
 )
 
 
@@ -71,3 +72,17 @@ def test_flatten_roundtrip_in_canonical_order():
     unflatten_into(flat, targets)
     for t, u in zip(tensors, targets):
         assert torch.equal(t, u)
+
+
+def test_a_cluster_with_a_gone_peer_is_left_out_of_the_rings():
+    """A killed peer's cluster cannot train; its rings waited for it at every round until their timeout, holding
+    the other clusters (issue 33: a plan that waits for a joiner keeps the others training)."""
+    plan = {"clusters": [[{"peer_id": "a0", "layers": [0, 2]}, {"peer_id": "a1", "layers": [2, 4]}],
+                         [{"peer_id": "b0", "layers": [0, 1]}, {"peer_id": "b1", "layers": [1, 4]}],
+                         [{"peer_id": "c0", "layers": [0, 4]}]]}
+    sizes = [10, 20, 30, 40]
+    rings = plan_rings(plan, sizes, gone={"b1"})
+    assert [(r.start, r.end, r.members) for r in rings] == [(0, 30, ("a0", "c0")), (30, 100, ("a1", "c0"))]
+    assert rings_of("b0", rings) == []  # the gone peer's partner takes part in no round
+    assert plan_rings(plan, sizes, gone={"a0", "b1", "c0"}) == []
+    assert len(plan_rings(plan, sizes)) == 3

@@ -15,7 +15,7 @@ from ravnest_swarm.membership.reader import read_adopted_plan, read_plans
 from ravnest_swarm.membership.records import PlanRecord, make_validators, start_peer_node
 from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
-from ravnest_swarm.planning.moves import improvement, price_plan
+from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.planning.round import GONE_POLLS, PlanningRounds, RoundOptions, RoundTriggers, standby_reason
 
@@ -129,6 +129,60 @@ def test_a_planned_peer_is_called_gone_only_after_several_looks():
     looks = [triggers.reason(plan, without_v1) for _ in range(GONE_POLLS)]
     assert looks[:-1] == [None] * (GONE_POLLS - 1) and looks[-1] == "1 planned peer(s) gone"
     assert triggers.reason(plan, alive) is None
+
+
+def two_clusters_of_two(options):
+    """Four equal peers planned as two clusters of two (equal peers: a joiner like them fits any place)."""
+    peers = {name: Peer(name, 6.0, 50.0, 400.0) for name in ("w0", "w1", "w2", "w3", "w4")}
+    planned_peers = {name: peers[name] for name in ("w0", "w1", "w2", "w3")}
+    priced = price_plan([["w0", "w1"], ["w2", "w3"]], planned_peers, None, options.pricing())
+    plan = {"round": 2, "time": time.time(), "clusters": [[{"peer_id": s.peer_id, "layers": list(s.layers)}
+                                                           for s in stages] for _, stages in priced.plan.clusters]}
+    return peers, plan
+
+
+def test_a_gone_peer_beside_a_whole_cluster_waits_for_a_joiner_and_one_round_puts_it_in_the_hole():
+    """Issue 33's soak adopted two plans per churn event: one without the leaver (its cluster dropped), one with
+    the joiner that followed a second later (the cluster made whole again), each moving peers. While another cluster
+    is whole the swarm trains on, so a gone peer with no standby in sight now waits up to ``hole_wait`` for a
+    joiner; the joiner opens the round at once, and the plan that puts it in the gone peer's place, moving only
+    the joiner, is among the plans every island starts from."""
+    options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
+    peers, plan = two_clusters_of_two(options)
+    without_w3 = {name: peers[name] for name in ("w0", "w1", "w2")}
+    triggers = RoundTriggers(options)
+    assert [triggers.reason(plan, without_w3) for _ in range(GONE_POLLS + 3)] == [None] * (GONE_POLLS + 3)
+    assert triggers.hole_since is not None
+    joined = dict(without_w3, w4=peers["w4"])
+    assert triggers.reason(plan, joined) == "1 planned peer(s) gone, 1 standby peer(s) to take their place"
+
+    filled = [["w0", "w1"], ["w2", "w4"]]
+    assert filled in candidate_plans(plan, joined, WORKLOAD)
+    priced = price_plan(filled, joined, plan, options.pricing())
+    assert priced.cost.moved == 1 and priced.cost.download_gb == 5.0 and priced.throughput == price_plan([["w0", "w1"], ["w2", "w3"]], peers, None,
+                                                                      options.pricing()).throughput
+
+    # the joiner's cluster keeps its number, so w2 keeps its slot (same cluster, stage and layers) and trains on
+    record = [[dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in priced.plan.clusters]
+    assert [[s["peer_id"] for s in c] for c in kept_cluster_numbers(list(reversed(record)), plan)] == filled
+
+    triggers.hole_since -= 31  # no joiner within the wait: re-plan without the gone peer
+    assert triggers.reason(plan, without_w3) == "1 planned peer(s) gone"
+    triggers.adopted()
+    assert triggers.hole_since is None
+
+
+def test_a_gone_peer_with_no_whole_cluster_left_or_no_wait_re_plans_at_once():
+    options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
+    peers, plan = two_clusters_of_two(options)
+    one_of_each = {name: peers[name] for name in ("w0", "w2")}  # both clusters broken: nothing trains
+    triggers = RoundTriggers(options)
+    assert [triggers.reason(plan, one_of_each) for _ in range(GONE_POLLS)][-1] == "2 planned peer(s) gone"
+    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0, hole_wait=0.0))
+    without_w3 = {name: peers[name] for name in ("w0", "w1", "w2")}
+    assert [triggers.reason(plan, without_w3) for _ in range(GONE_POLLS)][-1] == "1 planned peer(s) gone"
+    # with no standby, the candidate keeps the whole cluster and leaves the broken one out
+    assert candidate_plans(plan, without_w3, WORKLOAD)[1] == [["w0", "w1"]]
 
 
 def test_the_round_period_counts_from_a_round_that_kept_the_plan_too():

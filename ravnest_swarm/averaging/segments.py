@@ -11,7 +11,7 @@ These are pure functions: every peer computes the same rings from the same adopt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -133,9 +133,11 @@ def ring_bytes_per_peer(rings: Sequence[Ring], bytes_per_element: int = 4) -> Di
     return held
 
 
-def plan_rings(plan: dict, layer_sizes: Sequence[int]) -> List[Ring]:
-    """The rings of an adopted plan record: element ranges from each stage's layer range."""
+def plan_rings(plan: dict, layer_sizes: Sequence[int], gone: Collection[str] = ()) -> List[Ring]:
+    """The rings of an adopted plan record: element ranges from each stage's layer range. A cluster with a peer
+    in ``gone`` is left out (its pipeline cannot train: it has nothing to average, and a ring that waits for the
+    gone peer would hold every other cluster until the ring's timeout); none left, no rings."""
     total = sum(layer_sizes)
     clusters = [[(stage["peer_id"], *element_range(layer_sizes, tuple(stage["layers"]))) for stage in cluster]
-                for cluster in plan["clusters"]]
-    return build_rings(clusters, total)
+                for cluster in plan["clusters"] if not any(stage["peer_id"] in gone for stage in cluster)]
+    return build_rings(clusters, total) if clusters else []

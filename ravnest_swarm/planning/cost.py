@@ -277,9 +277,11 @@ def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_
               price: MovePrice) -> MoveCost:
     """The cost of going from the plan ``in_force`` to ``proposed`` (both as clusters of :data:`Stages`).
 
-    A peer keeps its place when it holds the same layers in a cluster of the same stages as before; any other
-    placed peer moves and downloads the layers of its new range that its old range lacked (all of them if it
-    was standby), over its advertised link (``bandwidth_mbps``; a peer without one never finishes: inf).
+    A peer keeps its place when it holds the same layers in a cluster of the same stages as before, or of the same
+    stages but for peers ``proposed`` no longer places (a joiner taking a gone peer's place: the others train on,
+    ``swarm.placement.same_slot``); any other placed peer moves and downloads the layers of its new range that its
+    old range lacked (all of them if it was standby), over its advertised link (``bandwidth_mbps``; a peer without
+    one never finishes: inf).
     The swarm waits for the slowest download plus ``price.pause_s``: every cluster averages with the others,
     and a moved stage's cluster cannot train without it. A plan that only drops clusters moves nobody but
     still pauses.
@@ -288,12 +290,18 @@ def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_
         return {peer: (tuple(p for p, _ in cluster), tuple(layers)) for cluster in clusters for peer, layers in cluster}
 
     before, after = places(in_force), places(proposed)
+
+    def kept(peer: str, stages: Tuple[str, ...], layers: Tuple[int, int]) -> bool:
+        if peer not in before or before[peer][1] != layers or len(before[peer][0]) != len(stages):
+            return False
+        return all(old == new or old not in after for old, new in zip(before[peer][0], stages))
+
     prefix = [0.0]
     for gb in price.layer_download_gb:
         prefix.append(prefix[-1] + gb)
     moved, slowest, total = 0, 0.0, 0.0
     for peer, (stages, (first, last)) in after.items():
-        if before.get(peer) == (stages, (first, last)):
+        if kept(peer, stages, (first, last)):
             continue
         moved += 1
         held_first, held_last = before[peer][1] if peer in before else (0, 0)

@@ -69,19 +69,30 @@ def in_force_throughput(plan: Optional[dict], peers: Dict[str, Peer], workload: 
 
 def kept_cluster_numbers(clusters: List[List[dict]], in_force: Optional[dict]) -> List[List[dict]]:
     """A new plan record's ``clusters`` (stages as ``dict(peer_id, layers)``) in the order that lets a cluster of
-    the plan ``in_force`` (the same peers in the same order) keep its number where the new plan has that many: its
-    stages on the same layers then keep their place and train on (``swarm.placement.same_slot``), where a cluster
-    renumbered would restart every stage. The other clusters take the numbers left, in their order. Every adopter
-    orders the same, having the same plan in force."""
+    the plan ``in_force`` (the same peers in the same order, but for gone peers' places) keep its number where the
+    new plan has that many: its stages on the same layers then keep their place and train on
+    (``swarm.placement.same_slot``), where a cluster renumbered would restart every stage. The other clusters take
+    the numbers left, in their order. Every adopter orders the same, having the same plan in force."""
     if in_force is None:
         return clusters
-    numbers = {tuple(stage["peer_id"] for stage in cluster): number for number, cluster in enumerate(in_force["clusters"])}
+    placed = {stage["peer_id"] for cluster in clusters for stage in cluster}
+
+    def number_of(cluster: List[dict]) -> Optional[int]:
+        # the same peers in the same order, but for the places of peers the new plan no longer places: a joiner
+        # that took a gone peer's place (``filled_holes``) keeps its cluster's number, so the others train on
+        peers = [stage["peer_id"] for stage in cluster]
+        for number, old in enumerate(in_force["clusters"]):
+            if len(old) == len(peers) and all(o["peer_id"] == p or o["peer_id"] not in placed
+                                              for o, p in zip(old, peers)) and any(o["peer_id"] in peers for o in old):
+                return number
+        return None
+
     ordered: List[Optional[List[dict]]] = [None] * len(clusters)
     others = []
     for cluster in clusters:
-        number = numbers.get(tuple(stage["peer_id"] for stage in cluster))
-        if number is not None and number < len(clusters):
-            ordered[number] = cluster  # peers are in one cluster at most, so no two clusters claim a number
+        number = number_of(cluster)
+        if number is not None and number < len(clusters) and ordered[number] is None:
+            ordered[number] = cluster
         else:
             others.append(cluster)
     free = iter(number for number, cluster in enumerate(ordered) if cluster is None)
@@ -90,15 +101,32 @@ def kept_cluster_numbers(clusters: List[List[dict]], in_force: Optional[dict]) -
     return ordered
 
 
+def filled_holes(plan: dict, standbys: List[Peer], alive: Dict[str, Peer]) -> Tuple[List[List[str]], List[Peer]]:
+    """The plan in force's clusters with each gone peer's place taken by a standby, most RAM first (ties by peer
+    id), so that only the standby moves; a cluster with more places than standbys is left out. Also the standbys
+    left over."""
+    spare = sorted(standbys, key=lambda p: (-p.ram_gb, p.peer_id))
+    clusters = []
+    for cluster in plan["clusters"]:
+        holes = sum(stage["peer_id"] not in alive for stage in cluster)
+        if holes > len(spare):
+            continue
+        taking, spare = spare[:holes], spare[holes:]
+        takers = iter(taking)
+        clusters.append([stage["peer_id"] if stage["peer_id"] in alive else next(takers).peer_id
+                         for stage in cluster])
+    return clusters, spare
+
+
 def candidate_plans(plan: dict, alive: Dict[str, Peer], workload: Workload) -> List[List[List[str]]]:
     """Plans a round is sure to consider (its islands start from them): the greedy plan over every live peer,
-    and the plan in force with greedy clusters of its standbys added, which moves nobody."""
+    and the plan in force, gone peers' places taken by standbys (:func:`filled_holes`), with greedy clusters of
+    the other standbys added, which moves only the standbys."""
     peers = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
     arrays = SwarmArrays(peers, workload)
     everyone = [[peers[i].peer_id for i in members] for members in assignment_clusters(arrays, greedy_plan(arrays))]
-    kept = [[stage["peer_id"] for stage in cluster] for cluster in plan["clusters"]]
-    placed = {i for cluster in kept for i in cluster}
-    standbys = [p for p in peers if p.peer_id not in placed]
+    placed = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
+    kept, standbys = filled_holes(plan, [p for p in peers if p.peer_id not in placed], alive)
     added = []
     if standbys:
         spare = SwarmArrays(standbys, workload)

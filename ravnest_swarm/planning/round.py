@@ -25,7 +25,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 from hivemind.dht.node import DHTNode
@@ -76,6 +76,8 @@ class RoundOptions:
     :param layer_download_gb: what a peer downloads per layer it lacks (GB); None: the layers' memory
     :param plan_wait: seconds a peer that reads no plan in force, while live peers' records say they follow
         one, waits for that plan's record before it opens a first round of its own
+    :param hole_wait: seconds a plan with one cluster broken (planned peers gone), no standby in sight and
+        another cluster whole waits for a joiner before a round re-plans without the gone peers (0: re-plan at once)
     """
 
     workload: Workload
@@ -90,6 +92,7 @@ class RoundOptions:
     move_horizon_s: float = DEFAULT_MOVE_HORIZON_S
     layer_download_gb: Optional[Sequence[float]] = None
     plan_wait: float = 60.0
+    hole_wait: float = 30.0
 
     def pricing(self) -> Pricing:
         """How a round builds and prices plans: stages cut from the real model's layers or ``num_layers`` identical
@@ -113,8 +116,9 @@ class RoundTriggers:
     """Decides, from the plan in force and the live peers, whether a new round should open.
 
     A round is opened only when it can adopt something: before the first plan, once ``min_peers`` peers are
-    live; when a planned peer is gone (the plan cannot be followed); when standbys can raise the swarm's
-    throughput enough to pay back the moves (:func:`improvement`, the same estimate the round adopts by),
+    live; when a planned peer is gone (the plan cannot be followed), at once if a standby can take its place or
+    more than one cluster is broken, else once a joiner shows up or ``hole_wait`` passed; when standbys can raise
+    the swarm's throughput enough to pay back the moves (:func:`improvement`, the same estimate the round adopts by),
     weighed once per set of standbys until a plan is adopted; and every ``round_period`` seconds.
 
     :param options: the round options: ``min_peers``, ``round_period``, and the workload and move price that
@@ -131,10 +135,17 @@ class RoundTriggers:
         self.unpaid: Optional[Tuple[set, float, PricedPlan]] = None
         # since when live peers say they follow a plan whose record we cannot read (None: we can, or none do)
         self.unread_plan_since: Optional[float] = None
+        # since when a planned peer is gone while other clusters train on and no standby could take its place
+        self.hole_since: Optional[float] = None
+
+    def gone(self) -> FrozenSet[str]:
+        """Planned peers whose records we missed :data:`GONE_POLLS` looks in a row."""
+        return frozenset(peer for peer, polls in self.missing.items() if polls >= GONE_POLLS)
 
     def adopted(self) -> None:
         """A round adopted a plan: every standby is weighed against it anew (one that missed the round too)."""
         self.considered = set()
+        self.hole_since = None
 
     def declined(self) -> None:
         """A round kept the plan in force (nothing paid back its moves)."""
@@ -163,8 +174,6 @@ class RoundTriggers:
         # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
         self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
         gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
-        if gone:
-            return f"{len(gone)} planned peer(s) gone"
         # a peer another plan places is no standby of ours: it takes part in its own plan's rounds, not ours, so
         # weighing it opened round after round that kept the plan in force ("6 standby peer(s) can raise ...",
         # then "would move 0 peer(s)") in the soak's second swarm
@@ -172,6 +181,9 @@ class RoundTriggers:
                      if round_number != plan["round"] and peer not in members}
         alive = {peer: capabilities for peer, capabilities in alive.items() if peer not in elsewhere}
         standbys = set(alive) - members
+        if gone:
+            return self._gone_reason(plan, alive, gone, standbys)
+        self.hole_since = None
         if standbys - self.considered and members <= set(alive):
             # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
             self.considered |= standbys
@@ -185,6 +197,22 @@ class RoundTriggers:
         if period > 0 and time.time() - max(plan["time"], self.declined_at) >= period:
             return "round period elapsed"
         return None
+
+
+    def _gone_reason(self, plan: dict, alive: Dict[str, Peer], gone: List[str], standbys: set) -> Optional[str]:
+        """Open a round for gone planned peers now, or wait for a joiner to take their place. Under churn a leave
+        is followed by a join: re-planning without the gone peer, then again with the joiner, adopted two plans
+        per churn event and moved peers twice (issue 33's soak); while another cluster is whole the swarm trains
+        on, and one round that puts the joiner in the hole moves only the joiner (``moves.candidate_plans``)."""
+        if standbys:
+            return f"{len(gone)} planned peer(s) gone, {len(standbys)} standby peer(s) to take their place"
+        whole = sum(all(stage["peer_id"] in alive for stage in cluster) for cluster in plan["clusters"])
+        # one broken cluster is a churn event; more at once (a network split, a crash of several) re-plan now
+        if whole == len(plan["clusters"]) - 1 and whole > 0 and self.options.hole_wait > 0:
+            self.hole_since = self.hole_since or time.time()
+            if time.time() - self.hole_since < self.options.hole_wait:
+                return None
+        return f"{len(gone)} planned peer(s) gone"
 
 
 def standby_reason(plan: dict, alive: Dict[str, Peer], workload: Workload) -> str:
@@ -292,12 +320,17 @@ class PlanningRounds:
             await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan)
             return
         alive = await self.read_alive(now)
-        waiting = self.triggers.unread_plan_since
+        waiting, hole = self.triggers.unread_plan_since, self.triggers.hole_since
         reason = self.triggers.reason(plan, alive, self.followed)
         if waiting is None and self.triggers.unread_plan_since is not None:
             rounds = ",".join(str(r) for r in sorted(set(self.followed.values())))
             self.say(f"no plan in force is readable, but {len(self.followed)} live peer(s) follow plan round "
                      f"{rounds}: waiting up to {self.options.plan_wait:g}s for it before opening a round of our own")
+        if hole is None and self.triggers.hole_since is not None:
+            gone = ",".join(sorted(self.names.get(i, i) for i, polls in self.triggers.missing.items()
+                                   if polls >= GONE_POLLS))
+            self.say(f"planned peer(s) {gone} gone and no standby to take their place: the other clusters train on; "
+                     f"waiting up to {self.options.hole_wait:g}s for a joiner before re-planning without them")
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
             self.triggers.unpaid = None

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,10 +46,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Following:
-    """What the volunteer trains now: its running worker (None: none) and the plan it follows (None: none yet)."""
+    """What the volunteer trains now: its running worker (None: none), the plan it follows (None: none yet), and
+    the peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``)."""
 
     worker: Optional[StageWorker]
     plan: Optional[dict]
+    gone: FrozenSet[str] = frozenset()
 
 
 @dataclass
@@ -104,7 +106,8 @@ class StageAveraging:
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
-        self._plan_rings: Tuple[Optional[dict], List[Ring]] = (None, [])  # the last plan the averager asked about
+        # the last plan and gone peers the averager asked about, and their rings
+        self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring]] = (None, frozenset(), [])
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
 
     async def start(self) -> None:
@@ -188,7 +191,7 @@ class StageAveraging:
         every ring of ours averaged, and the values the stage takes. None: no ring of ours in this round. Our
         record's state says ``averaging`` while the stage stands still for it, not ``beside_training``."""
         state = "training" if beside_training else "averaging"
-        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes))
+        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
         if not rings or step <= self.averager.last_finished_step:
             return None  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state=state)
@@ -253,13 +256,13 @@ class StageAveraging:
         now = self.following()
         if now.worker is None or now.plan is None:
             return None
-        if self._plan_rings[0] is not now.plan:
-            self._plan_rings = (now.plan, plan_rings(now.plan, self.layer_sizes))
+        if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
+            self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone))
         version = now.worker.version
         first = version - self.period
         if self.in_flight is not None:
             first = min(first, self.in_flight.step)  # a round beside training lasts as long as it needs
-        return Expected(self._plan_rings[1], self.peer_id, first, version + 2 * self.period)
+        return Expected(self._plan_rings[2], self.peer_id, first, version + 2 * self.period)
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""

@@ -35,7 +35,7 @@ import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -174,8 +174,9 @@ class Volunteer:
         self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
         # the optimizer state of the stage we stopped last, for the peer that takes its layers over (stage_state.py)
         self.stopped_stage: Optional[StoppedStage] = None
+        self.rounds: Optional[PlanningRounds] = None  # our planning rounds, once they start
         self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage)
-        self.averaging = StageAveraging(self.announcer, self.state_server, lambda: Following(self.worker, self.plan),
+        self.averaging = StageAveraging(self.announcer, self.state_server, lambda: Following(self.worker, self.plan, self._gone()),
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
@@ -710,8 +711,13 @@ class Volunteer:
             return await self.averaging.average(worker, self.plan, step)
 
     def _averages_now(self) -> bool:
-        """Whether our stage has partners to average with in the plan we follow."""
-        if self.plan is None or len(self.plan["clusters"]) < 2:
+        """Whether our stage has partners to average with in the plan we follow: clusters with no peer gone
+        (``segments.plan_rings``), ours and another."""
+        if self.plan is None:
+            return False
+        gone = self._gone()
+        whole = [cluster for cluster in self.plan["clusters"] if not any(s["peer_id"] in gone for s in cluster)]
+        if len(whole) < 2 or not any(s["peer_id"] == self.peer_id for cluster in whole for s in cluster):
             return False
         # the plan just adopted moves us: this worker stops next, and its partners moved too
         return self.adopted is self.plan or same_slot(placement_in(self.adopted, self.peer_id), self.placement)
@@ -736,6 +742,10 @@ class Volunteer:
         else:
             self.say(f"{self.name}: error: our peer record could not be renewed ({problem}); others lose us from "
                      f"their view if this lasts; trying again every second")
+
+    def _gone(self) -> FrozenSet[str]:
+        """Peers of the plan we follow that our planning rounds found gone (none before the rounds start)."""
+        return self.rounds.triggers.gone() if self.rounds is not None else frozenset()
 
     def _note(self, text: str) -> None:
         """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
