@@ -74,7 +74,7 @@ def test_a_churn_event_a_kill_then_a_joiner_adopts_one_plan_that_moves_only_the_
     volunteers["p0"].wait_for_output(r"^planned peer\(s\) p1 gone and no standby to take their place: the other "
                                      r"clusters train on; waiting up to 30s for a joiner", 60, stream="stderr")
     waiting = swarm.watcher.wait_for(lambda peers: "p0" in peers, 10, "p0's record")["p0"]["step"]
-    swarm.watcher.wait_for(lambda peers: peers["p0"]["step"] > waiting + 20, 15, "p0 training on meanwhile")
+    swarm.watcher.wait_for(lambda peers: peers["p0"]["step"] > waiting + 20, 20, "p0 training on meanwhile")
     volunteers["p2"] = swarm("p2", ram_fraction=1.5, steps=100_000, extra=extra)
     peers = swarm.watcher.wait_for(lambda peers: "p1" not in peers and
                                    peers.get("p2", {}).get("cluster") == before["p1"]["cluster"] and

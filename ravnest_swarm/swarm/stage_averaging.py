@@ -43,6 +43,8 @@ from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
 
 logger = logging.getLogger(__name__)
 
+GONE_CHECK_S = 0.5  # how often a stage waiting for its round in flight looks whether a partner of it is gone
+
 
 @dataclass
 class Following:
@@ -62,6 +64,7 @@ class InFlightRound:
     worker: StageWorker
     step: int
     sent: torch.Tensor
+    partners: FrozenSet[str]  # the other members of our rings in it
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
 
 
@@ -151,16 +154,35 @@ class StageAveraging:
         """Start a round of ``worker``'s layers as they are now, and return: the stage trains on meanwhile
         (the run spec's ``averaging_overlap``). :meth:`take_finished`, called at each step boundary, applies it
         once it ended. The round before, if it still runs, ends first, the stage waiting for it: every member
-        takes part in every round, and a result is at most one round late. Returns what :meth:`take_finished`
-        returned for that round."""
+        takes part in every round, and a result is at most one round late, unless a partner of that round is
+        found gone meanwhile: then it is given up at once, not at its rings' timeout, and the stage trains on.
+        Returns what :meth:`take_finished` returned for that round."""
         finished = None
         if self.in_flight is not None:
-            await asyncio.gather(asyncio.shield(self.in_flight.task), return_exceptions=True)
-            finished = self.take_finished(worker)
+            finished = await self._finish_in_flight(worker)
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
-        self.in_flight = InFlightRound(worker, step, sent, asyncio.create_task(
+        partners = {member for ring in rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
+                    for member in ring.members} - {self.peer_id}
+        if not partners:  # they were found gone while we waited for the round before: nobody to average with
+            return finished
+        self.in_flight = InFlightRound(worker, step, sent, frozenset(partners), asyncio.create_task(
             self._round(worker, plan, step, sent.clone(), beside_training=True)))
         return finished
+
+    async def _finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
+        """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round a partner of which
+        our planning rounds found gone meanwhile is cancelled and counted as failed instead."""
+        in_flight = self.in_flight
+        while not in_flight.task.done():
+            await asyncio.wait({in_flight.task}, timeout=GONE_CHECK_S)
+            gone = in_flight.partners & self.following().gone
+            if gone and not in_flight.task.done():
+                in_flight.task.cancel()
+                await asyncio.gather(in_flight.task, return_exceptions=True)
+                self.in_flight = None
+                self._failed(in_flight.step, f"given up: partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone")
+                return False
+        return self.take_finished(worker)
 
     def take_finished(self, worker: StageWorker) -> Optional[bool]:
         """At a step boundary of ``worker``: the round in flight, once it ended, applied one round late. Its

@@ -176,7 +176,8 @@ class Volunteer:
         self.stopped_stage: Optional[StoppedStage] = None
         self.rounds: Optional[PlanningRounds] = None  # our planning rounds, once they start
         self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage)
-        self.averaging = StageAveraging(self.announcer, self.state_server, lambda: Following(self.worker, self.plan, self._gone()),
+        self.averaging = StageAveraging(self.announcer, self.state_server,
+                                        lambda: Following(self.worker, self.plan, self._gone()),
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
