@@ -17,7 +17,8 @@ from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.planning.round import GONE_POLLS, PlanningRounds, RoundOptions, RoundTriggers, standby_reason
+from ravnest_swarm.planning.round import (GONE_POLLS, PlanningRounds, RoundOptions, RoundTriggers, canonical,
+                                         standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -150,11 +151,15 @@ def test_a_gone_peer_beside_a_whole_cluster_waits_for_a_joiner_and_one_round_put
     options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
     peers, plan = two_clusters_of_two(options)
     without_w3 = {name: peers[name] for name in ("w0", "w1", "w2")}
-    triggers = RoundTriggers(options)
+    triggers = RoundTriggers(options, "w0")
     assert [triggers.reason(plan, without_w3) for _ in range(GONE_POLLS + 3)] == [None] * (GONE_POLLS + 3)
     assert triggers.hole_since is not None
     joined = dict(without_w3, w4=peers["w4"])
-    assert triggers.reason(plan, joined) == "1 planned peer(s) gone, 1 standby peer(s) to take their place"
+    # the joiner opens the round (it surely takes part in it); a placed peer goes on waiting for it
+    assert triggers.reason(plan, joined) is None
+    joiner = RoundTriggers(options, "w4")
+    looks = [joiner.reason(plan, joined) for _ in range(GONE_POLLS)]
+    assert looks[-1] == "1 planned peer(s) gone, 1 standby peer(s) to take their place"
 
     filled = [["w0", "w1"], ["w2", "w4"]]
     assert filled in candidate_plans(plan, joined, WORKLOAD)
@@ -176,13 +181,28 @@ def test_a_gone_peer_with_no_whole_cluster_left_or_no_wait_re_plans_at_once():
     options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
     peers, plan = two_clusters_of_two(options)
     one_of_each = {name: peers[name] for name in ("w0", "w2")}  # both clusters broken: nothing trains
-    triggers = RoundTriggers(options)
+    triggers = RoundTriggers(options, "w0")
     assert [triggers.reason(plan, one_of_each) for _ in range(GONE_POLLS)][-1] == "2 planned peer(s) gone"
-    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0, hole_wait=0.0))
+    triggers = RoundTriggers(RoundOptions(WORKLOAD, round_period=0.0, hole_wait=0.0), "w0")
     without_w3 = {name: peers[name] for name in ("w0", "w1", "w2")}
     assert [triggers.reason(plan, without_w3) for _ in range(GONE_POLLS)][-1] == "1 planned peer(s) gone"
     # with no standby, the candidate keeps the whole cluster and leaves the broken one out
     assert candidate_plans(plan, without_w3, WORKLOAD)[1] == [["w0", "w1"]]
+
+
+def test_of_proposals_worth_the_same_the_round_adopts_the_one_that_moves_fewest_peers():
+    """A soak's round after a kill adopted a plan that moved 6 peers: the layers downloaded in no time, so every
+    plan cost the same pause and the tie went by hash. The plan that fills the hole competes even where no island
+    proposed it, and of equal values the fewer moves win."""
+    options = RoundOptions(WORKLOAD, round_period=0.0)
+    peers, plan = two_clusters_of_two(options)
+    joined = {name: peers[name] for name in ("w0", "w1", "w2", "w4")}
+    rounds = PlanningRounds.__new__(PlanningRounds)
+    rounds.options = options
+    reshuffled = {"clusters": [["w0", "w2"], ["w1", "w4"]]}  # as fast, but moves three peers
+    value, _, clusters, priced = rounds.choose([reshuffled], joined, plan)
+    assert canonical(clusters) == canonical([["w0", "w1"], ["w2", "w4"]]) and priced.cost.moved == 1
+    assert value == pytest.approx(price_plan([["w0", "w2"], ["w1", "w4"]], joined, plan, options.pricing()).value)
 
 
 def test_the_round_period_counts_from_a_round_that_kept_the_plan_too():

@@ -116,17 +116,19 @@ class RoundTriggers:
     """Decides, from the plan in force and the live peers, whether a new round should open.
 
     A round is opened only when it can adopt something: before the first plan, once ``min_peers`` peers are
-    live; when a planned peer is gone (the plan cannot be followed), at once if a standby can take its place or
-    more than one cluster is broken, else once a joiner shows up or ``hole_wait`` passed; when standbys can raise
-    the swarm's throughput enough to pay back the moves (:func:`improvement`, the same estimate the round adopts by),
-    weighed once per set of standbys until a plan is adopted; and every ``round_period`` seconds.
+    live; when a planned peer is gone (the plan cannot be followed): by a standby at once, by a placed peer once
+    ``hole_wait`` passed, or at once where no standby is in sight and more than one cluster (or every cluster) is
+    broken; when standbys can raise the swarm's throughput enough to pay back the moves (:func:`improvement`, the
+    same estimate the round adopts by), weighed once per set of standbys until a plan is adopted; and every
+    ``round_period`` seconds.
 
     :param options: the round options: ``min_peers``, ``round_period``, and the workload and move price that
         weigh the standbys
+    :param peer_id: whose triggers these are (a standby opens a round for gone peers at once)
     """
 
-    def __init__(self, options: RoundOptions):
-        self.options = options
+    def __init__(self, options: RoundOptions, peer_id: Optional[str] = None):
+        self.options, self.peer_id = options, peer_id
         self.considered: set = set()  # standbys already weighed against the plan in force
         self.missing: Dict[str, int] = {}  # planned peer id -> consecutive polls without its record
         self.declined_at = 0.0  # when a round last adopted nothing: the round period counts from then too
@@ -203,12 +205,15 @@ class RoundTriggers:
         """Open a round for gone planned peers now, or wait for a joiner to take their place. Under churn a leave
         is followed by a join: re-planning without the gone peer, then again with the joiner, adopted two plans
         per churn event and moved peers twice (issue 33's soak); while another cluster is whole the swarm trains
-        on, and one round that puts the joiner in the hole moves only the joiner (``moves.candidate_plans``)."""
-        if standbys:
+        on, and one round that puts the joiner in the hole moves only the joiner (``moves.candidate_plans``).
+        The standby opens that round: it surely takes part in it. A round a placed peer opened as soon as it saw
+        a joiner's record came before the joiner's planner ran, and placed nobody in the hole (a soak)."""
+        if self.peer_id in standbys:
             return f"{len(gone)} planned peer(s) gone, {len(standbys)} standby peer(s) to take their place"
         whole = sum(all(stage["peer_id"] in alive for stage in cluster) for cluster in plan["clusters"])
         # one broken cluster is a churn event; more at once (a network split, a crash of several) re-plan now
-        if whole == len(plan["clusters"]) - 1 and whole > 0 and self.options.hole_wait > 0:
+        churn = whole == len(plan["clusters"]) - 1 and whole > 0
+        if (standbys or churn) and self.options.hole_wait > 0:
             self.hole_since = self.hole_since or time.time()
             if time.time() - self.hole_since < self.options.hole_wait:
                 return None
@@ -243,7 +248,7 @@ class PlanningRounds:
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
         self.subkey = signing_validator(node).local_public_key  # our identity's: records name us
-        self.triggers = RoundTriggers(options)
+        self.triggers = RoundTriggers(options, self.peer_id)
         self._last_note: Optional[str] = None
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
@@ -329,8 +334,8 @@ class PlanningRounds:
         if hole is None and self.triggers.hole_since is not None:
             gone = ",".join(sorted(self.names.get(i, i) for i, polls in self.triggers.missing.items()
                                    if polls >= GONE_POLLS))
-            self.say(f"planned peer(s) {gone} gone and no standby to take their place: the other clusters train on; "
-                     f"waiting up to {self.options.hole_wait:g}s for a joiner before re-planning without them")
+            self.say(f"planned peer(s) {gone} gone: the other clusters train on; waiting up to "
+                     f"{self.options.hole_wait:g}s for a joiner to take their place before re-planning without them")
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
             self.triggers.unpaid = None
@@ -425,10 +430,14 @@ class PlanningRounds:
     def choose(self, proposals: List[dict], alive: Dict[str, Peer],
                in_force: Optional[dict]) -> Optional[Tuple[float, str, List[List[str]], PricedPlan]]:
         """The best valid proposal as ``(value, hash, clusters, priced plan)``, the value being its throughput over
-        the move horizon after moving from the plan ``in_force``: every peer given the same inputs picks the same."""
+        the move horizon after moving from the plan ``in_force``, then fewer peers moved: every peer given the same
+        inputs picks the same. The plans every island started from (``moves.candidate_plans``) compete too: the
+        GA's estimate scores every change of a broken cluster alike, so with layers that download in no time an
+        island's best could move six peers where the plan that fills the hole moves one (a soak)."""
         workload, pricing, best, seen = self.options.workload, self.options.pricing(), None, set()
-        for proposal in proposals:
-            clusters = canonical(proposal["clusters"])
+        candidates = [] if in_force is None else candidate_plans(in_force, alive, workload)
+        for proposed in [p["clusters"] for p in proposals] + candidates:
+            clusters = canonical(proposed)
             members = [i for c in clusters for i in c]
             if not clusters or len(set(members)) != len(members) or not set(members) <= set(alive):
                 continue
@@ -440,10 +449,10 @@ class PlanningRounds:
             seen.add(digest)
             # claims are recomputed, never trusted; a round-off-sized disagreement is no tie-breaker
             priced = price_plan(clusters, alive, in_force, pricing)
-            key = (float(f"{priced.value:.9e}"), digest)
-            if best is None or key[0] > best[0] or (key[0] == best[0] and key[1] < best[1]):
-                best = (key[0], key[1], clusters, priced)
-        return best
+            key = (-float(f"{priced.value:.9e}"), priced.cost.moved, digest)
+            if best is None or key < best[0]:
+                best = (key, clusters, priced)
+        return None if best is None else (-best[0][0], best[0][2], best[1], best[2])
 
     async def adopt(self, round_number: int, deadline: float, in_force: Optional[dict]) -> None:
         """Read the frozen proposals of this round and adopt the best valid one, if it pays back its moves.
