@@ -177,6 +177,20 @@ def test_a_gone_peer_beside_a_whole_cluster_waits_for_a_joiner_and_one_round_put
     assert triggers.hole_since is None
 
 
+def test_a_joiner_in_a_gone_first_stage_takes_that_stage_and_the_survivor_keeps_its_own():
+    """Stages of equal shares are ordered by peer id; a soak's joiner in a gone stage 0 sorted after the survivor,
+    which then moved to stage 0 and the joiner took stage 1: two moves. Of equal shares a peer keeps the stage
+    it held."""
+    options = RoundOptions(WORKLOAD, round_period=0.0)
+    peers, plan = two_clusters_of_two(options)
+    joined = {name: peers[name] for name in ("w0", "w1", "w3", "w4")}  # w2, stage 0 of cluster 1, is gone
+    priced = price_plan([["w0", "w1"], ["w3", "w4"]], joined, plan, options.pricing())
+    stages = {s.peer_id: (s.stage, s.layers) for _, cluster in priced.plan.clusters for s in cluster}
+    assert stages["w4"] == (0, tuple(plan["clusters"][1][0]["layers"]))
+    assert stages["w3"] == (1, tuple(plan["clusters"][1][1]["layers"]))
+    assert priced.cost.moved == 1
+
+
 def test_a_gone_peer_with_no_whole_cluster_left_or_no_wait_re_plans_at_once():
     options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
     peers, plan = two_clusters_of_two(options)

@@ -51,7 +51,10 @@ def price_plan(clusters: Sequence[Sequence[str]], peers: Dict[str, Peer], in_for
     """``clusters`` (peer ids) built into a plan over ``peers`` and priced against the plan ``in_force``."""
     ordered = list(peers.values())
     index = {p.peer_id: i for i, p in enumerate(ordered)}
-    plan = build_plan(ordered, [[index[i] for i in c] for c in clusters], pricing.workload, pricing.layer_profile)
+    held = None if in_force is None else {stage["peer_id"]: number for cluster in in_force["clusters"]
+                                          for number, stage in enumerate(cluster)}
+    plan = build_plan(ordered, [[index[i] for i in c] for c in clusters], pricing.workload, pricing.layer_profile,
+                      held)
     if in_force is None:  # nothing is held yet: the first plan's stages start from the run's holders or fresh
         return PricedPlan(plan, MoveCost(0.0, 0.0, 0), plan.swarm_throughput)
     cost = move_cost(in_force_stages(in_force), [[(s.peer_id, s.layers) for s in stages] for _, stages in plan.clusters],

@@ -140,19 +140,44 @@ def uniform_layers(num_layers: int, workload: Workload) -> Tuple[List[float], Li
     return [workload.model_gb / num_layers] * num_layers, [workload.gflop_per_sample / num_layers] * num_layers
 
 
+def keeping_held_stages(falling: List[int], fractions: Sequence[float], ids: Sequence[str],
+                        held: Dict[str, int]) -> List[int]:
+    """``falling`` (a cluster's peers by falling fraction, ties by peer id) with each run of equal fractions
+    rearranged so that a peer keeps the stage index it ``held`` where that index lies in its run: of equal
+    shares, the peer that trained a stage stays on it (a joiner in a gone peer's place moves alone)."""
+    order = list(falling)
+    start = 0
+    while start < len(order):
+        end = start
+        while end < len(order) and fractions[order[end]] == fractions[order[start]]:
+            end += 1
+        run, slots = order[start:end], [None] * (end - start)
+        for j in run:
+            index = held.get(ids[j])
+            if index is not None and start <= index < end and slots[index - start] is None:
+                slots[index - start] = j
+        rest = iter(j for j in run if j not in slots)
+        order[start:end] = [j if j is not None else next(rest) for j in slots]
+        start = end
+    return order
+
+
 def build_plan(peers: Sequence[Peer], clusters: Sequence[Sequence[int]], workload: Workload,
-               layer_profile: Tuple[Sequence[float], Sequence[float]]) -> Plan:
+               layer_profile: Tuple[Sequence[float], Sequence[float]], held: Optional[Dict[str, int]] = None) -> Plan:
     """A :class:`Plan` from clusters given as lists of indices into ``peers``, its figures recomputed.
 
-    Stages are ordered by falling fraction (ties by peer id), so the largest share comes first and the
-    order is the same wherever the plan is rebuilt, unless only another order lets whole layers keep
-    every peer within its RAM and the stage share limit (:func:`stage_split`).
+    Stages are ordered by falling fraction (ties by peer id, or by the stage index each peer ``held`` in the
+    plan in force: :func:`keeping_held_stages`), so the largest share comes first and the order is the same
+    wherever the plan is rebuilt, unless only another order lets whole layers keep every peer within its RAM and
+    the stage share limit (:func:`stage_split`).
     """
     placed, clustered = [], set()
     for members in clusters:
         group = [peers[i] for i in members]
         _, fractions = water_fill(group, workload)
         falling = sorted(range(len(group)), key=lambda j: (-fractions[j], group[j].peer_id))
+        if held:
+            falling = keeping_held_stages(falling, fractions, [p.peer_id for p in group], held)
         limit_gb = workload.stage_cap(len(group)) * workload.model_gb
         order, ranges = stage_split(falling, fractions, [min(p.ram_gb, limit_gb) for p in group], *layer_profile)
         stages = [PlacedPeer(group[j].peer_id, fractions[j], stage, ranges[stage]) for stage, j in enumerate(order)]
