@@ -76,8 +76,9 @@ class RoundOptions:
     :param layer_download_gb: what a peer downloads per layer it lacks (GB); None: the layers' memory
     :param plan_wait: seconds a peer that reads no plan in force, while live peers' records say they follow
         one, waits for that plan's record before it opens a first round of its own
-    :param hole_wait: seconds a plan with one cluster broken (planned peers gone), no standby in sight and
-        another cluster whole waits for a joiner before a round re-plans without the gone peers (0: re-plan at once)
+    :param hole_wait: seconds a placed peer waits, once planned peers are gone, for a standby or joiner to open
+        the round that fills their places before it opens one itself (with no standby in sight, only where one
+        cluster is broken and another whole); 0: at once
     """
 
     workload: Workload
@@ -137,7 +138,7 @@ class RoundTriggers:
         self.unpaid: Optional[Tuple[set, float, PricedPlan]] = None
         # since when live peers say they follow a plan whose record we cannot read (None: we can, or none do)
         self.unread_plan_since: Optional[float] = None
-        # since when a planned peer is gone while other clusters train on and no standby could take its place
+        # since when a planned peer is gone and we wait for a standby to open the round that fills its place
         self.hole_since: Optional[float] = None
 
     def gone(self) -> FrozenSet[str]:
@@ -199,7 +200,6 @@ class RoundTriggers:
         if period > 0 and time.time() - max(plan["time"], self.declined_at) >= period:
             return "round period elapsed"
         return None
-
 
     def _gone_reason(self, plan: dict, alive: Dict[str, Peer], gone: List[str], standbys: set) -> Optional[str]:
         """Open a round for gone planned peers now, or wait for a joiner to take their place. Under churn a leave
