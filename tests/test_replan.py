@@ -59,9 +59,9 @@ ADOPTED = re.compile(r"^adopted plan round (\d+) fitness \S+ hash \S+ clusters (
 def test_a_churn_event_a_kill_then_a_joiner_adopts_one_plan_that_moves_only_the_joiner(swarm):
     """Issue 33's soak adopted two plans per churn event: one without the killed peer (its cluster dropped), one
     with the joiner that came right after (a cluster again), and the first cost the survivors a pause. Two real
-    clusters of one stage; p1 is SIGKILLed (its whole session) and a new peer joins at once, as the soak's churn
-    does, once p0 has seen p1 gone. The survivor trains on while the plan waits for a joiner; one round puts the
-    joiner in p1's place, moving only the joiner, and it then averages with p0."""
+    clusters of one stage; p1 is SIGKILLed (its whole session) and, once p0 has seen p1 gone, a new peer joins, as
+    the soak's churn does. The survivor trains on while the plan waits for the joiner; one round puts the joiner in
+    p1's place, moving only the joiner, and it then averages with p0."""
     extra = ("--min-peers", "2", "--max-stages", "1")
     volunteers = {name: swarm(name, ram_fraction=1.5, steps=100_000, extra=extra) for name in ("p0", "p1")}
     before = swarm.watcher.wait_for(lambda peers: len({p["cluster"] for p in placed(peers).values()}) == 2 and
@@ -73,9 +73,9 @@ def test_a_churn_event_a_kill_then_a_joiner_adopts_one_plan_that_moves_only_the_
     # expires within its deadline): no round is opened without p1 meanwhile
     volunteers["p0"].wait_for_output(r"^planned peer\(s\) p1 gone: the other clusters train on; waiting up to 30s "
                                      r"for a joiner", 60, stream="stderr")
+    volunteers["p2"] = swarm("p2", ram_fraction=1.5, steps=100_000, extra=extra)  # well within the 30 s wait
     waiting = swarm.watcher.wait_for(lambda peers: "p0" in peers, 10, "p0's record")["p0"]["step"]
     swarm.watcher.wait_for(lambda peers: peers["p0"]["step"] > waiting + 20, 20, "p0 training on meanwhile")
-    volunteers["p2"] = swarm("p2", ram_fraction=1.5, steps=100_000, extra=extra)
     peers = swarm.watcher.wait_for(lambda peers: "p1" not in peers and
                                    peers.get("p2", {}).get("cluster") == before["p1"]["cluster"] and
                                    (peers["p2"].get("averaging_rounds") or 0) >= 3, 150,
@@ -88,6 +88,7 @@ def test_a_churn_event_a_kill_then_a_joiner_adopts_one_plan_that_moves_only_the_
     assert re.search(rf"^round {adopted[0][0]} moves 1 peer\(s\)", after, re.M), after
     # p0 kept its place, and trained on while the plan waited for the joiner
     assert re.search(rf"^p0: plan round {adopted[0][0]} keeps us in place", after, re.M), after
-    assert peers["p0"]["cluster"] == before["p0"]["cluster"] and peers["p0"]["state"] in ("training", "averaging"), peers["p0"]
+    assert peers["p0"]["cluster"] == before["p0"]["cluster"], peers["p0"]
+    assert peers["p0"]["state"] in ("training", "averaging"), peers["p0"]
     for name in ("p0", "p2"):
         assert not re.search(r"unexpected|Traceback", volunteers[name].stderr()), volunteers[name].stderr()[-3000:]
