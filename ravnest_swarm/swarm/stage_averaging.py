@@ -161,13 +161,17 @@ class StageAveraging:
         if self.in_flight is not None:
             finished = await self._finish_in_flight(worker)
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
-        partners = {member for ring in rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
-                    for member in ring.members} - {self.peer_id}
+        partners = self.partners(plan)
         if not partners:  # they were found gone while we waited for the round before: nobody to average with
             return finished
-        self.in_flight = InFlightRound(worker, step, sent, frozenset(partners), asyncio.create_task(
+        self.in_flight = InFlightRound(worker, step, sent, partners, asyncio.create_task(
             self._round(worker, plan, step, sent.clone(), beside_training=True)))
         return finished
+
+    def partners(self, plan: dict) -> FrozenSet[str]:
+        """The other members of our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
+        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
+        return frozenset(member for ring in rings for member in ring.members) - {self.peer_id}
 
     async def _finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
         """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round a partner of which

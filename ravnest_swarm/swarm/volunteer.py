@@ -712,13 +712,9 @@ class Volunteer:
             return await self.averaging.average(worker, self.plan, step)
 
     def _averages_now(self) -> bool:
-        """Whether our stage has partners to average with in the plan we follow: clusters with no peer gone
-        (``segments.plan_rings``), ours and another."""
-        if self.plan is None:
-            return False
-        gone = self._gone()
-        whole = [cluster for cluster in self.plan["clusters"] if not any(s["peer_id"] in gone for s in cluster)]
-        if len(whole) < 2 or not any(s["peer_id"] == self.peer_id for cluster in whole for s in cluster):
+        """Whether our stage has partners to average with in the plan we follow (clusters with a gone peer left
+        out: ``StageAveraging.partners``)."""
+        if self.plan is None or not self.averaging.partners(self.plan):
             return False
         # the plan just adopted moves us: this worker stops next, and its partners moved too
         return self.adopted is self.plan or same_slot(placement_in(self.adopted, self.peer_id), self.placement)
