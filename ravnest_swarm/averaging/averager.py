@@ -160,19 +160,19 @@ class MultiRingAverager:
         # forwardable: a ring partner behind another NAT reaches us through a backbone (reversal.py)
         await self.routes.add_forwardable_handler(RING_HANDLER, self._serve)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, quiet_for: float = RESEND_QUIET, at_most: float = CONTROL_TIMEOUT) -> None:
         """Give the last notes to other members, our replies to their last messages, and their resends of
-        messages whose reply was lost a moment to arrive (at most ``CONTROL_TIMEOUT``), then stop serving.
+        messages whose reply was lost a moment to arrive (at most ``at_most`` seconds), then stop serving.
 
         A round ends here once every part of the last message was read, which can be before the handler's
         reply has left, and a reply can be lost on the way: a peer that stopped then would make the sender of
         that message, which sees no reply, send it again to a peer that is gone and fail a ring every member
-        had completed. So it waits for handler calls in flight and for ``RESEND_QUIET`` without a new stream.
+        had completed. So it waits for handler calls in flight and for ``quiet_for`` without a new stream.
         """
-        deadline = time.monotonic() + CONTROL_TIMEOUT
+        deadline = time.monotonic() + at_most
         while (left := deadline - time.monotonic()) > 0:
             pending = self._control_tasks | self._serving
-            quiet = self._last_stream + RESEND_QUIET - time.monotonic()
+            quiet = self._last_stream + quiet_for - time.monotonic()
             if pending:
                 await asyncio.wait(pending, timeout=left)
             elif quiet > 0:

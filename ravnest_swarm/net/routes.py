@@ -234,7 +234,7 @@ class Routes:
         await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
         await self.p2p.add_binary_stream_handler(FORWARDED, self._serve_forwarded)
         await self.add_forwardable_handler(PROBE, bounded_stream_handler(
-            PROBE, self.p2p.peer_id, probe_counter(PROBE), MAX_PROBE_BYTES, PROBE_TIMEOUT))
+            PROBE, self.p2p.peer_id, probe_counter(PROBE), MAX_PROBE_BYTES, PROBE_TIMEOUT, linger=True))
 
     async def add_forwardable_handler(self, name: str, serve: StreamHandler) -> None:
         """Register a binary stream handler that peers may also reach through a forwarding backbone, behind the

@@ -197,11 +197,13 @@ async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio
 FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable[runtime_pb2.ExpertResponse]]
 
 
-def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float):
+def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float,
+                           linger: bool = False):
     """A binary stream handler that reads one message of at most ``max_bytes`` within ``timeout`` seconds.
 
     ``handle`` gets the frames and returns the response; what goes back otherwise is :func:`message_reply`'s.
-    Register it with ``P2P.add_binary_stream_handler``.
+    Register it with ``P2P.add_binary_stream_handler``. ``linger``: its callers close first once they have the
+    reply (:func:`call_stream`, as ``Routes.call`` does), so the handler waits for that (:func:`send_reply`).
     """
 
     async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -213,7 +215,7 @@ def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, ma
         with closing(writer):
             reply = await message_reply(name, stream_info.peer_id, respond, timeout)
             if reply is not None:
-                await send_reply(reply, reader, writer)
+                await send_reply(reply, reader, writer, linger=linger)
 
     return serve
 

@@ -91,7 +91,7 @@ class StageStateServer:
 
     async def start(self) -> None:
         await self.routes.add_forwardable_handler(STAGE_STATE, bounded_stream_handler(
-            STAGE_STATE, self.routes.p2p.peer_id, self._reply, MAX_REQUEST_BYTES, self.request_timeout))
+            STAGE_STATE, self.routes.p2p.peer_id, self._reply, MAX_REQUEST_BYTES, self.request_timeout, linger=True))
 
     async def _reply(self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
         if len(frames) != 1:

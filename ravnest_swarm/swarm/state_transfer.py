@@ -176,7 +176,7 @@ class LayerStateServer:
         await self.p2p.add_binary_stream_handler(LAYER_STATE, self.routes.gated(LAYER_STATE, self._serve_layer_state))
         await self.routes.add_forwardable_handler(LAYER_STATE_MESSAGE, bounded_stream_handler(
             LAYER_STATE_MESSAGE, self.p2p.peer_id, self._rpc_layer_state_message, MAX_REQUEST_BYTES,
-            self.request_timeout))
+            self.request_timeout, linger=True))
 
     def _snapshot(self, request: runtime_pb2.ExpertRequest, schema: Type[MessageT], handler: str,
                   requester: PeerID) -> List[Tuple[int, Dict[str, torch.Tensor], int]]:
