@@ -960,6 +960,8 @@ def bench_diloco(
     samples: int = typer.Option(19_200, "--samples", min=1, help="Samples each configuration trains on, in all."),
     averaging_period: int = typer.Option(25, "--averaging-period", min=1, help="Steps between averaging rounds."),
     outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The nesterov outer step's lr."),
+    outer_momentum: float = typer.Option(0.9, "--outer-momentum", min=0.0, max=0.999,
+                                         help="The nesterov outer step's momentum."),
     averaging_compression: str = typer.Option("none", "--averaging-compression", help="Ring codecs each "
                                               "configuration of K > 1 runs in, comma-separated (none,int8,int4): "
                                               "bytes per round and held-out loss side by side."),
@@ -984,7 +986,7 @@ def bench_diloco(
     if "none" not in compressions:
         compressions = ("none",) + compressions  # what the others are compared with
     sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr,
-                               compressions=compressions), as_json))
+                               outer_momentum=outer_momentum, compressions=compressions), as_json))
 
 
 @bench_app.command("speedup")

@@ -20,7 +20,7 @@ from test_swarm import MODEL_GB, checkpoint_layers, placed
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.node import maddrs_without_peer_id
 from ravnest_swarm.swarm.exported import layer_prefixes, read_export
-from ravnest_swarm.swarm.state_transfer import fetch_layer
+from ravnest_swarm.swarm.state_transfer import StateTransferError, fetch_layer
 
 RUN = "export-test"
 PERIOD = 4000  # steps between averaging rounds mid-run: long enough that the copies stay while we compare
@@ -112,7 +112,12 @@ def fetch_averaged(watcher, record, layer, model):
         return await fetch_layer(watcher.node.routes, RUN, holder, layer, model.build_layer(layer).state_dict(), 30.0,
                                  averaged=True)
 
-    return watcher.call(ask())
+    for attempt in range(3):
+        try:
+            return watcher.call(ask())
+        except StateTransferError as e:  # a stream cut short on a loaded machine (CI saw one): the swarm's own
+            if "ended before its first tensor" not in str(e) or attempt == 2:  # fetches ask again too (_fetch_from)
+                raise
 
 
 @pytest.mark.timeout(300)

@@ -319,6 +319,8 @@ def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor, expect
 
 
 def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]):
+    if not received:  # a holder without the layer refuses in words: a stream with no tensor was cut short
+        raise StateTransferError(f"{holder}'s stream of layer {layer} ended before its first tensor")
     if set(received) != set(expected):
         raise StateTransferError(f"{holder} sent {sorted(received)} of layer {layer}, expected {sorted(expected)}")
     return received
