@@ -366,13 +366,15 @@ class RingRound:
     def _tell_ring(self, excluded: Optional[List[str]] = None, failure: Optional[str] = None) -> None:
         """Our votes (``excluded``) or that the ring ended for us (``failure``), to every other member of the
         ring, those waiting out included (a vote may bring them back). Best effort, in the background: the
-        ring's result does not wait for these notes to arrive."""
+        ring's result does not wait for these notes to arrive. Each is tried for as long as a ring waits, not a
+        note's usual moment: a member that never hears of a vote waits out the ring for a chunk its accused will
+        not send (CI saw a vote note lost on a loaded machine, and the honest members' ring time out)."""
         note = RingAbort(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
                          excluded=excluded, failure=None if failure is None else failure[:FAILURE_CHARS])
 
         async def tell(member: str) -> None:
             try:
-                await self.peer.sender.send_note(member, note, time.monotonic() + CONTROL_TIMEOUT)
+                await self.peer.sender.send_note(member, note, time.monotonic() + self.peer.timeout)
             except Exception as e:
                 logger.debug(f"could not tell {member[-8:]} about ring {self.ring.index}: {e}")
 

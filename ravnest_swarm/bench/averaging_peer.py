@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 RECORD_LIFETIME = 300.0
 POLL_SECONDS = 0.2
-PEERS_DONE_QUIET = 3.0  # at the end: how long without a ring message before the peer stops (see the end)
+PEERS_DONE_QUIET = 3.0  # at the end: how long without a ring message before the peer stops (see the end) ...
+PEERS_DONE_AT_MOST = 10.0  # ... and at most how long it waits for that (its notes to a member gone may run on)
 
 
 def parse_ints(text: str, what: str) -> List[int]:
@@ -333,5 +334,5 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         # others refuse it and go on without it) stays until they stop writing to it: gone, it could not answer
         # that its round is over, and a member still sending to it would fail the ring on a dial that never
         # succeeds (CI saw this on a loaded machine, where the averager's own half-second quiet was too short)
-        await averager.shutdown(quiet_for=PEERS_DONE_QUIET, at_most=options.timeout)
+        await averager.shutdown(quiet_for=PEERS_DONE_QUIET, at_most=PEERS_DONE_AT_MOST)
         await stop_node(node)
