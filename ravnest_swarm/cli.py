@@ -156,8 +156,8 @@ def join(
     warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", min=0, help="Run spec: steps of linear lr "
                                                "warm-up from the run's start (default 0)."),
     outer_optimizer: Optional[str] = typer.Option(None, "--outer-optimizer", help="Run spec: what an averaging "
-                                                  "round's mean becomes: average or nesterov (default: DiLoCo's "
-                                                  "outer step on the averaged pseudo-gradient)."),
+                                                  "round's mean becomes: average (the default: take it) or "
+                                                  "nesterov (DiLoCo's outer step on the averaged pseudo-gradient)."),
     outer_lr: Optional[float] = typer.Option(None, "--outer-lr", min=0.0, max=10.0, help="Run spec: the outer "
                                              "step's lr (default 0.7)."),
     lr_scaling: Optional[str] = typer.Option(None, "--lr-scaling", help="Run spec: how a cluster's lr follows the "
@@ -445,7 +445,7 @@ def local(
     lr_schedule: str = typer.Option("constant", "--lr-schedule", help="constant, or cosine (warm-up, then a cosine "
                                     "decay over the run)."),
     warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Steps of linear lr warm-up from the start."),
-    outer_optimizer: str = typer.Option("nesterov", "--outer-optimizer", help="What an averaging round's mean "
+    outer_optimizer: str = typer.Option("average", "--outer-optimizer", help="What an averaging round's mean "
                                         "becomes: average (take it) or nesterov (DiLoCo's outer step)."),
     outer_lr: float = typer.Option(0.7, "--outer-lr", min=0.0, max=10.0, help="The outer step's lr (nesterov)."),
     max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Every peer offers at most this "

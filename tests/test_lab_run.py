@@ -19,11 +19,6 @@ RUN = "labrun"
 STEPS = 3000
 # microbatches of 128 samples, not 32: on a free core the first joiner alone trains 3000 steps of 32 in seconds
 MICROBATCH = 128
-# the clusters' mean taken as it is, not the default Nesterov outer step: this run is about NAT, records and re-plans.
-# 3000 steps of 128 are about 250 passes over mlp-digits' 1,497 samples, and there the outer step's momentum (0.9
-# at 25-step rounds) makes late microbatch losses spike to 5-16 (bench diloco, docs/averaging.md "Defaults"): CI saw
-# the guard of a stage whose level is the floor 1 restore twice at steps 2,900-2,950
-OUTER = "average"
 
 
 @pytest.mark.timeout(420)
@@ -38,8 +33,7 @@ def test_four_volunteers_two_behind_nat_train_to_the_end_without_diverging(proce
                                     "--no-dashboard", "--model", "mlp-digits", "--steps", str(STEPS), "--microbatch-size",
                                     str(MICROBATCH), "--min-peers",
                                     str(min_peers), "--heartbeat", "2", "--round-seconds", "6", "--ram-gb", "8",
-                                    "--gflops", "20", "--bandwidth-mbps", "100", "--outer-optimizer", OUTER,
-                                    "--host-maddrs", maddr], name,
+                                    "--gflops", "20", "--bandwidth-mbps", "100", "--host-maddrs", maddr], name,
                                    lab_host=lab_host)
 
         def peers():
