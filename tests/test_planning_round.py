@@ -11,7 +11,7 @@ from rich.console import Console
 from commands import ravnest
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
-from ravnest_swarm.membership.reader import read_adopted_plan, read_plans
+from ravnest_swarm.membership.reader import adopted_plan, read_adopted_plan, read_plans
 from ravnest_swarm.membership.records import PlanRecord, make_validators, start_peer_node
 from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
@@ -314,10 +314,10 @@ def test_a_plan_in_force_without_a_readable_copy_is_written_again_by_its_adopter
     asyncio.run(scenario())
 
 
-def test_peers_placed_by_another_plan_are_no_standbys_of_ours():
+def test_peers_placed_by_a_newer_plan_are_no_standbys_of_ours():
     """The soak's second swarm (peer12's plan rounds) counted the first swarm's six placed peers as standbys
     that could raise its throughput, opened a round, and kept its plan, as they never took part: again and again.
-    Peers whose records follow another plan round are not weighed; a real standby still is."""
+    Peers whose records follow a newer plan round are not weighed; a real standby still is."""
     options = RoundOptions(WORKLOAD, round_period=0.0)
     plan = planned(("v1", "v2"), options)  # round 1
     alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
@@ -326,3 +326,33 @@ def test_peers_placed_by_another_plan_are_no_standbys_of_ours():
     assert triggers.unpaid is None and triggers.considered == set()
     assert triggers.reason(plan, alive, {"v1": 1, "v2": 1}) == (
         "2 standby peer(s) can raise the swarm's throughput from 4 to 7.5 samples/s, moving 2 peer(s) in 129s")
+
+
+def placed_records(plan: dict) -> list:
+    """The live records of the peers ``plan`` places, each naming its round and its slot."""
+    return [dict(peer_id=stage["peer_id"], state="training", plan_round=plan["round"], cluster=c, stage=s,
+                 layers=stage["layers"]) for c, cluster in enumerate(plan["clusters"]) for s, stage in enumerate(cluster)]
+
+
+def test_two_plans_of_one_round_every_reader_names_the_same_and_the_other_sides_peers_are_its_standbys():
+    """A NAT lab run split in two: two joiners read no plan while the first peer's round 1 was being published,
+    opened a round 1 of their own, and each side then counted the other's peers as placed elsewhere (another plan,
+    though of the same round): two swarms that never averaged with each other. Whatever order a reader gets the
+    two plans in, it names the same one in force, and to that plan the other side's peers are standbys, so the
+    round its peers open merges the two. A stranger's copy of that plan with a made-up peer added is not it."""
+    options = RoundOptions(WORKLOAD, round_period=0.0)
+    first, home = planned(("v1", "v2"), options), planned(("v0", "v3"), options)
+    peers = placed_records(first) + placed_records(home)
+    in_force = adopted_plan([first, home], peers)
+    assert in_force is not None and adopted_plan([home, first], peers) == in_force
+    made_up = dict(in_force, clusters=in_force["clusters"] + [[{"peer_id": "12D3KooWMadeUp", "layers": [0, 8]}]])
+    assert adopted_plan([made_up, first, home], peers) == in_force == adopted_plan([first, home, made_up], peers)
+    others = ("v0", "v3") if in_force is first else ("v1", "v2")
+    alive = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    reason = RoundTriggers(options).reason(in_force, alive, {p["peer_id"]: 1 for p in peers})
+    assert reason is not None and reason.startswith(f"{len(others)} standby peer(s) can raise"), reason
+    # one side went on to a round 2 of its own first (the lab run's): the other's peers, on round 1, are its standbys
+    ahead = dict(in_force, round=2)
+    followed = {p["peer_id"]: 2 if p["peer_id"] not in others else 1 for p in peers}
+    reason = RoundTriggers(options).reason(ahead, alive, followed)
+    assert reason is not None and reason.startswith(f"{len(others)} standby peer(s) can raise"), reason

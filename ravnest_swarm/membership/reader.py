@@ -124,14 +124,25 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         return any(r["plan_round"] == plan["round"] and r.get("cluster") == cluster and r.get("stage") == stage
                    and r.get("layers") == entry["layers"] for r in placed.get(entry["peer_id"], ()))
 
-    for plan in sorted(plans, key=lambda p: p["round"], reverse=True):
+    best = None
+    for plan in plans:
         if live_round is not None and plan["round"] > live_round + 1:
             continue
         stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
                   if entry["peer_id"] in live]
-        if 2 * sum(confirmed(plan, c, s, entry) for c, s, entry in stages) > len(stages):
-            return plan
-    return None
+        confirming = sum(confirmed(plan, c, s, entry) for c, s, entry in stages)
+        if 2 * confirming > len(stages):
+            # two plans of one round can both be followed: peers that read no plan opened a round 1 of their own
+            # (a NAT lab run). Every reader must name the same one in force, or each side counts the other's peers
+            # as placed elsewhere and the two never meet. The more confirmed stages win, then the fewer places of
+            # peers not live (a stranger's copy of the honest plan plus made-up peers ties on the first), then the
+            # canonical form
+            places = sum(len(cluster) for cluster in plan["clusters"])
+            key = (plan["round"], confirming, len(stages) - places,
+                   json.dumps(sorted(sorted(entry["peer_id"] for entry in cluster) for cluster in plan["clusters"])))
+            if best is None or key > best[0]:
+                best = (key, plan)
+    return None if best is None else best[1]
 
 
 async def read_plans(node: DHTNode, run: str) -> List[Dict]:

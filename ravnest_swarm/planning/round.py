@@ -177,11 +177,13 @@ class RoundTriggers:
         # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
         self.missing = {peer: self.missing.get(peer, 0) + 1 for peer in members - set(alive)}
         gone = [peer for peer, polls in self.missing.items() if polls >= GONE_POLLS]
-        # a peer another plan places is no standby of ours: it takes part in its own plan's rounds, not ours, so
-        # weighing it opened round after round that kept the plan in force ("6 standby peer(s) can raise ...",
-        # then "would move 0 peer(s)") in the soak's second swarm
+        # a peer that follows a newer plan than ours is in a round we have not seen yet: no standby of ours (the
+        # soak's second swarm weighed the first's six peers of round 10, again and again, in rounds they never
+        # joined). One that follows an older plan, or another plan of our round (two sides that each opened a
+        # round 1, a NAT lab run), is: every reader names the same plan in force (``reader.adopted_plan``), so
+        # both sides join the round it opens, which merges them
         elsewhere = {peer for peer, round_number in (followed or {}).items()
-                     if round_number != plan["round"] and peer not in members}
+                     if round_number > plan["round"] and peer not in members}
         alive = {peer: capabilities for peer, capabilities in alive.items() if peer not in elsewhere}
         standbys = set(alive) - members
         if gone:
