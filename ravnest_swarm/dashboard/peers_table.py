@@ -109,13 +109,15 @@ def peers_table(run: str, peers: List[Dict], read: Optional[int] = None) -> Tabl
                          min_width=8 if shrinkable else None)
     for peer in peers:
         placement = "-" if peer.get("cluster") is None else f"{peer['cluster']}/{peer.get('stage')}"
-        loss = "-" if peer.get("loss") is None else f"{peer['loss']:.3f}"
+        # three significant digits: a small model's compute (0.4 GF/s) and a trained model's loss (0.0003) are
+        # not 0 (a walkthrough's status read "GF/s 0" and "loss 0.000" for peers that trained)
+        loss = "-" if peer.get("loss") is None else f"{peer['loss']:.3g}"
         table.add_row(
             Text(peer["name"]),
             peer["state"],
             memory_cell(peer),
             f"{peer['bandwidth_mbps']:.0f}",
-            f"{peer['gflops']:.0f}",
+            f"{peer['gflops']:.3g}" if peer["gflops"] < 100 else f"{peer['gflops']:.0f}",
             peer["reachability"],
             placement,
             str(peer.get("step") if peer.get("step") is not None else "-"),

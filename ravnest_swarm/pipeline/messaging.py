@@ -285,7 +285,7 @@ class Outbox:
         size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
         what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
-        attempt = 0
+        attempt, said = 0, None
         with self.busy.measure():
             while True:
                 try:
@@ -311,7 +311,14 @@ class Outbox:
                     if time.monotonic() < deadline:
                         attempt += 1
                         self.counters.resends += 1
-                        logger.warning(f"send {what} failed ({reason}); re-resolving the endpoint and retrying")
+                        # said at the first failure, at each new reason, and then every 10th try: a neighbour that
+                        # left makes every microbatch in flight retry each second until a new plan names its
+                        # successor (a walkthrough's terminal filled with two lines a second for a churn event's 30 s)
+                        if reason != said or attempt % 10 == 0:
+                            said = reason
+                            again = "" if attempt == 1 else f" (try {attempt})"
+                            logger.warning(f"send {what} failed{again} ({reason}); re-resolving the endpoint and "
+                                           f"retrying")
                         await asyncio.sleep(min(0.2 * attempt, 1.0))
                         continue
                 return f"{what} {reason}"
