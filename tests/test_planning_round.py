@@ -356,3 +356,68 @@ def test_two_plans_of_one_round_every_reader_names_the_same_and_the_other_sides_
     followed = {p["peer_id"]: 2 if p["peer_id"] not in others else 1 for p in peers}
     reason = RoundTriggers(options).reason(ahead, alive, followed)
     assert reason is not None and reason.startswith(f"{len(others)} standby peer(s) can raise"), reason
+
+
+def test_two_sides_a_round_apart_merge_in_the_next_round():
+    """The NAT lab run's split, on a real DHT: two joiners adopted a round 1 of their own beside the first peers'
+    round 1, and the first side went on to a round 2 among themselves. So v0, v1 follow a plan of round 2 and v2,
+    v3 one of round 1 (each plan's copy written, each peer's record naming its slot). Before, each side counted
+    the other's peers as placed by another plan, no standbys of its own, and no round ever opened: two swarms.
+    Each runs its planning rounds as ``join`` does: every peer names the round-2 plan in force, to which v2 and v3
+    are standbys, so a round 3 opens that all four join, and all four adopt one plan."""
+    run = "split"
+    options = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, round_seconds=4.0, poll=0.5, hole_wait=0.0,
+                           move_horizon_s=10**6)
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await server.get_visible_maddrs()
+        nodes, stop = [], asyncio.Event()
+        try:
+            for _ in range(4):
+                nodes.append(await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            peers = []
+            for node, name in zip(nodes, ("v0", "v1", "v2", "v3")):
+                ram, gflops, mbps = map(float, CAPABILITIES[name])
+                announcer = PeerAnnouncer(node, run, name, Capabilities(ram_gb=ram, gflops=gflops, bandwidth_mbps=mbps),
+                                          heartbeat=1.0)
+                peers.append(PlanningRounds(node, run, announcer, options, Console(quiet=True)))
+            for side, round_number in ((peers[:2], 2), (peers[2:], 1)):
+                alive = {p.peer_id: Peer(p.peer_id, *map(float, CAPABILITIES[p.announcer.record["name"]]))
+                         for p in side}
+                priced = price_plan([sorted(alive)], alive, None, options.pricing())
+                plan = PlanRecord(round=round_number, time=time.time(), clusters=[
+                    [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages]
+                    for _, stages in priced.plan.clusters]).dict()
+                for rounds in side:
+                    rounds.adopted = plan
+                    stage = next(i for i, s in enumerate(plan["clusters"][0]) if s["peer_id"] == rounds.peer_id)
+                    rounds.announcer.update(state="training", plan_round=round_number, cluster=0, stage=stage,
+                                            layers=plan["clusters"][0][stage]["layers"])
+                    assert await rounds.announcer.renew()
+                assert await side[0].store_plan_copy(plan)
+
+            async def keep_renewing(rounds):
+                while not stop.is_set():
+                    await rounds.announcer.renew()
+                    await asyncio.sleep(1.0)
+
+            tasks = [asyncio.create_task(rounds.run_forever(stop)) for rounds in peers]
+            tasks += [asyncio.create_task(keep_renewing(rounds)) for rounds in peers]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not all(r.adopted["round"] >= 3 for r in peers):
+                await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            adopted = [r.adopted for r in peers]
+            assert all(plan["round"] == 3 for plan in adopted), [p["round"] for p in adopted]
+            assert all(plan["clusters"] == adopted[0]["clusters"] for plan in adopted), adopted
+            placed = {stage["peer_id"] for cluster in adopted[0]["clusters"] for stage in cluster}
+            # one plan for the four: both sides have a peer in it (the best plan may leave a slow one out)
+            assert placed & {r.peer_id for r in peers[:2]} and placed & {r.peer_id for r in peers[2:]}, adopted[0]
+        finally:
+            stop.set()
+            for node in nodes + [server]:
+                await stop_node(node)
+
+    asyncio.run(scenario())
