@@ -602,7 +602,7 @@ def bench_quality(
     model: str = typer.Option("mlp-digits", "--model"),
     repeats: int = typer.Option(1, "--repeats", min=1, max=20, help="Swarm runs (and baseline seeds) averaged."),
     scheme: str = typer.Option("today", "--scheme", help="The run's optimizers and averaging, as `bench speedup "
-                               "--schemes` names one: today, new, or name:key=value,... (the baseline trains with "
+                               "--schemes` names one: today, new, diloco, or name:key=value,... (the baseline trains with "
                                "the same inner optimizer)."),
     as_json: bool = typer.Option(False, "--json"),
 ):
@@ -1007,8 +1007,9 @@ def bench_speedup(
     time_limit: float = typer.Option(600.0, "--time-limit", min=10.0, help="Seconds each K of each scheme may "
                                      "take."),
     schemes: str = typer.Option("today,new", "--schemes", help="Training schemes to run side by side, each at every "
-                                "K: today (sgd, average, float32, stages stand still), new (adamw, nesterov, int8, "
-                                "averaging beside training), or name:key=value,... of your own (run-spec settings, "
+                                "K: today (sgd, average, float32, stages stand still), new (a new run's defaults: adamw, "
+                                "the mean of int8 pseudo-gradients, averaging beside training), diloco (new with a "
+                                "nesterov outer step), or name:key=value,... of your own (run-spec settings, "
                                 "from today's). The first is the reference: its K = 1's final held-out loss is the "
                                 "target all are timed to."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
@@ -1052,8 +1053,9 @@ def bench_soak(
                                       "(default: a temporary one, printed)."),
     seed: int = typer.Option(0, "--seed", help="Which volunteers the churn picks."),
     scheme: str = typer.Option("today", "--scheme", help="The run's training scheme, one of bench speedup's: today "
-                               "(SGD, float32 averaging while stages stand still), new (AdamW, nesterov on int8 "
-                               "pseudo-gradients beside training), or name:key=value,... of your own."),
+                               "(SGD, float32 averaging while stages stand still), new (a new run's defaults: AdamW, the "
+                               "mean of int8 pseudo-gradients beside training), diloco (new with a nesterov outer "
+                               "step), or name:key=value,... of your own."),
 ):
     """A long run of real join volunteers in the network lab with churn on a schedule: did any peer hit an
     unexpected error? A table, then one JSON object on the last line.

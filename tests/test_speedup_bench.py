@@ -30,8 +30,10 @@ def test_schemes_are_named_run_spec_settings_and_bad_ones_are_one_line():
     assert parse_schemes("today,new") == {"today": SCHEMES["today"], "new": SCHEMES["new"]}
     assert SCHEMES["today"] == dict(optimizer="sgd", lr=0.05, outer_optimizer="average", averaging_compression="none",
                                     averaging_overlap=False)
-    assert SCHEMES["new"] == dict(optimizer="adamw", lr=0.002, outer_optimizer="nesterov",
+    # new: a new run's defaults; diloco: the same with DiLoCo's outer step
+    assert SCHEMES["new"] == dict(optimizer="adamw", lr=0.002, outer_optimizer="average",
                                   averaging_compression="int8", averaging_overlap=True)
+    assert SCHEMES["diloco"] == dict(SCHEMES["new"], outer_optimizer="nesterov")
     # a name of one's own starts from today's; a known name's settings change; the spec's types come back
     schemes = parse_schemes("today, mine:optimizer=adamw,lr=0.003,averaging_overlap=on, new:outer_lr=0.3")
     assert list(schemes) == ["today", "mine", "new"]

@@ -23,13 +23,17 @@ SCHEME_KEYS = ("optimizer", "lr", "weight_decay", "lr_schedule", "warmup_steps",
                "averaging_period", "averaging_overlap", "averaging_compression", "aggregation", "lr_scaling",
                "pipeline_compression", "max_in_flight")
 # named schemes. today: what the swarm trained with before issue 30 (plain SGD, parameters averaged in float32
-# while the stages stand still); new: DiLoCo's set (AdamW inside at bench diloco's lr, a Nesterov outer step on
-# int8 pseudo-gradients with error feedback, rounds beside training)
+# while the stages stand still); new: a new run's defaults since (AdamW inside, the clusters' mean of int8
+# pseudo-gradients with error feedback, rounds beside training; docs/averaging.md "Defaults"); diloco: the same with
+# DiLoCo's Nesterov outer step, which "new" was until bench diloco measured the mean ahead (docs/benchmarks.md)
+_DEFAULTS = RunSpec("mlp-digits")
 SCHEMES: Dict[str, Dict[str, Any]] = {
     "today": dict(optimizer="sgd", lr=0.05, outer_optimizer="average", averaging_compression="none",
                   averaging_overlap=False),
-    "new": dict(optimizer="adamw", lr=0.002, outer_optimizer="nesterov", averaging_compression="int8",
-                averaging_overlap=True),
+    "new": dict(optimizer=_DEFAULTS.optimizer, lr=_DEFAULTS.lr, outer_optimizer=_DEFAULTS.outer_optimizer,
+                averaging_compression=_DEFAULTS.averaging_compression, averaging_overlap=_DEFAULTS.averaging_overlap),
+    "diloco": dict(optimizer="adamw", lr=0.002, outer_optimizer="nesterov", averaging_compression="int8",
+                   averaging_overlap=True),
 }
 # the issue's targets for K clusters against one: the wall time to the target loss (x sooner), samples/s (x), and
 # where the machine's cores bound the rate, the share of a stage's time it stands still for averaging
