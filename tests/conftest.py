@@ -101,6 +101,25 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"{LAB_REQUIRED_VARIABLE}=1 and this network-lab test skipped: {reason}"
 
 
+_first_failures = []  # (test, its first failure's error) of each test that needed its rerun (README: reruns)
+
+
+def pytest_runtest_logreport(report):
+    if report.outcome == "rerun":
+        lines = [line for line in report.longreprtext.splitlines() if line.startswith("E ")]
+        _first_failures.append((report.nodeid, "\n".join(lines[:8]) or report.longreprtext[-2000:]))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What each rerun test's first run failed on: pytest-rerunfailures lists the test only, and a rerun is a
+    defect to read."""
+    if _first_failures:
+        terminalreporter.section("first failures of the tests that were rerun")
+        for test, error in _first_failures:
+            terminalreporter.write_line(f"{test}:")
+            terminalreporter.write_line(error)
+
+
 @pytest.fixture(scope="session")
 def launcher():
     """One fork server for the whole session (ravnest_swarm/launcher.py, started by tests/commands.py): a test's
