@@ -60,12 +60,12 @@ def test_the_report_adds_up_the_stages_time_by_seconds_and_counts_rounds_and_mov
 def test_bench_soak_survives_a_ctrl_c_and_a_sigkill_and_leaves_nothing_running(processes, tmp_path):
     out = tmp_path / "soak"
     bench = processes.start(["bench", "soak", "--peers", "4", "--minutes", "1.25", "--churn-every", "25",
-                             "--scheme", "new", "--out", str(out)], "bench")
+                             "--scheme", "diloco", "--out", str(out)], "bench")
     exits_leaving_nothing(bench, 225)  # the peers, their p2pd, the status looks, the backbone, the relays
     report = json.loads(bench.stdout().strip().splitlines()[-1])
     assert report["benchmark"] == "soak" and report["peers"] == 4 and report["minutes_run"] == 1.25
     assert report["link"]["mode"] == "netns" and report["out"] == str(out)
-    assert report["scheme"] == "new" and report["settings"]["optimizer"] == "adamw", report["settings"]
+    assert report["scheme"] == "diloco" and report["settings"]["optimizer"] == "adamw", report["settings"]
     # one churn event of each kind, at the schedule's times; each victim exited and a new volunteer took its host
     events = report["churn_events"]
     assert [event["kind"] for event in events] == ["ctrl-c", "sigkill"], events
@@ -93,7 +93,8 @@ def test_bench_soak_survives_a_ctrl_c_and_a_sigkill_and_leaves_nothing_running(p
     assert report["rounds"]["rounds_adopted"] >= 1 and report["rounds"]["rounds_opened"] >= 1
     assert "placed stages (" in bench.stdout() and "planning rounds: " in bench.stdout()
     assert all((out / f"{name}.err").exists() for name in volunteers)
-    # the run trained with the scheme's spec: the checkpoints hold AdamW's moments and the nesterov outer state
+    # the run trained with the scheme's spec (diloco: AdamW inside, a nesterov outer step): the checkpoints hold
+    # AdamW's moments and the nesterov outer state
     saved = [read_stage(str(path))[0] for path in (out / "checkpoints").glob("*/soak-*.safetensors")]
     assert saved and any(any(name.endswith(".exp_avg_sq") for name in tensors) and "outer.momentum" in tensors
                          for tensors in saved), [sorted(tensors)[:6] for tensors in saved]
