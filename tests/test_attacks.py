@@ -702,17 +702,16 @@ def test_a_peer_joining_after_the_attacks_is_placed_and_trains(attacked_run):
     (numbered after the honest plan, not after any round a stranger wrote) and trains. The planner may move
     v0 and v1 to standby (one peer that holds the whole model is as fast as their cluster of two), so only
     the newcomer's training is required of it."""
-    # the honest peers' rounds only: a record that names no round (a peer between its start and its first plan)
-    # says nothing about which round the newcomer's must come after
+    # the honest peers' rounds: the newcomer's must come after theirs
     rounds_before = {p["plan_round"] for name, p in attacked_run.training().items()
                      if name in ("v0", "v1") and p.get("plan_round") is not None}
     assert rounds_before, attacked_run.training()
     attacked_run.join("late", ram_fraction=1.3)
-    # and naming its plan round: CI twice read a record of the late joiner placed and training with no round in
-    # it (plan_round None), a moment its own log does not explain (it adopted round 2 before it trained)
-    peers = attacked_run.wait_for(lambda peers: "late" in attacked_run.training() and
-                                  (attacked_run.training()["late"].get("step") or 0) > 0 and
-                                  attacked_run.training()["late"].get("plan_round") is not None,
-                                  180, "the late joiner placed, training and naming its plan round")
+    # judged on the very records it returns: a predicate that read the records again passed on a newer read, while
+    # the records returned, an older one, still had the late joiner as a standby of no round (plan_round None: two
+    # CI failures)
+    peers = attacked_run.wait_for(lambda peers: (peers.get("late") or {}).get("state") == "training" and
+                                  (peers["late"].get("cluster") if peers["late"].get("cluster") is not None else -1) >= 0 and (peers["late"].get("step") or 0) > 0,
+                                  180, "the late joiner placed and training")
     assert max(rounds_before) < peers["late"]["plan_round"] <= max(rounds_before) + 3, (rounds_before, peers["late"])
     attacked_run.keeps_training(("late",))
