@@ -82,7 +82,12 @@ class AttackedRun:
 
     def training(self) -> Dict[str, dict]:
         """The records of the peers placed and training, by name."""
-        return {name: p for name, p in self.observer.peers().items()
+        return self.training_in(self.observer.peers())
+
+    @staticmethod
+    def training_in(peers: Dict[str, dict]) -> Dict[str, dict]:
+        """Of ``peers`` (records by name), those placed and training."""
+        return {name: p for name, p in peers.items()
                 if p["state"] == "training" and p.get("cluster") is not None and p["cluster"] >= 0}
 
     def wait_for(self, predicate: Callable[[Dict[str, dict]], bool], timeout: float, what: str) -> Dict[str, dict]:
@@ -710,8 +715,7 @@ def test_a_peer_joining_after_the_attacks_is_placed_and_trains(attacked_run):
     # judged on the very records it returns: a predicate that read the records again passed on a newer read, while
     # the records returned, an older one, still had the late joiner as a standby of no round (plan_round None: two
     # CI failures)
-    peers = attacked_run.wait_for(lambda peers: (peers.get("late") or {}).get("state") == "training" and
-                                  (peers["late"].get("cluster") if peers["late"].get("cluster") is not None else -1) >= 0 and (peers["late"].get("step") or 0) > 0,
+    peers = attacked_run.wait_for(lambda peers: (AttackedRun.training_in(peers).get("late", {}).get("step") or 0) > 0,
                                   180, "the late joiner placed and training")
     assert max(rounds_before) < peers["late"]["plan_round"] <= max(rounds_before) + 3, (rounds_before, peers["late"])
     attacked_run.keeps_training(("late",))
