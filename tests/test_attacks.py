@@ -376,8 +376,9 @@ def test_out_of_range_targets(attacked_run):
 
 
 def next_round(record: dict) -> int:
-    """The averaging round (every 20 steps here) after ``record``'s step: one in the peer's window of rounds."""
-    return ((record.get("step") or 0) // 20 + 1) * 20
+    """The averaging round ``record`` says its peer takes part in next (on the run's count, every 20 steps here):
+    one in the peer's window of rounds."""
+    return record.get("next_round") or ((record.get("step") or 0) // 20 + 1) * 20
 
 
 async def send_ring_messages(victim: dict, messages) -> Tuple[str, List[str]]:

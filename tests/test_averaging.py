@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.swarm.placement import arrival_wait
+from ravnest_swarm.swarm.placement import arrival_wait, round_to_join
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
@@ -276,3 +276,43 @@ def test_a_volunteer_waits_for_a_member_while_its_record_shows_it_coming():
         assert arrival_wait(100, ["a"], gone, 32, 4.0) == 0.0, gone
     # a stage that just started has no pace yet: a heartbeat for its next record, doubled, plus the heartbeat
     assert arrival_wait(100, ["a"], {"a": record(rate=None)}, 32, 4.0) == pytest.approx(12.0)
+
+
+def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_rounds():
+    """``arrival_wait`` on the run's count of rounds (issue 30's item 0): a member's steps count less its
+    ``round_offset``, and its ``next_round`` says whether it is past the round; one at the round's step whose round
+    before still runs gets a heartbeat."""
+    def record(step, offset, next_round, rate=320.0):
+        return dict(state="training", step=step, round_offset=offset, next_round=next_round, samples_per_s=rate)
+
+    # 1,090 of its own steps, 1,000 ahead of the rounds: at round step 90, 10 steps from round 100 -> 2 x 1 + 4
+    assert arrival_wait(100, ["a"], {"a": record(1090, 1000, 100)}, 32, 4.0, period=20) == pytest.approx(6.0)
+    # past round 100 on the run's count, though its own step is far behind 100 + its offset
+    assert arrival_wait(100, ["a"], {"a": record(1050, 900, 120)}, 32, 4.0, period=20) == 0.0
+    # at round step 110 but still in round 80 beside training: it takes round 100 once that ends
+    assert arrival_wait(100, ["a"], {"a": record(1110, 1000, 100)}, 32, 4.0, period=20) == pytest.approx(12.0)
+
+
+def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():
+    """``round_to_join``: the next round and offset a stage takes when it starts, follows a new plan, or failed a
+    round. Pure: no network."""
+    def partner(step, offset=None, next_round=None, state="training"):
+        return dict(state=state, step=step, round_offset=offset, next_round=next_round)
+
+    # nobody's word: rounds fall on the step's multiples of the period, as they always did
+    assert round_to_join(1234, 20, None, []) == (1240, 0)
+    assert round_to_join(1234, 20, None, [partner(55, state="standby")]) == (1240, 0)
+    # partners from before the count: their steps are the round steps
+    assert round_to_join(30, 20, None, [partner(95), partner(90)]) == (100, 30 - 95)
+    # a cluster formed mid-run at step 5,000 meets partners whose next round is 700 (round step 690): it is as far
+    # from that round as they are, so its first round is theirs, whatever its own count of steps
+    next_round, offset = round_to_join(5000, 20, None, [partner(3690, 3000, 700), partner(2000, 1320, 680)])
+    assert (next_round, 5000 - offset) == (700, 690)
+    # a partner whose round 700 still runs beside training (its round step is past it) is joined at once
+    assert round_to_join(5000, 20, None, [partner(3725, 3000, 700)]) == (700, 5000 - 700)
+    # a stage already at or past its partners' next round keeps its own count (same worker: its own offset) ...
+    assert round_to_join(5000, 20, (720, 4290), [partner(3690, 3000, 700)]) == (720, 4290)
+    # ... or, for a new worker (a new place, another count of steps), starts it a period from now
+    assert round_to_join(100, 20, (720, None), [partner(3690, 3000, 700)]) == (720, 100 - 700)
+    # behind its partners (a failed round, another side's plan): it jumps to theirs
+    assert round_to_join(5000, 20, (660, 4350), [partner(3690, 3000, 700)]) == (700, 5000 - 690)

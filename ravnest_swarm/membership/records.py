@@ -127,6 +127,11 @@ class PeerRecord(pydantic.BaseModel):
     # the step of the averaging round whose state its stage's layers came from, set when it took them under the plan
     # round it follows (``plan_round``): its cluster's other stages take theirs from the same round (docs/swarm.md)
     start_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    # the run's count of averaging rounds (swarm/stage_averaging.py): the round its stage takes part in next, and its
+    # step less the round step (how far its cluster ran ahead of the rounds it took part in), so that a stage that
+    # starts or follows a new plan meets its ring partners at their next round
+    next_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    round_offset: Optional[pydantic.conint(strict=True, ge=-2**53, le=2**53)] = None
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None

@@ -4,7 +4,7 @@ and how long a ring waits."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,23 +84,68 @@ def neighbours_in(plan: dict, cluster: int, stage: int) -> Neighbours:
                       next=stages[stage + 1]["peer_id"] if stage + 1 < len(stages) else None)
 
 
+def round_step_of(record: Dict) -> int:
+    """Where a stage's record says it is on the run's count of averaging rounds: its step less its
+    ``round_offset`` (how far its cluster ran ahead of the rounds it took part in; 0 for a record without one)."""
+    return record["step"] - (record.get("round_offset") or 0)
+
+
+def next_round_of(record: Dict, period: int) -> int:
+    """The averaging round a stage's record says it takes part in next (``next_round``); a record without one (a
+    stage that has not aligned yet) is at its step's next multiple of ``period``, as rounds were always named."""
+    given = record.get("next_round")
+    return given if given is not None else (round_step_of(record) // period + 1) * period
+
+
+def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]]],
+                  partners: Sequence[Dict]) -> Tuple[int, int]:
+    """Which averaging round a stage at ``step`` takes part in next, and its offset (its step less the run's
+    round step): ``(next_round, offset)`` (docs/averaging.md, "Rounds the run counts").
+
+    Rounds are named on one count for the whole run, not by each cluster's own step, so a cluster that runs ahead
+    (a faster one, one that did not wait for a round still running) still meets the others at the next round. A
+    stage aligns when it starts or follows a new plan, and after a failed round: to the furthest round its ring
+    partners (their peer ``records``, training ones) say they take next, at their round step; or, where it is
+    already there (``own``: its next round and, for the same worker, its offset), it keeps its own count. Never
+    back: a round this stage took part in is over for it. Without partners' word, rounds fall on the step's
+    multiples of ``period``, as before.
+    """
+    training = [r for r in partners if r.get("state") in ("training", "averaging") and r.get("step") is not None]
+    best = max(((next_round_of(r, period), round_step_of(r)) for r in training), default=None)
+    if own is not None and (best is None or own[0] >= best[0]):
+        own_next, own_offset = own
+        # a new worker (a new place, a new count of steps) starts its own next round a period from now
+        return own_next, own_offset if own_offset is not None else step - (own_next - period)
+    if best is None:
+        return (step // period + 1) * period, 0
+    return best[0], step - min(best[1], best[0])
+
+
 def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microbatch_size: int,
-                 heartbeat: float) -> float:
+                 heartbeat: float, period: Optional[int] = None) -> float:
     """Seconds to keep waiting for ring members that have not reached averaging round ``step``: what the
     slowest of them still has to train to reach it at its recent pace, doubled (paces vary, more so on a busy
     machine), plus a heartbeat (its record is that old at most). A member whose stage just started has no pace
-    yet (``samples_per_s`` null): a heartbeat more, when its next record says it. 0, give up, when one of them is
-    gone, not training, already past the round (it moved on without us), or not moving."""
+    yet (``samples_per_s`` null): a heartbeat more, when its next record says it. A member at the round's step that
+    has not started it (its round before still runs beside training, or it is aligning): a heartbeat. 0, give up,
+    when one of them is gone, not training, already past the round (it moved on without us), or not moving.
+    Steps count on the run's round count (:func:`round_step_of`); with ``period``, a record's ``next_round``
+    says whether it is past the round."""
     wait = 0.0
     for member in missing:
         record = records.get(member)
         if record is None or record["state"] not in ("training", "averaging") or record.get("step") is None:
             return 0.0
-        behind, rate = step - record["step"], record.get("samples_per_s")
-        if behind <= 0 or rate == 0:
+        behind, rate = step - round_step_of(record), record.get("samples_per_s")
+        if rate == 0:
+            return 0.0
+        if period is None or record.get("next_round") is None:
+            if behind <= 0:
+                return 0.0
+        elif next_round_of(record, period) > step:
             return 0.0
         # a cluster formed mid-run starts its stage a moment after the others passed where it counts from
-        wait = max(wait, heartbeat if rate is None else behind * microbatch_size / rate)
+        wait = max(wait, heartbeat if rate is None or behind <= 0 else behind * microbatch_size / rate)
     return 2 * wait + heartbeat
 
 

@@ -1,9 +1,16 @@
 """Averaging a volunteer's stage with the other clusters, between the stage's optimizer steps.
 
-Every ``averaging_period`` steps the volunteer's hook (``Volunteer._between_steps``) calls
-:meth:`StageAveraging.average` with its running worker and the plan it follows: the rings are the plan's
-(``averaging.segments``), the round is named by the step, and the averaged vector is written back into the
-stage's parameters. A round never stops training: what fails keeps the local values, is counted, said and noted.
+At each step boundary the volunteer's hook (``Volunteer._between_steps``) asks :meth:`StageAveraging.due` whether
+a round is due, and if so calls :meth:`StageAveraging.average` with its running worker and the plan it follows: the
+rings are the plan's (``averaging.segments``), and the averaged vector is written back into the stage's parameters.
+A round never stops training: what fails keeps the local values, is counted, said and noted.
+
+Rounds are named on the run's count, not by each cluster's own step (issue 30's item 0; docs/averaging.md,
+"Rounds the run counts"): round ``r`` is due once the stage's step less its ``offset`` reaches ``r``, and the next is
+``r + averaging_period``. A stage that took round ``r`` at its step ``s`` has offset ``s - r``: a cluster that
+runs ahead, or went on training while a round still ran, keeps meeting the others at the same round names. A
+stage aligns (:func:`placement.round_to_join`, from its partners' records) when it starts or follows a new plan,
+and after a failed round; its record says its ``next_round`` and ``round_offset``.
 
 With a compressing ``averaging_compression`` the rings average pseudo-gradients with error feedback where their
 members share the outer state, parameters in float32 where they do not (``optimizers.outer``, ``ring.RingRound``;
@@ -38,12 +45,10 @@ from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.pipeline.stage import StageWorker
-from ravnest_swarm.swarm.placement import arrival_wait
+from ravnest_swarm.swarm.placement import arrival_wait, round_to_join
 from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
 
 logger = logging.getLogger(__name__)
-
-GONE_CHECK_S = 0.5  # how often a stage waiting for its round in flight looks whether a partner of it is gone
 
 
 @dataclass
@@ -62,7 +67,7 @@ class InFlightRound:
     we sent, and the task that returns what :meth:`StageAveraging._round` does."""
 
     worker: StageWorker
-    step: int
+    step: int  # the round's name on the run's count
     sent: torch.Tensor
     partners: FrozenSet[str]  # the other members of our rings in it
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
@@ -112,6 +117,12 @@ class StageAveraging:
         # the last plan and gone peers the averager asked about, and their rings
         self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring]] = (None, frozenset(), [])
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
+        # the run's count of rounds (round_to_join): the next round we take part in, our step less the round step,
+        # and the worker and plan they were aligned for (None: align at the next step boundary)
+        self.next_round: Optional[int] = None
+        self.offset = 0
+        self._aligned: Optional[Tuple[StageWorker, dict]] = None
+        self._aligning: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         await self.averager.start()
@@ -120,6 +131,9 @@ class StageAveraging:
         cancelled = self.cancel()
         if cancelled is not None:
             await asyncio.gather(cancelled, return_exceptions=True)
+        if self._aligning is not None:
+            self._aligning.cancel()
+            await asyncio.gather(self._aligning, return_exceptions=True)
         await self.averager.shutdown()
 
     def outer_state(self, worker: StageWorker) -> Dict[str, torch.Tensor]:
@@ -137,63 +151,92 @@ class StageAveraging:
         self._outer_worker, self.outer = worker, outer
         return True
 
-    async def average(self, worker: StageWorker, plan: dict, step: int) -> bool:
-        """One averaging round of ``worker``'s layers in ``plan``'s rings, the stage standing still meanwhile;
-        whether every ring of ours averaged. ``rounds`` counts those, ``failures`` those in which one did not (its
-        segment kept the local values), and the record's note says why; a round we have no ring in is neither."""
+    def due(self, worker: StageWorker, plan: dict, step: int) -> Optional[int]:
+        """The round due at ``worker``'s ``step`` in ``plan`` (its name on the run's count), or None: none due, a
+        round still runs beside training (the stage trains on, and takes the next round once it ended), or our
+        count is being aligned with our partners' (started here, beside training, for a new worker or plan)."""
+        if self._aligned is None or self._aligned[0] is not worker or self._aligned[1] is not plan:
+            if self._aligning is None or self._aligning.done():
+                self._aligning = asyncio.create_task(self._align(worker, plan))
+            return None
+        if self.in_flight is not None or self.next_round is None or step - self.offset < self.next_round:
+            return None
+        return self.next_round
+
+    async def _align(self, worker: StageWorker, plan: dict) -> None:
+        """Our count of rounds for ``worker`` in ``plan``: the round our partners take next, read from their
+        records (:func:`round_to_join`); a read that fails keeps ours, or starts it at the step's next multiple."""
+        partners = sorted(self.partners(plan))
+        records: List[Dict] = []
+        if partners:
+            try:
+                records = [r for r in await self.announcer.read_peers(peer_ids=partners) if r["peer_id"] in partners]
+            except Exception as e:  # no news of them: our own count, and the rounds tell whether it meets theirs
+                logger.warning(f"reading our ring partners' records to align our rounds failed: {e}")
+        if self.following().worker is not worker:
+            return  # the worker stopped meanwhile
+        own = None
+        if self.next_round is not None:
+            same_worker = self._aligned is not None and self._aligned[0] is worker
+            own = (self.next_round, self.offset if same_worker else None)
+        self.next_round, self.offset = round_to_join(worker.version, self.period, own, records)
+        self._aligned = (worker, plan)
+        self.announcer.update(next_round=self.next_round, round_offset=self.offset)
+
+    def _started(self, label: int, step: int) -> None:
+        """Round ``label`` starts at our ``step``: the next is a period later on the run's count. Until it ends, our
+        record names this one: a partner that aligns now joins it (we wait for it there), not the one after."""
+        self.offset, self.next_round = step - label, label + self.period
+        self.announcer.update(next_round=label, round_offset=self.offset)
+
+    async def average(self, worker: StageWorker, plan: dict, step: int, label: int) -> bool:
+        """Round ``label`` of ``worker``'s layers (at its ``step``) in ``plan``'s rings, the stage standing still
+        meanwhile; whether every ring of ours averaged. ``rounds`` counts those, ``failures`` those in which one did
+        not (its segment kept the local values), and the record's note says why; a round we have no ring in is
+        neither."""
+        self._started(label, step)
         parameters = list(worker.module.parameters())
         local = flatten([p.detach().cpu() for p in parameters])  # rings read and write host memory
-        outcome = await self._round(worker, plan, step, local)
+        outcome = await self._round(worker, plan, label, local)
         if outcome is None:
             return False
         ok, values = outcome
-        self._write(worker, step, ok, values)
+        self._write(worker, label, ok, values)
         return ok
 
-    async def begin(self, worker: StageWorker, plan: dict, step: int) -> Optional[bool]:
-        """Start a round of ``worker``'s layers as they are now, and return: the stage trains on meanwhile
-        (the run spec's ``averaging_overlap``). :meth:`take_finished`, called at each step boundary, applies it
-        once it ended. The round before, if it still runs, ends first, the stage waiting for it: every member
-        takes part in every round, and a result is at most one round late, unless a partner of that round is
-        found gone meanwhile: then it is given up at once, not at its rings' timeout, and the stage trains on.
-        Returns what :meth:`take_finished` returned for that round."""
-        finished = None
-        if self.in_flight is not None:
-            finished = await self._finish_in_flight(worker)
-        sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
+    def begin(self, worker: StageWorker, plan: dict, step: int, label: int) -> None:
+        """Start round ``label`` of ``worker``'s layers as they are now (at its ``step``), and return: the stage
+        trains on meanwhile (the run spec's ``averaging_overlap``). :meth:`take_finished`, called at each step
+        boundary, applies it once it ended; until then no other round is due (:meth:`due`), and the stage never
+        waits for it: a cluster ahead of the others trains on and meets them at the next round's name."""
         partners = self.partners(plan)
-        if not partners:  # they were found gone while we waited for the round before: nobody to average with
-            return finished
-        self.in_flight = InFlightRound(worker, step, sent, partners, asyncio.create_task(
-            self._round(worker, plan, step, sent.clone(), beside_training=True)))
-        return finished
+        if not partners:
+            return
+        self._started(label, step)
+        sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
+        self.in_flight = InFlightRound(worker, label, sent, partners, asyncio.create_task(
+            self._round(worker, plan, label, sent.clone(), beside_training=True)))
 
     def partners(self, plan: dict) -> FrozenSet[str]:
         """The other members of our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
         rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
         return frozenset(member for ring in rings for member in ring.members) - {self.peer_id}
 
-    async def _finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
-        """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round a partner of which
-        our planning rounds found gone meanwhile is cancelled and counted as failed instead."""
-        in_flight = self.in_flight
-        while not in_flight.task.done():
-            await asyncio.wait({in_flight.task}, timeout=GONE_CHECK_S)
-            gone = in_flight.partners & self.following().gone
-            if gone and not in_flight.task.done():
-                in_flight.task.cancel()
-                await asyncio.gather(in_flight.task, return_exceptions=True)
-                self.in_flight = None
-                self._failed(in_flight.step, f"given up: partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone")
-                return False
-        return self.take_finished(worker)
-
     def take_finished(self, worker: StageWorker) -> Optional[bool]:
         """At a step boundary of ``worker``: the round in flight, once it ended, applied one round late. Its
         result (the same on every member) takes the place of the values we sent, and what we trained since
         is kept on top of it: parameters = result + (now - sent). None: no round ended (or it ended for
-        another worker, whose layers we no longer train); else whether every ring of ours averaged."""
-        if self.in_flight is None or not self.in_flight.task.done():
+        another worker, whose layers we no longer train); else whether every ring of ours averaged. A round a
+        partner of which our planning rounds found gone is given up at once, not at its rings' timeout."""
+        if self.in_flight is None:
+            return None
+        gone = self.in_flight.partners & self.following().gone
+        if gone and not self.in_flight.task.done():
+            given_up, self.in_flight = self.in_flight, None
+            given_up.task.cancel()  # it ends by itself; averaging never stops training
+            self._failed(given_up.step, f"given up: partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone")
+            return False
+        if not self.in_flight.task.done():
             return None
         finished, self.in_flight = self.in_flight, None
         try:
@@ -219,6 +262,7 @@ class StageAveraging:
         state = "training" if beside_training else "averaging"
         rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
         if not rings or step <= self.averager.last_finished_step:
+            self.announcer.update(next_round=self.next_round)
             return None  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state=state)
         started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
@@ -238,6 +282,7 @@ class StageAveraging:
             return None
         finally:
             self.times.append((started, time.time()))  # a failed round costs its time too
+            self.announcer.update(next_round=self.next_round)  # this one is over: partners align to the next
             self.bytes_sent_last_round = self.averager.sender.bytes_sent - sent_before
             self.bytes_sent += self.bytes_sent_last_round
         if self.codec is not RAW:
@@ -284,11 +329,12 @@ class StageAveraging:
             return None
         if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
             self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone))
-        version = now.worker.version
-        first = version - self.period
+        at = now.worker.version - self.offset  # where we are on the run's count of rounds
+        first = at - self.period
         if self.in_flight is not None:
             first = min(first, self.in_flight.step)  # a round beside training lasts as long as it needs
-        return Expected(self._plan_rings[2], self.peer_id, first, version + 2 * self.period)
+        return Expected(self._plan_rings[2], self.peer_id, first,
+                        max(at, self.next_round or 0) + 2 * self.period)
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""
@@ -296,7 +342,10 @@ class StageAveraging:
         self.note(f"{REFUSAL_NOTE} {reason}")
 
     def _failed(self, step: int, cause: str, summary: Optional[str] = None) -> None:
+        """Round ``step`` failed: counted, said, noted; our count of rounds is aligned again with our partners'
+        before the next (a cluster that fell behind the others' count catches up in one round)."""
         self.failures += 1
+        self._aligned = None
         self.say(f"averaging at step {step} failed: {summary or cause}")
         self.announcer.update(averaging_failures=self.failures)
         self.note(f"{AVERAGING_NOTE} step {step}: {cause}")
@@ -312,7 +361,7 @@ class StageAveraging:
                 logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
             if all(member in records for member in missing):
                 break
-        return arrival_wait(step, missing, records, self.microbatch_size, self.heartbeat)
+        return arrival_wait(step, missing, records, self.microbatch_size, self.heartbeat, self.period)
 
 
 async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: int, local: torch.Tensor,

@@ -59,7 +59,7 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
-                                           neighbours_in, offered_step, placement_in, same_slot)
+                                           neighbours_in, offered_step, placement_in, round_step_of, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over
@@ -646,10 +646,11 @@ class Volunteer:
                     continue
                 if record["plan_round"] > plan_round:
                     return None  # a newer plan: the one we follow is over
-                start_round, its_step = record.get("start_round"), record.get("step")
+                start_round = record.get("start_round")
                 if record["plan_round"] == plan_round and start_round is not None:
                     # a first stage that kept its place took its round long ago, which holders no longer keep
-                    kept = its_step is None or its_step - start_round <= KEPT_ROUNDS * self.spec.averaging_period
+                    kept = record.get("step") is None or \
+                        round_step_of(record) - start_round <= KEPT_ROUNDS * self.spec.averaging_period
                     return start_round if kept else None
                 started = record["state"] in ("training", "averaging", "done") and record.get("stage") == 0 and \
                     record.get("layers") == list(first_stage["layers"])
@@ -688,28 +689,27 @@ class Volunteer:
         if worker is None:
             return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
         self._set_lr(worker)  # the schedule moves with the step
-        if self.spec.averaging_overlap:
+        if not self.spec.averaging_period:
+            pass
+        elif self.spec.averaging_overlap:
             averaged = self.averaging.take_finished(worker)  # a round beside training ended: applied at this boundary
-            if self.spec.averaging_period and step % self.spec.averaging_period == 0 and self._averages_now():
-                with self.wall_time.using("averaging"):  # only while the last round, still running, ends first
-                    waited_for = await self.averaging.begin(worker, self.plan, step)
-                averaged = averaged if waited_for is None else waited_for
+            due = self.averaging.due(worker, self.plan, step) if self._averages_now() else None
+            if due is not None:
+                self.averaging.begin(worker, self.plan, step, due)  # the stage never waits for a round
             if averaged is not None:
                 worker.mark_restore_point("the averaged state" if averaged else "its own state")
-        elif self.spec.averaging_period and step % self.spec.averaging_period == 0:
-            averaged = await self._average(worker, step)
-            # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (one
-            # cluster, a failed round) our own, kept only while the loss is at its level
-            worker.mark_restore_point("the averaged state" if averaged else "its own state")
+        elif self._averages_now():
+            due = self.averaging.due(worker, self.plan, step)
+            if due is not None:
+                with self.wall_time.using("averaging"):  # the stage stands still meanwhile (the scheduler awaits us)
+                    averaged = await self.averaging.average(worker, self.plan, step, due)
+                # what a divergence goes back to (pipeline/guard.py): the averaged state, or where there is none (a
+                # failed round) our own, kept only while the loss is at its level
+                worker.mark_restore_point("the averaged state" if averaged else "its own state")
+        elif step % self.spec.averaging_period == 0:
+            worker.mark_restore_point("its own state")  # one cluster: its own state, kept while the loss is at its level
         if self.checkpoint_path and step % self.options.checkpoint_every == 0:
             self._save_checkpoint(worker)
-
-    async def _average(self, worker: StageWorker, step: int) -> bool:
-        """Average our stage in the plan we follow (``stage_averaging.py``); whether every ring of ours averaged."""
-        if not self._averages_now():
-            return False
-        with self.wall_time.using("averaging"):  # the stage stands still meanwhile (the scheduler awaits us)
-            return await self.averaging.average(worker, self.plan, step)
 
     def _averages_now(self) -> bool:
         """Whether our stage has partners to average with in the plan we follow (clusters with a gone peer left
