@@ -302,6 +302,9 @@ def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():
     # nobody's word: rounds fall on the step's multiples of the period, as they always did
     assert round_to_join(1234, 20, None, []) == (1240, 0)
     assert round_to_join(1234, 20, None, [partner(55, state="standby")]) == (1240, 0)
+    # in step with its partners (a run's first clusters): its own step is the round step, not their older record's
+    assert round_to_join(15, 20, None, [partner(3, 0, 20), partner(0)]) == (20, 0)
+    assert round_to_join(15, 20, (20, None), [partner(3, 0, 20)]) == (20, 0)
     # partners from before the count: their steps are the round steps
     assert round_to_join(30, 20, None, [partner(95), partner(90)]) == (100, 30 - 95)
     # a cluster formed mid-run at step 5,000 meets partners whose next round is 700 (round step 690): it is as far

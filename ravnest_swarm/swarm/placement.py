@@ -112,12 +112,17 @@ def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]
     """
     training = [r for r in partners if r.get("state") in ("training", "averaging") and r.get("step") is not None]
     best = max(((next_round_of(r, period), round_step_of(r)) for r in training), default=None)
+    by_step = (step // period + 1) * period  # the next round where our step is the round step (offset 0)
     if own is not None and (best is None or own[0] >= best[0]):
         own_next, own_offset = own
-        # a new worker (a new place, a new count of steps) starts its own next round a period from now
-        return own_next, own_offset if own_offset is not None else step - (own_next - period)
+        if own_offset is not None:
+            return own_next, own_offset
+        # a new worker (a new place, a new count of steps): at its step's round if that is the one, else a period on
+        return own_next, 0 if own_next == by_step else step - (own_next - period)
     if best is None:
-        return (step // period + 1) * period, 0
+        return by_step, 0
+    if best[0] == by_step:
+        return by_step, 0  # in step with them (a run's first clusters): our own step, not their record's older one
     return best[0], step - min(best[1], best[0])
 
 
