@@ -50,6 +50,8 @@ from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
 
 logger = logging.getLogger(__name__)
 
+GONE_CHECK_S = 0.5  # how often a stage waiting for its round in flight looks whether a partner of it is gone
+
 
 @dataclass
 class Following:
@@ -70,6 +72,7 @@ class InFlightRound:
     step: int  # the round's name on the run's count
     sent: torch.Tensor
     partners: FrozenSet[str]  # the other members of our rings in it
+    rings: List[Ring]  # ours in it
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
 
 
@@ -207,15 +210,40 @@ class StageAveraging:
     def begin(self, worker: StageWorker, plan: dict, step: int, label: int) -> None:
         """Start round ``label`` of ``worker``'s layers as they are now (at its ``step``), and return: the stage
         trains on meanwhile (the run spec's ``averaging_overlap``). :meth:`take_finished`, called at each step
-        boundary, applies it once it ended; until then no other round is due (:meth:`due`), and the stage never
-        waits for it: a cluster ahead of the others trains on and meets them at the next round's name."""
-        partners = self.partners(plan)
+        boundary, applies it once it ended; until then no other round is due (:meth:`due`). The stage waits for it
+        only where :meth:`holds_up` says: a cluster ahead of the others trains on and meets them at the next
+        round's name."""
+        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
+        partners = frozenset(member for ring in rings for member in ring.members) - {self.peer_id}
         if not partners:
             return
         self._started(label, step)
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
-        self.in_flight = InFlightRound(worker, label, sent, partners, asyncio.create_task(
+        self.in_flight = InFlightRound(worker, label, sent, partners, rings, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)))
+
+    def holds_up(self, worker: StageWorker, step: int) -> bool:
+        """Whether ``worker`` waits at this boundary for the round still in flight: our next round is due, and
+        every member of every ring of that round arrived, so it is moving its parts, not waiting for a partner
+        behind us. Clusters in step then keep one count of rounds with their steps (offset 0, all of a cluster's
+        stages alike), as before the run's count; a cluster ahead, whose round waits for a slower one, trains on
+        instead and meets it at the next round's name."""
+        in_flight = self.in_flight
+        if in_flight is None or in_flight.task.done() or in_flight.worker is not worker or self.next_round is None \
+                or step - self.offset < self.next_round:
+            return False
+        mailbox = self.averager.mailbox
+        return all(mailbox.all_arrived(in_flight.step, ring.index, ring.members, self.peer_id)
+                   for ring in in_flight.rings)
+
+    async def finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
+        """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round a partner of which
+        our planning rounds found gone meanwhile is given up at once."""
+        while self.in_flight is not None and not self.in_flight.task.done():
+            await asyncio.wait({self.in_flight.task}, timeout=GONE_CHECK_S)
+            if self.in_flight is not None and self.in_flight.partners & self.following().gone:
+                break
+        return self.take_finished(worker)
 
     def partners(self, plan: dict) -> FrozenSet[str]:
         """The other members of our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
@@ -327,6 +355,8 @@ class StageAveraging:
         now = self.following()
         if now.worker is None or now.plan is None:
             return None
+        if self._aligned is None or self._aligned[0] is not now.worker:
+            return None  # a new worker whose count of rounds is not aligned yet: our window would be a guess
         if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
             self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone))
         at = now.worker.version - self.offset  # where we are on the run's count of rounds

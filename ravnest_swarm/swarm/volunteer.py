@@ -387,10 +387,10 @@ class Volunteer:
         self._take_outer_state(worker, tuple(layers), step)
         run_step = await self._run_step(plan, cluster) if stage == 0 else None
         if run_step is not None and run_step > step:
-            # the other clusters trained on while we downloaded: counting from the layers' step, our rounds would
-            # be rounds they left long ago, and we would never average with them (issue 30: 25 of 25 failed)
+            # the other clusters trained on while we downloaded: the run's length and lr schedule count on their
+            # step, not our layers' (averaging rounds meet on the run's count of rounds either way: round_to_join)
             self.say(f"{self.name}: cluster {cluster} counts from step {run_step}, where the run's other clusters "
-                     f"are (its layers are of step {step}), so that it takes part in their next averaging round")
+                     f"are (its layers are of step {step}): the run's length and lr schedule count on it")
             step = run_step
         worker.resume_at(step)
         self._set_lr(worker)
@@ -693,6 +693,9 @@ class Volunteer:
             pass
         elif self.spec.averaging_overlap:
             averaged = self.averaging.take_finished(worker)  # a round beside training ended: applied at this boundary
+            if self.averaging.holds_up(worker, step):
+                with self.wall_time.using("averaging"):  # the next round is due and this one moves its parts
+                    averaged = await self.averaging.finish_in_flight(worker)
             due = self.averaging.due(worker, self.plan, step) if self._averages_now() else None
             if due is not None:
                 self.averaging.begin(worker, self.plan, step, due)  # the stage never waits for a round
