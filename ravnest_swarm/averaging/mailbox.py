@@ -337,12 +337,6 @@ class Mailbox:
     def ring_state(self, step: int, ring: int) -> RingState:
         return self._rings.setdefault((step, ring), RingState())
 
-    def all_arrived(self, step: int, ring: int, members: Sequence[str], own: str) -> bool:
-        """Whether every member of ring ``ring`` in round ``step`` but us arrived (or left it): the ring is past
-        its wait for members. False for a round of which we know nothing."""
-        state = self._rings.get((step, ring))
-        return state is not None and all(m == own or m in state.arrived or m in state.withdrawn for m in members)
-
     async def receive(self, key: MessageKey, deadline: float,
                       codec: Codec) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
         """The parts of one expected message, in order, as they arrive (values, and the part as sent); in

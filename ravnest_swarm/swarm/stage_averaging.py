@@ -1,5 +1,9 @@
 """Averaging a volunteer's stage with the other clusters, between the stage's optimizer steps.
 
+Over 400 lines because the run's count of rounds (when a round is due, aligning it with the partners', whether
+to wait for the round in flight) and the round itself (rings, outer step, the result applied beside training)
+share one state: the round in flight, the offset and the averager.
+
 At each step boundary the volunteer's hook (``Volunteer._between_steps``) asks :meth:`StageAveraging.due` whether
 a round is due, and if so calls :meth:`StageAveraging.average` with its running worker and the plan it follows: the
 rings are the plan's (``averaging.segments``), and the averaged vector is written back into the stage's parameters.
@@ -232,9 +236,11 @@ class StageAveraging:
         if in_flight is None or in_flight.task.done() or in_flight.worker is not worker or self.next_round is None \
                 or step - self.offset < self.next_round:
             return False
-        mailbox = self.averager.mailbox
-        return all(mailbox.all_arrived(in_flight.step, ring.index, ring.members, self.peer_id)
-                   for ring in in_flight.rings)
+        for ring in in_flight.rings:  # the round's ring states exist while it runs
+            state = self.averager.mailbox.ring_state(in_flight.step, ring.index)
+            if any(m != self.peer_id and m not in state.arrived and m not in state.withdrawn for m in ring.members):
+                return False
+        return True
 
     async def finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
         """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round a partner of which
