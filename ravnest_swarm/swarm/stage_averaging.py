@@ -128,7 +128,7 @@ class StageAveraging:
         # and the worker and plan they were aligned for (None: align at the next step boundary)
         self.next_round: Optional[int] = None
         self.offset = 0
-        self._aligned: Optional[Tuple[StageWorker, dict]] = None
+        self._aligned: Optional[Tuple[StageWorker, Optional[dict]]] = None
         self._aligning: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
@@ -381,7 +381,8 @@ class StageAveraging:
         """Round ``step`` failed: counted, said, noted; our count of rounds is aligned again with our partners'
         before the next (a cluster that fell behind the others' count catches up in one round)."""
         self.failures += 1
-        self._aligned = None
+        if self._aligned is not None:
+            self._aligned = (self._aligned[0], None)  # aligned again at the next boundary, the worker's offset kept
         self.say(f"averaging at step {step} failed: {summary or cause}")
         self.announcer.update(averaging_failures=self.failures)
         self.note(f"{AVERAGING_NOTE} step {step}: {cause}")
