@@ -280,8 +280,8 @@ def test_a_volunteer_waits_for_a_member_while_its_record_shows_it_coming():
 
 def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_rounds():
     """``arrival_wait`` on the run's count of rounds (issue 30's item 0): a member's steps count less its
-    ``round_offset``, and its ``next_round`` says whether it is past the round; one at the round's step whose round
-    before still runs gets a heartbeat."""
+    ``round_offset``, and its ``next_round`` says whether it is past the round; one at the round's step that has not
+    arrived (its round before still runs) is not waited for beyond the ring's own timeout."""
     def record(step, offset, next_round, rate=320.0):
         return dict(state="training", step=step, round_offset=offset, next_round=next_round, samples_per_s=rate)
 
@@ -289,8 +289,8 @@ def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_round
     assert arrival_wait(100, ["a"], {"a": record(1090, 1000, 100)}, 32, 4.0, period=20) == pytest.approx(6.0)
     # past round 100 on the run's count, though its own step is far behind 100 + its offset
     assert arrival_wait(100, ["a"], {"a": record(1050, 900, 120)}, 32, 4.0, period=20) == 0.0
-    # at round step 110 but still in round 80 beside training: it takes round 100 once that ends
-    assert arrival_wait(100, ["a"], {"a": record(1110, 1000, 100)}, 32, 4.0, period=20) == pytest.approx(12.0)
+    # at round step 110 but still in round 80 beside training: the ring's timeout waited for it already
+    assert arrival_wait(100, ["a"], {"a": record(1110, 1000, 100)}, 32, 4.0, period=20) == 0.0
 
 
 def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():
@@ -305,8 +305,9 @@ def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():
     # in step with its partners (a run's first clusters): its own step is the round step, not their older record's
     assert round_to_join(15, 20, None, [partner(3, 0, 20), partner(0)]) == (20, 0)
     assert round_to_join(15, 20, (20, None), [partner(3, 0, 20)]) == (20, 0)
-    # partners from before the count: their steps are the round steps
-    assert round_to_join(30, 20, None, [partner(95), partner(90)]) == (100, 30 - 95)
+    # partners that count no rounds yet (aligning too, or downloading: their step is not the one they train from)
+    # say nothing: a run's first plan with four new clusters started them at one record's stale step (a lab run)
+    assert round_to_join(1833, 20, None, [partner(1690), partner(1748, None, None)]) == (1840, 0)
     # a cluster formed mid-run at step 5,000 meets partners whose next round is 700 (round step 690): it is as far
     # from that round as they are, so its first round is theirs, whatever its own count of steps
     next_round, offset = round_to_join(5000, 20, None, [partner(3690, 3000, 700), partner(2000, 1320, 680)])

@@ -105,13 +105,17 @@ def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]
     Rounds are named on one count for the whole run, not by each cluster's own step, so a cluster that runs ahead
     (a faster one, one that did not wait for a round still running) still meets the others at the next round. A
     stage aligns when it starts or follows a new plan, and after a failed round: to the furthest round its ring
-    partners (their peer ``records``, training ones) say they take next, at their round step; or, where it is
+    partners (their peer ``records``: training ones that count rounds) say they take next, at their round step; or,
+    where it is
     already there (``own``: its next round and, for the same worker, its offset), it keeps its own count. Never
     back: a round this stage took part in is over for it. Without partners' word, rounds fall on the step's
     multiples of ``period``, as before.
     """
-    training = [r for r in partners if r.get("state") in ("training", "averaging") and r.get("step") is not None]
-    best = max(((next_round_of(r, period), round_step_of(r)) for r in training), default=None)
+    # only partners that counted rounds already say where the run is: a record without ``next_round`` is of a stage
+    # that is aligning too, or still downloading, whose step is not yet the one it trains from
+    counting = [r for r in partners if r.get("state") in ("training", "averaging") and r.get("step") is not None
+                and r.get("next_round") is not None]
+    best = max(((r["next_round"], round_step_of(r)) for r in counting), default=None)
     by_step = (step // period + 1) * period  # the next round where our step is the round step (offset 0)
     if own is not None and (best is None or own[0] >= best[0]):
         own_next, own_offset = own
@@ -131,9 +135,9 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
     """Seconds to keep waiting for ring members that have not reached averaging round ``step``: what the
     slowest of them still has to train to reach it at its recent pace, doubled (paces vary, more so on a busy
     machine), plus a heartbeat (its record is that old at most). A member whose stage just started has no pace
-    yet (``samples_per_s`` null): a heartbeat more, when its next record says it. A member at the round's step that
-    has not started it (its round before still runs beside training, or it is aligning): a heartbeat. 0, give up,
-    when one of them is gone, not training, already past the round (it moved on without us), or not moving.
+    yet (``samples_per_s`` null): a heartbeat more, when its next record says it. 0, give up, when one of them is
+    gone, not training, already at or past the round without arriving (it moved on without us, or its round
+    before still runs: the ring's own ``timeout`` waited for it already), or not moving.
     Steps count on the run's round count (:func:`round_step_of`); with ``period``, a record's ``next_round``
     says whether it is past the round."""
     wait = 0.0
@@ -142,15 +146,12 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
         if record is None or record["state"] not in ("training", "averaging") or record.get("step") is None:
             return 0.0
         behind, rate = step - round_step_of(record), record.get("samples_per_s")
-        if rate == 0:
+        if behind <= 0 or rate == 0:
             return 0.0
-        if period is None or record.get("next_round") is None:
-            if behind <= 0:
-                return 0.0
-        elif next_round_of(record, period) > step:
+        if period is not None and next_round_of(record, period) > step:
             return 0.0
         # a cluster formed mid-run starts its stage a moment after the others passed where it counts from
-        wait = max(wait, heartbeat if rate is None or behind <= 0 else behind * microbatch_size / rate)
+        wait = max(wait, heartbeat if rate is None else behind * microbatch_size / rate)
     return 2 * wait + heartbeat
 
 
