@@ -361,12 +361,14 @@ class StageAveraging:
         now = self.following()
         if now.worker is None or now.plan is None:
             return None
-        if self._aligned is None or self._aligned[0] is not now.worker:
-            return None  # a new worker whose count of rounds is not aligned yet: our window would be a guess
         if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
             self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone))
         at = now.worker.version - self.offset  # where we are on the run's count of rounds
         first = at - self.period
+        if self._aligned is None or self._aligned[0] is not now.worker:
+            # a new worker whose count is not aligned yet (its offset was another worker's): every round we have not
+            # finished, so that a partner's round is not refused as over while we learn where the run is
+            first = self.averager.last_finished_step + 1
         if self.in_flight is not None:
             first = min(first, self.in_flight.step)  # a round beside training lasts as long as it needs
         return Expected(self._plan_rings[2], self.peer_id, first,
