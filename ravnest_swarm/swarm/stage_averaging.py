@@ -75,8 +75,8 @@ class InFlightRound:
     worker: StageWorker
     step: int  # the round's name on the run's count
     sent: torch.Tensor
-    partners: FrozenSet[str]  # the other members of our rings in it
     rings: List[Ring]  # ours in it
+    partners: FrozenSet[str]  # the other members of those rings
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
 
 
@@ -217,13 +217,13 @@ class StageAveraging:
         boundary, applies it once it ended; until then no other round is due (:meth:`due`). The stage waits for it
         only where :meth:`holds_up` says: a cluster ahead of the others trains on and meets them at the next
         round's name."""
-        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
-        partners = frozenset(member for ring in rings for member in ring.members) - {self.peer_id}
+        rings = self._rings(plan)
+        partners = self._partners_in(rings)
         if not partners:
             return
         self._started(label, step)
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
-        self.in_flight = InFlightRound(worker, label, sent, partners, rings, asyncio.create_task(
+        self.in_flight = InFlightRound(worker, label, sent, rings, partners, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)))
 
     def holds_up(self, worker: StageWorker, step: int) -> bool:
@@ -253,7 +253,13 @@ class StageAveraging:
 
     def partners(self, plan: dict) -> FrozenSet[str]:
         """The other members of our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
-        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
+        return self._partners_in(self._rings(plan))
+
+    def _rings(self, plan: dict) -> List[Ring]:
+        """Our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
+        return rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
+
+    def _partners_in(self, rings: List[Ring]) -> FrozenSet[str]:
         return frozenset(member for ring in rings for member in ring.members) - {self.peer_id}
 
     def take_finished(self, worker: StageWorker) -> Optional[bool]:
@@ -294,7 +300,7 @@ class StageAveraging:
         every ring of ours averaged, and the values the stage takes. None: no ring of ours in this round. Our
         record's state says ``averaging`` while the stage stands still for it, not ``beside_training``."""
         state = "training" if beside_training else "averaging"
-        rings = rings_of(self.peer_id, plan_rings(plan, self.layer_sizes, self.following().gone))
+        rings = self._rings(plan)
         if not rings or step <= self.averager.last_finished_step:
             self.announcer.update(next_round=self.next_round)
             return None  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
