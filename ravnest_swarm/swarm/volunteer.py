@@ -59,7 +59,7 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
-                                           neighbours_in, offered_step, placement_in, round_step_of, same_slot)
+                                           neighbours_in, offered_step, placement_in, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over
@@ -648,9 +648,12 @@ class Volunteer:
                     return None  # a newer plan: the one we follow is over
                 start_round = record.get("start_round")
                 if record["plan_round"] == plan_round and start_round is not None:
-                    # a first stage that kept its place took its round long ago, which holders no longer keep
-                    kept = record.get("step") is None or \
-                        round_step_of(record) - start_round <= KEPT_ROUNDS * self.spec.averaging_period
+                    # a first stage that kept its place took its round long ago, which holders no longer keep. Its
+                    # next round says so on the run's count; its step does not (a cluster ahead of the rounds, or a
+                    # first stage that just downloaded and has not aligned its count yet, is far past the round)
+                    next_round = record.get("next_round")
+                    kept = next_round is None or \
+                        next_round - start_round <= (KEPT_ROUNDS + 1) * self.spec.averaging_period
                     return start_round if kept else None
                 started = record["state"] in ("training", "averaging", "done") and record.get("stage") == 0 and \
                     record.get("layers") == list(first_stage["layers"])
