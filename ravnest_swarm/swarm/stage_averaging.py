@@ -130,6 +130,10 @@ class StageAveraging:
         self.offset = 0
         self._aligned: Optional[Tuple[StageWorker, Optional[dict]]] = None
         self._aligning: Optional[asyncio.Task] = None
+        # our count said in our record at once, not at the next heartbeat (:meth:`_say_count`)
+        self._said_next_round: Optional[int] = None
+        self._count_changed = False
+        self._saying_count: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         await self.averager.start()
@@ -138,9 +142,10 @@ class StageAveraging:
         cancelled = self.cancel()
         if cancelled is not None:
             await asyncio.gather(cancelled, return_exceptions=True)
-        if self._aligning is not None:
-            self._aligning.cancel()
-            await asyncio.gather(self._aligning, return_exceptions=True)
+        for task in (self._aligning, self._saying_count):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.averager.shutdown()
 
     def outer_state(self, worker: StageWorker) -> Dict[str, torch.Tensor]:
@@ -188,13 +193,31 @@ class StageAveraging:
             own = (self.next_round, self.offset if same_worker else None)
         self.next_round, self.offset = round_to_join(worker.version, self.period, own, records)
         self._aligned = (worker, plan)
-        self.announcer.update(next_round=self.next_round, round_offset=self.offset)
+        self._say_count(next_round=self.next_round, round_offset=self.offset)
+
+    def _say_count(self, **count) -> None:
+        """Our record's ``next_round`` (and ``round_offset``), renewed at once: a partner that aligns reads them,
+        and a record a heartbeat old names a round that is over for us, which costs both sides a failed round (the
+        NAT lab's four clusters had 12 s between their plan and the run's end, and one missed every round). Once a
+        round, where the round we name changes: a round's start names the one we named already."""
+        self.announcer.update(**count)
+        if count["next_round"] == self._said_next_round:
+            return  # the heartbeat says the rest
+        self._said_next_round = count["next_round"]
+        self._count_changed = True
+        if self._saying_count is None or self._saying_count.done():
+            self._saying_count = asyncio.create_task(self._renew_while_changed())
+
+    async def _renew_while_changed(self) -> None:
+        while self._count_changed:  # a change during a renewal is renewed after it
+            self._count_changed = False
+            await self.announcer.renew()
 
     def _started(self, label: int, step: int) -> None:
         """Round ``label`` starts at our ``step``: the next is a period later on the run's count. Until it ends, our
         record names this one: a partner that aligns now joins it (we wait for it there), not the one after."""
         self.offset, self.next_round = step - label, label + self.period
-        self.announcer.update(next_round=label, round_offset=self.offset)
+        self._say_count(next_round=label, round_offset=self.offset)
 
     async def average(self, worker: StageWorker, plan: dict, step: int, label: int) -> bool:
         """Round ``label`` of ``worker``'s layers (at its ``step``) in ``plan``'s rings, the stage standing still
@@ -302,7 +325,7 @@ class StageAveraging:
         state = "training" if beside_training else "averaging"
         rings = self._rings(plan)
         if not rings or step <= self.averager.last_finished_step:
-            self.announcer.update(next_round=self.next_round)
+            self._say_count(next_round=self.next_round)
             return None  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
         self.announcer.update(state=state)
         started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
@@ -322,7 +345,7 @@ class StageAveraging:
             return None
         finally:
             self.times.append((started, time.time()))  # a failed round costs its time too
-            self.announcer.update(next_round=self.next_round)  # this one is over: partners align to the next
+            self._say_count(next_round=self.next_round)  # this one is over: partners align to the next
             self.bytes_sent_last_round = self.averager.sender.bytes_sent - sent_before
             self.bytes_sent += self.bytes_sent_last_round
         if self.codec is not RAW:
