@@ -965,6 +965,10 @@ def bench_diloco(
     averaging_compression: str = typer.Option("none", "--averaging-compression", help="Ring codecs each "
                                               "configuration of K > 1 runs in, comma-separated (none,int8,int4): "
                                               "bytes per round and held-out loss side by side."),
+    reform_every: Optional[int] = typer.Option(None, "--reform-every", min=1, help="Every this many rounds one "
+                                               "cluster is re-formed, its inner optimizer state reset or carried from "
+                                               "the cluster it downloads from, beside none re-formed (a new run's "
+                                               "optimizers only)."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
     """Inner (sgd, momentum, adamw) and outer (average, nesterov) optimizers, K = 4 against 1, side by side.
@@ -973,6 +977,7 @@ def bench_diloco(
     Example:
       ravnest-swarm bench diloco --json
       ravnest-swarm bench diloco --averaging-compression none,int8,int4
+      ravnest-swarm bench diloco --reform-every 4 --averaging-compression int8
     """
     configure_logging(False)
     from ravnest_swarm.bench.diloco import DilocoOptions, bench_diloco as run
@@ -985,8 +990,12 @@ def bench_diloco(
                         f"{averaging_compression!r}")
     if "none" not in compressions:
         compressions = ("none",) + compressions  # what the others are compared with
-    sys.exit(run(DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr,
-                               outer_momentum=outer_momentum, compressions=compressions), as_json))
+    options = DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr,
+                            outer_momentum=outer_momentum, compressions=compressions, reform_every=reform_every)
+    # re-formed clusters matter to optimizers with state: a new run's, whose K = 1 is then the target
+    from ravnest_swarm.swarm.spec import RunSpec
+    new_run = ((RunSpec.optimizer, RunSpec.lr, RunSpec.outer_optimizer),)
+    sys.exit(run(options, as_json, *([new_run] if reform_every else [])))
 
 
 @bench_app.command("speedup")

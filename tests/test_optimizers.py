@@ -157,6 +157,23 @@ def test_the_giver_of_a_stages_optimizer_state_stopped_training_exactly_its_laye
     assert stage_giver([dict(leaver, peer_id="me")], "me", (0, 9)) is None
 
 
+def test_bench_diloco_re_forms_a_cluster_with_its_inner_state_reset_or_carried_from_the_cluster_it_downloads_from():
+    from ravnest_swarm.bench.diloco import reformed
+    replicas = [torch.nn.Linear(3, 2) for _ in range(3)]
+    optimizers = [make_inner_optimizer(r.parameters(), "adamw", 0.01) for r in replicas]
+    for replica, optimizer in zip(replicas, optimizers):
+        replica(torch.randn(4, 3)).square().sum().backward()
+        optimizer.step()
+    assert reformed(replicas, optimizers, 1, "adamw", 0.01, "reset").state_dict()["state"] == {}
+    carried = reformed(replicas, optimizers, 1, "adamw", 0.01, "carry")
+    # the next cluster's moments, on cluster 1's own parameters (a copy: the giver's state is not shared)
+    given = optimizers[2].state_dict()["state"]
+    assert carried.param_groups[0]["params"] == list(replicas[1].parameters())
+    for index, state in carried.state_dict()["state"].items():
+        assert all(torch.equal(state[key], given[index][key]) for key in ("exp_avg", "exp_avg_sq"))
+        assert state["exp_avg"].data_ptr() != given[index]["exp_avg"].data_ptr()
+
+
 def test_members_with_one_history_end_an_outer_step_with_the_same_parameters_bit_for_bit():
     torch.manual_seed(1)
     members = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in range(3)]

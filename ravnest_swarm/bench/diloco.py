@@ -7,6 +7,13 @@ for ``samples`` samples in all, averaging every ``averaging_period`` steps throu
 at the end (equal samples) and the samples each needed to first reach the target (K = 1 ``sgd``'s loss at the end),
 evaluated every ``eval_every`` steps. A pipeline's stages compose the same function, so only the optimizers differ.
 
+``--reform-every R`` measures what a cluster re-formed mid-run should do with its inner optimizer's state (issue 30:
+it goes with the layers, or is reset where carrying it is measured to be worse): every R-th round one cluster in
+turn is re-formed, as when a new cluster downloads its layers from another's holders. Its parameters are the
+round's result either way; its inner state is ``reset`` (what a run did: a new optimizer) or ``carry``-ied (a copy
+of the state of the cluster it downloads from, as a holder could serve it), beside the run where no cluster is
+re-formed (``none``).
+
 ``--averaging-compression none,int8,int4`` runs each configuration of K > 1 in each ring codec: ``none`` averages
 parameters as above, a compressing codec averages the replicas' pseudo-gradients with error feedback, as a run's
 ``averaging_compression`` does (``optimizers.outer``). Each round's mean comes from :func:`ring_mean`, the ring's
@@ -53,6 +60,7 @@ class DilocoOptions:
     outer_momentum: float = 0.9
     seed: int = 0
     compressions: Sequence[str] = ("none",)  # the ring codecs each configuration of K > 1 runs in
+    reform_every: Optional[int] = None  # rounds between re-formed clusters (module docstring); None: none re-formed
 
 
 def ring_mean(values: Sequence[torch.Tensor], codec: Codec, run: str = "bench") -> Tuple[torch.Tensor, int]:
@@ -89,7 +97,7 @@ def ring_mean(values: Sequence[torch.Tensor], codec: Codec, run: str = "bench") 
 
 
 def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, progress=None,
-          compression: str = "none") -> Dict:
+          compression: str = "none", reform: str = "none") -> Dict:
     spec = get_model(options.model)
     data = spec.dataset()
     torch.manual_seed(options.seed)
@@ -136,6 +144,10 @@ def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, pro
                     state.error = None  # the bench keeps each replica's error itself, in ``errors``
                 for replica in replicas:
                     torch.nn.utils.vector_to_parameters(after, replica.parameters())
+            rounds = (step + 1) // options.averaging_period
+            if reform != "none" and rounds % options.reform_every == 0:
+                optimizers[(rounds // options.reform_every) % k] = reformed(
+                    replicas, optimizers, (rounds // options.reform_every) % k, inner, lr, reform)
         if (step + 1) % options.eval_every == 0 or step == steps - 1:
             with torch.no_grad():
                 model = copy.deepcopy(replicas[0])
@@ -144,9 +156,19 @@ def train(options: DilocoOptions, inner: str, lr: float, outer: str, k: int, pro
             curve.append(((step + 1) * k * options.microbatch_size, heldout_loss(spec, model)))
         if progress is not None:
             progress()
-    return dict(inner=inner, lr=lr, outer=outer, clusters=k, compression=compression, diverged=diverged,
+    return dict(inner=inner, lr=lr, outer=outer, clusters=k, compression=compression, reform=reform, diverged=diverged,
                 heldout_loss=None if diverged or not curve else round(curve[-1][1], 4), curve=curve,
                 bytes_per_round=round(sum(round_bytes) / len(round_bytes)) if round_bytes else None)
+
+
+def reformed(replicas: List[torch.nn.Module], optimizers: List[torch.optim.Optimizer], cluster: int, inner: str,
+             lr: float, reform: str) -> torch.optim.Optimizer:
+    """The inner optimizer of ``cluster``, re-formed after a round: a new one (``reset``), or one with a copy of the
+    state of the next cluster's, the one its layers come from (``carry``)."""
+    optimizer = make_inner_optimizer(replicas[cluster].parameters(), inner, lr)
+    if reform == "carry":
+        optimizer.load_state_dict(copy.deepcopy(optimizers[(cluster + 1) % len(optimizers)].state_dict()))
+    return optimizer
 
 
 def samples_to(curve: List[Tuple[int, float]], target: float) -> Optional[int]:
@@ -156,16 +178,18 @@ def samples_to(curve: List[Tuple[int, float]], target: float) -> Optional[int]:
 def bench_diloco(options: DilocoOptions, as_json: bool,
                  configurations: Sequence[Tuple[str, float, str]] = CONFIGURATIONS) -> int:
     console = Console(stderr=True)
-    runs = [(inner, lr, outer, k, compression) for inner, lr, outer in configurations for k in options.clusters
-            for compression in (options.compressions if k > 1 else ("none",))
+    reforms = ("none", "reset", "carry") if options.reform_every else ("none",)
+    runs = [(inner, lr, outer, k, compression, reform) for inner, lr, outer in configurations
+            for k in options.clusters for compression in (options.compressions if k > 1 else ("none",))
+            for reform in (reforms if k > 1 else ("none",))
             if k > 1 or outer == "average"]  # one cluster has no round: its outer optimizer does nothing
-    total = sum(options.samples // (k * options.microbatch_size) for *_, k, _ in runs)
+    total = sum(options.samples // (run[3] * options.microbatch_size) for run in runs)
     results = []
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("configurations", total=total)
-        for inner, lr, outer, k, compression in runs:
+        for inner, lr, outer, k, compression, reform in runs:
             results.append(train(options, inner, lr, outer, k, progress=lambda: bar.advance(task),
-                                 compression=compression))
+                                 compression=compression, reform=reform))
     reference = next(r for r in results if r["clusters"] == 1 and r["inner"] == configurations[0][0])
     target = reference["heldout_loss"]
     for r in results:
@@ -173,20 +197,23 @@ def bench_diloco(options: DilocoOptions, as_json: bool,
         r["loss_vs_one_sgd_cluster"] = None if r["heldout_loss"] is None else round(r["heldout_loss"] / target, 3)
         # against the same configuration averaged in float32: bytes and held-out loss
         float32 = next(f for f in results if f["compression"] == "none" and
-                       (f["inner"], f["lr"], f["outer"], f["clusters"]) == (r["inner"], r["lr"], r["outer"], r["clusters"]))
+                       (f["inner"], f["lr"], f["outer"], f["clusters"], f["reform"]) ==
+                       (r["inner"], r["lr"], r["outer"], r["clusters"], r["reform"]))
         r["fewer_bytes_than_float32"] = (round(float32["bytes_per_round"] / r["bytes_per_round"], 2)
                                          if r["bytes_per_round"] and float32["bytes_per_round"] else None)
         r["loss_vs_float32"] = (round(r["heldout_loss"] / float32["heldout_loss"], 4)
                                 if r["heldout_loss"] is not None and float32["heldout_loss"] else None)
         traffic = (f", {r['bytes_per_round']} B/round ({r['fewer_bytes_than_float32']}x fewer, loss "
                    f"{r['loss_vs_float32']}x of float32's)" if r["bytes_per_round"] else "")
-        console.print(f"K={r['clusters']} {r['inner']:<8} lr {r['lr']:<6g} {r['outer']:<8} {r['compression']:<7} "
+        reform = f"re-formed: {r['reform']:<5} " if options.reform_every else ""
+        console.print(f"K={r['clusters']} {r['inner']:<8} lr {r['lr']:<6g} {r['outer']:<8} {r['compression']:<7} {reform}"
                       f"held-out loss {r['heldout_loss']} ({r['loss_vs_one_sgd_cluster']}x), samples to "
                       f"{target:.4f}: {r['samples_to_target']}{traffic}", highlight=False)
         r["curve"] = [[s, round(v, 4)] for s, v in r["curve"]]
     output = dict(benchmark="diloco", model=options.model, samples=options.samples,
                   averaging_period=options.averaging_period, outer_lr=options.outer_lr,
-                  outer_momentum=options.outer_momentum, compressions=list(options.compressions), target_loss=target,
+                  outer_momentum=options.outer_momentum, compressions=list(options.compressions),
+                  reform_every=options.reform_every, target_loss=target,
                   results=results)
     print(json.dumps(output) if as_json else json.dumps(output, indent=1), flush=True)
     return 0
