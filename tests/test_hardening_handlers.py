@@ -31,7 +31,7 @@ from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.config import Neighbours
 from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
 from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
-from ravnest_swarm.swarm.stage_state import STAGE_STATE, StageStateServer, StoppedStage
+from ravnest_swarm.swarm.stage_state import STAGE_STATE, StageStateServer, StoppedStage, TrainingStage
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
 from ravnest_swarm.net.node import stop_node
 from ravnest_swarm.net.relay import RelayServices
@@ -81,7 +81,10 @@ class Peer:
         sum(p.sum() for p in self.stage.module.parameters()).backward()
         adamw.step()
         stopped = StoppedStage((1, 3), 7, adamw, {})
-        await StageStateServer(self.node.routes, RUN, lambda: stopped, request_timeout=TIMEOUT).start()
+        # ... and, live, of the stage it trains (the same moments: a copy of layer 2's is asked below)
+        training = TrainingStage(1, self.stage.module, adamw, 9)
+        await StageStateServer(self.node.routes, RUN, lambda: stopped, request_timeout=TIMEOUT,
+                               training=lambda: training).start()
         self.attacker = await P2P.create(initial_peers=await p2p.get_visible_maddrs(), host_maddrs=LOCAL)
         self.peer_id = p2p.peer_id
         # the attacker is the victim's partner in ring 0 of round 5: the ring handler takes its messages
@@ -167,6 +170,10 @@ class Peer:
         assert await self.raw_reply(STAGE_STATE, frames_bytes([stage_request]) + END_OF_STREAM) == (
             "ok", {"names": [f"optim.{i}.{key}" for i in range(4) for key in ("exp_avg", "exp_avg_sq")],
                    "scalars": {str(i): {"step": 1.0} for i in range(4)}, "step": 7})
+        live_request = make_request({"run": RUN, "layers": [2, 3], "live": True})  # layer 2: parameters 2 and 3
+        assert await self.raw_reply(STAGE_STATE, frames_bytes([live_request]) + END_OF_STREAM) == (
+            "ok", {"names": [f"optim.{i}.{key}" for i in range(2) for key in ("exp_avg", "exp_avg_sq")],
+                   "scalars": {str(i): {"step": 1.0} for i in range(2)}, "step": 9})
         probe = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(1000))])
         assert await self.raw(BANDWIDTH_PROBE, frames_bytes([probe]) + END_OF_STREAM) == "ok"
         abort = make_request(dict(run=RUN, step=5, ring=0, phase="abort", position=0, attempt=[]))
@@ -299,6 +306,17 @@ def test_random_and_mutated_stream_messages_get_an_answer_and_the_peer_keeps_ser
 
 
 @pytest.mark.timeout(240)
+def test_a_stage_gives_a_copy_of_its_inner_state_only_for_layers_it_trains(peer):
+    async def ask(layers):
+        request = make_request({"run": RUN, "layers": layers, "live": True})
+        return await peer.raw(STAGE_STATE, frames_bytes([request]) + END_OF_STREAM)
+
+    assert peer.run(ask([1, 3])) == "ok"
+    for layers in ([3, 4], [0, 2], [2, 2]):
+        assert f"trains no stage with layers {layers[0]}:{layers[1]}" in peer.run(ask(layers)), layers
+    peer.run(peer.still_serving())
+
+
 def test_random_unary_requests_get_an_answer_and_the_peer_keeps_serving(peer):
     """Attack: random requests (random metadata, tensors, raw bytes as metadata) to every unary handler
     (ping, dial-back, stage status) and the layer-state server: each gets a response or an error."""

@@ -11,6 +11,8 @@ import pytest
 from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 
 LATE = ("late0", "late1")
+CARRIED = re.compile(r"^\w+: adamw state resumed from the holders of its downloaded layers \((\d+) of (\d+): ",
+                     re.MULTILINE)
 START = re.compile(r"^(\w+): training cluster (\d+) stage (\d)/2 layers \d+:\d+ from step \d+ on cpu; "
                    r"its layers are (.+) of steps? ([\d, ]+)$", re.MULTILINE)
 
@@ -46,6 +48,11 @@ def test_the_stages_of_a_cluster_formed_mid_run_all_start_from_one_averaged_roun
             starts[name] = (int(cluster), int(stage), kind, steps)
     logs = "\n".join(f"{name}: {process.stderr()[-1500:]}" for name, process in volunteers.items())
     assert set(LATE) <= set(starts), logs
+    # their AdamW moments came with their layers, a copy of their holders' (not afresh: bench diloco --reform-every
+    # measured a re-formed cluster better with them)
+    for name in LATE:
+        carried = CARRIED.search(volunteers[name].stderr()[before.get(name, 0):])
+        assert carried and carried.group(1) == carried.group(2), (name, logs)
     by_cluster = {}
     for name, (cluster, stage, kind, steps) in starts.items():
         assert kind == "the run's averaged state" and "," not in steps, (name, starts, logs)

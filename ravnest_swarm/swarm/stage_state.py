@@ -8,6 +8,11 @@ and without it the taker starts AdamW afresh, whose first steps move every weigh
 state at its first round, a float32 round instead of a compressed one. A stage that still trains its layers keeps
 its state: its error feedback is its own, and a copy would count twice.
 
+A stage that still trains gives a copy of its inner state for some of its layers (``live``): a new cluster whose
+layers come from other clusters' holders takes their moments with them (``carry_layer_states``), which `bench
+diloco --reform-every` measured better than starting afresh (docs/benchmarks.md). Never its outer state: that one
+is its own.
+
 The taker asks for exactly its layer range (the outer state is one flat vector over the stage, so only the same
 range can take it) and checks what comes as it checks a checkpoint (``checkpoint.take_optimizer_state``,
 ``take_outer_state``): names, shapes, dtypes, finite values. A holder can serve numbers, never structure.
@@ -23,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Annotated, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
+from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -54,6 +59,7 @@ class StageStateRequest(Message):
 
     run: Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
     layers: List[LayerIndex] = Field(min_length=2, max_length=2)
+    live: bool = False  # the inner state of some layers of the stage the peer trains now, not of one it stopped
 
 
 class StageStateReply(Message):
@@ -66,7 +72,8 @@ class StageStateReply(Message):
 
 
 register_handler(Handler(STAGE_STATE, StageStateRequest, StageStateReply, MAX_REQUEST_BYTES,
-                         callers="the peer that takes over a stage this peer stopped training (a leave, a move)",
+                         callers="the peer that takes over a stage this peer stopped training (a leave, a move), "
+                                 "or a new cluster's stage that took layers this peer trains (their inner state)",
                          owner=__name__))
 
 
@@ -80,12 +87,32 @@ class StoppedStage:
     outer: Dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class TrainingStage:
+    """The stage this peer trains now: its first layer, its layers' modules and its inner optimizer."""
+
+    start: int
+    module: torch.nn.Sequential
+    optimizer: torch.optim.Optimizer
+    step: int
+
+
+def parameter_indices(module: torch.nn.Sequential, start: int, layers: Tuple[int, int]) -> range:
+    """The indices, in ``module.parameters()`` order (the optimizer's), of the parameters of ``layers`` of a stage
+    whose first layer is ``start``."""
+    counts = [len(list(layer.parameters())) for layer in module]
+    first = sum(counts[:layers[0] - start])
+    return range(first, first + sum(counts[layers[0] - start:layers[1] - start]))
+
+
 class StageStateServer:
-    """Serves the optimizer state of the stage this peer stopped last (``stopped()``, None while there is none)."""
+    """Serves the optimizer state of the stage this peer stopped last (``stopped()``, None while there is none), and
+    a copy of the inner state of layers of the stage it trains (``training()``)."""
 
     def __init__(self, routes: Routes, run: str, stopped: Callable[[], Optional[StoppedStage]],
-                 request_timeout: float = 60.0):
+                 request_timeout: float = 60.0, training: Callable[[], Optional[TrainingStage]] = lambda: None):
         self.routes, self.run, self.stopped, self.request_timeout = routes, run, stopped, request_timeout
+        self.training = training
         # (peer, layers, step) of each stage state we sent (a leave waits for its stage's: hand_over.py)
         self.served: Set[Tuple[str, Tuple[int, int], int]] = set()
 
@@ -99,6 +126,8 @@ class StageStateServer:
         asked = decode_message(StageStateRequest, frames[0].metadata, STAGE_STATE)
         if asked.run != self.run:
             raise ValueError(f"this peer serves run {self.run!r}")
+        if asked.live:
+            return self._live_reply(tuple(asked.layers))
         stage = self.stopped()
         if stage is None or stage.layers != tuple(asked.layers):
             raise ValueError(f"this peer stopped no stage of layers {asked.layers[0]}:{asked.layers[1]}")
@@ -108,6 +137,24 @@ class StageStateServer:
         reply = StageStateReply(names=names, scalars={index: {key: float(value) for key, value in values.items()}
                                                       for index, values in scalars.items()}, step=stage.step)
         return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
+
+
+    def _live_reply(self, layers: Tuple[int, int]) -> runtime_pb2.ExpertResponse:
+        """A copy of the inner state of ``layers`` of the stage we train, its parameters numbered from 0."""
+        stage = self.training()
+        if stage is None or not stage.start <= layers[0] < layers[1] <= stage.start + len(stage.module):
+            raise ValueError(f"this peer trains no stage with layers {layers[0]}:{layers[1]}")
+        indices = parameter_indices(stage.module, stage.start, layers)
+        tensors, scalars = optimizer_tensors(stage.optimizer)
+        renumbered: Dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            _, index, key = name.split(".", 2)
+            if int(index) in indices:
+                renumbered[f"optim.{int(index) - indices.start}.{key}"] = tensor
+        reply = StageStateReply(names=list(renumbered), step=stage.step, scalars={
+            str(int(index) - indices.start): {key: float(value) for key, value in values.items()}
+            for index, values in scalars.items() if int(index) in indices})
+        return make_response(reply.as_metadata(), [serialize_torch_tensor(renumbered[name]) for name in renumbered])
 
 
 @dataclass(frozen=True)
@@ -132,13 +179,14 @@ def stage_giver(records: List[Dict], self_id: str, layers: Tuple[int, int]) -> O
 
 async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tuple[int, int],
                             module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                            timeout: float) -> Tuple[Dict[int, Dict], Dict[str, torch.Tensor], int]:
+                            timeout: float, live: bool = False) -> Tuple[Dict[int, Dict], Dict[str, torch.Tensor], int]:
     """The inner and outer optimizer state ``holder`` kept of the stage of ``layers``, checked against ``module``
-    (our layers, the same range) and loaded into a scratch copy of ``optimizer``'s kind; its step. A ``ValueError``
-    says what was wrong with it."""
+    (our layers, the same range) and loaded into a scratch copy of ``optimizer``'s kind; its step. ``live``: a copy
+    of the inner state of ``layers`` of the stage it trains (no outer state). A ``ValueError`` says what was wrong
+    with it."""
 
     async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-        yield make_request(StageStateRequest(run=run, layers=list(layers)).as_metadata())
+        yield make_request(StageStateRequest(run=run, layers=list(layers), live=live).as_metadata())
 
     response = await asyncio.wait_for(routes.call(holder, STAGE_STATE, request()), timeout)
     try:
@@ -156,5 +204,32 @@ async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tu
         if not take_optimizer_state(tensors, {"optimizer_scalars": reply.scalars}, scratch):
             raise ValueError("its inner optimizer state does not fit our layers")
         inner = scratch.state_dict()["state"]
+    if live and any(name.startswith("outer.") for name in tensors):
+        raise ValueError("it sent outer state for a stage it still trains")
     outer = take_outer_state(tensors, sum(p.numel() for p in module.parameters()))
     return inner, outer, reply.step
+
+
+async def carry_layer_states(routes: Routes, run: str, module: torch.nn.Sequential, start: int,
+                             optimizer: torch.optim.Optimizer, holders: Dict[int, List[PeerID]], timeout: float,
+                             reach: Callable[[PeerID], Awaitable[str]]) -> Tuple[Dict[int, Dict], List[int]]:
+    """The inner state of our downloaded layers (``holders``: each layer's holders that served it), a copy of one
+    holder's each, numbered as ``optimizer`` numbers our stage's parameters (its first layer ``start``); and the
+    layers it came for. A holder that fails is logged and the next asked; a layer none gives starts afresh."""
+    state: Dict[int, Dict] = {}
+    carried: List[int] = []
+    for layer, its_holders in sorted(holders.items()):
+        offset = parameter_indices(module, start, (layer, layer + 1)).start
+        for holder in its_holders:
+            try:
+                await reach(holder)
+                inner, _, _ = await fetch_stage_state(routes, run, holder, (layer, layer + 1), module[layer - start],
+                                                      optimizer, timeout, live=True)
+            except Exception as e:  # it left, or sent what does not fit: the next holder of the layer
+                logger.info(f"the inner state of layer {layer} from {holder}: {type(e).__name__}: {e}")
+                continue
+            if inner:
+                state.update({offset + index: values for index, values in inner.items()})
+                carried.append(layer)
+                break
+    return state, carried

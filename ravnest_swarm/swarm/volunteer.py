@@ -70,7 +70,8 @@ from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, read_spec, r
 from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
-from ravnest_swarm.swarm.stage_state import StageStateServer, StoppedStage, fetch_stage_state, stage_giver
+from ravnest_swarm.swarm.stage_state import (StageStateServer, StoppedStage, TrainingStage, carry_layer_states,
+                                             fetch_stage_state, stage_giver)
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerOffer,
                                                 LayerStateServer, agreed_step, counted_offers, fill_layer,
                                                 offered_layers, offers_of)
@@ -175,7 +176,8 @@ class Volunteer:
         # the optimizer state of the stage we stopped last, for the peer that takes its layers over (stage_state.py)
         self.stopped_stage: Optional[StoppedStage] = None
         self.rounds: Optional[PlanningRounds] = None  # our planning rounds, once they start
-        self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage)
+        self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage,
+                                                   training=self._training_stage)
         self.averaging = StageAveraging(self.announcer, self.state_server,
                                         lambda: Following(self.worker, self.plan, self._gone()),
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
@@ -209,6 +211,7 @@ class Volunteer:
         self._traffic_looks: Deque[Tuple[float, int, int]] = deque()
         self.moved_bytes = 0  # of the layers we downloaded to take our places
         self.layers_came_from = ""  # of the layers we downloaded last: their step(s), averaged or live (_download)
+        self.layer_holders: Dict[int, List[PeerID]] = {}  # who served each layer we downloaded last (_download)
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -383,6 +386,8 @@ class Volunteer:
         # a checkpoint's optimizer states go with its layers at their step, also where the cluster counts on from
         # the run's step below: they belong to the parameters, not to the count
         await self._take_handed_state(worker, tuple(layers), step)
+        if downloaded:
+            await self._carry_optimizer_state(worker, tuple(layers), step)
         self._take_optimizer_state(worker, tuple(layers), step)
         self._take_outer_state(worker, tuple(layers), step)
         run_step = await self._run_step(plan, cluster) if stage == 0 else None
@@ -452,6 +457,34 @@ class Volunteer:
         source = f"{giver['name']}, which stopped training them at step {its_step}"
         self.kept_optimizer = (layers, step, inner, source) if inner else None
         self.kept_outer = (layers, step, outer, source) if outer else None
+
+    async def _carry_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
+        """Where no state of ours or a giver's goes with our layers, take a copy of the inner state (AdamW's moments,
+        momentum) of the holders that served our downloaded layers (``stage_state.carry_layer_states``): `bench
+        diloco --reform-every` measured a re-formed cluster better with it than starting afresh."""
+        kept = self.kept_optimizer
+        if self.spec.optimizer == "sgd" or not self.layer_holders or (kept is not None and kept[:2] == (layers, step)):
+            return
+        links = self.node.routes
+        records = {r["peer_id"]: r for r in await self.announcer.read_peers()}
+
+        async def reach(holder: PeerID) -> str:
+            record = records.get(holder.to_base58(), {})
+            return await links.connect(holder, maddrs_without_peer_id(record.get("maddrs", []), holder),
+                                       record.get("reachability"))
+
+        state, carried = await carry_layer_states(links, self.run, worker.module, layers[0], worker.optimizer,
+                                                  self.layer_holders, self.options.transfer_timeout, reach)
+        if state:
+            whose = sorted({records.get(h.to_base58(), {}).get("name", h.to_base58()[:8])
+                            for layer in carried for h in self.layer_holders[layer][:1]})
+            self.kept_optimizer = (layers, step, state, f"the holders of its downloaded layers ({len(carried)} of "
+                                                        f"{len(self.layer_holders)}: {', '.join(whose)}), a copy")
+
+    def _training_stage(self) -> Optional[TrainingStage]:
+        worker = self.worker
+        return None if worker is None else TrainingStage(worker.start_layer, worker.module, worker.optimizer,
+                                                         worker.version)
 
     def _state_awaited(self, peers: List[Dict]) -> bool:
         """Whether our graceful leave waits on for the stage's optimizer state to be taken (``hand_over``): we have
@@ -607,6 +640,7 @@ class Volunteer:
             wanted = round_step
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
             copy_steps = []  # each layer's, and whether it was an averaged round's
+            self.layer_holders = {}
             for layer, offers in sorted(remote.items()):
                 filled = await fill_layer(links, self.run, module[layer - start], layer, offers,
                                           self.options.transfer_timeout, reach=reach, round_step=round_step)
@@ -617,6 +651,7 @@ class Volunteer:
                     self.say(f"{self.name}: {filled.problem}")
                 if filled.loaded:
                     copy_steps.append((filled.copy_step, filled.averaged))
+                    self.layer_holders[layer] = [PeerID.from_base58(holder) for holder in filled.holders]
                 if round_step is None and first_stage is None and filled.averaged:
                     # we decide our cluster's round: the rest of our layers, and its other stages, take the same
                     round_step = filled.copy_step
