@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.swarm.placement import arrival_wait, round_to_join
+from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_to_join
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
@@ -291,6 +291,21 @@ def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_round
     assert arrival_wait(100, ["a"], {"a": record(1050, 900, 120)}, 32, 4.0, period=20) == 0.0
     # at round step 110 but still in round 80 beside training: the ring's timeout waited for it already
     assert arrival_wait(100, ["a"], {"a": record(1110, 1000, 100)}, 32, 4.0, period=20) == 0.0
+
+
+def test_a_new_clusters_later_stage_waits_for_the_holders_that_have_not_taken_its_round_yet():
+    """``holders_before_round``: the holders a later stage of a new cluster waits for before it asks them for the
+    round its first stage took (CI saw a stage-1 holder, a moment behind, refuse round 660 and the stage take 640).
+    Pure: no network."""
+    def holder(name, next_round, state="training"):
+        return dict(name=name, state=state, next_round=next_round)
+
+    records = [holder("ahead", 680), holder("running", 660), holder("behind", 640), holder("aligning", None),
+               holder("standby", 600, state="standby")]
+    # its round still runs (its record names it) or is still to come: waited for; past it, aligning or not
+    # training: asked as they are
+    assert holders_before_round(records, 660) == ["running", "behind"]
+    assert holders_before_round(records, 600) == []
 
 
 def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():

@@ -84,6 +84,10 @@ class PeerAnnouncer:
         self._has_read = False  # whether a read of the run's records has come back yet
         # (the count our bucket calls for, since when it has called for it without a pause)
         self._calls_for: Optional[Tuple[int, float]] = None
+        # one store of our record at a time: a node keeps the value that expires last, so of two renewals in flight
+        # (the heartbeat's and one at once, such as a new averaging round named) the one stored second was refused
+        # whenever it had taken its expiration first, and the renewal "failed" (the NAT lab run saw it)
+        self._publishing = asyncio.Lock()
         self.renewal_failures = 0  # renewals that failed, for any reason, since we started
         self.renewal_problem: Optional[str] = None  # why the last renewal failed; None once one succeeded again
         # told of each change of ``renewal_problem`` (a reason, or None when renewals work again): the volunteer
@@ -132,6 +136,10 @@ class PeerAnnouncer:
 
     async def publish(self, lifetime: Optional[float] = None) -> bool:
         """Store the record now; returns whether at least one DHT node accepted it."""
+        async with self._publishing:
+            return await self._publish(lifetime)
+
+    async def _publish(self, lifetime: Optional[float]) -> bool:
         self.record["time"] = self.clock()
         # measured, not declared: what this process has taken at most so far, renewed with every record
         self.record["peak_memory_gb"], self.record["device_peak_gb"] = peak_memory(self.record.get("device") or "cpu")

@@ -97,6 +97,16 @@ def next_round_of(record: Dict, period: int) -> int:
     return given if given is not None else (round_step_of(record) // period + 1) * period
 
 
+def holders_before_round(records: Sequence[Dict], round_step: int) -> List[str]:
+    """The peers among ``records`` (holders of layers a stage downloads) that have not yet taken averaging round
+    ``round_step`` and will: training ones whose record names it or an earlier one as their next round. A new
+    cluster's later stage asks its holders for the round its first stage took, and the rounds of one stage's rings
+    may come a moment after another's (a stage behind in its pipeline, or its count behind: rounds are counted per
+    ring), so it waits for them (``Volunteer._download``) rather than take another round's state."""
+    return [r["name"] for r in records if r.get("state") in ("training", "averaging") and
+            r.get("next_round") is not None and r["next_round"] <= round_step]
+
+
 def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]]],
                   partners: Sequence[Dict]) -> Tuple[int, int]:
     """Which averaging round a stage at ``step`` takes part in next, and its offset (its step less the run's

@@ -35,7 +35,7 @@ import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Deque, Dict, FrozenSet, List, Optional, Tuple
+from typing import Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -58,7 +58,7 @@ from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
-from ravnest_swarm.swarm.placement import (Placement, layer_offers, model_workload,
+from ravnest_swarm.swarm.placement import (Placement, holders_before_round, layer_offers, model_workload,
                                            neighbours_in, offered_step, placement_in, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
@@ -638,6 +638,9 @@ class Volunteer:
                          console=self.console, transient=False) as progress:
             round_step = None if first_stage is None else await self._start_round_of(first_stage, plan_round)
             wanted = round_step
+            if round_step is not None:
+                await self._await_round(round_step, {offer.holder.to_base58() for offers in remote.values()
+                                                     for offer in offers})
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
             copy_steps = []  # each layer's, and whether it was an averaged round's
             self.layer_holders = {}
@@ -664,6 +667,23 @@ class Volunteer:
             self.announcer.update(start_round=copy_steps[0][0])
         self.layers_came_from = _came_from(copy_steps, wanted)
         return step
+
+    async def _await_round(self, round_step: int, holders: Set[str]) -> None:
+        """Wait, within ``transfer_timeout``, until every holder of our layers that will take averaging round
+        ``round_step`` has (``placement.holders_before_round``); what they serve then is asked for as it is."""
+        deadline = time.monotonic() + self.options.transfer_timeout
+        while time.monotonic() < deadline:
+            try:
+                records = [r for r in await self.announcer.read_peers(peer_ids=sorted(holders))
+                           if r["peer_id"] in holders]
+            except Exception as e:  # no news of them: ask for the round as it is
+                logger.warning(f"reading the records of our layers' holders failed: {e}")
+                return
+            behind = holders_before_round(records, round_step)
+            if not behind:
+                return
+            logger.info(f"waiting for {', '.join(sorted(behind))} to take the round of step {round_step}")
+            await asyncio.sleep(0.5)
 
     async def _start_round_of(self, first_stage: Dict, plan_round: Optional[int]) -> Optional[int]:
         """The averaging round (its step) whose state our cluster's first stage took its layers from, as its record
