@@ -97,15 +97,20 @@ def save_stage(path: str, module: torch.nn.Module, optimizer: torch.optim.Optimi
     write_atomically(path, save(tensors, metadata={"ravnest": json.dumps(metadata)}))
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, outer: Optional[Dict[str, torch.Tensor]] = None
-                      ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict]]:
+def optimizer_tensors(optimizer: torch.optim.Optimizer, outer: Optional[Dict[str, torch.Tensor]] = None,
+                      parameters: Optional[range] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Dict]]:
     """A stage's optimizer state as a checkpoint names it: host copies of the inner optimizer's per-parameter
     tensors (``optim.<index>.<key>``) and of the outer state (``outer.<key>``), and the inner optimizer's scalars
     by parameter index (AdamW's step counts). What a checkpoint keeps, and what a stage that stopped hands to the
-    peer taking it over (``swarm/stage_state.py``)."""
+    peer taking it over (``swarm/stage_state.py``). ``parameters``: only the state of these (some layers of the
+    stage), numbered from the first, and only theirs copied."""
     tensors: Dict[str, torch.Tensor] = {}
     scalars: Dict[str, Dict] = {}
     for index, per_parameter in optimizer.state_dict()["state"].items():
+        if parameters is not None:
+            if index not in parameters:
+                continue
+            index -= parameters.start
         for key, value in per_parameter.items():
             if torch.is_tensor(value) and value.dim() > 0:
                 tensors[f"optim.{index}.{key}"] = value.detach().to("cpu", copy=True).contiguous()

@@ -131,12 +131,8 @@ class StageStateServer:
         stage = self.stopped()
         if stage is None or stage.layers != tuple(asked.layers):
             raise ValueError(f"this peer stopped no stage of layers {asked.layers[0]}:{asked.layers[1]}")
-        tensors, scalars = optimizer_tensors(stage.optimizer, stage.outer)
-        names = list(tensors)
         self.served.add((context.remote_id.to_base58(), stage.layers, stage.step))
-        reply = StageStateReply(names=names, scalars={index: {key: float(value) for key, value in values.items()}
-                                                      for index, values in scalars.items()}, step=stage.step)
-        return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
+        return _state_response(optimizer_tensors(stage.optimizer, stage.outer), stage.step)
 
 
     def _live_reply(self, layers: Tuple[int, int]) -> runtime_pb2.ExpertResponse:
@@ -144,17 +140,17 @@ class StageStateServer:
         stage = self.training()
         if stage is None or not stage.start <= layers[0] < layers[1] <= stage.start + len(stage.module):
             raise ValueError(f"this peer trains no stage with layers {layers[0]}:{layers[1]}")
-        indices = parameter_indices(stage.module, stage.start, layers)
-        tensors, scalars = optimizer_tensors(stage.optimizer)
-        renumbered: Dict[str, torch.Tensor] = {}
-        for name, tensor in tensors.items():
-            _, index, key = name.split(".", 2)
-            if int(index) in indices:
-                renumbered[f"optim.{int(index) - indices.start}.{key}"] = tensor
-        reply = StageStateReply(names=list(renumbered), step=stage.step, scalars={
-            str(int(index) - indices.start): {key: float(value) for key, value in values.items()}
-            for index, values in scalars.items() if int(index) in indices})
-        return make_response(reply.as_metadata(), [serialize_torch_tensor(renumbered[name]) for name in renumbered])
+        parameters = parameter_indices(stage.module, stage.start, layers)
+        return _state_response(optimizer_tensors(stage.optimizer, parameters=parameters), stage.step)
+
+
+def _state_response(state: Tuple[Dict[str, torch.Tensor], Dict[str, Dict]], step: int) -> runtime_pb2.ExpertResponse:
+    """The reply to a ``stage_state`` request: ``state`` as ``optimizer_tensors`` gives it, at ``step``."""
+    tensors, scalars = state
+    names = list(tensors)
+    reply = StageStateReply(names=names, scalars={index: {key: float(value) for key, value in values.items()}
+                                                  for index, values in scalars.items()}, step=step)
+    return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
 
 
 @dataclass(frozen=True)
