@@ -208,12 +208,12 @@ async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tu
 
 async def carry_layer_states(routes: Routes, run: str, module: torch.nn.Sequential, start: int,
                              optimizer: torch.optim.Optimizer, holders: Dict[int, List[PeerID]], timeout: float,
-                             reach: Callable[[PeerID], Awaitable[str]]) -> Tuple[Dict[int, Dict], List[int]]:
+                             reach: Callable[[PeerID], Awaitable[str]]) -> Tuple[Dict[int, Dict], Dict[int, PeerID]]:
     """The inner state of our downloaded layers (``holders``: each layer's holders that served it), a copy of one
-    holder's each, numbered as ``optimizer`` numbers our stage's parameters (its first layer ``start``); and the
-    layers it came for. A holder that fails is logged and the next asked; a layer none gives starts afresh."""
+    holder's each, numbered as ``optimizer`` numbers our stage's parameters (its first layer ``start``); and who
+    gave each layer's. A holder that fails is logged and the next asked; a layer none gives starts afresh."""
     state: Dict[int, Dict] = {}
-    carried: List[int] = []
+    givers: Dict[int, PeerID] = {}
     for layer, its_holders in sorted(holders.items()):
         offset = parameter_indices(module, start, (layer, layer + 1)).start
         for holder in its_holders:
@@ -226,6 +226,6 @@ async def carry_layer_states(routes: Routes, run: str, module: torch.nn.Sequenti
                 continue
             if inner:
                 state.update({offset + index: values for index, values in inner.items()})
-                carried.append(layer)
+                givers[layer] = holder
                 break
-    return state, carried
+    return state, givers

@@ -35,7 +35,7 @@ import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Deque, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -211,7 +211,7 @@ class Volunteer:
         self._traffic_looks: Deque[Tuple[float, int, int]] = deque()
         self.moved_bytes = 0  # of the layers we downloaded to take our places
         self.layers_came_from = ""  # of the layers we downloaded last: their step(s), averaged or live (_download)
-        self.layer_holders: Dict[int, List[PeerID]] = {}  # who served each layer we downloaded last (_download)
+        self.layer_holders: Dict[int, List[Dict]] = {}  # the records of who served each layer we downloaded last
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -465,21 +465,27 @@ class Volunteer:
         kept = self.kept_optimizer
         if self.spec.optimizer == "sgd" or not self.layer_holders or (kept is not None and kept[:2] == (layers, step)):
             return
+        records = {r["peer_id"]: r for its_holders in self.layer_holders.values() for r in its_holders}
+        holders = {layer: [PeerID.from_base58(r["peer_id"]) for r in its_holders]
+                   for layer, its_holders in self.layer_holders.items()}
+        state, givers = await carry_layer_states(self.node.routes, self.run, worker.module, layers[0],
+                                                 worker.optimizer, holders, self.options.transfer_timeout,
+                                                 self._reach(records))
+        if state:
+            whose = sorted({records[giver.to_base58()]["name"] for giver in givers.values()})
+            self.kept_optimizer = (layers, step, state, f"the holders of its downloaded layers ({len(givers)} of "
+                                                        f"{len(self.layer_holders)}: {', '.join(whose)}), a copy")
+
+    def _reach(self, records: Dict[str, Dict]) -> Callable[[PeerID], Awaitable[str]]:
+        """Connects to a holder among ``records`` (peer id -> record) before it is asked, and returns the route: its
+        record's addresses and reachability choose it (a holder behind NAT dials us back)."""
         links = self.node.routes
-        records = {r["peer_id"]: r for r in await self.announcer.read_peers()}
 
         async def reach(holder: PeerID) -> str:
-            record = records.get(holder.to_base58(), {})
-            return await links.connect(holder, maddrs_without_peer_id(record.get("maddrs", []), holder),
+            record = records[holder.to_base58()]
+            return await links.connect(holder, maddrs_without_peer_id(record["maddrs"], holder),
                                        record.get("reachability"))
-
-        state, carried = await carry_layer_states(links, self.run, worker.module, layers[0], worker.optimizer,
-                                                  self.layer_holders, self.options.transfer_timeout, reach)
-        if state:
-            whose = sorted({records.get(h.to_base58(), {}).get("name", h.to_base58()[:8])
-                            for layer in carried for h in self.layer_holders[layer][:1]})
-            self.kept_optimizer = (layers, step, state, f"the holders of its downloaded layers ({len(carried)} of "
-                                                        f"{len(self.layer_holders)}: {', '.join(whose)}), a copy")
+        return reach
 
     def _training_stage(self) -> Optional[TrainingStage]:
         worker = self.worker
@@ -624,12 +630,7 @@ class Volunteer:
         behind NAT dials us back).
         """
         links = self.node.routes
-
-        async def reach(holder: PeerID) -> str:
-            record = records[holder.to_base58()]
-            return await links.connect(holder, maddrs_without_peer_id(record["maddrs"], holder),
-                                       record.get("reachability"))
-
+        reach = self._reach(records)
         step = 0
         traffic = links.traffic.received
         before = traffic[LAYER_STATE] + traffic[LAYER_STATE_MESSAGE]
@@ -654,7 +655,7 @@ class Volunteer:
                     self.say(f"{self.name}: {filled.problem}")
                 if filled.loaded:
                     copy_steps.append((filled.copy_step, filled.averaged))
-                    self.layer_holders[layer] = [PeerID.from_base58(holder) for holder in filled.holders]
+                    self.layer_holders[layer] = [records[holder] for holder in filled.holders]
                 if round_step is None and first_stage is None and filled.averaged:
                     # we decide our cluster's round: the rest of our layers, and its other stages, take the same
                     round_step = filled.copy_step
