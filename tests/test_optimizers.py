@@ -114,6 +114,29 @@ def test_adamw_state_goes_into_the_checkpoint_and_comes_back_exactly(tmp_path):
     assert not load_optimizer_state(path, make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "adamw", 0.1))
 
 
+def test_a_copy_of_some_layers_state_is_theirs_numbered_from_their_first_parameter():
+    """What a training stage gives a new cluster's stage for some of its layers (``live`` stage state): the state of
+    exactly those layers' parameters, numbered from 0, which the taker's optimizer loads onto its own layers."""
+    from ravnest_swarm.swarm.stage_state import parameter_indices
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = make_inner_optimizer(stage.parameters(), "adamw", 1e-2)
+    stage(torch.randn(8, 6)).square().sum().backward()
+    optimizer.step()
+    # the stage's first layer is layer 5: layers 7:9 are its last two Linears, parameters 2 to 5
+    parameters = parameter_indices(stage, 5, (7, 9))
+    assert parameters == range(2, 6)
+    tensors, scalars = optimizer_tensors(optimizer, parameters=parameters)
+    held = optimizer.state_dict()["state"]
+    assert sorted(tensors) == sorted(f"optim.{i}.{key}" for i in range(4) for key in ("exp_avg", "exp_avg_sq"))
+    assert all(torch.equal(tensors[f"optim.{i}.exp_avg"], held[i + 2]["exp_avg"]) for i in range(4))
+    assert scalars == {str(i): {"step": 1.0} for i in range(4)}
+    taker = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    taken = make_inner_optimizer(taker.parameters(), "adamw", 1e-2)
+    assert take_optimizer_state(tensors, {"optimizer_scalars": scalars}, taken)
+    assert all(torch.equal(taken.state_dict()["state"][i]["exp_avg_sq"], held[i + 2]["exp_avg_sq"]) for i in range(4))
+
+
 def test_optimizer_state_that_is_not_finite_or_does_not_fit_the_layers_is_not_taken():
     """What a checkpoint or a stopped stage's peer (``swarm/stage_state.py``) gives is numbers for our parameters:
     a NaN moment, a moment of another shape, a negative or non-numeric step count, a malformed name, and the
