@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.segments import Ring
-from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_to_join
+from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_for_cluster, round_to_join
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
@@ -291,6 +291,27 @@ def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_round
     assert arrival_wait(100, ["a"], {"a": record(1050, 900, 120)}, 32, 4.0, period=20) == 0.0
     # at round step 110 but still in round 80 beside training: the ring's timeout waited for it already
     assert arrival_wait(100, ["a"], {"a": record(1110, 1000, 100)}, 32, 4.0, period=20) == 0.0
+
+
+def test_a_new_cluster_takes_the_latest_round_the_holders_of_all_its_layers_keep():
+    """``round_for_cluster``: the round a new cluster's first stage names for all its stages. CI saw a stage-1
+    ring fail round 820 at a plan change that the stage-0 ring averaged: the first stage took 820 (its holders'
+    latest), and the later stage's holders, which kept 800 and 840 but not 820, could not give it. Pure: no
+    network."""
+    def holder(layers, kept):
+        return dict(layers=layers, kept_rounds=kept)
+
+    stage0 = [holder([0, 4], [780, 800, 820]), holder([0, 4], [780, 800, 820])]
+    stage1 = [holder([4, 9], [780, 800, 840]), holder([4, 9], [760, 780, 800, 840])]
+    layers = {**{layer: stage0 for layer in range(4)}, **{layer: stage1 for layer in range(4, 9)}}
+    assert round_for_cluster(layers) == 800
+    # two holders of a layer must both keep it (a download asks two to agree); the only holder alone will do
+    assert round_for_cluster({0: stage0, 4: [stage1[0], holder([4, 9], [760])]}) is None
+    assert round_for_cluster({0: stage0, 4: [stage1[0]]}) == 800
+    # a holder's rounds are of its stage's layers: one that offers a layer it no longer trains keeps none of it
+    assert round_for_cluster({0: stage0, 4: [holder([0, 4], [800])]}) is None
+    # a layer whose holders do not say (a client from before kept_rounds): the download's own choice
+    assert round_for_cluster({0: stage0, 4: [dict(layers=[4, 9])]}) is None
 
 
 def test_a_new_clusters_later_stage_waits_for_the_holders_that_have_not_taken_its_round_yet():

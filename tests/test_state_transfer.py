@@ -253,6 +253,10 @@ def test_a_holder_keeps_the_last_rounds_only():
     assert sorted(server.averaged_rounds) == [step for step in range(0, 200, 20)][-KEPT_ROUNDS:]
     assert {step for _, step in server.averaged().values()} == {180}
     assert server.averaged(20) == {}
+    # what its record says it keeps (kept_rounds): rounds of which every layer of its stage is kept
+    layers = len(trained_stage(0))
+    assert server.kept_rounds(0, layers) == [step for step in range(0, 200, 20)][-KEPT_ROUNDS:]
+    assert server.kept_rounds(0, layers + 1) == []
 
 
 class OtherRoundServer(LayerStateServer):

@@ -132,6 +132,9 @@ class PeerRecord(pydantic.BaseModel):
     # starts or follows a new plan meets its ring partners at their next round
     next_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     round_offset: Optional[pydantic.conint(strict=True, ge=-2**53, le=2**53)] = None
+    # the rounds (their steps) whose averaged state of its stage's layers it keeps and serves (a few: KEPT_ROUNDS),
+    # from which a new cluster's first stage picks one that every stage of the cluster can take
+    kept_rounds: Optional[pydantic.conlist(pydantic.conint(strict=True, ge=0, le=2**53), max_items=16)] = None
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None

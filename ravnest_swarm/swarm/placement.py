@@ -107,6 +107,27 @@ def holders_before_round(records: Sequence[Dict], round_step: int) -> List[str]:
             r.get("next_round") is not None and r["next_round"] <= round_step]
 
 
+def round_for_cluster(layer_holders: Dict[int, Sequence[Dict]]) -> Optional[int]:
+    """The averaging round (its step) a new cluster's stages all take their layers from: the latest one of which,
+    for every layer of the cluster, as many holders keep the averaged state as a download asks to agree (two, or
+    the only one), by their records' ``kept_rounds`` (the rounds whose state of their stage's ``layers`` they keep).
+    ``layer_holders``: each layer's holders that count, their peer records. None where no round is kept for every
+    layer, or a layer's holders do not say which they keep (a client from before ``kept_rounds``).
+
+    A round is one ring's: the rings of one stage can fail a round that another stage's rings averaged, or take it
+    a moment later, so the latest round of the first stage's holders may not be kept by a later stage's."""
+    common: Optional[set] = None
+    for layer, holders in layer_holders.items():
+        keeping = [set(r["kept_rounds"]) for r in holders if r.get("kept_rounds") is not None and r.get("layers")
+                   and r["layers"][0] <= layer < r["layers"][1]]
+        if not keeping:
+            return None
+        needed = min(2, len(holders))
+        kept = {step for step in set().union(*keeping) if sum(step in rounds for rounds in keeping) >= needed}
+        common = kept if common is None else common & kept
+    return max(common) if common else None
+
+
 def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]]],
                   partners: Sequence[Dict]) -> Tuple[int, int]:
     """Which averaging round a stage at ``step`` takes part in next, and its offset (its step less the run's

@@ -373,6 +373,7 @@ class StageAveraging:
             unflatten_into(values, list(worker.module.parameters()))
         if ok:
             self.state_server.keep_averaged(offered_layers(worker.start_layer, worker.module, step))
+            self.announcer.update(kept_rounds=self.state_server.kept_rounds(worker.start_layer, worker.end_layer))
 
     def cancel(self) -> Optional[asyncio.Task]:
         """Stop the round in flight (we leave, or stop training: its result would be for layers we no longer

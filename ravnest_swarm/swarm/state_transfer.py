@@ -163,6 +163,12 @@ class LayerStateServer:
         for step in sorted(self.averaged_rounds)[:-KEPT_ROUNDS]:
             del self.averaged_rounds[step]
 
+    def kept_rounds(self, start: int, end: int) -> List[int]:
+        """The rounds (their steps) of which we keep every layer of ``start:end`` averaged, oldest first: what our
+        record's ``kept_rounds`` says, so that a new cluster's first stage picks a round every stage of it can take."""
+        return [step for step, layers in sorted(self.averaged_rounds.items())
+                if all(index in layers for index in range(start, end))]
+
     def averaged(self, round_step: Optional[int] = None) -> LayerStates:
         """The layers as the round of step ``round_step`` left them; without one, each layer as its last round did."""
         if round_step is not None:

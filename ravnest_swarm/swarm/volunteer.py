@@ -59,7 +59,7 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, holders_before_round, layer_offers, model_workload,
-                                           neighbours_in, offered_step, placement_in, same_slot)
+                                           neighbours_in, offered_step, placement_in, round_for_cluster, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over
@@ -410,7 +410,8 @@ class Volunteer:
         precision = f" with {worker.autocast_dtype} autocast".replace("torch.", "") if worker.autocast_dtype else ""
         self.say(f"{self.name}: training cluster {cluster} stage {stage}/{stages} layers "
                  f"{layers[0]}:{layers[1]} from step {step} on {worker.device}{precision}{came_from}")
-        self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step)
+        self.announcer.update(state="training", cluster=cluster, stage=stage, layers=list(layers), step=step,
+                              kept_rounds=self.state_server.kept_rounds(*layers))
         await self.announcer.renew()
 
     async def _run_step(self, plan: dict, cluster: int) -> Optional[int]:
@@ -608,20 +609,32 @@ class Volunteer:
                      f"{max(s for _, s in snapshot)}): nobody serves them")
         if remote:
             first_stage = plan["clusters"][cluster][0] if plan is not None and stage > 0 else None
+            cluster_round = self._round_for_cluster(peers, plan, cluster) if plan is not None and stage == 0 else None
             step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers},
-                                                  first_stage, plan["round"] if plan is not None else None))
+                                                  first_stage, plan["round"] if plan is not None else None,
+                                                  cluster_round))
         return step, bool(remote)
+
+    @staticmethod
+    def _round_for_cluster(peers: List[Dict], plan: dict, cluster: int) -> Optional[int]:
+        """The averaging round whose state every layer of ``cluster`` in ``plan`` can be had of, as its holders'
+        records say (``placement.round_for_cluster``), or None."""
+        stages, records = plan["clusters"][cluster], {p["peer_id"]: p for p in peers}
+        return round_for_cluster({layer: [records[offer.holder.to_base58()]
+                                          for offer in counted_offers(offers_of(peers, plan, layer))]
+                                  for layer in range(stages[0]["layers"][0], stages[-1]["layers"][1])})
 
     async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[LayerOffer]],
                         records: Dict[str, Dict], first_stage: Optional[Dict] = None,
-                        plan_round: Optional[int] = None) -> int:
+                        plan_round: Optional[int] = None, cluster_round: Optional[int] = None) -> int:
         """Fetch the layers in ``remote`` from the holders that offer them (``fill_layer``), with a progress bar.
 
         All from one step: the state of one averaging round, the same on every cluster. The first stage of a
-        cluster takes the last round its holders agree on and says which in its record (``start_round``); a
-        later stage (``first_stage``: where the plan puts its cluster's first stage) takes the round that record
-        names, so a new or re-formed cluster does not start with stages from different steps (issue 33: 1,879 and
-        3,100). :attr:`layers_came_from` says which step the layers came from.
+        cluster takes ``cluster_round`` (the latest round the holders of all the cluster's layers keep:
+        :meth:`_round_for_cluster`), or where none is known the last round its holders agree on, and says which
+        in its record (``start_round``); a later stage (``first_stage``: where the plan puts its cluster's first
+        stage) takes the round that record names, so a new or re-formed cluster does not start with stages from
+        different steps (issue 33: 1,879 and 3,100). :attr:`layers_came_from` says which step the layers came from.
 
         A layer no holder gives, or whose holders disagree, keeps its local weights (said in our log and note),
         but the step still follows the holders': the rest of the cluster is there, and a stage that restarted
@@ -638,8 +651,12 @@ class Volunteer:
                 Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                          console=self.console, transient=False) as progress:
             round_step = None if first_stage is None else await self._start_round_of(first_stage, plan_round)
+            if first_stage is None and cluster_round is not None:
+                round_step = cluster_round  # said before the download: the later stages need not wait for it
+                self.announcer.update(start_round=round_step)
+                await self.announcer.renew()
             wanted = round_step
-            if round_step is not None:
+            if first_stage is not None and round_step is not None:
                 await self._await_round(round_step, {offer.holder.to_base58() for offers in remote.values()
                                                      for offer in offers})
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
