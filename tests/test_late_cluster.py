@@ -27,8 +27,10 @@ def test_a_cluster_formed_mid_run_averages_with_the_others_from_its_first_round(
         (peers.get("late", {}).get("averaging_failures") or 0) >= ROUNDS, 150, f"{ROUNDS} rounds of the late cluster")
     record = peers["late"]
     done, failed = record.get("averaging_rounds") or 0, record.get("averaging_failures") or 0
-    assert done / (done + failed) >= 0.9, (record, late.stderr()[-3000:])
     log = late.stderr()
+    # the rounds that failed say why (CI once saw 9 of 12, and the log's tail held only the successes after them)
+    failures = re.findall(r"^.*averaging at step \d+ failed.*$", log, re.MULTILINE)
+    assert done / (done + failed) >= 0.9, "\n".join([str(record)] + failures)
     assert re.search(r"late: cluster \d+ counts from step \d+, where the run's other clusters are", log) or \
         int(joined.group(2)) >= 400, log[-3000:]
     assert "unexpected" not in log and "Traceback" not in log
