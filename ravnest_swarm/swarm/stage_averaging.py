@@ -78,6 +78,7 @@ class InFlightRound:
     rings: List[Ring]  # ours in it
     partners: FrozenSet[str]  # the other members of those rings
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
+    started: float = 0.0  # time.monotonic() at its start: a round given up says how long it ran
 
 
 class StageAveraging:
@@ -247,7 +248,7 @@ class StageAveraging:
         self._started(label, step)
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
         self.in_flight = InFlightRound(worker, label, sent, rings, partners, asyncio.create_task(
-            self._round(worker, plan, label, sent.clone(), beside_training=True)))
+            self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
 
     def holds_up(self, worker: StageWorker, step: int) -> bool:
         """Whether ``worker`` waits at this boundary for the round still in flight: our next round is due, and
@@ -297,7 +298,10 @@ class StageAveraging:
         if gone and not self.in_flight.task.done():
             given_up, self.in_flight = self.in_flight, None
             given_up.task.cancel()  # it ends by itself; averaging never stops training
-            self._failed(given_up.step, f"given up: partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone")
+            # how long it ran says whether it was stalled (a soak saw one run 3 minutes, its ring's other members
+            # failing every round meanwhile)
+            self._failed(given_up.step, f"given up after {time.monotonic() - given_up.started:.0f}s: partner(s) "
+                                        f"{', '.join(sorted(p[-8:] for p in gone))} gone")
             return False
         if not self.in_flight.task.done():
             return None
