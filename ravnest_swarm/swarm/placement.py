@@ -107,6 +107,12 @@ def holders_before_round(records: Sequence[Dict], round_step: int) -> List[str]:
             r.get("next_round") is not None and r["next_round"] <= round_step]
 
 
+def copies_to_agree(holders: int) -> int:
+    """How many of a layer's ``holders`` (those that count) must serve the same averaged copy for a download to
+    take it: two, so that no single holder's word is believed, or the only one."""
+    return 2 if holders > 1 else 1
+
+
 def round_for_cluster(layer_holders: Dict[int, Sequence[Dict]]) -> Optional[int]:
     """The averaging round (its step) a new cluster's stages all take their layers from: the latest one of which,
     for every layer of the cluster, as many holders keep the averaged state as a download asks to agree (two, or
@@ -122,7 +128,7 @@ def round_for_cluster(layer_holders: Dict[int, Sequence[Dict]]) -> Optional[int]
                    and r["layers"][0] <= layer < r["layers"][1]]
         if not keeping:
             return None
-        needed = min(2, len(holders))
+        needed = copies_to_agree(len(holders))
         kept = {step for step in set().union(*keeping) if sum(step in rounds for rounds in keeping) >= needed}
         common = kept if common is None else common & kept
     return max(common) if common else None

@@ -78,7 +78,7 @@ class InFlightRound:
     rings: List[Ring]  # ours in it
     partners: FrozenSet[str]  # the other members of those rings
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
-    started: float = 0.0  # time.monotonic() at its start: a round given up says how long it ran
+    started: float  # time.monotonic() at its start: a round given up says how long it ran
 
 
 class StageAveraging:

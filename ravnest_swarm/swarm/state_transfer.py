@@ -60,7 +60,7 @@ from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT,
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.net.transport import (INCOMPLETE, bounded_stream_handler, make_request, make_response, read_frames,
                                          send_reply)
-from ravnest_swarm.swarm.placement import offered_step
+from ravnest_swarm.swarm.placement import copies_to_agree, offered_step
 
 logger = logging.getLogger(__name__)
 
@@ -415,7 +415,7 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
     if round_step is not None:
         copies: Dict[str, Set[PeerID]] = {}
         fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, copies,
-                                  step, round_step, needed=2 if averaged else 1)
+                                  step, round_step, needed=copies_to_agree(len(counted)))
         if fill is not None:
             return fill
         errors.clear()  # what follows says what went wrong, if anything does

@@ -609,17 +609,18 @@ class Volunteer:
                      f"{max(s for _, s in snapshot)}): nobody serves them")
         if remote:
             first_stage = plan["clusters"][cluster][0] if plan is not None and stage > 0 else None
-            cluster_round = self._round_for_cluster(peers, plan, cluster) if plan is not None and stage == 0 else None
-            step = max(step, await self._download(module, start, remote, {p["peer_id"]: p for p in peers},
-                                                  first_stage, plan["round"] if plan is not None else None,
-                                                  cluster_round))
+            records = {p["peer_id"]: p for p in peers}
+            cluster_round = self._round_for_cluster(peers, records, plan, cluster) \
+                if plan is not None and stage == 0 else None
+            step = max(step, await self._download(module, start, remote, records, first_stage,
+                                                  plan["round"] if plan is not None else None, cluster_round))
         return step, bool(remote)
 
     @staticmethod
-    def _round_for_cluster(peers: List[Dict], plan: dict, cluster: int) -> Optional[int]:
+    def _round_for_cluster(peers: List[Dict], records: Dict[str, Dict], plan: dict, cluster: int) -> Optional[int]:
         """The averaging round whose state every layer of ``cluster`` in ``plan`` can be had of, as its holders'
-        records say (``placement.round_for_cluster``), or None."""
-        stages, records = plan["clusters"][cluster], {p["peer_id"]: p for p in peers}
+        records (``peers``, by peer id in ``records``) say (``placement.round_for_cluster``), or None."""
+        stages = plan["clusters"][cluster]
         return round_for_cluster({layer: [records[offer.holder.to_base58()]
                                           for offer in counted_offers(offers_of(peers, plan, layer))]
                                   for layer in range(stages[0]["layers"][0], stages[-1]["layers"][1])})
