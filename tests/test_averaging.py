@@ -16,9 +16,11 @@ from safetensors.torch import load_file
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.bench.synthetic import synthetic_layer
+from ravnest_swarm.averaging.ring import cancel_until_ended
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_for_cluster, round_to_join
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+from ravnest_swarm.swarm.stage_averaging import RoundStalled, StageAveraging, within_limit
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
 SEED = 7
@@ -291,6 +293,58 @@ def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_round
     assert arrival_wait(100, ["a"], {"a": record(1050, 900, 120)}, 32, 4.0, period=20) == 0.0
     # at round step 110 but still in round 80 beside training: the ring's timeout waited for it already
     assert arrival_wait(100, ["a"], {"a": record(1110, 1000, 100)}, 32, 4.0, period=20) == 0.0
+
+
+def test_a_round_that_outlives_every_deadline_is_given_up_and_says_where_it_waited(caplog):
+    """``within_limit``: a round still running at its limit is given up at once, not waited for, and its log line
+    names where its tasks wait. The stall a GPT soak saw (a round beside training for 3 minutes, no ring timeout
+    logged, its partners failing every round meanwhile) had two suspects of this kind: a step that swallows its
+    cancellation, which ``cancel_until_ended`` then cancels for ever. Pure: no network."""
+    release = asyncio.Event()
+
+    async def swallows_cancellation():  # as a library call that drops the cancellation it is sent
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if release.is_set():
+                    raise
+
+    async def scenario():
+        stubborn = asyncio.create_task(swallows_cancellation())
+        await asyncio.sleep(0)
+
+        async def ring_step():
+            await cancel_until_ended([stubborn])
+
+        started = time.monotonic()
+        with pytest.raises(RoundStalled, match="round 625 still running after"):
+            await within_limit(ring_step(), 0.5, 625)
+        took = time.monotonic() - started
+        assert await within_limit(asyncio.sleep(0.01, result="done"), 0.5, 650) == "done"  # in time: its result
+        release.set()  # the test's own loop must end
+        stubborn.cancel()
+        await asyncio.gather(stubborn, return_exceptions=True)
+        return took
+
+    with caplog.at_level("WARNING"):
+        took = asyncio.run(scenario())
+    assert took < 1.5, took
+    stalled = [r.getMessage() for r in caplog.records if "round 625 stalled" in r.getMessage()]
+    assert len(stalled) == 1 and "ring.py" in stalled[0] and "cancel_until_ended" in stalled[0], stalled
+
+
+def test_a_stage_aligns_its_count_of_rounds_only_once_its_round_in_flight_ended():
+    """``StageAveraging.due``: while a round runs beside training, a new plan does not align the stage's count (a
+    read of its partners' records, then its record's ``next_round``): until the round ends its record names that
+    round, so partners that align meanwhile join it. Aligned during the GPT soak's stalled round, the record named
+    the next one, and partners gave up on it at once in every round. Pure: no network, no event loop needed."""
+    averaging = StageAveraging.__new__(StageAveraging)
+    worker, plan = object(), {"round": 3}
+    averaging.in_flight, averaging._aligned, averaging._aligning = object(), (worker, {"round": 2}), None
+    averaging.next_round, averaging.offset = 650, 0
+    assert averaging.due(worker, plan, 700) is None
+    assert averaging._aligning is None and averaging._aligned[1] == {"round": 2}  # no alignment was started
 
 
 def test_a_new_cluster_takes_the_latest_round_the_holders_of_all_its_layers_keep():

@@ -27,7 +27,9 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from contextlib import closing
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Set, Union
 
@@ -324,3 +326,31 @@ class MultiRingAverager:
         self.last_result = result
         (logger.info if result.ok else logger.warning)(f"averaging {result.summary()}")
         return result
+
+
+def waiting_at() -> str:
+    """Where this process's pending averaging tasks wait, counted: each task's innermost frame, and the innermost
+    of ours above it where that one is a library's. What a round that outlived its limit says, so that the cause of
+    a stall can be read from one line of a soak's log."""
+    here = Counter()
+    for task in asyncio.all_tasks():
+        frames = awaiting_frames(task.get_coro())
+        if task.done() or not any("/ravnest_swarm/averaging/" in frame.f_code.co_filename for frame in frames):
+            continue
+        ours = [frame for frame in frames if "/ravnest_swarm/" in frame.f_code.co_filename]
+        places = [frames[-1]] if frames[-1] is ours[-1] else [ours[-1], frames[-1]]
+        here[" > ".join(f"{Path(f.f_code.co_filename).name}:{f.f_lineno} {f.f_code.co_name}" for f in places)] += 1
+    return "; ".join(f"{count}x {place}" for place, count in here.most_common()) or "no averaging task"
+
+
+def awaiting_frames(coroutine) -> list:
+    """The frames of a suspended coroutine and of what it awaits, outermost first (``Task.get_stack`` gives only
+    the outermost: a suspended coroutine's frame has no ``f_back``)."""
+    frames = []
+    while coroutine is not None:
+        frame = getattr(coroutine, "cr_frame", None) or getattr(coroutine, "gi_frame", None)
+        if frame is None:
+            break
+        frames.append(frame)
+        coroutine = getattr(coroutine, "cr_await", None) or getattr(coroutine, "gi_yieldfrom", None)
+    return frames

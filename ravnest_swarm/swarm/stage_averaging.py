@@ -35,11 +35,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
-from ravnest_swarm.averaging.averager import MultiRingAverager, RoundResult
+from ravnest_swarm.averaging.averager import MultiRingAverager, RoundResult, waiting_at
 from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience
@@ -55,6 +55,19 @@ from ravnest_swarm.swarm.state_transfer import LayerStateServer, offered_layers
 logger = logging.getLogger(__name__)
 
 GONE_CHECK_S = 0.5  # how often a stage waiting for its round in flight looks whether a partner of it is gone
+# A round still running after this many ring timeouts is stalled, and given up: a ring waits a timeout for its
+# members, as long again as ``_arrival_patience`` says a slow one is on its way, and a timeout for its attempts. A
+# soak on the GPT saw one round run 3 minutes beside training, no ring timeout in its log, while its partners failed
+# every round they waited for it in.
+ROUND_LIMIT_TIMEOUTS, ROUND_LIMIT_MIN_S = 6, 120.0
+CANCELLED_ROUND_WAIT_S = 5.0  # how long a cancelled round (we stop, or leave the stage) is given to end
+
+
+Result = TypeVar("Result")
+
+
+class RoundStalled(Exception):
+    """A round ran past ``StageAveraging.round_limit`` and was given up."""
 
 
 @dataclass
@@ -119,6 +132,7 @@ class StageAveraging:
                                           aggregation=aggregation)
         self.averager.follow(self._expected)
         self.averager.on_rejected = self._rejected
+        self.round_limit = max(ROUND_LIMIT_TIMEOUTS * timeout, ROUND_LIMIT_MIN_S)  # before a round is given up
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
@@ -168,6 +182,11 @@ class StageAveraging:
         """The round due at ``worker``'s ``step`` in ``plan`` (its name on the run's count), or None: none due, a
         round still runs beside training (the stage trains on, and takes the next round once it ended), or our
         count is being aligned with our partners' (started here, beside training, for a new worker or plan)."""
+        if self.in_flight is not None:
+            # aligned once it ended, not now: until then our record names the round in flight (``_started``), and a
+            # partner that aligns meanwhile joins it. Aligned while it ran, our record named the next one, and a
+            # stalled round's partners failed every round they waited for us in (the GPT soak's 3-minute stall)
+            return None
         if self._aligned is None or self._aligned[0] is not worker or self._aligned[1] is not plan:
             if self._aligning is None or self._aligning.done():
                 self._aligning = asyncio.create_task(self._align(worker, plan))
@@ -337,12 +356,21 @@ class StageAveraging:
         if self._outer_worker is not worker:  # a new stage: its outer state starts at its first round's mean
             self._outer_worker, self.outer = worker, OuterOptimizer(*self.outer_spec)
         sent_before = self.averager.sender.bytes_sent
-        try:
+
+        async def rings_and_outer_step() -> Tuple[RoundResult, torch.Tensor]:
             # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
             # dial them at the addresses their records announce, as the pipeline does for its neighbours
             await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
-            result, local = await outer_round(self.averager, self.outer, step, local, local_start, rings,
-                                              self._arrival_patience)
+            return await outer_round(self.averager, self.outer, step, local, local_start, rings, self._arrival_patience)
+
+        try:
+            result, local = await within_limit(rings_and_outer_step(), self.round_limit, step)
+        except RoundStalled:  # its outer state is left to it: the next round starts ours anew, as after any failure
+            self._outer_worker = self.outer = None
+            self._failed(step, f"stalled: still running after {self.round_limit:.0f}s (given up; the log says where "
+                               f"it waited)")
+            self.announcer.update(state="training")
+            return None
         except Exception as e:  # averaging must never stop training: keep the local values, say why
             self._failed(step, f"{type(e).__name__}: {e}")
             self.announcer.update(state="training")
@@ -429,9 +457,10 @@ class StageAveraging:
         records: Dict[str, Dict] = {}
         for _ in range(2):
             try:
-                records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
+                async with asyncio.timeout(self.heartbeat):  # a read that hangs must not hold the ring past its limit
+                    records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
             except Exception as e:  # no news of the member is no sign that it is coming
-                logger.warning(f"reading the peer records for averaging round {step} failed: {e}")
+                logger.warning(f"reading the peer records for averaging round {step} failed: {type(e).__name__}: {e}")
             if all(member in records for member in missing):
                 break
         return arrival_wait(step, missing, records, self.microbatch_size, self.heartbeat, self.period)
@@ -470,3 +499,27 @@ async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: 
         local[lo:hi] = outer.anchor[lo:hi] - pseudo_gradient[lo:hi]
     outer.forget()  # some segments kept their own values: the next round starts the outer state anew
     return result, local
+
+
+async def within_limit(work: Awaitable[Result], limit: float, step: int) -> Result:
+    """``work`` (round ``step``'s rings and outer step), or :class:`RoundStalled` once it ran ``limit`` seconds.
+
+    Every wait of a round has a deadline, so a round that outlives them all waits on something that does not end
+    when cancelled: it is cancelled and left to end by itself, not waited for (averaging never holds training),
+    and the log says where its tasks wait. Cancelled itself (we stop, or leave the stage), it cancels ``work`` and
+    gives it a moment to close its streams."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=limit)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCELLED_ROUND_WAIT_S)
+        raise
+    if done:
+        return task.result()
+    where = waiting_at()
+    task.cancel()
+    task.add_done_callback(lambda ended: ended.cancelled() or ended.exception())  # whenever it ends: retrieved
+    logger.warning(f"averaging round {step} stalled: still running after {limit:g}s, given up; its tasks wait "
+                   f"at {where}")
+    raise RoundStalled(f"round {step} still running after {limit:g}s")
