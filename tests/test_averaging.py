@@ -195,6 +195,48 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
     assert torch.equal(values[0], torch.zeros(1000)) and torch.equal(values[1], torch.ones(1000))  # kept local
 
 
+@pytest.mark.timeout(120)
+def test_members_that_disagree_on_a_rings_members_fail_it_without_voting_against_each_other(backbone):
+    """Three averagers over real P2P in this process, one ring: two count three members in it, the third counts
+    two (it saw the third member's cluster gone a moment before the others, or follows another plan: a soak saw
+    it at plan changes). Their attempts have one name and chunks of different sizes. The one that gets a chunk of
+    another size fails its ring and says why, and votes against nobody: before, it refused the sender's honest
+    contribution as poisoned, and the dashboard counted hostile input."""
+    ring_timeout = 3.0
+
+    async def scenario():
+        nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
+        averagers = [MultiRingAverager(node.routes, "disagree", timeout=ring_timeout) for node in nodes]
+        try:
+            for averager in averagers:
+                await averager.start()
+            ids = [node.peer_id.to_base58() for node in nodes]
+            for i in range(3):
+                for j in range(i + 1, 3):
+                    await nodes[i].routes.connect(PeerID.from_base58(ids[j]), await nodes[j].p2p.get_visible_maddrs(),
+                                                  "direct")
+            three, two = Ring(0, 0, 1200, tuple(ids)), Ring(0, 0, 1200, tuple(ids[:2]))
+            rings = [three, two, three]
+            for averager, ring in zip(averagers, rings):
+                averager.expect([ring], 5)
+            values = [torch.full((1200,), float(k)) for k in range(3)]
+            return await asyncio.gather(*(averager.average(5, value, 0, [ring])
+                                          for averager, value, ring in zip(averagers, values, rings)))
+        finally:
+            for averager in averagers:
+                await averager.shutdown()
+            for node in nodes:
+                await stop_node(node)
+
+    results = asyncio.run(scenario())
+    summaries = [result.summary() for result in results]
+    assert all(not result.rejected for result in results), summaries  # nobody refused as poisoned
+    counted_two = results[1].segments[0]
+    assert counted_two.status == "failed" and "runs the ring with other members" in counted_two.detail, summaries
+    # it told the ring that the ring ended for it: the two others averaged without it, as without any member that left
+    assert results[0].ok and results[2].ok, summaries
+
+
 def test_a_volunteer_waits_for_a_member_while_its_record_shows_it_coming():
     """``arrival_wait``: the patience a volunteer gives a ring: the slowest missing member's steps left at its
     recent pace, doubled, plus a heartbeat; nothing for a member gone, idle, finished, or past the round."""

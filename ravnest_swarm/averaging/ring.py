@@ -79,11 +79,21 @@ def past_round_or(error: Exception, member: str) -> Exception:
 
 
 class ContributionRejected(Exception):
-    """A chunk from ``peer`` held NaN or Inf, was absurdly scaled, or had the wrong size."""
+    """A chunk from ``peer`` held NaN or Inf, was absurdly scaled, or did not decode."""
 
     def __init__(self, peer: str, reason: str):
         super().__init__(reason)
         self.peer = peer
+
+
+class RingDisagreement(Exception):
+    """A chunk of another size than ours: its sender runs this attempt with other members, under the same name (it
+    follows another plan, or saw a peer gone at another moment: a 30-minute soak saw it at plan changes). Not a vote
+    against the sender, which is honest; the ring fails, as a hostile sender could make it fail by going silent."""
+
+    def __init__(self, sender: str, received: str, length: int):
+        super().__init__(f"a chunk of {received} elements from {sender[-8:]}, {length} expected: it runs the ring with "
+                         f"other members (another plan, or a peer seen gone at another moment)")
 
 
 @dataclass
@@ -538,7 +548,7 @@ class RingAttempt:
             offset += received.numel()
             self.handled[index].advance(offset)
         if offset != length:
-            raise ContributionRejected(self.preceding, f"chunk of {offset} elements, expected {length}")
+            raise RingDisagreement(self.preceding, str(offset), length)
         if index + 1 < len(self.steps):
             self.outboxes[index + 1].close()
         self.handled[index].advance(length, done=True)
@@ -555,7 +565,7 @@ class RingAttempt:
         """A received part as flat float32, or :class:`ContributionRejected`: too long, non-finite, absurdly scaled."""
         n = received.numel()
         if offset + n > length:
-            raise ContributionRejected(self.preceding, f"chunk of more than {length} elements, expected {length}")
+            raise RingDisagreement(self.preceding, f"more than {length}", length)
         if received.dtype != torch.float32:
             received = received.float()
         received = received.reshape(-1)

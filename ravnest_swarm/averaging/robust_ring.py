@@ -48,8 +48,8 @@ import torch
 from hivemind.p2p import P2PHandlerError
 
 from ravnest_swarm.averaging.mailbox import MessageKey
-from ravnest_swarm.averaging.ring import (ContributionRejected, Progress, RingAttempt, RingRound, RingStep,
-                                          past_round_or)
+from ravnest_swarm.averaging.ring import (ContributionRejected, Progress, RingAttempt, RingDisagreement, RingRound,
+                                          RingStep, past_round_or)
 from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, PER_COORDINATE, ROBUST_AGGREGATES
 from ravnest_swarm.averaging.wire import (PROBED_PER_CHUNK, REDUCE, Outbox, RingPart, RingProbe, RingReply, decode_part,
                                           serialize_part)
@@ -230,7 +230,7 @@ class RobustRingAttempt(RingAttempt):
             offset += values.numel()
             self.arrived[index].advance(offset)
         if offset != length:
-            raise ContributionRejected(sender, f"chunk of {offset} elements, expected {length}")
+            raise RingDisagreement(sender, str(offset), length)
         self.arrived[index].advance(length, done=True)
 
     async def _aggregate_owned(self) -> None:
