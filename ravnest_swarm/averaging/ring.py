@@ -13,8 +13,8 @@ Faults. Each ring has its own deadline, from the moment every member arrived: a 
 in time ends that ring for whoever waited on it, the segment keeps its local value, and the other members are
 told that the ring ended for that one. A member that never arrives (the wait for it, and the patience its caller
 gives it, ran out) is voted out by each member that waited for it, where those that came are a majority of the
-ring: the others average without it (``RingRound._leave_out``). A received chunk with NaN or Inf, a part that does not decode in its
-codec, or absurdly scaled (its largest magnitude above ``max_scale`` times
+ring: the others average without it (``RingRound._leave_out``). A received chunk with NaN or Inf, a part that does
+not decode in its codec, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
 receiver votes against that sender and tells the ring.
@@ -562,7 +562,8 @@ class RingAttempt:
             raise ContributionRejected(key[-1], f"a part does not decode: {e}")
 
     def _checked(self, step: RingStep, received: torch.Tensor, offset: int, length: int) -> torch.Tensor:
-        """A received part as flat float32, or :class:`ContributionRejected`: too long, non-finite, absurdly scaled."""
+        """A received part as flat float32; :class:`RingDisagreement` for a chunk too long, :class:`ContributionRejected`
+        for one non-finite or absurdly scaled."""
         n = received.numel()
         if offset + n > length:
             raise RingDisagreement(self.preceding, f"more than {length}", length)

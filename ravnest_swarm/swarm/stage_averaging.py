@@ -7,7 +7,8 @@ share one state: the round in flight, the offset and the averager.
 At each step boundary the volunteer's hook (``Volunteer._between_steps``) asks :meth:`StageAveraging.due` whether
 a round is due, and if so calls :meth:`StageAveraging.average` with its running worker and the plan it follows: the
 rings are the plan's (``averaging.segments``), and the averaged vector is written back into the stage's parameters.
-A round never stops training: what fails keeps the local values, is counted, said and noted.
+A round never stops training: what fails keeps the local values, is counted, said and noted; one that outlives
+every deadline it has is given up at ``round_limit`` (:func:`within_limit`), and the log says where it waited.
 
 Rounds are named on the run's count, not by each cluster's own step (issue 30's item 0; docs/averaging.md,
 "Rounds the run counts"): round ``r`` is due once the stage's step less its ``offset`` reaches ``r``, and the next is
