@@ -29,8 +29,8 @@ import math
 import time
 from collections import Counter
 from contextlib import closing
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Coroutine, Dict, List, Optional, Sequence, Set, Union
 
 import torch

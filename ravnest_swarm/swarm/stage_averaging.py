@@ -510,6 +510,8 @@ async def within_limit(work: Awaitable[Result], limit: float, step: int) -> Resu
     and the log says where its tasks wait. Cancelled itself (we stop, or leave the stage), it cancels ``work`` and
     gives it a moment to close its streams."""
     task = asyncio.ensure_future(work)
+    # whenever it ends, its outcome is retrieved: one given up here may end long after, with nobody to read it
+    task.add_done_callback(lambda ended: ended.cancelled() or ended.exception())
     try:
         done, _ = await asyncio.wait({task}, timeout=limit)
     except asyncio.CancelledError:
@@ -520,7 +522,6 @@ async def within_limit(work: Awaitable[Result], limit: float, step: int) -> Resu
         return task.result()
     where = waiting_at()
     task.cancel()
-    task.add_done_callback(lambda ended: ended.cancelled() or ended.exception())  # whenever it ends: retrieved
     logger.warning(f"averaging round {step} stalled: still running after {limit:g}s, given up; its tasks wait "
                    f"at {where}")
     raise RoundStalled(f"round {step} still running after {limit:g}s")
