@@ -79,7 +79,8 @@ def past_round_or(error: Exception, member: str) -> Exception:
 
 
 class ContributionRejected(Exception):
-    """A chunk from ``peer`` held NaN or Inf, was absurdly scaled, or did not decode."""
+    """A chunk from ``peer`` held NaN or Inf, was absurdly scaled or longer than any honest member sends, or did
+    not decode."""
 
     def __init__(self, peer: str, reason: str):
         super().__init__(reason)
@@ -87,9 +88,10 @@ class ContributionRejected(Exception):
 
 
 class RingDisagreement(Exception):
-    """A chunk of another size than ours: its sender runs this attempt with other members, under the same name (it
-    follows another plan, or saw a peer gone at another moment: a 30-minute soak saw it at plan changes). Not a vote
-    against the sender, which is honest; the ring fails, as a hostile sender could make it fail by going silent."""
+    """A chunk of another size than ours, within what an honest member sends: its sender runs this attempt with
+    other members, under the same name (it follows another plan, or saw a peer gone at another moment: a 30-minute
+    soak saw it at plan changes). Not a vote against the sender, which may be honest; the ring fails, as a hostile
+    sender could make it fail by going silent. A chunk longer than any attempt of two members sends is refused."""
 
     def __init__(self, sender: str, received: str, length: int):
         super().__init__(f"a chunk of {received} elements from {sender[-8:]}, {length} expected: it runs the ring with "
@@ -472,6 +474,7 @@ class RingAttempt:
         self.count = count
         self.following, self.preceding = members[(me + 1) % count], members[(me - 1) % count]
         self.chunks = [slice(lo, hi) for lo, hi in chunk_bounds(self.segment.numel(), count)]
+        self.longest_honest = chunk_bounds(self.segment.numel(), 2)[0][1]  # an attempt of two members' first chunk
         self.excluded_before = sorted(set(ring_round.ring.members) - set(members))  # names the attempt
         # every element is written once the ring completes: reduce steps write segment + received into all
         # chunks but our own, the gather steps write every chunk but the one we finalized. The segment itself
@@ -562,10 +565,16 @@ class RingAttempt:
             raise ContributionRejected(key[-1], f"a part does not decode: {e}")
 
     def _checked(self, step: RingStep, received: torch.Tensor, offset: int, length: int) -> torch.Tensor:
-        """A received part as flat float32; :class:`RingDisagreement` for a chunk too long, :class:`ContributionRejected`
-        for one non-finite or absurdly scaled."""
+        """A received part as flat float32; :class:`RingDisagreement` for a chunk longer than ours (its sender counts
+        the ring apart), :class:`ContributionRejected` for one longer than any honest member sends, non-finite or
+        absurdly scaled."""
         n = received.numel()
         if offset + n > length:
+            # a member that counts fewer members in the ring sends longer chunks, but no attempt of two or more
+            # members has one longer than half the segment: such a chunk is its sender's own doing
+            if offset + n > self.longest_honest:
+                raise ContributionRejected(self.preceding, f"chunk of more than {self.longest_honest} elements, more "
+                                                           f"than any attempt of two members sends (ours: {length})")
             raise RingDisagreement(self.preceding, f"more than {length}", length)
         if received.dtype != torch.float32:
             received = received.float()
