@@ -11,16 +11,14 @@ import time
 
 import pytest
 import torch
-from hivemind.p2p import PeerID
 from safetensors.torch import load_file
 
-from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.ring import cancel_until_ended
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_for_cluster, round_to_join
-from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.swarm.stage_averaging import RoundStalled, StageAveraging, within_limit
+from ring_helpers import connected_averagers
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
 SEED = 7
@@ -216,14 +214,7 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
     ring_timeout, late_by = 2.0, 6.0
 
     async def scenario(patient: bool):
-        nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
-        averagers = [MultiRingAverager(node.routes, "late", timeout=ring_timeout) for node in nodes]
-        try:
-            for averager in averagers:
-                await averager.start()
-            ids = [node.peer_id.to_base58() for node in nodes]
-            await nodes[0].routes.connect(PeerID.from_base58(ids[1]), await nodes[1].p2p.get_visible_maddrs(),
-                                                 "direct")
+        async with connected_averagers(backbone, 2, "late", timeout=ring_timeout) as (averagers, ids):
             ring = Ring(0, 0, 1000, tuple(ids))
             for averager in averagers:
                 averager.expect([ring], 5)
@@ -242,11 +233,6 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
             first, second = await asyncio.gather(
                 averagers[0].average(5, values[0], 0, [ring], patience if patient else None), late())
             return first, second, values, asked, ids
-        finally:
-            for averager in averagers:
-                await averager.shutdown()
-            for node in nodes:
-                await stop_node(node)
 
     first, second, values, asked, ids = asyncio.run(scenario(patient=True))
     assert first.ok and second.ok, (first.summary(), second.summary())
@@ -273,16 +259,7 @@ def test_members_that_disagree_on_a_rings_members_fail_it_without_voting_against
     ring_timeout = 3.0
 
     async def scenario():
-        nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(3)]
-        averagers = [MultiRingAverager(node.routes, "disagree", timeout=ring_timeout) for node in nodes]
-        try:
-            for averager in averagers:
-                await averager.start()
-            ids = [node.peer_id.to_base58() for node in nodes]
-            for i in range(3):
-                for j in range(i + 1, 3):
-                    await nodes[i].routes.connect(PeerID.from_base58(ids[j]), await nodes[j].p2p.get_visible_maddrs(),
-                                                  "direct")
+        async with connected_averagers(backbone, 3, "disagree", timeout=ring_timeout) as (averagers, ids):
             three, two = Ring(0, 0, 1200, tuple(ids)), Ring(0, 0, 1200, tuple(ids[:2]))
             rings = [three, two, three]
             for averager, ring in zip(averagers, rings):
@@ -290,11 +267,6 @@ def test_members_that_disagree_on_a_rings_members_fail_it_without_voting_against
             values = [torch.full((1200,), float(k)) for k in range(3)]
             return await asyncio.gather(*(averager.average(5, value, 0, [ring])
                                           for averager, value, ring in zip(averagers, values, rings)))
-        finally:
-            for averager in averagers:
-                await averager.shutdown()
-            for node in nodes:
-                await stop_node(node)
 
     results = asyncio.run(scenario())
     summaries = [result.summary() for result in results]

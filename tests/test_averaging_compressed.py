@@ -4,22 +4,21 @@ feedback of ``optimizers.outer`` on its own."""
 
 import asyncio
 import dataclasses
+from contextlib import asynccontextmanager
 from typing import List
 
 import pytest
 import torch
-from hivemind.p2p import PeerID
 
-from ravnest_swarm.averaging.averager import MultiRingAverager
 from ravnest_swarm.averaging.ring import PARAMETERS, PSEUDO_GRADIENTS, RingAttempt
 from ravnest_swarm.averaging.robust import MEAN, ROBUST_AGGREGATES, TRIMMED_MEAN
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.averaging.wire import serialize_part
 from ravnest_swarm.checkpoint import load_outer_state, read_stage, save_stage
 from ravnest_swarm.codecs.codec import CODECS, compression_residual
-from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.optimizers.outer import OuterOptimizer
 from ravnest_swarm.swarm.stage_averaging import outer_round
+from ring_helpers import connected_averagers
 
 SIZE = 3000  # two rings: [0, 1500) and [1500, 3000)
 
@@ -70,25 +69,11 @@ class CorruptingAttempt(RingAttempt):
         self.outboxes[0].close()
 
 
+@asynccontextmanager
 async def ring_of(backbone: str, count: int, codec: str, aggregation: str = MEAN):
-    nodes = [await start_node(parse_maddrs([backbone]), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(count)]
-    averagers = [MultiRingAverager(node.routes, "compressed", timeout=15.0, compression=CODECS[codec],
-                                   aggregation=aggregation) for node in nodes]
-    for averager in averagers:
-        await averager.start()
-    ids = [node.peer_id.to_base58() for node in nodes]
-    for i, node in enumerate(nodes):
-        for j in range(i + 1, count):
-            await node.routes.connect(PeerID.from_base58(ids[j]), await nodes[j].p2p.get_visible_maddrs(), "direct")
-    rings = [Ring(0, 0, 1500, tuple(ids)), Ring(1, 1500, SIZE, tuple(ids))]
-    return nodes, averagers, rings
-
-
-async def close(nodes, averagers) -> None:
-    for averager in averagers:
-        await averager.shutdown()
-    for node in nodes:
-        await stop_node(node)
+    async with connected_averagers(backbone, count, "compressed", timeout=15.0, compression=CODECS[codec],
+                                   aggregation=aggregation) as (averagers, ids):
+        yield averagers, [Ring(0, 0, 1500, tuple(ids)), Ring(1, 1500, SIZE, tuple(ids))]
 
 
 async def one_round(averagers, outers, step: int, locals_: List[torch.Tensor], rings):
@@ -122,8 +107,7 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
     torch.manual_seed(1)
 
     async def scenario():
-        nodes, averagers, rings = await ring_of(backbone, 3, "int8", aggregation)
-        try:
+        async with ring_of(backbone, 3, "int8", aggregation) as (averagers, rings):
             outers = [OuterOptimizer(outer_name, 0.7, 0.9) for _ in averagers]
             start = [torch.randn(SIZE) for _ in averagers]
             results, after = await one_round(averagers, outers, 10, start, rings)
@@ -137,8 +121,6 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
                 results, after = await one_round(averagers, outers, step, trained, rings)
                 rounds.append((results, after, trained, expected))
             return rounds, [averager.sender.bytes_sent for averager in averagers]
-        finally:
-            await close(nodes, averagers)
 
     rounds, _ = asyncio.run(scenario())
     (first, after1, start), (second, after2, trained2, expected2) = rounds[0], rounds[1]
@@ -174,23 +156,20 @@ def test_a_corrupt_or_oversized_compressed_part_is_refused_and_the_ring_goes_on_
     torch.manual_seed(2)
 
     async def scenario():
-        nodes, averagers, rings = await ring_of(backbone, 3, "int4")
-        hostile = averagers[2]
-        hostile.ring_peer = dataclasses.replace(
-            hostile.ring_peer, attempt=lambda ring_round, members, deadline: CorruptingAttempt(
-                ring_round, members, deadline, kind=kind))
-        try:
+        async with ring_of(backbone, 3, "int4") as (averagers, rings):
+            hostile = averagers[2]
+            hostile.ring_peer = dataclasses.replace(
+                hostile.ring_peer, attempt=lambda ring_round, members, deadline: CorruptingAttempt(
+                    ring_round, members, deadline, kind=kind))
             outers = [OuterOptimizer("average") for _ in averagers]
             shared = torch.randn(SIZE)
             for outer in outers:  # as after a round they all took part in
                 outer.step_segments(shared.clone(), shared, [], torch.zeros(SIZE))
             trained = [shared - torch.randn(SIZE) * 0.05 for _ in averagers]
             results, after = await one_round(averagers, outers, 5, trained, [rings[0]])
-            return results, after, trained, [averager.rejected for averager in averagers], nodes
-        finally:
-            await close(nodes, averagers)
+            return results, after, trained, [averager.rejected for averager in averagers]
 
-    results, after, trained, handler_refusals, _ = asyncio.run(scenario())
+    results, after, trained, handler_refusals = asyncio.run(scenario())
     culprit_rejections = [entry for result in results[:2] for entry in result.rejected]
     if kind == "corrupt":
         # refused as it was read, and counted as hostile input. Its sender's own send fails on that refusal, so an
@@ -219,8 +198,7 @@ def test_a_member_resumed_from_its_checkpoint_compresses_again_from_its_first_ro
     path = str(tmp_path / "member2.safetensors")
 
     async def scenario(resumed_with_state: bool):
-        nodes, averagers, rings = await ring_of(backbone, 3, "int8")
-        try:
+        async with ring_of(backbone, 3, "int8") as (averagers, rings):
             outers = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in averagers]
             parameters = [torch.randn(SIZE) for _ in averagers]
             for step in (10, 20):
@@ -238,8 +216,6 @@ def test_a_member_resumed_from_its_checkpoint_compresses_again_from_its_first_ro
             trained = [values - torch.randn(SIZE) * 0.05 for values in parameters]
             results, after = await one_round(averagers, outers, 30, trained, rings)
             return results, after
-        finally:
-            await close(nodes, averagers)
 
     results, after = asyncio.run(scenario(True))
     assert all(r.ok and modes(r) == [PSEUDO_GRADIENTS, PSEUDO_GRADIENTS] for r in results), \

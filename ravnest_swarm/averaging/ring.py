@@ -246,10 +246,9 @@ class RingRound:
         refused = sorted(self.state.refusals.get(self.peer.peer_id, set()) - view.excluded)
         absent = [member for member in refused if member in self.absent]
         if absent:  # our votes were against members that had not come (``_leave_out``)
-            reason = (f"{', '.join(member[-8:] for member in absent)} did not reach round {self.step}, and no majority "
-                      f"of the ring left {'them' if len(absent) > 1 else 'it'} out within the ring timeout")
-            logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) timeout: {reason}")
-            return self._result("timeout", len(view.members), reason[:300])
+            return self._timed_out(len(view.members), f"{', '.join(member[-8:] for member in absent)} did not reach "
+                                   f"round {self.step}, and no majority of the ring left "
+                                   f"{'them' if len(absent) > 1 else 'it'} out within the ring timeout")
         reason = (f"we refused {', '.join(member[-8:] for member in refused)} and no majority of the ring did "
                   f"within the ring timeout")
         logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) refused: {reason}")
@@ -284,9 +283,12 @@ class RingRound:
     def _never_came(self, members: List[str], missing: List[str], started: float) -> SegmentResult:
         reason = (f"{', '.join(member[-8:] for member in missing)} did not reach round {self.step} within "
                   f"{time.monotonic() - started:.0f}s")
-        logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) timeout: {reason}")
         self._tell_ring(failure=reason)
-        return self._result("timeout", len(members), reason[:300])
+        return self._timed_out(len(members), reason)
+
+    def _timed_out(self, members: int, reason: str) -> SegmentResult:
+        logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) timeout: {reason}")
+        return self._result("timeout", members, reason[:300])
 
     async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
