@@ -48,6 +48,7 @@ RECORD_LIFETIME = 300.0
 POLL_SECONDS = 0.2
 PEERS_DONE_QUIET = 3.0  # at the end: how long without a ring message before the peer stops (see the end) ...
 PEERS_DONE_AT_MOST = 10.0  # ... and at most how long it waits for that (its notes to a member gone may run on)
+LEFT_EARLY_QUIET = 10.0  # the same for a peer whose rings did not all complete; it waits at most a ring timeout
 
 
 def parse_ints(text: str, what: str) -> List[int]:
@@ -288,6 +289,7 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     if options.hostile_abort:
         averager.ring_peer = dataclasses.replace(
             averager.ring_peer, attempt=functools.partial(HostileAttempt, kind=options.hostile_abort))
+    left_early = False  # its round left a ring before the ring completed (see the end)
     try:
         await averager.start()
         await publish_placement(node, options)
@@ -319,6 +321,7 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         await asyncio.sleep(options.delay_start)
         print("round started", flush=True)
         result = await averager.average(options.step, local, start, rings)
+        left_early = not result.ok
         await publish_placement(node, options, note=f"averaging {result.summary()}"[:200],
                                 rejected=len(result.rejected))
         if options.out:
@@ -333,6 +336,10 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
         # a peer that ends its round before the others (a hostile one whose own attempt completed, while the
         # others refuse it and go on without it) stays until they stop writing to it: gone, it could not answer
         # that its round is over, and a member still sending to it would fail the ring on a dial that never
-        # succeeds (CI saw this on a loaded machine, where the averager's own half-second quiet was too short)
-        await averager.shutdown(quiet_for=PEERS_DONE_QUIET, at_most=PEERS_DONE_AT_MOST)
+        # succeeds (CI saw this on a loaded machine, where the averager's own half-second quiet was too short).
+        # One that left a ring before it completed waits longer: the others' attempts may still reach it after
+        # 3 s of quiet on a loaded machine (CI saw the NaN test's honest member dial its gone poisoner until the
+        # ring timed out); a volunteer stays, to answer that its round is over
+        await averager.shutdown(quiet_for=LEFT_EARLY_QUIET if left_early else PEERS_DONE_QUIET,
+                                at_most=max(PEERS_DONE_AT_MOST, options.timeout) if left_early else PEERS_DONE_AT_MOST)
         await stop_node(node)
