@@ -3,16 +3,18 @@
 import json
 import math
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.bench.speedup import parse_clusters, steps_per_cluster
+from ravnest_swarm.bench.speedup import SpeedupRun, parse_clusters, steps_per_cluster
 from ravnest_swarm.bench.speedup_curve import time_to_target
 from ravnest_swarm.bench.speedup_schemes import SCHEMES, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.errors import UserError
+from ravnest_swarm.swarm.spec import RunSpec
 
 
 def test_every_k_trains_the_same_samples_in_whole_steps_and_bad_settings_are_one_line():
@@ -89,6 +91,20 @@ def test_time_to_target_is_the_first_point_at_or_below_it_and_ratios_come_from_t
 # four labs one after the other: 4.3-6.2 min at load average 5-12; beside a 20-host soak (load 20), over 10
 @pytest.mark.timeout(600)
 @pytest.mark.netns
+def test_every_peer_of_a_run_may_only_join_a_cluster_of_the_benchs_stages(tmp_path):
+    """Each K's volunteers are told the bench's stages as the most peers per cluster: with RAM enough for the whole
+    GPT, ``--stages 1`` once had its K = 4 planned as two clusters of two, and the bench refused it. The RAM each
+    offers still keeps a stage of a longer split within one peer's share."""
+    lab = SimpleNamespace(host_maddr=lambda host: f"/ip4/198.18.{host}.2/tcp/40000",
+                          announce_maddr=lambda host: f"/ip4/198.18.{host}.2/tcp/41000")
+    for stages in (1, 2):
+        run = SpeedupRun(4, stages, 75, RunSpec("gpt-tiny"), "new", model_gb=0.01, mbps=100.0, delay_ms=20.0,
+                         cpus=None, workdir=str(tmp_path), time_limit=60.0)
+        options = run._join_options(lab, 0, "/ip4/198.18.9.2/tcp/41000/p2p/QmBackbone")
+        assert options.max_stages == stages and options.min_peers == 4 * stages
+        assert options.ram_gb * stages >= 0.01 > options.ram_gb * (stages - 1)
+
+
 def test_bench_speedup_runs_two_schemes_at_each_k_times_them_to_the_target_and_leaves_nothing_running(processes):
     bench = processes.start(["bench", "speedup", "--json", "--clusters", "1,2", "--samples", "2560",
                              "--averaging-period", "10", "--schemes", "today,new"], "bench")

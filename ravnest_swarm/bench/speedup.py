@@ -170,7 +170,10 @@ class SpeedupRun:
             # when records lived two heartbeats, at 2 s a peer on a 0.2-core quota of a machine at load 20 missed its
             # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
             min_peers=len(self.names), heartbeat=4.0, handover_timeout=0.0, checkpoint_dir=self.checkpoints,
-            checkpoint_every=max(1, self.steps // CURVE_POINTS))
+            checkpoint_every=max(1, self.steps // CURVE_POINTS),
+            # RAM alone leaves the GA free to make fewer, longer clusters where the peers could hold the model in
+            # fewer stages (at --stages 1 it twice made two clusters of two of the GPT, and the bench refused them)
+            max_stages=self.stages)
 
     def report_path(self, name: str) -> str:
         return os.path.join(self.workdir, f"{name}.report.json")
