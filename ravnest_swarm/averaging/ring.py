@@ -32,7 +32,9 @@ round is over for it waits for that note; with no note, that member has left the
 A vote that comes while a member checks the chunk owners of its attempt (``robust_ring.py``) waits for that
 check, so each honest member votes on what it saw itself; a note that leaves an attempt's members as they are
 (a vote against, or the withdrawal of, a member already out of it) does not end the attempt; a member waiting out asks the one it accused, every
-``ACCUSED_ASKED_EVERY`` seconds, whether it is still in the round (a hostile owner can finish its own attempt).
+``ACCUSED_ASKED_EVERY`` seconds, whether it is still in the round (a hostile owner can finish its own attempt), and
+so does a member whose attempt goes on with a member another one accused: the accuser learns that the accused left,
+but a withdrawal is the leaver's own word, which the accuser cannot pass on.
 """
 
 from __future__ import annotations
@@ -303,11 +305,15 @@ class RingRound:
         attempt = asyncio.create_task(running.run())
         try:
             while not attempt.done():
+                self._ask_accused(members, deadline)
                 interrupted = asyncio.create_task(self.state.changed.wait())
                 try:
-                    await asyncio.wait({attempt, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait({attempt, interrupted}, timeout=ACCUSED_ASKED_EVERY,
+                                       return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     interrupted.cancel()
+                if not attempt.done() and not self.state.changed.is_set():
+                    continue  # a second without news: the accused are asked again
                 if not attempt.done() and running.checking:
                     # a member's vote came while we check the chunk owners of this very attempt: our check ends
                     # first, so that our own vote (or none) says what we saw, as the accuser's says what it saw;
@@ -356,6 +362,18 @@ class RingRound:
             return self._result("excluded", len(members), "our own values are not finite")
         self.segment.copy_(averaged)
         return self._result("ok", len(members))
+
+    def _ask_accused(self, members: List[str], deadline: float) -> None:
+        """Ask each member of our attempt whose contribution another member refused whether it is still in the
+        round. The accuser waits out and asks it, and learns so that it left (an accused poisoner completes its own
+        attempt and keeps its values), but cannot tell us: a withdrawal counts only as the leaver's own word. Without
+        asking, we would wait out the ring's timeout for a chunk the accused will never send (CI saw the NaN test's
+        two honest members each wait 40 s in an attempt of its own). Its answer that its round is over withdraws
+        it (``_tell_arrived``), which changes our attempt."""
+        accused = set().union(*(votes for voter, votes in self.state.refusals.items() if voter != self.peer.peer_id))
+        asked_until = min(deadline, time.monotonic() + CONTROL_TIMEOUT)
+        for member in accused & set(members) - {self.peer.peer_id}:
+            self.peer.background(self._tell_arrived(member, asked_until))
 
     def _changes_attempt(self, members: List[str]) -> bool:
         """Whether the ring's notes now end it for us or make its next attempt another than ``members``'."""
