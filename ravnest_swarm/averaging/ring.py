@@ -194,9 +194,7 @@ class RingRound:
             if self.peer.peer_id in view.refusing:  # only our own vote makes us refuse: an attempt set deadline
                 # the accused may have ended its round (a hostile owner completes its own attempt): it says so
                 # of itself when asked, which takes it out of the ring and brings us back
-                asked_until = min(deadline, time.monotonic() + CONTROL_TIMEOUT)
-                for accused in self.state.refusals[self.peer.peer_id] & set(view.members):
-                    self.peer.background(self._tell_arrived(accused, asked_until))
+                self._ask_whether_in_round(self.state.refusals[self.peer.peer_id] & set(view.members), deadline)
                 if not await self.state.news(max(0.0, min(ACCUSED_ASKED_EVERY, deadline - time.monotonic()))):
                     if time.monotonic() >= deadline:
                         return self._refused(view)
@@ -305,7 +303,13 @@ class RingRound:
         attempt = asyncio.create_task(running.run())
         try:
             while not attempt.done():
-                self._ask_accused(members, deadline)
+                # the accuser waits out and asks the accused, and learns so that it left (an accused poisoner
+                # completes its own attempt and keeps its values), but cannot tell us: a withdrawal counts only as
+                # the leaver's own word. Without asking too, we would wait out the ring's timeout for a chunk the
+                # accused will never send (CI saw the NaN test's two honest members each wait 40 s apart)
+                accused = set().union(*(votes for voter, votes in self.state.refusals.items()
+                                        if voter != self.peer.peer_id))
+                self._ask_whether_in_round(accused & set(members), deadline)
                 interrupted = asyncio.create_task(self.state.changed.wait())
                 try:
                     await asyncio.wait({attempt, interrupted}, timeout=ACCUSED_ASKED_EVERY,
@@ -363,16 +367,12 @@ class RingRound:
         self.segment.copy_(averaged)
         return self._result("ok", len(members))
 
-    def _ask_accused(self, members: List[str], deadline: float) -> None:
-        """Ask each member of our attempt whose contribution another member refused whether it is still in the
-        round. The accuser waits out and asks it, and learns so that it left (an accused poisoner completes its own
-        attempt and keeps its values), but cannot tell us: a withdrawal counts only as the leaver's own word. Without
-        asking, we would wait out the ring's timeout for a chunk the accused will never send (CI saw the NaN test's
-        two honest members each wait 40 s in an attempt of its own). Its answer that its round is over withdraws
-        it (``_tell_arrived``), which changes our attempt."""
-        accused = set().union(*(votes for voter, votes in self.state.refusals.items() if voter != self.peer.peer_id))
+    def _ask_whether_in_round(self, accused: Set[str], deadline: float) -> None:
+        """Ask each of ``accused`` (members whose contribution was refused), in the background, whether it is
+        still in the round: its answer that the round is over withdraws it (``_tell_arrived``), which changes our
+        attempt. Asked again every ``ACCUSED_ASKED_EVERY`` seconds while our attempt or our refusal lasts."""
         asked_until = min(deadline, time.monotonic() + CONTROL_TIMEOUT)
-        for member in accused & set(members) - {self.peer.peer_id}:
+        for member in accused - {self.peer.peer_id}:
             self.peer.background(self._tell_arrived(member, asked_until))
 
     def _changes_attempt(self, members: List[str]) -> bool:
