@@ -247,6 +247,24 @@ def test_messages_outside_the_window_of_rounds_are_refused_and_nothing_is_kept()
     assert NOT_EXPECTING in refused(box.note, RingArrive(**note(step=ROUND + 1)), B)
 
 
+def test_a_member_waiting_in_a_round_before_ours_is_met_there_or_told_it_is_over_here():
+    # two clusters that aligned at once, each before the other's record said its count, named different rounds:
+    # B waits in round ROUND - 10 (inside our window) while our count says ROUND
+    box = mailbox()
+    box.note(RingArrive(**note(step=ROUND - 10)), B)
+    assert box.round_waited_in(before=ROUND) == ROUND - 10  # we take that round next, and meet B there
+    assert box.round_waited_in(before=ROUND - 10) is None  # only rounds before the one we would take
+    box.ring_state(ROUND - 10, 0).withdraw(B, "it ended the ring for itself")
+    assert box.round_waited_in(before=ROUND) is None  # nobody waits there any more
+    # once we entered a round, an earlier one is over here: a member that waits in it is told so, and leaves it
+    # (rounds never go back), instead of waiting its timeout out for us
+    box.entered_step = ROUND
+    assert ROUND_OVER in refused(box.note, RingArrive(**note(step=ROUND - 5)), C)
+    assert ROUND_OVER in refused(box.inbox_for, part(step=ROUND - 5), C)
+    assert box.note(RingArrive(**note()), C).arrived == {C}  # the round we are in is not
+    assert box.round_waited_in(before=ROUND + 20) is None  # nor is a round before the one we entered waited in
+
+
 def test_each_member_holds_at_most_its_share_of_the_mailbox_and_the_others_keep_theirs():
     """A member floods the mailbox with ring data for a round not started here: past its share (the mailbox
     divided among our two partners, B and C) it is refused, and C's messages still fit."""

@@ -148,6 +148,11 @@ class MultiRingAverager:
     def last_finished_step(self) -> int:
         return self.mailbox.last_finished_step
 
+    def enter(self, step: int) -> None:
+        """This peer takes part in round ``step`` now: an earlier round it has not finished is over for it, and a
+        member that waits in one is told so when it asks (it leaves that round, not waits its timeout out)."""
+        self.mailbox.entered_step = max(self.mailbox.entered_step, step)
+
     def follow(self, expecting: Callable[[], Optional[Expected]]) -> None:
         """Take ring messages as ``expecting()`` says at the time each arrives (None: none): the owner's rings
         in the plan it follows, and the rounds near its training step."""
@@ -311,6 +316,7 @@ class MultiRingAverager:
                 raise ValueError(f"ring {ring.index} of round {step} is not one this peer expects messages for")
         if pseudo_gradient is not None and pseudo_gradient.shape != local.shape:
             raise ValueError(f"a pseudo-gradient of {pseudo_gradient.numel()} values for {local.numel()} parameters")
+        self.enter(step)
         started, sent_before = time.monotonic(), self.sender.bytes_sent
         log = RoundLog()
 

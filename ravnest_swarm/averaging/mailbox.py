@@ -5,7 +5,8 @@ sender) and answers at once; the ring coroutine that expects it takes the parts 
 starts its round early never waits for a late one to be listening, and a message only counts when it comes
 from the ring's expected predecessor. Notes (who arrived, whose contribution a member refused, who ended the
 ring for itself) go to the ring's :class:`RingState`, keyed by (step, ring), which counts them as votes: a
-member is excluded only by a majority of the ring's members.
+member is excluded only by a majority of the ring's members. Over 400 lines because admitting, filing, the
+rings' states and the rounds over here are one bounded store that every check reads.
 
 Who may send what (:meth:`Mailbox.admit`, before anything is kept): what the peer's owner says it expects now
 (:class:`Expected`: its rings in the plan it follows, and a window of rounds around its training step). A
@@ -230,6 +231,7 @@ class Mailbox:
         self.max_buffered_bytes, self.codec = max_buffered_bytes, codec
         self.expecting: Callable[[], Optional[Expected]] = lambda: None
         self.last_finished_step = -1
+        self.entered_step = -1  # the latest round this peer entered (MultiRingAverager.enter): earlier ones are over
         self.inboxes: Dict[MessageKey, Inbox] = {}
         self._delivered: Set[MessageKey] = set()  # complete when the last round ended: their resends are acked
         self._buffered_bytes = 0
@@ -241,6 +243,15 @@ class Mailbox:
     def refuse_if_over(self, step: int) -> None:
         if step <= self.last_finished_step:
             raise ValueError(f"round {step} {ROUND_OVER} (last finished {self.last_finished_step})")
+        if step < self.entered_step:  # rounds never go back: the sender leaves it, not waits its timeout for us
+            raise ValueError(f"round {step} {ROUND_OVER} (this peer is in round {self.entered_step})")
+
+    def round_waited_in(self, before: int) -> Optional[int]:
+        """The first round before ``before`` that this peer neither finished nor entered, in which a member of its
+        rings arrived and has not left: a member whose count of rounds is behind ours waits there for us."""
+        return min((step for (step, _), state in self._rings.items()
+                    if max(self.last_finished_step, self.entered_step) < step < before
+                    and state.arrived - state.withdrawn.keys()), default=None)
 
     def admit(self, message: RingMessage, sender: str) -> None:
         """Refuse, in one line, a message ``sender`` may not send now: for a round over here or outside the

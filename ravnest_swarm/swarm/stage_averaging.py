@@ -182,7 +182,8 @@ class StageAveraging:
     def due(self, worker: StageWorker, plan: dict, step: int) -> Optional[int]:
         """The round due at ``worker``'s ``step`` in ``plan`` (its name on the run's count), or None: none due, a
         round still runs beside training (the stage trains on, and takes the next round once it ended), or our
-        count is being aligned with our partners' (started here, beside training, for a new worker or plan)."""
+        count is being aligned with our partners' (started here, beside training, for a new worker or plan). A
+        round before our next one in which a partner waits for us is due at once."""
         if self.in_flight is not None:
             # aligned once it ended, not now: until then our record names the round in flight (``_started``), and a
             # partner that aligns meanwhile joins it. Aligned while it ran, our record named the next one, and a
@@ -192,7 +193,15 @@ class StageAveraging:
             if self._aligning is None or self._aligning.done():
                 self._aligning = asyncio.create_task(self._align(worker, plan))
             return None
-        if self.in_flight is not None or self.next_round is None or step - self.offset < self.next_round:
+        if self.in_flight is not None or self.next_round is None:
+            return None
+        # a partner whose count is behind ours (two clusters that aligned at once, each before the other's record
+        # said its count) waits in an earlier round: we meet it there now, not each in our own round until a
+        # timeout (CI saw two clusters train a whole run so, none of their rounds ending)
+        waited = self.averager.mailbox.round_waited_in(self.next_round)
+        if waited is not None:
+            return waited
+        if step - self.offset < self.next_round:
             return None
         return self.next_round
 
@@ -238,6 +247,7 @@ class StageAveraging:
         """Round ``label`` starts at our ``step``: the next is a period later on the run's count. Until it ends, our
         record names this one: a partner that aligns now joins it (we wait for it there), not the one after."""
         self.offset, self.next_round = step - label, label + self.period
+        self.averager.enter(label)  # before its rings start (their members are dialled first)
         self._say_count(next_round=label, round_offset=self.offset)
 
     async def average(self, worker: StageWorker, plan: dict, step: int, label: int) -> bool:
@@ -419,22 +429,17 @@ class StageAveraging:
 
     def _expected(self) -> Optional[Expected]:
         """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
-        rounds from one averaging period before our worker's step to two after it (a faster cluster waits at
-        its next round, or goes on to the one after if that round failed); none while we train no stage."""
+        every round we have not finished (or passed, entering a later one: ``Mailbox.refuse_if_over``) up to two
+        periods past our worker's step or our next round (a faster cluster waits at its next round, or goes on to
+        the one after if that round failed); none while we train no stage. A partner waiting in a round our count
+        skipped is met there (:meth:`due`), not refused as over: it would fail that round alone."""
         now = self.following()
         if now.worker is None or now.plan is None:
             return None
         if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
             self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone))
         at = now.worker.version - self.offset  # where we are on the run's count of rounds
-        first = at - self.period
-        if self._aligned is None or self._aligned[0] is not now.worker:
-            # a new worker whose count is not aligned yet (its offset was another worker's): every round we have not
-            # finished, so that a partner's round is not refused as over while we learn where the run is
-            first = self.averager.last_finished_step + 1
-        if self.in_flight is not None:
-            first = min(first, self.in_flight.step)  # a round beside training lasts as long as it needs
-        return Expected(self._plan_rings[2], self.peer_id, first,
+        return Expected(self._plan_rings[2], self.peer_id, self.averager.last_finished_step + 1,
                         max(at, self.next_round or 0) + 2 * self.period)
 
     def _rejected(self, reason: str) -> None:
