@@ -78,6 +78,18 @@ def test_five_peers_adopt_the_identical_plan(processes, backbone):
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+@pytest.mark.timeout(120)
+def test_a_first_volunteer_alone_says_how_many_more_peers_the_first_round_waits_for(processes, backbone):
+    # a walkthrough's first join showed only "waiting for a planning round", for ever, with --min-peers at 2
+    lone = processes.start(["join", "--initial-peers", backbone, "--run", "alone", "--name", "first",
+                            "--model", "mlp-digits", "--gflops", "20", "--heartbeat", "2", "--no-dashboard",
+                            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--min-peers", "3"], "first")
+    lone.wait_for_output(r"^1 live peer\(s\): the first planning round opens once 3 are live \(--min-peers\); "
+                         r"waiting for 2 more$", 90, stream="stderr")
+    time.sleep(3)  # a few more polls: said once while the count stays
+    assert lone.stderr().count("the first planning round opens once") == 1, lone.stderr()[-2000:]
+
+
 def test_peer_killed_mid_round_does_not_block_it(processes, backbone):
     volunteers = start_volunteers(processes, backbone, "roundkill")
     deadline = time.monotonic() + 90

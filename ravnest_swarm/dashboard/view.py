@@ -169,7 +169,8 @@ def _swarm_map(state: SwarmState, width: int, me: Optional[str], compact: bool,
                  "(yours, neighbours, failing, slowest)")
     parts: List[RenderableType] = [Rule(title, style="dim")]
     if not clusters:
-        parts.append(Text("no cluster yet: waiting for a planning round", style="dim"))
+        parts.append(Text("no cluster yet: waiting for a planning round (the first opens once --min-peers peers, "
+                          "2 by default, are live)", style="dim"))
     for chunk, cell_width in _chunks(drawn, width):
         parts.append(_cluster_table(state, {k: drawn[k] for k in chunk}, cell_width, me, compact))
     if shown is not None and shown.hidden:

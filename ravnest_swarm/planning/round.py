@@ -252,6 +252,7 @@ class PlanningRounds:
         self.subkey = signing_validator(node).local_public_key  # our identity's: records name us
         self.triggers = RoundTriggers(options, self.peer_id)
         self._last_note: Optional[str] = None
+        self._said_live: Optional[int] = None  # live peers we said we had while short of ``min_peers`` before a plan
         self.fresh_within = options.fresh_within or options.round_seconds / 2
         self.names: Dict[str, str] = {}  # peer id -> name, for log lines people and tests can read
         self.adopted: Optional[dict] = None  # the plan we adopted last: we trust our own adoption over any record
@@ -341,6 +342,12 @@ class PlanningRounds:
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
             self.triggers.unpaid = None
+        short = self.options.min_peers - len(alive) if plan is None and not self.followed else 0
+        if short > 0 and len(alive) != self._said_live:
+            # a first volunteer alone (a walkthrough's) saw only "waiting for a planning round", for ever
+            self.say(f"{len(alive)} live peer(s): the first planning round opens once {self.options.min_peers} are live "
+                     f"(--min-peers); waiting for {short} more")
+        self._said_live = len(alive) if short > 0 else None
         if reason is not None:
             await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})", plan)
 

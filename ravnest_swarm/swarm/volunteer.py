@@ -242,7 +242,12 @@ class Volunteer:
         workload, profile, gflops = await asyncio.get_running_loop().run_in_executor(None, self._prepare_model)
         self.layer_memory_gb = profile[0]
         if gflops is not None:  # before the first planning round, which plans with it
+            # renewed at once: a round opened meanwhile weighs us at the join-time figure of a generic matmul (75
+            # GFLOP/s in a walkthrough, 7 on mlp-digits' layers), which put us alone in round 1 and the owner, already
+            # measured, on standby as "a standby would slow its cluster down"; 10 s later the trigger saw the
+            # owner double the throughput and opened round 2, which moved us both
             self.announcer.update(gflops=gflops)
+            await self.announcer.renew()
         self.rounds = PlanningRounds(self.node, self.run, self.announcer,
                                      RoundOptions(workload, self.options.min_peers, self.options.round_period,
                                                   self.options.round_seconds, len(self.model.layers),
