@@ -247,22 +247,18 @@ def test_messages_outside_the_window_of_rounds_are_refused_and_nothing_is_kept()
     assert NOT_EXPECTING in refused(box.note, RingArrive(**note(step=ROUND + 1)), B)
 
 
-def test_a_member_waiting_in_a_round_before_ours_is_met_there_or_told_it_is_over_here():
-    # two clusters that aligned at once, each before the other's record said its count, named different rounds:
-    # B waits in round ROUND - 10 (inside our window) while our count says ROUND
+def test_a_round_before_the_one_we_entered_is_over_here_and_a_member_waiting_in_it_is_told_so():
+    # two clusters that aligned at once, each before the other's record said its count, name different rounds.
+    # Rounds never go back: once we entered a round, a member that waits in an earlier one is told it is over
+    # here, and ends it alone at once (then aligns with us), instead of waiting its timeout out for us
     box = mailbox()
-    box.note(RingArrive(**note(step=ROUND - 10)), B)
-    assert box.round_waited_in(before=ROUND) == ROUND - 10  # we take that round next, and meet B there
-    assert box.round_waited_in(before=ROUND - 10) is None  # only rounds before the one we would take
-    box.ring_state(ROUND - 10, 0).withdraw(B, "it ended the ring for itself")
-    assert box.round_waited_in(before=ROUND) is None  # nobody waits there any more
-    # once we entered a round, an earlier one is over here: a member that waits in it is told so, and leaves it
-    # (rounds never go back), instead of waiting its timeout out for us
+    box.note(RingArrive(**note(step=ROUND - 10)), B)  # before we entered any round: taken, as before
     box.entered_step = ROUND
     assert ROUND_OVER in refused(box.note, RingArrive(**note(step=ROUND - 5)), C)
     assert ROUND_OVER in refused(box.inbox_for, part(step=ROUND - 5), C)
-    assert box.note(RingArrive(**note()), C).arrived == {C}  # the round we are in is not
-    assert box.round_waited_in(before=ROUND + 20) is None  # nor is a round before the one we entered waited in
+    assert "this peer is in round 40" in refused(box.note, RingArrive(**note(step=ROUND - 5)), C)
+    assert box.note(RingArrive(**note()), C).arrived == {C}  # the round we are in is not over
+    assert box.note(RingArrive(**note(step=ROUND + 20)), C).arrived == {C}  # nor is a later one
 
 
 def test_each_member_holds_at_most_its_share_of_the_mailbox_and_the_others_keep_theirs():
@@ -326,9 +322,9 @@ class NotesTo:
         return RingReply(arrived=True)
 
 
-def ring_round(attempt, timeout=5.0):
+def ring_round(attempt, timeout=5.0, sender=None):
     box = mailbox()
-    peer = RingPeer(peer_id=ME, mailbox=box, sender=NotesTo(), background=asyncio.get_running_loop().create_task,
+    peer = RingPeer(peer_id=ME, mailbox=box, sender=sender or NotesTo(), background=asyncio.get_running_loop().create_task,
                     timeout=timeout, compression=RAW, part_bytes=1 << 20, max_scale=100.0,
                     attempt=attempt)
     return RingRound(peer, ROUND, RINGS[0], torch.zeros(1000), RoundLog())
@@ -404,6 +400,53 @@ def test_a_member_that_refused_a_contribution_waits_out_until_the_others_votes_e
     attempts, result, segment = asyncio.run(scenario(b_agrees=False))
     assert attempts == [[ME, B, C]] and result.status == "refused" and C[-8:] in result.detail
     assert torch.equal(segment, torch.zeros(1000))  # kept local
+
+
+class CGoneAtB(NotesTo):
+    """C never comes. B is here, and (``b_left_c_out``) its rings leave C out already: it found C's cluster gone
+    before we did, so it answers our vote against C with its own."""
+
+    def __init__(self, b_left_c_out):
+        super().__init__()
+        self.b_left_c_out = b_left_c_out
+
+    async def send_note(self, member, note, deadline):
+        self.sent.append((member, note))
+        if isinstance(note, RingArrive):
+            return RingReply(arrived=member == B)
+        if member == B and self.b_left_c_out and note.excluded:
+            return RingReply(left_out=[C])
+        return RingReply()
+
+
+def test_a_member_whose_rings_leave_out_one_we_vote_against_answers_with_its_vote_and_we_average_without_it():
+    """Members find a peer gone at different moments: B's rings leave C's cluster out already, ours still count
+    it. C does not come; we vote it out, one vote of the two a ring of three needs, and B, which never waits for
+    C, would never vote. Its answer to our vote is its vote: C is excluded and we average with B. Without it we
+    wait out and keep our local value (a walkthrough's ring of four waited 40 s so for a peer gone by Ctrl-C)."""
+    async def scenario(b_left_c_out):
+        attempts = Scripted(completes)
+        round_ = ring_round(attempts, timeout=1.0, sender=CGoneAtB(b_left_c_out))
+        return attempts.members, await round_.run(time.monotonic(), None), round_.segment
+
+    attempts, result, segment = asyncio.run(scenario(b_left_c_out=True))
+    assert attempts == [[ME, B]] and (result.status, result.members) == ("ok", 2)
+    assert torch.equal(segment, torch.ones(1000))
+    attempts, result, segment = asyncio.run(scenario(b_left_c_out=False))
+    assert attempts == [] and result.status != "ok" and torch.equal(segment, torch.zeros(1000))
+
+
+def test_a_vote_against_a_member_our_rings_leave_out_is_taken_and_answered_with_ours():
+    gone = "peer-gone"  # in the plan's ring 0 with us, left out of ours: we found its cluster gone
+    box = Mailbox(2 * 1024**3)
+    expected = Expected(RINGS, ME, ROUND - 20, ROUND + 20, left_out=[gone])
+    box.expecting = lambda: expected
+    box.note(RingAbort(**note(excluded=[gone, C])), B)
+    assert box.left_out_of([gone, C]) == [gone]  # C is in our ring: that vote is B's own business
+    # a name nobody's plan has is still refused, and a left-out member only in a vote, never in an attempt
+    assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)
+    assert OUTSIDE_THE_RING in refused(box.inbox_for, part(attempt=[ME, B, gone]), B)
+    assert RingReply(left_out=[gone]).as_metadata() == {"left_out": [gone]}
 
 
 def test_a_vote_that_comes_while_we_check_the_chunk_owners_waits_for_our_own_check():

@@ -257,6 +257,8 @@ class MultiRingAverager:
             state = self.mailbox.note(message, sender)
             if isinstance(message, RingArrive):
                 reply = RingReply(arrived=state.here, anchor=state.anchor if state.here else None)
+            elif message.excluded:
+                reply = RingReply(left_out=self.mailbox.left_out_of(message.excluded) or None)
         elif inbox is not None and not inbox.taken:
             inbox.end_stripe(message.stripe, index)  # a stripe may be empty, the whole message may not
         return make_response(reply.as_metadata())

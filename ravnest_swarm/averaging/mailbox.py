@@ -66,15 +66,19 @@ class Expected:
 
     :param rings: every ring of the plan (``segments.plan_rings``), or at least this peer's
     :param peer_id: this peer
+    :param left_out: members of the plan's rings that ours leave out (the clusters of peers this peer found
+        gone): a vote against one of them may name it, and is answered with our own (``Mailbox.left_out_of``)
     """
 
-    def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int):
+    def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int,
+                 left_out: Sequence[str] = ()):
         self.first_step, self.last_step = first_step, last_step
         # our rings' members by ring index; everyone the plan puts in a ring (a sender in none is a stranger)
         self.rings: Dict[int, FrozenSet[str]] = {ring.index: frozenset(ring.members) for ring in rings
                                                  if peer_id in ring.members}
         self.planned: FrozenSet[str] = frozenset(member for ring in rings for member in ring.members)
         self.partners = len(set().union(*self.rings.values()) - {peer_id})
+        self.left_out: FrozenSet[str] = frozenset(left_out) - self.planned
 
 
 class Inbox:
@@ -246,13 +250,6 @@ class Mailbox:
         if step < self.entered_step:  # rounds never go back: the sender leaves it, not waits its timeout for us
             raise ValueError(f"round {step} {ROUND_OVER} (this peer is in round {self.entered_step})")
 
-    def round_waited_in(self, before: int) -> Optional[int]:
-        """The first round before ``before`` that this peer neither finished nor entered, in which a member of its
-        rings arrived and has not left: a member whose count of rounds is behind ours waits there for us."""
-        return min((step for (step, _), state in self._rings.items()
-                    if max(self.last_finished_step, self.entered_step) < step < before
-                    and state.arrived - state.withdrawn.keys()), default=None)
-
     def admit(self, message: RingMessage, sender: str) -> None:
         """Refuse, in one line, a message ``sender`` may not send now: for a round over here or outside the
         window of rounds we expect, for a ring we do not share with it, or naming peers outside that ring."""
@@ -269,8 +266,8 @@ class Mailbox:
             raise ValueError(f"round {message.step} {ROUND_OVER} (this peer is at round {expected.first_step} or later)")
         if message.step > expected.last_step:
             raise ValueError(f"round {message.step} {TOO_FAR_AHEAD} (this peer takes rounds up to {expected.last_step})")
-        named = set(message.attempt) | set(getattr(message, "excluded", None) or ())
-        if not named <= members:
+        excluded = set(getattr(message, "excluded", None) or ())
+        if not set(message.attempt) | (excluded - expected.left_out) <= members:
             raise ValueError(f"{message.phase} message {OUTSIDE_THE_RING} {message.ring}")
         self._share = (MAX_MAILBOX_ENTRIES // max(1, expected.partners),
                        self.max_buffered_bytes // max(1, expected.partners))
@@ -334,6 +331,14 @@ class Mailbox:
         if note.failure:
             state.withdraw(sender, f"{sender[-8:]} ended it: {note.failure}")
         return state
+
+    def left_out_of(self, excluded: Sequence[str]) -> List[str]:
+        """Of the members a vote names, those our own rings leave out already: our vote against them too. Members
+        that find a peer gone at different moments compute the ring apart for a while; a vote of the ones that
+        still count it would otherwise never reach a majority (a walkthrough's ring of four waited 40 s for a
+        member that left by Ctrl-C: two voted, the third already averaged without it)."""
+        expected = self.expecting()
+        return sorted(set(excluded) & expected.left_out) if expected is not None else []
 
     def probe(self, probe: RingProbe, sender: str) -> RingReply:
         """A member's check of the robust attempt we run with it: our answer, or a one-line refusal."""

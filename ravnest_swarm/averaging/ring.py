@@ -438,9 +438,15 @@ class RingRound:
 
         async def tell(member: str) -> None:
             try:
-                await self.peer.sender.send_note(member, note, time.monotonic() + self.peer.timeout)
+                reply = await self.peer.sender.send_note(member, note, time.monotonic() + self.peer.timeout)
             except Exception as e:
                 logger.debug(f"could not tell {member[-8:]} about ring {self.ring.index}: {e}")
+                return
+            # names of our vote that its rings leave out already (a cluster it found gone before we did): its vote
+            # too, in its own words, so that the members that still count that cluster reach a majority
+            agreed = [peer for peer in reply.left_out or () if peer in self.ring.members and peer != member]
+            if agreed:
+                self.state.vote(member, agreed)
 
         for member in self.ring.members:
             if member != self.peer.peer_id:

@@ -150,9 +150,12 @@ class RingReply(Message):
     the receiver has reached that round too (``arrived``, and then its ``anchor`` digest, as its own note says):
     a note of its own may have come before we expected messages of that round, and been refused; a probe with the receiver's own values at its coordinates
     (``values``) and, at those in the chunk it owns, one row per member of the attempt, in ring order, of the
-    values it aggregated (``rows``); every other message with empty metadata."""
+    values it aggregated (``rows``); every other message with empty metadata. A vote (an abort note's
+    ``excluded``) is answered with those of its names that the receiver's own rings already leave out (``left_out``:
+    a cluster it found gone, which the voter has not yet): that is the receiver's vote too."""
 
     arrived: Optional[bool] = None
+    left_out: Optional[PeerIds] = None
     anchor: Optional[AnchorDigest] = None
     values: Optional[Annotated[List[float], Field(max_length=MAX_PROBED)]] = None
     rows: Optional[Annotated[List[Annotated[List[float], Field(max_length=MAX_PROBED)]],

@@ -137,8 +137,9 @@ class StageAveraging:
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
-        # the last plan and gone peers the averager asked about, and their rings
-        self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring]] = (None, frozenset(), [])
+        # the last plan and gone peers the averager asked about, their rings, and who those leave out (``_expected``)
+        self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring], FrozenSet[str]] = \
+            (None, frozenset(), [], frozenset())
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
         # the run's count of rounds (round_to_join): the next round we take part in, our step less the round step,
         # and the worker and plan they were aligned for (None: align at the next step boundary)
@@ -182,8 +183,7 @@ class StageAveraging:
     def due(self, worker: StageWorker, plan: dict, step: int) -> Optional[int]:
         """The round due at ``worker``'s ``step`` in ``plan`` (its name on the run's count), or None: none due, a
         round still runs beside training (the stage trains on, and takes the next round once it ended), or our
-        count is being aligned with our partners' (started here, beside training, for a new worker or plan). A
-        round before our next one in which a partner waits for us is due at once."""
+        count is being aligned with our partners' (started here, beside training, for a new worker or plan)."""
         if self.in_flight is not None:
             # aligned once it ended, not now: until then our record names the round in flight (``_started``), and a
             # partner that aligns meanwhile joins it. Aligned while it ran, our record named the next one, and a
@@ -193,15 +193,7 @@ class StageAveraging:
             if self._aligning is None or self._aligning.done():
                 self._aligning = asyncio.create_task(self._align(worker, plan))
             return None
-        if self.in_flight is not None or self.next_round is None:
-            return None
-        # a partner whose count is behind ours (two clusters that aligned at once, each before the other's record
-        # said its count) waits in an earlier round: we meet it there now, not each in our own round until a
-        # timeout (CI saw two clusters train a whole run so, none of their rounds ending)
-        waited = self.averager.mailbox.round_waited_in(self.next_round)
-        if waited is not None:
-            return waited
-        if step - self.offset < self.next_round:
+        if self.in_flight is not None or self.next_round is None or step - self.offset < self.next_round:
             return None
         return self.next_round
 
@@ -429,18 +421,32 @@ class StageAveraging:
 
     def _expected(self) -> Optional[Expected]:
         """What ring messages the averager takes now: from the members of our rings in the plan we follow, for
-        every round we have not finished (or passed, entering a later one: ``Mailbox.refuse_if_over``) up to two
-        periods past our worker's step or our next round (a faster cluster waits at its next round, or goes on to
-        the one after if that round failed); none while we train no stage. A partner waiting in a round our count
-        skipped is met there (:meth:`due`), not refused as over: it would fail that round alone."""
+        rounds from the one we take part in (in flight, else our next) up to two periods past it or our worker's
+        step (a faster cluster waits at its next round, or goes on to the one after if that round failed); none
+        while we train no stage. A round before ours is over here: rounds never go back, and a partner that waits
+        in one (two clusters that aligned at once, each before the other's record said its count) is told so at
+        once, ends it alone and aligns with us, instead of each waiting in a round of its own until the ring's
+        timeout (CI saw two clusters train a whole run so, none of their rounds ending). Until our count is
+        aligned for this worker, every round we have not finished: we do not know yet where the run is."""
         now = self.following()
         if now.worker is None or now.plan is None:
             return None
         if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
-            self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone))
+            rings = plan_rings(now.plan, self.layer_sizes, now.gone)
+            # the clusters of peers we found gone: a partner that has not yet votes against them, and we agree
+            left_out: FrozenSet[str] = frozenset()
+            if now.gone:
+                everyone = plan_rings(now.plan, self.layer_sizes, frozenset())
+                left_out = frozenset(m for ring in everyone for m in ring.members) - {m for r in rings for m in r.members}
+            self._plan_rings = (now.plan, now.gone, rings, left_out)
         at = now.worker.version - self.offset  # where we are on the run's count of rounds
-        return Expected(self._plan_rings[2], self.peer_id, self.averager.last_finished_step + 1,
-                        max(at, self.next_round or 0) + 2 * self.period)
+        first = self.averager.last_finished_step + 1
+        if self.averager.mailbox.entered_step >= first:  # a round of ours runs, beside training or not
+            first = self.averager.mailbox.entered_step
+        elif self._aligned is not None and self._aligned[0] is now.worker and self.next_round is not None:
+            first = max(first, self.next_round)
+        return Expected(self._plan_rings[2], self.peer_id, first, max(at, self.next_round or 0) + 2 * self.period,
+                        left_out=self._plan_rings[3])
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""
