@@ -284,7 +284,9 @@ class Outbox:
         frames = wire.encode(message.as_metadata(), tensors, self._codec_for(handler))
         size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
-        what = f"{getattr(message, 'op', handler.rsplit('.', 1)[-1])} of microbatch {microbatch} to stage {stage}"
+        op = getattr(message, 'op', handler.rsplit('.', 1)[-1])
+        # a message of no microbatch (the run's finish) is not said to be "of microbatch None"
+        what = f"{op}{'' if microbatch is None else f' of microbatch {microbatch}'} to stage {stage}"
         attempt, said = 0, None
         with self.busy.measure():
             while True:
