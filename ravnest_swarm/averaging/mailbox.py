@@ -66,8 +66,9 @@ class Expected:
 
     :param rings: every ring of the plan (``segments.plan_rings``), or at least this peer's
     :param peer_id: this peer
-    :param left_out: members of the plan's rings that ours leave out (the clusters of peers this peer found
-        gone): a vote against one of them may name it, and is answered with our own (``Mailbox.left_out_of``)
+    :param left_out: members of the plan's rings (all of them may be given: those in ``rings`` are not left out);
+        the others, the clusters of peers this peer found gone, may be named in a vote, which is answered with
+        our own (``Mailbox.left_out_of``)
     """
 
     def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int,

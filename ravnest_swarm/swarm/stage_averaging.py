@@ -137,7 +137,7 @@ class StageAveraging:
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
-        # the last plan and gone peers the averager asked about, their rings, and who those leave out (``_expected``)
+        # the last plan and gone peers the averager asked about, their rings, and every member of the plan's rings
         self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring], FrozenSet[str]] = \
             (None, frozenset(), [], frozenset())
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
@@ -432,13 +432,13 @@ class StageAveraging:
         if now.worker is None or now.plan is None:
             return None
         if self._plan_rings[0] is not now.plan or self._plan_rings[1] != now.gone:
-            rings = plan_rings(now.plan, self.layer_sizes, now.gone)
-            # the clusters of peers we found gone: a partner that has not yet votes against them, and we agree
-            left_out: FrozenSet[str] = frozenset()
+            # every member of the plan's rings, gone clusters too: ``Expected`` leaves out those our rings do not
+            # have (a partner that has not found them gone yet votes against them, and we agree)
+            everyone: FrozenSet[str] = frozenset()
             if now.gone:
-                everyone = plan_rings(now.plan, self.layer_sizes, frozenset())
-                left_out = frozenset(m for ring in everyone for m in ring.members) - {m for r in rings for m in r.members}
-            self._plan_rings = (now.plan, now.gone, rings, left_out)
+                whole_plan = plan_rings(now.plan, self.layer_sizes, frozenset())
+                everyone = frozenset(member for ring in whole_plan for member in ring.members)
+            self._plan_rings = (now.plan, now.gone, plan_rings(now.plan, self.layer_sizes, now.gone), everyone)
         at = now.worker.version - self.offset  # where we are on the run's count of rounds
         first = self.averager.last_finished_step + 1
         if self.averager.mailbox.entered_step >= first:  # a round of ours runs, beside training or not
