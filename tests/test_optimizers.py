@@ -355,7 +355,7 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
                                 "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
                                 "--gflops", "20", "--averaging-period", "20", "--checkpoint-every", "20",
                                 "--averaging-compression", "int8", "--outer-optimizer", "nesterov",
-                                "--round-seconds", "3", "--max-stages", "1", "--heartbeat", "2",
+                                "--round-seconds", "6", "--max-stages", "1", "--heartbeat", "2",
                                 "--checkpoint-dir", str(checkpoints), "--no-averaging-overlap",
                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], f"{name}-{len(processes.processes)}")
 
@@ -419,7 +419,10 @@ def test_a_graceful_leave_hands_its_adamw_and_outer_state_to_the_standby_that_ta
     moments and outer state. The standby says it took both from p1, it averages compressed pseudo-gradients with
     p0, at least 90 % of its rounds from its first on complete (a cluster re-formed by a re-plan meets the run),
     and its loss goes on from where p1's was, not from the start. (Its first round may be a float32 one: p0's
-    round during the leave had no partner, and p0 starts its outer state anew after such a round.)"""
+    round during the leave had no partner, and p0 starts its outer state anew after such a round.)
+
+    ``--round-seconds 6``: with 3, a loaded machine's p0 saw the standby's round as its proposals froze, the round
+    was planned without it (p2 alone, p0 standby), and the next two rounds moved p2 out and in again."""
     run = "state-hand-over"
 
     def join(name):
@@ -427,7 +430,7 @@ def test_a_graceful_leave_hands_its_adamw_and_outer_state_to_the_standby_that_ta
                                 "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
                                 "--gflops", "20", "--bandwidth-mbps", "100", "--averaging-period", "20",
                                 "--optimizer", "adamw", "--lr", "0.002", "--outer-optimizer", "nesterov",
-                                "--averaging-compression", "int8", "--move-horizon", "25", "--round-seconds", "3",
+                                "--averaging-compression", "int8", "--move-horizon", "25", "--round-seconds", "6",
                                 "--max-stages", "1", "--heartbeat", "2", "--checkpoint-dir", str(tmp_path),
                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], name)
 

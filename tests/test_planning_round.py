@@ -6,6 +6,7 @@ import re
 import time
 
 import pytest
+from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
 
 from commands import ravnest
@@ -324,6 +325,33 @@ def test_a_plan_in_force_without_a_readable_copy_is_written_again_by_its_adopter
                 await stop_node(node)
 
     asyncio.run(scenario())
+
+
+def test_a_peer_that_sees_a_round_after_its_proposals_froze_says_that_the_round_plans_without_it():
+    """A loaded machine's placed peer saw a standby's round 1.5 s before its deadline, as its proposals froze
+    (``--round-seconds 3``, settle 1.5 s): it never published, the round placed the standby alone and put the peer
+    on standby, and it said only "round 2 joined". Now it says why (real DHT: a storage node and the late peer)."""
+    run = "late-round"
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        late = await start_peer_node(await server.get_visible_maddrs(), run, client_mode=True,
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            announcer = PeerAnnouncer(late, run, "late", Capabilities(ram_gb=16.0, gflops=50.0, bandwidth_mbps=100.0))
+            assert await announcer.renew()
+            console = Console(record=True, width=300)
+            options = RoundOptions(WORKLOAD, round_seconds=3.0, settle=1.5)
+            rounds = PlanningRounds(late, run, announcer, options, console)
+            await rounds.take_part(2, get_dht_time() + 1.0, "joined", None)
+            return console.export_text()
+        finally:
+            for node in (late, server):
+                await stop_node(node)
+
+    said = asyncio.run(scenario())
+    assert "round 2: seen after its proposals froze, so it plans without us" in said, said
+    assert "--round-seconds" in said and "none of 0 proposal(s) is valid" in said, said
 
 
 def test_peers_placed_by_a_newer_plan_are_no_standbys_of_ours():

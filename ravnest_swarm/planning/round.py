@@ -371,6 +371,10 @@ class PlanningRounds:
                 self._last_note = str(e)
             return
         self.say(f"round {round_number} {how}: {len(snapshot)} peers, deadline in {deadline - get_dht_time():.1f}s")
+        if get_dht_time() >= deadline - options.settle:
+            # our proposal can no longer count: the others freeze theirs now and plan without us, as we do
+            self.say(f"round {round_number}: seen after its proposals froze, so it plans without us (a round runs "
+                     f"{options.round_seconds:g}s, --round-seconds; our look at the DHT took longer)")
         arrays = SwarmArrays(snapshot, options.workload)
         column_of = {snapshot[i].peer_id: column for column, i in enumerate(arrays.peer_index)}
         joined = get_dht_time()
