@@ -393,15 +393,20 @@ async def send_ring_messages(victim: dict, messages) -> Tuple[str, List[str]]:
                                                  for tensor in tensors]
             _, reader, writer = await stranger.call_binary_stream_handler(PeerID.from_base58(victim["peer_id"]),
                                                                           RING_HANDLER)
+            # read while writing: a refusal at the first frame closes the stream, and the write of the unread rest
+            # that fails then sets its error on the reader, which a read begun only after the write raises (a CI
+            # run's BrokenPipeError) although the reply had come
+            reply = asyncio.create_task(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader))
             try:
                 writer.write(frames_bytes(frames) + END_OF_STREAM)
                 try:
                     await writer.drain()
                 except ConnectionError:
                     pass  # refused at its first frame, the rest unread: the reply is there all the same
-                _, error = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), 30)
+                _, error = await asyncio.wait_for(reply, 30)
                 replies.append("ok" if error is None else error.message)
             finally:
+                reply.cancel()
                 writer.close()
         return stranger.peer_id.to_base58(), replies
     finally:
