@@ -355,7 +355,7 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
                                 "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
                                 "--gflops", "20", "--averaging-period", "20", "--checkpoint-every", "20",
                                 "--averaging-compression", "int8", "--outer-optimizer", "nesterov",
-                                "--round-seconds", "6", "--max-stages", "1", "--heartbeat", "2",
+                                "--round-seconds", "3", "--max-stages", "1", "--heartbeat", "2",
                                 "--checkpoint-dir", str(checkpoints), "--no-averaging-overlap",
                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], f"{name}-{len(processes.processes)}")
 
@@ -376,6 +376,16 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
                 signal_session(peer, signal.SIGSTOP)
             stages = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors")) for name in first}
             saved = {name: metadata["info"]["step"] for name, (_, metadata) in stages.items()}
+            if len(set(saved.values())) > 1:
+                # the one a checkpoint behind runs alone a moment: it writes the checkpoint of the round both ended,
+                # and cannot pass the next round without the other (a loaded CI froze them a checkpoint apart in
+                # all 60 tries, twice)
+                behind = first[min(saved, key=saved.get)]
+                signal_session(behind, signal.SIGCONT)
+                time.sleep(0.3)
+                signal_session(behind, signal.SIGSTOP)
+                stages = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors")) for name in first}
+                saved = {name: metadata["info"]["step"] for name, (_, metadata) in stages.items()}
             anchors = [tensors.get("outer.anchor") for tensors, _ in stages.values()]
             same_round = len(set(saved.values())) == 1 and all(a is not None for a in anchors) and \
                 torch.equal(anchors[0], anchors[1])
