@@ -362,6 +362,11 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
     # --no-averaging-overlap: each round holds both clusters at its step, so both checkpoint one step after one
     # round (with rounds beside training a cluster ahead trains on, and a resumed peer whose checkpoint is behind
     # the other's downloads its layers instead of resuming them)
+    def read_checkpoints():
+        """Each first peer's checkpoint (tensors, metadata) and the step it saved."""
+        stages = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors")) for name in first}
+        return stages, {name: metadata["info"]["step"] for name, (_, metadata) in stages.items()}
+
     first = {name: join(name) for name in ("p0", "p1")}
     observer = RunObserver(backbone, run, period=1.0)
     try:
@@ -374,8 +379,7 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
         for attempt in range(60):
             for peer in first.values():
                 signal_session(peer, signal.SIGSTOP)
-            stages = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors")) for name in first}
-            saved = {name: metadata["info"]["step"] for name, (_, metadata) in stages.items()}
+            stages, saved = read_checkpoints()
             if len(set(saved.values())) > 1:
                 # the one a checkpoint behind runs alone a moment: it writes the checkpoint of the round both ended,
                 # and cannot pass the next round without the other (a loaded CI froze them a checkpoint apart in
@@ -384,8 +388,7 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
                 signal_session(behind, signal.SIGCONT)
                 time.sleep(0.3)
                 signal_session(behind, signal.SIGSTOP)
-                stages = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors")) for name in first}
-                saved = {name: metadata["info"]["step"] for name, (_, metadata) in stages.items()}
+                stages, saved = read_checkpoints()
             anchors = [tensors.get("outer.anchor") for tensors, _ in stages.values()]
             same_round = len(set(saved.values())) == 1 and all(a is not None for a in anchors) and \
                 torch.equal(anchors[0], anchors[1])

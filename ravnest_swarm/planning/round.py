@@ -370,8 +370,9 @@ class PlanningRounds:
                 self.say(f"round {round_number}: {e}")
                 self._last_note = str(e)
             return
-        self.say(f"round {round_number} {how}: {len(snapshot)} peers, deadline in {deadline - get_dht_time():.1f}s")
-        if get_dht_time() >= deadline - options.settle:
+        left = deadline - get_dht_time()
+        self.say(f"round {round_number} {how}: {len(snapshot)} peers, deadline in {left:.1f}s")
+        if left <= options.settle:
             # our proposal can no longer count: the others freeze theirs now and plan without us, as we do
             self.say(f"round {round_number}: seen after its proposals froze, so it plans without us (a round runs "
                      f"{options.round_seconds:g}s, --round-seconds; our look at the DHT took longer)")
