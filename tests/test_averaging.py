@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ravnest_swarm.bench.synthetic import synthetic_layer
-from ravnest_swarm.averaging.ring import cancel_until_ended
+from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, cancel_until_ended
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_for_cluster, round_to_join
 from ravnest_swarm.swarm.stage_averaging import RoundStalled, StageAveraging, within_limit
@@ -205,6 +205,38 @@ def test_lost_replies_and_broken_streams_are_resent_and_counted_once(processes, 
         assert error <= 1e-5, (name, error)
 
 
+@pytest.mark.timeout(60)
+def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbone):
+    """Two averagers over real P2P, one ring with a 20 s timeout; the second never reaches round 5: its cluster
+    trained the run's length (its record says ``done``). The first, asked its patience every
+    ``NEVER_COMING_LOOK_S`` while it waits, gives up within a look of learning so, not at the timeout, and keeps its
+    values; it asks nothing of the sort of a ring whose wait is shorter than a look."""
+    async def scenario():
+        async with connected_averagers(backbone, 2, "finished", timeout=20.0) as (averagers, ids):
+            ring = Ring(0, 0, 1000, tuple(ids))
+            averagers[0].expect([ring], 5)
+            values = torch.full((1000,), 3.0)
+            started, asked = time.monotonic(), []
+
+            class FinishedAfterFour:  # its record says done from 4 s on
+                async def more(self, step, missing):
+                    raise AssertionError("asked for more before the timeout")
+
+                async def never_coming(self, step, missing):
+                    asked.append((step, list(missing)))
+                    return time.monotonic() - started >= 4.0
+
+            result = await averagers[0].average(5, values, 0, [ring], FinishedAfterFour())
+            return result, values, asked, ids
+
+    result, values, asked, ids = asyncio.run(scenario())
+    assert result.segments[0].status == "timeout" and "did not reach round 5" in result.segments[0].detail
+    assert 4.0 <= result.seconds < 4.0 + NEVER_COMING_LOOK_S + 1.5, result.summary()
+    assert [step for step, _ in asked] == [5] * len(asked) and all(missing == [ids[1]] for _, missing in asked)
+    assert 2 <= len(asked) <= 3, asked
+    assert torch.equal(values, torch.full((1000,), 3.0))
+
+
 @pytest.mark.timeout(120)
 def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbone):
     """Two averagers over real P2P in this process, one ring. The second reaches the round 6 s after the first,
@@ -222,16 +254,20 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
             started = time.monotonic()
             asked = []
 
-            async def patience(step, missing):
-                asked.append(list(missing))
-                return 1.0 if time.monotonic() - started < late_by + 5 else 0.0  # "it is on its way"
+            class OnItsWay:
+                async def more(self, step, missing):
+                    asked.append(list(missing))
+                    return 1.0 if time.monotonic() - started < late_by + 5 else 0.0
+
+                async def never_coming(self, step, missing):
+                    return False
 
             async def late():
                 await asyncio.sleep(late_by)
                 return await averagers[1].average(5, values[1], 0, [ring])
 
             first, second = await asyncio.gather(
-                averagers[0].average(5, values[0], 0, [ring], patience if patient else None), late())
+                averagers[0].average(5, values[0], 0, [ring], OnItsWay() if patient else None), late())
             return first, second, values, asked, ids
 
     first, second, values, asked, ids = asyncio.run(scenario(patient=True))

@@ -1,6 +1,6 @@
 """Issue 29's lab run, as a test: a public backbone, two public volunteers and two behind two different NATs, at
-100 Mbit/s, ``--model mlp-digits --steps 3000``, every peer able to hold the whole model. The first joiner trains
-alone; then a round makes 4 clusters of one stage, three of them downloading the layers while the holder trains
+100 Mbit/s, ``--model mlp-digits`` (6000 steps, where issue 29 ran 3000), every peer able to hold the whole model.
+The first joiner trains alone; then a round makes 4 clusters of one stage, three of them downloading the layers while the holder trains
 on. Before issue 29 two clusters diverged (the lr x 4 of the linear scaling rule), their records failed every
 renewal, and every volunteer exited on an unexpected error. Now every peer trains to the run's length, and every
 cluster completes most of its averaging rounds."""
@@ -16,7 +16,10 @@ from ravnest_swarm.bench.natlab import NatLab
 
 pytestmark = pytest.mark.netns
 RUN = "labrun"
-STEPS = 3000
+# 6000 steps, not issue 29's 3000: the first joiner trains alone at about 150 steps/s on a free core, and a home
+# peer (through its NAT's relay) that sees round 2 after its proposals froze is placed a round later; a CI run that
+# did so placed home0 at the end of a 3000-step run, with no averaging round left for it (0 of 1, on both runs)
+STEPS = 6000
 # microbatches of 128 samples, not 32: on a free core the first joiner alone trains 3000 steps of 32 in seconds
 MICROBATCH = 128
 

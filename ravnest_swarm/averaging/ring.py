@@ -44,7 +44,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Coroutine, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import AsyncIterator, Callable, Coroutine, Dict, List, NamedTuple, Optional, Protocol, Set, Tuple
 
 import torch
 from hivemind.p2p import P2PHandlerError
@@ -60,9 +60,21 @@ logger = logging.getLogger(__name__)
 
 PARAMETERS, PSEUDO_GRADIENTS = "parameters", "pseudo_gradients"  # what a ring's attempt averages
 
-# How long a ring waits for a member that has not reached the round yet, beyond the ring timeout: the caller
-# (a volunteer) estimates it from the member's progress (steps left at its pace); 0 gives up
-Patience = Callable[[int, List[str]], Awaitable[float]]
+NEVER_COMING_LOOK_S = 2.0  # seconds between a waiting ring's questions whether a missing member will never come
+
+
+class Patience(Protocol):
+    """How long a ring waits for members that have not reached its round: the caller (a volunteer) knows them from
+    their records."""
+
+    async def more(self, step: int, missing: List[str]) -> float:
+        """Asked once the wait passed the ring timeout: seconds more (their steps left at their pace); 0 gives up."""
+
+    async def never_coming(self, step: int, missing: List[str]) -> bool:
+        """Asked every ``NEVER_COMING_LOOK_S`` before that: whether one of them will never reach round ``step`` (it
+        trained the run's length, or left its stage)."""
+
+
 ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused: still in the round?
 CANCEL_AGAIN_AFTER = 0.1  # seconds a cancelled step may take to end before it is cancelled again
 
@@ -255,10 +267,19 @@ class RingRound:
         return self._result("refused", len(view.members), reason)
 
     async def _wait_for(self, missing: List[str], until: float, patience: Optional[Patience]) -> Optional[float]:
-        """Wait for news until ``until``; then ask ``patience``. Until when to wait on, or None to give up."""
-        if await self.state.news(max(0.0, until - time.monotonic())):
-            return until
-        more = await patience(self.step, missing) if patience is not None else 0.0
+        """Wait for news until ``until``, then ask ``patience`` for more; until when to wait on, or None to give up.
+        Meanwhile ``patience`` is asked whether a missing member will never come: a partner whose cluster finished
+        the run made the others wait the whole ring timeout (20 s) at the end of every run."""
+        while True:
+            left = until - time.monotonic()
+            look = patience is not None and left > NEVER_COMING_LOOK_S
+            if await self.state.news(max(0.0, NEVER_COMING_LOOK_S if look else left)):
+                return until
+            if not look:
+                break
+            if await patience.never_coming(self.step, missing):
+                return None
+        more = await patience.more(self.step, missing) if patience is not None else 0.0
         return time.monotonic() + more if more > 0 else None
 
     def _leave_out(self, missing: List[str], view: RingView) -> bool:

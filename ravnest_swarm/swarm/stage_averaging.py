@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, TypeVar
@@ -43,7 +44,7 @@ import torch
 from ravnest_swarm.averaging.averager import MultiRingAverager, RoundResult, waiting_at
 from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
-from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience
+from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, PSEUDO_GRADIENTS, Patience
 from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
 from ravnest_swarm.codecs.codec import RAW, codec, compression_residual
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 GONE_CHECK_S = 0.5  # how often a stage waiting for its round in flight looks whether a partner of it is gone
 # A round still running after this many ring timeouts is stalled, and given up: a ring waits a timeout for its
-# members, as long again as ``_arrival_patience`` says a slow one is on its way, and a timeout for its attempts. A
+# members, as long again as its ``RecordPatience`` says a slow one is on its way, and a timeout for its attempts. A
 # soak on the GPT saw one round run 3 minutes beside training, no ring timeout in its log, while its partners failed
 # every round they waited for it in.
 ROUND_LIMIT_TIMEOUTS, ROUND_LIMIT_MIN_S = 6, 120.0
@@ -132,6 +133,7 @@ class StageAveraging:
         self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, compression=self.codec,
                                           aggregation=aggregation)
         self.averager.follow(self._expected)
+        self.patience = RecordPatience(announcer, microbatch_size, heartbeat, period)
         self.averager.on_rejected = self._rejected
         self.round_limit = max(ROUND_LIMIT_TIMEOUTS * timeout, ROUND_LIMIT_MIN_S)  # before a round is given up
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
@@ -364,7 +366,7 @@ class StageAveraging:
             # p2pd's own routing cannot find partners whose addresses are not public (a LAN, the network lab's):
             # dial them at the addresses their records announce, as the pipeline does for its neighbours
             await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
-            return await outer_round(self.averager, self.outer, step, local, local_start, rings, self._arrival_patience)
+            return await outer_round(self.averager, self.outer, step, local, local_start, rings, self.patience)
 
         try:
             result, local = await within_limit(rings_and_outer_step(), self.round_limit, step)
@@ -463,19 +465,49 @@ class StageAveraging:
         self.announcer.update(averaging_failures=self.failures)
         self.note(f"{AVERAGING_NOTE} step {step}: {cause}")
 
-    async def _arrival_patience(self, step: int, missing: List[str]) -> float:
-        """How much longer a ring waits for members that have not reached round ``step`` (:func:`arrival_wait`),
-        from their peer records; a read that misses one of them is tried once more before giving up on it."""
-        records: Dict[str, Dict] = {}
-        for _ in range(2):
-            try:
-                async with asyncio.timeout(self.heartbeat):  # a read that hangs must not hold the ring past its limit
-                    records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
-            except Exception as e:  # no news of the member is no sign that it is coming
-                logger.warning(f"reading the peer records for averaging round {step} failed: {type(e).__name__}: {e}")
-            if all(member in records for member in missing):
-                break
-        return arrival_wait(step, missing, records, self.microbatch_size, self.heartbeat, self.period)
+
+class RecordPatience:
+    """A ring's patience (``ring.Patience``) from the missing members' peer records: how long they still need to
+    reach the round (:func:`arrival_wait`), and whether one of them finished the run or left its stage (its record
+    says ``done`` or ``leaving``). One read serves every ring of the round that asks within ``NEVER_COMING_LOOK_S``."""
+
+    def __init__(self, announcer: PeerAnnouncer, microbatch_size: int, heartbeat: float, period: int):
+        self.announcer, self.microbatch_size = announcer, microbatch_size
+        self.heartbeat, self.period = heartbeat, period
+        self._reading = asyncio.Lock()
+        self._records: Dict[str, Dict] = {}
+        self._read_at = -math.inf
+
+    async def _read(self, step: int, missing: List[str], fresh_within: float) -> Dict[str, Dict]:
+        """Their records, read again unless every one was read within ``fresh_within`` s; a read that misses one
+        of them is tried once more."""
+        async with self._reading:
+            if time.monotonic() - self._read_at > fresh_within or not all(m in self._records for m in missing):
+                records: Dict[str, Dict] = {}
+                for _ in range(2):
+                    try:
+                        # a read that hangs must not hold the ring past its limit
+                        async with asyncio.timeout(self.heartbeat):
+                            records.update({p["peer_id"]: p for p in await self.announcer.read_peers(peer_ids=missing)})
+                    except Exception as e:  # no news of the member is no sign that it is coming
+                        logger.warning(f"reading the peer records for averaging round {step} failed: "
+                                       f"{type(e).__name__}: {e}")
+                    if all(member in records for member in missing):
+                        break
+                self._records, self._read_at = records, time.monotonic()
+            return {m: self._records[m] for m in missing if m in self._records}
+
+    async def more(self, step: int, missing: List[str]) -> float:
+        return arrival_wait(step, missing, await self._read(step, missing, 0.0), self.microbatch_size,
+                            self.heartbeat, self.period)
+
+    async def never_coming(self, step: int, missing: List[str]) -> bool:
+        records = await self._read(step, missing, NEVER_COMING_LOOK_S / 2)
+        ended = {m: records[m]["state"] for m in missing if m in records and records[m]["state"] in ("done", "leaving")}
+        if ended:
+            logger.info(f"averaging round {step}: {', '.join(f'{m[-8:]} is {state}' for m, state in ended.items())} "
+                        f"(its record): the ring waits for it no longer")
+        return bool(ended)
 
 
 async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: int, local: torch.Tensor,
