@@ -275,6 +275,56 @@ def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
                                                    "together, 9.00 GB short of a new cluster's 10.00 GB")
 
 
+def test_a_joiner_still_preparing_its_model_opens_no_round_and_counts_for_no_first_round():
+    """A joiner's record says ``joining`` from the moment it is published until its planning rounds begin, seconds
+    later (its model's first use, the measure of its compute). A round opened for it meanwhile froze its proposals
+    before it looked: it planned without it, and a second round placed it (a CI run's NAT lab: at the end of the
+    run). Now a joining peer opens no round, is not counted for the first, and is weighed once it is a standby."""
+    options = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, move_horizon_s=3600.0)
+    triggers = RoundTriggers(options)
+    pair = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1")}
+    assert triggers.reason(None, pair, joining=frozenset({"v1"})) is None
+    assert triggers.reason(None, pair) == "2 live peers"
+
+    four = {name: Peer(name, *map(float, CAPABILITIES[name])) for name in ("v0", "v1", "v2", "v3")}
+    everyone = dict(four, v4=Peer("v4", *map(float, CAPABILITIES["v4"])))
+    plan = planned(four, options)
+    triggers = RoundTriggers(options)
+    assert triggers.reason(plan, everyone, joining=frozenset({"v4"})) is None
+    assert triggers.reason(plan, everyone) == ("1 standby peer(s) can raise the swarm's throughput from 9 to 12 "
+                                               "samples/s, moving 1 peer(s) in 210s")
+
+
+def test_a_peers_record_says_standby_once_its_planning_rounds_begin():
+    """``joining`` ends where the planning rounds begin (real DHT: a storage node, and the peer's record as
+    another peer reads it)."""
+    run = "ready"
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        peer = await start_peer_node(await server.get_visible_maddrs(), run, client_mode=True,
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        stop = asyncio.Event()
+        try:
+            announcer = PeerAnnouncer(peer, run, "v0", Capabilities(ram_gb=16.0, gflops=50.0, bandwidth_mbps=100.0))
+            assert await announcer.renew()
+            before = [r["state"] for r in await announcer.read_peers()]
+            rounds = PlanningRounds(peer, run, announcer, RoundOptions(WORKLOAD, min_peers=2), Console(quiet=True))
+            task = asyncio.create_task(rounds.run_forever(stop))
+            await asyncio.sleep(1.0)
+            after = [r["state"] for r in await announcer.read_peers()]
+            stop.set()
+            await task
+            return before, after
+        finally:
+            stop.set()
+            for node in (peer, server):
+                await stop_node(node)
+
+    before, after = asyncio.run(scenario())
+    assert (before, after) == (["joining"], ["standby"])
+
+
 def test_a_joiner_that_reads_no_plan_its_live_peers_follow_waits_for_it_before_a_round_of_its_own():
     """Soak (30 min, 8 volunteers, churn): peer12 joined while six peers trained plan round 10, read no copy of it,
     and opened a round 1 of its own, 14 times, until peer13 joined and the two adopted a plan round 1 that later

@@ -154,11 +154,14 @@ class RoundTriggers:
         """A round kept the plan in force (nothing paid back its moves)."""
         self.declined_at = time.time()
 
-    def reason(self, plan: Optional[dict], alive: Dict[str, Peer],
-               followed: Optional[Dict[str, int]] = None) -> Optional[str]:
+    def reason(self, plan: Optional[dict], alive: Dict[str, Peer], followed: Optional[Dict[str, int]] = None,
+               joining: FrozenSet[str] = frozenset()) -> Optional[str]:
         """Why a new round should open now, or None.
 
         :param followed: the plan round each live placed peer's record names (``PlanningRounds.followed``)
+        :param joining: live peers whose records say ``joining``: their planning rounds have not started (they
+            still prepare their model), so they count for no round's opening; one opened for them went by before
+            they looked, and they were placed a round later (``PlanningRounds.run_forever``)
         """
         if plan is None:
             # peers follow a plan we cannot read (yet): a round 1 of our own would start a second swarm beside
@@ -171,7 +174,8 @@ class RoundTriggers:
                     return None
             else:
                 self.unread_plan_since = None
-            return f"{len(alive)} live peers" if len(alive) >= self.options.min_peers else None
+            ready = len(set(alive) - joining)
+            return f"{ready} live peers" if ready >= self.options.min_peers else None
         self.unread_plan_since = None
         members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
         # a record can miss one renewal on a loaded machine: call a peer gone only after GONE_POLLS looks
@@ -185,7 +189,7 @@ class RoundTriggers:
         elsewhere = {peer for peer, round_number in (followed or {}).items()
                      if round_number > plan["round"] and peer not in members}
         alive = {peer: capabilities for peer, capabilities in alive.items() if peer not in elsewhere}
-        standbys = set(alive) - members
+        standbys = set(alive) - members - joining
         if gone:
             return self._gone_reason(plan, alive, gone, standbys)
         self.hole_since = None
@@ -258,12 +262,20 @@ class PlanningRounds:
         self.adopted: Optional[dict] = None  # the plan we adopted last: we trust our own adoption over any record
         self.seen: Optional[dict] = None  # the newest plan we saw its peers follow (a standby adopts none)
         self.followed: Dict[str, int] = {}  # live placed peer id -> the plan round its record names
+        self.joining: FrozenSet[str] = frozenset()  # live peers whose planning rounds have not begun (read_alive)
         self.rewritten_at = 0.0  # when we last wrote again a copy of the plan in force that no read found
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     async def run_forever(self, stop: asyncio.Event) -> None:
+        if self.announcer.record["state"] == "joining":
+            # from now on we take part in rounds; until now our record said we could not (``RoundTriggers.reason``).
+            # A joiner's record went out seconds before its rounds began (its model's first use, the measure of its
+            # compute), a round opened for it froze its proposals before it looked, and it was placed a round later:
+            # in CI, one NAT lab volunteer at the very end of the run
+            self.announcer.update(state="standby")
+            await self.announcer.renew()
         while not stop.is_set():
             try:
                 await self.poll_once()
@@ -275,14 +287,18 @@ class PlanningRounds:
                 pass
 
     async def read_alive(self, at: float) -> Dict[str, Peer]:
-        """Peers whose records are still valid at DHT time ``at`` and not leaving, by peer id."""
-        alive = {}
+        """Peers whose records are still valid at DHT time ``at`` and not leaving, by peer id; ``joining`` says which
+        of them have not begun their planning rounds yet."""
+        alive, joining = {}, set()
         for record in await self.announcer.read_peers(alive_at=at):
+            if record["state"] == "joining":
+                joining.add(record["peer_id"])
             if record["state"] != "leaving":
                 self.names[record["peer_id"]] = record["name"]
                 # stages are sized by the memory of the device that holds them: a GPU peer's is its GPU's
                 alive[record["peer_id"]] = Peer(record["peer_id"], planning_memory_gb(record), record["gflops"],
                                                 record["bandwidth_mbps"])
+        self.joining = frozenset(joining)
         return alive
 
     async def read_proposals(self, round_number: int, deadline_after: float = 0.0) -> List[dict]:
@@ -329,7 +345,7 @@ class PlanningRounds:
             return
         alive = await self.read_alive(now)
         waiting, hole = self.triggers.unread_plan_since, self.triggers.hole_since
-        reason = self.triggers.reason(plan, alive, self.followed)
+        reason = self.triggers.reason(plan, alive, self.followed, self.joining)
         if waiting is None and self.triggers.unread_plan_since is not None:
             rounds = ",".join(str(r) for r in sorted(set(self.followed.values())))
             self.say(f"no plan in force is readable, but {len(self.followed)} live peer(s) follow plan round "
@@ -342,12 +358,13 @@ class PlanningRounds:
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
             self.triggers.unpaid = None
-        short = self.options.min_peers - len(alive) if plan is None and not self.followed else 0
-        if short > 0 and len(alive) != self._said_live:
+        ready = len(set(alive) - self.joining)
+        short = self.options.min_peers - ready if plan is None and not self.followed else 0
+        if short > 0 and ready != self._said_live:
             # a first volunteer alone (a walkthrough's) saw only "waiting for a planning round", for ever
-            self.say(f"{len(alive)} live peer(s): the first planning round opens once {self.options.min_peers} are live "
+            self.say(f"{ready} live peer(s): the first planning round opens once {self.options.min_peers} are live "
                      f"(--min-peers); waiting for {short} more")
-        self._said_live = len(alive) if short > 0 else None
+        self._said_live = ready if short > 0 else None
         if reason is not None:
             await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})", plan)
 

@@ -90,6 +90,7 @@ class InFlightRound:
     worker: StageWorker
     step: int  # the round's name on the run's count
     sent: torch.Tensor
+    plan: dict  # the plan it began in
     rings: List[Ring]  # ours in it
     partners: FrozenSet[str]  # the other members of those rings
     task: "asyncio.Task[Optional[Tuple[bool, torch.Tensor]]]"
@@ -271,7 +272,7 @@ class StageAveraging:
             return
         self._started(label, step)
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
-        self.in_flight = InFlightRound(worker, label, sent, rings, partners, asyncio.create_task(
+        self.in_flight = InFlightRound(worker, label, sent, plan, rings, partners, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
 
     def holds_up(self, worker: StageWorker, step: int) -> bool:
@@ -291,13 +292,27 @@ class StageAveraging:
         return True
 
     async def finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
-        """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round a partner of which
-        our planning rounds found gone meanwhile is given up at once."""
+        """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round given up meanwhile
+        (:meth:`_give_up_why`) is given up at once."""
         while self.in_flight is not None and not self.in_flight.task.done():
             await asyncio.wait({self.in_flight.task}, timeout=GONE_CHECK_S)
-            if self.in_flight is not None and self.in_flight.partners & self.following().gone:
+            if self.in_flight is not None and self._give_up_why(self.in_flight) is not None:
                 break
         return self.take_finished(worker)
+
+    def _give_up_why(self, in_flight: InFlightRound) -> Optional[str]:
+        """Why the round in flight is given up now, not at its rings' timeout, or None: a partner of it our planning
+        rounds found gone, or a plan adopted since that changed our rings (peers that begin the round after adopting
+        it look for us in the new rings, while ours wait in the old ones: in the NAT lab, 2 -> 4 clusters made one
+        cluster fail the round in its old ring of two and the three others wait the ring's 20 s for it in the new).
+        Given up, it is over here: a member of the new rings that waits for us in it is told so at once."""
+        now = self.following()
+        gone = in_flight.partners & now.gone
+        if gone:
+            return f"partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone"
+        if now.plan is not None and now.plan is not in_flight.plan and self._rings(now.plan) != in_flight.rings:
+            return f"plan round {now.plan.get('round')} changed its rings"
+        return None
 
     def partners(self, plan: dict) -> FrozenSet[str]:
         """The other members of our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
@@ -315,17 +330,17 @@ class StageAveraging:
         result (the same on every member) takes the place of the values we sent, and what we trained since
         is kept on top of it: parameters = result + (now - sent). None: no round ended (or it ended for
         another worker, whose layers we no longer train); else whether every ring of ours averaged. A round a
-        partner of which our planning rounds found gone is given up at once, not at its rings' timeout."""
+        partner of which our planning rounds found gone, or whose rings a plan adopted since changed, is given up at
+        once, not at its rings' timeout (:meth:`_give_up_why`)."""
         if self.in_flight is None:
             return None
-        gone = self.in_flight.partners & self.following().gone
-        if gone and not self.in_flight.task.done():
+        why = None if self.in_flight.task.done() else self._give_up_why(self.in_flight)
+        if why is not None:
             given_up, self.in_flight = self.in_flight, None
             given_up.task.cancel()  # it ends by itself; averaging never stops training
             # how long it ran says whether it was stalled (a soak saw one run 3 minutes, its ring's other members
             # failing every round meanwhile)
-            self._failed(given_up.step, f"given up after {time.monotonic() - given_up.started:.0f}s: partner(s) "
-                                        f"{', '.join(sorted(p[-8:] for p in gone))} gone")
+            self._failed(given_up.step, f"given up after {time.monotonic() - given_up.started:.0f}s: {why}")
             return False
         if not self.in_flight.task.done():
             return None
