@@ -332,7 +332,9 @@ class MultiRingAverager:
         result = RoundResult(step, time.monotonic() - started, list(results), log.rejected, log.resends,
                              self.sender.bytes_sent - sent_before)
         self.last_result = result
-        (logger.info if result.ok else logger.warning)(f"averaging {result.summary()}")
+        # a ring whose other members all finished the run failed nobody
+        failed = any(segment.status not in ("ok", "finished") for segment in result.segments)
+        (logger.warning if failed else logger.info)(f"averaging {result.summary()}")
         return result
 
 

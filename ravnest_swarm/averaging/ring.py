@@ -70,9 +70,9 @@ class Patience(Protocol):
     async def more(self, step: int, missing: List[str]) -> float:
         """Asked once the wait passed the ring timeout: seconds more (their steps left at their pace); 0 gives up."""
 
-    async def never_coming(self, step: int, missing: List[str]) -> bool:
-        """Asked every ``NEVER_COMING_LOOK_S`` before that: whether one of them will never reach round ``step`` (it
-        trained the run's length, or left its stage)."""
+    async def never_coming(self, step: int, missing: List[str]) -> List[str]:
+        """Asked every ``NEVER_COMING_LOOK_S`` before that: those of them that will never reach round ``step`` (they
+        trained the run's length, or left their stage)."""
 
 
 ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused: still in the round?
@@ -118,8 +118,9 @@ class SegmentResult:
 
     ``status`` is ``ok`` (averaged), ``timeout`` (a member did not answer in time), ``failed`` (a send
     failed), ``excluded`` (a majority of the ring refused our contribution), ``refused`` (we refused a
-    member's contribution and the ring's majority did not exclude it in time) or ``alone`` (every other
-    member was excluded or left); all but ``ok`` keep the local value. ``mode``: what its last attempt averaged,
+    member's contribution and the ring's majority did not exclude it in time), ``alone`` (every other
+    member was excluded or left) or ``finished`` (every other member's record says it will never come: its
+    cluster trained the run's length, or it left its stage); all but ``ok`` keep the local value. ``mode``: what its last attempt averaged,
     :data:`PARAMETERS` or :data:`PSEUDO_GRADIENTS` (see :class:`RingRound`).
     """
 
@@ -213,7 +214,18 @@ class RingRound:
                 continue
             missing = [member for member in members if member != self.peer.peer_id and member not in self.state.arrived]
             if missing:
-                waiting_until = await self._wait_for(missing, waiting_until, patience)
+                waiting_until, ended = await self._wait_for(missing, waiting_until, patience)
+                if ended and set(ended) >= set(members) - {self.peer.peer_id}:
+                    # nobody is left to average with, and nobody failed: the end of a run for a cluster behind
+                    return self._result("finished", len(members), f"every other member will never reach round "
+                                                                  f"{self.step} ({', '.join(m[-8:] for m in ended)})")
+                for member in ended:
+                    # its own signed record says so: it left the ring, as by a note of its own, and no vote is
+                    # needed (a majority of a ring of four is three: two clusters behind two that finished the
+                    # run could never vote them out)
+                    self.state.withdraw(member, f"{member[-8:]} will never reach round {self.step} (its record)")
+                if ended:
+                    continue
                 if waiting_until is None:
                     if not self._leave_out(missing, view):
                         return self._never_came(members, missing, started)
@@ -266,21 +278,24 @@ class RingRound:
         logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) refused: {reason}")
         return self._result("refused", len(view.members), reason)
 
-    async def _wait_for(self, missing: List[str], until: float, patience: Optional[Patience]) -> Optional[float]:
-        """Wait for news until ``until``, then ask ``patience`` for more; until when to wait on, or None to give up.
-        Meanwhile ``patience`` is asked whether a missing member will never come: a partner whose cluster finished
-        the run made the others wait the whole ring timeout (20 s) at the end of every run."""
+    async def _wait_for(self, missing: List[str], until: float,
+                        patience: Optional[Patience]) -> Tuple[Optional[float], List[str]]:
+        """Wait for news until ``until``, then ask ``patience`` for more: until when to wait on (None: give up), and
+        the missing members that will never come (the wait ends early for them). Meanwhile ``patience`` is asked which missing members will never
+        come: a partner whose cluster finished the run made the others wait the whole ring timeout (20 s) at the
+        end of every run."""
         while True:
             left = until - time.monotonic()
             look = patience is not None and left > NEVER_COMING_LOOK_S
             if await self.state.news(max(0.0, NEVER_COMING_LOOK_S if look else left)):
-                return until
+                return until, []
             if not look:
                 break
-            if await patience.never_coming(self.step, missing):
-                return None
+            ended = await patience.never_coming(self.step, missing)
+            if ended:
+                return until, ended
         more = await patience.more(self.step, missing) if patience is not None else 0.0
-        return time.monotonic() + more if more > 0 else None
+        return (time.monotonic() + more if more > 0 else None), []
 
     def _leave_out(self, missing: List[str], view: RingView) -> bool:
         """The wait for ``missing`` ran out: vote them out of the ring, where the members here can (a majority of

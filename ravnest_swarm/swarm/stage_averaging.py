@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, TypeVar
+from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import torch
 
@@ -367,9 +367,11 @@ class StageAveraging:
         record's state says ``averaging`` while the stage stands still for it, not ``beside_training``."""
         state = "training" if beside_training else "averaging"
         rings = self._rings(plan)
-        if not rings or step <= self.averager.last_finished_step:
+        if not rings or step <= self.averager.last_finished_step or self._partners_in(rings) <= self.patience.finished:
+            # a peer moved to a slot that is behind the rounds it already took part in skips ahead; a cluster behind
+            # the others at the run's end has nobody left to average with
             self._say_count(next_round=self.next_round)
-            return None  # a peer moved to a slot that is behind the rounds it already took part in skips ahead
+            return None
         self.announcer.update(state=state)
         started = time.time()  # wall clock, as the worker's report: a bench lines both up across processes
         local_start, _ = element_range(self.layer_sizes, (worker.start_layer, worker.end_layer))
@@ -409,11 +411,13 @@ class StageAveraging:
             first = result.rejected[0]
             self.note(f"{REFUSAL_NOTE} in ring {first['ring']} at step {step} the contribution of "
                       f"{first['peer'][-8:]}: {first['reason']}")
-        if result.ok:
-            self.rounds += 1
+        failed = [segment for segment in result.segments if segment.status not in ("ok", "finished")]
+        if failed:
+            self._failed(step, f"ring {failed[0].index} {failed[0].status}: {failed[0].detail}", result.summary())
+        elif any(segment.status == "ok" for segment in result.segments):
+            self.rounds += 1  # a ring whose partners all finished the run had nobody to average with: no failure
         else:
-            failed = next(segment for segment in result.segments if segment.status != "ok")
-            self._failed(step, f"ring {failed.index} {failed.status}: {failed.detail}", result.summary())
+            self.say(f"averaging at step {step}: nobody left to average with ({result.summary()})")
         self.announcer.update(state="training", averaging_rounds=self.rounds, averaging_failures=self.failures,
                               averaging_bytes_sent=self.bytes_sent)
         return result.ok, local
@@ -492,6 +496,7 @@ class RecordPatience:
         self._reading = asyncio.Lock()
         self._records: Dict[str, Dict] = {}
         self._read_at = -math.inf
+        self.finished: Set[str] = set()  # members whose records said ``done``: they average no more in this run
 
     async def _read(self, step: int, missing: List[str], fresh_within: float) -> Dict[str, Dict]:
         """Their records, read again unless every one was read within ``fresh_within`` s; a read that misses one
@@ -516,13 +521,14 @@ class RecordPatience:
         return arrival_wait(step, missing, await self._read(step, missing, 0.0), self.microbatch_size,
                             self.heartbeat, self.period)
 
-    async def never_coming(self, step: int, missing: List[str]) -> bool:
+    async def never_coming(self, step: int, missing: List[str]) -> List[str]:
         records = await self._read(step, missing, NEVER_COMING_LOOK_S / 2)
         ended = {m: records[m]["state"] for m in missing if m in records and records[m]["state"] in ("done", "leaving")}
+        self.finished.update(m for m, state in ended.items() if state == "done")
         if ended:
             logger.info(f"averaging round {step}: {', '.join(f'{m[-8:]} is {state}' for m, state in ended.items())} "
                         f"(its record): the ring waits for it no longer")
-        return bool(ended)
+        return list(ended)
 
 
 async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: int, local: torch.Tensor,
