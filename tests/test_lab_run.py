@@ -1,6 +1,6 @@
 """Issue 29's lab run, as a test: a public backbone, two public volunteers and two behind two different NATs, at
-100 Mbit/s, ``--model mlp-digits`` (6000 steps, where issue 29 ran 3000), every peer able to hold the whole model.
-The first joiner trains alone; then a round makes 4 clusters of one stage, three of them downloading the layers while the holder trains
+100 Mbit/s, ``--model mlp-digits --steps 3000``, every peer able to hold the whole model. The first joiner trains
+alone; then a round makes 4 clusters of one stage, three of them downloading the layers while the holder trains
 on. Before issue 29 two clusters diverged (the lr x 4 of the linear scaling rule), their records failed every
 renewal, and every volunteer exited on an unexpected error. Now every peer trains to the run's length, and every
 cluster completes most of its averaging rounds."""
@@ -16,10 +16,12 @@ from ravnest_swarm.bench.natlab import NatLab
 
 pytestmark = pytest.mark.netns
 RUN = "labrun"
-# 6000 steps, not issue 29's 3000: the first joiner trains alone at about 150 steps/s on a free core, and a home
-# peer (through its NAT's relay) that sees round 2 after its proposals froze is placed a round later; a CI run that
-# did so placed home0 at the end of a 3000-step run, with no averaging round left for it (0 of 1, on both runs)
-STEPS = 6000
+# Issue 29's 3000 steps. A CI run placed home0 at the end of the run, with no averaging round left for it: it saw
+# round 2 late, its record having gone out seconds before its planning rounds began, and a third round placed it;
+# a joiner now says `joining` until its rounds begin and no round opens for it before (planning/round.py). At 6000
+# steps (tried to leave room for that late placement) two of two CI runs had a cluster diverge after step 3700,
+# right after applying a compressed round (microbatch losses 11-16; the guard restored it): open, not this test's subject
+STEPS = 3000
 # microbatches of 128 samples, not 32: on a free core the first joiner alone trains 3000 steps of 32 in seconds
 MICROBATCH = 128
 

@@ -23,13 +23,14 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.routes import ProbeReply
-from ravnest_swarm.net.transport import bounded_stream_handler, make_response
+from ravnest_swarm.net.transport import bounded_stream_handler, make_response, reply_lost
 from ravnest_swarm.pipeline import wire
 
 HANDLER = "ravnest.pipeline.transfer_probe"
 HEADER_BYTES = 8
 MAX_TRANSFER_BYTES = 2**31
 TRANSFER_TIMEOUT = 600.0  # 16 MB over the slowest lab link (1 Mbit/s) takes about 130 s
+PROBE_TRIES = 3  # sends of one probe whose reply p2pd lost
 
 
 class TransferProbeRequest(Message):
@@ -82,8 +83,17 @@ async def send(host_maddr: str, peer: str, p2p_maddr: str, tcp_host: str, tcp_po
         payload = tensor.numpy().tobytes()
         p2p_rates, tcp_rates = [], []
         for _ in range(repeats):
-            started = time.perf_counter()
-            await p2p.call_protobuf_handler(peer_id, HANDLER, wire.as_stream(frames), runtime_pb2.ExpertResponse)
+            for attempt in range(PROBE_TRIES):
+                started = time.perf_counter()
+                try:
+                    await p2p.call_protobuf_handler(peer_id, HANDLER, wire.as_stream(frames),
+                                                    runtime_pb2.ExpertResponse)
+                    break
+                except ValueError as e:
+                    # p2pd closed the stream with no reply, as it does under load (net/transport.py): a CI run's
+                    # bench ended on hivemind's "asingle() ... got an empty iterable"; the probe is timed again
+                    if not reply_lost(e) or attempt == PROBE_TRIES - 1:
+                        raise
             p2p_rates.append(len(payload) / 1e6 / (time.perf_counter() - started))
             started = time.perf_counter()
             reader, writer = await asyncio.open_connection(tcp_host, tcp_port)
