@@ -152,6 +152,9 @@ class StageAveraging:
         self._aligning: Optional[asyncio.Task] = None
         # our count said in our record at once, not at the next heartbeat (:meth:`_say_count`)
         self._said_next_round: Optional[int] = None
+        # a round already due when our alignment ended (the read took a while as we trained on): it starts late at
+        # our next boundary without moving our count (``_started``)
+        self._due_at_alignment: Optional[int] = None
         self._count_changed = False
         self._saying_count: Optional[asyncio.Task] = None
 
@@ -202,7 +205,12 @@ class StageAveraging:
 
     async def _align(self, worker: StageWorker, plan: dict) -> None:
         """Our count of rounds for ``worker`` in ``plan``: the round our partners take next, read from their
-        records (:func:`round_to_join`); a read that fails keeps ours, or starts it at the step's next multiple."""
+        records (:func:`round_to_join`); a read that fails keeps ours, or starts it at the step's next multiple.
+        Counted from our step when the alignment began: the read takes a moment while we train on (about 200 steps/s
+        on mlp-digits), and of two clusters resumed at step 180 one counted to round 200, the other (its read done
+        past step 200) to 220: the first failed round 200 alone, which cost it its outer state (a CI run's
+        ``test_two_sigkilled``, both runs). A round passed meanwhile is then due at once (:meth:`due`)."""
+        step = worker.version
         partners = sorted(self.partners(plan))
         records: List[Dict] = []
         if partners:
@@ -216,7 +224,8 @@ class StageAveraging:
         if self.next_round is not None:
             same_worker = self._aligned is not None and self._aligned[0] is worker
             own = (self.next_round, self.offset if same_worker else None)
-        self.next_round, self.offset = round_to_join(worker.version, self.period, own, records)
+        self.next_round, self.offset = round_to_join(step, self.period, own, records)
+        self._due_at_alignment = self.next_round if worker.version - self.offset >= self.next_round else None
         self._aligned = (worker, plan)
         self._say_count(next_round=self.next_round, round_offset=self.offset)
 
@@ -240,8 +249,13 @@ class StageAveraging:
 
     def _started(self, label: int, step: int) -> None:
         """Round ``label`` starts at our ``step``: the next is a period later on the run's count. Until it ends, our
-        record names this one: a partner that aligns now joins it (we wait for it there), not the one after."""
-        self.offset, self.next_round = step - label, label + self.period
+        record names this one: a partner that aligns now joins it (we wait for it there), not the one after. A round
+        that was due when our alignment ended keeps our count's offset: it is late by the read's time, not behind (an
+        offset moved so left clusters in step a few steps apart, and their checkpoints at one step held different
+        rounds' outer states)."""
+        if label != self._due_at_alignment:
+            self.offset = step - label
+        self._due_at_alignment, self.next_round = None, label + self.period
         self.averager.enter(label)  # before its rings start (their members are dialled first)
         self._say_count(next_round=label, round_offset=self.offset)
 
