@@ -120,8 +120,8 @@ class SegmentResult:
     failed), ``excluded`` (a majority of the ring refused our contribution), ``refused`` (we refused a
     member's contribution and the ring's majority did not exclude it in time), ``alone`` (every other
     member was excluded or left) or ``finished`` (every other member's record says it will never come: its
-    cluster trained the run's length, or it left its stage); all but ``ok`` keep the local value. ``mode``: what its last attempt averaged,
-    :data:`PARAMETERS` or :data:`PSEUDO_GRADIENTS` (see :class:`RingRound`).
+    cluster trained the run's length, or it left its stage); all but ``ok`` keep the local value. ``mode``: what
+    its last attempt averaged, :data:`PARAMETERS` or :data:`PSEUDO_GRADIENTS` (see :class:`RingRound`).
     """
 
     index: int
@@ -219,12 +219,12 @@ class RingRound:
                     # nobody is left to average with, and nobody failed: the end of a run for a cluster behind
                     return self._result("finished", len(members), f"every other member will never reach round "
                                                                   f"{self.step} ({', '.join(m[-8:] for m in ended)})")
-                for member in ended:
-                    # its own signed record says so: it left the ring, as by a note of its own, and no vote is
-                    # needed (a majority of a ring of four is three: two clusters behind two that finished the
-                    # run could never vote them out)
-                    self.state.withdraw(member, f"{member[-8:]} will never reach round {self.step} (its record)")
                 if ended:
+                    for member in ended:
+                        # its own signed record says so: it left the ring, as by a note of its own, and no vote is
+                        # needed (a majority of a ring of four is three: two clusters behind two that finished the
+                        # run could never vote them out)
+                        self.state.withdraw(member, f"{member[-8:]} will never reach round {self.step} (its record)")
                     continue
                 if waiting_until is None:
                     if not self._leave_out(missing, view):
@@ -281,9 +281,9 @@ class RingRound:
     async def _wait_for(self, missing: List[str], until: float,
                         patience: Optional[Patience]) -> Tuple[Optional[float], List[str]]:
         """Wait for news until ``until``, then ask ``patience`` for more: until when to wait on (None: give up), and
-        the missing members that will never come (the wait ends early for them). Meanwhile ``patience`` is asked which missing members will never
-        come: a partner whose cluster finished the run made the others wait the whole ring timeout (20 s) at the
-        end of every run."""
+        the missing members that will never come. Those ``patience`` is asked for every ``NEVER_COMING_LOOK_S`` while
+        we wait, and the wait ends as it names one: a partner whose cluster finished the run made the others wait
+        the whole ring timeout (20 s) at the end of every run."""
         while True:
             left = until - time.monotonic()
             look = patience is not None and left > NEVER_COMING_LOOK_S
