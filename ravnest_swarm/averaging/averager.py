@@ -81,6 +81,12 @@ class RoundResult:
     def failed_segments(self) -> List[int]:
         return [segment.index for segment in self.segments if segment.status != "ok"]
 
+    @property
+    def failed(self) -> List[SegmentResult]:
+        """The rings that failed someone: neither averaged nor ``finished`` (every other member of a ring that ended
+        so finished the run, and nobody failed)."""
+        return [segment for segment in self.segments if segment.status not in ("ok", "finished")]
+
     def summary(self) -> str:
         """One short line for logs and the peer record's dashboard field."""
         done = sum(segment.status == "ok" for segment in self.segments)
@@ -332,9 +338,7 @@ class MultiRingAverager:
         result = RoundResult(step, time.monotonic() - started, list(results), log.rejected, log.resends,
                              self.sender.bytes_sent - sent_before)
         self.last_result = result
-        # a ring whose other members all finished the run failed nobody
-        failed = any(segment.status not in ("ok", "finished") for segment in result.segments)
-        (logger.warning if failed else logger.info)(f"averaging {result.summary()}")
+        (logger.warning if result.failed else logger.info)(f"averaging {result.summary()}")
         return result
 
 

@@ -425,7 +425,7 @@ class StageAveraging:
             first = result.rejected[0]
             self.note(f"{REFUSAL_NOTE} in ring {first['ring']} at step {step} the contribution of "
                       f"{first['peer'][-8:]}: {first['reason']}")
-        failed = [segment for segment in result.segments if segment.status not in ("ok", "finished")]
+        failed = result.failed
         if failed:
             self._failed(step, f"ring {failed[0].index} {failed[0].status}: {failed[0].detail}", result.summary())
         elif any(segment.status == "ok" for segment in result.segments):
