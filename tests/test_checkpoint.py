@@ -176,8 +176,9 @@ def test_a_writer_clears_only_its_own_unfinished_writes(tmp_path):
 
 def test_resume_restores_the_outer_state_of_the_stage_its_checkpoint_kept(tmp_path):
     """Through the methods `join --resume` runs: the outer state (anchor, momentum, error) of the stage a checkpoint
-    was written for is the resumed stage's, tensor for tensor, at the checkpoint's layers and step; the same
-    checkpoint resumed at another step starts the outer state anew (the stage's first round), and says so."""
+    was written for is the resumed stage's, tensor for tensor, at the checkpoint's layers, also where they come
+    from a holder at another step (the anchor is a round's, which each ring compares before it compresses); a
+    stage of other layers starts the outer state anew (its first round), and says so."""
     trained = stage_worker()
     train(trained, [torch.randn(4, 64) for _ in range(3)])
     trained.resume_at(40)
@@ -188,17 +189,18 @@ def test_resume_restores_the_outer_state_of_the_stage_its_checkpoint_kept(tmp_pa
     volunteer.averaging.outer, volunteer.averaging._outer_worker = outer, trained
     Volunteer._save_checkpoint(volunteer, trained)
 
-    for step, kept in ((40, True), (60, False)):
+    for layers, step, kept in ((LAYERS, 40, ""), (LAYERS, 60, " (its layers are of step 60)"), ((0, 1), 40, None)):
         again = resuming_volunteer(volunteer.checkpoint_path, "nesterov")
         Volunteer._load_checkpoint_into_cache(again)
         resumed = stage_worker()
-        Volunteer._take_outer_state(again, resumed, LAYERS, step)
-        if kept:
+        Volunteer._take_outer_state(again, resumed, layers, step)
+        if kept is not None:
             assert again.averaging.outer_state(resumed).keys() == {"anchor", "momentum", "error"}
             assert all(torch.equal(getattr(outer, key), value)
                        for key, value in again.averaging.outer_state(resumed).items())
             assert again.averaging.outer.digest(0, size) == outer.digest(0, size)
-            assert "peer: outer state (anchor, momentum, error) resumed from the checkpoint of step 40" in again.said
+            assert f"peer: outer state (anchor, momentum, error) resumed from the checkpoint of step 40{kept}" \
+                in again.said
         else:
             assert again.averaging.outer is None and again.averaging.outer_state(resumed) == {}
             assert any("starts at the stage's first round" in line for line in again.said), again.said
@@ -207,7 +209,8 @@ def test_resume_restores_the_outer_state_of_the_stage_its_checkpoint_kept(tmp_pa
 def test_a_stage_placed_back_on_the_layers_it_stopped_keeps_both_optimizers_state():
     """A plan stops our stage worker and a later one places us back on its layers, which come from our cache at its
     step: the new worker goes on with the stopped one's AdamW moments and outer state. At another step (fresher
-    layers came from elsewhere) both start afresh, and the log says so."""
+    layers came from elsewhere) the AdamW moments start afresh, and the log says so; the outer state, a round's,
+    is kept (each ring compares anchors before it compresses)."""
     stopped = StageWorker(StageConfig(run=RUN, stage=0, stages=2, model="mlp-digits", layers=LAYERS, lr=0.01,
                                       optimizer="adamw"), node=None)
     train(stopped, [torch.randn(4, 64) for _ in range(3)])
@@ -231,6 +234,8 @@ def test_a_stage_placed_back_on_the_layers_it_stopped_keeps_both_optimizers_stat
             assert volunteer.said == ["peer: adamw state resumed from its stage stopped at step 80",
                                       "peer: outer state (anchor, momentum) resumed from its stage stopped at step 80"]
         else:
-            assert moments == [] and volunteer.averaging.outer_state(placed_back) == {}  # its first round starts it
-            assert ("peer: adamw state of layers 0:2 starts afresh at step 100 (no peer that stopped training them "
-                    "handed theirs over)") in volunteer.said
+            assert moments == [] and volunteer.averaging.outer.digest(0, size) == outer.digest(0, size)
+            assert volunteer.said == ["peer: adamw state of layers 0:2 starts afresh at step 100 (no peer that stopped "
+                                      "training them handed theirs over)",
+                                      "peer: outer state (anchor, momentum) resumed from its stage stopped at step 80 "
+                                      "(its layers are of step 100)"]

@@ -360,8 +360,8 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *extra], f"{name}-{len(processes.processes)}")
 
     # --no-averaging-overlap: each round holds both clusters at its step, so both checkpoint one step after one
-    # round (with rounds beside training a cluster ahead trains on, and a resumed peer whose checkpoint is behind
-    # the other's downloads its layers instead of resuming them)
+    # round (with rounds beside training a cluster ahead trains on, and the checkpoints would hold different rounds'
+    # anchors). A resumed peer placed after the other trained on downloads its layers and keeps its outer state.
     def read_checkpoints():
         """Each first peer's checkpoint (tensors, metadata) and the step it saved."""
         stages = {name: read_stage(str(checkpoints / f"{run}-{name}.safetensors")) for name in first}

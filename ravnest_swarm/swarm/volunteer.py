@@ -528,15 +528,20 @@ class Volunteer:
 
     def _take_outer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
         """A resumed stage goes on with the outer optimizer's state its checkpoint kept (the last round's anchor, the
-        momentum, the error feedback), and a stage placed back on the layers of the one we stopped last, at its
-        step, with that one's: its first round then compresses again where its ring's members kept the same anchor.
-        Other layers or another step start it at their first round, which we say."""
+        momentum, the error feedback), and a stage placed back on the layers of the one we stopped last with that
+        one's: its first round then compresses again where its ring's members kept the same anchor. Also where the
+        layers came from a holder at a later step: the anchor is the state of a round, the same on every member
+        that took it, not of the layers; and each ring compares its members' anchors before it compresses, so a
+        stale one costs one round of parameters in float32, while one the holders share keeps the round compressed
+        (two clusters resumed together: the one placed first trained on alone, and the other then took its layers).
+        Other layers start it at their first round, which we say."""
         kept, self.kept_outer = self.kept_outer, None
         if kept is None:
             return
-        if kept[0] == layers and kept[1] == step and self.averaging.resume_outer(worker, kept[2]):
+        if kept[0] == layers and self.averaging.resume_outer(worker, kept[2]):
             names = ", ".join(key for key in OUTER_STATE_KEYS if key in kept[2])
-            self.say(f"{self.name}: outer state ({names}) resumed from {kept[3]}")
+            layers_from = "" if kept[1] == step else f" (its layers are of step {step})"
+            self.say(f"{self.name}: outer state ({names}) resumed from {kept[3]}{layers_from}")
         else:
             self.say(f"{self.name}: the outer state of {kept[3]} (layers {kept[0][0]}:{kept[0][1]}) is not this "
                      f"stage's (layers {layers[0]}:{layers[1]}, step {step}, outer optimizer "
