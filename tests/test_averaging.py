@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ravnest_swarm.averaging.averager import RingsChanged
 from ravnest_swarm.bench.synthetic import synthetic_layer
 from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, cancel_until_ended
 from ravnest_swarm.averaging.segments import Ring
@@ -247,6 +248,22 @@ def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbo
     assert {step for step, _ in asked} == {5} and all(missing == [ids[1]] for _, missing in asked)
     assert 2 <= len(asked) <= 3, asked
     assert torch.equal(value, torch.zeros(1000))
+
+
+@pytest.mark.timeout(60)
+def test_a_round_in_rings_a_plan_changed_fails_with_one_line_that_says_so(backbone):
+    """A round whose rings are not those the averager follows now (a plan adopted as it began put another member in
+    its ring) fails at once with :class:`RingsChanged`, whose line says why, and sends nothing."""
+    async def scenario():
+        async with connected_averagers(backbone, 3, "changed") as (averagers, ids):
+            averagers[0].expect([Ring(0, 0, 10, (ids[0], ids[1]))], 5)
+            with pytest.raises(RingsChanged) as refusal:
+                await averagers[0].average(5, torch.zeros(10), 0, [Ring(0, 0, 10, (ids[0], ids[2]))])
+            return str(refusal.value), averagers[0].sender.bytes_sent
+
+    line, sent = asyncio.run(scenario())
+    assert line == ("ring 0 of round 5 is not among those this peer takes messages for now: a plan adopted as the "
+                    "round began changed its rings") and sent == 0
 
 
 @pytest.mark.timeout(120)

@@ -321,7 +321,8 @@ class MultiRingAverager:
                 raise ValueError(f"ring {ring.index} [{ring.start}, {ring.end}) is not inside this peer's range")
             if expected is None or not expected.first_step <= step <= expected.last_step \
                     or expected.rings.get(ring.index) != frozenset(ring.members):
-                raise ValueError(f"ring {ring.index} of round {step} is not one this peer expects messages for")
+                raise RingsChanged(f"ring {ring.index} of round {step} is not among those this peer takes messages for "
+                                   f"now: a plan adopted as the round began changed its rings")
         if pseudo_gradient is not None and pseudo_gradient.shape != local.shape:
             raise ValueError(f"a pseudo-gradient of {pseudo_gradient.numel()} values for {local.numel()} parameters")
         self.enter(step)
@@ -340,6 +341,11 @@ class MultiRingAverager:
         self.last_result = result
         (logger.warning if result.failed else logger.info)(f"averaging {result.summary()}")
         return result
+
+
+class RingsChanged(ValueError):
+    """A round asked for rings this peer no longer follows: a plan adopted between the round's start and its first
+    message changed them (:meth:`MultiRingAverager.follow`). The round fails; the next one has the new rings."""
 
 
 def waiting_at() -> str:

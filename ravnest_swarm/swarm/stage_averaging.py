@@ -41,7 +41,7 @@ from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Sequenc
 
 import torch
 
-from ravnest_swarm.averaging.averager import MultiRingAverager, RoundResult, waiting_at
+from ravnest_swarm.averaging.averager import MultiRingAverager, RingsChanged, RoundResult, waiting_at
 from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, PSEUDO_GRADIENTS, Patience
@@ -408,7 +408,7 @@ class StageAveraging:
             self.announcer.update(state="training")
             return None
         except Exception as e:  # averaging must never stop training: keep the local values, say why
-            self._failed(step, f"{type(e).__name__}: {e}")
+            self._failed(step, str(e) if isinstance(e, RingsChanged) else f"{type(e).__name__}: {e}")
             self.announcer.update(state="training")
             return None
         finally:
