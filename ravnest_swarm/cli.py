@@ -969,6 +969,14 @@ def bench_diloco(
                                                "cluster is re-formed, its inner optimizer state reset or carried from "
                                                "the cluster it downloads from, beside none re-formed (a new run's "
                                                "optimizers only)."),
+    configurations: Optional[str] = typer.Option(None, "--configurations", help="inner:lr:outer,... to run "
+                                                 "instead of the six built in (the first one's K = 1 sets the "
+                                                 "target), e.g. adamw:0.008:average."),
+    synchronous: bool = typer.Option(False, "--synchronous", help="Beside each K > 1, one replica on K x the "
+                                     "microbatch: synchronous data parallelism, which no averaging period beats."),
+    target_samples: Optional[int] = typer.Option(None, "--target-samples", min=1, help="The target is the first "
+                                                 "configuration's K = 1 loss at these samples, not at the end: the "
+                                                 "others train on to --samples to reach it."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
     """Inner (sgd, momentum, adamw) and outer (average, nesterov) optimizers, K = 4 against 1, side by side.
@@ -978,9 +986,11 @@ def bench_diloco(
       ravnest-swarm bench diloco --json
       ravnest-swarm bench diloco --averaging-compression none,int8,int4
       ravnest-swarm bench diloco --reform-every 4 --averaging-compression int8
+      ravnest-swarm bench diloco --model gpt-tiny --samples 19200 --target-samples 9600 --synchronous \\
+        --configurations adamw:0.002:average,adamw:0.008:average
     """
     configure_logging(False)
-    from ravnest_swarm.bench.diloco import DilocoOptions, bench_diloco as run
+    from ravnest_swarm.bench.diloco import CONFIGURATIONS, DilocoOptions, bench_diloco as run, parse_configurations
     from ravnest_swarm.codecs.codec import CODECS
 
     compressions = tuple(name.strip() for name in averaging_compression.split(",") if name.strip())
@@ -991,11 +1001,14 @@ def bench_diloco(
     if "none" not in compressions:
         compressions = ("none",) + compressions  # what the others are compared with
     options = DilocoOptions(model=model, samples=samples, averaging_period=averaging_period, outer_lr=outer_lr,
-                            outer_momentum=outer_momentum, compressions=compressions, reform_every=reform_every)
+                            outer_momentum=outer_momentum, compressions=compressions, reform_every=reform_every,
+                            synchronous=synchronous, target_samples=target_samples)
     # re-formed clusters matter to optimizers with state: a new run's, whose K = 1 is then the target
     from ravnest_swarm.swarm.spec import RunSpec
     new_run = ((RunSpec.optimizer, RunSpec.lr, RunSpec.outer_optimizer),)
-    sys.exit(run(options, as_json, *([new_run] if reform_every else [])))
+    chosen = parse_configurations(configurations) if configurations is not None else \
+        new_run if reform_every else CONFIGURATIONS
+    sys.exit(run(options, as_json, chosen))
 
 
 @bench_app.command("speedup")
@@ -1158,5 +1171,8 @@ def main() -> None:
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)
+    except UserError as e:  # a command's check of its options before it runs (`bench diloco --configurations`)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except Exception as e:
         sys.exit(unexpected_error_as_one_line(e))

@@ -77,6 +77,18 @@ def test_malformed_multiaddr_is_one_line():
     assert_one_line_error(result, "malformed initial peer multiaddr", code=2)
 
 
+@pytest.mark.parametrize("args, said", [
+    (("bench", "diloco", "--averaging-compression", "zip"), "--averaging-compression must name codecs among"),
+    (("bench", "diloco", "--configurations", "adamw:0.01"), "--configurations: 'adamw:0.01' is not inner:lr:outer"),
+    (("bench", "lr-scaling", "--lrs", "x"), "--lrs must be numbers separated by commas")])
+def test_a_commands_own_check_of_its_options_is_one_line(args, said):
+    """A UserError a command raises before it runs (not inside ``run_blocking``) is the same one line, not an
+    'unexpected UserError'."""
+    result = cli(*args)
+    assert_one_line_error(result, said, code=2)
+    assert "unexpected" not in result.stderr
+
+
 @pytest.mark.parametrize("run_name", ["", "has space", "-leading-dash", "x" * 49, "bad/slash"])
 def test_invalid_run_name(run_name):
     result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", run_name, "--name", "a")

@@ -6,6 +6,8 @@ import math
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -195,6 +197,25 @@ def test_bench_diloco_re_forms_a_cluster_with_its_inner_state_reset_or_carried_f
     for index, state in carried.state_dict()["state"].items():
         assert all(torch.equal(state[key], given[index][key]) for key in ("exp_avg", "exp_avg_sq"))
         assert state["exp_avg"].data_ptr() != given[index]["exp_avg"].data_ptr()
+
+
+@pytest.mark.timeout(120)
+def test_bench_diloco_trains_the_synchronous_reference_of_each_k_on_k_times_the_microbatch():
+    """``bench diloco --synchronous``: beside K = 4, one replica on 4 x the microbatch for the same samples (what
+    no averaging period can beat); a malformed ``--configurations`` is a one-line error."""
+    done = subprocess.run([sys.executable, "-m", "ravnest_swarm", "bench", "diloco", "--samples", "640",
+                           "--configurations", "adamw:0.008:average", "--synchronous", "--json"],
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])["results"]
+    shapes = [(r["clusters"], r["synchronous_of"], r["microbatch_size"], r["curve"][-1][0]) for r in results]
+    assert shapes == [(1, None, 32, 640), (4, None, 32, 640), (1, 4, 128, 640)], shapes
+    assert results[0]["samples_to_target"] == 640 and results[0]["loss_vs_target"] == 1.0
+    refused = subprocess.run([sys.executable, "-m", "ravnest_swarm", "bench", "diloco", "--configurations",
+                              "adamw:fast:average"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == \
+        "error: --configurations: the lr of 'adamw:fast:average' must be a positive number", refused.stderr
 
 
 def test_members_with_one_history_end_an_outer_step_with_the_same_parameters_bit_for_bit():
