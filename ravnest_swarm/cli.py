@@ -973,7 +973,7 @@ def bench_diloco(
                                                  "instead of the six built in (the first one's K = 1 sets the "
                                                  "target), e.g. adamw:0.008:average."),
     synchronous: bool = typer.Option(False, "--synchronous", help="Beside each K > 1, one replica on K x the "
-                                     "microbatch: synchronous data parallelism, which no averaging period beats."),
+                                     "microbatch: synchronous data parallelism, the usual reference for K clusters."),
     target_samples: Optional[int] = typer.Option(None, "--target-samples", min=1, help="The target is the first "
                                                  "configuration's K = 1 loss at these samples, not at the end: the "
                                                  "others train on to --samples to reach it."),

@@ -16,11 +16,11 @@ round's result either way; its inner state is ``reset`` (what a run did: a new o
 of the state of the cluster it downloads from, as a holder could serve it), beside the run where no cluster is
 re-formed (``none``).
 
-``--synchronous`` adds, beside each configuration's K > 1, what no averaging period can beat: one replica trained
-on K times the microbatch for the same samples, the gradient K clusters would average at every step
-(synchronous data parallelism). Where it needs more samples than K = 1 to reach a loss, so does every scheme of K
-clusters of this microbatch: the model's own large-batch efficiency bounds their time to that loss, not the
-averaging.
+``--synchronous`` adds, beside each configuration's K > 1, one replica trained on K times the microbatch for the
+same samples: the gradient K clusters would average at every step (synchronous data parallelism), the usual
+reference for what K clusters can gain, which local steps approach from below as a rule. Where it too needs far
+more samples than K = 1 to reach a loss, what bounds the clusters' time to that loss is the model's own use of a
+larger batch, not their averaging.
 
 ``--averaging-compression none,int8,int4`` runs each configuration of K > 1 in each ring codec: ``none`` averages
 parameters as above, a compressing codec averages the replicas' pseudo-gradients with error feedback, as a run's
@@ -233,8 +233,8 @@ def bench_diloco(options: DilocoOptions, as_json: bool,
                      and (r["inner"], r["lr"]) == configurations[0][:2])
     # the reference's loss at the end, or at --target-samples: with a constant lr its curve to there is that of a run
     # of that length, so the others may train on past it to show the samples they need to reach it
-    target = reference["heldout_loss"] if options.target_samples is None else \
-        next((loss for samples, loss in reference["curve"] if samples >= options.target_samples), reference["heldout_loss"])
+    target = reference["heldout_loss"] if options.target_samples is None else next(
+        (loss for samples, loss in reference["curve"] if samples >= options.target_samples), reference["heldout_loss"])
     for r in results:
         r["samples_to_target"] = samples_to(r["curve"], target)
         r["loss_vs_target"] = None if r["heldout_loss"] is None else round(r["heldout_loss"] / target, 3)
