@@ -339,9 +339,7 @@ class PlanningRounds:
         plan = await self.current_plan()
         round_number = plan["round"] + 1 if plan is not None else 1
         now = get_dht_time()
-        proposals = await self.read_proposals(round_number, deadline_after=now - self.options.settle)
-        if proposals:
-            await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan)
+        if await self._joined_open_round(round_number, plan):
             return
         alive = await self.read_alive(now)
         waiting, hole = self.triggers.unread_plan_since, self.triggers.hole_since
@@ -365,8 +363,19 @@ class PlanningRounds:
             self.say(f"{ready} live peer(s): the first planning round opens once {self.options.min_peers} are live "
                      f"(--min-peers); waiting for {short} more")
         self._said_live = ready if short > 0 else None
-        if reason is not None:
+        # a DHT read that reached none of the key's holders reads as no proposals: look once more before we open a
+        # round another peer may have opened (a NAT lab peer whose relay lost the first read opened a round 1 of its
+        # own beside one, and the two plans merged only two rounds later)
+        if reason is not None and not await self._joined_open_round(round_number, plan):
             await self.take_part(round_number, now + self.options.round_seconds, f"opened ({reason})", plan)
+
+    async def _joined_open_round(self, round_number: int, plan: Optional[dict]) -> bool:
+        """Take part in round ``round_number`` if a peer opened it (its proposals are readable); whether we did."""
+        proposals = await self.read_proposals(round_number, deadline_after=get_dht_time() - self.options.settle)
+        if not proposals:
+            return False
+        await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan)
+        return True
 
     def _say_unpaid(self, standbys: set, current: float, possible: PricedPlan) -> None:
         names = ",".join(sorted(self.names.get(i, i) for i in standbys))
