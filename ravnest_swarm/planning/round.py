@@ -103,6 +103,11 @@ class RoundOptions:
                                                          self.move_horizon_s))
 
 
+def counting_peers(alive: Dict[str, Peer], joining: FrozenSet[str]) -> int:
+    """The live peers that count for a first round's ``--min-peers``: those whose planning rounds began."""
+    return len(set(alive) - joining)
+
+
 def plan_hash(clusters: Sequence[Sequence[str]]) -> str:
     """Hash of a plan's canonical form (clusters as sorted id lists, sorted): the same plan, the same hash."""
     canonical = sorted(sorted(c) for c in clusters)
@@ -174,7 +179,7 @@ class RoundTriggers:
                     return None
             else:
                 self.unread_plan_since = None
-            ready = len(set(alive) - joining)
+            ready = counting_peers(alive, joining)
             return f"{ready} live peers" if ready >= self.options.min_peers else None
         self.unread_plan_since = None
         members = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster}
@@ -356,7 +361,7 @@ class PlanningRounds:
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
             self.triggers.unpaid = None
-        ready = len(set(alive) - self.joining)
+        ready = counting_peers(alive, self.joining)
         short = self.options.min_peers - ready if plan is None and not self.followed else 0
         if short > 0 and ready != self._said_live:
             # a first volunteer alone (a walkthrough's) saw only "waiting for a planning round", for ever
