@@ -196,6 +196,35 @@ def test_a_record_with_an_out_of_range_loss_publishes_and_others_read_it():
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(60)
+def test_a_renewal_that_fails_is_an_error_only_once_renewals_failed_for_a_heartbeat():
+    """Through a real DHT node that refuses our renewals (each expires before the one it holds: a node keeps the
+    value that expires last): the first renewal that no node accepts is counted and logged, not said (the retry a
+    second later mends most, and the record lives three heartbeats); once renewals have failed for a heartbeat, the
+    problem is passed on, as it was at once before."""
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(RUN), host_maddrs=LOCAL)
+        peer = await start_peer_node(await server.get_visible_maddrs(), RUN, host_maddrs=LOCAL, client_mode=True)
+        try:
+            announcer = PeerAnnouncer(peer, RUN, "own", Capabilities(ram_gb=8.0, gflops=20.0, bandwidth_mbps=100.0),
+                                      heartbeat=1.0)
+            problems = []
+            announcer.on_renewal_problem = problems.append
+            assert await announcer.renew(lifetime=60) and problems == []
+            assert not await announcer.renew(lifetime=1)
+            first = (announcer.renewal_failures, list(problems))
+            await asyncio.sleep(announcer.heartbeat)
+            assert not await announcer.renew(lifetime=1)
+            return first, announcer.renewal_failures, problems
+        finally:
+            await stop_node(peer)
+            await stop_node(server)
+
+    first, failures, problems = asyncio.run(scenario())
+    assert first == (1, []) and failures == 2 and problems == ["no DHT node accepted it"]
+
+
 @pytest.mark.timeout(240)
 def test_a_volunteer_whose_data_drives_its_loss_to_nan_restores_says_so_and_trains_to_the_end(tmp_path, processes,
                                                                                             backbone):

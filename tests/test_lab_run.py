@@ -94,8 +94,10 @@ def test_four_volunteers_two_behind_nat_train_to_the_end_without_diverging(proce
         assert worst_loss <= 1e3 and math.isfinite(worst_loss)
         for name, log in logs.items():
             assert volunteers[name].popen.poll() is None, f"{name} exited: {log[-3000:]}"
-            assert not re.search(r"unexpected|Traceback|could not be renewed|renewing our peer record failed", log), \
-                f"{name}: {log[-3000:]}"
+            # a renewal that the retry a second later mends is a warning (a joiner's first store, as its connections
+            # formed, on a loaded lab); renewals failing for a heartbeat are the error this run once had
+            assert not re.search(r"unexpected|Traceback|could not be renewed|ERROR .*renewing our peer record failed",
+                                 log), f"{name}: {log[-3000:]}"
     finally:
         processes.stop_all()
         lab.close()

@@ -21,7 +21,7 @@ from ravnest_swarm.devices import peak_memory
 from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_bucket_counts, read_peers, read_summary
-from ravnest_swarm.membership.own_record import publishable
+from ravnest_swarm.membership.own_record import RecordError, publishable
 from ravnest_swarm.membership.records import (peers_key, signing_validator, summary_key,
                                               summary_subkey_prefix)
 from ravnest_swarm.membership.tickets import admitted
@@ -89,7 +89,8 @@ class PeerAnnouncer:
         # whenever it had taken its expiration first, and the renewal "failed" (the NAT lab run saw it)
         self._publishing = asyncio.Lock()
         self.renewal_failures = 0  # renewals that failed, for any reason, since we started
-        self.renewal_problem: Optional[str] = None  # why the last renewal failed; None once one succeeded again
+        self.renewal_problem: Optional[str] = None  # why renewals fail, once said (renew); None once one succeeded
+        self._failing_since: Optional[float] = None  # (event loop time) the first of the renewals failing in a row
         # told of each change of ``renewal_problem`` (a reason, or None when renewals work again): the volunteer
         # says it in its log and on its dashboard, so a record that cannot be renewed is never a silent vanishing
         self.on_renewal_problem: Optional[Callable[[Optional[str]], None]] = None
@@ -221,20 +222,32 @@ class PeerAnnouncer:
                              self._every_heartbeat(self.refresh_view, "reading the run's peer records"))
 
     async def renew(self, lifetime: Optional[float] = None) -> bool:
-        """:meth:`publish` that never raises: a failure (a DHT error, no node accepting it, a record of ours that
-        cannot be made valid) is counted, logged as an error and passed on (``on_renewal_problem``); whether the
-        record was stored. The heartbeat retries a failed renewal within :data:`RENEWAL_RETRY_S`."""
+        """:meth:`publish` that never raises; whether the record was stored. A failure is counted and logged. It is
+        an error, passed on (``on_renewal_problem``), where the record cannot be made valid (our own bug: no retry
+        mends it) or where renewals have failed for a heartbeat: the record lives three, and a DHT that accepts it
+        again at the retry :data:`RENEWAL_RETRY_S` later (a joiner's first store as its connections form, on a
+        loaded NAT lab) lost nobody anything, so that one is a warning."""
+        now = asyncio.get_running_loop().time()
+        lasting = False
         try:
             problem = None if await self.publish(lifetime) else "no DHT node accepted it"
+        except RecordError as e:
+            problem, lasting = str(e), True
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
-        if problem is not None:
+        if problem is None:
+            self._failing_since = None
+        else:
             self.renewal_failures += 1
-            logger.error(f"renewing our peer record failed ({problem}); trying again in {RENEWAL_RETRY_S:.0f}s")
-        if problem != self.renewal_problem:
-            self.renewal_problem = problem
+            self._failing_since = now if self._failing_since is None else self._failing_since
+            lasting = lasting or now - self._failing_since >= self.heartbeat
+            (logger.error if lasting else logger.warning)(
+                f"renewing our peer record failed ({problem}); trying again in {RENEWAL_RETRY_S:.0f}s")
+        said = problem if problem is None or lasting else self.renewal_problem
+        if said != self.renewal_problem:
+            self.renewal_problem = said
             if self.on_renewal_problem is not None:
-                self.on_renewal_problem(problem)
+                self.on_renewal_problem(said)
         return problem is None
 
     async def _renew_forever(self) -> None:
