@@ -23,6 +23,7 @@ from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.pipeline.guard import LEVEL_FLOOR, LEVEL_WINDOW, PATIENCE, Diverged, DivergenceGuard, SkippedStep
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.swarm.spec import cluster_lr
+from ravnest_swarm.swarm.stage_averaging import AppliedRound
 from run_observer import RunObserver
 from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 from test_user_models import USER_MODELS, features_dir
@@ -194,6 +195,14 @@ def test_a_record_with_an_out_of_range_loss_publishes_and_others_read_it():
             await stop_node(server)
 
     asyncio.run(scenario())
+
+
+def test_a_divergence_soon_after_a_round_beside_training_says_what_the_round_did():
+    """What a stage's divergence line adds when it came within an averaging period of a round it took: the round,
+    where it was taken, and how far it and the training during it moved the parameters."""
+    applied = AppliedRound(step=1800, at=3764, moved=0.4213, trained=1.873, parameters=23.19)
+    assert str(applied) == ("averaging round 1800, taken at step 3764, moved the parameters by 0.421 (L2) beside 1.87 "
+                            "trained during it, to a norm of 23.2")
 
 
 @pytest.mark.timeout(60)

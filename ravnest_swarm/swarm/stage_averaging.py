@@ -97,6 +97,22 @@ class InFlightRound:
     started: float  # time.monotonic() at its start: a round given up says how long it ran
 
 
+@dataclass(frozen=True)
+class AppliedRound:
+    """A round beside training as a stage took it: what a divergence soon after it says (the lab run saw a stage
+    diverge right after applying a compressed round, once in long runs on a loaded machine, cause not found)."""
+
+    step: int  # the round's name on the run's count
+    at: int  # the stage's step when it took the result
+    moved: float  # the L2 norm of what the round changed of the values we sent
+    trained: float  # the L2 norm of what the stage trained while the round ran, kept on top of the result
+    parameters: float  # the L2 norm of the parameters after
+
+    def __str__(self) -> str:
+        return (f"averaging round {self.step}, taken at step {self.at}, moved the parameters by {self.moved:.3g} (L2) "
+                f"beside {self.trained:.3g} trained during it, to a norm of {self.parameters:.3g}")
+
+
 class StageAveraging:
     """The averager of one volunteer, and what its rounds counted.
 
@@ -144,6 +160,7 @@ class StageAveraging:
         self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring], FrozenSet[str]] = \
             (None, frozenset(), [], frozenset())
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
+        self.last_applied: Optional[AppliedRound] = None  # the last such round a stage of ours took
         # the run's count of rounds (round_to_join): the next round we take part in, our step less the round step,
         # and the worker and plan they were aligned for (None: align at the next step boundary)
         self.next_round: Optional[int] = None
@@ -370,8 +387,11 @@ class StageAveraging:
             parameters = list(worker.module.parameters())
             trained = flatten([p.detach().cpu() for p in parameters]) - finished.sent
             self._write(worker, finished.step, applied, values)
+            taken = values + trained
             with torch.no_grad():
-                unflatten_into(values + trained, parameters)
+                unflatten_into(taken, parameters)
+            self.last_applied = AppliedRound(finished.step, worker.version, float((values - finished.sent).norm()),
+                                             float(trained.norm()), float(taken.norm()))
         return applied
 
     async def _round(self, worker: StageWorker, plan: dict, step: int, local: torch.Tensor,
