@@ -5,6 +5,7 @@ import asyncio
 import math
 import os
 import re
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
+from ravnest_swarm.averaging.segments import flatten
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.own_record import RecordError, publishable
@@ -23,8 +25,9 @@ from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.pipeline.guard import LEVEL_FLOOR, LEVEL_WINDOW, PATIENCE, Diverged, DivergenceGuard, SkippedStep
 from ravnest_swarm.models import ShardedSampler, get_model
 from ravnest_swarm.swarm.spec import cluster_lr
-from ravnest_swarm.swarm.stage_averaging import AppliedRound
+from ravnest_swarm.swarm.stage_averaging import AppliedRound, InFlightRound, StageAveraging
 from run_observer import RunObserver
+from test_checkpoint import stage_worker, train
 from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 from test_user_models import USER_MODELS, features_dir
 
@@ -203,6 +206,37 @@ def test_a_divergence_soon_after_a_round_beside_training_says_what_the_round_did
     applied = AppliedRound(step=1800, at=3764, moved=0.4213, trained=1.873, parameters=23.19)
     assert str(applied) == ("averaging round 1800, taken at step 3764, moved the parameters by 0.421 (L2) beside 1.87 "
                             "trained during it, to a norm of 23.2")
+
+
+def test_a_round_taken_beside_training_keeps_the_training_on_top_and_says_what_it_moved():
+    """``take_finished`` at a step boundary: the round's values replace those sent, what the stage trained since
+    stays on top, and what it did is what a divergence within the next period says (not another worker's, nor
+    one more than a period old)."""
+    worker = stage_worker()
+    sent = flatten([p.detach().clone() for p in worker.module.parameters()])
+    train(worker, [torch.randn(4, 64) for _ in range(2)])
+    worker.resume_at(107)
+    trained = flatten([p.detach().clone() for p in worker.module.parameters()]) - sent
+    values = sent + 0.01
+    loop = asyncio.new_event_loop()
+    finished = loop.create_future()
+    finished.set_result((True, values.clone()))
+    loop.close()
+    averaging = StageAveraging.__new__(StageAveraging)
+    averaging.period, averaging._last_applied = 25, None
+    averaging.state_server = SimpleNamespace(keep_averaged=lambda layers: None, kept_rounds=lambda start, end: [100])
+    averaging.announcer = SimpleNamespace(update=lambda **fields: None)
+    averaging.in_flight = InFlightRound(worker, 100, sent, {}, [], frozenset(), finished, 0.0)
+    assert averaging.take_finished(worker) is True and averaging.in_flight is None
+    now = flatten([p.detach() for p in worker.module.parameters()])
+    assert torch.allclose(now, values + trained)
+    applied = averaging.taken_within_period(worker)
+    assert (applied.step, applied.at) == (100, 107)
+    assert applied.moved == pytest.approx(float((values - sent).norm()), rel=1e-5)
+    assert applied.trained == pytest.approx(float(trained.norm()), rel=1e-5)
+    assert averaging.taken_within_period(stage_worker()) is None
+    worker.resume_at(107 + 26)
+    assert averaging.taken_within_period(worker) is None
 
 
 @pytest.mark.timeout(60)

@@ -160,7 +160,7 @@ class StageAveraging:
         self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring], FrozenSet[str]] = \
             (None, frozenset(), [], frozenset())
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
-        self.last_applied: Optional[AppliedRound] = None  # the last such round a stage of ours took
+        self._last_applied: Optional[Tuple[StageWorker, AppliedRound]] = None  # the last such round, and whose
         # the run's count of rounds (round_to_join): the next round we take part in, our step less the round step,
         # and the worker and plan they were aligned for (None: align at the next step boundary)
         self.next_round: Optional[int] = None
@@ -390,9 +390,17 @@ class StageAveraging:
             taken = values + trained
             with torch.no_grad():
                 unflatten_into(taken, parameters)
-            self.last_applied = AppliedRound(finished.step, worker.version, float((values - finished.sent).norm()),
-                                             float(trained.norm()), float(taken.norm()))
+            self._last_applied = (worker, AppliedRound(finished.step, worker.version,
+                                                       float((values - finished.sent).norm()), float(trained.norm()),
+                                                       float(taken.norm())))
         return applied
+
+    def taken_within_period(self, worker: StageWorker) -> Optional[AppliedRound]:
+        """The round beside training that ``worker`` took within an averaging period before its step, if any."""
+        if self._last_applied is None or self._last_applied[0] is not worker:
+            return None
+        applied = self._last_applied[1]
+        return applied if 0 <= worker.version - applied.at <= self.period else None
 
     async def _round(self, worker: StageWorker, plan: dict, step: int, local: torch.Tensor,
                      beside_training: bool = False) -> Optional[Tuple[bool, torch.Tensor]]:

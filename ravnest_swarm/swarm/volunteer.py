@@ -974,9 +974,8 @@ class Volunteer:
         self._noted_divergence = last
         cluster = self.placement[0] if self.placement else "?"
         # a round taken within its period before: what it did, for whoever reads why (the lab run's open divergence)
-        applied = self.averaging.last_applied
-        after = f"; {worker.version - applied.at} step(s) after it took {applied}" if applied is not None and \
-            0 <= worker.version - applied.at <= self.spec.averaging_period else ""
+        applied = self.averaging.taken_within_period(worker)
+        after = "" if applied is None else f"; {worker.version - applied.at} step(s) after it took {applied}"
         self.say(f"{self.name}: cluster {cluster} stage {worker.config.stage} diverged {last} ({total} so far){after}")
         self._note(f"{DIVERGED_NOTE} {last}")
         # (step, restores so far) at each look: the restores within the window are those since the last look before it
