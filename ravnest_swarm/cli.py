@@ -1034,6 +1034,9 @@ def bench_speedup(
                                 "nesterov outer step), or name:key=value,... of your own (run-spec settings, "
                                 "from today's). The first is the reference: its K = 1's final held-out loss is the "
                                 "target all are timed to."),
+    target_samples: Optional[int] = typer.Option(None, "--target-samples", min=1, help="The target is the "
+                                                 "reference's K = 1 held-out loss at these samples, not at the end: "
+                                                 "every K trains on to --samples to show the samples it needs."),
     as_json: bool = typer.Option(False, "--json", help="JSON on the last line."),
 ):
     """Wall time and samples to a held-out loss, and samples/s, of K = 1, 2 and 4 clusters of the same stages in
@@ -1043,13 +1046,14 @@ def bench_speedup(
     Examples:
       sudo ravnest-swarm bench speedup --json
       sudo ravnest-swarm bench speedup --clusters 1,2 --samples 4800 --schemes today,new,adamw:optimizer=adamw,lr=0.002
+      sudo ravnest-swarm bench speedup --samples 38400 --target-samples 19200 --json
     """
     configure_logging(False)
     from ravnest_swarm.bench.speedup import bench_speedup as run, parse_clusters, parse_schemes
 
     sys.exit(run_blocking(lambda: run(parse_clusters(clusters), stages, model, samples, mbps, delay_ms,
                                       averaging_period, cpus_per_peer, time_limit, as_json,
-                                      parse_schemes(schemes))))
+                                      parse_schemes(schemes), target_samples)))
 
 
 @bench_app.command("soak")

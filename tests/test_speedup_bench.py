@@ -10,8 +10,8 @@ from rich.console import Console
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.bench.speedup import SpeedupRun, parse_clusters, steps_per_cluster
-from ravnest_swarm.bench.speedup_curve import time_to_target
+from ravnest_swarm.bench.speedup import SpeedupRun, check_target_samples, parse_clusters, steps_per_cluster
+from ravnest_swarm.bench.speedup_curve import target_loss, time_to_target
 from ravnest_swarm.bench.speedup_schemes import SCHEMES, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.swarm.spec import RunSpec
@@ -77,6 +77,7 @@ def test_time_to_target_is_the_first_point_at_or_below_it_and_ratios_come_from_t
     assert "targets" not in results["new"]["1"]
     # the table a person reads shows each (scheme, K), a target not reached as "-"
     report = dict(model="mlp-digits", stages=2, samples=3200, cpus_per_peer=0.36, reference="today", target_loss=0.2,
+                  target_samples=3200,
                   results=results, runs={scheme: {str(k): dict(run, peer_cores=[0.2, 0.3], averaging_round_s=None,
                                                                machine_busy_cores=2.0) for k, run in by_k.items()}
                                          for scheme, by_k in runs.items()})
@@ -86,6 +87,22 @@ def test_time_to_target_is_the_first_point_at_or_below_it_and_ratios_come_from_t
     rows = [row for row in rows if row and row[0] in ("today", "new")]
     assert [row[:3] for row in rows] == [["today", "1", "16.0"], ["today", "2", "-"], ["new", "1", "9.0"],
                                          ["new", "2", "4.0"]]
+
+
+def test_a_target_at_fewer_samples_is_a_point_of_k1s_curve_and_bad_ones_are_one_line():
+    """``--target-samples``: every K trains on past K = 1's loss at those samples to show the samples it needs."""
+    run = dict(heldout_loss=0.15, curve=[[1600, 8.0, 0.4], [3200, 16.0, 0.2], [4800, 24.0, 0.25], [6400, 32.0, 0.15]])
+    assert target_loss(run, None) == 0.15 and target_loss(run, 3200) == 0.2
+    with pytest.raises(UserError, match="no point at --target-samples 2400"):
+        target_loss(run, 2400)
+    # K = 1 of 600 steps checkpoints every 37 steps of 32 samples: a curve point every 1,184 samples
+    check_target_samples(None, 19200, 600, 32, "cosine")
+    check_target_samples(9472, 19200, 600, 32, "constant")
+    for target, schedule, message in ((9600, "constant", "a multiple of 1184 samples, at most --samples 19200"),
+                                      (20128, "constant", "at most --samples"),
+                                      (9472, "cosine", "lr constant, not cosine")):
+        with pytest.raises(UserError, match=message):
+            check_target_samples(target, 19200, 600, 32, schedule)
 
 
 # four labs one after the other: 4.3-6.2 min at load average 5-12; beside a 20-host soak (load 20), over 10
@@ -107,13 +124,17 @@ def test_every_peer_of_a_run_may_only_join_a_cluster_of_the_benchs_stages(tmp_pa
 
 def test_bench_speedup_runs_two_schemes_at_each_k_times_them_to_the_target_and_leaves_nothing_running(processes):
     bench = processes.start(["bench", "speedup", "--json", "--clusters", "1,2", "--samples", "2560",
-                             "--averaging-period", "10", "--schemes", "today,new"], "bench")
+                             "--target-samples", "1280", "--averaging-period", "10", "--schemes", "today,new"],
+                            "bench")
     exits_leaving_nothing(bench, 570)  # the peers, their p2pd, the backbones, the relays
     report = json.loads(bench.stdout().strip().splitlines()[-1])
     assert report["benchmark"] == "speedup" and report["clusters"] == [1, 2] and report["stages"] == 2
     assert report["link"]["mode"] == "netns" and report["link"]["mbps"] == 100.0
     assert report["schemes"]["new"]["optimizer"] == "adamw" and report["schemes"]["new"]["averaging_overlap"]
-    assert report["reference"] == "today" and report["target_loss"] == report["runs"]["today"]["1"]["heldout_loss"]
+    # the target: today's K = 1 loss at --target-samples, a point of its curve; every K trains on to --samples
+    today = report["runs"]["today"]["1"]
+    assert report["reference"] == "today" and report["target_samples"] == 1280
+    assert [report["target_loss"]] == [loss for samples, _, loss in today["curve"] if samples == 1280]
     for scheme in ("today", "new"):
         for k in ("1", "2"):
             run, figures = report["runs"][scheme][k], report["results"][scheme][k]
@@ -133,8 +154,8 @@ def test_bench_speedup_runs_two_schemes_at_each_k_times_them_to_the_target_and_l
             assert all(0 <= share < 1 for share in run["stood_still_share"])
         assert report["runs"][scheme]["2"]["averaging_rounds"] >= 1  # the clusters averaged across the lab's links
         assert set(report["results"][scheme]["2"]["targets"]) == {"sooner", "samples_per_s", "stood_still"}
-    # today's K = 1 reaches its own final loss by its end, at the latest
-    assert report["results"]["today"]["1"]["samples_to_target"] <= 2560
+    # today's K = 1 reaches its own loss at the target's samples by then, at the latest
+    assert report["results"]["today"]["1"]["samples_to_target"] <= 1280
     # rounds beside training: the new scheme's stages stand still less than today's, which stand still for each round
     assert max(report["runs"]["new"]["2"]["stood_still_share"]) < max(report["runs"]["today"]["2"]["stood_still_share"])
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

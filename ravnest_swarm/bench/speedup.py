@@ -12,7 +12,8 @@ size) steps, so at K = 4 each cluster trains a quarter of the steps of K = 1 (at
 
 A scheme is a named set of run-spec settings (``speedup_schemes.py``: today's, the new one, or the user's own):
 every (K, scheme) trains in a lab of its own, K by K, the schemes of one K one after the other. The first scheme is
-the reference: its K = 1's held-out loss at the end is the target every run is timed to.
+the reference: its K = 1's held-out loss at the end (or at ``target_samples``, where every K trains on past it to show
+the samples it needs) is the target every run is timed to.
 
 Throughput: the samples every cluster's stage 0 completed, over the time from the first injection of any
 cluster to the last completion of any (the peers' reports, ``join --report``): averaging rounds, and a
@@ -49,7 +50,8 @@ from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.bench.pipeline import busy_fraction
-from ravnest_swarm.bench.speedup_curve import CheckpointHistory, heldout_figures, layer_states
+from ravnest_swarm.bench.speedup_curve import (CheckpointHistory, heldout_figures, layer_states,
+                                                target_loss)
 from ravnest_swarm.bench.speedup_schemes import SCHEME_KEYS, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.swarm.join import JoinOptions, run_join
@@ -81,6 +83,27 @@ def steps_per_cluster(samples: int, clusters: Sequence[int], microbatch_size: in
         raise UserError(f"--samples {samples} does not split into whole {microbatch_size}-sample steps for every K: "
                         f"use a multiple of {unit}, e.g. {max(unit, samples // unit * unit)}")
     return {k: samples // (k * microbatch_size) for k in clusters}
+
+
+def checkpoint_every(steps: int) -> int:
+    """Steps between a peer's checkpoints in a run of ``steps``: :data:`CURVE_POINTS` a run, the held-out curve's."""
+    return max(1, steps // CURVE_POINTS)
+
+
+def check_target_samples(target_samples: Optional[int], samples: int, k1_steps: int, microbatch_size: int,
+                         lr_schedule: str) -> None:
+    """``--target-samples`` must fall on a point of K = 1's held-out curve within the run, and the reference's lr be
+    constant, so that its curve up to there is that of a run of ``target_samples`` (a cosine decay over the longer
+    run would not be): one line where not."""
+    if target_samples is None:
+        return
+    every = checkpoint_every(k1_steps) * microbatch_size
+    if target_samples > samples or target_samples % every:
+        raise UserError(f"--target-samples {target_samples} must be a point of K = 1's held-out curve: a multiple of "
+                        f"{every} samples, at most --samples {samples}")
+    if lr_schedule != "constant":
+        raise UserError(f"--target-samples needs the reference scheme's lr constant, not {lr_schedule}: with a decay "
+                        "over --samples its curve to the target is not that of a run of --target-samples")
 
 
 def default_cpus_per_peer(clusters: Sequence[int], stages: int) -> float:
@@ -170,7 +193,7 @@ class SpeedupRun:
             # when records lived two heartbeats, at 2 s a peer on a 0.2-core quota of a machine at load 20 missed its
             # renewal, and the plan, made without it, had a cluster of 3 stages; 4 s as `local` uses
             min_peers=len(self.names), heartbeat=4.0, handover_timeout=0.0, checkpoint_dir=self.checkpoints,
-            checkpoint_every=max(1, self.steps // CURVE_POINTS),
+            checkpoint_every=checkpoint_every(self.steps),
             # RAM alone leaves the GA free to make fewer, longer clusters where the peers could hold the model in
             # fewer stages (at --stages 1 it twice made two clusters of two of the GPT, and the bench refused them)
             max_stages=self.stages)
@@ -328,7 +351,7 @@ class SpeedupRun:
 
 def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples: int, mbps: float, delay_ms: float,
                   averaging_period: int, cpus_per_peer: Optional[float], time_limit: float, as_json: bool,
-                  schemes: Optional[Dict[str, Dict[str, Any]]] = None) -> int:
+                  schemes: Optional[Dict[str, Dict[str, Any]]] = None, target_samples: Optional[int] = None) -> int:
     from ravnest_swarm.bench.netlab import cpu_quota_unavailable
 
     schemes = schemes or parse_schemes("today,new")
@@ -342,6 +365,8 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
              for name, settings in schemes.items()}
     microbatch_size = RunSpec(model=model_name).microbatch_size
     steps = steps_per_cluster(samples, clusters, microbatch_size)
+    reference = next(iter(schemes))
+    check_target_samples(target_samples, samples, steps[1], microbatch_size, specs[reference].lr_schedule)
     console = Console(stderr=True)
     no_quota = cpu_quota_unavailable()
     if cpus_per_peer is None:
@@ -369,14 +394,14 @@ def bench_speedup(clusters: Sequence[int], stages: int, model_name: str, samples
                 description = run.lab_description
     if description.get("mode") != "netns":
         console.print("[yellow]no network namespaces: the links were NOT rate-limited[/]")
-    reference = next(iter(schemes))
-    target = runs[reference][1]["heldout_loss"]
+    target = target_loss(runs[reference][1], target_samples)
     start_loss, start_accuracy = heldout_figures(model, None)
     report = dict(
         benchmark="speedup", model=model_name, stages=stages, clusters=list(clusters), samples=samples,
         microbatch_size=microbatch_size, averaging_period=averaging_period,
         schemes={name: {key: getattr(spec, key) for key in SCHEME_KEYS} for name, spec in specs.items()},
-        reference=reference, target_loss=target, heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
+        reference=reference, target_samples=target_samples or samples, target_loss=target,
+        heldout_loss_start=start_loss, heldout_accuracy_start=start_accuracy,
         results=compare(runs, reference, target),
         cpus_per_peer=cpus_per_peer or None, link=description,
         runs={name: {str(k): run for k, run in by_k.items()} for name, by_k in runs.items()},

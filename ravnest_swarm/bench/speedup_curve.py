@@ -96,6 +96,18 @@ def time_to_target(curve: Sequence[Sequence[float]], target: float) -> Tuple[Opt
     return None, None
 
 
+def target_loss(run: Dict, target_samples: Optional[int]) -> float:
+    """The reference K = 1 run's held-out loss the others are timed to: at its end, or at the point of its curve at
+    ``target_samples`` (``check_target_samples`` made sure it has one)."""
+    if target_samples is None:
+        return run["heldout_loss"]
+    at = [loss for samples, _, loss in run["curve"] if samples == target_samples]
+    if not at:  # every peer checkpoints there, but the watcher may miss a copy on an overloaded machine
+        raise UserError(f"K = 1's held-out curve has no point at --target-samples {target_samples}: no copy of "
+                        "every peer's checkpoint there was kept")
+    return at[0]
+
+
 def heldout_figures(model: ModelSpec, states: Optional[Dict[int, List[Dict[str, torch.Tensor]]]],
                     batch: int = 256) -> Tuple[float, float]:
     """(loss, accuracy) on the held-out split of the model whose layers are the mean of ``states`` (the

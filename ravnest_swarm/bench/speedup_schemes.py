@@ -162,7 +162,8 @@ def compare(runs: Dict[str, Dict[int, Dict]], reference: str, target: float) -> 
 def summary_table(report: Dict) -> Table:
     table = Table(title=f"bench speedup: {report['model']}, {report['stages']} stages per cluster, "
                         f"{report['samples']} samples per K, {report['cpus_per_peer'] or 'shared'} cores per peer; "
-                        f"target: {report['reference']} K = 1's held-out loss at the end, {report['target_loss']}")
+                        f"target: {report['reference']} K = 1's held-out loss at {report['target_samples']} samples, "
+                        f"{report['target_loss']}")
     for column in ("scheme", "K", "s to target", "x sooner than K=1", "samples to target", "samples/s", "x K=1",
                    f"x {report['reference']}", "held-out loss", "stood still (max stage)", "averaging s/round",
                    "cores per peer", "machine busy cores"):
