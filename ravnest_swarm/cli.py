@@ -7,6 +7,7 @@ peers); a verb's body only builds the library's options object and makes that on
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import List, Optional
 
@@ -345,6 +346,8 @@ def export(
           --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/Qm...
     """
     configure_logging(verbose)
+    if not verbose:  # a route to each holder is a join log's NAT diagnosis; here it broke the progress bars apart
+        logging.getLogger("ravnest_swarm.net.routes").setLevel(logging.WARNING)
     from ravnest_swarm.swarm.export import ExportOptions, run_export
 
     sys.exit(run_async(run_export(ExportOptions(initial_peers, run, out, timeout, transfer_timeout))))

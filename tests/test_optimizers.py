@@ -26,6 +26,7 @@ from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.planning.cost import Peer
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.swarm.placement import model_workload
+from ravnest_swarm.swarm.hand_over import new_takers
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.stage_state import stage_giver
 from process_tree import signal_session
@@ -441,6 +442,56 @@ def test_two_sigkilled_clusters_resume_their_outer_state_and_compress_from_their
         assert int(first_round.group(1)) > 0  # a round on the run's count (not the step: a cluster may run ahead)
         assert "unexpected" not in log and "Traceback" not in log, log[-3000:]
     assert all(after[n]["loss"] is None or after[n]["loss"] < 1.0 for n in second), after  # on from where it was
+
+
+def test_a_leaver_waits_for_a_standby_only_where_the_plan_since_its_leave_puts_one_on_its_layers():
+    """``hand_over.new_takers``: who the plan made for a leave puts on the leaver's layers that did not train them."""
+    def record(peer_id, state, layers=None):
+        return dict(peer_id=peer_id, name=peer_id, state=state, layers=layers)
+
+    plan = dict(round=3, clusters=[[dict(peer_id="p0", layers=[0, 4])], [dict(peer_id="p2", layers=[0, 4])]])
+    peers = [record("p0", "training", [0, 4]), record("p2", "standby")]
+    assert new_takers(plan, (0, 4), peers, "p1") == ["p2"]  # the standby placed in our place downloads first
+    assert new_takers(dict(round=3, clusters=plan["clusters"][:1]), (0, 4), peers, "p1") == []  # left a standby
+    assert new_takers(plan, (0, 2), peers, "p1") == []  # nobody on exactly our layers
+    assert new_takers(plan, (0, 4), [record("p0", "training", [0, 4]), record("p2", "training", [0, 4])], "p1") == []
+
+
+@pytest.mark.timeout(300)
+def test_a_leave_that_the_next_plan_gives_no_standby_waits_for_that_plan_not_the_hand_over_timeout(tmp_path, processes,
+                                                                                                  backbone):
+    """Two clusters of one stage (AdamW) and a standby far too slow to be worth a place: p1's Ctrl-C once waited the
+    whole hand-over timeout (90 s, a walkthrough) for its AdamW state to be taken by the standby, which the plan
+    made for the leave left on standby. It now leaves once that plan is in force: well within the timeout, its
+    layers handed over to p0, and the standby still standing by."""
+    run = "leave-slow-standby"
+
+    def join(name, gflops):
+        return processes.start(["join", "--initial-peers", backbone, "--run", run, "--name", name, "--no-dashboard",
+                                "--model", "mlp-digits", "--steps", "100000", "--min-peers", "2", "--ram-gb", "1",
+                                "--gflops", gflops, "--bandwidth-mbps", "100", "--optimizer", "adamw",
+                                "--lr", "0.002", "--round-seconds", "4", "--max-stages", "1", "--heartbeat", "2",
+                                "--handover-timeout", "90", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], name)
+
+    peers = {name: join(name, "20") for name in ("p0", "p1")}
+    observer = RunObserver(backbone, run, period=1.0)
+    try:
+        observer.wait_for(lambda seen: all((seen.get(n, {}).get("averaging_rounds") or 0) >= 2 for n in peers), 200,
+                          "two clusters that averaged twice")
+        peers["p2"] = join("p2", "0.5")
+        peers["p0"].wait_for_output(r"standby p2 opened no round", 90, stream="stderr")
+        started = time.monotonic()
+        os.killpg(peers["p1"].pid, signal.SIGINT)
+        peers["p1"].wait_for_output(r"^p1: layers \d+:\d+ handed over at step \d+ to p0$", 80, stream="stderr")
+        assert peers["p1"].wait(30) == 0
+        assert time.monotonic() - started < 60, "the leave waited for a standby the plan did not place"
+        after = observer.wait_for(lambda seen: "p1" not in seen and seen.get("p2", {}).get("state") == "standby" and
+                                  seen.get("p0", {}).get("state") == "training", 60, "p0 training, p2 standing by")
+    finally:
+        observer.close()
+    assert after["p2"]["cluster"] == -1, after["p2"]
+    for name in ("p0", "p1", "p2"):
+        assert "unexpected" not in peers[name].stderr() and "Traceback" not in peers[name].stderr(), name
 
 
 @pytest.mark.timeout(300)

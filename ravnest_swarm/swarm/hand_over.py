@@ -4,7 +4,8 @@ It says ``leaving`` at once (with its layers and step), so the planners replace 
 replacement downloads from it (``Volunteer._fill_layers`` counts a leaving holder too). Bounded by
 ``handover_timeout`` and by a second Ctrl-C; nothing to wait for when no live peer is left to take them. If nobody
 took them, a checkpoint keeps them, and it says how to resume. Where a standby may take our place, it also waits for
-the stage's optimizer state to be taken (``stage_state.py``): another cluster that holds our layers has its own.
+the stage's optimizer state to be taken (``stage_state.py``): another cluster that holds our layers has its own; once
+the plan made since we left is in force and puts nobody new on our layers (:func:`new_takers`), it waits no more.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 import shlex
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -31,15 +32,24 @@ logger = logging.getLogger(__name__)
 LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", "ravnest-swarm")
 
 
+def new_takers(plan: dict, layers: Tuple[int, int], peers: List[Dict], own_id: str) -> List[str]:
+    """The peers ``plan`` puts on ``layers`` that did not train them already (by their ``peers`` records): who may yet
+    take a leaver's optimizer state. A standby placed there downloads first; its record names the place only later."""
+    trained = {p["peer_id"] for p in peers if p["state"] in ("training", "averaging", "done")
+               and p.get("layers") == list(layers)}
+    return [stage["peer_id"] for cluster in plan["clusters"] for stage in cluster
+            if tuple(stage["layers"]) == tuple(layers) and stage["peer_id"] not in trained | {own_id}]
+
+
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
                     save: Callable[[StageWorker, str], None], address: str,
-                    state_awaited: Callable[[List[Dict]], bool] = lambda peers: False) -> None:
+                    state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer), or
     write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume (``address``: the run's,
-    ``name@owner``, as a joiner gives it). ``state_awaited(peers)``: whether to wait on, the layers held, for a
-    peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
+    ``name@owner``, as a joiner gives it). ``await state_awaited(peers)``: whether to wait on, the layers held, for
+    a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
     several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
     with us)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
@@ -66,7 +76,8 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                 peers = None
             if peers is not None:
                 taker = holders_of(peers, start, end, step)
-                if (taker is not None and not state_awaited(peers)) or not any(p["state"] != "leaving" for p in peers):
+                awaited = taker is not None and state_awaited is not None and await state_awaited(peers)
+                if (taker is not None and not awaited) or not any(p["state"] != "leaving" for p in peers):
                     break  # handed over, or nobody is left who could take them
             await until_set(leave_now.wait(), leave_now, timeout=1.0)
     if taker is not None:

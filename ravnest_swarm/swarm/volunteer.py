@@ -62,7 +62,7 @@ from ravnest_swarm.swarm.placement import (Placement, holders_before_round, laye
                                            neighbours_in, offered_step, placement_in, round_for_cluster, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
-from ravnest_swarm.swarm.hand_over import hand_over
+from ravnest_swarm.swarm.hand_over import hand_over, new_takers
 from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.exported import newest_export, read_export
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
@@ -498,15 +498,35 @@ class Volunteer:
         return None if worker is None else TrainingStage(worker.start_layer, worker.module, worker.optimizer,
                                                          worker.version)
 
-    def _state_awaited(self, peers: List[Dict]) -> bool:
+    async def _state_awaited(self, peers: List[Dict]) -> bool:
         """Whether our graceful leave waits on for the stage's optimizer state to be taken (``hand_over``): we have
-        some, nobody took it, and a standby is there that a new plan may put in our place."""
+        some, nobody took it, and a standby is there that a new plan may put in our place, unless the plan adopted
+        since we left puts none there (a walkthrough's Ctrl-C waited out the whole hand-over timeout, 90 s, for a
+        standby that the plan made for our leave had left where it was, too slow to be worth a place)."""
         stage = self.stopped_stage
         if stage is None or not (stage.optimizer.state or stage.outer):
             return False
         if any((layers, step) == (stage.layers, stage.step) for _, layers, step in self.stage_state_server.served):
             return False
-        return any(p["state"] in ("standby", "joining") for p in peers)
+        if not any(p["state"] in ("standby", "joining") for p in peers):
+            return False
+        return not await self._placed_nobody_on(stage.layers, peers)
+
+    async def _placed_nobody_on(self, layers: Tuple[int, int], peers: List[Dict]) -> bool:
+        """Whether a plan adopted after the one we left is in force and puts no peer on ``layers`` that did not
+        train them already (:func:`new_takers`)."""
+        left_in = None if self.plan is None else self.plan["round"]
+        if left_in is None or self.rounds is None or not any(
+                (p.get("plan_round") or 0) > left_in for p in peers if p["state"] != "leaving"):
+            return False
+        try:
+            plan = await self.rounds.current_plan()
+        except Exception as e:  # no plan read: wait on, the timeout still bounds it
+            logger.warning(f"reading the plan in force while handing over failed: {e}")
+            return False
+        if plan is None or plan["round"] <= left_in:
+            return False
+        return not new_takers(plan, layers, peers, self.peer_id)
 
     def _take_optimizer_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
         """A resumed stage goes on with the optimizer state its checkpoint kept (AdamW's moments, momentum), a
