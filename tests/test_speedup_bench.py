@@ -10,8 +10,8 @@ from rich.console import Console
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.bench.speedup import SpeedupRun, check_target_samples, parse_clusters, steps_per_cluster
-from ravnest_swarm.bench.speedup_curve import target_loss, time_to_target
+from ravnest_swarm.bench.speedup import SpeedupRun, parse_clusters, steps_per_cluster
+from ravnest_swarm.bench.speedup_curve import check_target_samples, target_loss, time_to_target
 from ravnest_swarm.bench.speedup_schemes import SCHEMES, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.swarm.spec import RunSpec

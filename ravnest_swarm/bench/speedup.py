@@ -19,7 +19,7 @@ Throughput: the samples every cluster's stage 0 completed, over the time from th
 cluster to the last completion of any (the peers' reports, ``join --report``): averaging rounds, and a
 cluster that starts or ends late, count against it. Held-out loss: the clusters' final weights averaged layer
 by layer (what the next averaging round would give every cluster), on the model's held-out split. Along the way:
-every peer checkpoints :data:`CURVE_POINTS` times in the run, a watcher keeps a copy of each checkpoint as it is
+every peer checkpoints ``CURVE_POINTS`` times in the run, a watcher keeps a copy of each checkpoint as it is
 written, and each step at which every peer's copy exists is a point of the held-out curve, at the samples the
 clusters trained by then and the wall time since the first injection at which the last of those checkpoints was
 written: what a user waits for to reach the target loss (``speedup_curve.py``).
@@ -50,8 +50,8 @@ from ravnest_swarm.checkpoint import read_stage
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, get_model
 from ravnest_swarm.bench.pipeline import busy_fraction
-from ravnest_swarm.bench.speedup_curve import (CheckpointHistory, heldout_figures, layer_states,
-                                                target_loss)
+from ravnest_swarm.bench.speedup_curve import (CheckpointHistory, check_target_samples, checkpoint_every,
+                                                heldout_figures, layer_states, target_loss)
 from ravnest_swarm.bench.speedup_schemes import SCHEME_KEYS, compare, parse_schemes, stood_still_share, summary_table
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.swarm.join import JoinOptions, run_join
@@ -62,7 +62,6 @@ RUN = "speedup"
 PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
 GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour one
 POLL_S = 0.5
-CURVE_POINTS = 16  # checkpoints per peer in a run: the held-out curve's points, each 1/16 of the samples apart
 
 
 def parse_clusters(text: str) -> List[int]:
@@ -83,27 +82,6 @@ def steps_per_cluster(samples: int, clusters: Sequence[int], microbatch_size: in
         raise UserError(f"--samples {samples} does not split into whole {microbatch_size}-sample steps for every K: "
                         f"use a multiple of {unit}, e.g. {max(unit, samples // unit * unit)}")
     return {k: samples // (k * microbatch_size) for k in clusters}
-
-
-def checkpoint_every(steps: int) -> int:
-    """Steps between a peer's checkpoints in a run of ``steps``: :data:`CURVE_POINTS` a run, the held-out curve's."""
-    return max(1, steps // CURVE_POINTS)
-
-
-def check_target_samples(target_samples: Optional[int], samples: int, k1_steps: int, microbatch_size: int,
-                         lr_schedule: str) -> None:
-    """``--target-samples`` must fall on a point of K = 1's held-out curve within the run, and the reference's lr be
-    constant, so that its curve up to there is that of a run of ``target_samples`` (a cosine decay over the longer
-    run would not be): one line where not."""
-    if target_samples is None:
-        return
-    every = checkpoint_every(k1_steps) * microbatch_size
-    if target_samples > samples or target_samples % every:
-        raise UserError(f"--target-samples {target_samples} must be a point of K = 1's held-out curve: a multiple of "
-                        f"{every} samples, at most --samples {samples}")
-    if lr_schedule != "constant":
-        raise UserError(f"--target-samples needs the reference scheme's lr constant, not {lr_schedule}: with a decay "
-                        "over --samples its curve to the target is not that of a run of --target-samples")
 
 
 def default_cpus_per_peer(clusters: Sequence[int], stages: int) -> float:

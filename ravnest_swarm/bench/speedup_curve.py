@@ -16,6 +16,7 @@ from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec
 
 CHECKPOINT_POLL_S = 0.05  # how often the watcher looks for a new checkpoint: well under the time between two
+CURVE_POINTS = 16  # checkpoints per peer in a run: the held-out curve's points, each 1/16 of the samples apart
 
 
 def layer_states(paths: Sequence[str]) -> Dict[int, List[Dict[str, torch.Tensor]]]:
@@ -94,6 +95,27 @@ def time_to_target(curve: Sequence[Sequence[float]], target: float) -> Tuple[Opt
         if loss <= target:
             return seconds, int(samples)
     return None, None
+
+
+def checkpoint_every(steps: int) -> int:
+    """Steps between a peer's checkpoints in a run of ``steps``: :data:`CURVE_POINTS` a run, the held-out curve's."""
+    return max(1, steps // CURVE_POINTS)
+
+
+def check_target_samples(target_samples: Optional[int], samples: int, k1_steps: int, microbatch_size: int,
+                         lr_schedule: str) -> None:
+    """``--target-samples`` must fall on a point of K = 1's held-out curve within the run, and the reference's lr be
+    constant, so that its curve up to there is that of a run of ``target_samples`` (a cosine decay over the longer
+    run would not be): one line where not."""
+    if target_samples is None:
+        return
+    every = checkpoint_every(k1_steps) * microbatch_size
+    if target_samples > samples or target_samples % every:
+        raise UserError(f"--target-samples {target_samples} must be a point of K = 1's held-out curve: a multiple of "
+                        f"{every} samples, at most --samples {samples}")
+    if lr_schedule != "constant":
+        raise UserError(f"--target-samples needs the reference scheme's lr constant, not {lr_schedule}: with a decay "
+                        "over --samples its curve to the target is not that of a run of --target-samples")
 
 
 def target_loss(run: Dict, target_samples: Optional[int]) -> float:
