@@ -120,6 +120,19 @@ def test_headers_that_lie_are_refused_before_anything_is_decoded():
         CODECS["float16"].decode(serialize_torch_tensor(x, CompressionType.UNIFORM_8BIT), "activations", shape)
 
 
+@pytest.mark.parametrize("name", ["none", "float16", "meanstd16"])
+def test_a_part_that_asks_for_autograd_decodes_as_plain_values(name):
+    """hivemind's deserializer obeys the sender's ``requires_grad``; a ring part with it set made the reduce's
+    in-place sum raise and, averaged into a stage's anchor, failed every later round of that stage."""
+    part = CODECS[name].encode(torch.linspace(-1, 1, 64))
+    part.requires_grad = True
+    decoded = CODECS[name].decode(part, "a ring part", None)
+    assert not decoded.requires_grad
+    total = torch.zeros(64)
+    torch.add(total, decoded, out=total)  # the ring's reduce: raised "don't support automatic differentiation"
+    assert torch.allclose(total, torch.linspace(-1, 1, 64), atol=0.05)
+
+
 def test_a_count_or_scale_that_lies_is_refused():
     x = activations((2, 64))
     int4 = CODECS["int4"]

@@ -60,9 +60,12 @@ class Codec:
     @staticmethod
     def _deserialize(serialized: runtime_pb2.Tensor, what: str) -> torch.Tensor:
         try:
-            return deserialize_torch_tensor(serialized)
+            tensor = deserialize_torch_tensor(serialized)
         except Exception as e:
             raise CodecError(f"{what} could not be decoded ({type(e).__name__}: {e})")
+        # hivemind obeys the sender's requires_grad flag; we never do: a ring part that asked for autograd made the
+        # reduce's in-place sum raise and, once averaged into a stage's anchor, failed every later round there
+        return tensor.requires_grad_(False)
 
 
 @dataclass(frozen=True)
