@@ -226,8 +226,20 @@ def load_stage_layers(path: str, build_stage: Callable[[int, int], torch.nn.Sequ
         name for name in expected if parameters[name].shape != expected[name].shape]
     if mismatched:
         raise UserError(f"checkpoint {path} holds other layers than this stage (first mismatch: {mismatched[0]})", 1)
+    not_finite = first_non_finite(parameters)
+    if not_finite is not None:
+        raise UserError(f"checkpoint {path} holds non-finite values in {not_finite} (a damaged file, or saved from a "
+                        f"run that diverged): move it away to start this stage from the run's holders", 1)
     module.load_state_dict(parameters)
     return info, module
+
+
+def first_non_finite(tensors: Dict[str, torch.Tensor]) -> Optional[str]:
+    """The name of the first floating tensor of ``tensors`` that holds a NaN or an infinity, else None: weights read
+    from a file are checked as those from the network are (``state_transfer``), or one bad value spreads through
+    every averaging round."""
+    return next((name for name, tensor in tensors.items()
+                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())), None)
 
 
 # safetensors' names of the dtypes a model's state may hold

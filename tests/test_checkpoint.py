@@ -115,6 +115,16 @@ def test_checkpoint_of_other_layers_is_refused(tmp_path):
         load_stage_layers(path, lambda start, end: torch.nn.Sequential(torch.nn.Linear(8, 32)))
 
 
+def test_a_checkpoint_whose_weights_hold_a_nan_is_refused_not_resumed(tmp_path):
+    module, optimizer = make_stage()
+    with torch.no_grad():
+        module[0].weight[3, 1] = float("nan")  # a diverged run's save, or a flipped bit
+    path = str(tmp_path / "stage.safetensors")
+    save_stage(path, module, optimizer, {"step": 7, "layers": [0, 3]})
+    with pytest.raises(UserError, match=r"non-finite values in 0\.weight"):
+        load_stage_layers(path, lambda start, end: make_stage()[0])
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="no checkpoint at"):
         read_stage(str(tmp_path / "absent.safetensors"))

@@ -15,6 +15,7 @@ from test_cli import assert_one_line_error
 from test_user_models import USER_MODELS, features_dir
 from test_user_runs import local
 import ravnest_swarm
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model, model_layout
 from ravnest_swarm.swarm.export import ExportWriter
 from ravnest_swarm.swarm.exported import model_figures, read_export
@@ -160,6 +161,23 @@ def test_a_bad_export_is_one_line_for_every_verb(tmp_path, damage, fragment):
         (directory / "model.json").write_text(json.dumps(manifest))
     for verb in (["evaluate"], ["sample", "--prompt", "x"]):
         assert_one_line_error(ravnest(*verb, str(directory)), fragment, code=1)
+
+
+def test_weights_that_hold_a_nan_are_neither_exported_nor_evaluated(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with pytest.raises(UserError, match="cannot export layer 0 .*non-finite"):
+        write_export(tmp_path / "nan", shift=float("nan"))
+    assert not os.path.exists(tmp_path / "nan" / "model.json")
+    write_export(tmp_path / "e")
+    weights = str(tmp_path / "e" / "model.safetensors")
+    with safe_open(weights, framework="pt") as file:  # a bit flipped on disk after a good export
+        metadata, tensors = file.metadata(), {key: file.get_tensor(key) for key in file.keys()}
+    first = sorted(tensors)[0]
+    tensors[first].view(-1)[0] = float("inf")
+    save_file(tensors, weights, metadata=metadata)
+    assert_one_line_error(ravnest("evaluate", str(tmp_path / "e")), "non-finite values", "export it again", code=1)
 
 
 def test_sample_of_a_model_that_is_no_byte_level_gpt_is_one_line(tmp_path):

@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
-from ravnest_swarm.checkpoint import SafetensorsWriter, write_atomically
+from ravnest_swarm.checkpoint import SafetensorsWriter, first_non_finite, write_atomically
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.swarm.exported import FORMAT, MANIFEST, WEIGHTS, layer_prefixes, weight_entries
@@ -74,6 +74,10 @@ class ExportWriter:
         """Layer ``index``'s tensors (the next layer), the step its copy is at and the peers that served it."""
         if index != len(self.layers):
             raise ValueError(f"layer {index} written out of order (expected {len(self.layers)})")
+        not_finite = first_non_finite(state)
+        if not_finite is not None:  # never write a model whose weights hold a NaN (a damaged checkpoint)
+            raise UserError(f"cannot export layer {index} ({self.layout[index][0]}): its {not_finite} holds non-finite "
+                            f"values", 1)
         prefix = layer_prefixes(self.layout)[index]
         for key, _, _ in self.layout[index][1]:
             self.writer.write(f"{prefix}.{key}", state[key])

@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ravnest_swarm.checkpoint import first_non_finite
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, first_difference, load_model as build_model, model_layout, model_structure
 
@@ -63,7 +64,12 @@ class Export:
         layout = self.spec["layout"]
         prefix = layer_prefixes(layout)[index]
         with safe_open(os.path.join(self.path, WEIGHTS), framework="pt") as weights:
-            return {key: weights.get_tensor(f"{prefix}.{key}") for key, _, _ in layout[index][1]}
+            state = {key: weights.get_tensor(f"{prefix}.{key}") for key, _, _ in layout[index][1]}
+        not_finite = first_non_finite(state)
+        if not_finite is not None:
+            raise UserError(f"{self.path} holds non-finite values in layer {index}'s {not_finite}: the export is "
+                            f"damaged (export it again)", 1)
+        return state
 
     def states(self) -> "LayerStates":
         return LayerStates(self)

@@ -631,7 +631,11 @@ class Volunteer:
                 module[layer - start].load_state_dict(cached[0])
                 step = max(step, cached[1])
             elif (init := self._init_or_none() if init is False else init) is not None:
-                module[layer - start].load_state_dict(init.layer_state(layer))
+                try:
+                    module[layer - start].load_state_dict(init.layer_state(layer))
+                except UserError as e:  # a damaged snapshot: the seeded weights, as for one that does not read
+                    self.say(f"{self.name}: {e}; layer {layer} starts from the seeded weights")
+                    continue
                 snapshot.append((layer, init.manifest["layers"][layer]["step"]))
                 step = max(step, snapshot[-1][1])
         if snapshot:
