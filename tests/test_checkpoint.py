@@ -125,6 +125,18 @@ def test_a_checkpoint_whose_weights_hold_a_nan_is_refused_not_resumed(tmp_path):
         load_stage_layers(path, lambda start, end: make_stage()[0])
 
 
+def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(tmp_path):
+    """A full disk or an unwritable --checkpoint-dir raised out of the leave (so its hand-over never ran) and out of
+    the periodic save (ending the task that saves); now the volunteer says why, once, and goes on."""
+    (tmp_path / "a-file").write_text("not a directory")
+    volunteer = resuming_volunteer(str(tmp_path / "a-file" / "stage.safetensors"))
+    volunteer._checkpoint_problem = None
+    worker = stage_worker()
+    for _ in range(3):
+        Volunteer._save_checkpoint(volunteer, worker)
+    assert len(volunteer.said) == 1 and "could not write the checkpoint" in volunteer.said[0], volunteer.said
+
+
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(UserError, match="no checkpoint at"):
         read_stage(str(tmp_path / "absent.safetensors"))

@@ -162,6 +162,7 @@ class Volunteer:
         self._seen_step = 0  # the highest step of the run's peers we last saw (_record_history)
         self._snapshot_mark, self._snapshot_task = 0, None  # the last multiple of --snapshot-every exported, and its task
         self._init_export = None  # the --init-from export last read (_init_source)
+        self._checkpoint_problem: Optional[str] = None  # why the last checkpoint write failed, as said
         self._init_source()  # one that is of another model is one line before anything trains
         self.held: Optional[Tuple[int, torch.nn.Sequential, int]] = None  # layers of the last stopped worker
         self.placement: Optional[Placement] = None
@@ -1088,9 +1089,17 @@ class Volunteer:
         path = path or self.checkpoint_path
         if worker is None or path is None:
             return
-        save_stage(path, worker.module, worker.optimizer,
-                   {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
-                    "model": self.spec.model}, outer=self.averaging.outer_state(worker))
+        try:
+            save_stage(path, worker.module, worker.optimizer,
+                       {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
+                        "model": self.spec.model}, outer=self.averaging.outer_state(worker))
+        except OSError as e:
+            # a full disk or an unwritable --checkpoint-dir must not stop training, nor a leave's hand-over (which
+            # needs no disk); the last whole checkpoint stays (writes are atomic). Said once per cause
+            problem = f"{self.name}: could not write the checkpoint {path} ({e.strerror or e}); training goes on"
+            if problem != self._checkpoint_problem:
+                self._checkpoint_problem = problem
+                self.say(problem)
 
     def _write_report(self, worker: StageWorker) -> None:
         if self.options.report is None:
