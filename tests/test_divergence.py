@@ -5,6 +5,7 @@ import asyncio
 import math
 import os
 import re
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -237,6 +238,27 @@ def test_a_round_taken_beside_training_keeps_the_training_on_top_and_says_what_i
     assert averaging.taken_within_period(stage_worker()) is None
     worker.resume_at(107 + 26)
     assert averaging.taken_within_period(worker) is None
+
+
+def test_a_round_given_up_beside_training_leaves_its_outer_state_to_it():
+    """A round given up at a step boundary (a partner gone) is cancelled and left to end by itself; should it outlast
+    the cancel, its outer step would move the anchor under our next round. So the outer state it was given is its
+    own, and our next round starts ours anew, as after a stalled round."""
+    worker = stage_worker()
+    loop = asyncio.new_event_loop()
+    running = loop.create_future()  # still running
+    averaging = StageAveraging.__new__(StageAveraging)
+    given_to_the_round = object()
+    averaging._outer_worker, averaging.outer = worker, given_to_the_round
+    averaging.following = lambda: SimpleNamespace(gone=frozenset({"partner"}), plan=None)
+    failed = []
+    averaging._failed = lambda step, why: failed.append((step, why))
+    sent = flatten([p.detach().clone() for p in worker.module.parameters()])
+    averaging.in_flight = InFlightRound(worker, 100, sent, {}, [], frozenset({"partner"}), running, time.monotonic())
+    assert averaging.take_finished(worker) is False and averaging.in_flight is None
+    assert running.cancelled() and averaging.outer is None and averaging._outer_worker is None
+    assert failed and failed[0][0] == 100 and "gone" in failed[0][1]
+    loop.close()
 
 
 @pytest.mark.timeout(60)

@@ -369,6 +369,9 @@ class StageAveraging:
         if why is not None:
             given_up, self.in_flight = self.in_flight, None
             given_up.task.cancel()  # it ends by itself; averaging never stops training
+            # and may yet take its outer step on the outer state it was given, should it outlast the cancel's wait:
+            # that state is left to it, and our next round starts ours anew (as after a stalled round)
+            self._outer_worker = self.outer = None
             # how long it ran says whether it was stalled (a soak saw one run 3 minutes, its ring's other members
             # failing every round meanwhile)
             self._failed(given_up.step, f"given up after {time.monotonic() - given_up.started:.0f}s: {why}")
