@@ -125,3 +125,24 @@ def test_a_caller_over_routes_closes_once_it_has_the_reply_so_the_handler_closes
 
     asyncio.run(scenario())
 
+
+
+def test_a_reply_longer_than_the_call_takes_is_refused_from_its_length_header():
+    """``receive_bounded``: a holder's reply that declares more bytes than the state asked for is refused before
+    any of them is read (hivemind's reader allocates whatever length the sender declares)."""
+    from hivemind.p2p import P2P
+    from hivemind.proto import runtime_pb2
+
+    from ravnest_swarm.net.transport import receive_bounded
+
+    async def scenario():
+        reply = make_response({"step": 3}).SerializeToString()
+        fits, huge = asyncio.StreamReader(), asyncio.StreamReader()
+        fits.feed_data(P2P.MESSAGE_MARKER + len(reply).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + reply)
+        huge.feed_data(P2P.MESSAGE_MARKER + (1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))  # and nothing after
+        response, error = await receive_bounded(runtime_pb2.ExpertResponse, fits, 1024, "a holder")
+        assert error is None and response.metadata == make_response({"step": 3}).metadata
+        with pytest.raises(ValueError, match=r"a holder sent a reply of 1099511627776 bytes, over the 1024"):
+            await asyncio.wait_for(receive_bounded(runtime_pb2.ExpertResponse, huge, 1024, "a holder"), 5)
+
+    asyncio.run(scenario())

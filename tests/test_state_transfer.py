@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import List, Optional
 
 import torch
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, PeerID
 
 from ravnest_swarm.models import get_model
@@ -99,6 +100,17 @@ class CutShortServer(LayerStateServer):
             yield response
 
 
+class OverflowingServer(LayerStateServer):
+    """Announces its first tensor in one part and sends 8 more of 1 MiB with it (a holder that would fill our
+    memory: its parts were taken until the stream ended)."""
+
+    async def rpc_layer_state(self, request, context):
+        async for response in super().rpc_layer_state(request, context):
+            response.tensors.extend(serialize_torch_tensor(torch.zeros(1 << 18)) for _ in range(8))
+            yield response
+            return
+
+
 class CountingServer(LayerStateServer):
     """Counts the requests it is asked (a holder that must never be asked shows it was not)."""
 
@@ -156,6 +168,15 @@ def test_a_holder_that_keeps_cutting_its_stream_is_named_and_the_layer_keeps_its
     filled, _ = fill([dict(live=(trained_stage(1.0), 7), step=7, server=(CutShortServer, dict(cuts=100)))], fresh)
     assert not filled[0].loaded and "sent ['linear.weight'] of layer 0" in filled[0].problem, filled[0]
     assert filled[0].step == 7  # the step still follows the holder's, so the stage stays in step with its cluster
+    assert same_weights(before, fresh)
+
+
+def test_a_holder_that_streams_more_than_the_layer_takes_is_cut_off_at_its_size():
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    before = copy.deepcopy(fresh)
+    filled, _ = fill([dict(live=(trained_stage(1.0), 7), step=7, server=(OverflowingServer, {}))], fresh)
+    assert not filled[0].loaded and "sent more than" in filled[0].problem and "announced 1" in filled[0].problem, \
+        filled[0]
     assert same_weights(before, fresh)
 
 

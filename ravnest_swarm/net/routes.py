@@ -341,7 +341,7 @@ class Routes:
     # ---- calling -------------------------------------------------------------------------------
 
     async def call(self, peer_id: PeerID, name: str, requests, output_type=runtime_pb2.ExpertResponse,
-                   small: bool = False):
+                   small: bool = False, max_bytes: Optional[int] = None):
         """``P2P.call_protobuf_handler`` with a stream of requests, over the route :meth:`connect` chose.
 
         Through a forwarding backbone, the call first waits for one of our slots there (``forward_slots``;
@@ -349,6 +349,7 @@ class Routes:
         than the backbone forwards for one caller. A caller that opens a stream before its first bytes are ready
         holds a slot while it waits (the ring opens a forwarded stream only once its data is ready).
         ``ForwardBusy`` says the backbone refused it for lack of a slot all the same (others' streams took them).
+        ``max_bytes``: the longest reply taken (``transport.call_stream``).
         """
         kind, backbone = self.chosen.get(peer_id, self._last.get(peer_id, ("direct", None)))
         self.counts[f"calls_{kind}"] += 1
@@ -357,13 +358,13 @@ class Routes:
                 every, bulk = self._slots(backbone)
                 if small:
                     async with every:
-                        return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
+                        return await self._call_forwarded(backbone, peer_id, name, requests, output_type, max_bytes)
                 async with bulk, every:
-                    return await self._call_forwarded(backbone, peer_id, name, requests, output_type)
+                    return await self._call_forwarded(backbone, peer_id, name, requests, output_type, max_bytes)
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, name)
             with closing(writer):
                 reader, writer = self.traffic.counted(name, reader, writer)
-                return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}")
+                return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}", max_bytes)
         except (P2PHandlerError, ForwardBusy):
             raise  # the peer (or the backbone, busy) answered: the route works
         except Exception:
@@ -376,7 +377,8 @@ class Routes:
                                              asyncio.Semaphore(self.forward_slots - SMALL_FORWARD_SLOTS))
         return self._forward_slots[backbone]
 
-    async def _call_forwarded(self, backbone: PeerID, peer_id: PeerID, name: str, requests, output_type):
+    async def _call_forwarded(self, backbone: PeerID, peer_id: PeerID, name: str, requests, output_type,
+                              max_bytes: Optional[int]):
         _, reader, writer = await self.p2p.call_binary_stream_handler(backbone, FORWARD)
         with closing(writer):
             reader, writer = self.traffic.counted(name, reader, writer)
@@ -384,7 +386,7 @@ class Routes:
             await P2P.send_protobuf(make_request(header.as_metadata()), writer)
             what = f"`{name}` at {peer_id} via {backbone}"
             try:
-                return await call_stream(reader, writer, requests, output_type, what)
+                return await call_stream(reader, writer, requests, output_type, what, max_bytes)
             except P2PHandlerError as e:
                 reason = str(e).removeprefix(f"Failed to call handler {what}: ")
                 if reason.startswith(FORWARD_BUSY):  # the backbone's refusal, before it piped anything

@@ -42,8 +42,25 @@ def reply_lost(error: Exception) -> bool:
     return isinstance(error, ReplyLost) or isinstance(error, ValueError) and EMPTY_REPLY in str(error)
 
 
+async def receive_bounded(output_type, reader: asyncio.StreamReader, max_bytes: int, what: str):
+    """``P2P.receive_protobuf`` that refuses a reply longer than ``max_bytes`` from its length header, before reading
+    it (hivemind's reads whatever length the sender declares): ``(reply, None)`` or ``(None, error)``."""
+    marker = await reader.readexactly(1)
+    if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
+        raise ValueError(f"{what} replied with frame marker {marker!r}, neither a message nor an error")
+    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+    if length > max_bytes:
+        raise ValueError(f"{what} sent a reply of {length} bytes, over the {max_bytes} this call takes")
+    message = output_type() if marker == P2P.MESSAGE_MARKER else RPCError()
+    try:
+        message.ParseFromString(await reader.readexactly(length))
+    except DecodeError:
+        raise ValueError(f"{what} sent a reply that is not a {type(message).__name__} protobuf") from None
+    return (message, None) if marker == P2P.MESSAGE_MARKER else (None, message)
+
+
 async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: AsyncIterator,
-                      output_type, what: str):
+                      output_type, what: str, max_bytes: Optional[int] = None):
     """A streamed call on an open stream: ``requests`` then hivemind's end of stream, and exactly one reply read
     back, as ``P2P.call_protobuf_handler`` frames them; the caller closes the stream at once after.
 
@@ -54,7 +71,8 @@ async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     the sender, which has everything once it has the reply, closes first, and a receiver that can (the ring
     handler, ``send_reply(linger=True)``) waits for that. The requests are written in their own task: a
     receiver may answer (a refusal) before it read them all. ``what`` names the call in errors:
-    ``P2PHandlerError`` for the receiver's error reply, :class:`ReplyLost` for none.
+    ``P2PHandlerError`` for the receiver's error reply, :class:`ReplyLost` for none. ``max_bytes``: the longest reply
+    taken (:func:`receive_bounded`), for calls whose reply carries state of a size the caller knows.
     """
     async def write() -> None:
         async for request in requests:
@@ -63,7 +81,8 @@ async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
     writing = asyncio.create_task(write())
     try:
-        response, error = await P2P.receive_protobuf(output_type, reader)
+        response, error = await (P2P.receive_protobuf(output_type, reader) if max_bytes is None
+                                 else receive_bounded(output_type, reader, max_bytes, what))
     except asyncio.IncompleteReadError:
         raise ReplyLost(f"{what} closed the stream with no reply") from None
     finally:

@@ -36,11 +36,12 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import Field
 
-from ravnest_swarm.checkpoint import optimizer_tensors, take_optimizer_state, take_outer_state
+from ravnest_swarm.checkpoint import OUTER_STATE_KEYS, optimizer_tensors, take_optimizer_state, take_outer_state
 from ravnest_swarm.membership.records import MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response
+from ravnest_swarm.swarm.state_transfer import REPLY_SLACK_BYTES, tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,10 @@ async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tu
     async def request() -> AsyncIterator[runtime_pb2.ExpertRequest]:
         yield make_request(StageStateRequest(run=run, layers=list(layers), live=live).as_metadata())
 
-    response = await asyncio.wait_for(routes.call(holder, STAGE_STATE, request()), timeout)
+    # at most: AdamW's three moments (amsgrad's included) and the outer state, each of the parameters' size
+    state_bytes = (3 + len(OUTER_STATE_KEYS)) * tensor_bytes(dict(module.named_parameters()))
+    response = await asyncio.wait_for(routes.call(holder, STAGE_STATE, request(),
+                                                  max_bytes=state_bytes + REPLY_SLACK_BYTES), timeout)
     try:
         reply = decode_message(StageStateReply, response.metadata, STAGE_STATE)
     except MessageError as e:

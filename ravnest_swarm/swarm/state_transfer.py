@@ -69,6 +69,9 @@ LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, f
 PART_BYTES = 1 << 20
 HELD_COPY_SECONDS = 60.0  # how long a copy of our layers serves one requester (a stage's download: _held_copy)
 MAX_PARTS = 1 << 16  # of one tensor: 64 GiB in parts of PART_BYTES
+# what a reply may carry beyond the raw bytes of the tensors asked for (protobuf and msgpack framing, names, a step):
+# a holder never makes us read more than that for a layer of known size (a hostile one streamed 256 MiB for 96 bytes)
+REPLY_SLACK_BYTES = 1 << 20
 MAX_LAYERS_PER_REQUEST = MAX_LAYOUT_LAYERS
 MAX_REQUEST_BYTES = 64 * 1024
 ATTEMPTS_PER_HOLDER = 2
@@ -267,14 +270,21 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
                                                  round_step=round_step).as_metadata())
         stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, request, runtime_pb2.ExpertResponse)
         routes.traffic.sent[LAYER_STATE] += request.ByteSize()  # hivemind's stream: its protobufs counted, not framing
-        header, parts = None, []
+        header, parts, part_bytes, limit = None, [], 0, 0
         async for response in stream:
             routes.traffic.received[LAYER_STATE] += response.ByteSize()
             if not parts:
                 header = _reply(LayerStateTensorHeader, response.metadata, LAYER_STATE, holder)
                 if header.layer != layer or header.name not in expected:
                     raise StateTransferError(f"{holder} sent an unexpected tensor {header.name!r} of layer {header.layer}")
+                limit = tensor_bytes({header.name: expected[header.name]}) + REPLY_SLACK_BYTES
+                part_bytes = 0
             parts.extend(response.tensors)
+            part_bytes += sum(len(part.buffer) for part in response.tensors)
+            if len(parts) > header.parts or part_bytes > limit or header.parts > limit // PART_BYTES + 1:
+                raise StateTransferError(f"{holder} sent more than {header.name} of layer {layer} takes ({len(parts)} "
+                                         f"part(s) of {part_bytes} bytes, announced {header.parts}; at most {limit} "
+                                         f"bytes)")
             if len(parts) == header.parts:
                 tensor = deserialize_torch_tensor(combine_from_streaming(parts))
                 received[header.name] = _checked(holder, layer, header.name, tensor, expected)
@@ -294,7 +304,8 @@ async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: i
         yield make_request(LayerStateMessageRequest(run=run, layers=[layer], averaged=averaged,
                                                     round_step=round_step).as_metadata())
 
-    response = await asyncio.wait_for(routes.call(holder, LAYER_STATE_MESSAGE, request()), timeout)
+    response = await asyncio.wait_for(routes.call(holder, LAYER_STATE_MESSAGE, request(),
+                                                  max_bytes=tensor_bytes(expected) + REPLY_SLACK_BYTES), timeout)
     reply = _reply(LayerStateMessageReply, response.metadata, LAYER_STATE_MESSAGE, holder)
     if reply.layer != layer or len(reply.names) != len(response.tensors):
         raise StateTransferError(f"{holder} sent a malformed reply for layer {layer}")
@@ -304,6 +315,11 @@ async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: i
             raise StateTransferError(f"{holder} sent an unexpected tensor {name!r} of layer {layer}")
         received[name] = _checked(holder, layer, name, deserialize_torch_tensor(serialized), expected)
     return _complete(holder, layer, received, expected), reply.step
+
+
+def tensor_bytes(tensors: Dict[str, torch.Tensor]) -> int:
+    """The raw bytes of ``tensors``: what their serialized copies (uncompressed) take on the wire."""
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
 
 
 def _reply(schema: Type[MessageT], raw: bytes, handler: str, holder: PeerID) -> MessageT:
