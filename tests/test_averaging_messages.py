@@ -18,11 +18,11 @@ import torch
 from hivemind.compression import serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from ravnest_swarm.codecs.codec import RAW
+from ravnest_swarm.codecs.codec import CODECS, RAW
 from ravnest_swarm.averaging.averager import TURNED_AWAY
 from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
-                                             NOT_IN_ATTEMPT, OUTSIDE_THE_RING, OVER_SHARE, TOO_FAR_AHEAD, Expected, Mailbox,
-                                             RingState, majority)
+                                             NOT_IN_ATTEMPT, OUTSIDE_THE_RING, OVER_SHARE, PART_OVERHEAD_BYTES,
+                                             TOO_FAR_AHEAD, Expected, Mailbox, RingState, majority)
 from ravnest_swarm.averaging.ring import (ContributionRejected, MemberPastRound, RingPeer, RingRound, RoundLog,
                                          cancel_until_ended)
 from ravnest_swarm.averaging.segments import Ring
@@ -131,8 +131,8 @@ RINGS = [Ring(0, 0, 1000, (ME, B, C)), Ring(1, 1000, 2000, (ME, B)), Ring(2, 200
 ROUND = 40
 
 
-def mailbox(max_buffered_bytes=2 * 1024**3, first_step=ROUND - 20, last_step=ROUND + 20) -> Mailbox:
-    box = Mailbox(max_buffered_bytes)
+def mailbox(max_buffered_bytes=2 * 1024**3, first_step=ROUND - 20, last_step=ROUND + 20, codec=RAW) -> Mailbox:
+    box = Mailbox(max_buffered_bytes, codec)
     expected = Expected(RINGS, ME, first_step, last_step)
     box.expecting = lambda: expected
     return box
@@ -265,7 +265,7 @@ def test_each_member_holds_at_most_its_share_of_the_mailbox_and_the_others_keep_
     """A member floods the mailbox with ring data for a round not started here: past its share (the mailbox
     divided among our two partners, B and C) it is refused, and C's messages still fit."""
     one_part = tensor_part(1000)
-    size = one_part.ByteSize()
+    size = one_part.ByteSize() + 1000 * 4 + PART_OVERHEAD_BYTES  # its bytes, its decoded values, the rest it holds
     box = mailbox(max_buffered_bytes=10 * size)  # five parts per partner
     filed = 0
     with pytest.raises(ValueError, match=OVER_SHARE):
@@ -288,6 +288,25 @@ def test_each_member_holds_at_most_its_share_of_the_mailbox_and_the_others_keep_
     # a finished round frees its messages, and the member's share with them
     box.finish_round(ROUND)
     assert box.inbox_for(part(step=ROUND + 1), B) is not None
+
+
+def test_what_a_part_holds_once_filed_is_what_counts_against_the_caps_not_its_wire_bytes():
+    """Empty parts (12 bytes on the wire) and int3 parts (which decode to 10.7 times their bytes) counted by their
+    wire bytes let a partner make us hold 189 and 11 times the cap; each now counts what it holds."""
+    box = mailbox(max_buffered_bytes=2 * 100 * PART_OVERHEAD_BYTES)  # a share of 100 parts' overhead per partner
+    inbox = box.inbox_for(part(), B)
+    inbox.join(1)
+    with pytest.raises(ValueError, match=OVER_SHARE):
+        for index in range(10**6):
+            box.file(inbox, 0, index, tensor_part(0))
+    assert index < 100
+    int3 = CODECS["int3"]
+    encoded = int3.encode(torch.linspace(-1, 1, 1 << 16))
+    box = mailbox(max_buffered_bytes=4 * encoded.ByteSize(), codec=int3)
+    inbox = box.inbox_for(part(codec="int3"), B)
+    inbox.join(1, int3)
+    with pytest.raises(ValueError, match=OVER_SHARE):  # its share, 2 parts' wire bytes, holds none once decoded
+        box.file(inbox, 0, 0, encoded)
 
 
 def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected():
