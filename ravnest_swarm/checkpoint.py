@@ -171,11 +171,34 @@ def take_optimizer_state(tensors: Dict[str, torch.Tensor], metadata: Dict, optim
                                                  else value for key, value in values.items()})
     current = optimizer.state_dict()
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    if not state or any(i >= len(parameters) or any(torch.is_tensor(v) and v.dim() > 0 and v.shape != parameters[i].shape
-                                                   for v in s.values()) for i, s in state.items()):
+    layout = state_layout(optimizer)
+    # numbers, never structure: each parameter's state has exactly the keys our optimizer keeps, moments of the
+    # parameter's shape and scalars as scalars (a state without exp_avg_sq, or with 0-dim moments, was taken and
+    # then failed every step, which dropped every microbatch of the stage)
+    if not state or any(i >= len(parameters) or set(s) != set(layout) or any(
+            not torch.is_tensor(v) or (v.shape != parameters[i].shape if layout[k] else v.dim() != 0)
+            for k, v in s.items()) for i, s in state.items()):
         return False
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
     return True
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer, parameters) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s kind on ``parameters``, with the settings that decide what state it keeps
+    (SGD's momentum, Adam's amsgrad) and its lr: a scratch copy to load received state into."""
+    settings = {key: optimizer.defaults[key] for key in ("lr", "momentum", "amsgrad") if key in optimizer.defaults}
+    return type(optimizer)(parameters, **settings)
+
+
+def state_layout(optimizer: torch.optim.Optimizer) -> Dict[str, bool]:
+    """The state ``optimizer``'s kind keeps per parameter once it stepped: each key, and whether it is a tensor of the
+    parameter's shape (a moment, a momentum buffer) or a scalar (AdamW's step); a key a step leaves None (plain SGD's
+    momentum buffer) is none. Read off a twin that takes one step on a probe parameter."""
+    probe = torch.nn.Parameter(torch.zeros(2))
+    twin = optimizer_like(optimizer, [probe])
+    probe.grad = torch.zeros(2)
+    twin.step()
+    return {key: value.dim() > 0 for key, value in twin.state[probe].items() if torch.is_tensor(value)}
 
 
 def load_outer_state(path: str, parameter_count: int) -> Dict[str, torch.Tensor]:

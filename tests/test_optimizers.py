@@ -161,11 +161,32 @@ def test_optimizer_state_that_is_not_finite_or_does_not_fit_the_layers_is_not_ta
         (tensors, {"optimizer_scalars": {"0": {"step": -1.0}}}),
         (tensors, {"optimizer_scalars": {"0": {"step": "many"}}}),
         (tensors, {"optimizer_scalars": {"0": {"step": math.inf}}}),
+        # numbers, never structure: a state that lacks a moment or its step, or whose moments are scalars, failed
+        # every step of the stage that took it (each microbatch dropped)
+        ({k: v for k, v in tensors.items() if not k.endswith("exp_avg_sq")}, metadata),
+        (tensors, {"optimizer_scalars": {}}),
+        ({}, metadata),
+        ({k: torch.tensor(0.5) for k in tensors}, metadata),
+        (dict(tensors, **{"optim.0.momentum_buffer": torch.zeros(4, 6)}), metadata),
     ]
     for bad_tensors, bad_metadata in damaged:
         fresh = make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "adamw", 1e-2)
         assert not take_optimizer_state(bad_tensors, bad_metadata, fresh)
         assert not fresh.state_dict()["state"]
+
+
+def test_momentum_state_goes_to_a_momentum_optimizer_only():
+    module = torch.nn.Linear(6, 4)
+    giver = make_inner_optimizer(module.parameters(), "momentum", 0.1)
+    module(torch.randn(8, 6)).square().sum().backward()
+    giver.step()
+    tensors, scalars = optimizer_tensors(giver)
+    metadata = {"optimizer_scalars": scalars}
+    assert take_optimizer_state(tensors, metadata, make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), "momentum",
+                                                                        0.1))
+    for kind in ("sgd", "adamw"):
+        assert not take_optimizer_state(tensors, metadata,
+                                        make_inner_optimizer(torch.nn.Linear(6, 4).parameters(), kind, 0.1))
 
 
 def test_the_giver_of_a_stages_optimizer_state_stopped_training_exactly_its_layers():

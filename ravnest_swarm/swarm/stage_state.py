@@ -36,7 +36,8 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import Field
 
-from ravnest_swarm.checkpoint import OUTER_STATE_KEYS, optimizer_tensors, take_optimizer_state, take_outer_state
+from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, optimizer_like, optimizer_tensors, take_optimizer_state,
+                                      take_outer_state)
 from ravnest_swarm.membership.records import MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
@@ -200,7 +201,7 @@ async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tu
     if any(name.startswith("optim.") for name in tensors):
         # an optimizer of our kind on our own parameters takes the state (and checks it), leaving ours as it is;
         # only its state is read back, so its hyper-parameters do not matter
-        scratch = type(optimizer)(module.parameters(), lr=optimizer.defaults["lr"])
+        scratch = optimizer_like(optimizer, module.parameters())
         if not take_optimizer_state(tensors, {"optimizer_scalars": reply.scalars}, scratch):
             raise ValueError("its inner optimizer state does not fit our layers")
         inner = scratch.state_dict()["state"]
