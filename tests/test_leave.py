@@ -99,3 +99,78 @@ def test_a_standby_that_joined_after_the_round_replaces_a_leaver_in_the_next_rou
 
     after = adopted_rounds(stayer) - set(range(followed + 1))
     assert after and adopted_rounds(standby) == after, (followed, adopted_rounds(stayer), adopted_rounds(standby))
+
+
+# ---- the leaver's rule, without a network ---------------------------------------------------------------------
+
+def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), timeout=2.5):
+    """Run ``hand_over`` for a stage of layers 0:4 at step 10 against fixed peer records, our state server having
+    served each layer whole as ``served_over_time`` says, one dict per second; what it said and saved."""
+    import asyncio
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from ravnest_swarm.swarm.hand_over import hand_over
+
+    async def no_renewal():
+        return True
+
+    async def read_peers():
+        return peers
+
+    started = []
+
+    def served():
+        elapsed = asyncio.get_running_loop().time() - started[0]
+        return served_over_time[min(int(elapsed), len(served_over_time) - 1)]
+
+    announcer = SimpleNamespace(peer_id="me", run=RUN, update=lambda **fields: None, renew=no_renewal,
+                                read_peers=read_peers)
+    worker = SimpleNamespace(start_layer=0, end_layer=4, version=10)
+    output, saved = io.StringIO(), []
+
+    async def scenario():
+        started.append(asyncio.get_running_loop().time())
+        await hand_over(announcer, worker, "leaver", Console(file=output), timeout, asyncio.Event(),
+                        str(tmp_path / "stage.safetensors"), lambda w, path: saved.append(path), RUN, served=served,
+                        ours_alone=ours_alone)
+
+    asyncio.run(scenario())
+    return output.getvalue(), saved
+
+
+def record(peer_id, layers, step, state="training"):
+    return dict(peer_id=peer_id, name=peer_id, state=state, layers=layers, step=step)
+
+
+def test_a_leaver_that_alone_held_its_layers_goes_only_once_a_copy_of_each_went_out_whole(tmp_path):
+    """A taker whose download failed says it holds our layers at our step all the same (it keeps in step with its
+    cluster, training on from its own weights): the leaver, the run's only holder, went with the layers."""
+    taker = [record("taker", [0, 4], 10)]
+    said, _ = leave(taker, [{}], tmp_path)  # nothing went out whole: its record is not enough
+    assert "nobody took layers 0:4" in said, said
+    said, _ = leave(taker, [{}, {0: 1, 1: 1, 2: 1, 3: 1}], tmp_path)  # each layer served whole after a second
+    assert "handed over at step 10 to taker" in said, said
+    said, _ = leave(taker, [{}, {0: 1, 1: 1, 2: 1}], tmp_path)  # layer 3 never went out
+    assert "nobody took layers 0:4" in said, said
+
+
+def test_a_leaver_whose_layers_another_cluster_holds_goes_once_the_taker_holds_them(tmp_path):
+    """Another cluster holds averaged copies of our layers: nothing is ours alone, and the taker's record is enough."""
+    said, _ = leave([record("other-cluster", [0, 4], 9), record("taker", [0, 4], 10)], [{}], tmp_path,
+                    ours_alone=frozenset())
+    assert "handed over at step 10 to" in said, said
+
+
+def test_the_layers_a_leaver_alone_holds_are_those_no_other_peer_of_its_plan_trains():
+    from ravnest_swarm.swarm.hand_over import only_held_here
+
+    plan = dict(round=4, clusters=[[dict(peer_id="me", layers=[0, 4]), dict(peer_id="b", layers=[4, 9])],
+                                   [dict(peer_id="c", layers=[0, 2]), dict(peer_id="d", layers=[2, 9])]])
+    assert only_held_here(plan, 0, 4, "me") == set()  # the other cluster splits them differently, but holds them all
+    assert only_held_here(dict(round=4, clusters=plan["clusters"][:1]), 0, 4, "me") == {0, 1, 2, 3}
+    assert only_held_here(dict(round=4, clusters=[plan["clusters"][0], [dict(peer_id="c", layers=[0, 3])]]),
+                          0, 4, "me") == {3}
+    assert only_held_here(None, 0, 2, "me") == {0, 1}

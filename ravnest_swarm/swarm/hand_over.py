@@ -6,6 +6,9 @@ replacement downloads from it (``Volunteer._fill_layers`` counts a leaving holde
 took them, a checkpoint keeps them, and it says how to resume. Where a standby may take our place, it also waits for
 the stage's optimizer state to be taken (``stage_state.py``): another cluster that holds our layers has its own; once
 the plan made since we left is in force and puts nobody new on our layers (:func:`new_takers`), it waits no more.
+A layer that no other cluster of the plan we left trains (:func:`only_held_here`) counts as taken only once a copy of
+it went out whole from us: a taker whose download failed trains on from its own weights and still says it
+holds the layers at our step (it keeps in step with its cluster), and we would have gone with the run's only copy.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 import os
 import shlex
 import time
-from typing import Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -32,6 +35,14 @@ logger = logging.getLogger(__name__)
 LEAVE_CHECKPOINT_DIR = os.path.join(os.path.expanduser("~"), ".local", "share", "ravnest-swarm")
 
 
+def only_held_here(plan: Optional[dict], start: int, end: int, own_id: str) -> Set[int]:
+    """The layers of ``start:end`` that no other peer of ``plan`` trains (the plan we left: read from it, not from
+    records, where the taker soon says it holds them whether its download worked or not)."""
+    others = [stage["layers"] for cluster in (plan or {}).get("clusters", []) for stage in cluster
+              if stage["peer_id"] != own_id]
+    return {layer for layer in range(start, end) if not any(first <= layer < last for first, last in others)}
+
+
 def new_takers(plan: dict, layers: Tuple[int, int], peers: List[Dict], own_id: str) -> List[str]:
     """The peers ``plan`` puts on ``layers`` that did not train them already (by their ``peers`` records): who may yet
     take a leaver's optimizer state. A standby placed there downloads first; its record names the place only later."""
@@ -44,14 +55,16 @@ def new_takers(plan: dict, layers: Tuple[int, int], peers: List[Dict], own_id: s
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
                     save: Callable[[StageWorker, str], None], address: str,
-                    state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None) -> None:
+                    state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None,
+                    served: Optional[Callable[[], Dict[int, int]]] = None, ours_alone: Set[int] = frozenset()) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer), or
     write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume (``address``: the run's,
     ``name@owner``, as a joiner gives it). ``await state_awaited(peers)``: whether to wait on, the layers held, for
     a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
     several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
-    with us)."""
+    with us). ``served()``: how many times each layer went out whole from our state server; ``ours_alone``: the
+    layers nobody else held (:func:`only_held_here`), taken only once each went out whole."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
@@ -60,6 +73,7 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     say(f"{name}: handing over layers {start}:{end} (step {step}): waiting for a peer to take them "
         f"(Ctrl-C again to leave now)")
     taker: Optional[List[str]] = None
+    served_before = dict(served()) if served is not None else {}
     started = time.monotonic()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[left]}"),
                   console=console, transient=True) as progress:
@@ -76,6 +90,9 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                 peers = None
             if peers is not None:
                 taker = holders_of(peers, start, end, step)
+                if taker is not None and served is not None and any(
+                        served().get(layer, 0) <= served_before.get(layer, 0) for layer in ours_alone):
+                    taker = None  # their records say they hold our layers, but none of ours alone went out whole
                 awaited = taker is not None and state_awaited is not None and await state_awaited(peers)
                 if (taker is not None and not awaited) or not any(p["state"] != "leaving" for p in peers):
                     break  # handed over, or nobody is left who could take them

@@ -43,6 +43,7 @@ import hashlib
 import logging
 import time
 from contextlib import closing
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
@@ -155,6 +156,8 @@ class LayerStateServer:
         # the layers as our last KEPT_ROUNDS averaging rounds left them, by the round's step (keep_averaged)
         self.averaged_rounds: Dict[int, LayerStates] = {}
         self._copies: Dict[PeerID, Tuple[float, LayerStates]] = {}  # each requester's: (when, what) (_held_copy)
+        # how many times each layer went out whole: a leaver that alone held a layer goes only once it did
+        self.served: Counter = Counter()
 
     def keep_averaged(self, layers: LayerStates) -> None:
         """Keep a copy of ``layers`` as an averaging round in which all our rings finished left them: the
@@ -220,7 +223,9 @@ class LayerStateServer:
                                                  context.remote_id)
         names = list(tensors)
         reply = LayerStateMessageReply(layer=layer, names=names, step=int(step))
-        return make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
+        response = make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
+        self.served[layer] += 1
+        return response
 
     async def _serve_layer_state(self, info: StreamInfo, reader: asyncio.StreamReader,
                                  writer: asyncio.StreamWriter) -> None:
@@ -255,6 +260,7 @@ class LayerStateServer:
                 header = LayerStateTensorHeader(layer=layer, name=name, parts=len(parts), step=int(step))
                 for index, part in enumerate(parts):
                     yield make_response(header.as_metadata() if index == 0 else {}, [part])
+            self.served[layer] += 1  # resumed once its last part was written
 
 
 async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],

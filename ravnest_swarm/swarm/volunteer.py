@@ -62,7 +62,7 @@ from ravnest_swarm.swarm.placement import (Placement, holders_before_round, laye
                                            neighbours_in, offered_step, placement_in, round_for_cluster, same_slot)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
-from ravnest_swarm.swarm.hand_over import hand_over, new_takers
+from ravnest_swarm.swarm.hand_over import hand_over, new_takers, only_held_here
 from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.exported import newest_export, read_export
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
@@ -1083,7 +1083,8 @@ class Volunteer:
         # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
         await hand_over(self.announcer, worker, self.name, self.console, self.options.handover_timeout, leave_now,
                         self.checkpoint_path, self._save_checkpoint, str(RunAddress(self.run, self.owner)),
-                        self._state_awaited)
+                        self._state_awaited, lambda: self.state_server.served,
+                        only_held_here(self.plan, worker.start_layer, worker.end_layer, self.peer_id))
 
     def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
         path = path or self.checkpoint_path
