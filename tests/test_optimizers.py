@@ -202,6 +202,9 @@ def test_the_giver_of_a_stages_optimizer_state_stopped_training_exactly_its_laye
     assert stage_giver([me, trainer, moved, partial], "me", (0, 9)) is moved
     assert stage_giver([me, trainer, partial], "me", (0, 9)) is None
     assert stage_giver([dict(leaver, peer_id="me")], "me", (0, 9)) is None
+    # a plan put the peer that trained them on standby: its record offers them as its layers, and it holds the state
+    standby = {"peer_id": "s", "name": "s", "state": "standby", "layers": [0, 9], "step": 400, "held": [0, 9, 400]}
+    assert stage_giver([me, trainer, standby], "me", (0, 9)) is standby
 
 
 def test_bench_diloco_re_forms_a_cluster_with_its_inner_state_reset_or_carried_from_the_cluster_it_downloads_from():
