@@ -64,7 +64,8 @@ def resuming_volunteer(path: str, outer: str = "average") -> SimpleNamespace:
     return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
                            spec=SimpleNamespace(model="mlp-digits", optimizer="sgd", lr=0.05, outer_optimizer=outer),
                            model=get_model("mlp-digits"), cache={}, averaging=stage_averaging(outer),
-                           held=None, announcer=announcer, said=said, say=said.append, kept_outer=None)
+                           held=None, announcer=announcer, said=said, say=said.append, kept_outer=None,
+                           kept_optimizer=None, stopped_stage=None)
 
 
 def test_resume_restores_a_stage_exactly(tmp_path):
@@ -214,6 +215,9 @@ def test_resume_restores_the_outer_state_of_the_stage_its_checkpoint_kept(tmp_pa
     for layers, step, kept in ((LAYERS, 40, ""), (LAYERS, 60, " (its layers are of step 60)"), ((0, 1), 40, None)):
         again = resuming_volunteer(volunteer.checkpoint_path, "nesterov")
         Volunteer._load_checkpoint_into_cache(again)
+        # a plan that puts others on these layers finds us as the peer that stopped them, and we give their state
+        assert again.stopped_stage.layers == LAYERS and again.stopped_stage.step == 40
+        assert all(torch.equal(again.stopped_stage.outer[key], getattr(outer, key)) for key in ("anchor", "error"))
         resumed = stage_worker()
         Volunteer._take_outer_state(again, resumed, layers, step)
         if kept is not None:

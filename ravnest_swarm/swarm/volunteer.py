@@ -1130,6 +1130,10 @@ class Volunteer:
         outer = load_outer_state(path, sum(parameter.numel() for parameter in module.parameters()))
         if outer:
             self.kept_outer = ((start, end), int(info["step"]), outer, source)
+        if self.kept_optimizer is not None or outer:
+            # and give them to whoever a plan puts on these layers, as the peer that stopped training them: a
+            # resumed swarm that re-plans puts others there, who started AdamW and the outer state afresh
+            self.stopped_stage = StoppedStage((start, end), int(info["step"]), optimizer, outer)
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
