@@ -12,7 +12,7 @@ import torch
 
 from ravnest_swarm.averaging.ring import PARAMETERS, PSEUDO_GRADIENTS, RingAttempt
 from ravnest_swarm.averaging.robust import MEAN, ROBUST_AGGREGATES, TRIMMED_MEAN
-from ravnest_swarm.averaging.segments import Ring
+from ravnest_swarm.averaging.segments import Ring, own_encoded_parts
 from ravnest_swarm.averaging.wire import serialize_part
 from ravnest_swarm.checkpoint import load_outer_state, read_stage, save_stage
 from ravnest_swarm.codecs.codec import CODECS, compression_residual
@@ -120,9 +120,11 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
                                           momentum=None if outers[0].momentum is None else outers[0].momentum.clone())
                 results, after = await one_round(averagers, outers, step, trained, rings)
                 rounds.append((results, after, trained, expected))
-            return rounds, [averager.sender.bytes_sent for averager in averagers]
+                if step == 20:
+                    kept_errors = [outer.error.clone() for outer in outers]
+            return rounds, kept_errors, averagers
 
-    rounds, _ = asyncio.run(scenario())
+    rounds, kept_errors, averagers = asyncio.run(scenario())
     (first, after1, start), (second, after2, trained2, expected2) = rounds[0], rounds[1]
     exact = aggregate(start, aggregation)
     assert all(r.ok and modes(r) == [PARAMETERS, PARAMETERS] for r in first)
@@ -137,6 +139,18 @@ def test_compressed_rounds_end_bit_identical_and_differing_anchors_fall_back_to_
     for first_result, second_result in zip(first, second):
         assert 0 < second_result.bytes_sent < first_result.bytes_sent / 2.5, (first_result.bytes_sent,
                                                                               second_result.bytes_sent)
+    # error feedback keeps exactly what the codec dropped of the values each member sent on its own (its chunk's
+    # parts, or every other member's chunk in a robust ring), and nothing of the values it sent only summed
+    for member, (averager, error) in enumerate(zip(averagers, kept_errors)):
+        pseudo_gradient = after1[member] - trained2[member]
+        expected_error = torch.zeros(SIZE)
+        for lo, hi in ((0, 1500), (1500, SIZE)):
+            ids = [a.peer_id for a in averagers]
+            for first, last in own_encoded_parts(hi - lo, ids, averager.peer_id, averager.part_bytes // 4,
+                                                 averager.robust):
+                part = pseudo_gradient[lo + first:lo + last]
+                expected_error[lo + first:lo + last] = part - CODECS["int8"].decode(CODECS["int8"].encode(part), "", None)
+        assert torch.equal(error, expected_error) and error.abs().sum() > 0
     third, after3, trained3, _ = rounds[2]
     assert all(r.ok and modes(r) == [PARAMETERS, PSEUDO_GRADIENTS] for r in third), [r.as_dict() for r in third]
     assert all(torch.equal(after3[0], values) for values in after3)

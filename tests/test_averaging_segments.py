@@ -86,3 +86,16 @@ def test_a_cluster_with_a_gone_peer_is_left_out_of_the_rings():
     assert rings_of("b0", rings) == []  # the gone peer's partner takes part in no round
     assert plan_rings(plan, sizes, gone={"a0", "b1", "c0"}) == []
     assert len(plan_rings(plan, sizes)) == 3
+
+
+def test_the_values_a_member_sends_on_their_own_are_its_chunk_in_a_ring_and_the_others_chunks_in_a_robust_one():
+    """Error feedback keeps what the codec drops of these only: a ring sends the rest of our values summed."""
+    from ravnest_swarm.averaging.segments import own_encoded_parts
+
+    members = ("a", "b", "c")
+    # chunks of 1000 values among 3: 0:334, 334:667, 667:1000; parts of 200 values from each chunk's start
+    assert own_encoded_parts(1000, members, "a", 200, robust=False) == [(0, 200), (200, 334)]
+    assert own_encoded_parts(1000, members, "c", 200, robust=False) == [(667, 867), (867, 1000)]
+    # robust: member i owns chunk i + 1 and sends each of the others' to its owner
+    assert own_encoded_parts(1000, members, "a", 200, robust=True) == [(0, 200), (200, 334), (667, 867), (867, 1000)]
+    assert own_encoded_parts(2, members, "c", 200, robust=False) == []  # an empty chunk sends no value

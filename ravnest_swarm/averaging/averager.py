@@ -136,6 +136,7 @@ class MultiRingAverager:
         self.routes, self.p2p = routes, routes.p2p
         self.run, self.timeout, self.compression = run, timeout, compression
         self.part_bytes, self.max_message_bytes = part_bytes, max_message_bytes
+        self.robust = aggregation != MEAN  # its rings send each chunk to its owner (robust_ring.py)
         self.peer_id = self.p2p.peer_id.to_base58()
         self.last_result: Optional[RoundResult] = None
         self.mailbox = Mailbox(max_buffered_bytes, compression)

@@ -107,6 +107,21 @@ def chunk_bounds(length: int, parts: int) -> List[Tuple[int, int]]:
     return bounds
 
 
+def own_encoded_parts(length: int, members: Sequence[str], me: str, part_elements: int,
+                      robust: bool) -> List[Tuple[int, int]]:
+    """Where our own values of a ring's segment of ``length`` elements go out encoded on their own, as ranges of the
+    segment, part by part as the ring serializes them (``part_elements`` a part, from each chunk's start): the plain
+    ring sends our chunk (our position's) at its first step (``ring.RingAttempt``), a robust one every other member's
+    chunk to its owner (``robust_ring.RobustRingAttempt``). Our other values go out only summed with the others',
+    so what a codec drops there is nobody's own: error feedback keeps what it drops here, and only here."""
+    count, position = len(members), members.index(me)
+    chunks = chunk_bounds(length, count)
+    ours = [chunk for index, chunk in enumerate(chunks) if index != (position + 1) % count] if robust \
+        else [chunks[position]]
+    return [(lo + offset, min(lo + offset + part_elements, hi)) for lo, hi in ours
+            for offset in range(0, hi - lo, part_elements)]
+
+
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate tensors (parameters, then optimizer state, in the caller's canonical order) as float32."""
     return torch.cat([tensor.detach().reshape(-1).to(torch.float32) for tensor in tensors])

@@ -174,8 +174,8 @@ def is_pipeline_codec(name: str) -> bool:
 
 
 def compression_residual(values: torch.Tensor, codec: Codec, bounds: Sequence[Tuple[int, int]]) -> torch.Tensor:
-    """What ``codec`` drops of ``values``: ``values - decoded(encoded(values))``, each of ``bounds`` (a ring's
-    segment, where the codec's blocks start) encoded on its own; zero elsewhere."""
+    """What ``codec`` drops of ``values``: ``values - decoded(encoded(values))``, each of ``bounds`` (a part a ring
+    sends, where the codec's blocks start: ``segments.own_encoded_parts``) encoded on its own; zero elsewhere."""
     residual = torch.zeros_like(values)
     for lo, hi in bounds:
         if hi > lo:

@@ -45,7 +45,8 @@ from ravnest_swarm.averaging.averager import MultiRingAverager, RingsChanged, Ro
 from ravnest_swarm.averaging.mailbox import Expected
 from ravnest_swarm.averaging.partners import connect_members
 from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, PSEUDO_GRADIENTS, Patience
-from ravnest_swarm.averaging.segments import Ring, element_range, flatten, plan_rings, rings_of, unflatten_into
+from ravnest_swarm.averaging.segments import (Ring, element_range, flatten, own_encoded_parts, plan_rings, rings_of,
+                                             unflatten_into)
 from ravnest_swarm.codecs.codec import RAW, codec, compression_residual
 from ravnest_swarm.dashboard.state import AVERAGING_NOTE, REFUSAL_NOTE
 from ravnest_swarm.membership.announcer import PeerAnnouncer
@@ -596,8 +597,13 @@ async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: 
         anchors = {ring.index: outer.digest(lo, hi) for ring, (lo, hi) in zip(rings, bounds)}
         if outer.has_anchor(local):
             pseudo_gradient = outer.pseudo_gradient(local)
-            # what the codec drops of what we send, taken before the ring overwrites it with the mean
-            residual = compression_residual(pseudo_gradient, averager.compression, bounds)
+            # what the codec drops of the values we send on their own (the ring sends the rest summed with others'),
+            # taken before the ring overwrites them with the mean; a ring attempt that leaves a member out moves
+            # our chunk, and that round's error is of the chunk we would have sent with all of them
+            parts = [(lo + first, lo + last) for ring, (lo, hi) in zip(rings, bounds)
+                     for first, last in own_encoded_parts(hi - lo, ring.members, averager.peer_id,
+                                                          max(1, averager.part_bytes // 4), averager.robust)]
+            residual = compression_residual(pseudo_gradient, averager.compression, parts)
     result = await averager.average(step, local, local_start, rings, patience, pseudo_gradient, anchors)
     compressed = [(segment.start - local_start, segment.end - local_start) for segment in result.segments
                   if segment.status == "ok" and segment.mode == PSEUDO_GRADIENTS]
