@@ -255,3 +255,38 @@ def test_the_bench_ring_mean_is_the_rings_arithmetic_and_counts_its_encoded_mess
     mean, int8_bytes = ring_mean(values, CODECS["int8"])
     assert (mean.double() - exact).abs().max() <= 0.01 * 4 * 3 / 127
     assert 3.7 < float32_bytes / int8_bytes < 4.0
+
+
+@pytest.mark.parametrize("outer_name", ["average", "nesterov"])
+def test_a_ring_ends_the_same_on_a_member_whose_other_ring_failed(outer_name):
+    """Two members share ring 0 (pseudo-gradients, completed); ring 1 failed for member A only. A once stepped ring 0
+    as a plain average (the anchor less the mean) while B took the nesterov step: one round on different values.
+    Stub averagers hand both the same mean of ring 0."""
+    from ravnest_swarm.averaging.averager import RoundResult
+    from ravnest_swarm.averaging.ring import SegmentResult
+
+    torch.manual_seed(3)
+    rings = [Ring(0, 0, 600, ("a", "b")), Ring(1, 600, 1000, ("a", "b"))]
+    anchor, momentum = torch.randn(1000), torch.randn(1000)
+    mean = torch.randn(1000) * 0.01  # what ring 0 (and, for B, ring 1) averaged
+
+    class StubAverager:
+        compression, part_bytes, robust = CODECS["int8"], 4096, False
+
+        def __init__(self, peer_id, ring1_ok):
+            self.peer_id, self.ring1_ok = peer_id, ring1_ok
+
+        async def average(self, step, local, local_start, rings, patience, pseudo_gradient, anchors):
+            pseudo_gradient.copy_(mean)
+            statuses = ["ok", "ok" if self.ring1_ok else "timeout"]
+            return RoundResult(step, 0.1, [SegmentResult(r.index, r.start, r.end, status, 2, mode=PSEUDO_GRADIENTS)
+                                           for r, status in zip(rings, statuses)])
+
+    ended = []
+    for peer_id, ring1_ok in (("a", False), ("b", True)):
+        outer = OuterOptimizer(outer_name, 0.7, 0.9, anchor=anchor.clone(),
+                               momentum=None if outer_name == "average" else momentum.clone())
+        local = anchor - torch.randn(1000) * 0.05
+        _, parameters = asyncio.run(outer_round(StubAverager(peer_id, ring1_ok), outer, 50, local, 0, rings))
+        ended.append(parameters)
+    assert torch.equal(ended[0][:600], ended[1][:600])

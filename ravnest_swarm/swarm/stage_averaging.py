@@ -611,8 +611,10 @@ async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: 
         return result, outer.step_segments(local, pseudo_gradient, compressed, residual)
     if result.ok:
         return result, outer.step(local)  # every ring of ours gave the mean: the outer step takes it
-    for lo, hi in compressed:  # a ring that averaged pseudo-gradients: its mean taken as a plain average's step
-        local[lo:hi] = outer.anchor[lo:hi] - pseudo_gradient[lo:hi]
+    if compressed:
+        # a ring that averaged pseudo-gradients takes the outer step its other members take (theirs may all have
+        # completed): a plain average's step here left a nesterov ring's members on different values
+        local = outer.step_segments(local, pseudo_gradient, compressed, residual)
     outer.forget()  # some segments kept their own values: the next round starts the outer state anew
     return result, local
 
