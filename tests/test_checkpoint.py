@@ -134,7 +134,7 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
     volunteer._checkpoint_problem = None
     worker = stage_worker()
     for _ in range(3):
-        Volunteer._save_checkpoint(volunteer, worker)
+        assert Volunteer._save_checkpoint(volunteer, worker) is False
     assert len(volunteer.said) == 1 and "could not write the checkpoint" in volunteer.said[0], volunteer.said
 
 

@@ -54,12 +54,13 @@ def new_takers(plan: dict, layers: Tuple[int, int], peers: List[Dict], own_id: s
 
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
-                    save: Callable[[StageWorker, str], None], address: str,
+                    save: Callable[[StageWorker, str], bool], address: str,
                     state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None,
                     served: Optional[Callable[[], Dict[int, int]]] = None, ours_alone: Set[int] = frozenset()) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
-    seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer), or
-    write one with ``save`` under :data:`LEAVE_CHECKPOINT_DIR`, and say how to resume (``address``: the run's,
+    seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None
+    where that write failed), or write one with ``save`` (whether it could) under :data:`LEAVE_CHECKPOINT_DIR`, and
+    say how to resume (``address``: the run's,
     ``name@owner``, as a joiner gives it). ``await state_awaited(peers)``: whether to wait on, the layers held, for
     a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
     several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
@@ -103,7 +104,9 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     path = checkpoint_path
     if path is None:
         path = os.path.join(LEAVE_CHECKPOINT_DIR, f"{announcer.run}-{name}.safetensors")
-        save(worker, path)
+        if not save(worker, path):
+            say(f"{name}: nobody took layers {start}:{end} (step {step}), and they could not be saved (said above)")
+            return
     say(f"{name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: bring them back with "
         f"`ravnest-swarm join ... --run {address} --name {shlex.quote(name)} --checkpoint-dir "
         f"{shlex.quote(os.path.dirname(path))} --resume`")

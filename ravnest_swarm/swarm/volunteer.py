@@ -1082,14 +1082,16 @@ class Volunteer:
             return
         # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
         await hand_over(self.announcer, worker, self.name, self.console, self.options.handover_timeout, leave_now,
-                        self.checkpoint_path, self._save_checkpoint, str(RunAddress(self.run, self.owner)),
+                        self.checkpoint_path if self._checkpoint_problem is None else None, self._save_checkpoint,
+                        str(RunAddress(self.run, self.owner)),
                         self._state_awaited, lambda: self.state_server.served,
                         only_held_here(self.plan, worker.start_layer, worker.end_layer, self.peer_id))
 
-    def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> None:
+    def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> bool:
+        """Write ``worker``'s checkpoint (to ``path``, else our --checkpoint-dir's); whether it was written."""
         path = path or self.checkpoint_path
         if worker is None or path is None:
-            return
+            return False
         try:
             save_stage(path, worker.module, worker.optimizer,
                        {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
@@ -1099,8 +1101,11 @@ class Volunteer:
             # needs no disk); the last whole checkpoint stays (writes are atomic). Said once per cause
             problem = f"{self.name}: could not write the checkpoint {path} ({e.strerror or e}); training goes on"
             if problem != self._checkpoint_problem:
-                self._checkpoint_problem = problem
                 self.say(problem)
+            self._checkpoint_problem = problem
+            return False
+        self._checkpoint_problem = None
+        return True
 
     def _write_report(self, worker: StageWorker) -> None:
         if self.options.report is None:
