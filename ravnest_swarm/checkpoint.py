@@ -241,7 +241,11 @@ def load_stage_layers(path: str, build_stage: Callable[[int, int], torch.nn.Sequ
     and the learning rate comes from the plan the stage joins (tests/test_checkpoint.py, tests/test_optimizers.py).
     """
     tensors, metadata = read_stage(path)
-    info = metadata["info"]
+    info = metadata.get("info")
+    if not (isinstance(info, dict) and isinstance(info.get("step"), int) and isinstance(info.get("layers"), list)
+            and len(info["layers"]) == 2 and all(isinstance(i, int) and i >= 0 for i in info["layers"])):
+        raise UserError(f"checkpoint {path} is corrupt: it does not say which layers and step it holds; move it "
+                        f"away to start this stage fresh", 1)
     module = build_stage(*info["layers"])
     parameters = {name[len("param."):]: t for name, t in tensors.items() if name.startswith("param.")}
     expected = module.state_dict()

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ravnest_swarm.checkpoint import (TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_stage_layers, read_stage,
+from ravnest_swarm.checkpoint import (FORMAT, TEMPORARY_PREFIX, TEMPORARY_SUFFIX, load_stage_layers, read_stage,
                                       remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model
@@ -136,6 +136,20 @@ def test_a_checkpoint_that_cannot_be_written_is_said_once_and_training_goes_on(t
     for _ in range(3):
         assert Volunteer._save_checkpoint(volunteer, worker) is False
     assert len(volunteer.said) == 1 and "could not write the checkpoint" in volunteer.said[0], volunteer.said
+
+
+def test_a_checkpoint_that_does_not_say_its_layers_and_step_is_a_clear_error(tmp_path):
+    import json as json_module
+
+    from safetensors.torch import save_file
+
+    module, _ = make_stage()
+    path = str(tmp_path / "stage.safetensors")
+    for metadata in ({"format": FORMAT}, {"format": FORMAT, "info": {"step": "x", "layers": [0, 3]}}):
+        save_file({f"param.{k}": v for k, v in module.state_dict().items()}, path,
+                  metadata={"ravnest": json_module.dumps(metadata)})
+        with pytest.raises(UserError, match="does not say which layers and step"):
+            load_stage_layers(path, lambda start, end: make_stage()[0])
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):

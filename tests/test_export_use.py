@@ -135,6 +135,7 @@ def test_load_model_and_figures_of_an_export_are_its_weights(tmp_path):
     ("corrupt manifest", "is corrupt or not a ravnest export"),
     ("truncated weights", "is corrupt or does not match"),
     ("other model", "is corrupt or does not match"),
+    ("other dtype", "is F16, the layout F32"),
 ])
 def test_a_bad_export_is_one_line_for_every_verb(tmp_path, damage, fragment):
     directory = tmp_path / "e"
@@ -159,6 +160,14 @@ def test_a_bad_export_is_one_line_for_every_verb(tmp_path, damage, fragment):
         manifest = json.loads((other / "model.json").read_text())
         manifest["spec"]["layout"][0][1][0][1] = [64, 32]
         (directory / "model.json").write_text(json.dumps(manifest))
+    elif damage == "other dtype":  # the layout's shapes, in half precision
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        weights = str(directory / "model.safetensors")
+        with safe_open(weights, framework="pt") as file:
+            metadata, tensors = file.metadata(), {key: file.get_tensor(key).half() for key in file.keys()}
+        save_file(tensors, weights, metadata=metadata)
     for verb in (["evaluate"], ["sample", "--prompt", "x"]):
         assert_one_line_error(ravnest(*verb, str(directory)), fragment, code=1)
 

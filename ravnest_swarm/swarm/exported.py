@@ -24,7 +24,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ravnest_swarm.checkpoint import first_non_finite
+from ravnest_swarm.checkpoint import SAFETENSORS_DTYPES, first_non_finite
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import ModelSpec, first_difference, load_model as build_model, model_layout, model_structure
 
@@ -153,6 +153,8 @@ def _check_weights(path: str, entries: List[Tuple[str, List[int], torch.dtype]])
                 found = weights.get_slice(name)
                 if list(found.get_shape()) != list(shape):
                     raise ValueError(f"{name} has shape {found.get_shape()}, the layout {shape}")
+                if found.get_dtype() != SAFETENSORS_DTYPES.get(dtype):
+                    raise ValueError(f"{name} is {found.get_dtype()}, the layout {SAFETENSORS_DTYPES.get(dtype, dtype)}")
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path} is corrupt or does not match its model.json ({e})", 1)
 
