@@ -303,7 +303,11 @@ class SafetensorsWriter:
         descriptor, self.temporary = tempfile.mkstemp(prefix=f"{TEMPORARY_PREFIX}{os.path.basename(path)}.",
                                                       suffix=TEMPORARY_SUFFIX, dir=directory)
         self.file = os.fdopen(descriptor, "wb")
-        self.file.write(len(encoded).to_bytes(8, "little") + encoded)
+        try:
+            self.file.write(len(encoded).to_bytes(8, "little") + encoded)
+        except BaseException:  # a full disk: no temporary file is left behind
+            self.abandon()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """The next tensor of ``entries``: it must be that one, of its shape and dtype."""

@@ -279,3 +279,24 @@ def test_a_stage_placed_back_on_the_layers_it_stopped_keeps_both_optimizers_stat
                                       "training them handed theirs over)",
                                       "peer: outer state (anchor, momentum) resumed from its stage stopped at step 80 "
                                       "(its layers are of step 100)"]
+
+
+def test_a_writer_whose_header_cannot_be_written_leaves_no_temporary_file(tmp_path, monkeypatch):
+    from ravnest_swarm import checkpoint
+
+    real_fdopen = os.fdopen
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            self.file.close()
+
+    monkeypatch.setattr(checkpoint.os, "fdopen", lambda descriptor, mode: FullDisk(real_fdopen(descriptor, mode)))
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint.SafetensorsWriter(str(tmp_path / "model.safetensors"), [("w", [2, 2], torch.float32)], {})
+    assert os.listdir(tmp_path) == []
