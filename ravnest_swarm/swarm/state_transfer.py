@@ -42,8 +42,8 @@ import asyncio
 import hashlib
 import logging
 import time
-from contextlib import closing
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, replace
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
