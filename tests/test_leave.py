@@ -134,8 +134,8 @@ def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), tim
     async def scenario():
         started.append(asyncio.get_running_loop().time())
         await hand_over(announcer, worker, "leaver", Console(file=output), timeout, asyncio.Event(),
-                        str(tmp_path / "stage.safetensors"), lambda w, path: saved.append(path) or True, RUN, served=served,
-                        ours_alone=ours_alone)
+                        str(tmp_path / "stage.safetensors"), lambda w, path: saved.append(path) or True, RUN,
+                        served=served, ours_alone=ours_alone)
 
     asyncio.run(scenario())
     return output.getvalue(), saved
