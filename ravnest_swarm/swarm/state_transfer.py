@@ -56,6 +56,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
+from ravnest_swarm.checkpoint import first_non_finite
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
@@ -341,7 +342,7 @@ def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor, expect
     if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
         raise StateTransferError(f"{holder} sent {name} of layer {layer} with shape "
                                  f"{tuple(tensor.shape)} {tensor.dtype}, expected {tuple(reference.shape)}")
-    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+    if first_non_finite({name: tensor}) is not None:
         raise StateTransferError(f"{holder} sent non-finite values for layer {layer}")
     return tensor
 
