@@ -14,8 +14,8 @@ import pytest
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, MAX_PROBE_BYTES, measure_bandwidth, retried
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 from ravnest_swarm.net.routes import probe_counter
-from ravnest_swarm.net.transport import (DISCARD_SECONDS, bounded_stream_handler, make_request, make_response,
-                                         read_frames, send_reply, unpack_metadata)
+from ravnest_swarm.net.transport import (DISCARD_SECONDS, ReplyLost, bounded_stream_handler, make_request,
+                                         make_response, read_frames, send_reply, unpack_metadata)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -50,8 +50,8 @@ def test_a_probe_whose_reply_is_lost_is_tried_again():
             serve, calls = probe_handler_losing_replies(backbone, lost=2)
             await backbone.p2p.add_binary_stream_handler(BANDWIDTH_PROBE, serve)
             probe = lambda: measure_bandwidth(volunteer.p2p, backbone.p2p.peer_id, 1 << 20, 10.0)  # noqa: E731
-            with pytest.raises(ValueError, match="got an empty iterable"):
-                await probe()  # what join met in CI: the reply lost, hivemind's ValueError
+            with pytest.raises(ReplyLost, match="closed the stream with no reply"):
+                await probe()  # what join met in CI: the reply lost (hivemind's caller raised a ValueError)
             calls.clear()
             assert await retried(probe) > 0  # two replies lost, the third try measures
             assert len(calls) == 3
@@ -144,5 +144,51 @@ def test_a_reply_longer_than_the_call_takes_is_refused_from_its_length_header():
         assert error is None and response.metadata == make_response({"step": 3}).metadata
         with pytest.raises(ValueError, match=r"a holder sent a reply of 1099511627776 bytes, over the 1024"):
             await asyncio.wait_for(receive_bounded(runtime_pb2.ExpertResponse, huge, 1024, "a holder"), 5)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_declares_a_huge_reply_is_refused_from_its_header_by_every_caller():
+    """Every call whose reply is one metadata map reads it bounded (``SMALL_REPLY_BYTES``): a backbone's bandwidth
+    probe, a call over routes, a pipeline stage's long-lived stream. A peer that declares a 1 TiB reply is refused
+    at once, not waited for while the bytes it sends are held."""
+    from hivemind.p2p import P2P
+
+    from ravnest_swarm.pipeline.channel import MessageChannel
+
+    async def declare_huge(stream_info, reader, writer):
+        with closing(writer):
+            await read_frames(reader, 1 << 20)
+            writer.write(P2P.MESSAGE_MARKER + (1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\0" * 4096)
+            await writer.drain()
+            await asyncio.sleep(30)
+
+    async def scenario():
+        hostile = await start_node(host_maddrs=LOOPBACK)
+        caller = await start_node(parse_maddrs([await full_maddr(hostile)]), host_maddrs=LOOPBACK)
+        try:
+            for name in (BANDWIDTH_PROBE, "ravnest.test_huge"):
+                await hostile.p2p.add_binary_stream_handler(name, declare_huge)
+            await caller.routes.connect(hostile.p2p.peer_id, await hostile.p2p.get_visible_maddrs())
+            refused = r"sent a reply of 1099511627776 bytes, over the \d+ this call takes"
+            with pytest.raises(ValueError, match=refused):
+                await asyncio.wait_for(measure_bandwidth(caller.p2p, hostile.p2p.peer_id, 1 << 16, 20.0), 10)
+
+            async def request():
+                yield make_request({})
+
+            with pytest.raises(ValueError, match=refused):
+                await asyncio.wait_for(caller.routes.call(hostile.p2p.peer_id, "ravnest.test_huge", request()), 10)
+            channel = MessageChannel(caller.p2p, hostile.p2p.peer_id, "ravnest.test_huge")
+            try:
+                with pytest.raises(ConnectionError, match="sent what is not a reply .*" + refused):
+                    await asyncio.wait_for(channel.call([make_request({})]), 10)
+                assert channel.closed
+            finally:
+                await channel.aclose()
+        finally:
+            await stop_node(caller)
+            await stop_node(hostile)
 
     asyncio.run(scenario())

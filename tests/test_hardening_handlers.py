@@ -80,7 +80,7 @@ class Peer:
         adamw = torch.optim.AdamW(self.stage.module.parameters())
         sum(p.sum() for p in self.stage.module.parameters()).backward()
         adamw.step()
-        stopped = StoppedStage((1, 3), 7, adamw, {})
+        stopped = StoppedStage((1, 3), 7, adamw, {}, self.stage.module)
         # ... and, live, of the stage it trains (the same moments: a copy of layer 2's is asked below)
         training = TrainingStage(1, self.stage.module, adamw, 9)
         await StageStateServer(self.node.routes, RUN, lambda: stopped, request_timeout=TIMEOUT,

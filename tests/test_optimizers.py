@@ -207,6 +207,58 @@ def test_the_giver_of_a_stages_optimizer_state_stopped_training_exactly_its_laye
     assert stage_giver([me, trainer, standby], "me", (0, 9)) is standby
 
 
+@pytest.mark.timeout(60)
+def test_the_takers_of_a_split_stage_take_each_their_layers_adamw_state_from_the_peer_that_stopped_it():
+    """A leaver's stage that a new plan splits between two takers: each asks the leaver for the inner state of its
+    own layers (``live``), never the stopped range; the stopped stage answers, where it answered only for a stage
+    the peer still trained (the leaver's AdamW moments were lost). Real P2P nodes on 127.0.0.1."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from ravnest_swarm.net.routes import Routes
+    from ravnest_swarm.swarm.stage_state import (StageStateServer, StoppedStage, carry_layer_states,
+                                                 parameter_indices)
+
+    torch.manual_seed(0)
+    model = get_model("mlp-digits")
+    stopped_module = model.build_stage(0, 3)  # the leaver trained layers 0:3
+    optimizer = make_inner_optimizer(stopped_module.parameters(), "adamw", 1e-2)
+    stopped_module(torch.randn(8, 64)).square().sum().backward()
+    optimizer.step()
+    held = optimizer.state_dict()["state"]
+    stopped = StoppedStage((0, 3), 40, optimizer, {}, stopped_module)
+
+    async def scenario():
+        leaver = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        taker = await P2P.create(initial_peers=await leaver.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        try:
+            await StageStateServer(Routes(leaver, []), "split", lambda: stopped).start()
+
+            async def reach(_):
+                return "direct"
+
+            taken = {}
+            for start, end in ((0, 1), (1, 3)):  # the two takers' stages
+                module = model.build_stage(start, end)
+                mine = make_inner_optimizer(module.parameters(), "adamw", 1e-2)
+                state, givers = await carry_layer_states(
+                    Routes(taker, []), "split", module, start, mine,
+                    {layer: [leaver.peer_id] for layer in range(start, end)}, 10.0, reach)
+                assert set(givers) == set(range(start, end)) and state, (start, end, givers)
+                taken[(start, end)] = (state, parameter_indices(stopped_module, 0, (start, end)))
+            return taken
+        finally:
+            await taker.shutdown()
+            await leaver.shutdown()
+
+    for (start, end), (state, indices) in asyncio.run(scenario()).items():
+        assert sorted(state) == list(range(len(indices))), (start, end, sorted(state))
+        for index, held_index in enumerate(indices):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[index][key], held[held_index][key]), (start, end, index, key)
+
+
 def test_bench_diloco_re_forms_a_cluster_with_its_inner_state_reset_or_carried_from_the_cluster_it_downloads_from():
     from ravnest_swarm.bench.diloco import reformed
     replicas = [torch.nn.Linear(3, 2) for _ in range(3)]

@@ -11,6 +11,7 @@ new cluster can all take one round's, and two holders a round apart agree on the
 import asyncio
 import copy
 from types import SimpleNamespace
+import time
 from typing import List, Optional
 
 import torch
@@ -101,14 +102,24 @@ class CutShortServer(LayerStateServer):
 
 
 class OverflowingServer(LayerStateServer):
-    """Announces its first tensor in one part and sends 8 more of 1 MiB with it (a holder that would fill our
-    memory: its parts were taken until the stream ended)."""
+    """Announces its first tensor in one part and sends 8 more with it (a holder that would fill our memory: its
+    parts were taken until the stream ended), in a frame within the bound of one part's."""
 
     async def rpc_layer_state(self, request, context):
         async for response in super().rpc_layer_state(request, context):
-            response.tensors.extend(serialize_torch_tensor(torch.zeros(1 << 18)) for _ in range(8))
+            response.tensors.extend(serialize_torch_tensor(torch.zeros(1 << 12)) for _ in range(8))
             yield response
             return
+
+
+class HugeFrameServer(LayerStateServer):
+    """Answers with a frame whose header declares 1 TiB and then waits (hivemind's reader would wait for that
+    many bytes, holding what comes, until the joiner's timeout)."""
+
+    async def _serve_layer_state(self, info, reader, writer):
+        writer.write(P2P.MESSAGE_MARKER + (1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"\0" * 1024)
+        await writer.drain()
+        await asyncio.sleep(60)
 
 
 class CountingServer(LayerStateServer):
@@ -177,6 +188,16 @@ def test_a_holder_that_streams_more_than_the_layer_takes_is_cut_off_at_its_size(
     filled, _ = fill([dict(live=(trained_stage(1.0), 7), step=7, server=(OverflowingServer, {}))], fresh)
     assert not filled[0].loaded and "sent more than" in filled[0].problem and "announced 1" in filled[0].problem, \
         filled[0]
+    assert same_weights(before, fresh)
+
+
+def test_a_holder_that_declares_a_frame_over_a_part_is_refused_from_its_header():
+    fresh = get_model("mlp-digits").build_stage(0, 3)
+    before = copy.deepcopy(fresh)
+    started = time.monotonic()
+    filled, _ = fill([dict(live=(trained_stage(1.0), 7), step=7, server=(HugeFrameServer, {}))], fresh)
+    assert not filled[0].loaded and f"sent a reply of {1 << 40} bytes, over the" in filled[0].problem, filled[0]
+    assert time.monotonic() - started < 20  # refused at once, not at the 30 s timeout of each of its layers
     assert same_weights(before, fresh)
 
 

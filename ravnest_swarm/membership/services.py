@@ -17,8 +17,8 @@ from pydantic import Field
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.relay import RelayServices
 from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_counter, send_probe
-from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, bounded_stream_handler, make_request, make_response,
-                                         reply_lost)
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, bounded_stream_handler, call_handler, make_request,
+                                         make_response, reply_lost)
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
@@ -187,7 +187,7 @@ async def measure_bandwidth(p2p: P2P, peer_id: PeerID, total_bytes: int, timeout
     """Stream ``total_bytes`` to a backbone's probe handler (:func:`~ravnest_swarm.net.routes.send_probe`) and
     return the rate in Mbit/s."""
     received, seconds = await send_probe(
-        lambda stream: p2p.call_protobuf_handler(peer_id, BANDWIDTH_PROBE, stream, runtime_pb2.ExpertResponse),
+        lambda stream: call_handler(p2p, peer_id, BANDWIDTH_PROBE, stream, runtime_pb2.ExpertResponse),
         BANDWIDTH_PROBE, total_bytes, timeout, on_progress)
     return 8 * received / 1e6 / max(seconds, 1e-9)
 

@@ -29,6 +29,9 @@ UNARY_MAX_BYTES = DEFAULT_MAX_MSG_SIZE
 DISCARD_SECONDS = 2.0
 # hivemind's asingle() when a stream closed with no reply: p2pd did this under load to whole messages
 EMPTY_REPLY = "got an empty iterable"  # see call_stream for why
+# the longest reply a call takes where its caller names no bound: every such reply is one metadata map, no tensors
+# (hivemind's readers take whatever length a peer declares, and wait for that many bytes in memory)
+SMALL_REPLY_BYTES = MAX_METADATA_BYTES + 4096
 
 
 class ReplyLost(ConnectionError):
@@ -72,7 +75,8 @@ async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     handler, ``send_reply(linger=True)``) waits for that. The requests are written in their own task: a
     receiver may answer (a refusal) before it read them all. ``what`` names the call in errors:
     ``P2PHandlerError`` for the receiver's error reply, :class:`ReplyLost` for none. ``max_bytes``: the longest reply
-    taken (:func:`receive_bounded`), for calls whose reply carries state of a size the caller knows.
+    taken (:func:`receive_bounded`), for calls whose reply carries state of a size the caller knows; without it,
+    :data:`SMALL_REPLY_BYTES`.
     """
     async def write() -> None:
         async for request in requests:
@@ -81,8 +85,7 @@ async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
     writing = asyncio.create_task(write())
     try:
-        response, error = await (P2P.receive_protobuf(output_type, reader) if max_bytes is None
-                                 else receive_bounded(output_type, reader, max_bytes, what))
+        response, error = await receive_bounded(output_type, reader, max_bytes or SMALL_REPLY_BYTES, what)
     except asyncio.IncompleteReadError:
         raise ReplyLost(f"{what} closed the stream with no reply") from None
     finally:
@@ -92,6 +95,37 @@ async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     if error is not None:
         raise P2PHandlerError(f"Failed to call handler {what}: {error.message}")
     return response
+
+
+async def call_handler(p2p: P2P, peer_id: PeerID, name: str, requests: AsyncIterator, output_type,
+                       max_bytes: Optional[int] = None):
+    """``P2P.call_protobuf_handler`` for a stream of requests on a stream of its own, its reply read bounded
+    (:func:`call_stream`)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+    with closing(writer):
+        return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}", max_bytes)
+
+
+async def iterate_replies(p2p: P2P, peer_id: PeerID, name: str, request, output_type, max_frame_bytes: int,
+                          traffic=None) -> AsyncIterator:
+    """``P2P.iterate_protobuf_handler`` for one request, whose every reply frame is read bounded by
+    ``max_frame_bytes`` (:func:`receive_bounded`: a ``ValueError`` names one over it before it is read); the
+    stream ends where the holder closes it. ``traffic``: where its bytes are counted (``net/traffic.py``)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
+    with closing(writer):
+        if traffic is not None:
+            reader, writer = traffic.counted(name, reader, writer)
+        await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+        what = f"`{name}` at {peer_id}"
+        while True:
+            try:
+                response, error = await receive_bounded(output_type, reader, max_frame_bytes, what)
+            except asyncio.IncompleteReadError:
+                return  # closed: what came is checked whole by the caller
+            if error is not None:
+                raise P2PHandlerError(f"Failed to call handler {what}: {error.message}")
+            yield response
 
 
 def pack_metadata(metadata: Dict[str, Any]) -> bytes:

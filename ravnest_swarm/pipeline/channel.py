@@ -22,6 +22,7 @@ from hivemind.p2p import P2P, P2PHandlerError, PeerID
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.net.traffic import Traffic
+from ravnest_swarm.net.transport import SMALL_REPLY_BYTES, receive_bounded
 
 
 class MessageChannel:
@@ -68,7 +69,8 @@ class MessageChannel:
         reason = "closed"
         try:
             while True:
-                response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader)
+                response, error = await receive_bounded(runtime_pb2.ExpertResponse, reader, SMALL_REPLY_BYTES,
+                                                        f"`{self.handler}` at {self.peer_id}")
                 if not self._replies:
                     reason = "sent a reply to no message"
                     break
@@ -84,6 +86,8 @@ class MessageChannel:
             reason = "closed by us"
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             reason = f"closed with no reply ({type(e).__name__})"
+        except ValueError as e:  # a reply over the bound, or not a reply: the stream is no use after it
+            reason = f"sent what is not a reply ({e})"
         self._fail_waiting(reason)
 
     def _fail_waiting(self, reason: str) -> None:

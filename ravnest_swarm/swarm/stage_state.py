@@ -11,7 +11,8 @@ its state: its error feedback is its own, and a copy would count twice.
 A stage that still trains gives a copy of its inner state for some of its layers (``live``): a new cluster whose
 layers come from other clusters' holders takes their moments with them (``carry_layer_states``), which `bench
 diloco --reform-every` measured better than starting afresh (docs/benchmarks.md). Never its outer state: that one
-is its own.
+is its own. A stopped stage answers the same request for its layers where the peer trains none of them: the takers
+of a stage that a new plan split ask each for their own layers.
 
 The taker asks for exactly its layer range (the outer state is one flat vector over the stage, so only the same
 range can take it) and checks what comes as it checks a checkpoint (``checkpoint.take_optimizer_state``,
@@ -81,12 +82,14 @@ register_handler(Handler(STAGE_STATE, StageStateRequest, StageStateReply, MAX_RE
 
 @dataclass(frozen=True)
 class StoppedStage:
-    """A stage this peer trained and stopped: its range, its last step, its inner optimizer and its outer state."""
+    """A stage this peer trained and stopped: its range, its last step, its inner optimizer and its outer state,
+    and its layers' modules (which parameters of the optimizer are which layer's)."""
 
     layers: Tuple[int, int]
     step: int
     optimizer: torch.optim.Optimizer
     outer: Dict[str, torch.Tensor]
+    module: torch.nn.Sequential
 
 
 @dataclass(frozen=True)
@@ -138,12 +141,22 @@ class StageStateServer:
 
 
     def _live_reply(self, layers: Tuple[int, int]) -> runtime_pb2.ExpertResponse:
-        """A copy of the inner state of ``layers`` of the stage we train, its parameters numbered from 0."""
-        stage = self.training()
-        if stage is None or not stage.start <= layers[0] < layers[1] <= stage.start + len(stage.module):
+        """A copy of the inner state of ``layers`` of the stage we train, its parameters numbered from 0; or of the
+        stage we stopped, where we train no stage with them (a leaver whose stage a new plan split between takers:
+        each asks for its own layers, never the stopped range, and their AdamW state was lost)."""
+
+        def within(start: int, module: torch.nn.Sequential) -> bool:
+            return start <= layers[0] < layers[1] <= start + len(module)
+
+        training, stopped = self.training(), self.stopped()
+        if training is not None and within(training.start, training.module):
+            start, module, optimizer, step = training.start, training.module, training.optimizer, training.step
+        elif stopped is not None and within(stopped.layers[0], stopped.module):
+            start, module, optimizer, step = stopped.layers[0], stopped.module, stopped.optimizer, stopped.step
+        else:
             raise ValueError(f"this peer trains no stage with layers {layers[0]}:{layers[1]}")
-        parameters = parameter_indices(stage.module, stage.start, layers)
-        return _state_response(optimizer_tensors(stage.optimizer, parameters=parameters), stage.step)
+        parameters = parameter_indices(module, start, layers)
+        return _state_response(optimizer_tensors(optimizer, parameters=parameters), step)
 
 
 def _state_response(state: Tuple[Dict[str, torch.Tensor], Dict[str, Dict]], step: int) -> runtime_pb2.ExpertResponse:

@@ -43,7 +43,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from contextlib import closing
+from contextlib import aclosing, closing
 from dataclasses import dataclass, replace
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
@@ -60,8 +60,8 @@ from ravnest_swarm.checkpoint import first_non_finite
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.net.transport import (INCOMPLETE, bounded_stream_handler, make_request, make_response, read_frames,
-                                         send_reply)
+from ravnest_swarm.net.transport import (INCOMPLETE, SMALL_REPLY_BYTES, bounded_stream_handler, iterate_replies,
+                                         make_request, make_response, read_frames, send_reply)
 from ravnest_swarm.swarm.placement import copies_to_agree, offered_step
 
 logger = logging.getLogger(__name__)
@@ -275,28 +275,30 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
         step = 0
         request = make_request(LayerStateRequest(run=run, layers=[layer], averaged=averaged,
                                                  round_step=round_step).as_metadata())
-        stream = await routes.p2p.iterate_protobuf_handler(holder, LAYER_STATE, request, runtime_pb2.ExpertResponse)
-        routes.traffic.sent[LAYER_STATE] += request.ByteSize()  # hivemind's stream: its protobufs counted, not framing
+        # each frame is one part and its header: read bounded, so no declared length makes us hold more
+        replies = iterate_replies(routes.p2p, holder, LAYER_STATE, request, runtime_pb2.ExpertResponse,
+                                  PART_BYTES + SMALL_REPLY_BYTES, routes.traffic)
         header, parts, part_bytes, limit = None, [], 0, 0
-        async for response in stream:
-            routes.traffic.received[LAYER_STATE] += response.ByteSize()
-            if not parts:
-                header = _reply(LayerStateTensorHeader, response.metadata, LAYER_STATE, holder)
-                if header.layer != layer or header.name not in expected:
-                    raise StateTransferError(f"{holder} sent an unexpected tensor {header.name!r} of layer {header.layer}")
-                limit = tensor_bytes({header.name: expected[header.name]}) + REPLY_SLACK_BYTES
-                part_bytes = 0
-            parts.extend(response.tensors)
-            part_bytes += sum(len(part.buffer) for part in response.tensors)
-            if len(parts) > header.parts or part_bytes > limit or header.parts > limit // PART_BYTES + 1:
-                raise StateTransferError(f"{holder} sent more than {header.name} of layer {layer} takes ({len(parts)} "
-                                         f"part(s) of {part_bytes} bytes, announced {header.parts}; at most {limit} "
-                                         f"bytes)")
-            if len(parts) == header.parts:
-                tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-                received[header.name] = _checked(holder, layer, header.name, tensor, expected)
-                step = max(step, header.step)
-                parts = []
+        async with aclosing(replies) as stream:  # closed at once when a part is refused
+            async for response in stream:
+                if not parts:
+                    header = _reply(LayerStateTensorHeader, response.metadata, LAYER_STATE, holder)
+                    if header.layer != layer or header.name not in expected:
+                        raise StateTransferError(f"{holder} sent an unexpected tensor {header.name!r} of layer "
+                                                 f"{header.layer}")
+                    limit = tensor_bytes({header.name: expected[header.name]}) + REPLY_SLACK_BYTES
+                    part_bytes = 0
+                parts.extend(response.tensors)
+                part_bytes += sum(len(part.buffer) for part in response.tensors)
+                if len(parts) > header.parts or part_bytes > limit or header.parts > limit // PART_BYTES + 1:
+                    raise StateTransferError(f"{holder} sent more than {header.name} of layer {layer} takes "
+                                             f"({len(parts)} part(s) of {part_bytes} bytes, announced {header.parts}; "
+                                             f"at most {limit} bytes)")
+                if len(parts) == header.parts:
+                    tensor = deserialize_torch_tensor(combine_from_streaming(parts))
+                    received[header.name] = _checked(holder, layer, header.name, tensor, expected)
+                    step = max(step, header.step)
+                    parts = []
         return _complete(holder, layer, received, expected), step
 
     return await asyncio.wait_for(collect(), timeout)

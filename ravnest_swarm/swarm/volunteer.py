@@ -598,7 +598,7 @@ class Volunteer:
         self.kept_optimizer = (layers, worker.version, worker.optimizer.state_dict()["state"], source)
         outer = self.averaging.outer_state(worker)
         self.kept_outer = (layers, worker.version, outer, source) if outer else None
-        self.stopped_stage = StoppedStage(layers, worker.version, worker.optimizer, outer)
+        self.stopped_stage = StoppedStage(layers, worker.version, worker.optimizer, outer, worker.module)
 
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int], plan: Optional[dict] = None,
                            cluster: int = 0, stage: int = 0) -> Tuple[int, bool]:
@@ -1138,7 +1138,7 @@ class Volunteer:
         if self.kept_optimizer is not None or outer:
             # and give them to whoever a plan puts on these layers, as the peer that stopped training them: a
             # resumed swarm that re-plans puts others there, who started AdamW and the outer state afresh
-            self.stopped_stage = StoppedStage((start, end), int(info["step"]), optimizer, outer)
+            self.stopped_stage = StoppedStage((start, end), int(info["step"]), optimizer, outer, module)
         self.announcer.update(layers=[start, end], step=int(info["step"]), held=[start, end, int(info["step"])])
         self.say(f"{self.name}: resuming layers {start}:{end} from step {info['step']} ({path})")
 
