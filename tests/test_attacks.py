@@ -137,7 +137,7 @@ def test_spec_signed_by_a_stranger_is_ignored_and_the_owners_new_version_is_foll
     publishes version 2 with a new lr (`update-spec`): both volunteers follow it within a few seconds."""
     spec = RunSpec("mlp-digits", lr=9.0)
     stranger_key = RSAPrivateKey()
-    hijack = dict(spec.record(stranger_key), created=time.time() - 3600)
+    hijack = dict(spec.record(stranger_key, RUN), created=time.time() - 3600)
     owners_key = attacked_run.owner_spec()["owner"]  # read before the attack's event loop runs
 
     async def attack():

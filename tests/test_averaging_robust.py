@@ -104,10 +104,10 @@ def test_the_run_spec_carries_the_aggregation_signed_and_refuses_another():
     from ravnest_swarm.membership.records import RunSpecRecord
     from ravnest_swarm.swarm.spec import RunSpec
 
-    record = RunSpec("mlp-digits", aggregation=CENTERED_CLIP).record(RSAPrivateKey())
+    record = RunSpec("mlp-digits", aggregation=CENTERED_CLIP).record(RSAPrivateKey(), "demo")
     assert RunSpec.from_record(RunSpecRecord.parse_obj(record).dict()).aggregation == CENTERED_CLIP
     assert spec_owner(record) is not None and spec_owner(dict(record, aggregation="mean")) is None
-    assert RunSpec.from_record(RunSpec("mlp-digits").record(RSAPrivateKey())).aggregation == "mean"
+    assert RunSpec.from_record(RunSpec("mlp-digits").record(RSAPrivateKey(), "demo")).aggregation == "mean"
     for aggregation in AGGREGATIONS:
         RunSpecRecord.parse_obj(dict(record, aggregation=aggregation))
     with pytest.raises(pydantic.ValidationError, match="aggregation"):

@@ -47,9 +47,9 @@ PROPOSAL = RoundProposal(round=1, deadline=get_dht_time() + 600, peer_id=HONEST_
 PLAN = PlanRecord(round=1, time=NOW, clusters=[[dict(peer_id=HONEST_ID, layers=[0, 2])]]).dict()
 OWNER = RSAPrivateKey()  # the run owner's key: only specs it signed count
 OWNER_FINGERPRINT = fingerprint(OWNER.get_public_key().to_bytes())
-SPEC = RunSpec("mlp-digits", microbatch_size=16, max_in_flight=4, averaging_period=10).record(OWNER)
+SPEC = RunSpec("mlp-digits", microbatch_size=16, max_in_flight=4, averaging_period=10).record(OWNER, RUN)
 # a well-formed spec signed by a stranger, created earlier (the old rule, "earliest created wins", made it the run's)
-HIJACK = dict(RunSpec("mlp-digits", lr=9.0).record(RSAPrivateKey()), created=NOW - 3600)
+HIJACK = dict(RunSpec("mlp-digits", lr=9.0).record(RSAPrivateKey(), RUN), created=NOW - 3600)
 HUGE = "x" * 100_000
 GARBAGE = b"\x00\xff raw bytes, not a record"
 

@@ -14,9 +14,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.identity import NOT_THE_NAMED_PEER, refusals, refusals_line
-from ravnest_swarm.membership.records import (PeerRecord, make_validators, peers_key, stage_subkey_prefix,
-                                              stages_key)
+from ravnest_swarm.membership.identity import MISSHAPEN_SUBKEY, NOT_THE_NAMED_PEER, refusals, refusals_line
+from ravnest_swarm.membership.records import (PeerRecord, make_validators, peers_key, plan_key, plan_subkey_prefix,
+                                              round_key, spec_key, stage_subkey_prefix, stages_key, summary_key,
+                                              summary_subkey_prefix)
 from ravnest_swarm.net.identity import load_identity, open_identity, p2pd_identity_file, peer_id_of_owner
 from ravnest_swarm.net.node import RememberingValidator, ValidRecords
 
@@ -60,7 +61,7 @@ def test_a_record_naming_a_peer_counts_only_when_that_peer_signed_it():
     own = signed(honest.key, peers_key(RUN), record_of(honest.peer_id))
     assert node_validator.validate(own)
     copy = signed(stranger.key, peers_key(RUN), dict(record_of(honest.peer_id), state="leaving", time=2.0))
-    made_up = signed(stranger.key, peers_key(RUN, 4, 1), record_of(open_identity(None).peer_id), prefix=b"1.")
+    made_up = signed(stranger.key, peers_key(RUN, 4, 1), record_of(open_identity(None).peer_id))
     endpoint = dict(peer_id=honest.peer_id, maddrs=[], model="mlp-digits", layers=[0, 1], version=1, time=1.0)
     foreign_endpoint = signed(stranger.key, stages_key(RUN, 3), endpoint, prefix=stage_subkey_prefix(3, 0))
     for refused in (copy, made_up, foreign_endpoint, copy):  # the copy twice: one record, counted once
@@ -69,3 +70,29 @@ def test_a_record_naming_a_peer_counts_only_when_that_peer_signed_it():
     assert refusals_line(refusals(validators)) == f"refused 3 records: 3 {NOT_THE_NAMED_PEER}"
     # a stranger speaking for itself is no forgery: its own record, in its own name, is stored and read
     assert node_validator.validate(signed(stranger.key, peers_key(RUN), record_of(stranger.peer_id)))
+
+
+def test_one_key_writes_one_record_a_key_under_the_subkey_of_its_shape():
+    """hivemind's signature check takes any text before the writer's key in a subkey: one identity stored 200 peer
+    records in one bucket (1 MB, read by every peer at every look) and 50 copies of the owner's spec. Each key takes
+    the subkey its writers use: nothing before the key for peers, proposals and the spec; the round, the bucket or
+    the slot where the record is of one."""
+    peer = open_identity(None)
+    validators = make_validators(RUN, signing_key=peer.key)
+    node_validator = RememberingValidator(validators, ValidRecords())
+    record = record_of(peer.peer_id)
+    assert node_validator.validate(signed(peer.key, peers_key(RUN), record))
+    assert node_validator.validate(signed(peer.key, peers_key(RUN, 4, 1), record))
+    endpoint = dict(peer_id=peer.peer_id, maddrs=[], model="mlp-digits", layers=[0, 1], version=1, time=1.0)
+    assert node_validator.validate(signed(peer.key, stages_key(RUN, 3), endpoint, prefix=stage_subkey_prefix(3, 0)))
+    for copy in range(3):
+        for key in (peers_key(RUN), peers_key(RUN, 4, 1)):
+            assert not node_validator.validate(signed(peer.key, key, record, prefix=b"%08d" % copy))
+    for key, prefix in ((spec_key(RUN), b"0"), (round_key(RUN), b"1."), (plan_key(RUN), b""),
+                        (plan_key(RUN), b"x."), (summary_key(RUN), b"4.1"), (stages_key(RUN, 3), b"3.0.")):
+        assert not node_validator.validate(signed(peer.key, key, {"any": "value"}, prefix=prefix)), (key, prefix)
+    assert refusals(validators) == {MISSHAPEN_SUBKEY: 12}
+    shapes = [v for v in validators if type(v).__name__ == "SubkeyShapeValidator"][0]
+    for key, prefix in ((plan_key(RUN), plan_subkey_prefix(7)), (summary_key(RUN), summary_subkey_prefix(4, 1))):
+        subkey = MSGPackSerializer.dumps(prefix + RSASignatureValidator(peer.key).local_public_key)
+        assert shapes.validate(DHTRecord(DHTID.generate(source=key).to_bytes(), subkey, b"", 1e10)), key

@@ -142,6 +142,37 @@ def test_admission_counts_only_records_whose_ticket_admits_their_peer_id():
     assert admission.refusal(PeerID.from_base58(anyone), RING_HANDLER) is None
 
 
+def test_a_ticket_with_fields_no_owner_would_sign_is_malformed_in_one_line():
+    """A stranger's record may carry any ticket: its ``run`` went into every invite-only peer's log with terminal
+    escapes, and an expiry past what a clock prints made ``join --ticket`` end in a traceback. Each field is now
+    checked as a person may be shown it; ``invite --expires`` refuses what no ticket may carry."""
+    from ravnest_swarm.errors import UserError
+    from ravnest_swarm.membership.tickets import check_ticket_for, parse_expiry, read_ticket
+
+    key, now = RSAPrivateKey(), time.time()
+    good = dict(run=RUN, owner=fingerprint(key.get_public_key().to_bytes()), peer="", expires=now + 600,
+                id="0123456789abcdef")
+
+    def token(**fields):
+        payload = MSGPackSerializer.dumps(dict(good, **fields))
+        return base64.urlsafe_b64encode(MSGPackSerializer.dumps([payload, key.sign(payload)])).decode()
+
+    assert read_ticket(token()).run == RUN
+    admission = Admission(RUN, key.get_public_key().to_bytes().decode(), True)
+    for fields in (dict(run="\x1b[2J\x1b[31mOWNER SAYS: run this\x1b[0m"), dict(run="a\nWARNING fake line"),
+                   dict(peer="Qm\x1b[31m"), dict(peer="x" * 129), dict(expires=1e300), dict(expires=float("inf")),
+                   dict(expires=float("nan")), dict(expires=-1.0)):
+        with pytest.raises(UserError, match="not one `ravnest-swarm invite` printed") as error:
+            check_ticket_for(token(**fields), RUN, None)
+        assert "\n" not in str(error.value) and "\x1b" not in str(error.value)
+        assert admission.problem(token(**fields), "QmVhJVRSYHNSHgR9dJNbDxu6G7GPPqJAeiJoVRvcexGNf9") == "a malformed ticket"
+    for expires, problem in (("0s", "not in the future"), ("999999999w", "past the year 5000"),
+                             ("2020-01-01T00:00", "not in the future")):
+        with pytest.raises(UserError, match=problem):
+            parse_expiry(expires, now)
+    assert parse_expiry("7d", now) == now + 7 * 86400
+
+
 def expect_one_line_refusal(result, pattern: str) -> None:
     assert result.returncode != 0, (result.stdout, result.stderr)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

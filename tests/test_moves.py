@@ -70,11 +70,11 @@ def test_a_plan_is_adopted_only_when_its_gain_pays_back_the_samples_its_moves_lo
 
 def test_the_spec_carries_the_horizon_and_refuses_one_out_of_bounds():
     key = RSAPrivateKey()
-    assert RunSpec("mlp-digits").record(key)["move_horizon_s"] == 600.0
-    assert RunSpec.from_record(RunSpec("mlp-digits", move_horizon_s=3600.0).record(key)).move_horizon_s == 3600.0
+    assert RunSpec("mlp-digits").record(key, "demo")["move_horizon_s"] == 600.0
+    assert RunSpec.from_record(RunSpec("mlp-digits", move_horizon_s=3600.0).record(key, "demo")).move_horizon_s == 3600.0
     for bad in (0.0, float("nan"), 1e8, "600"):
         with pytest.raises(pydantic.ValidationError):
-            RunSpecRecord.parse_obj(dict(RunSpec("mlp-digits").record(key), move_horizon_s=bad))
+            RunSpecRecord.parse_obj(dict(RunSpec("mlp-digits").record(key, "demo"), move_horizon_s=bad))
 
 
 def test_a_plan_in_force_that_lost_a_peer_has_no_throughput_to_keep():

@@ -54,7 +54,7 @@ def test_the_owner_key_is_made_once_kept_private_and_a_corrupt_one_is_one_line(t
 
 
 def test_a_spec_counts_only_as_its_owner_signed_it():
-    record = travelled(RunSpec("mlp-digits").record(OWNER))
+    record = travelled(RunSpec("mlp-digits").record(OWNER, "demo"))
     assert spec_owner(record) == OWNER_FINGERPRINT
     assert spec_owner(dict(record, lr=0.5)) is None  # altered after signing
     assert spec_owner(dict(record, owner=RSAPrivateKey().get_public_key().to_bytes().decode())) is None
@@ -67,8 +67,8 @@ def test_nodes_refuse_specs_not_signed_by_the_owner_they_know():
         return DHTRecord(key=DHTID.generate(source=key).to_bytes(), subkey=MSGPackSerializer.dumps(b"k"),
                          value=MSGPackSerializer.dumps(value), expiration_time=time.time() + 60)
 
-    honest = RunSpec("mlp-digits").record(OWNER)
-    stranger = RunSpec("mlp-digits", lr=9.0).record(RSAPrivateKey())
+    honest = RunSpec("mlp-digits").record(OWNER, "demo")
+    stranger = RunSpec("mlp-digits", lr=9.0).record(RSAPrivateKey(), "demo")
     knows_owner, knows_name = OwnerSpecValidator(spec_key("demo"), OWNER_FINGERPRINT), OwnerSpecValidator(spec_key("demo"))
     assert knows_owner.validate(as_record(honest)) and knows_name.validate(as_record(honest))
     assert not knows_owner.validate(as_record(stranger)) and knows_name.validate(as_record(stranger))
@@ -81,8 +81,37 @@ def test_nodes_refuse_specs_not_signed_by_the_owner_they_know():
         assert validator.validate(as_record(stranger, key="demo_peers"))  # other keys are not its business
 
 
+def test_a_spec_counts_for_the_run_it_was_signed_for_and_a_run_started_anew_outranks_a_replay_of_the_old():
+    """An owner key that signed specs of two runs (one ``--owner-key``), or of one name started anew (the default key
+    file is the run name's): the old run's last version (3, finished) stored again by anyone once outranked the new
+    run's version 1, and running peers followed it. A spec now names its run, signed, and the run's ``origin``
+    (version 1's time), which every version carries and ranks first."""
+    from dataclasses import replace
+
+    from ravnest_swarm.swarm.spec import spec_order
+
+    def as_record(value):
+        return DHTRecord(key=DHTID.generate(source=spec_key("demo")).to_bytes(), subkey=MSGPackSerializer.dumps(b"k"),
+                         value=MSGPackSerializer.dumps(value), expiration_time=time.time() + 60)
+
+    validator = OwnerSpecValidator(spec_key("demo"), OWNER_FINGERPRINT)
+    other_run = travelled(RunSpec("mlp-digits", lr=9.0).record(OWNER, "other"))
+    assert spec_owner(other_run) == OWNER_FINGERPRINT and not validator.validate(as_record(other_run))
+    assert not validator.refused  # the owner's signature is no fault: the record is of another run
+    first = RunSpec.from_record(travelled(RunSpec("mlp-digits").record(OWNER, "demo")))
+    old_last = travelled(replace(first, version=3, finished=True).record(OWNER, "demo"))
+    time.sleep(0.01)
+    anew = travelled(RunSpec("mlp-digits").record(OWNER, "demo"))  # the same address, started again
+    anew_2 = travelled(replace(RunSpec.from_record(anew), version=2, lr=0.5).record(OWNER, "demo"))
+    assert all(validator.validate(as_record(r)) for r in (old_last, anew, anew_2))
+    assert old_last["origin"] == first.origin and anew_2["origin"] == anew["origin"] == anew["created"]
+    assert anew["origin"] > old_last["origin"]
+    assert max([old_last, anew], key=spec_order) is anew
+    assert max([old_last, anew, anew_2], key=spec_order) is anew_2
+
+
 def test_joiners_follow_the_addressed_owner_or_the_only_one_or_their_own():
-    ours, theirs = travelled(RunSpec("mlp-digits").record(OWNER)), travelled(RunSpec("gpt-tiny").record(RSAPrivateKey()))
+    ours, theirs = travelled(RunSpec("mlp-digits").record(OWNER, "demo")), travelled(RunSpec("gpt-tiny").record(RSAPrivateKey(), "demo"))
     specs = {OWNER_FINGERPRINT: ours, spec_owner(theirs): theirs}
     assert choose_spec(specs, RunAddress("demo", OWNER_FINGERPRINT)) is ours
     assert choose_spec(specs, RunAddress("demo", "0" * 16)) is None  # that owner has not started it (yet)

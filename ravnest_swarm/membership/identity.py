@@ -11,8 +11,9 @@ so a stranger can neither make an honest peer look ``leaving`` nor fill a run wi
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
-from typing import Dict, Iterable
+from typing import Dict, Iterable, Mapping
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 NOT_THE_NAMED_PEER = "written by a key that is not the peer they name"
 UNSIGNED = "not signed by any peer"
+MISSHAPEN_SUBKEY = "under a subkey of another shape than their key's"
 REFUSALS_REMEMBERED = 65536  # distinct refused records counted; beyond, the oldest are forgotten (and may recount)
 
 
@@ -72,6 +74,33 @@ class PeerIdentityValidator(RecordValidatorBase):
 
     def merge_with(self, other) -> bool:
         return False  # each run's keys are its own: another run's validator stays beside this one
+
+
+class SubkeyShapeValidator(PeerIdentityValidator):
+    """Refuses a value of one of ``shapes``' keys whose subkey is not that key's prefix (a regex over bytes) followed
+    by exactly one signed public key: each writer has one subkey a key (one a round's plan, a bucket's summary, a
+    stage's slot). hivemind's signature check takes any text before the key, so one key could fill a bucket of peer
+    records, or the run's spec key, with as many copies as it liked, each read by every peer at every look.
+
+    :param shapes: DHT key -> the pattern of what comes before ``[owner:...]`` in its subkeys
+    """
+
+    def __init__(self, shapes: Mapping[str, bytes]):
+        super().__init__(())
+        self.shapes = {DHTID.generate(source=key).to_bytes(): re.compile(prefix + rb"\[owner:[^\]]+\]")
+                       for key, prefix in shapes.items()}
+
+    def validate(self, record: DHTRecord) -> bool:
+        shape = self.shapes.get(record.key)
+        if shape is None:
+            return True
+        try:
+            subkey = MSGPackSerializer.loads(record.subkey)  # a record carries its subkey serialized
+        except Exception:
+            subkey = None
+        if isinstance(subkey, bytes) and shape.fullmatch(subkey):
+            return True
+        return self._refuse(record, MISSHAPEN_SUBKEY)
 
 
 def refusals(validators: Iterable) -> Dict[str, int]:

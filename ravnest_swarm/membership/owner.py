@@ -31,6 +31,7 @@ from ravnest_swarm.errors import UserError
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_RE = re.compile(r"^[0-9a-f]{16}\Z")
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")  # the other half of a run's address
 OWNER_KEYS_ENV = "RAVNEST_OWNER_KEYS"  # where owner keys live; default ~/.config/ravnest-swarm/owners
 MAX_SIGNERS_COUNTED = 64  # distinct signers of refused specs a validator names; the rest count as "others"
 
@@ -125,14 +126,16 @@ def spec_owner(record: dict) -> Optional[str]:
 
 
 class OwnerSpecValidator(RecordValidatorBase):
-    """Refuses a value of the run's spec key not signed by the key it names, or (``owner`` given) by another owner.
+    """Refuses a value of the run's spec key not signed by the key it names, or (``owner`` given) by another owner, or
+    signed for another run (its ``run``: an owner key that signs two runs' specs has each count for its own).
 
-    :param spec_key: the run's spec key (``records.spec_key``)
+    :param spec_key: the run's spec key (``records.spec_key``: ``{run}_spec``)
     :param owner: the fingerprint of the run's owner, from its address; None accepts any self-consistent owner
     """
 
     def __init__(self, spec_key: str, owner: Optional[str] = None):
         self.spec_key, self.owner = spec_key, owner
+        self.run = spec_key.removesuffix("_spec")
         self.key_id = DHTID.generate(source=spec_key).to_bytes()
         self.refused: Dict[str, int] = {}  # who signed the specs we refused ("unsigned": nobody valid) -> count
 
@@ -147,7 +150,7 @@ class OwnerSpecValidator(RecordValidatorBase):
             return False
         signed_by = spec_owner(value) if isinstance(value, dict) else None
         if signed_by is not None and (self.owner is None or signed_by == self.owner):
-            return True
+            return value.get("run") == self.run  # another run's spec, replayed here: its signature is no fault
         culprit = signed_by or "unsigned"
         if culprit not in self.refused and len(self.refused) >= MAX_SIGNERS_COUNTED:
             culprit = "others"  # keys are free: a stranger making a new one per record must not grow this map

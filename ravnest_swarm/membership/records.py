@@ -16,7 +16,6 @@ any record of a run may hold.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -30,15 +29,14 @@ from hivemind.utils.multiaddr import Multiaddr
 from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, PIPELINE_CODEC_PATTERN
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
-from ravnest_swarm.membership.identity import PeerIdentityValidator
-from ravnest_swarm.membership.owner import FINGERPRINT_RE, OwnerSpecValidator
+from ravnest_swarm.membership.identity import PeerIdentityValidator, SubkeyShapeValidator
+from ravnest_swarm.membership.owner import FINGERPRINT_RE, RUN_NAME_RE, OwnerSpecValidator
 from ravnest_swarm.membership.progress import TIME_USES
 from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE, CONTROL_CHARACTERS
 from ravnest_swarm.membership.tickets import MAX_REVOKED, MAX_TICKET_CHARS, TICKET_ID_RE, TICKET_TEXT_PATTERN
 from ravnest_swarm.net.identity import open_identity
 from ravnest_swarm.net.node import SwarmNode, start_node
 
-RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,47}$")
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
@@ -298,8 +296,13 @@ class RunSpecRecord(pydantic.BaseModel):
     revoked: pydantic.conlist(pydantic.constr(strict=True, regex=TICKET_ID_RE.pattern), max_items=MAX_REVOKED) = []
     protocol: pydantic.conint(strict=True, ge=0, le=10**6)
     created: _bounded_float(0.0, 1e11)
+    # which run the owner signed it for (the run's name; its key is the owner's), and when that run began (version
+    # 1's ``created``, carried by every later version): an owner key that signs specs of two runs, or of one name
+    # started anew, has each spec count for its own run only, never a replay of another's (membership/owner.py)
+    run: pydantic.constr(strict=True, regex=RUN_NAME_RE.pattern)
+    origin: _bounded_float(0.0, 1e11)
     # the run owner's public key (ssh-rsa text), its signature over every other field (membership/owner.py),
-    # and the version: peers follow the owner's highest
+    # and the version: peers follow the owner's highest of the latest origin
     owner: pydantic.constr(strict=True, max_length=1024)
     version: pydantic.conint(strict=True, ge=1, le=2**53) = 1
     signature: pydantic.constr(strict=True, max_length=1024)
@@ -394,7 +397,19 @@ def make_validators(run: str, owner: Optional[str] = None, signing_key: Optional
         written under the same subkey, would replace one another.
     """
     return [RSASignatureValidator(signing_key), RunSchemaValidator(run), OwnerSpecValidator(spec_key(run), owner),
-            PeerIdentityValidator(f"{run}_{field}" for field in RunRecords.__fields__ if field not in ("plan", "spec"))]
+            PeerIdentityValidator(f"{run}_{field}" for field in RunRecords.__fields__ if field not in ("plan", "spec")),
+            SubkeyShapeValidator(subkey_shapes(run))]
+
+
+def subkey_shapes(run: str) -> Dict[str, bytes]:
+    """Each key of ``run`` and what its writers put before their public key in a subkey (a regex): nothing for a
+    bucket of peer records, a round's proposals and the spec; ``plan_subkey_prefix``, ``summary_subkey_prefix`` and
+    ``stage_subkey_prefix`` where those name what the record is of."""
+    shapes = {f"{run}_{field}": b"" for field in bucket_fields()}
+    shapes.update({round_key(run): b"", spec_key(run): b"", plan_key(run): rb"\d{1,15}\.",
+                   summary_key(run): rb"\d{1,4}\.\d{1,4}\."})
+    shapes.update({f"{run}_stages_{index}": rb"\d{1,6}\.\d{1,4}" for index in range(STAGE_KEYS)})
+    return shapes
 
 
 async def start_peer_node(initial_peers: Sequence[Multiaddr], run: str, owner: Optional[str] = None,

@@ -29,14 +29,16 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.owner import FINGERPRINT_RE, fingerprint
+from ravnest_swarm.membership.owner import FINGERPRINT_RE, RUN_NAME_RE, fingerprint
 
 logger = logging.getLogger(__name__)
 
 MAX_TICKET_CHARS = 1024  # a 2048-bit RSA signature and a payload of about 120 bytes, in base64: about 600
 TICKET_ID_RE = re.compile(r"^[0-9a-f]{16}\Z")
 TICKET_TEXT_PATTERN = r"^[A-Za-z0-9_=-]*\Z"  # base64url, as a PeerRecord's ``ticket`` carries it
-MAX_REVOKED = 256  # ticket ids a spec lists as revoked: the newest are kept
+MAX_REVOKED = 256  # ticket ids a spec lists as revoked: a revocation past them is refused, never one dropped
+MAX_EXPIRES = 1e11  # a ticket's expiry, in wall-clock seconds (the year 5138): any clock can print it
+PEER_TEXT_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{0,128}\Z")  # a ticket's peer: base58, or empty for any peer
 _DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])\Z")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _VERIFIED_KEPT = 4096  # signature checks remembered by token
@@ -66,15 +68,18 @@ def parse_expiry(text: str, now: Optional[float] = None) -> float:
     now = time.time() if now is None else now
     found = _DURATION_RE.match(text.strip())
     if found:
-        return now + float(found.group(1)) * _UNITS[found.group(2)]
-    try:
-        when = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise UserError(f"--expires {text!r}: give a duration (90s, 30m, 12h, 7d, 2w) or a time "
-                        f"(2026-12-31T18:00, UTC)") from None
-    expires = (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+        expires = now + float(found.group(1)) * _UNITS[found.group(2)]
+    else:
+        try:
+            when = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise UserError(f"--expires {text!r}: give a duration (90s, 30m, 12h, 7d, 2w) or a time "
+                            f"(2026-12-31T18:00, UTC)") from None
+        expires = (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
     if expires <= now:
-        raise UserError(f"--expires {text!r} is in the past")
+        raise UserError(f"--expires {text!r} is not in the future: the ticket would never admit anyone")
+    if expires >= MAX_EXPIRES:
+        raise UserError(f"--expires {text!r} is past the year 5000: give a shorter one")
     return expires
 
 
@@ -113,8 +118,11 @@ def read_ticket(token: str) -> Ticket:
                         id=fields["id"], payload=payload, signature=signature)
     except Exception:  # whatever a stranger typed: bad base64, msgpack, shape or fields
         raise bad from None
-    if not (isinstance(ticket.run, str) and isinstance(ticket.owner, str) and FINGERPRINT_RE.match(ticket.owner)
-            and isinstance(ticket.peer, str) and len(ticket.peer) <= 128 and isinstance(ticket.expires, float)
+    # every field as a person may be shown it (a stranger's record carries a ticket that anyone can make up: its run
+    # went into peers' logs with terminal escapes), its expiry a time a clock can print
+    if not (isinstance(ticket.run, str) and RUN_NAME_RE.match(ticket.run) and isinstance(ticket.owner, str)
+            and FINGERPRINT_RE.match(ticket.owner) and isinstance(ticket.peer, str) and PEER_TEXT_RE.match(ticket.peer)
+            and isinstance(ticket.expires, float) and 0 < ticket.expires < MAX_EXPIRES
             and isinstance(ticket.id, str) and TICKET_ID_RE.match(ticket.id) and isinstance(signature, bytes)
             and isinstance(payload, bytes)):
         raise bad

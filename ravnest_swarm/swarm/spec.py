@@ -117,6 +117,8 @@ class RunSpec:
     :param protocol: wire protocol version; peers of other versions refuse to join
     :param version: the owner's version of this spec: running peers follow a higher one (only what
       ``FOLLOWED`` names may change between versions)
+    :param origin: when version 1 of the run was signed (0: this is version 1, signed now); every version carries
+      it, and a run started anew under the same address has a later one (:func:`read_specs`)
     """
 
     model: str
@@ -161,10 +163,13 @@ class RunSpec:
     revoked: List[str] = field(default_factory=list)
     protocol: int = PROTOCOL_VERSION
     version: int = 1
+    origin: float = 0.0
 
-    def record(self, owner_key: RSAPrivateKey) -> dict:
-        """The spec as its DHT record, signed by the run owner's key."""
-        unsigned = dict(asdict(self), created=time.time(), owner=public_key_text(owner_key), signature="")
+    def record(self, owner_key: RSAPrivateKey, run: str) -> dict:
+        """The spec as its DHT record of run ``run`` (its name), signed by the run owner's key."""
+        created = time.time()
+        unsigned = dict(asdict(self), created=created, origin=self.origin or created, run=run,
+                        owner=public_key_text(owner_key), signature="")
         return sign_spec(RunSpecRecord.parse_obj(unsigned).dict(), owner_key)
 
     @classmethod
@@ -275,8 +280,15 @@ def scan_user_data(data: str) -> None:
         raise UserError(str(e))
 
 
+def spec_order(record: dict) -> Tuple[float, int, float]:
+    """What makes one spec of an owner newer than another: the run it began (``origin``: an owner who starts a run of
+    the same name anew has its specs, not a replay of the old run's last version, count), then its version, then
+    when it was signed."""
+    return record["origin"], record["version"], record["created"]
+
+
 async def read_specs(node: DHTNode, run: str) -> Dict[str, dict]:
-    """Each owner's newest signed spec of ``run`` (highest version, then latest ``created``), by fingerprint.
+    """Each owner's newest signed spec of ``run`` (:func:`spec_order`), by fingerprint.
 
     Several owners appear when two people started runs of one name, or when a stranger signed a spec of
     their own: the run address (``name@fingerprint``) says which to follow (:func:`choose_spec`).
@@ -288,8 +300,8 @@ async def read_specs(node: DHTNode, run: str) -> Dict[str, dict]:
     for item in found.value.values():
         owner = spec_owner(item.value)  # the validators checked it on the way in; this names the owner
         known = newest.get(owner)
-        if owner is not None and (known is None or (item.value["version"], item.value["created"])
-                                  > (known["version"], known["created"])):
+        if owner is not None and item.value.get("run") == run and (
+                known is None or spec_order(item.value) > spec_order(known)):
             newest[owner] = item.value
     return newest
 
@@ -344,7 +356,7 @@ async def ensure_spec(node: DHTNode, address: RunAddress, requested: Dict, wait:
         if "model" in requested and not specs and address.owner in (None, own):
             existing = existing or load_or_create_owner_key(key_file)  # we start the run: we own it
             own = fingerprint(existing.get_public_key().to_bytes())
-            record = RunSpec(**requested, **(facts or {})).check_usable().record(existing)
+            record = RunSpec(**requested, **(facts or {})).check_usable().record(existing, address.name)
             if await node.store(spec_key(address.name), record, get_dht_time() + SPEC_LIFETIME,
                                 subkey=signing_validator(node).local_public_key):
                 if on_start is not None:

@@ -22,7 +22,8 @@ from ravnest_swarm.swarm.spec import FOLLOWED, SPEC_LIFETIME, RunSpec, read_spec
 async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict, key: RSAPrivateKey,
                                revoke: Sequence[str] = ()) -> RunSpec:
     """Sign and publish the next version of the run's spec with ``changes`` (fields of ``FOLLOWED`` only), and the
-    ticket ids ``revoke`` added to those it revokes (the newest ``tickets.MAX_REVOKED`` kept).
+    ticket ids ``revoke`` added to those it revokes (at most ``tickets.MAX_REVOKED`` in all: a one-line refusal past
+    them).
 
     Only the run's owner can: a key whose fingerprint is not the run's gets a one-line :class:`UserError`.
     """
@@ -46,8 +47,11 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
     spec = replace(RunSpec.from_record(current), **changes, version=current["version"] + 1)
     if revoke:
         revoked = [ticket for ticket in spec.revoked if ticket not in revoke] + list(dict.fromkeys(revoke))
-        spec = replace(spec, revoked=revoked[-MAX_REVOKED:])
-    if not await node.store(spec_key(address.name), spec.record(key), get_dht_time() + SPEC_LIFETIME,
+        if len(revoked) > MAX_REVOKED:  # dropping the oldest would admit its ticket again, unsaid
+            raise UserError(f"run {address} would revoke {len(revoked)} tickets, over the {MAX_REVOKED} a spec lists: "
+                            f"a revoked ticket stays revoked; give new tickets shorter --expires", exit_code=1)
+        spec = replace(spec, revoked=revoked)
+    if not await node.store(spec_key(address.name), spec.record(key, address.name), get_dht_time() + SPEC_LIFETIME,
                             subkey=signing_validator(node).local_public_key):
         raise UserError(f"no DHT node stored the new spec of run {address}: check the --initial-peers", exit_code=1)
     return spec

@@ -293,7 +293,8 @@ class Volunteer:
             spec = await read_spec(self.node, RunAddress(self.run, self.owner))
         except UserError:
             return  # only an address without an owner can be ambiguous, and we always know ours
-        if spec is None or spec.version <= self.spec.version:
+        # a version of the run we follow (another origin is a run started anew under the address: not ours)
+        if spec is None or spec.origin != self.spec.origin or spec.version <= self.spec.version:
             return
         shown = {"steps": run_length}
         changed = [f"{name} {shown.get(name, str)(getattr(self.spec, name))} -> {shown.get(name, str)(getattr(spec, name))}"
