@@ -1,6 +1,7 @@
 """The codecs activations, gradients and ring chunks travel in (``codecs/``), without a network: each round trip
 within its stated error, and every header, count or scale that lies refused."""
 
+import asyncio
 import math
 
 import pytest
@@ -185,3 +186,40 @@ def test_a_link_without_a_strong_codec_never_switches_and_a_total_that_goes_back
     link.observe(0.0, 50.0, 10.0)
     assert link.observe(2.0, 0.5, 0.1) is None  # a new count starts at zero again
     assert link.observe(3.0, 1.5, 0.2) == "int8"
+
+
+@pytest.mark.parametrize("name", ["float16", "meanstd16"])
+def test_a_bfloat16_tensor_goes_as_it_is_in_a_16_bit_codec(name):
+    """A user model's bfloat16 boundary under a 16-bit codec: hivemind's refuse bfloat16, and every send of such a
+    stage failed to encode. It is 16 bits already, so it goes as it is, and decodes exactly."""
+    tensor = torch.randn(3, 5).to(torch.bfloat16)
+    serialized = CODECS[name].encode(tensor)
+    assert serialized.compression == CompressionType.NONE and serialized.dtype == "bfloat16"
+    assert torch.equal(CODECS[name].decode(serialized, "activations", [3, 5], torch.bfloat16), tensor)
+    with pytest.raises(CodecError):  # a float32 tensor still goes compressed, and a raw one is refused
+        CODECS[name].decode(RAW.encode(torch.randn(3, 5)), "activations", [3, 5], torch.float32)
+
+
+def test_targets_go_exactly_whatever_the_activations_codec():
+    """A regression's float targets travelled in the activations' codec (int3: 0..100 came back as 14.4, 14.4, ...,
+    101.0), which the receiver, decoding targets as they are, refused. Only the first tensor takes the codec."""
+    from ravnest_swarm.pipeline import wire
+
+    activations, targets = torch.randn(8, 16), torch.linspace(0, 100, 8)
+    frames = wire.encode({"microbatch": 0}, [activations, targets], "int3")
+    _, (sent_activations, sent_targets) = asyncio.run(read_back(frames))
+    assert torch.equal(wire.decode_tensor(sent_targets, "targets", [8], torch.float32), targets)
+    assert sent_activations.dtype == "uint8"  # the activations are int3's
+
+
+async def read_back(frames):
+    from hivemind.p2p import P2P
+
+    from ravnest_swarm.pipeline import wire
+
+    reader = asyncio.StreamReader()
+    for frame in frames:
+        data = frame.SerializeToString()
+        reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
+    reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    return await wire.read_message(reader, wire.DEFAULT_MAX_MESSAGE_BYTES)

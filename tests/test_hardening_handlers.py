@@ -485,7 +485,8 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
     replies, flood = peer.run(attack(), timeout=90)
     assert "exceeds the 1048576-byte limit" in replies["huge tensor"]
     for handler in STREAM_HANDLERS:
-        assert "-byte limit (at least 1099511627776 bytes)" in replies[f"lying header {handler}"], handler
+        # the frame's marker and length header count too
+        assert "-byte limit (at least 1099511627785 bytes)" in replies[f"lying header {handler}"], handler
     # a replay is acknowledged (delivery is at-least-once) but processed once
     assert replies["first"] == "ok" and replies["replay"] == "ok" and replies["forwards after replay"] == 1
     assert "unknown microbatch id 999" in replies["unknown id"]
@@ -494,6 +495,31 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
     # stage 0 keeps at most max_in_flight=4 in the pipeline; this stage holds twice that, then refuses
     assert flood.count("ok") <= 8 and all(r == "ok" or "too many microbatches" in r for r in flood)
     assert any("too many microbatches" in r for r in flood)
+    peer.run(peer.still_serving())
+    assert rss() - before < MAX_RSS_GROWTH
+
+
+@pytest.mark.timeout(120)
+def test_empty_frames_and_empty_tensors_that_a_stage_would_hold_are_refused_by_their_count(peer):
+    """Attack: a stage holds every frame of a message until it is whole, and counted only their payloads: a million
+    empty frames (9 MB on the wire) held 550 MB, one frame of 30 million empty tensors (57 MB) 2.3 GB, before the
+    message was read as anyone's. A message takes the frames and chunks ``wire.encode`` sends: one chunk a frame,
+    as many frames as its bytes of tensors need."""
+    before = rss()
+    header = frames_bytes([make_request(forward_metadata(3))])
+    empty = P2P.MESSAGE_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
+    empty_tensors = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor()] * 350_000).SerializeToString()
+
+    async def attack():
+        return [await peer.raw(wire.FORWARD, header + empty * 100_000 + END_OF_STREAM),
+                await peer.raw(wire.FORWARD, header + frames_bytes([empty_tensors]) + END_OF_STREAM),
+                await peer.raw(wire.FORWARD, header + frames_bytes([runtime_pb2.ExpertRequest(
+                    tensors=[runtime_pb2.Tensor()] * 2)]) + END_OF_STREAM)]
+
+    replies = peer.run(attack(), timeout=60)
+    assert f"message of more than {LIMIT // wire.CHUNK_BYTES + wire.MAX_TENSORS + 1} frames" in replies[0], replies[0]
+    assert "frame 1 of 700000 bytes is over the" in replies[1], replies[1]
+    assert "a frame holds more than one chunk" in replies[2], replies[2]
     peer.run(peer.still_serving())
     assert rss() - before < MAX_RSS_GROWTH
 

@@ -36,6 +36,11 @@ async def call(node, peer_id, handler, metadata, tensors=(), frames=None):
     return unpack_metadata(response.metadata)
 
 
+def framed(metadata, parts):
+    """A message's frames as ``wire.encode`` makes them: the metadata and the first chunk, then a chunk a frame."""
+    return [make_request(metadata, parts[:1])] + [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
+
+
 async def raw_call(node, peer_id, handler, payload: bytes):
     """Write raw bytes to the handler's stream and read its one reply frame."""
     _, reader, writer = await node.p2p.call_binary_stream_handler(peer_id, handler)
@@ -98,7 +103,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
                 tensors[1].compression = targets_codec  # hivemind itself would not compress integers
                 parts = [part for tensor in tensors for part in split_for_streaming(tensor, wire.CHUNK_BYTES)]
                 with pytest.raises(P2PHandlerError) as caught:
-                    await call(node, peer, wire.FORWARD, None, frames=[make_request(forward_metadata(), parts)])
+                    await call(node, peer, wire.FORWARD, None, frames=framed(forward_metadata(), parts))
                 errors[label] = str(caught.value)
             # a blockwise codec's payload whose count, length or scales lie (codecs/blockwise.py): refused, counted
             good_payload = blockwise.quantize(good_x, 4)
@@ -110,8 +115,7 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
                 parts = [part for tensor in (payload, targets)
                          for part in split_for_streaming(serialize_torch_tensor(tensor), wire.CHUNK_BYTES)]
                 with pytest.raises(P2PHandlerError) as caught:
-                    await call(node, peer, wire.FORWARD, None,
-                               frames=[make_request(forward_metadata(codec="int4"), parts)])
+                    await call(node, peer, wire.FORWARD, None, frames=framed(forward_metadata(codec="int4"), parts))
                 errors[label] = str(caught.value)
             errors["garbage marker"] = await raw_call(node, peer, wire.FORWARD, b"\x07 this is not a frame at all")
             errors["garbage frame"] = await raw_call(node, peer, wire.BACKWARD, b"\x00" + (9).to_bytes(8, "big") + b"\xff" * 9)
@@ -474,8 +478,8 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
     honest_loss = worker.spec.loss
 
     def loss(outputs, targets):
-        if int(targets[0]) == 7:  # the microbatch whose loss fails
-            raise RuntimeError("the loss broke")
+        if int(targets[0]) == 7:  # the microbatch whose loss fails, in lines (as CUDA's and many models' errors do)
+            raise RuntimeError("the loss broke\nCUDA kernel errors might be asynchronously reported")
         return honest_loss(outputs, targets)
 
     worker.compute.spec = dataclasses.replace(worker.spec, loss=loss)
@@ -487,6 +491,7 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
         scheduler.queue_forward(1, [0, 1, 2, 3], x, good, 0)
         scheduler.queue_forward(2, [0, 1, 2, 3], x, out_of_range, 0)
         scheduler.queue_forward(3, [0, 1, 2, 3], x, torch.full((4,), 7, dtype=torch.long), 0)
+        scheduler.queue_forward(5, [0, 1, 2, 3], x, torch.full((4,), -100, dtype=torch.long), 0)  # all ignored
         scheduler.queue_forward(4, [0, 1, 2, 3], x, good, 0)
         scheduler.receive_finish(2)  # stage 0's step: microbatches 1 and 4 made one each
         await asyncio.wait_for(runner, 30)
@@ -496,11 +501,15 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
     finally:
         worker.compute.close()
     counters = worker.counters
-    assert counters.failed == 2 and counters.dropped == 2 and counters.forwards == 2 and worker.version == 2
+    # a microbatch whose targets are all cross-entropy's ignore index fails (its loss would be NaN: no divergence)
+    assert counters.failed == 3 and counters.dropped == 3 and counters.forwards == 2 and worker.version == 2
+    assert counters.divergences == 0
     backward = {microbatch: dropped for handler, microbatch, dropped in sent if handler == wire.BACKWARD}
-    assert sorted(backward) == [1, 2, 3, 4] and backward[1] is None and backward[4] is None
-    assert "target(s) out of range" in backward[2] and backward[3] == "the loss broke"
-    assert counters.last_failed.startswith("microbatch 3 at stage 1: its forward failed: RuntimeError: the loss broke")
+    assert sorted(backward) == [1, 2, 3, 4, 5] and backward[1] is None and backward[4] is None
+    assert "target(s) out of range" in backward[2] and "every target is -100" in backward[5]
+    # said on one line: the schema refused the text with its newline, and that error ended the scheduler
+    assert backward[3] == "the loss broke CUDA kernel errors might be asynchronously reported"
+    assert counters.last_failed.startswith("microbatch 5 at stage 1: its forward failed: ValueError: every target")
     with pytest.raises(ValueError, match=r"1 target\(s\) out of range \(e.g. 1000000000\).*\[0, 10\)"):
         check_targets(out_of_range, 10)
     check_targets(torch.tensor([0, 9, -100]), 10)  # cross-entropy's ignore_index is no error

@@ -119,6 +119,19 @@ def test_a_message_without_fields_is_an_empty_map_and_refuses_any_field(schema):
     assert "field 'surplus': Extra inputs are not permitted" in refusal(schema, {"surplus": 1})
 
 
+def test_an_unknown_field_of_a_name_no_schema_uses_is_not_quoted_in_the_refusal():
+    """The sender chooses an unknown field's name: one that spelled a marker of a stage's own refusals ("; retry
+    later") had its garbage counted as a busy neighbour's (``turned_away``), never as ``rejected``."""
+    from ravnest_swarm.pipeline import wire
+    from ravnest_swarm.pipeline.messaging import TURNED_AWAY
+
+    valid = dict(run="r", cluster=0, stage=1, microbatch=0, sample_ids=[0], version=0)
+    for name in ("poison; retry later", "x, but this is run y", "unknown microbatch id 7", "\x1b[31m"):
+        reason = refusal(wire.ForwardRequest, {**valid, name: 1})
+        assert "field '(a field of another name)': Extra inputs are not permitted" in reason, reason
+        assert not any(marker in reason for marker in TURNED_AWAY), reason
+
+
 def test_metadata_that_is_not_a_msgpack_map_is_refused_in_one_line():
     assert "metadata must be a msgpack map" in refusal(DialBackRequest, [4000])
     with pytest.raises(MessageError, match="metadata is not valid msgpack"):

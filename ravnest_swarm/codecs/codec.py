@@ -72,15 +72,23 @@ class Codec:
 class HivemindCodec(Codec):
     compression: int = CompressionType.NONE
 
+    def _compression_for(self, dtype: torch.dtype) -> int:
+        """A bfloat16 tensor (a user model's boundary) is 16 bits already: the 16-bit codecs send it as it is
+        (hivemind's refuse it, and every send of such a stage failed)."""
+        if dtype == torch.bfloat16 and self.compression in (CompressionType.FLOAT16, CompressionType.MEANSTD_16BIT):
+            return CompressionType.NONE
+        return self.compression
+
     def encode(self, tensor: torch.Tensor) -> runtime_pb2.Tensor:
-        return serialize_torch_tensor(tensor, self.compression)
+        return serialize_torch_tensor(tensor, self._compression_for(tensor.dtype))
 
     def decode(self, serialized: runtime_pb2.Tensor, what: str, shape: Optional[Sequence[int]],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         size = list(serialized.size) if shape is None and len(serialized.size) == 1 else list(shape or [-1])
-        if list(serialized.size) != size or serialized.dtype != _dtype_name(dtype) or serialized.compression != self.compression:
+        compression = self._compression_for(dtype)
+        if list(serialized.size) != size or serialized.dtype != _dtype_name(dtype) or serialized.compression != compression:
             raise self._refuse_header(serialized, what, f"{size if shape is not None else '[n]'} {_dtype_name(dtype)} "
-                                                        f"compressed as {CompressionType.Name(self.compression)}")
+                                                        f"compressed as {CompressionType.Name(compression)}")
         tensor = self._deserialize(serialized, what)
         if list(tensor.shape) != size or tensor.dtype != dtype:
             raise CodecError(f"{what} decodes to {list(tensor.shape)} {tensor.dtype}, expected {size} {dtype}")
@@ -110,7 +118,7 @@ class BlockwiseCodec(Codec):
         values, scales = blockwise.dequantize(payload, count, self.bits)
         if not (torch.isfinite(scales).all() and (scales >= 0).all()):
             raise CodecError(f"{what} carries a block scale that is negative, NaN or infinite")
-        return values.view(*(shape if shape is not None else [count])).to(dtype)
+        return values.reshape(list(shape) if shape is not None else [count]).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ registers, with its schemas, size limit and who may call it; ``docs/protocol.md`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Type, TypeVar
 
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ravnest_swarm.net.transport import pack_metadata, unpack_metadata
 
 MessageT = TypeVar("MessageT", bound="Message")
+FIELD_NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,64}\Z")  # what a schema's field (or a map's key of digits) is called
 
 
 class MessageError(ValueError):
@@ -44,8 +46,14 @@ def parse_message(schema: Type[MessageT], metadata: Any, what: Optional[str] = N
         return schema.model_validate(metadata)
     except ValidationError as e:
         error = e.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "(message)"
+        where = ".".join(_field_name(part) for part in error["loc"]) or "(message)"
         raise MessageError(f"{what}: field {where!r}: {error['msg']}") from None
+
+
+def _field_name(part: Any) -> str:
+    """A field's name as a refusal says it: the sender chose the names of unknown fields, and a name that spelled a
+    marker of the receiver's own refusals ("; retry later") had its garbage counted as a busy neighbour's."""
+    return str(part) if isinstance(part, int) or FIELD_NAME_RE.match(str(part)) else "(a field of another name)"
 
 
 def decode_message(schema: Type[MessageT], raw: bytes, what: Optional[str] = None) -> MessageT:

@@ -153,15 +153,18 @@ def make_response(metadata: Dict[str, Any], tensors=()) -> runtime_pb2.ExpertRes
     return runtime_pb2.ExpertResponse(metadata=pack_metadata(metadata), tensors=list(tensors))
 
 
-async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int,
-                         first_marker: Optional[bytes] = None) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int, first_marker: Optional[bytes] = None,
+                         max_frames: Optional[int] = None,
+                         max_frame_bytes: Optional[int] = None) -> AsyncIterator[runtime_pb2.ExpertRequest]:
     """Yield one streamed message's ``ExpertRequest`` frames as they are read, up to hivemind's end-of-stream marker.
 
     The frames use hivemind's own framing (a marker byte, an 8-byte length, the protobuf), so senders use
     plain ``P2P.call_protobuf_handler``. Unlike hivemind's stream handlers, this refuses a message from
-    its length headers before reading past ``max_bytes``, and names what is wrong (``ValueError``).
+    its length headers before reading past ``max_bytes`` (each frame's marker and header counted: a million
+    empty frames are 9 MB, not nothing), and names what is wrong (``ValueError``).
     ``first_marker``: the message's first byte when the caller already read it (a stream that carries
     many messages waits for the next one's first byte without the deadline of a message in progress).
+    ``max_frames``, ``max_frame_bytes``: what a caller that holds every frame takes at most (``read_frames``).
     """
     total, count = 0, 0
     while True:
@@ -170,9 +173,13 @@ async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int,
         if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
             raise ValueError(f"not a message: frame marker {marker!r} is neither data nor end of stream")
         length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-        total += length
+        total += 1 + P2P.HEADER_LEN + length
         if total > max_bytes:
             raise ValueError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
+        if marker == P2P.MESSAGE_MARKER and max_frame_bytes is not None and length > max_frame_bytes:
+            raise ValueError(f"frame {count} of {length} bytes is over the {max_frame_bytes} a frame takes")
+        if marker == P2P.MESSAGE_MARKER and max_frames is not None and count >= max_frames:
+            raise ValueError(f"message of more than {max_frames} frames")
         data = await reader.readexactly(length)
         if marker == P2P.ERROR_MARKER:
             return
@@ -186,10 +193,11 @@ async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int,
         yield frame
 
 
-async def read_frames(reader: asyncio.StreamReader, max_bytes: int,
-                      first_marker: Optional[bytes] = None) -> List[runtime_pb2.ExpertRequest]:
+async def read_frames(reader: asyncio.StreamReader, max_bytes: int, first_marker: Optional[bytes] = None,
+                      max_frames: Optional[int] = None,
+                      max_frame_bytes: Optional[int] = None) -> List[runtime_pb2.ExpertRequest]:
     """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused."""
-    frames = [frame async for frame in iterate_frames(reader, max_bytes, first_marker)]
+    frames = [frame async for frame in iterate_frames(reader, max_bytes, first_marker, max_frames, max_frame_bytes)]
     if not frames:
         raise ValueError("empty message: no frames before end of stream")
     return frames

@@ -197,6 +197,8 @@ def check_targets(targets: torch.Tensor, classes: int) -> None:
     if bad.numel():
         raise ValueError(f"{bad.numel()} target(s) out of range (e.g. {int(bad[0])}): class labels and token ids "
                          f"must lie in [0, {classes}), the model's output classes")
+    if bool((targets == IGNORED_TARGET).all()):  # cross-entropy's mean over no target is NaN: no divergence, no step
+        raise ValueError(f"every target is {IGNORED_TARGET} (ignored): the microbatch has nothing to learn from")
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

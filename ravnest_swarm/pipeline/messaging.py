@@ -14,6 +14,7 @@ long-lived stream per neighbour and handler, or on a stream per message through 
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import time
 from contextlib import closing, suppress
@@ -207,7 +208,10 @@ class Inbox:
         inputs = wire.check_values(wire.decode_tensor(tensors[0], "activations", [count, *self.input_spec.input_shape],
                                                       self.input_spec.input_dtype, request.codec),
                                    "activations", self.config.max_abs_value)
-        targets = wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape], self.target_dtype)
+        # float targets (a regression) are the loss's to judge, but never NaN or Inf: the loss would be, and the
+        # stage would restore as if it diverged
+        targets = wire.check_values(wire.decode_tensor(tensors[1], "targets", [count, *self.target_shape],
+                                                       self.target_dtype), "targets", math.inf)
         queued = scheduler.queue_forward(request.microbatch, list(request.sample_ids), inputs, targets, request.version)
         return wire.ForwardReply(queued=queued)
 
@@ -281,12 +285,15 @@ class Outbox:
                    microbatch: Optional[int]) -> Optional[str]:
         """Deliver one message; on failure re-resolve the neighbour and retry. None once delivered; else what
         failed and why, as one line (the caller drops the microbatch)."""
-        frames = wire.encode(message.as_metadata(), tensors, self._codec_for(handler))
-        size = sum(frame.ByteSize() for frame in frames)
-        deadline = time.monotonic() + self.config.send_timeout
         op = getattr(message, 'op', handler.rsplit('.', 1)[-1])
         # a message of no microbatch (the run's finish) is not said to be "of microbatch None"
         what = f"{op}{'' if microbatch is None else f' of microbatch {microbatch}'} to stage {stage}"
+        try:
+            frames = wire.encode(message.as_metadata(), tensors, self._codec_for(handler))
+        except Exception as e:  # a tensor the codec cannot take (a user model's bfloat16 in float16): dropped, said
+            return f"{what} could not be encoded ({type(e).__name__}: {e})"
+        size = sum(frame.ByteSize() for frame in frames)
+        deadline = time.monotonic() + self.config.send_timeout
         attempt, said = 0, None
         with self.busy.measure():
             while True:

@@ -22,6 +22,7 @@ from typing import Awaitable, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from ravnest_swarm.membership.text import CONTROL_CHARACTER_RE
 from ravnest_swarm.models import Dataset, ShardedSampler
 from ravnest_swarm.pipeline import wire
 from ravnest_swarm.pipeline.compute import Pending, StageCompute
@@ -376,10 +377,13 @@ class Scheduler:
             self._tell_previous(microbatch, inputs, diverged=reason[-wire.MAX_REASON_LEN:])
 
     def _tell_previous(self, microbatch: int, inputs: torch.Tensor, **word: str) -> None:
-        """A backward message with a zero gradient and a word (``diverged`` or ``dropped``) for the stage before us."""
+        """A backward message with a zero gradient and a word (``diverged`` or ``dropped``) for the stage before us,
+        on one line (an error's text, a user model's or CUDA's, spans lines: the schema refused it, and the
+        scheduler ended with that error)."""
         if not self.is_first:
+            said = {key: CONTROL_CHARACTER_RE.sub(" ", text)[-wire.MAX_REASON_LEN:] for key, text in word.items()}
             message = wire.BackwardRequest(**self._address(self.config.stage - 1), microbatch=microbatch,
-                                           version=self.compute.version, **word)
+                                           version=self.compute.version, **said)
             self.spawn(wire.BACKWARD, self.config.stage - 1, message, [torch.zeros(inputs.shape, dtype=inputs.dtype)],
                        microbatch)
 

@@ -26,17 +26,18 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
-from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, CODECS, INTEGERS, CodecError
+from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, CODECS, INTEGERS, RAW, CodecError
 from ravnest_swarm.membership.records import RUN_NAME_RE
 from ravnest_swarm.membership.text import CONTROL_CHARACTERS
 from ravnest_swarm.net.messages import Message, MessageError
-from ravnest_swarm.net.transport import make_request, read_frames, unpack_metadata
+from ravnest_swarm.net.transport import MAX_METADATA_BYTES, make_request, read_frames, unpack_metadata
 
 FORWARD = "ravnest.pipeline.forward"
 BACKWARD = "ravnest.pipeline.backward"
 STATUS = "ravnest.pipeline.status"
 
 CHUNK_BYTES = 512 * 1024
+FRAME_SLACK_BYTES = 4096  # a chunk's protobuf fields beside its bytes (dtype, size, chunks) and the frame's own
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_TENSORS = 4
 MAX_SAMPLES = 4096
@@ -136,11 +137,14 @@ class StatusReply(Message):
 
 def encode(metadata: Dict, tensors: Sequence[torch.Tensor], codec: str = "none") -> List[runtime_pb2.ExpertRequest]:
     """The frames of one message: metadata in the first, every tensor's chunks after it. ``codec`` (a key of
-    ``codecs.CODECS``) applies to floating-point tensors only, and the metadata names it."""
-    if codec != "none" and any(tensor.is_floating_point() for tensor in tensors):
+    ``codecs.CODECS``) applies to the first tensor (the activations or their gradient) where it is floating-point,
+    and the metadata names it; the others (targets) go exactly: a regression's float targets in a lossy codec
+    were values the loss was never meant to see."""
+    if codec != "none" and tensors and tensors[0].is_floating_point():
         metadata = dict(metadata, codec=codec)
-    parts = [part for tensor in tensors for part in split_for_streaming(
-        (CODECS[codec] if tensor.is_floating_point() else INTEGERS).encode(tensor), CHUNK_BYTES)]
+    parts = [part for index, tensor in enumerate(tensors) for part in split_for_streaming(
+        (INTEGERS if not tensor.is_floating_point() else CODECS[codec] if index == 0 else RAW).encode(tensor),
+        CHUNK_BYTES)]
     frames = [make_request(metadata, parts[:1])]
     frames += [runtime_pb2.ExpertRequest(tensors=[part]) for part in parts[1:]]
     return frames
@@ -154,12 +158,20 @@ async def as_stream(frames: Sequence[runtime_pb2.ExpertRequest]) -> AsyncIterato
 async def read_message(reader: asyncio.StreamReader, max_bytes: int,
                        first_marker: Optional[bytes] = None) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
     """Read one message's frames up to the end-of-stream marker; refuse oversize or malformed input.
-    ``first_marker``: its first byte, if the caller already read it (see ``transport.iterate_frames``)."""
+    ``first_marker``: its first byte, if the caller already read it (see ``transport.iterate_frames``).
+
+    Every frame is held until the message is whole, so what :func:`encode` sends bounds them: one chunk a frame,
+    and the chunks of at most ``max_bytes`` of tensors (a stranger's million empty frames, or one frame of 30
+    million empty tensors, held gigabytes before the message was even read as someone's)."""
     try:
-        frames = await read_frames(reader, max_bytes, first_marker)
+        frames = await read_frames(reader, max_bytes, first_marker,
+                                   max_frames=max_bytes // CHUNK_BYTES + MAX_TENSORS + 1,
+                                   max_frame_bytes=CHUNK_BYTES + MAX_METADATA_BYTES + FRAME_SLACK_BYTES)
         metadata = unpack_metadata(frames[0].metadata)
     except ValueError as e:
         raise MessageError(str(e))
+    if any(len(frame.tensors) > 1 for frame in frames):
+        raise MessageError("a frame holds more than one chunk")
     return metadata, combine_chunks([part for frame in frames for part in frame.tensors])
 
 
