@@ -14,7 +14,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.owner import (OwnerSpecValidator, fingerprint, load_or_create_owner_key,
-                                            load_owner_key, spec_owner)
+                                            load_owner_key, sign_spec, spec_owner)
 from ravnest_swarm.membership.reader import adopted_plan
 from ravnest_swarm.membership.records import RunAddress, parse_run_address, spec_key
 from ravnest_swarm.swarm.spec import RunSpec, choose_spec
@@ -60,6 +60,9 @@ def test_a_spec_counts_only_as_its_owner_signed_it():
     assert spec_owner(dict(record, owner=RSAPrivateKey().get_public_key().to_bytes().decode())) is None
     assert spec_owner(dict(record, signature="garbage")) is None
     assert spec_owner(dict(record, owner="not a key")) is None
+    # the key with a comment after it verifies, and had a fingerprint of its own: only the key as written counts
+    commented = dict(record, owner=record["owner"] + " a-comment", signature="")
+    assert spec_owner(sign_spec(commented, OWNER) | {"owner": commented["owner"]}) is None
 
 
 def test_nodes_refuse_specs_not_signed_by_the_owner_they_know():
@@ -151,3 +154,47 @@ def test_a_plan_counts_only_when_most_of_the_peers_it_places_follow_it():
     assert adopted_plan([honest, plan(4, [("a", [0, 8])])], moved + peers[1:], live_round=3)["round"] == 4
     assert adopted_plan([honest, plan(6, [("a", [0, 8])])], [record("a", 6, 0, 0, [0, 8])] + peers[1:],
                         live_round=3) == honest
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_stores_the_spec_it_follows_again_where_no_copy_outlives_the_renewal_margin():
+    """Nothing stored a spec again: the owner's newest version expired a week after it was signed, and an older one
+    a stranger kept storing became the run's. ``keep_spec_alive`` stores the followed record as it is, once no copy
+    of it (another version is no copy) outlives the margin. Real DHT nodes on 127.0.0.1."""
+    import asyncio
+
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from ravnest_swarm.membership.records import make_validators, signing_validator
+    from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+    from ravnest_swarm.swarm.spec import keep_spec_alive
+
+    version_1 = RunSpec("mlp-digits").record(OWNER, "demo")
+    version_2 = RunSpec.from_record(version_1)
+    version_2.version, version_2.lr = 2, 0.5
+    version_2 = version_2.record(OWNER, "demo")
+
+    async def scenario():
+        first = await start_node(host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=make_validators("demo"))
+        maddrs = [str(m) for m in await first.p2p.get_visible_maddrs()]
+        peer = await start_node(parse_maddrs(maddrs), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                record_validators=make_validators("demo"))
+        try:
+            # the newest version, about to expire; the peer's own copy of an older one, which counts for nothing
+            assert await first.store(spec_key("demo"), version_2, get_dht_time() + 30,
+                                     subkey=signing_validator(first).local_public_key)
+            assert await peer.store(spec_key("demo"), version_1, get_dht_time() + 3000,
+                                    subkey=signing_validator(peer).local_public_key)
+            renewed = await keep_spec_alive(peer, "demo", version_2, renew_before=60, lifetime=6000)
+            found = await peer.get(spec_key("demo"), latest=True)
+            expirations = sorted(item.expiration_time - get_dht_time() for item in found.value.values()
+                                 if item.value == version_2)
+            again = await keep_spec_alive(peer, "demo", version_2, renew_before=60, lifetime=6000)
+            return renewed, expirations, again
+        finally:
+            await stop_node(peer)
+            await stop_node(first)
+
+    renewed, expirations, again = asyncio.run(scenario())
+    assert renewed and expirations[-1] > 5000, expirations  # stored again for the lifetime, beside the old copy
+    assert not again  # a copy outlives the margin now: nobody stores it again

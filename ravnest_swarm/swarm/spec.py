@@ -24,9 +24,14 @@ from ravnest_swarm.membership.owner import (
     fingerprint, load_or_create_owner_key, load_owner_key, owner_key_path, public_key_text, sign_spec, spec_owner,
 )
 from ravnest_swarm.membership.records import RunAddress, RunSpecRecord, signing_validator, spec_key
+from ravnest_swarm.net.node import store_record
 from ravnest_swarm.planning.cost import DEFAULT_MOVE_HORIZON_S
 
-SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer; the creator's copy is renewed while it lives
+SPEC_LIFETIME = 7 * 24 * 3600  # a run outlives any one peer: its peers store the spec again while it lives
+# a peer stores the spec it follows again once no copy outlives this (each peer at a random fraction of it, so that
+# one of them renews it and the others see that copy): else the owner's newest version expired after a week, and
+# an older one that a stranger kept storing became the spec joiners followed (its revocations and end undone)
+SPEC_RENEW_BEFORE = SPEC_LIFETIME / 2
 # what the owner may change in a running run: every peer follows the lr from its next step, a training stage the length
 # (``steps``: extend or shorten it) and the end (``finished``: the run is over, whatever its steps; status says so);
 # who is admitted (``invite_only``, and the tickets ``revoked``: membership/tickets.py)
@@ -304,6 +309,20 @@ async def read_specs(node: DHTNode, run: str) -> Dict[str, dict]:
                 known is None or spec_order(item.value) > spec_order(known)):
             newest[owner] = item.value
     return newest
+
+
+async def keep_spec_alive(node: DHTNode, run: str, followed: dict, renew_before: float = SPEC_RENEW_BEFORE,
+                          lifetime: float = SPEC_LIFETIME) -> bool:
+    """Store ``followed`` (the owner-signed spec record of ``run`` this peer follows, as it is: nobody but the owner
+    signs a spec) again under our own subkey, and on our backbones, where no copy of it outlives ``renew_before``
+    seconds from now; whether we stored it."""
+    found = await node.get(spec_key(run), latest=True)
+    copies = found.value.values() if found is not None and isinstance(found.value, dict) else []
+    latest = max((item.expiration_time for item in copies if item.value == followed), default=0.0)
+    if latest >= get_dht_time() + renew_before:
+        return False
+    return await store_record(node, spec_key(run), followed, get_dht_time() + lifetime,
+                              subkey=signing_validator(node).local_public_key)
 
 
 def choose_spec(specs: Dict[str, dict], address: RunAddress, own: Optional[str] = None) -> Optional[dict]:

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import random
 import shutil
 import time
 from collections import deque
@@ -66,7 +67,8 @@ from ravnest_swarm.swarm.hand_over import hand_over, new_takers, only_held_here
 from ravnest_swarm.swarm.export import export_with
 from ravnest_swarm.swarm.exported import newest_export, read_export
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
-from ravnest_swarm.swarm.spec import FOLLOWED, RunSpec, cluster_lr, read_spec, run_length
+from ravnest_swarm.swarm.spec import (FOLLOWED, SPEC_RENEW_BEFORE, RunSpec, choose_spec, cluster_lr, keep_spec_alive,
+                                      read_specs, run_length)
 from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
@@ -83,6 +85,7 @@ HOLDER_LOOKUPS = 5
 SNAPSHOTS_KEPT = 3  # --snapshot-every: the newest snapshots kept in --snapshot-dir
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
+SPEC_RENEW_CHECK_SECONDS = 600.0  # how often a peer looks whether the spec it follows needs storing again
 DIVERGING_REPEATS, DIVERGING_STEPS = 3, 500  # this many restores within so many steps: a cluster that keeps diverging
 
 
@@ -176,6 +179,8 @@ class Volunteer:
         self.state_server = LayerStateServer(self.node.routes, self.run, self._offered_layers)
         # the optimizer state of the stage we stopped last, for the peer that takes its layers over (stage_state.py)
         self.stopped_stage: Optional[StoppedStage] = None
+        # the spec's renewal (_follow_spec): each peer at its own point, so one renews and the rest see its copy
+        self._spec_renewal_due, self._spec_renew_before = 0.0, SPEC_RENEW_BEFORE * random.uniform(0.5, 1.0)
         self.rounds: Optional[PlanningRounds] = None  # our planning rounds, once they start
         self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage,
                                                    training=self._training_stage)
@@ -288,11 +293,21 @@ class Volunteer:
             await self.averaging.shutdown()
 
     async def _follow_spec(self) -> None:
-        """Follow the owner's newest spec version: its learning rate applies from our next optimizer step."""
+        """Follow the owner's newest spec version: its learning rate applies from our next optimizer step. Every
+        :data:`SPEC_RENEW_CHECK_SECONDS`, keep the one we follow stored (``spec.keep_spec_alive``)."""
         try:
-            spec = await read_spec(self.node, RunAddress(self.run, self.owner))
+            record = choose_spec(await read_specs(self.node, self.run), RunAddress(self.run, self.owner))
         except UserError:
             return  # only an address without an owner can be ambiguous, and we always know ours
+        spec = None if record is None else RunSpec.from_record(record)
+        if spec is not None and spec.origin == self.spec.origin and spec.version >= self.spec.version \
+                and time.monotonic() >= self._spec_renewal_due:
+            self._spec_renewal_due = time.monotonic() + SPEC_RENEW_CHECK_SECONDS
+            try:
+                if await keep_spec_alive(self.node, self.run, record, self._spec_renew_before):
+                    logger.info(f"stored run {self.run}'s spec version {spec.version} again (it would expire)")
+            except Exception as e:  # the next check tries again; the spec has days left
+                logger.warning(f"storing the run's spec again failed: {type(e).__name__}: {e}")
         # a version of the run we follow (another origin is a run started anew under the address: not ours)
         if spec is None or spec.origin != self.spec.origin or spec.version <= self.spec.version:
             return
