@@ -376,8 +376,8 @@ async def ensure_spec(node: DHTNode, address: RunAddress, requested: Dict, wait:
             existing = existing or load_or_create_owner_key(key_file)  # we start the run: we own it
             own = fingerprint(existing.get_public_key().to_bytes())
             record = RunSpec(**requested, **(facts or {})).check_usable().record(existing, address.name)
-            if await node.store(spec_key(address.name), record, get_dht_time() + SPEC_LIFETIME,
-                                subkey=signing_validator(node).local_public_key):
+            if await store_record(node, spec_key(address.name), record, get_dht_time() + SPEC_LIFETIME,
+                                  subkey=signing_validator(node).local_public_key):
                 if on_start is not None:
                     on_start(str(RunAddress(address.name, own)))
             else:

@@ -16,6 +16,7 @@ from ravnest_swarm.membership.owner import fingerprint, required_owner_key
 from ravnest_swarm.membership.reader import why_finished
 from ravnest_swarm.membership.records import RunAddress, signing_validator, spec_key
 from ravnest_swarm.membership.tickets import MAX_REVOKED, TICKET_ID_RE
+from ravnest_swarm.net.node import store_record
 from ravnest_swarm.swarm.spec import FOLLOWED, SPEC_LIFETIME, RunSpec, read_specs
 
 
@@ -51,8 +52,8 @@ async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict
             raise UserError(f"run {address} would revoke {len(revoked)} tickets, over the {MAX_REVOKED} a spec lists: "
                             f"a revoked ticket stays revoked; give new tickets shorter --expires", exit_code=1)
         spec = replace(spec, revoked=revoked)
-    if not await node.store(spec_key(address.name), spec.record(key, address.name), get_dht_time() + SPEC_LIFETIME,
-                            subkey=signing_validator(node).local_public_key):
+    if not await store_record(node, spec_key(address.name), spec.record(key, address.name),
+                              get_dht_time() + SPEC_LIFETIME, subkey=signing_validator(node).local_public_key):
         raise UserError(f"no DHT node stored the new spec of run {address}: check the --initial-peers", exit_code=1)
     return spec
 
