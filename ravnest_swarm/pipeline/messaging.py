@@ -310,7 +310,9 @@ class Outbox:
                     # refused it for not serving that stage any more (it moved in a new plan while we kept its
                     # endpoint: the stage's current peer is found as after a failed send), for lack of room, or
                     # for not knowing us as its neighbour yet (it adopts the plan that placed us a moment later)
-                    reason = f"refused: {str(e).rsplit(': ', 1)[-1]}"
+                    # the receiver's whole line (hivemind puts "Failed to call handler ... at PEER: " before it; the
+                    # last ": " of a schema's refusal cut the field's name off)
+                    reason = f"refused: {str(e).split(f' at {peer_id}: ', 1)[-1]}"
                     retry = any(marker in str(e) for marker in (MISADDRESSED, BUSY, NOT_A_NEIGHBOUR))
                 except Exception as e:
                     reason = f"{type(e).__name__}: {e}"
