@@ -18,8 +18,8 @@ from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.planning.round import (GONE_POLLS, PlanningRounds, RoundOptions, RoundTriggers, canonical,
-                                         standby_reason)
+from ravnest_swarm.planning.round import (GONE_POLLS, MAX_CLOCK_AHEAD_S, PlanningRounds, RoundOptions, RoundTriggers,
+                                         _fresh, canonical, decided_by_most, followed_deadline, standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -511,3 +511,55 @@ def test_two_sides_a_round_apart_merge_in_the_next_round():
                 await stop_node(node)
 
     asyncio.run(scenario())
+
+
+def test_a_strangers_round_deadline_a_moment_away_or_renewal_dated_ahead_decides_nothing():
+    """A hostile peer of the run opened round r+1 with a deadline a moment away and a proposal dated 1e11: every
+    participant lowered its deadline to it, stopped renewing before it could publish with it, and adopted from the
+    stranger's proposal alone (the only one at that deadline, and "fresh" at any freeze). A deadline is followed only
+    where it leaves time to renew; a proposal dated ahead of the reader is not fresh; and a round in which fewer than
+    half of the participants seen are alive at the deadline adopts nothing."""
+    now, settle, poll = 1000.0, 1.5, 1.0
+    honest, hostile, co_opener = dict(deadline=now + 10), dict(deadline=now + 2), dict(deadline=now + 8)
+    assert followed_deadline(now + 10, [honest, hostile], now + settle + poll) == now + 10
+    assert followed_deadline(now + 10, [honest, co_opener, hostile], now + settle + poll) == now + 8
+    assert _fresh(dict(time=now - 1), now, 5.0) and not _fresh(dict(time=1e11), now, 5.0)
+    assert not _fresh(dict(time=now + MAX_CLOCK_AHEAD_S + 1), now, 5.0) and not _fresh(dict(time=now - 6), now, 5.0)
+    peer = Peer("H", 8.0, 50.0, 100.0)
+    assert not decided_by_most({"H": peer}, {"A", "B", "C", "D", "H"})
+    assert decided_by_most({i: peer for i in "ABCD"}, {"A", "B", "C", "D", "H"})
+    assert decided_by_most({"A": peer}, {"A", "B"})  # a round of two where one died still decides
+
+
+def test_a_plan_with_a_cluster_that_cannot_train_is_never_chosen_and_a_zero_speed_peer_is_no_room():
+    """One feasible cluster beside one that cannot hold the model (a hostile proposal, or a standby short of RAM filled
+    into a hole) made building the plan raise for every peer, round after round; a claim of 5e-324 GFLOP/s is above
+    0 but computes nothing, and the GA took its RAM for room in every island's best plan."""
+    from ravnest_swarm.planning.ga import SwarmArrays
+
+    workload = Workload(model_gb=1.0, gflop_per_sample=1.0, activation_mb=0.0, max_stages=8)
+    rounds = PlanningRounds.__new__(PlanningRounds)
+    rounds.options = RoundOptions(workload=workload)
+    alive = {"A": Peer("A", 2.0, 10.0, 100.0), "B": Peer("B", 2.0, 10.0, 100.0), "H": Peer("H", 0.5, 1.0, 100.0)}
+    chosen = rounds.choose([{"clusters": [["A"], ["H"]]}, {"clusters": [["A"], ["B"]]}], alive, None)
+    assert chosen[2] == [["A"], ["B"]]
+    assert rounds.choose([{"clusters": [["A"], ["H"]]}], alive, None) is None
+    arrays = SwarmArrays([Peer("A", 0.5, 10.0, 100.0), Peer("H", 4096.0, 5e-324, 100.0)],
+                         Workload(model_gb=1.0, gflop_per_sample=10.0, activation_mb=0.0, max_stages=8))
+    assert list(arrays.peer_index) == [0]
+
+
+def test_a_summary_names_only_bucket_counts_the_run_has():
+    """A summary naming 65,536 buckets made every planner poll read 65,537 keys, none of which the validators knew: a
+    forged peer record there, unvalidated, confirmed a hostile plan. A count is a power of two up to 256, and the
+    bucket one of it."""
+    from ravnest_swarm.membership.buckets import counts_named
+    from ravnest_swarm.membership.records import BucketSummary
+
+    summary = dict(peer_id="QmX", buckets=4, bucket=3, peers=1, states={"training": 1}, clusters={}, samples_per_s=0.0,
+                   time=1.0)
+    assert BucketSummary.parse_obj(summary).buckets == 4
+    for fields in (dict(buckets=65536, bucket=7), dict(buckets=3, bucket=0), dict(buckets=4, bucket=4)):
+        with pytest.raises(ValueError):
+            BucketSummary.parse_obj(dict(summary, **fields))
+    assert counts_named([dict(buckets=65536), dict(buckets=4)]) == [1, 4]

@@ -18,7 +18,8 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from ravnest_swarm import __version__
 from ravnest_swarm.devices import peak_memory
-from ravnest_swarm.membership.buckets import bucket_count_for, bucket_of, next_bucket_count, summarize, writes_summary
+from ravnest_swarm.membership.buckets import (BUCKET_COUNTS, bucket_count_for, bucket_of, next_bucket_count, summarize,
+                                              writes_summary)
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import read_bucket_counts, read_peers, read_summary
 from ravnest_swarm.membership.own_record import RecordError, publishable
@@ -174,7 +175,7 @@ class PeerAnnouncer:
         summaries, entries = await read_bucket_counts(self.node, self.run, {buckets: self._buckets_read(buckets)},
                                                       with_summaries=with_summaries)
         if with_summaries:
-            self._counts_in_use = {summary["buckets"] for summary in summaries}
+            self._counts_in_use = {summary["buckets"] for summary in summaries if summary["buckets"] in BUCKET_COUNTS}
         others = self._counts_in_use - {buckets}
         if others:
             entries += (await read_bucket_counts(self.node, self.run,

@@ -100,8 +100,9 @@ def writes_summary(peer_id: str, bucket_members: Iterable[Dict]) -> bool:
 
 def counts_named(summaries: Iterable[Dict]) -> List[int]:
     """The bucket counts ``summaries`` name (1 always): where a reader looks for a run's records. A stranger's
-    summary can add a count, which costs a read of its buckets, never hide the others."""
-    return sorted({1} | {summary["buckets"] for summary in summaries})
+    summary can add a count, which costs a read of its buckets, never hide the others; only counts the run's keys
+    have (the records' schema refuses others, this is the reader's own check)."""
+    return sorted({1} | {summary["buckets"] for summary in summaries if summary["buckets"] in BUCKET_COUNTS})
 
 
 def confirmed(summaries: Iterable[Dict], records: Iterable[Dict]) -> List[Dict]:

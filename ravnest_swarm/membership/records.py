@@ -28,7 +28,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from ravnest_swarm.codecs.codec import CODEC_NAME_PATTERN, PIPELINE_CODEC_PATTERN
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.membership.buckets import MAX_SUMMARY_CLUSTERS, bucket_field, bucket_fields
+from ravnest_swarm.membership.buckets import (BUCKET_COUNTS, MAX_BUCKETS, MAX_SUMMARY_CLUSTERS, bucket_field,
+                                              bucket_fields)
 from ravnest_swarm.membership.identity import PeerIdentityValidator, SubkeyShapeValidator
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, RUN_NAME_RE, OwnerSpecValidator
 from ravnest_swarm.membership.progress import TIME_USES
@@ -334,6 +335,21 @@ class BucketSummary(pydantic.BaseModel):
         if len(clusters) > MAX_SUMMARY_CLUSTERS:
             raise ValueError(f"a bucket's summary names at most {MAX_SUMMARY_CLUSTERS} clusters")
         return clusters
+
+    # a count the run's keys have, and a bucket of it: a reader reads every bucket of each count a summary names,
+    # and the validators know only those keys (a summary naming 65,536 buckets made every planner poll read 65,537
+    # keys, none of them validated: a forged record there confirmed a hostile plan)
+    @pydantic.validator("buckets")
+    def _known_count(cls, buckets):
+        if buckets not in BUCKET_COUNTS:
+            raise ValueError(f"a run has 1 to {MAX_BUCKETS} buckets, a power of two")
+        return buckets
+
+    @pydantic.validator("bucket")
+    def _bucket_of_count(cls, bucket, values):
+        if "buckets" in values and bucket >= values["buckets"]:
+            raise ValueError("the bucket is not one of its count")
+        return bucket
 
 
 class _RunKeys(pydantic.BaseModel):

@@ -43,7 +43,10 @@ class SwarmArrays:
 
     def __init__(self, peers: Sequence[Peer], workload: Workload):
         self.workload = workload
-        usable = [i for i, p in enumerate(peers) if p.ram_gb > 0 and p.gflops > 0]
+        # as ``cost.water_fill`` counts them: a claim of 5e-324 GFLOP/s is > 0, but its speed (over the model's
+        # GFLOP a sample) is 0, and the GA took that peer's RAM for free room in every island's best plan
+        usable = [i for i, p in enumerate(peers)
+                  if p.ram_gb / workload.model_gb > 0 and 0 < p.gflops / workload.gflop_per_sample < math.inf]
         caps = np.array([peers[i].ram_gb / workload.model_gb for i in usable], dtype=np.float64)
         speeds = np.array([peers[i].gflops / workload.gflop_per_sample for i in usable], dtype=np.float64)
         order = np.argsort(caps / speeds, kind="stable") if usable else np.zeros(0, dtype=np.int64)

@@ -25,7 +25,7 @@ import logging
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 from hivemind.dht.node import DHTNode
@@ -39,7 +39,8 @@ from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
     signing_validator,
 )
-from ravnest_swarm.planning.cost import DEFAULT_MOVE_HORIZON_S, MovePrice, Peer, Workload, pays_back, swarm_throughput
+from ravnest_swarm.planning.cost import (DEFAULT_MOVE_HORIZON_S, MovePrice, Peer, Workload, cluster_throughput,
+                                         pays_back, swarm_throughput)
 from ravnest_swarm.planning.ga import STANDBY, GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.moves import (PricedPlan, Pricing, candidate_plans, improvement, in_force_throughput,
@@ -420,7 +421,8 @@ class PlanningRounds:
                      for c in candidate_plans(in_force, {p.peer_id: p for p in snapshot}, options.workload)]
             ga.inject([a for a in seeds if a is not None])
         loop = asyncio.get_running_loop()
-        state = {"deadline": deadline}
+        # ``seen``: every participant whose proposal for this round we read or published, whatever its deadline (adopt)
+        state = {"deadline": deadline, "seen": set()}
         # proposals are renewed by their own task: a DHT call that waits on a dead peer's timeout must
         # not keep our proposal from looking alive
         publisher = asyncio.create_task(self._keep_publishing(round_number, state, snapshot, arrays, ga))
@@ -430,10 +432,11 @@ class PlanningRounds:
                 await loop.run_in_executor(None, ga.evolve_for, chunk)
                 now = get_dht_time()
                 others = await self.read_proposals(round_number, deadline_after=now)
-                state["deadline"] = min([state["deadline"]] + [p["deadline"] for p in others])
+                state["seen"].update(p["peer_id"] for p in others)
+                state["deadline"] = followed_deadline(state["deadline"], others, now + options.settle + options.poll)
                 if now - joined > self.fresh_within:
                     # a participant that stopped renewing its proposal has died or left: plan without it
-                    fresh = {p["peer_id"] for p in others if p["time"] >= time.time() - self.fresh_within}
+                    fresh = {p["peer_id"] for p in others if _fresh(p, time.time(), self.fresh_within)}
                     gone = [column_of[p.peer_id] for p in snapshot
                             if p.peer_id not in fresh | {self.peer_id} and p.peer_id in column_of]
                     if gone and not ga.excluded[gone].all():
@@ -447,13 +450,14 @@ class PlanningRounds:
             publisher.cancel()
         deadline = state["deadline"]
         await asyncio.sleep(max(0.0, deadline - get_dht_time()) + options.settle)
-        await self.adopt(round_number, deadline, in_force)
+        await self.adopt(round_number, deadline, in_force, state["seen"])
 
     async def _keep_publishing(self, round_number: int, state: dict, snapshot: List[Peer], arrays: SwarmArrays,
                                ga: IslandGA) -> None:
         """Renew our best proposal about every half second until the proposals freeze."""
         while get_dht_time() < state["deadline"] - self.options.settle:
             await self.publish(round_number, state["deadline"], snapshot, arrays, ga.best)
+            state["seen"].add(self.peer_id)
             await asyncio.sleep(0.5)
 
     async def publish(self, round_number: int, deadline: float, snapshot: List[Peer], arrays: SwarmArrays,
@@ -488,8 +492,10 @@ class PlanningRounds:
                 continue
             groups = [[alive[i] for i in c] for c in clusters]
             digest = plan_hash(clusters)
-            if digest in seen or swarm_throughput(groups, workload) <= 0 or any(len(c) > workload.max_stages
-                                                                                for c in clusters):
+            # every cluster must be able to train: one that cannot (a member short of RAM, a hostile proposal or a
+            # standby filled into a hole) made building the plan fail for every peer, round after round
+            if digest in seen or any(cluster_throughput(group, workload) <= 0 for group in groups) or any(
+                    len(c) > workload.max_stages for c in clusters):
                 continue
             seen.add(digest)
             # claims are recomputed, never trusted; a round-off-sized disagreement is no tie-breaker
@@ -499,17 +505,25 @@ class PlanningRounds:
                 best = (key, clusters, priced)
         return None if best is None else (-best[0][0], best[0][2], best[1], best[2])
 
-    async def adopt(self, round_number: int, deadline: float, in_force: Optional[dict]) -> None:
+    async def adopt(self, round_number: int, deadline: float, in_force: Optional[dict],
+                    seen: Set[str] = frozenset()) -> None:
         """Read the frozen proposals of this round and adopt the best valid one, if it pays back its moves.
 
         Liveness comes from the proposals themselves, not from peer records: they stop changing before
         the deadline, so every peer decides on the same inputs. Alive means a proposal renewed within
-        ``fresh_within`` seconds of the freeze; capabilities are each participant's own signed claim.
+        ``fresh_within`` seconds of the freeze (and not dated ahead of it); capabilities are each participant's own
+        signed claim. ``seen``: the participants whose proposals we read during the round; where fewer than half of
+        them are alive at its deadline, the round is no decision of theirs (a stranger's deadline that the others
+        could not follow in time), and nothing is adopted.
         """
         frozen_at = deadline - self.options.settle
         proposals = [p for p in await self.read_proposals(round_number) if p["deadline"] == deadline]
         alive = {p["peer_id"]: Peer(p["peer_id"], p["ram_gb"], p["gflops"], p["bandwidth_mbps"])
-                 for p in proposals if p["time"] >= frozen_at - self.fresh_within}
+                 for p in proposals if _fresh(p, frozen_at, self.fresh_within)}
+        if not decided_by_most(alive, seen):
+            self.say(f"round {round_number}: only {len(alive.keys() & seen)} of the {len(seen)} participants we saw "
+                     f"have a live proposal at its deadline; keeping the previous plan")
+            return
         chosen = self.choose(proposals, alive, in_force)
         if chosen is None:
             fresh, kept = ",".join(sorted(self.names.get(i, i) for i in alive)), "keeping the previous plan"
@@ -564,6 +578,29 @@ class PlanningRounds:
         """Store ``record`` under our own signed subkey of its round; whether any node took it."""
         return bool(await self.node.store(plan_key(self.run), record, get_dht_time() + 3600,
                                           subkey=plan_subkey_prefix(record["round"]) + self.subkey))
+
+
+# how far ahead of the reader's clock a proposal may be dated: a renewal dated far ahead (a stranger's, 1e11) counted
+# as fresh at any freeze
+MAX_CLOCK_AHEAD_S = 30.0
+
+
+def _fresh(proposal: dict, at: float, within: float) -> bool:
+    """Whether ``proposal`` was renewed within ``within`` seconds before ``at``, and is not dated ahead of it."""
+    return at - within <= proposal["time"] <= at + MAX_CLOCK_AHEAD_S
+
+
+def followed_deadline(deadline: float, proposals: Sequence[dict], earliest: float) -> float:
+    """A round's deadline as a participant follows it: the earliest of ours and ``proposals``', among those no sooner
+    than ``earliest`` (now, the settle and a poll: time to renew our proposal with it). Two peers that open a round
+    at once end on one deadline; a stranger's deadline a moment away made every peer stop renewing and adopt from
+    its proposal alone."""
+    return min([deadline] + [p["deadline"] for p in proposals if p["deadline"] >= earliest])
+
+
+def decided_by_most(alive: Dict[str, Peer], seen: Set[str]) -> bool:
+    """Whether at least half of the participants ``seen`` during a round are ``alive`` at its deadline."""
+    return 2 * len(alive.keys() & seen) >= len(seen)
 
 
 def _as_assignment(clusters: Sequence[Sequence[str]], column_of: Dict[str, int], slots: int,
