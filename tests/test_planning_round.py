@@ -13,7 +13,7 @@ from commands import ravnest
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.reader import adopted_plan, read_adopted_plan, read_plans
-from ravnest_swarm.membership.records import PlanRecord, make_validators, start_peer_node
+from ravnest_swarm.membership.records import PlanRecord, make_validators, signing_validator, start_peer_node
 from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
@@ -402,6 +402,44 @@ def test_a_peer_that_sees_a_round_after_its_proposals_froze_says_that_the_round_
     said = asyncio.run(scenario())
     assert "round 2: seen after its proposals froze, so it plans without us" in said, said
     assert "--round-seconds" in said and "none of 0 proposal(s) is valid" in said, said
+
+
+def test_a_peer_that_joins_a_round_at_a_strangers_near_deadline_adopts_nothing():
+    """The join path of the hostile deadline: a peer that finds round 2 open joins it at the earliest deadline any
+    proposal names, here a stranger's a moment away beside two honest proposals of a later one. It never publishes
+    in time, and the only proposal at that deadline is the stranger's, dated honestly: it adopted the stranger's
+    one-peer plan. The participants it joined on were three, one is alive at that deadline: nothing is adopted.
+    Real DHT: a storage node, the two honest proposers, the stranger and the joiner, each its own identity."""
+    run = "near-deadline"
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await server.get_visible_maddrs()
+        nodes = [await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                 for _ in range(4)]
+        try:
+            *honest, stranger, joiner = nodes
+            now = get_dht_time()
+            for node, deadline in [(honest[0], now + 30), (honest[1], now + 30), (stranger, now + 1.2)]:
+                peer_id = node.peer_id.to_base58()
+                proposal = dict(round=2, deadline=deadline, peer_id=peer_id, ram_gb=16.0, gflops=50.0,
+                                bandwidth_mbps=100.0, fitness=1.0, clusters=[[peer_id]], time=time.time())
+                assert await node.store(f"{run}_round", proposal, now + 120,
+                                        subkey=signing_validator(node).local_public_key)
+            announcer = PeerAnnouncer(joiner, run, "joiner", Capabilities(ram_gb=16.0, gflops=50.0,
+                                                                          bandwidth_mbps=100.0))
+            assert await announcer.renew()
+            console = Console(record=True, width=300)
+            rounds = PlanningRounds(joiner, run, announcer, RoundOptions(WORKLOAD, round_seconds=3.0, settle=1.5),
+                                    console)
+            assert await rounds._joined_open_round(2, None)
+            return console.export_text(), rounds.adopted
+        finally:
+            for node in nodes + [server]:
+                await stop_node(node)
+
+    said, adopted = asyncio.run(scenario())
+    assert adopted is None and "round 2: only 1 of the 3 participants we saw have a live proposal" in said, said
 
 
 def test_peers_placed_by_a_newer_plan_are_no_standbys_of_ours():

@@ -380,7 +380,8 @@ class PlanningRounds:
         proposals = await self.read_proposals(round_number, deadline_after=get_dht_time() - self.options.settle)
         if not proposals:
             return False
-        await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan)
+        await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan,
+                             seen={p["peer_id"] for p in proposals})
         return True
 
     def _say_unpaid(self, standbys: set, current: float, possible: PricedPlan) -> None:
@@ -389,9 +390,10 @@ class PlanningRounds:
                  f"{possible.cost.moved} peer(s) for {possible.cost.seconds:.1f}s and not pay that back within "
                  f"{self.options.move_horizon_s:g}s over the plan in force ({current:.9e})")
 
-    async def take_part(self, round_number: int, deadline: float, how: str, in_force: Optional[dict]) -> None:
+    async def take_part(self, round_number: int, deadline: float, how: str, in_force: Optional[dict],
+                        seen: Set[str] = frozenset()) -> None:
         """Run our island until shortly before the deadline, then adopt the round's plan if it pays back its moves
-        from the plan ``in_force``."""
+        from the plan ``in_force``. ``seen``: the participants whose proposals made us join (``adopt``)."""
         options = self.options
         alive = await self.read_alive(get_dht_time())
         snapshot = [alive[i] for i in sorted(alive)[:MAX_ROUND_PEERS]]
@@ -422,7 +424,7 @@ class PlanningRounds:
             ga.inject([a for a in seeds if a is not None])
         loop = asyncio.get_running_loop()
         # ``seen``: every participant whose proposal for this round we read or published, whatever its deadline (adopt)
-        state = {"deadline": deadline, "seen": set()}
+        state = {"deadline": deadline, "seen": set(seen)}
         # proposals are renewed by their own task: a DHT call that waits on a dead peer's timeout must
         # not keep our proposal from looking alive
         publisher = asyncio.create_task(self._keep_publishing(round_number, state, snapshot, arrays, ga))
