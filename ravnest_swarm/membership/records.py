@@ -422,7 +422,8 @@ def subkey_shapes(run: str) -> Dict[str, bytes]:
     bucket of peer records, a round's proposals and the spec; ``plan_subkey_prefix``, ``summary_subkey_prefix`` and
     ``stage_subkey_prefix`` where those name what the record is of."""
     shapes = {f"{run}_{field}": b"" for field in bucket_fields()}
-    shapes.update({round_key(run): b"", spec_key(run): b"", plan_key(run): rb"\d{1,15}\.",
+    # a plan's round as its schema bounds it (2^53 has 16 digits: a far-future round is stored, and ignored by readers)
+    shapes.update({round_key(run): b"", spec_key(run): b"", plan_key(run): rb"\d{1,16}\.",
                    summary_key(run): rb"\d{1,4}\.\d{1,4}\."})
     shapes.update({f"{run}_stages_{index}": rb"\d{1,6}\.\d{1,4}" for index in range(STAGE_KEYS)})
     return shapes
