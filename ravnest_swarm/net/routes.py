@@ -42,8 +42,8 @@ from pydantic import AfterValidator, ConfigDict, Field
 
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.traffic import Traffic
-from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, call_stream,
-                                         make_request, make_response, send_reply)
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, call_handler,
+                                         call_stream, make_request, make_response, send_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -361,10 +361,7 @@ class Routes:
                         return await self._call_forwarded(backbone, peer_id, name, requests, output_type, max_bytes)
                 async with bulk, every:
                     return await self._call_forwarded(backbone, peer_id, name, requests, output_type, max_bytes)
-            _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, name)
-            with closing(writer):
-                reader, writer = self.traffic.counted(name, reader, writer)
-                return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}", max_bytes)
+            return await call_handler(self.p2p, peer_id, name, requests, output_type, max_bytes, self.traffic)
         except (P2PHandlerError, ForwardBusy):
             raise  # the peer (or the backbone, busy) answered: the route works
         except Exception:

@@ -98,11 +98,13 @@ async def call_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 
 
 async def call_handler(p2p: P2P, peer_id: PeerID, name: str, requests: AsyncIterator, output_type,
-                       max_bytes: Optional[int] = None):
+                       max_bytes: Optional[int] = None, traffic=None):
     """``P2P.call_protobuf_handler`` for a stream of requests on a stream of its own, its reply read bounded
-    (:func:`call_stream`)."""
+    (:func:`call_stream`). ``traffic``: where its bytes are counted (``net/traffic.py``)."""
     _, reader, writer = await p2p.call_binary_stream_handler(peer_id, name)
     with closing(writer):
+        if traffic is not None:
+            reader, writer = traffic.counted(name, reader, writer)
         return await call_stream(reader, writer, requests, output_type, f"`{name}` at {peer_id}", max_bytes)
 
 
