@@ -21,7 +21,8 @@ from hivemind.p2p import P2P, PeerID
 from ravnest_swarm.models import get_model
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LayerOffer, LayerStateServer, agreed_step,
-                                                content_digest, counted_offers, fill_layer, offered_layers, offers_of)
+                                                content_digest, counted_offers, fill_again, fill_layer, offered_layers,
+                                                offers_of)
 
 RUN = "transfer"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -324,3 +325,66 @@ def test_a_holder_that_serves_another_round_for_a_named_one_is_not_believed():
     hostile_id = servers[0].p2p.peer_id.to_base58()
     assert all(hostile_id not in f.holders for f in filled), filled
     assert same_weights(taken, fresh)
+
+
+# ---- a holder gone since the records were read ---------------------------------------------------------
+
+
+def fill_after_a_leave(taker_planned: bool, taker_appears: bool):
+    """A leaver's layers 0:3 at step 30: it left once another peer held them at its step (hand_over), but the
+    joiner's first read named only the leaver. The joiner fills from that read, then (``fill_again``) from fresh
+    reads, which name the other holder (``taker_planned``: whether the plan names it) if ``taker_appears``. Returns
+    the first fills, the last, the other holder's stage, and the looks taken."""
+    held = trained_stage(3.0)
+
+    async def scenario():
+        joiner = await P2P.create(host_maddrs=LOCAL)
+        leaver = await P2P.create(initial_peers=await joiner.get_visible_maddrs(), host_maddrs=LOCAL)
+        other = await P2P.create(initial_peers=await joiner.get_visible_maddrs(), host_maddrs=LOCAL)
+        leaver_id = leaver.peer_id
+        await leaver.shutdown()  # gone: its record still says it holds the layers
+        try:
+            server = LayerStateServer(Routes(other, []), RUN, lambda: offered_layers(0, held, 30))
+            await server.start()
+            fresh, routes = get_model("mlp-digits").build_stage(0, 3), Routes(joiner, [])
+            stale = [LayerOffer(leaver_id, 30, False)]
+            first = {layer: await fill_layer(routes, RUN, fresh[layer], layer, stale, 10.0) for layer in range(3)}
+            looks = []
+
+            async def read_offers():
+                looks.append(time.monotonic())
+                now = stale + ([LayerOffer(other.peer_id, 30 if taker_planned else HUGE_STEP, taker_planned)]
+                               if taker_appears else [])
+                return lambda layer: now
+
+            last = await fill_again(routes, RUN, fresh, 0, first, read_offers, 10.0, lookups=3, pause=0.1)
+            return first, last, fresh, len(looks)
+        finally:
+            await joiner.shutdown()
+            await other.shutdown()
+
+    first, last, fresh, looks = asyncio.run(scenario())
+    return first, last, fresh, held, looks
+
+
+def test_a_layer_whose_only_holder_left_is_asked_of_the_holder_fresh_records_name():
+    """The walkthrough's taker: offered only a leaver that had gone, it kept the seeded weights of every layer and
+    fresh AdamW state. Now the layers the leaver did not answer for are asked of the holder a fresh read names,
+    at one look."""
+    first, last, fresh, held, looks = fill_after_a_leave(taker_planned=True, taker_appears=True)
+    assert all(not f.loaded and len(f.unanswered) == 1 for f in first.values()), first
+    assert all(f.loaded and f.step == 30 for f in last.values()), last
+    assert same_weights(held, fresh) and looks == 1
+
+
+def test_a_holder_outside_the_plan_gives_its_weights_but_not_its_step_when_the_plans_holder_is_gone():
+    first, last, fresh, held, looks = fill_after_a_leave(taker_planned=False, taker_appears=True)
+    assert all(f.loaded and f.step == 30 and "outside the plan, at step 30" in f.problem for f in last.values()), last
+    assert same_weights(held, fresh)
+
+
+def test_with_no_other_holder_the_layers_keep_their_weights_after_a_bounded_number_of_looks():
+    first, last, fresh, held, looks = fill_after_a_leave(taker_planned=True, taker_appears=False)
+    assert all(not f.loaded and f.step == 30 for f in last.values()), last
+    assert looks == 3  # for all three layers together, not three a layer
+    assert same_weights(get_model("mlp-digits").build_stage(0, 3), fresh)

@@ -19,6 +19,8 @@ alone where others can be asked:
   if none do, we keep our own weights and say so; but where none of them has an averaged copy at all (the
   first clusters of a run: one trained alone, the others took its layers a moment ago), we take the live
   weights of the holder nearest the agreed step, and say so.
+  :attr:`LayerFill.unanswered` names the holders that served nothing: the joiner looks up the layer's holders again
+  without them (``Volunteer._download``), since a leaver may have gone once another peer held its layers.
   One holder alone is asked for its live weights, which it copies once for our whole download, so all the
   layers we get from it are of one step.
 * a holder keeps the averaged copies of its last :data:`KEPT_ROUNDS` rounds, and a request may name one by its
@@ -370,7 +372,8 @@ class LayerOffer:
 class LayerFill:
     """What :func:`fill_layer` did: the step training goes on from, whether the layer was loaded, and if not why;
     whose copy was loaded (two that agreed, or the only one), its step (an export names both, export.py), and
-    whether it was an averaging round's (the same on every cluster) or a holder's live weights."""
+    whether it was an averaging round's (the same on every cluster) or a holder's live weights; where it was not
+    loaded, the holders that served no copy at all (gone, unreachable, or misbehaving, unlike two that disagree)."""
 
     step: int
     loaded: bool
@@ -378,6 +381,7 @@ class LayerFill:
     holders: Tuple[str, ...] = ()
     copy_step: Optional[int] = None
     averaged: bool = False
+    unanswered: Tuple[str, ...] = ()
 
 
 def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int) -> List[LayerOffer]:
@@ -437,10 +441,11 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
     averaged = len(counted) > 1
     ordered = sorted(counted, key=lambda offer: abs(offer.step - step))  # the likeliest to agree first
     errors: List[str] = []
+    answered: Set[PeerID] = set()  # the holders that served a copy, of any round
     if round_step is not None:
         copies: Dict[str, Set[PeerID]] = {}
         fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, copies,
-                                  step, round_step, needed=copies_to_agree(len(counted)))
+                                  step, round_step, needed=copies_to_agree(len(counted)), answered=answered)
         if fill is not None:
             return fill
         errors.clear()  # what follows says what went wrong, if anything does
@@ -452,11 +457,11 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
         copies = {}  # content digest -> the holders that served it
         served: Set[int] = set()  # the rounds (steps) their copies were of
         fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, copies,
-                                  step, served=served)
+                                  step, served=served, answered=answered)
         if fill is None and len(served) > 1:
             # one had finished a round the other had not yet: the earlier round, which both keep (KEPT_ROUNDS)
             fill = await _agreed_copy(routes, run, layer_module, layer, ordered, expected, timeout, reach, errors, {},
-                                      step, round_step=min(served))
+                                      step, round_step=min(served), answered=answered)
         if fill is not None:
             return fill
         disagreement = f"no two of its {len(counted)} holders serve the same averaged copy ({len(copies)} different ones)"
@@ -471,17 +476,65 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
                 " ", f"layer {layer}: {disagreement}: took the live weights of {fill.holders[0]} at step {fill.step}"))
         errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
-    return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"))
+    return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"),
+                     unanswered=tuple(offer.holder.to_base58() for offer in ordered if offer.holder not in answered))
+
+
+async def fill_again(routes: Routes, run: str, module: torch.nn.Sequential, start: int, failed: Dict[int, LayerFill],
+                     read_offers: Callable[[], Awaitable[Callable[[int], List[LayerOffer]]]], timeout: float,
+                     reach: Optional[Callable[[PeerID], Awaitable[str]]] = None, round_step: Optional[int] = None,
+                     lookups: int = 5, pause: float = 1.0) -> Dict[int, LayerFill]:
+    """Ask again for the layers in ``failed`` (layer of ``module``, whose first is ``start`` -> its first
+    :class:`LayerFill`), of the holders that fresh records offer, less those that served nothing
+    (:attr:`LayerFill.unanswered`): up to ``lookups`` looks ``pause`` s apart for all the layers together.
+    ``read_offers()`` reads the records once and gives each layer's offers (:func:`offers_of`).
+
+    The holders a first read named may be gone: a leaver goes once another peer holds its layers at its step, and
+    that peer's record can be newer than the read (a walkthrough's taker, offered only the leaver, trained its
+    layers from the seeded weights). A layer is asked again only when the holders that count changed. Where the
+    new ones are all outside the plan, their weights are taken but the step stays the first fill's (the plan's
+    holders' claim): a stranger's claim moves no step. Returns each layer's last fill."""
+    failed = dict(failed)
+    tried = {layer: set(filled.unanswered) for layer, filled in failed.items()}
+    asked: Dict[int, Set[str]] = {}  # the holders that counted at the last ask: asked again only with others
+    for _ in range(lookups if failed else 0):
+        await asyncio.sleep(pause)
+        try:
+            offers_for = await read_offers()
+        except Exception as e:  # no news of the holders: look again, the lookups still bound it
+            logger.warning(f"reading the records of our layers' holders failed: {e}")
+            continue
+        for layer in [layer for layer, filled in sorted(failed.items()) if not filled.loaded]:
+            offers = [offer for offer in offers_for(layer) if offer.holder.to_base58() not in tried[layer]]
+            counted = {offer.holder.to_base58(): offer.planned for offer in counted_offers(offers)}
+            if not counted or set(counted) == asked.get(layer):
+                continue
+            asked[layer] = set(counted)
+            filled = await fill_layer(routes, run, module[layer - start], layer, offers, timeout, reach, round_step)
+            tried[layer] |= set(filled.unanswered)
+            if filled.loaded and any(counted.values()):
+                failed[layer] = filled
+            elif filled.loaded:
+                failed[layer] = replace(filled, step=failed[layer].step, problem=(
+                    f"layer {layer}: the plan's holders served nothing; took the copy of "
+                    f"{', '.join(filled.holders)}, outside the plan, at step {failed[layer].step}"))
+            else:
+                failed[layer] = replace(filled, step=failed[layer].step)
+        if all(filled.loaded for filled in failed.values()):
+            break
+    return failed
 
 
 async def _agreed_copy(routes: Routes, run: str, layer_module: torch.nn.Module, layer: int,
                        offers: Sequence[LayerOffer], expected: Dict[str, torch.Tensor], timeout: float,
                        reach: Optional[Callable[[PeerID], Awaitable[str]]], errors: List[str],
                        copies: Dict[str, Set[PeerID]], step: int, round_step: Optional[int] = None,
-                       needed: int = 2, served: Optional[Set[int]] = None) -> Optional[LayerFill]:
+                       needed: int = 2, served: Optional[Set[int]] = None,
+                       answered: Optional[Set[PeerID]] = None) -> Optional[LayerFill]:
     """The averaged copy (of the round of step ``round_step``, or each holder's last) that ``needed`` of
     ``offers`` serve alike, asked holder after holder, loaded; None when none does (``copies``: each content's
-    digest and who served it, ``served``: the rounds their copies were of, ``errors``: why others failed)."""
+    digest and who served it, ``served``: the rounds their copies were of, ``errors``: why others failed,
+    ``answered``: told each holder that served a copy)."""
     for offer in offers:
         try:
             tensors, served_step = await _fetch_from(routes, run, offer.holder, layer, expected, timeout, reach, True,
@@ -489,6 +542,8 @@ async def _agreed_copy(routes: Routes, run: str, layer_module: torch.nn.Module, 
         except StateTransferError as e:
             errors.append(str(e))
             continue
+        if answered is not None:
+            answered.add(offer.holder)
         if round_step is not None and served_step != round_step:
             errors.append(f"{offer.holder} served the round of step {served_step} for that of step {round_step}")
             continue

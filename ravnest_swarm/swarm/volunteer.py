@@ -74,8 +74,9 @@ from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_ke
 from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
 from ravnest_swarm.swarm.stage_state import (StageStateServer, StoppedStage, TrainingStage, carry_layer_states,
                                              fetch_stage_state, stage_giver)
-from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerOffer,
-                                                LayerStateServer, agreed_step, counted_offers, fill_layer,
+from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerFill,
+                                                LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_again,
+                                                fill_layer,
                                                 offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
 
@@ -714,29 +715,48 @@ class Volunteer:
             task = progress.add_task(f"{self.name}: downloading layers {sorted(remote)}", total=len(remote))
             copy_steps = []  # each layer's, and whether it was an averaged round's
             self.layer_holders = {}
+            failed: Dict[int, LayerFill] = {}
             for layer, offers in sorted(remote.items()):
                 filled = await fill_layer(links, self.run, module[layer - start], layer, offers,
                                           self.options.transfer_timeout, reach=reach, round_step=round_step)
-                if not filled.loaded:
-                    self.say(f"{self.name}: {filled.problem}; keeping this layer's local weights")
-                    self._note(f"kept the local weights of {filled.problem}")
-                elif filled.problem:
-                    self.say(f"{self.name}: {filled.problem}")
-                if filled.loaded:
-                    copy_steps.append((filled.copy_step, filled.averaged))
-                    self.layer_holders[layer] = [records[holder] for holder in filled.holders]
+                if not filled.loaded and filled.unanswered:
+                    failed[layer] = filled  # asked again below, of the holders records name by then
+                    continue
+                step = max(step, self._took(filled, layer, records, copy_steps))
                 if round_step is None and first_stage is None and filled.averaged:
                     # we decide our cluster's round: the rest of our layers, and its other stages, take the same
                     round_step = filled.copy_step
                     self.announcer.update(start_round=round_step)
                     await self.announcer.renew()
-                step = max(step, filled.step)
+                progress.advance(task)
+            async def read_offers() -> Callable[[int], List[LayerOffer]]:
+                peers = [p for p in await self.announcer.read_peers() if p["peer_id"] != self.peer_id]
+                records.update({p["peer_id"]: p for p in peers})  # the route to a new holder: reach reads it
+                return lambda layer: offers_of(peers, self.plan, layer)
+
+            refilled = await fill_again(links, self.run, module, start, failed, read_offers,
+                                        self.options.transfer_timeout, reach, round_step, HOLDER_LOOKUPS)
+            for layer, filled in sorted(refilled.items()):
+                step = max(step, self._took(filled, layer, records, copy_steps))
                 progress.advance(task)
         self.moved_bytes += traffic[LAYER_STATE] + traffic[LAYER_STATE_MESSAGE] - before
         if copy_steps and len(set(copy_steps)) == 1 and copy_steps[0][1]:  # one averaging round's state
             self.announcer.update(start_round=copy_steps[0][0])
         self.layers_came_from = _came_from(copy_steps, wanted)
         return step
+
+    def _took(self, filled: LayerFill, layer: int, records: Dict[str, Dict], copy_steps: List[Tuple[int, bool]]) -> int:
+        """Say and keep what one layer's download did (``filled``: its :class:`LayerFill`; ``copy_steps``: each
+        loaded layer's step and whether it was averaged); the step training goes on from."""
+        if not filled.loaded:
+            self.say(f"{self.name}: {filled.problem}; keeping this layer's local weights")
+            self._note(f"kept the local weights of {filled.problem}")
+        elif filled.problem:
+            self.say(f"{self.name}: {filled.problem}")
+        if filled.loaded:
+            copy_steps.append((filled.copy_step, filled.averaged))
+            self.layer_holders[layer] = [records[holder] for holder in filled.holders]
+        return filled.step
 
     async def _await_round(self, round_step: int, holders: Set[str]) -> None:
         """Wait, within ``transfer_timeout``, until every holder of our layers that will take averaging round
