@@ -59,6 +59,21 @@ def test_rejects_gaps_overlaps_and_shared_owners():
         element_range([3, 4], (1, 3))
 
 
+def test_a_layer_without_parameters_takes_no_room_and_a_stage_of_only_such_layers_is_in_no_ring():
+    """A user model's ``Flatten`` between a conv and a linear layer has no parameters: every averaging hook raised on
+    it ("layer sizes must be positive") and the stages stood still. It now takes no room in the vector; a stage that
+    holds only such layers owns an empty range, and no ring has it as a member."""
+    sizes = [80, 0, 650]
+    assert layer_offsets(sizes) == [0, 80, 80, 730]
+    a = [("a0", *element_range(sizes, (0, 2))), ("a1", *element_range(sizes, (2, 3)))]
+    b = [("b0", *element_range(sizes, (0, 1))), ("b1", *element_range(sizes, (1, 2))), ("b2", *element_range(sizes, (2, 3)))]
+    rings = build_rings([a, b], 730)
+    assert [(r.start, r.end, r.members) for r in rings] == [(0, 80, ("a0", "b0")), (80, 730, ("a1", "b2"))]
+    assert rings_of("b1", rings) == []
+    with pytest.raises(ValueError, match="negative"):
+        layer_offsets([3, -1])
+
+
 def test_chunks_cover_the_segment_evenly():
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert chunk_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]

@@ -324,6 +324,41 @@ def test_a_run_reaches_its_length_in_steps_whatever_stage_0_drops(backbone, capl
         assert first.dropped == 0 and second.backwards == total and said == []
 
 
+@pytest.mark.timeout(120)
+def test_a_hook_that_raises_ends_the_stage_with_one_line_that_names_it(backbone):
+    """A user model without parameters in a layer once made the averaging hook raise at step 1: the scheduler's task
+    ended without a word, the stage stood still in the run with a live record, and the run said "nothing else
+    failed". Now the worker keeps what ended it, one line naming the stage and the error, for its volunteer to
+    raise (``Volunteer.run_until``)."""
+    run, total = "hook", 40
+
+    def config(stage):
+        return StageConfig(run=run, stage=stage, stages=2, model="mlp-digits", layers=[(0, 5), (5, 9)][stage],
+                           microbatches=total, microbatch_size=8, max_in_flight=2, send_timeout=30, heartbeat=5)
+
+    async def raise_at_step(step):
+        if step == 3:
+            raise ValueError("layer sizes must be positive,\ngot 0")
+
+    async def scenario():
+        nodes = [await start_peer_node(parse_maddrs([backbone]), run, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                 for _ in range(2)]
+        workers = [StageWorker(config(0), nodes[0]), StageWorker(config(1), nodes[1])]
+        try:
+            workers[1].between_steps = raise_at_step
+            for worker in workers:
+                await worker.start()
+            await wait_until_async(lambda: workers[1].failure is not None, 60, "stage 1 failed")
+            return [worker.failure for worker in workers], workers[1].version
+        finally:
+            await shutdown(workers, nodes)
+
+    torch.set_num_threads(1)
+    (first, second), version = asyncio.run(scenario())
+    assert first is None and version == 3
+    assert str(second) == "stage 1 (layers 5:9) stopped on ValueError: layer sizes must be positive, got 0"
+
+
 async def train_two_stages(backbone, run, config, prepare):
     """Stage 0 and stage 1 of ``run`` (``config(stage)``), each on a DHT node of its own, until the run ends;
     ``prepare(workers)`` sets them up before they start. Each stage's final step and counters."""

@@ -164,3 +164,33 @@ def test_bad_data_directories_are_one_line(tmp_path, user_models_on_path):
         load_model("mlp-digits", "", features_dir(tmp_path / "narrow"))
     with pytest.raises(ValueError, match="holds text, but model tabular takes"):
         load_model("tabular:build", "", text_dir(tmp_path / "text"))
+
+
+def test_a_not_finite_value_in_the_features_is_one_line_naming_the_sample(tmp_path, user_models_on_path):
+    """One NaN in inputs.npy made stage 0's output non-finite at every pass over it: a "divergence" that restored
+    the layers to their start once an epoch, and a run that said nothing else failed."""
+    path = features_dir(tmp_path / "nan")
+    inputs = np.load(os.path.join(path, "inputs.npy"))
+    inputs[37, 3] = np.nan
+    np.save(os.path.join(path, "inputs.npy"), inputs)
+    with pytest.raises(ValueError, match=r"inputs.npy holds a value that is not finite \(NaN or infinite\) in "
+                                         r"sample 37"):
+        load_model("tabular:build", "", path)
+
+
+def test_batch_norm_dropout_and_parameter_free_layers_build_and_evaluate_in_eval_mode(tmp_path, user_models_on_path):
+    """Batch norm refused the batch of one the layers were built on (``sequential_model``); the figures of ``local``
+    and ``evaluate`` ran the layers in training mode (dropout on: two evaluations of one export differed), and
+    counted ignored targets (-100) as misses."""
+    from ravnest_swarm.models import accuracy_counts
+    from ravnest_swarm.swarm.exported import model_figures
+
+    model = load_model("tabular:build_normalised", "", features_dir(tmp_path / "features"))
+    assert [layer.param_count for layer in model.layers][1] == 0
+    assert model.layers[0].flops_per_sample > 0 and model.layers[0].activation_bytes > 0
+    assert model_figures(model, None) == model_figures(model, None)  # no dropout: the same figures every time
+    with pytest.raises(ValueError, match="layers 'inner' and 'again' of model tabular_tied share a parameter "
+                                         r"\(tied weights\)"):
+        load_model("tabular:build_tied", "", features_dir(tmp_path / "features"))
+    outputs = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    assert accuracy_counts(outputs, torch.tensor([1, 0, -100])) == (2, 2)

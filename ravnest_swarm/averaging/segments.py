@@ -40,11 +40,12 @@ class Ring:
 
 
 def layer_offsets(layer_sizes: Sequence[int]) -> List[int]:
-    """Element offset of every layer in the flat vector, plus the total: ``[0, n0, n0 + n1, ...]``."""
+    """Element offset of every layer in the flat vector, plus the total: ``[0, n0, n0 + n1, ...]``. A layer without
+    parameters (a user model's ``Flatten`` or activation) has size 0: it takes no room in the vector."""
     offsets = [0]
     for size in layer_sizes:
-        if size <= 0:
-            raise ValueError(f"layer sizes must be positive, got {size}")
+        if size < 0:
+            raise ValueError(f"layer sizes cannot be negative, got {size}")
         offsets.append(offsets[-1] + size)
     return offsets
 
@@ -59,10 +60,11 @@ def element_range(layer_sizes: Sequence[int], layers: Tuple[int, int]) -> Tuple[
 
 
 def check_cluster(ranges: Sequence[OwnedRange], total: int) -> None:
-    """Raise ``ValueError`` unless ``ranges`` cover ``[0, total)`` contiguously, in order, each non-empty."""
+    """Raise ``ValueError`` unless ``ranges`` cover ``[0, total)`` contiguously, in order. A range may be empty: a
+    stage whose layers have no parameters owns nothing to average, and is in no ring."""
     position = 0
     for owner, start, end in ranges:
-        if start != position or end <= start:
+        if start != position or end < start:
             raise ValueError(f"cluster ranges must tile [0, {total}) in order: {owner} holds [{start}, {end}) "
                              f"where [{position}, ...) was expected")
         position = end

@@ -146,14 +146,25 @@ def sequential_model(name: str, layers: Sequence[Tuple[str, Callable[[], nn.Modu
     """
     specs = []
     with torch.device("meta"):
-        x = torch.zeros((1, *input_shape), dtype=input_dtype)
-        for layer_name, build in layers:
+        # a batch of two, counted per sample: batch norm in training mode refuses a batch of one
+        x = torch.zeros((2, *input_shape), dtype=input_dtype)
+        modules = [build() for _, build in layers]
+        owners: Dict[int, int] = {}  # id of each parameter built -> the index of the layer that holds it
+        for index, module in enumerate(modules):
+            for parameter in module.parameters():
+                # tied weights (an embedding shared with the output head): each stage would train its own copy,
+                # and the export would keep one of two that differ
+                if owners.setdefault(id(parameter), index) != index:
+                    raise ValueError(f"layers {layers[owners[id(parameter)]][0]!r} and {layers[index][0]!r} of model "
+                                     f"{name} share a parameter (tied weights): stages train their layers apart, so "
+                                     f"give each layer its own")
+        for (layer_name, build), module in zip(layers, modules):
             counter = FlopCounterMode(display=False)
             with counter:
-                y = build()(x)
+                y = module(x)
             # FLOPs rank layers for the planner; a layer that counts none (an embedding lookup) still moves
             # its output through memory once
-            flops = max(counter.get_total_flops(), y.numel())
+            flops = max(counter.get_total_flops(), y.numel()) // 2
             specs.append(LayerSpec(layer_name, build, tuple(x.shape[1:]), x.dtype, int(flops)))
             x = y
     return ModelSpec(name, tuple(specs), None, loss, seed=seed, vocab=vocab)

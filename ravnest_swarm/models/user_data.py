@@ -168,6 +168,13 @@ def _samples(source: DataSource, spec: ModelSpec) -> Tuple[torch.Tensor, torch.T
         # integer labels are classes (cross entropy takes them as int64), anything else regression targets
         targets = torch.as_tensor(np.array(targets, dtype=np.int64 if np.issubdtype(targets.dtype, np.integer)
                                              else np.float32))
+        for name, values in zip(FEATURE_FILES, (inputs, targets)):
+            # one NaN made stage 0's output non-finite at every pass over it: a "divergence" that restored the
+            # layers to their start, once an epoch
+            if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+                index = int((~torch.isfinite(values)).reshape(len(values), -1).any(dim=1).nonzero()[0])
+                raise ValueError(f"--data {source.path}: {name} holds a value that is not finite (NaN or infinite) "
+                                 f"in sample {index}")
     else:
         windows = _token_windows(source, spec)
         inputs, targets = windows[:, :-1], windows[:, 1:]

@@ -28,7 +28,9 @@ FINAL_LR_FRACTION = 0.1  # where the cosine schedule ends, as a fraction of the 
 
 def make_inner_optimizer(parameters: Iterable[torch.nn.Parameter], name: str, lr: float,
                          weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    """The stage's optimizer, built on its parameters where they live (its state goes beside them)."""
+    """The stage's optimizer, built on its parameters where they live (its state goes beside them). As one parameter
+    group: torch refuses an empty list of parameters, not an empty group (a stage of parameter-free layers)."""
+    parameters = [{"params": list(parameters)}]
     if name == "sgd":
         return torch.optim.SGD(parameters, lr=lr, weight_decay=weight_decay)
     if name == "momentum":

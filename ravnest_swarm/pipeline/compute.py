@@ -21,7 +21,7 @@ import torch
 from torch.func import functional_call
 
 from ravnest_swarm.devices import autocast, autocast_dtype
-from ravnest_swarm.models import ModelSpec
+from ravnest_swarm.models import IGNORED_TARGET, ModelSpec
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.optimizers.inner import make_inner_optimizer
 from ravnest_swarm.pipeline.guard import Diverged, DivergenceGuard, RestorePoint, SkippedStep
@@ -183,7 +183,6 @@ class StageCompute:
 
 
 # cross-entropy's default ignore_index: a label that says "no target here" (padding), which the loss skips
-IGNORED_TARGET = -100
 
 
 def check_targets(targets: torch.Tensor, classes: int) -> None:

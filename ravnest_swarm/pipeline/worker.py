@@ -25,6 +25,10 @@ from ravnest_swarm.pipeline.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+class StageFailed(RuntimeError):
+    """A stage worker's loop, heartbeat or watchdog ended on an exception."""
+
+
 class StageWorker:
     """Serves one stage: P2P handlers, a forward and a backward queue, one compute thread, background sends.
 
@@ -55,6 +59,9 @@ class StageWorker:
         self.resumed_at = 0  # the step this worker started from (resume_at)
         self.clusters_since = 0  # the step from which it has trained among config.clusters (resume_at, follow_clusters)
         self._tasks: List[asyncio.Task] = []
+        # what ended one of its tasks (a bug, or a user model's hook that raised): the stage trains no more, and
+        # its volunteer raises it rather than stand still in the run with a live record
+        self.failure: Optional[StageFailed] = None
 
     @property
     def version(self) -> int:
@@ -84,6 +91,15 @@ class StageWorker:
         await self._publish()
         self._tasks = [asyncio.create_task(coroutine) for coroutine in
                        (self._heartbeat(), self.scheduler.run(), self.scheduler.watchdog())]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            error = task.exception()
+            self.failure = StageFailed(f"stage {self.config.stage} (layers {self.start_layer}:{self.end_layer}) "
+                                       f"stopped on {type(error).__name__}: {' '.join(str(error).split())}")
+            logger.error(str(self.failure), exc_info=error)
 
     def resume_at(self, step: int) -> None:
         """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the

@@ -26,7 +26,8 @@ import torch
 
 from ravnest_swarm.checkpoint import SAFETENSORS_DTYPES, first_non_finite
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.models import ModelSpec, first_difference, load_model as build_model, model_layout, model_structure
+from ravnest_swarm.models import (ModelSpec, accuracy_counts, first_difference, load_model as build_model, model_layout,
+                                  model_structure)
 
 FORMAT = "ravnest-export/1"
 WEIGHTS, MANIFEST = "model.safetensors", "model.json"
@@ -175,7 +176,8 @@ def model_figures(model: ModelSpec, states: Optional[Mapping]) -> Dict[str, Opti
     seeded start), run one layer at a time. ``local``'s summary and ``evaluate`` both say these."""
     inputs, targets = model.yardstick("heldout")
     outputs = model.run_layers(inputs, states)
-    accuracy = None if targets.is_floating_point() else round(float((outputs.argmax(dim=-1) == targets).float().mean()), 4)
+    correct, counted = (0, 0) if targets.is_floating_point() else accuracy_counts(outputs, targets)
+    accuracy = round(correct / counted, 4) if counted else None
     train_inputs, train_targets = model.yardstick("train")
     return dict(heldout_loss=round(float(model.loss(outputs, targets)), 4), heldout_accuracy=accuracy,
                 train_loss=round(float(model.loss(model.run_layers(train_inputs, states), train_targets)), 4))

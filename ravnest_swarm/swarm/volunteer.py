@@ -274,6 +274,8 @@ class Volunteer:
                         await until_set(self._follow_plan(self.adopted), stop)
                     continue
                 await until_set(self._adopted.wait(), stop, timeout=2.0)
+                if self.worker is not None and self.worker.failure is not None:
+                    raise self.worker.failure  # one line, and an exit that says so: not a stage that stands still
                 await self._follow_spec()
                 self._publish_progress()
                 self._publish_use()
