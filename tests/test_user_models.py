@@ -194,3 +194,25 @@ def test_batch_norm_dropout_and_parameter_free_layers_build_and_evaluate_in_eval
         load_model("tabular:build_tied", "", features_dir(tmp_path / "features"))
     outputs = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
     assert accuracy_counts(outputs, torch.tensor([1, 0, -100])) == (2, 2)
+
+
+@pytest.mark.parametrize("mode", ["stash", "recompute"])
+def test_the_backward_is_of_the_forward_that_was_sent_dropout_and_batch_norm_included(tmp_path, user_models_on_path,
+                                                                                        mode):
+    """Under ``--backward recompute`` the forward ran again with a fresh dropout mask, so the gradient was of another
+    function than the output the next stage used (a gradient only on outputs dropped gave an input gradient of 2.57,
+    not 0), and batch norm's running statistics counted every microbatch twice."""
+    from ravnest_swarm.pipeline.compute import StageCompute
+    from ravnest_swarm.pipeline.config import StageConfig
+
+    data = features_dir(tmp_path / "features")
+    config = StageConfig(run="r", stage=1, stages=2, model="tabular:build_normalised", layers=(0, 1), data=data,
+                         mode=mode, lr=0.0)
+    compute = StageCompute(config, load_model("tabular:build_normalised", "", data))
+    torch.manual_seed(0)
+    pending, output = compute.forward(torch.randn(8, 16))
+    dropped = (output == 0).float()
+    assert 0 < dropped.mean() < 1
+    input_grad = compute.backward(pending, dropped)
+    assert float(input_grad.abs().max()) == 0.0
+    assert int(compute.module[0][1].num_batches_tracked) == 1

@@ -13,9 +13,10 @@ keeps only the input and recomputes the forward with the current weights at back
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch.func import functional_call
@@ -39,6 +40,8 @@ class Pending:
     params: Optional[Dict[str, torch.Tensor]]  # the stashed weights (stash mode)
     since: Optional[float]  # when the forward message was delivered; None while its send is still retrying
     version: int
+    # recompute mode: the random state its forward ran with, so the recompute draws the same dropout masks
+    rng: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
 
 class StageCompute:
@@ -80,14 +83,15 @@ class StageCompute:
         if self.config.mode == "stash":
             params = {name: p.detach().clone().requires_grad_() for name, p in self.module.named_parameters()}
             output = self._compute(x, params)
+            rng = None
         else:
-            params = None
+            params, rng = None, self._rng_state()
             with torch.no_grad():
                 output = self._compute(x)
         if not torch.isfinite(output.detach()).all():
             # finite inputs (the wire refuses others) and an output that is not: our own weights are poisoned
             self.restore("its output is not finite")
-        return Pending(x, output, list(output.shape), params, None, self.version), to_host(output)
+        return Pending(x, output, list(output.shape), params, None, self.version, rng), to_host(output)
 
     def backward(self, pending: Pending, grad: torch.Tensor) -> Optional[torch.Tensor]:
         """Apply the gradient of ``pending``'s output; the gradient of its input on the host (None on stage 0)."""
@@ -100,7 +104,8 @@ class StageCompute:
             x = pending.inputs
         else:
             x = self._as_leaf(pending.inputs.detach())
-            self._compute(x).backward(grad)
+            with self._as_its_forward(pending.rng):
+                self._compute(x).backward(grad)
         self._apply_gradients()
         return to_host(x.grad) if x.requires_grad else None
 
@@ -127,6 +132,27 @@ class StageCompute:
         with autocast(self.config.device, self.autocast_dtype):
             output = self.module(x) if params is None else functional_call(self.module, params, (x,))
         return output.to(self.output_dtype) if self.output_dtype is not None else output
+
+    def _rng_state(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def _as_its_forward(self, rng: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[None]:
+        """Where a microbatch's forward runs again, for its backward: with the random state of the first (dropout
+        draws the masks that made the output the next stage used, else the gradient is of another function), and
+        leaving the buffers as the first left them (batch norm's running statistics counted each microbatch
+        twice); restored after the backward, which needs what the recompute saved."""
+        buffers = [(buffer, buffer.clone()) for buffer in self.module.buffers()]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if rng is not None:
+                torch.set_rng_state(rng[0])
+                if rng[1] is not None:
+                    torch.cuda.set_rng_state(rng[1], self.device)
+            yield
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
 
     def _as_leaf(self, inputs: torch.Tensor) -> torch.Tensor:
         # stage 0's inputs are data (token ids need no gradient); later stages send theirs back
