@@ -196,6 +196,19 @@ def test_batch_norm_dropout_and_parameter_free_layers_build_and_evaluate_in_eval
     assert accuracy_counts(outputs, torch.tensor([1, 0, -100])) == (2, 2)
 
 
+def test_a_sequences_class_scores_may_come_second_as_torchs_cross_entropy_takes_them():
+    """Outputs ``(N, C, L)`` for targets ``(N, L)`` (torch's layout for a sequence): a label of class 8 of 9 was
+    refused as out of range of the last dimension (the length), and the accuracy took the argmax over positions."""
+    from ravnest_swarm.models import accuracy_counts, class_dim
+    from ravnest_swarm.pipeline.compute import check_targets
+
+    outputs, targets = torch.zeros(2, 9, 4), torch.full((2, 4), 8)
+    outputs[:, 8, :3] = 1.0
+    assert class_dim(outputs, targets) == 1 and class_dim(torch.zeros(2, 4, 9), targets) == -1
+    check_targets(targets, outputs.shape[class_dim(outputs, targets)])
+    assert accuracy_counts(outputs, targets) == (6, 8)
+
+
 @pytest.mark.parametrize("mode", ["stash", "recompute"])
 def test_the_backward_is_of_the_forward_that_was_sent_dropout_and_batch_norm_included(tmp_path, user_models_on_path,
                                                                                         mode):

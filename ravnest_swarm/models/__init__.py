@@ -7,5 +7,5 @@
 from ravnest_swarm.models.data import Dataset, ShardedSampler
 from ravnest_swarm.models.loading import (first_difference, get_model, layout_fingerprint, load_model, model_layout,
                                           model_structure, parse_model_config, sequential_model)
-from ravnest_swarm.models.zoo import (IGNORED_TARGET, MODELS, PRESETS, LayerSpec, ModelSpec, accuracy_counts,
+from ravnest_swarm.models.zoo import (IGNORED_TARGET, MODELS, PRESETS, LayerSpec, ModelSpec, accuracy_counts, class_dim,
                                       balanced_split, parse_layers)

@@ -148,11 +148,23 @@ class ModelSpec:
         return correct / total if total else float("nan")
 
 
+def class_dim(outputs: torch.Tensor, targets: torch.Tensor) -> int:
+    """The dimension of ``outputs`` that holds the class scores of class-label ``targets``: the last (``(N, C)``, a
+    language model's ``(N, L, V)``), or the second, as torch's cross-entropy takes a sequence's (``(N, C, L)`` for
+    targets ``(N, L)``) where only that fits the targets' shape."""
+    shape = tuple(targets.shape)
+    if outputs.dim() > 2 and tuple(outputs.shape[:-1]) != shape and \
+            (outputs.shape[0], *outputs.shape[2:]) == shape:
+        return 1
+    return -1
+
+
 def accuracy_counts(outputs: torch.Tensor, targets: torch.Tensor) -> Tuple[int, int]:
-    """The targets that the argmax of ``outputs`` (over their last dimension) gets right, and the targets that count:
-    all but :data:`IGNORED_TARGET` (a user's padding; counted as misses, an accuracy of 89 % read 44.5 %)."""
+    """The targets that the argmax of ``outputs`` (over their class dimension, :func:`class_dim`) gets right, and the
+    targets that count: all but :data:`IGNORED_TARGET` (a user's padding; counted as misses, an accuracy of 89 %
+    read 44.5 %)."""
     counted = targets != IGNORED_TARGET
-    return int(((outputs.argmax(dim=-1) == targets) & counted).sum()), int(counted.sum())
+    return int(((outputs.argmax(dim=class_dim(outputs, targets)) == targets) & counted).sum()), int(counted.sum())
 
 
 def check_layer_range(spec: ModelSpec, start: int, end: int) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch.func import functional_call
 
 from ravnest_swarm.devices import autocast, autocast_dtype
-from ravnest_swarm.models import IGNORED_TARGET, ModelSpec
+from ravnest_swarm.models import IGNORED_TARGET, ModelSpec, class_dim
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.optimizers.inner import make_inner_optimizer
 from ravnest_swarm.pipeline.guard import Diverged, DivergenceGuard, RestorePoint, SkippedStep
@@ -115,7 +115,7 @@ class StageCompute:
         x = self._as_leaf(inputs)
         with autocast(self.config.device, self.autocast_dtype):
             output = self.module(x)
-            check_targets(targets, output.shape[-1])
+            check_targets(targets, output.shape[class_dim(output, targets)])
             loss = self.spec.loss(output, targets.to(self.device))
         verdict = self.guard.judge(loss.item())  # before any gradient: a bad one would poison the weights
         if verdict.kind == "spike":
@@ -208,12 +208,10 @@ class StageCompute:
         save_file(tensors, path)
 
 
-# cross-entropy's default ignore_index: a label that says "no target here" (padding), which the loss skips
-
-
 def check_targets(targets: torch.Tensor, classes: int) -> None:
-    """Integer targets are class labels or token ids: each must index the model's output classes (the output's
-    last dimension, ``classes``: the digits' 10, a language model's vocabulary), or be ``IGNORED_TARGET``.
+    """Integer targets are class labels or token ids: each must index the model's output classes (``classes``: the
+    output's class dimension, :func:`~ravnest_swarm.models.class_dim`: the digits' 10, a language model's
+    vocabulary), or be ``IGNORED_TARGET``.
     Stages before the last pass targets on unread, so they come from any earlier stage's sender; cross-entropy
     raises on one out of range on a CPU and can fail the device on a GPU. Float targets are the loss's to judge."""
     if targets.is_floating_point() or targets.dtype == torch.bool or targets.numel() == 0:
