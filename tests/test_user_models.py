@@ -229,3 +229,18 @@ def test_the_backward_is_of_the_forward_that_was_sent_dropout_and_batch_norm_inc
     input_grad = compute.backward(pending, dropped)
     assert float(input_grad.abs().max()) == 0.0
     assert int(compute.module[0][1].num_batches_tracked) == 1
+
+
+def test_targets_the_models_output_cannot_be_scored_against_are_one_line(tmp_path, user_models_on_path):
+    """Class labels as a column failed every microbatch of a run, then its evaluation; float targets ``(N,)`` for
+    outputs ``(N, 4)`` would broadcast in a mean squared error, the model learning only their mean."""
+    column = features_dir(tmp_path / "column")
+    np.save(os.path.join(column, "targets.npy"), np.load(os.path.join(column, "targets.npy"))[:, None])
+    with pytest.raises(ValueError, match=r"class labels of shape \[1\] a sample, but model tabular outputs \[4\] a "
+                                         r"sample: they must be of shape \[\], the model's output less its class"):
+        load_model("tabular:build", "", column)
+    floats = features_dir(tmp_path / "floats")
+    np.save(os.path.join(floats, "targets.npy"), np.linspace(0, 1, 1200, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"float targets of shape \[\] a sample, but model tabular outputs \[4\]"):
+        load_model("tabular:build", "", floats)
+

@@ -187,6 +187,27 @@ def _samples(source: DataSource, spec: ModelSpec) -> Tuple[torch.Tensor, torch.T
 def bind_data(spec: ModelSpec, path: str) -> ModelSpec:
     """``spec`` training on the data at ``path`` instead of its own; checked against the model at once."""
     source = scan_data(path)
-    _samples(source, spec)  # a mismatch is one line now, not a stage failing later
+    _check_targets_fit(source, spec, _samples(source, spec)[1])  # a mismatch is one line now, not a stage failing later
     return dataclasses.replace(spec, dataset=lambda: _split(*_samples(source, spec), "train"),
                                heldout=lambda: _split(*_samples(source, spec), "heldout"))
+
+
+def _check_targets_fit(source: DataSource, spec: ModelSpec, targets: torch.Tensor) -> None:
+    """Targets whose shape the model's output cannot be scored against are refused here: class labels as a column
+    ``(N, 1)`` failed every microbatch of a run, and float targets ``(N,)`` for outputs ``(N, 1)`` broadcast in a mean
+    squared error, so the model learned only their mean while the run said nothing failed. Class labels take the
+    output's shape less its class dimension (the last, or the second: ``class_dim``); float targets, the output's."""
+    last = spec.layers[-1]
+    with torch.device("meta"):
+        output = last.build()(torch.zeros((2, *last.input_shape), dtype=last.input_dtype))
+    per_sample, out = list(targets.shape[1:]), list(output.shape[1:])
+    if targets.is_floating_point():
+        fits, wanted = per_sample == out, f"{out}, as the model's output"
+    else:
+        shapes = [out[:-1]] + ([out[1:]] if len(out) > 1 else [])
+        fits, wanted = per_sample in shapes, " or ".join(str(shape) for shape in shapes) + \
+            ", the model's output less its class dimension"
+    if not fits:
+        kind = "float targets" if targets.is_floating_point() else "class labels"
+        raise ValueError(f"--data {source.path}: {kind} of shape {per_sample} a sample, but model {spec.name} outputs "
+                         f"{out} a sample: they must be of shape {wanted}")
