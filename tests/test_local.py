@@ -168,3 +168,16 @@ def test_a_stopped_quality_bench_reports_nothing_and_leaves_nothing_running(proc
         assert alive(started) == set()
     finally:
         kill_pids(alive(started))
+
+
+@pytest.mark.timeout(200)
+def test_a_local_run_no_plan_can_place_says_why_and_exits_non_zero(tmp_path):
+    """Peers whose RAM holds no cluster (here capped by --max-ram-gb; a one-layer model once, whose layer no offer
+    held) trained nothing, yet the summary said "one cluster held the whole model", "nothing else failed", and the
+    exit was 0. Now it names what the planners found, and exits 1."""
+    result = ravnest("local", "--peers", "2", "--steps", "100", "--no-dashboard", "--time-limit", "20",
+                     "--max-ram-gb", "0.00001", timeout=150)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "No plan placed any peer, as no cluster is feasible: the 2 computing peer(s) with the most RAM offer" \
+        in result.stderr, result.stderr[-3000:]
+    assert "one cluster held the whole model" not in result.stderr

@@ -121,12 +121,14 @@ def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
     return steps
 
 
-def capability_overrides(index: int, model_gb: float, peers: int = 3) -> Dict[str, float]:
+def capability_overrides(index: int, model_gb: float, peers: int = 3, largest_layer_gb: float = 0.0) -> Dict[str, float]:
     """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed compute,
     and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace. Two peers
-    offer 0.55 each, so that together they hold the model (0.4 and 0.5 would leave it unplaced for good)."""
-    return dict(ram_gb=model_gb * max(0.4 + 0.1 * (index % 4), 1.1 / peers), gflops=20.0 + 10 * (index % 3),
-                bandwidth_mbps=1000.0 + 100 * (index % 5))
+    offer 0.55 each, so that together they hold the model (0.4 and 0.5 would leave it unplaced for good). Each
+    offers a little more than the model's largest layer (``largest_layer_gb``): a model of one layer, or of one
+    big one, was never placed."""
+    return dict(ram_gb=max(model_gb * max(0.4 + 0.1 * (index % 4), 1.1 / peers), 1.05 * largest_layer_gb),
+                gflops=20.0 + 10 * (index % 3), bandwidth_mbps=1000.0 + 100 * (index % 5))
 
 
 class LocalSwarm:
@@ -143,7 +145,7 @@ class LocalSwarm:
             self.model = load_model(self.spec.model, self.spec.model_config, options.data)
         except ValueError as e:
             raise UserError(str(e))
-        self.workload, _ = model_workload(self.model, self.spec, 8)
+        self.workload, (self.layer_memory_gb, _) = model_workload(self.model, self.spec, 8)
         self.checkpoint_steps: Dict[str, int] = {}  # peer name -> step of the checkpoint it resumes from
         if options.resume:
             if options.checkpoint_dir is None:
@@ -185,7 +187,7 @@ class LocalSwarm:
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
-        offer = capability_overrides(index, self.workload.model_gb, self.options.peers)
+        offer = capability_overrides(index, self.workload.model_gb, self.options.peers, max(self.layer_memory_gb))
         if device_kind(self.options.device) == "cuda":
             # the peers share this machine's GPU: each offers what it offers of RAM, not the whole GPU, so the plan
             # splits the model into stages as it does on the CPU (where the RAM offer is the device's memory)
@@ -491,7 +493,9 @@ def describe(summary: dict, model: str) -> List[str]:
                  f"{summary['peak_peer_memory_mb']:.0f} MB.")
     records = summary["peer_records"]
     rounds, failed = summary["averaging_rounds"], summary["averaging_failed"]
-    if clusters < 2:
+    if clusters == 0:
+        lines.append(f"No plan placed any peer{unplaced_reason(summary['log_dir'])}.")
+    elif clusters < 2:
         lines.append("No averaging: one cluster held the whole model.")
     elif not failed:
         lines.append(f"Averaging: {rounds} round(s), every one averaged.")
@@ -512,6 +516,17 @@ def describe(summary: dict, model: str) -> List[str]:
     return lines
 
 
+def unplaced_reason(log_dir: str) -> str:
+    """Why the planners placed nobody, as the first peer's log says it (its last ``no feasible cluster`` line)."""
+    try:
+        with open(os.path.join(log_dir, "peer0.err"), errors="replace") as log:
+            said = [line.strip() for line in log if "no feasible cluster: " in line]
+    except OSError:
+        said = []
+    return f", as no cluster is feasible: {said[-1].split('no feasible cluster: ', 1)[1]}" if said else \
+        f": the peers' logs say why ({log_dir})"
+
+
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
@@ -525,4 +540,4 @@ async def run_local(options: LocalOptions, as_json: bool) -> int:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps(result), flush=True)
-    return 0
+    return 1 if result["clusters"] == 0 and result["stopped"] != "stopped by signal" else 0  # nothing trained
