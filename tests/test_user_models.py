@@ -244,3 +244,21 @@ def test_targets_the_models_output_cannot_be_scored_against_are_one_line(tmp_pat
     with pytest.raises(ValueError, match=r"float targets of shape \[\] a sample, but model tabular outputs \[4\]"):
         load_model("tabular:build", "", floats)
 
+
+
+class Pair(torch.nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_a_layer_that_returns_a_tuple_and_big_endian_features_are_handled_in_words(tmp_path, user_models_on_path):
+    from ravnest_swarm.models import sequential_model
+
+    with pytest.raises(ValueError, match="layer 'pair' of model pairs returns a tuple: a layer takes one tensor and "
+                                         "returns one"):
+        sequential_model("pairs", [("pair", Pair), ("head", lambda: torch.nn.Linear(16, 4))], input_shape=(16,))
+    path = features_dir(tmp_path / "big_endian")
+    inputs = np.load(os.path.join(path, "inputs.npy"))
+    np.save(os.path.join(path, "inputs.npy"), inputs.astype(">f4"))  # torch refused the byte order, no path named
+    samples, _ = load_model("tabular:build", "", path).dataset().get(range(2))
+    assert torch.equal(samples, torch.as_tensor(inputs[[0, 1]]))

@@ -162,6 +162,9 @@ def sequential_model(name: str, layers: Sequence[Tuple[str, Callable[[], nn.Modu
             counter = FlopCounterMode(display=False)
             with counter:
                 y = module(x)
+            if not isinstance(y, torch.Tensor):  # else the next line's error names no layer and no rule
+                raise ValueError(f"layer {layer_name!r} of model {name} returns a {type(y).__name__}: a layer takes "
+                                 f"one tensor and returns one")
             # FLOPs rank layers for the planner; a layer that counts none (an embedding lookup) still moves
             # its output through memory once
             flops = max(counter.get_total_flops(), y.numel()) // 2

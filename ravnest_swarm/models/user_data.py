@@ -164,7 +164,8 @@ def _samples(source: DataSource, spec: ModelSpec) -> Tuple[torch.Tensor, torch.T
         if tuple(inputs.shape[1:]) != tuple(first.input_shape):
             raise ValueError(f"--data {source.path}: samples of shape {list(inputs.shape[1:])}, but model "
                              f"{spec.name} takes {list(first.input_shape)}")
-        inputs = torch.as_tensor(np.array(inputs), dtype=first.input_dtype)  # a copy, as for token ids
+        # a copy, as for token ids, in this machine's byte order (torch takes no big-endian array)
+        inputs = torch.as_tensor(np.array(inputs, dtype=inputs.dtype.newbyteorder("=")), dtype=first.input_dtype)
         # integer labels are classes (cross entropy takes them as int64), anything else regression targets
         targets = torch.as_tensor(np.array(targets, dtype=np.int64 if np.issubdtype(targets.dtype, np.integer)
                                              else np.float32))
