@@ -1,7 +1,10 @@
 """A volunteer does not give up on a backbone that is not up yet: it waits with backoff, says so, and joins
 once the backbone answers (issue #20, item 0). Giving up after --patience: tests/test_cli.py."""
 
+import os
+import signal
 import socket
+import time
 
 import pytest
 from hivemind.p2p import P2P, PeerID
@@ -56,3 +59,21 @@ def test_join_given_a_dead_backbone_and_a_live_one_joins_through_the_live_one(pr
     finally:
         observer.close()
     assert volunteer.popen.poll() is None and "Traceback" not in volunteer.stderr()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_join_waits_for_its_backbone_ends_the_wait_at_once(processes):
+    """It said "stopping..." and retried on until --patience ran out (for ever with ``--patience inf``; SIGTERM did
+    not end it either)."""
+    dead = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{P2P_ID_OF_NOBODY}"
+    volunteer = processes.start(["join", "--initial-peers", dead, "--run", "patient", "--name", "waiting",
+                                 "--timeout", "2", "--patience", "inf", "--no-dashboard",
+                                 "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "waiting")
+    volunteer.wait_for_output(r"waiting: waiting for the initial peers \(attempt 2 failed", 60, stream="stderr")
+    os.killpg(volunteer.pid, signal.SIGINT)
+    started = time.monotonic()
+    while volunteer.popen.poll() is None and time.monotonic() - started < 30:
+        time.sleep(0.2)
+    assert volunteer.popen.poll() == 0, volunteer.stderr()[-2000:]
+    assert time.monotonic() - started < 15 and "Traceback" not in volunteer.stderr()
+

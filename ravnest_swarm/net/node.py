@@ -248,6 +248,9 @@ async def start_node(
             ),
             timeout=timeout,
         )
+    except asyncio.CancelledError:  # a stop while we wait for the DHT: our p2pd goes with us
+        await p2p.shutdown()
+        raise
     except (asyncio.TimeoutError, RuntimeError) as e:
         await p2p.shutdown()
         tried = ", ".join(str(m) for m in initial_peers)

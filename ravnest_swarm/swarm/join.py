@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 from rich.console import Console
 
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, log_to_file, run_async
+from ravnest_swarm.lifecycle import configure_logging, install_stop_signals, log_to_file, run_async, until_set
 
 LOGGED_NAMES = 64  # peers named in a `--no-dashboard` log line
 FIRST_READ_POLL = 0.2  # seconds between looks for the announcer's first read, before the first log line
@@ -135,7 +135,12 @@ async def join(options: JoinOptions) -> None:
     from ravnest_swarm.swarm.volunteer import take_part
 
     membership = Membership(membership_options(options), console)
-    await membership.start()
+    # Ctrl-C while we wait for an initial peer (--patience: minutes, or for ever) or measure ends the wait: it
+    # said "stopping..." and then retried on until the patience ran out
+    await until_set(membership.start(), stop)
+    if stop.is_set():
+        await membership.leave()
+        return
     run = membership.options.run
     if options.model_gb is not None:
         work = asyncio.create_task(PlanningRounds(membership.node, run, membership.announcer,
