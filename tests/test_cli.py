@@ -116,6 +116,21 @@ def test_unknown_averaging_compression(verb):
     assert_one_line_error(result, "--averaging-compression must be one of none, float16, meanstd16, int8", code=2)
 
 
+@pytest.mark.parametrize("verb, flags, said", [
+    ("join", ["--lr", "20"], "--lr 20.0: ensure this value is less than or equal to 10.0 (the run spec's bound)"),
+    ("join", ["--averaging-period", "2000000"], "--averaging-period 2000000: ensure this value is less than"),
+    ("local", ["--steps", "9007199254740993"], "--steps 9007199254740993: ensure this value is less than"),
+    ("local", ["--model", "gpt-tiny", "--model-config", "layers=2000"], "the model's layout: a layout has at most"),
+])
+def test_a_spec_value_out_of_the_records_bounds_is_one_line_before_anything_starts(verb, flags, said):
+    """They passed the flags' checks and failed the spec's schema when it was published, after the peer measured
+    itself: three lines of a pydantic error (every peer of `local` died that way while it waited out its limit)."""
+    peer_flags = ["--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a", "--model",
+                  "mlp-digits"] if verb == "join" else []
+    result = cli(verb, *peer_flags, *flags)
+    assert_one_line_error(result, said, code=2)
+
+
 def test_unknown_aggregation():
     result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a",
                  "--aggregation", "median")

@@ -179,7 +179,7 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     from ravnest_swarm.membership.records import parse_run_address, validate_peer_name
     from ravnest_swarm.membership.tickets import check_ticket_for, ticket_argument
     from ravnest_swarm.net.node import parse_maddrs
-    from ravnest_swarm.swarm.spec import check_spec_choices, model_facts, scan_user_data
+    from ravnest_swarm.swarm.spec import check_spec_choices, check_spec_values, model_facts, scan_user_data
 
     address = parse_run_address(options.run)
     if options.ticket is not None:  # garbled, of another run or expired: one line before anything starts
@@ -214,6 +214,7 @@ def check_join(options: JoinOptions) -> Optional[dict]:
                        options.outer_optimizer or "average", options.lr_scaling or "none",
                        options.link_bound_compression or "", options.averaging_compression or "none")
     check_precision(options.precision or "fp32")
+    check_spec_values({**options.requested_spec(), **(facts or {})})
     return facts
 
 

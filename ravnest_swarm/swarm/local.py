@@ -16,6 +16,7 @@ Over 400 lines because :class:`LocalSwarm` both runs the swarm and sums it up fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -42,13 +43,13 @@ from ravnest_swarm.lifecycle import install_stop_signals
 from ravnest_swarm.membership.reader import read_proposals, read_snapshot
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
-from ravnest_swarm.models import load_model
+from ravnest_swarm.models import load_model, model_layout
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.export import checkpoint_layer_state, export_checkpoints, freshest_checkpoint_layers
 from ravnest_swarm.swarm.exported import model_figures
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
-from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec import RunSpec, check_spec_values
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
@@ -145,6 +146,8 @@ class LocalSwarm:
             self.model = load_model(self.spec.model, self.spec.model_config, options.data)
         except ValueError as e:
             raise UserError(str(e))
+        # out of the spec record's bounds, every peer died publishing it while we waited out the time limit
+        check_spec_values(dict(dataclasses.asdict(self.spec), steps=options.steps, layout=model_layout(self.model)))
         self.workload, (self.layer_memory_gb, _) = model_workload(self.model, self.spec, 8)
         self.checkpoint_steps: Dict[str, int] = {}  # peer name -> step of the checkpoint it resumes from
         if options.resume:

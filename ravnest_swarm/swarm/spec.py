@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hivemind.dht.node import DHTNode
 from hivemind.utils.crypto import RSAPrivateKey
@@ -273,6 +273,24 @@ def check_spec_choices(pipeline_compression: str, backward: str, aggregation: st
                                  ("--lr-schedule", lr_schedule, LR_SCHEDULES), ("--lr-scaling", lr_scaling, LR_SCALINGS)):
         if value not in choices:
             raise UserError(f"{flag} must be one of {', '.join(choices)}, not {value!r}")
+
+
+def check_spec_values(values: Dict[str, Any]) -> None:
+    """The values a new run's spec would hold (flags, and the model's facts: its layout), checked against the spec
+    record's bounds before anything starts. Out of them, the spec failed its own schema when it was published, after
+    the peer had measured itself: three lines of a pydantic error (``--lr 20``, ``--averaging-period 2000000``, a
+    ``--model-config`` of 300 characters, a GPT of 2,000 layers), and every peer of ``local`` died that way."""
+    from ravnest_swarm.membership.records import RunSpecRecord
+
+    for name, value in values.items():
+        field = RunSpecRecord.__fields__.get(name)
+        if field is None or value is None or name in ("version", "origin", "protocol", "created"):
+            continue
+        _, error = field.validate(value, {}, loc=name)
+        if error is not None:
+            errors = error if isinstance(error, list) else [error]
+            shown = "the model's layout" if name == "layout" else f"--{name.replace('_', '-')} {str(value)[:80]}"
+            raise UserError(f"{shown}: {errors[0].exc} (the run spec's bound)")
 
 
 def scan_user_data(data: str) -> None:
