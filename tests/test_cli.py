@@ -89,6 +89,24 @@ def test_a_commands_own_check_of_its_options_is_one_line(args, said):
     assert "unexpected" not in result.stderr
 
 
+def test_empty_or_clashing_outputs_are_one_line_before_anything_starts(tmp_path):
+    """Found by a review as a new user: `local --export FILE` trained, then failed naming an `--out` it does not have,
+    its summary lost; `invite --peer ""` (an unset variable) signed a ticket for any peer; `status --json --watch`
+    drew the live view, and a script waiting for JSON hung; `plot --out x` said it wrote x and wrote x.png."""
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    result = cli("local", "--peers", "2", "--steps", "20", "--no-dashboard", "--export", str(afile))
+    assert_one_line_error(result, f"--export {afile} is a file, not a directory", code=1)
+    from ravnest_swarm.membership.owner import fingerprint, load_or_create_owner_key
+
+    key_file = str(tmp_path / "owner.key")
+    owner = fingerprint(load_or_create_owner_key(key_file).get_public_key().to_bytes())
+    result = cli("invite", "--run", f"demo@{owner}", "--owner-key", key_file, "--peer", "")
+    assert_one_line_error(result, "--peer '' is not a peer id", code=2)
+    result = cli("status", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--json", "--watch")
+    assert_one_line_error(result, "--json prints one document and exits, --watch draws until Ctrl-C", code=2)
+
+
 @pytest.mark.parametrize("run_name", ["", "has space", "-leading-dash", "x" * 49, "bad/slash"])
 def test_invalid_run_name(run_name):
     result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", run_name, "--name", "a")

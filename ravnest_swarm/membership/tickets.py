@@ -85,7 +85,7 @@ def parse_expiry(text: str, now: Optional[float] = None) -> float:
 
 def issue_ticket(key: RSAPrivateKey, run: str, peer: Optional[str], expires: float) -> Tuple[str, Ticket]:
     """A ticket of ``run`` signed by the owner ``key``: its token text and its decoded form."""
-    if peer:
+    if peer is not None:  # an empty --peer (an unset variable in a script) must not issue a ticket for any peer
         check_peer_id(peer)
     payload = MSGPackSerializer.dumps(dict(run=run, owner=fingerprint(key.get_public_key().to_bytes()),
                                            peer=peer or "", expires=float(expires), id=os.urandom(8).hex()))

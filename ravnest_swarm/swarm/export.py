@@ -52,6 +52,14 @@ class ExportOptions:
     transfer_timeout: float = TRANSFER_TIMEOUT
 
 
+def check_export_dir(out: str, flag: str) -> None:
+    """Where an export goes: a directory, or a path where one can be made (``flag`` names the option in the line)."""
+    if not out:
+        raise UserError(f"{flag} is empty: name the directory the export goes to", 2)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"{flag} {out} is a file, not a directory", 1)
+
+
 class ExportWriter:
     """Writes an export layer by layer, in layer order; :meth:`finish` makes it whole, :meth:`abandon` removes what
     was written (a previous export in ``out`` stays as it was until :meth:`finish`).
@@ -65,8 +73,7 @@ class ExportWriter:
     def __init__(self, out: str, spec: Dict, run: str, source: str):
         self.out, self.spec, self.run, self.source = out, spec, run, source
         self.layout, self.layers = spec["layout"], []
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise UserError(f"--out {out} is a file, not a directory", 1)
+        check_export_dir(out, "--out")
         self.writer = SafetensorsWriter(os.path.join(out, WEIGHTS), weight_entries(self.layout),
                                         {"format": FORMAT, "run": run})
 

@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -45,7 +46,8 @@ from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.models import load_model, model_layout
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
-from ravnest_swarm.swarm.export import checkpoint_layer_state, export_checkpoints, freshest_checkpoint_layers
+from ravnest_swarm.swarm.export import (check_export_dir, checkpoint_layer_state, export_checkpoints,
+                                        freshest_checkpoint_layers)
 from ravnest_swarm.swarm.exported import model_figures
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
@@ -146,6 +148,11 @@ class LocalSwarm:
             self.model = load_model(self.spec.model, self.spec.model_config, options.data)
         except ValueError as e:
             raise UserError(str(e))
+        if options.export is not None:  # checked now, not after the training it would export
+            check_export_dir(options.export, "--export")
+        if options.checkpoint_dir is not None and os.path.exists(options.checkpoint_dir) and \
+                not os.path.isdir(options.checkpoint_dir):
+            raise UserError(f"--checkpoint-dir {options.checkpoint_dir} is a file, not a directory", 1)
         # out of the spec record's bounds, every peer died publishing it while we waited out the time limit
         check_spec_values(dict(dataclasses.asdict(self.spec), steps=options.steps, layout=model_layout(self.model)))
         self.workload, (self.layer_memory_gb, _) = model_workload(self.model, self.spec, 8)
@@ -491,7 +498,7 @@ def describe(summary: dict, model: str) -> List[str]:
                      f"assembled from the peers' checkpoints).")
     if summary["export"]:
         lines.append(f"The trained model is exported to {summary['export']} (`ravnest-swarm evaluate "
-                     f"{summary['export']}`).")
+                     f"{shlex.quote(summary['export'])}`).")
     lines.append(f"{summary['samples_per_s']:,.0f} samples/s on average while training; peak peer memory "
                  f"{summary['peak_peer_memory_mb']:.0f} MB.")
     records = summary["peer_records"]

@@ -82,6 +82,12 @@ def plot_run(directory: str, out: Optional[str] = None) -> Dict:
     loss = [[round(f["time"] - start, 3), f["loss"]] for f in lines if f.get("loss") is not None]
     rate = [[round(f["time"] - start, 3), f["samples_per_s"]] for f in lines if f.get("samples_per_s") is not None]
     out = out or os.path.join(directory, PLOT_FILE)
+    if os.path.isdir(out):
+        out = os.path.join(out, PLOT_FILE)
+    elif not os.path.splitext(out)[1]:
+        out += ".png"  # what matplotlib writes for a name without one: we say the path it wrote
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise UserError(f"--out {out}: no such directory {os.path.dirname(os.path.abspath(out))}", 1)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     try:
         top.plot([t for t, _ in loss], [v for _, v in loss], color="tab:blue")

@@ -23,6 +23,9 @@ async def show_status(initial_peers: List[str], run: str, as_json: bool, watch: 
     from ravnest_swarm.membership.records import make_validators, parse_run_address
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
     from ravnest_swarm.dashboard.live import watch_swarm
+
+    if as_json and watch:  # the live view drew and --json was dropped: a script waiting for its document hung
+        raise UserError("--json prints one document and exits, --watch draws until Ctrl-C: give one of them")
     from ravnest_swarm.swarm.observe import SnapshotReader, read_status
     from ravnest_swarm.swarm.spec import read_spec
 
