@@ -203,3 +203,15 @@ def test_export_of_a_300m_gpt_from_local_checkpoints_peaks_below_two_stages():
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["parameters"] >= 300e6 and measured["export_bytes"] >= measured["model_bytes"]
     assert measured["peak_rss"] < measured["two_smallest_stages_bytes"], measured
+
+
+def test_init_from_another_models_export_is_one_line_before_the_run_is_started(tmp_path):
+    """It signed and published the new run's spec ("started run ...: give joiners this address"), then refused."""
+    write_export(tmp_path / "digits")
+    result = ravnest("join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
+                     "--run", "other", "--name", "a", "--model", "gpt-tiny", "--init-from", str(tmp_path / "digits"),
+                     "--no-dashboard", timeout=120)
+    assert result.returncode == 1 and "started run" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: --init-from {tmp_path / 'digits'} is an export of another model than --model gpt-tiny: layer 0"), \
+        result.stderr

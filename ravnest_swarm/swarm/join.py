@@ -198,6 +198,7 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     if options.snapshot_every and options.snapshot_dir is None:
         raise UserError("--snapshot-every needs --snapshot-dir: where the snapshots go")
     if options.init_from is not None:  # an export, or a --snapshot-dir whose newest snapshot counts (maybe none yet)
+        from ravnest_swarm.models import first_difference
         from ravnest_swarm.swarm.exported import newest_export, read_export
 
         if options.snapshot_dir is not None and os.path.abspath(options.init_from) == os.path.abspath(options.snapshot_dir):
@@ -206,7 +207,12 @@ def check_join(options: JoinOptions) -> Optional[dict]:
         if found is None and not os.path.isdir(options.init_from):
             raise UserError(f"--init-from {options.init_from}: no such directory (an export, or a --snapshot-dir)", 1)
         if found is not None:
-            read_export(found)  # a corrupt export is one line now, not after joining
+            export = read_export(found)  # a corrupt export is one line now, not after joining
+            # another model's export: refused now, not after a new run's spec was signed and published with it
+            difference = first_difference(export.spec["layout"], facts["layout"]) if facts is not None else None
+            if difference is not None:
+                raise UserError(f"--init-from {found} is an export of another model than --model {options.model}: "
+                                f"{difference}", 1)
     parse_maddrs(options.initial_peers)
     options.device = resolve_device(options.device)  # `--device cuda` without a GPU is one line, before joining
     check_spec_choices(options.pipeline_compression or "none", options.backward or "stash",

@@ -1018,7 +1018,7 @@ class Volunteer:
             return None
         if self._init_export is None or self._init_export.path != path:
             export = read_export(path)
-            difference = first_difference(model_layout(self.model), export.spec["layout"])
+            difference = first_difference(export.spec["layout"], model_layout(self.model))  # "yours": the export's
             if difference is not None:
                 raise UserError(f"--init-from {path} is an export of another model than this run's {self.spec.model}: "
                                 f"{difference}", exit_code=1)
