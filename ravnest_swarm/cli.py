@@ -472,7 +472,8 @@ def local(
     async def main():
         from ravnest_swarm.devices import check_precision, resolve_device
         from ravnest_swarm.swarm.local import LocalOptions, run_local
-        from ravnest_swarm.swarm.spec import RunSpec, check_spec_choices
+        from ravnest_swarm.swarm.spec import RunSpec
+        from ravnest_swarm.swarm.spec_checks import check_spec_choices
 
         if log_file is not None:
             log_to_file(log_file)

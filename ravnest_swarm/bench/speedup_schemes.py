@@ -16,7 +16,8 @@ from rich.table import Table
 
 from ravnest_swarm.bench.speedup_curve import time_to_target
 from ravnest_swarm.errors import UserError
-from ravnest_swarm.swarm.spec import RunSpec, check_spec_choices
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec_checks import check_spec_choices
 
 # the run-spec settings a scheme may set (``JoinOptions`` carries each to the run it starts)
 SCHEME_KEYS = ("optimizer", "lr", "weight_decay", "lr_schedule", "warmup_steps", "outer_optimizer", "outer_lr",

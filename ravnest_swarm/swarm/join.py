@@ -179,7 +179,8 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     from ravnest_swarm.membership.records import parse_run_address, validate_peer_name
     from ravnest_swarm.membership.tickets import check_ticket_for, ticket_argument
     from ravnest_swarm.net.node import parse_maddrs
-    from ravnest_swarm.swarm.spec import check_spec_choices, check_spec_values, model_facts, scan_user_data
+    from ravnest_swarm.swarm.spec import model_facts
+    from ravnest_swarm.swarm.spec_checks import check_spec_choices, check_spec_values, scan_user_data
 
     address = parse_run_address(options.run)
     if options.ticket is not None:  # garbled, of another run or expired: one line before anything starts

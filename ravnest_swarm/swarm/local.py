@@ -51,7 +51,8 @@ from ravnest_swarm.swarm.export import (check_export_dir, checkpoint_layer_state
 from ravnest_swarm.swarm.exported import model_figures
 from ravnest_swarm.swarm.join import JoinOptions, run_join
 from ravnest_swarm.swarm.metrics import append_figures, run_figures
-from ravnest_swarm.swarm.spec import RunSpec, check_spec_values
+from ravnest_swarm.swarm.spec import RunSpec
+from ravnest_swarm.swarm.spec_checks import check_spec_values
 from ravnest_swarm.swarm.placement import model_workload
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
