@@ -215,3 +215,20 @@ def test_init_from_another_models_export_is_one_line_before_the_run_is_started(t
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"error: --init-from {tmp_path / 'digits'} is an export of another model than --model gpt-tiny: layer 0"), \
         result.stderr
+
+
+def test_plot_says_the_file_it_wrote_and_export_refuses_an_empty_out(tmp_path):
+    """`plot --out x` said it wrote x and wrote x.png; `--out` in a missing directory was an unexpected
+    FileNotFoundError; `export --out ""` wrote into the current directory."""
+    history = tmp_path / "history"
+    history.mkdir()
+    (history / "metrics.jsonl").write_text("".join(json.dumps(dict(time=t, loss=2.0 - t / 10, samples_per_s=100.0))
+                                                   + "\n" for t in range(5)))
+    plotted = ravnest("plot", str(history), "--out", str(tmp_path / "figure"))
+    assert plotted.returncode == 0 and f"wrote {tmp_path / 'figure.png'}:" in plotted.stdout, plotted
+    assert (tmp_path / "figure.png").is_file()
+    assert_one_line_error(ravnest("plot", str(history), "--out", str(tmp_path / "missing" / "x.png")),
+                          f"--out {tmp_path / 'missing' / 'x.png'}: no such directory", code=1)
+    result = ravnest("export", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
+                     "--run", "demo@0123456789abcdef", "--out", "")
+    assert_one_line_error(result, "--out is empty: name the directory the export goes to", code=2)

@@ -142,6 +142,7 @@ async def export_run(options: ExportOptions, console: Console) -> Dict:
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
     address = parse_run_address(options.run)
+    check_export_dir(options.out, "--out")  # before the swarm is asked: `--out ""` wrote into the current directory
     node = await start_node(parse_maddrs(options.initial_peers),
                             record_validators=make_validators(address.name, address.owner),
                             client_mode=True, timeout=options.timeout, rpc_timeout=options.timeout)
