@@ -76,8 +76,7 @@ from ravnest_swarm.swarm.stage_state import (StageStateServer, StoppedStage, Tra
                                              fetch_stage_state, stage_giver)
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerFill,
                                                 LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_again,
-                                                fill_layer,
-                                                offered_layers, offers_of)
+                                                fill_layer, offered_layers, offers_of)
 from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
 
 logger = logging.getLogger(__name__)
@@ -731,6 +730,7 @@ class Volunteer:
                     self.announcer.update(start_round=round_step)
                     await self.announcer.renew()
                 progress.advance(task)
+
             async def read_offers() -> Callable[[int], List[LayerOffer]]:
                 peers = [p for p in await self.announcer.read_peers() if p["peer_id"] != self.peer_id]
                 records.update({p["peer_id"]: p for p in peers})  # the route to a new holder: reach reads it
