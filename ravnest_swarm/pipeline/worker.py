@@ -99,7 +99,7 @@ class StageWorker:
             error = task.exception()
             self.failure = StageFailed(f"stage {self.config.stage} (layers {self.start_layer}:{self.end_layer}) "
                                        f"stopped on {type(error).__name__}: {' '.join(str(error).split())}")
-            logger.error(str(self.failure), exc_info=error)
+            logger.debug(str(self.failure), exc_info=error)  # the traceback for --verbose; the volunteer says the line
 
     def resume_at(self, step: int) -> None:
         """Continue a run at optimizer step ``step`` (weights loaded by the caller): stage 0 goes on with the
