@@ -295,12 +295,13 @@ def test_a_renewal_that_fails_is_an_error_only_once_renewals_failed_for_a_heartb
 @pytest.mark.timeout(240)
 def test_a_volunteer_whose_data_drives_its_loss_to_nan_restores_says_so_and_trains_to_the_end(tmp_path, processes,
                                                                                             backbone):
-    """A real ``join`` of a user's model whose data holds a sample with a NaN feature: each time a microbatch draws
-    it, the loss is NaN, the stage restores its last good state, its log and its record's note say so, its record
-    counts it; and the run still trains to its length."""
+    """A real ``join`` of a user's model whose data holds samples whose features, finite, are past what float32
+    sums hold (a NaN itself is refused as the data is read): each time a microbatch draws one, the loss is NaN, the
+    stage restores its last good state, its log and its record's note say so, its record counts it; and the run
+    still trains to its length."""
     data = features_dir(tmp_path / "data")
     inputs = np.load(os.path.join(data, "inputs.npy"))
-    inputs[[1, 2], 3] = np.nan  # two training samples (the held-out ones are the last of every HELDOUT_EVERY)
+    inputs[[1, 2], :] = 3e38  # two training samples (the held-out ones are the last of every HELDOUT_EVERY)
     np.save(os.path.join(data, "inputs.npy"), inputs)
     peer = processes.start(["join", "--initial-peers", backbone, "--run", RUN, "--name", "nan", "--no-dashboard",
                             "--model", "tabular:build", "--data", data, "--steps", "300", "--min-peers", "1",
