@@ -80,7 +80,8 @@ def test_malformed_multiaddr_is_one_line():
 @pytest.mark.parametrize("args, said", [
     (("bench", "diloco", "--averaging-compression", "zip"), "--averaging-compression must name codecs among"),
     (("bench", "diloco", "--configurations", "adamw:0.01"), "--configurations: 'adamw:0.01' is not inner:lr:outer"),
-    (("bench", "lr-scaling", "--lrs", "x"), "--lrs must be numbers separated by commas")])
+    (("bench", "lr-scaling", "--lrs", "x"), "--lrs must be numbers separated by commas"),
+    (("bench", "export", "--model", "nosuch"), "unknown model 'nosuch': choose one of mlp-digits")])
 def test_a_commands_own_check_of_its_options_is_one_line(args, said):
     """A UserError a command raises before it runs (not inside ``run_blocking``) is the same one line, not an
     'unexpected UserError'."""

@@ -23,6 +23,7 @@ from typing import Dict, Optional
 import torch
 
 from ravnest_swarm.checkpoint import save_stage
+from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import balanced_split, load_model, model_layout
 from ravnest_swarm.swarm.spec import RunSpec
 
@@ -69,6 +70,10 @@ def export_in_this_process(directory: str, spec_file: str, out: str) -> None:
 
 def bench_export(model: str, stages: int, as_json: bool, workdir: Optional[str] = None) -> int:
     """Write the checkpoints, export them in a fresh process, and compare its peak RSS with two stages."""
+    try:
+        load_model(model)  # an unknown model is one line, before any file is written
+    except ValueError as e:
+        raise UserError(str(e))
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="ravnest-bench-export-")
     try:
