@@ -104,6 +104,9 @@ def test_empty_or_clashing_outputs_are_one_line_before_anything_starts(tmp_path)
     owner = fingerprint(load_or_create_owner_key(key_file).get_public_key().to_bytes())
     result = cli("invite", "--run", f"demo@{owner}", "--owner-key", key_file, "--peer", "")
     assert_one_line_error(result, "--peer '' is not a peer id", code=2)
+    result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a", "--checkpoint-dir",
+                 str(afile))
+    assert_one_line_error(result, f"--checkpoint-dir {afile} is a file, not a directory", code=1)
     result = cli("status", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--json", "--watch")
     assert_one_line_error(result, "--json prints one document and exits, --watch draws until Ctrl-C", code=2)
 

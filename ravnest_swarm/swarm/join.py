@@ -196,6 +196,9 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     parse_maddrs(options.host_maddrs, what="--host-maddrs", need_peer_id=False)
     if options.resume and options.checkpoint_dir is None:
         raise UserError("--resume needs --checkpoint-dir")
+    for flag, path in (("--checkpoint-dir", options.checkpoint_dir), ("--snapshot-dir", options.snapshot_dir)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):  # else refused at its first write
+            raise UserError(f"{flag} {path} is a file, not a directory", 1)
     if options.snapshot_every and options.snapshot_dir is None:
         raise UserError("--snapshot-every needs --snapshot-dir: where the snapshots go")
     if options.init_from is not None:  # an export, or a --snapshot-dir whose newest snapshot counts (maybe none yet)
