@@ -136,7 +136,8 @@ class ModelSpec:
         """Accuracy (argmax against the targets, per sample or per token) on the held-out split."""
         data = self.heldout()
         correct = total = 0
-        training, _ = model.training, model.eval()
+        training = model.training
+        model.eval()
         try:
             with torch.no_grad():
                 for begin in range(0, data.size, batch):
