@@ -17,8 +17,8 @@ from test_user_runs import local
 import ravnest_swarm
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import get_model, model_layout
-from ravnest_swarm.swarm.export import ExportWriter
-from ravnest_swarm.swarm.exported import model_figures, read_export
+from ravnest_swarm.swarm.export import ExportWriter, check_export_dir
+from ravnest_swarm.swarm.exported import model_figures, read_export, sample_text
 from ravnest_swarm.swarm.spec import RunSpec
 
 GPT_CONFIG = "layers=2,width=32,heads=2,context=32"
@@ -195,6 +195,14 @@ def test_sample_of_a_model_that_is_no_byte_level_gpt_is_one_line(tmp_path):
     assert_one_line_error(ravnest("plot", str(tmp_path / "e")), "no run history", code=1)
 
 
+def test_sampling_counts_each_byte_for_its_progress_bar():
+    """`sample --tokens 100000` ran minutes without a sign of life: its bar advances once per byte generated."""
+    model = get_model("gpt-tiny").build_full()
+    counted = []
+    text = sample_text(model, 16, b"def ", 30, 0.0, 0, lambda: counted.append(1))
+    assert len(text) == 30 and len(counted) == 30
+
+
 @pytest.mark.timeout(400)
 def test_export_of_a_300m_gpt_from_local_checkpoints_peaks_below_two_stages():
     """Must-show: a model of at least 300 M parameters exports with memory below two of its stages (measured)."""
@@ -232,3 +240,25 @@ def test_plot_says_the_file_it_wrote_and_export_refuses_an_empty_out(tmp_path):
     result = ravnest("export", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
                      "--run", "demo@0123456789abcdef", "--out", "")
     assert_one_line_error(result, "--out is empty: name the directory the export goes to", code=2)
+
+
+def test_an_export_replaces_an_export_and_never_a_users_file(tmp_path):
+    """Exporting again into a directory replaced what was there without a word, a user's own model.json too."""
+    write_export(tmp_path / "e", shift=0.5)
+    assert check_export_dir(str(tmp_path / "e"), "--out") == "unit@0123456789abcdef"
+    _, newer = write_export(tmp_path / "e", shift=1.5)
+    assert all(torch.equal(t, newer[0][k]) for k, t in read_export(str(tmp_path / "e")).states()[0].items())
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.json").write_text('{"my": "notes"}')
+    peer = "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt"
+    assert_one_line_error(ravnest("export", "--initial-peers", peer, "--run", "demo@0123456789abcdef",
+                                  "--out", str(mine)), "holds a model.json or model.safetensors that is not a ravnest "
+                          "export", code=1)
+    assert_one_line_error(ravnest("local", "--steps", "5", "--export", str(mine)), "not a ravnest export", code=1)
+    (mine / "model.json").unlink()
+    (mine / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="not a ravnest export"):
+        check_export_dir(str(mine), "--out")
+    assert (mine / "model.safetensors").read_bytes() == b"not safetensors"

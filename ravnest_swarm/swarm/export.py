@@ -24,7 +24,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+from safetensors import SafetensorError, safe_open
 
 from ravnest_swarm.checkpoint import SafetensorsWriter, first_non_finite, write_atomically
 from ravnest_swarm.errors import UserError
@@ -52,12 +54,36 @@ class ExportOptions:
     transfer_timeout: float = TRANSFER_TIMEOUT
 
 
-def check_export_dir(out: str, flag: str) -> None:
-    """Where an export goes: a directory, or a path where one can be made (``flag`` names the option in the line)."""
+def check_export_dir(out: str, flag: str) -> Optional[str]:
+    """Where an export goes: a directory, or a path where one can be made (``flag`` names the option in the line).
+    Returns the run of an export already there, which the new one replaces once whole (an export of the run made
+    again is its newer copy); a ``model.json`` or ``model.safetensors`` there that is not an export is someone's
+    file, never overwritten: a one-line :class:`UserError`."""
     if not out:
         raise UserError(f"{flag} is empty: name the directory the export goes to", 2)
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"{flag} {out} is a file, not a directory", 1)
+    manifest_path, weights_path = os.path.join(out, MANIFEST), os.path.join(out, WEIGHTS)
+    if not (os.path.lexists(manifest_path) or os.path.lexists(weights_path)):
+        return None
+    formats, run = [], None
+    try:
+        if os.path.lexists(manifest_path):
+            with open(manifest_path) as file:
+                manifest = json.load(file)
+            formats.append(manifest.get("format"))
+            run = manifest.get("run")
+        if os.path.lexists(weights_path):
+            with safe_open(weights_path, "pt") as weights:
+                metadata = weights.metadata() or {}
+            formats.append(metadata.get("format"))
+            run = run or metadata.get("run")
+    except (OSError, ValueError, AttributeError, SafetensorError) as e:
+        formats.append(f"unreadable ({e})")
+    if any(found != FORMAT for found in formats):
+        raise UserError(f"{flag} {out} holds a {MANIFEST} or {WEIGHTS} that is not a ravnest export: choose "
+                        f"another directory (it is never overwritten)", 1)
+    return str(run)
 
 
 class ExportWriter:
@@ -142,7 +168,11 @@ async def export_run(options: ExportOptions, console: Console) -> Dict:
     from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
 
     address = parse_run_address(options.run)
-    check_export_dir(options.out, "--out")  # before the swarm is asked: `--out ""` wrote into the current directory
+    # before the swarm is asked: `--out ""` wrote into the current directory
+    replaced = check_export_dir(options.out, "--out")
+    if replaced is not None:
+        console.print(f"{escape(options.out)} holds an export of run {escape(replaced)}: this one replaces it once "
+                      f"it is whole", highlight=False)
     node = await start_node(parse_maddrs(options.initial_peers),
                             record_validators=make_validators(address.name, address.owner),
                             client_mode=True, timeout=options.timeout, rpc_timeout=options.timeout)
@@ -252,8 +282,6 @@ def freshest_checkpoint_layers(directory: str, pattern: "re.Pattern") -> Dict[in
     """For each layer of the checkpoints in ``directory`` whose file name matches ``pattern``: ``(file, step, index
     in the file's stage)`` of its freshest copy. Only the files' headers are read; a file that does not read is
     skipped (a killed writer's leftover)."""
-    from safetensors import safe_open
-
     layers: Dict[int, Tuple[str, int, int]] = {}
     for name in sorted(os.listdir(directory)):
         if not pattern.match(name):
@@ -273,7 +301,6 @@ def freshest_checkpoint_layers(directory: str, pattern: "re.Pattern") -> Dict[in
 
 def checkpoint_layer_state(source: Tuple[str, int, int]) -> Dict[str, torch.Tensor]:
     """One layer's tensors from the checkpoint ``source`` names (:func:`freshest_checkpoint_layers`), only those."""
-    from safetensors import safe_open
 
     path, _, offset = source
     prefix = f"param.{offset}."

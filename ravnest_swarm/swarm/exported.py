@@ -20,9 +20,11 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn
 
 from ravnest_swarm.checkpoint import SAFETENSORS_DTYPES, first_non_finite
 from ravnest_swarm.errors import UserError
@@ -203,9 +205,10 @@ def evaluate_export(path: str, data: Optional[str], as_json: bool) -> int:
 
 
 def sample_text(module: torch.nn.Module, context: int, prompt: bytes, tokens: int, temperature: float,
-                seed: int) -> bytes:
+                seed: int, generated: Callable[[], None] = lambda: None) -> bytes:
     """``tokens`` bytes generated after ``prompt`` by a byte-level language model ``module`` (ids in, logits per
-    position out) that sees at most ``context`` tokens; ``temperature`` 0 takes the likeliest byte each time."""
+    position out) that sees at most ``context`` tokens; ``temperature`` 0 takes the likeliest byte each time;
+    ``generated()`` is called after each byte."""
     generator = torch.Generator().manual_seed(seed)
     ids = list(prompt) or [ord("\n")]
     with torch.no_grad():
@@ -216,6 +219,7 @@ def sample_text(module: torch.nn.Module, context: int, prompt: bytes, tokens: in
             else:
                 probabilities = torch.softmax(logits / temperature, dim=-1)
                 ids.append(int(torch.multinomial(probabilities, 1, generator=generator)))
+            generated()
     return bytes(ids[len(prompt):])
 
 
@@ -227,6 +231,11 @@ def sample_export(path: str, prompt: str, tokens: int, temperature: float, seed:
         raise UserError(f"sample writes text with byte-level language models (token ids 0-255 in, one logit per "
                         f"byte out); {export.spec['model']} is not one", 1)
     module = load_model(path)
-    text = sample_text(module, first.input_shape[0], prompt.encode(), tokens, temperature, seed)
+    # on stderr and gone once done: stdout carries the text alone, for a pipe
+    with Progress(TextColumn("sampling"), BarColumn(), TextColumn("{task.completed}/{task.total} bytes"),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("sampling", total=tokens)
+        text = sample_text(module, first.input_shape[0], prompt.encode(), tokens, temperature, seed,
+                           lambda: progress.advance(task))
     print(prompt + text.decode("utf-8", errors="replace"), flush=True)
     return 0

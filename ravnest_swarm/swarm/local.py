@@ -34,6 +34,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from ravnest_swarm.checkpoint import read_stage, remove_unfinished_writes
 from ravnest_swarm.dashboard.live import LogPanel, logs_below, render_with_logs
@@ -150,7 +151,10 @@ class LocalSwarm:
         except ValueError as e:
             raise UserError(str(e))
         if options.export is not None:  # checked now, not after the training it would export
-            check_export_dir(options.export, "--export")
+            replaced = check_export_dir(options.export, "--export")
+            if replaced is not None:
+                console.print(f"--export {escape(options.export)} holds an export of run {escape(replaced)}: this "
+                              f"run's replaces it at the end", highlight=False)
         if options.checkpoint_dir is not None and os.path.exists(options.checkpoint_dir) and \
                 not os.path.isdir(options.checkpoint_dir):
             raise UserError(f"--checkpoint-dir {options.checkpoint_dir} is a file, not a directory", 1)
