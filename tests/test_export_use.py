@@ -227,7 +227,8 @@ def test_init_from_another_models_export_is_one_line_before_the_run_is_started(t
 
 def test_plot_says_the_file_it_wrote_and_export_refuses_an_empty_out(tmp_path):
     """`plot --out x` said it wrote x and wrote x.png; `--out` in a missing directory was an unexpected
-    FileNotFoundError; `export --out ""` wrote into the current directory."""
+    FileNotFoundError; `export --out ""` wrote into the current directory; `export --out /proc/x` was an unexpected
+    FileNotFoundError after the download."""
     history = tmp_path / "history"
     history.mkdir()
     (history / "metrics.jsonl").write_text("".join(json.dumps(dict(time=t, loss=2.0 - t / 10, samples_per_s=100.0))
@@ -240,6 +241,11 @@ def test_plot_says_the_file_it_wrote_and_export_refuses_an_empty_out(tmp_path):
     result = ravnest("export", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
                      "--run", "demo@0123456789abcdef", "--out", "")
     assert_one_line_error(result, "--out is empty: name the directory the export goes to", code=2)
+    (tmp_path / "a file").write_text("x")
+    for out, why in ((tmp_path / "a file" / "x", "Not a directory"), ("/proc/x", "No such file or directory")):
+        result = ravnest("export", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
+                         "--run", "demo@0123456789abcdef", "--out", str(out))
+        assert_one_line_error(result, f"--out {out}: cannot make the directory ({why})", code=1)
 
 
 def test_an_export_replaces_an_export_and_never_a_users_file(tmp_path):

@@ -63,6 +63,12 @@ def check_export_dir(out: str, flag: str) -> Optional[str]:
         raise UserError(f"{flag} is empty: name the directory the export goes to", 2)
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"{flag} {out} is a file, not a directory", 1)
+    try:  # made now, not after the download or training whose result it would keep
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag} {out}: cannot make the directory ({e.strerror or e})", 1)
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {out}: this user cannot write there", 1)
     manifest_path, weights_path = os.path.join(out, MANIFEST), os.path.join(out, WEIGHTS)
     if not (os.path.lexists(manifest_path) or os.path.lexists(weights_path)):
         return None
