@@ -93,6 +93,8 @@ def test_an_open_ended_run_trains_until_its_owner_ends_it(processes, tmp_path):
                          >= 300, 200, "both stages past step 300")
         spec = watcher.call(read_spec(watcher.node, RunAddress(run)))
         assert spec.steps == OPEN_ENDED and not spec.finished
+        again = ravnest("update-spec", "--initial-peers", maddr, "--run", run, "--steps", "0", env=owner_env)
+        assert again.returncode == 0 and again.stdout.rstrip().endswith("spec version 2: steps=open-ended"), again
         ended = ravnest("update-spec", "--initial-peers", maddr, "--run", run, "--finish", env=owner_env)
         assert ended.returncode == 0 and "finished" in ended.stdout, ended.stderr
         seen = watcher.wait_for(lambda seen: len(placed(seen)) == 2 and all(p["state"] == "done"

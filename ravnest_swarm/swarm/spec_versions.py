@@ -17,7 +17,7 @@ from ravnest_swarm.membership.reader import why_finished
 from ravnest_swarm.membership.records import RunAddress, signing_validator, spec_key
 from ravnest_swarm.membership.tickets import MAX_REVOKED, TICKET_ID_RE
 from ravnest_swarm.net.node import store_record
-from ravnest_swarm.swarm.spec import FOLLOWED, SPEC_LIFETIME, RunSpec, read_specs
+from ravnest_swarm.swarm.spec import FOLLOWED, SPEC_LIFETIME, RunSpec, read_specs, run_length
 
 
 async def publish_spec_version(node: DHTNode, address: RunAddress, changes: Dict, key: RSAPrivateKey,
@@ -70,6 +70,7 @@ async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_k
     for ticket in revoke:
         if not TICKET_ID_RE.match(ticket):
             raise UserError(f"--revoke {ticket!r}: a ticket id is 16 hex digits, as `invite` printed it")
+    revoke = list(dict.fromkeys(revoke))  # a ticket given twice is revoked (and said) once
     address = parse_run_address(run)
     key = required_owner_key(address.name, owner_key_file)
     node = await start_node(parse_maddrs(initial_peers), record_validators=make_validators(address.name, address.owner),
@@ -79,7 +80,8 @@ async def update_spec(initial_peers: List[str], run: str, changes: Dict, owner_k
     finally:
         await stop_node(node)
     said = {"finished": lambda value: "finished" if value else "not finished",
-            "invite_only": lambda value: "invite-only" if value else "open to anyone"}
+            "invite_only": lambda value: "invite-only" if value else "open to anyone",
+            "steps": lambda value: f"steps={run_length(value)}"}
     print(f"run {address.name}@{fingerprint(key.get_public_key().to_bytes())} spec version {spec.version}: "
           + ", ".join([said[name](value) if name in said else f"{name}={value}" for name, value in changes.items()]
                       + [f"ticket {ticket} revoked" for ticket in revoke]), flush=True)
