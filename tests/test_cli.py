@@ -81,7 +81,10 @@ def test_malformed_multiaddr_is_one_line():
     (("bench", "diloco", "--averaging-compression", "zip"), "--averaging-compression must name codecs among"),
     (("bench", "diloco", "--configurations", "adamw:0.01"), "--configurations: 'adamw:0.01' is not inner:lr:outer"),
     (("bench", "lr-scaling", "--lrs", "x"), "--lrs must be numbers separated by commas"),
-    (("bench", "export", "--model", "nosuch"), "unknown model 'nosuch': choose one of mlp-digits")])
+    (("bench", "export", "--model", "nosuch"), "unknown model 'nosuch': choose one of mlp-digits"),
+    # was two lines, once each bench peer it had started exited on it
+    (("bench", "averaging", "--compression", "zip"), "--compression must be one of fp16, 8bit, none"),
+    (("bench", "averaging", "--compression", "int4"), "hivemind's averager has no codec 'int4'")])
 def test_a_commands_own_check_of_its_options_is_one_line(args, said):
     """A UserError a command raises before it runs (not inside ``run_blocking``) is the same one line, not an
     'unexpected UserError'."""

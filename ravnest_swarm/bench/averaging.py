@@ -36,6 +36,7 @@ from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN
 from ravnest_swarm.averaging.segments import build_rings, element_range, ring_bytes_per_peer
 from ravnest_swarm.bench.averaging_peer import AveragingPeerOptions, run_averaging_peer_process
 from ravnest_swarm.bench.averaging_phases import ROBUST_PHASES
+from ravnest_swarm.bench.synthetic import codec_by_name, compression_by_name
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.errors import UserError
 
@@ -82,6 +83,9 @@ def bench_averaging(clusters: int, stages: int, mbps: float, delay_ms: float, si
         raise UserError("--clusters must be at least 2 (averaging needs two copies)")
     if robust is not None and robust not in set(AGGREGATIONS) - {MEAN}:
         raise UserError(f"--robust must be one of {', '.join(a for a in AGGREGATIONS if a != MEAN)}, not {robust!r}")
+    codec_by_name(compression)  # here, not as each of the peers it starts exits on it
+    if robust is None:
+        compression_by_name(compression)  # the hivemind phase's
     phases = ROBUST_PHASES if robust else PHASES
     sizes, layouts = bench_layout(clusters, stages, size_mb)
     bound, largest = bound_seconds(sizes, layouts, mbps)
