@@ -110,6 +110,10 @@ def test_empty_or_clashing_outputs_are_one_line_before_anything_starts(tmp_path)
     result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a", "--checkpoint-dir",
                  str(afile))
     assert_one_line_error(result, f"--checkpoint-dir {afile} is a file, not a directory", code=1)
+    # refused now, not once the peer had joined the run and was placed
+    result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a", "--checkpoint-dir",
+                 str(tmp_path), "--resume")
+    assert_one_line_error(result, f"--resume: no checkpoint at {tmp_path / 'r-a.safetensors'}", code=1)
     result = cli("status", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--json", "--watch")
     assert_one_line_error(result, "--json prints one document and exits, --watch draws until Ctrl-C", code=2)
 

@@ -199,6 +199,11 @@ def check_join(options: JoinOptions) -> Optional[dict]:
     for flag, path in (("--checkpoint-dir", options.checkpoint_dir), ("--snapshot-dir", options.snapshot_dir)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):  # else refused at its first write
             raise UserError(f"{flag} {path} is a file, not a directory", 1)
+    if options.resume:  # now, not once the peer joined and published its record
+        checkpoint = os.path.join(options.checkpoint_dir, f"{address.name}-{options.name}.safetensors")
+        if not os.path.isfile(checkpoint):
+            raise UserError(f"--resume: no checkpoint at {checkpoint} (a checkpoint is named RUN-NAME.safetensors: "
+                            f"give the --run and --name of the peer that wrote it)", 1)
     if options.snapshot_every and options.snapshot_dir is None:
         raise UserError("--snapshot-every needs --snapshot-dir: where the snapshots go")
     if options.init_from is not None:  # an export, or a --snapshot-dir whose newest snapshot counts (maybe none yet)
