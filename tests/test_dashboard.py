@@ -594,3 +594,12 @@ def test_status_and_the_dashboard_read_a_large_runs_buckets_from_the_network(pro
     text = render_text(state, 80, me="w50-2")
     assert f"peers {LARGE_PEERS} ({LARGE_PEERS} train)" in text and "samples/s" in text
     assert "cluster 50 " in text
+
+
+def test_a_leaving_peer_is_in_no_cluster_in_the_table():
+    """A graceful leave's record says cluster -1 and no stage: `status` showed it at "-1/None"."""
+    console = Console(width=120, file=io.StringIO(), record=True, color_system=None)
+    console.print(peers_table("demo", [peer("left", "leaving", cluster=-1, stage=None),
+                                       peer("kept", cluster=0, stage=1)]))
+    text = console.export_text()
+    assert "-1/None" not in text and re.search(r"left\s+leaving\s.*\s-\s", text) and " 0/1 " in text, text

@@ -108,7 +108,9 @@ def peers_table(run: str, peers: List[Dict], read: Optional[int] = None) -> Tabl
         table.add_column(header, justify=justify, no_wrap=not shrinkable, overflow="ellipsis",
                          min_width=8 if shrinkable else None)
     for peer in peers:
-        placement = "-" if peer.get("cluster") is None else f"{peer['cluster']}/{peer.get('stage')}"
+        # a leaving peer's record says cluster -1 and no stage: in no cluster, shown as one in none ("-", not -1/None)
+        placed = peer.get("cluster") is not None and peer["cluster"] >= 0 and peer.get("stage") is not None
+        placement = f"{peer['cluster']}/{peer['stage']}" if placed else "-"
         # three significant digits: a small model's compute (0.4 GF/s) and a trained model's loss (0.0003) are
         # not 0 (a walkthrough's status read "GF/s 0" and "loss 0.000" for peers that trained)
         loss = "-" if peer.get("loss") is None else f"{peer['loss']:.3g}"
