@@ -195,16 +195,19 @@ GOOD_PEER = {"peer_id": "a", "ram_gb": 8, "gflops": 10, "bandwidth_mbps": 100}
 
 @pytest.mark.parametrize("content, code, message", [
     (None, 2, "does not exist"),
+    ("a directory", 2, "is a directory, not a JSON file"),
     ("[{not json", 2, "not valid JSON"),
     (json.dumps([{"peer_id": "a", "ram_gb": 8, "gflops": 10}]), 2, "lacks field(s) bandwidth_mbps"),
     (json.dumps([dict(GOOD_PEER, ram_gb=-1)]), 2, "ram_gb=-1"),
     ('[{"peer_id": "a", "ram_gb": 8, "gflops": NaN, "bandwidth_mbps": 100}]', 2, "gflops=nan"),
     (json.dumps([GOOD_PEER, dict(GOOD_PEER, ram_gb=4)]), 2, "duplicate peer_id 'a'"),
     (json.dumps([GOOD_PEER, dict(GOOD_PEER, peer_id="b", ram_gb=4)]), 1, "3.00 GB short of the model's 15.00 GB"),
-], ids=["missing", "not-json", "missing-field", "negative", "nan", "duplicate", "infeasible"])
+], ids=["missing", "directory", "not-json", "missing-field", "negative", "nan", "duplicate", "infeasible"])
 def test_bad_peers_file(tmp_path, content, code, message):
     path = tmp_path / "peers.json"
-    if content is not None:
+    if content == "a directory":
+        path.mkdir()
+    elif content is not None:
         path.write_text(content)
     out = run_plan(str(path), "--model-gb", "15", "--gflop-per-sample", "10", "--activation-mb", "1")
     assert out.returncode == code

@@ -72,7 +72,8 @@ def make_workload(model_gb: float, gflop_per_sample: float, activation_mb: float
 def load_peers(path: str) -> List[Peer]:
     """Read and check PEERS.json; any problem becomes one :class:`UserError` line (exit 2)."""
     if not os.path.isfile(path):
-        raise UserError(f"peers file {path} does not exist")
+        raise UserError(f"peers file {path} is a directory, not a JSON file" if os.path.isdir(path) else
+                        f"peers file {path} does not exist")
     try:
         with open(path) as f:
             entries = json.load(f)
