@@ -136,6 +136,17 @@ def test_a_backbone_whose_p2pd_died_still_stops_on_sigterm(processes):
 
 
 @pytest.mark.timeout(60)
+def test_a_backbone_says_it_stopped_on_ctrl_c(processes):
+    """A backbone's Ctrl-C ended it without a word: an operator could not tell a clean stop from a hang."""
+    backbone = processes.start(["backbone", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "backbone")
+    backbone.maddrs()
+    backbone.signal(signal.SIGINT)
+    assert backbone.wait(20) == 0
+    assert backbone.stderr().rstrip().endswith("backbone stopped") and "Traceback" not in backbone.stderr(), \
+        backbone.stderr()
+
+
+@pytest.mark.timeout(60)
 def test_ctrl_c_reaches_the_peer_but_not_its_p2pd(processes):
     """Ctrl-C in a terminal signals the whole foreground process group. p2pd was in the peer's: it closed at
     once, and a leave that had not yet said ``leaving`` or handed its layers over had no network left to do it

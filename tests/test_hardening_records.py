@@ -57,6 +57,13 @@ GARBAGE = b"\x00\xff raw bytes, not a record"
 OWN, OWN_STAGE, OWN_PLAN, NO_SUBKEY = "own", "own stage", "own plan", "none"  # the attacker's signed subkeys, or none
 
 
+def nested_tuples(depth):
+    value = 0
+    for _ in range(depth):
+        value = (value,)
+    return value
+
+
 def malformed_values():
     """(key, subkey, value, label) for every key of the run; bytes and ints are literal subkeys."""
     return [
@@ -70,6 +77,8 @@ def malformed_values():
         (peers_key(RUN), OWN, dict(PEER, maddrs=["/ip4/1.2.3.4"] * 1000), "peers: huge list"),
         (peers_key(RUN), OWN, dict(PEER, step=2**60), "peers: huge int"),
         (peers_key(RUN), OWN, [1, 2, 3], "peers: not a dict"),
+        # 1 KB that overflowed the C stack of the node decoding it (SIGSEGV): net/serializer.py
+        (peers_key(RUN), OWN, nested_tuples(300), "peers: tuples nested 300 deep"),
         (peers_key(RUN), OWN, GARBAGE, "peers: raw bytes"),
         (peers_key(RUN), b"anonymous", PEER, "peers: unsigned subkey"),
         # the honest peer's record copied under the attacker's own key, newer and leaving: it names a peer that is

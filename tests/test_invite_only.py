@@ -12,7 +12,10 @@ import base64
 import os
 import re
 import subprocess
+import sys
 import time
+
+import msgpack
 
 import pytest
 import torch
@@ -166,6 +169,18 @@ def test_a_ticket_with_fields_no_owner_would_sign_is_malformed_in_one_line():
             check_ticket_for(token(**fields), RUN, None)
         assert "\n" not in str(error.value) and "\x1b" not in str(error.value)
         assert admission.problem(token(**fields), "QmVhJVRSYHNSHgR9dJNbDxu6G7GPPqJAeiJoVRvcexGNf9") == "a malformed ticket"
+    # a token of msgpack extensions nested 205 deep (980 characters, within a record's ticket) overflowed the C stack
+    # of every reader: SIGSEGV, so in a process of its own
+    nested = msgpack.packb(0)
+    for _ in range(205):
+        nested = msgpack.packb(msgpack.ExtType(0x40, nested))
+    deep = base64.urlsafe_b64encode(nested).decode()
+    reader = subprocess.run([sys.executable, "-c", "import sys; from hivemind.utils.crypto import RSAPrivateKey; "
+                             "from ravnest_swarm.membership.tickets import Admission; "
+                             "print(Admission('r', RSAPrivateKey().get_public_key().to_bytes().decode(), True)"
+                             ".problem(sys.argv[1], 'QmVhJVRSYHNSHgR9dJNbDxu6G7GPPqJAeiJoVRvcexGNf9'))", deep],
+                            capture_output=True, text=True, timeout=60)
+    assert (reader.returncode, reader.stdout) == (0, "a malformed ticket\n"), reader
     for expires, problem in (("0s", "not in the future"), ("999999999w", "past the year 5000"),
                              ("2020-01-01T00:00", "not in the future")):
         with pytest.raises(UserError, match=problem):

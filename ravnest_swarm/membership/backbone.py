@@ -94,3 +94,4 @@ async def run_backbone(backbone: Backbone) -> None:
         print(maddr, flush=True)
     print("backbone ready; Ctrl-C to stop", file=sys.stderr, flush=True)
     await backbone.serve_forever()
+    print("backbone stopped", file=sys.stderr, flush=True)  # an operator sees its Ctrl-C ended it, cleanly

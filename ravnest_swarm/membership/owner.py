@@ -26,6 +26,8 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
+import ravnest_swarm.net  # noqa: F401  (its import bounds MSGPackSerializer's depth: net/serializer.py)
+
 from ravnest_swarm.errors import UserError
 
 logger = logging.getLogger(__name__)

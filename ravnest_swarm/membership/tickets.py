@@ -28,6 +28,8 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
+import ravnest_swarm.net  # noqa: F401  (its import bounds MSGPackSerializer's depth: net/serializer.py)
+
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.owner import FINGERPRINT_RE, RUN_NAME_RE, fingerprint
 
