@@ -18,7 +18,7 @@ from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.planning.round import (GONE_POLLS, MAX_CLOCK_AHEAD_S, PlanningRounds, RoundOptions, RoundTriggers,
+from ravnest_swarm.planning.round import (GONE_POLLS, MAX_CLOCK_AHEAD_S, deadline_in_reach, PlanningRounds, RoundOptions, RoundTriggers,
                                          _fresh, canonical, decided_by_most, followed_deadline, standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
@@ -440,6 +440,38 @@ def test_a_peer_that_joins_a_round_at_a_strangers_near_deadline_adopts_nothing()
 
     said, adopted = asyncio.run(scenario())
     assert adopted is None and "round 2: only 1 of the 3 participants we saw have a live proposal" in said, said
+
+
+def test_a_strangers_far_future_deadline_opens_no_round_for_anyone():
+    """A stranger's proposal of deadline 1e11 (within the record's bounds): every honest peer joined its round,
+    renewed that deadline in proposals of its own and never adopted a plan again. A deadline further ahead than a
+    round lasts is no round's: a peer that finds only it joins nothing (and opens its own round as it would)."""
+    run = "far-deadline"
+    assert deadline_in_reach(dict(deadline=130.0), 100.0, 3.0) and not deadline_in_reach(dict(deadline=1e11), 100.0,
+                                                                                             3.0)
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await server.get_visible_maddrs()
+        nodes = [await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                 for _ in range(2)]
+        try:
+            stranger, joiner = nodes
+            peer_id = stranger.peer_id.to_base58()
+            proposal = dict(round=1, deadline=1e11, peer_id=peer_id, ram_gb=16.0, gflops=50.0, bandwidth_mbps=100.0,
+                            fitness=1.0, clusters=[[peer_id]], time=time.time())
+            assert await stranger.store(f"{run}_round", proposal, get_dht_time() + 120,
+                                        subkey=signing_validator(stranger).local_public_key)
+            announcer = PeerAnnouncer(joiner, run, "joiner", Capabilities(ram_gb=16.0, gflops=50.0,
+                                                                          bandwidth_mbps=100.0))
+            rounds = PlanningRounds(joiner, run, announcer, RoundOptions(WORKLOAD, round_seconds=3.0, settle=1.5),
+                                    Console(record=True, width=300))
+            return await asyncio.wait_for(rounds._joined_open_round(1, None), 20)
+        finally:
+            for node in nodes + [server]:
+                await stop_node(node)
+
+    assert asyncio.run(scenario()) is False
 
 
 def test_peers_placed_by_a_newer_plan_are_no_standbys_of_ours():

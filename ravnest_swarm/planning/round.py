@@ -308,9 +308,12 @@ class PlanningRounds:
         return alive
 
     async def read_proposals(self, round_number: int, deadline_after: float = 0.0) -> List[dict]:
-        """Proposals of ``round_number`` whose deadline is after ``deadline_after`` (older attempts failed)."""
+        """Proposals of ``round_number`` whose deadline is after ``deadline_after`` (older attempts failed) and no
+        further ahead than a round lasts (:func:`deadline_in_reach`)."""
+        now = get_dht_time()
         return [proposal for proposal in await read_proposals(self.node, self.run)
-                if proposal["round"] == round_number and proposal["deadline"] > deadline_after]
+                if proposal["round"] == round_number and proposal["deadline"] > deadline_after
+                and deadline_in_reach(proposal, now, self.options.round_seconds)]
 
     async def current_plan(self) -> Optional[dict]:
         """The plan in force: the newest that its peers follow (``reader.adopted_plan``: a plan record anyone
@@ -590,6 +593,13 @@ MAX_CLOCK_AHEAD_S = 30.0
 def _fresh(proposal: dict, at: float, within: float) -> bool:
     """Whether ``proposal`` was renewed within ``within`` seconds before ``at``, and is not dated ahead of it."""
     return at - within <= proposal["time"] <= at + MAX_CLOCK_AHEAD_S
+
+
+def deadline_in_reach(proposal: dict, at: float, round_seconds: float) -> bool:
+    """Whether a proposal's deadline is at most a round (and a clock's lead) ahead of ``at``: a round's deadline is set
+    when it opens, ``round_seconds`` ahead. A stranger's deadline of 1e11 was joined by every peer, which renewed it
+    in proposals of its own and never adopted a plan again (a review)."""
+    return proposal["deadline"] <= at + round_seconds + MAX_CLOCK_AHEAD_S
 
 
 def followed_deadline(deadline: float, proposals: Sequence[dict], earliest: float) -> float:
