@@ -77,6 +77,7 @@ def malformed_values():
         (peers_key(RUN), OWN, dict(PEER, maddrs=["/ip4/1.2.3.4"] * 1000), "peers: huge list"),
         (peers_key(RUN), OWN, dict(PEER, step=2**60), "peers: huge int"),
         (peers_key(RUN), OWN, [1, 2, 3], "peers: not a dict"),
+        (peers_key(RUN), OWN, dict(PEER, maddrs=["/ip4/1.2.3.4/tcp/x"]), "peers: an address that is no multiaddr"),
         # 1 KB that overflowed the C stack of the node decoding it (SIGSEGV): net/serializer.py
         (peers_key(RUN), OWN, nested_tuples(300), "peers: tuples nested 300 deep"),
         (peers_key(RUN), OWN, GARBAGE, "peers: raw bytes"),
@@ -90,6 +91,7 @@ def malformed_values():
         (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, layers=[0, 1, 2]), "stages: wrong shape"),
         (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, time=float("nan")), "stages: NaN"),
         (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, model=HUGE), "stages: huge string"),
+        (stages_key(RUN, 0), OWN_STAGE, dict(STAGE, maddrs=["/garbage"]), "stages: an address that is no multiaddr"),
         (stages_key(RUN, 0), OWN_STAGE, GARBAGE, "stages: raw bytes"),
         (stages_key(RUN, 0), b"0.0", STAGE, "stages: unsigned subkey"),
         (round_key(RUN), OWN, dict(PROPOSAL, fitness=float("inf")), "round: Inf"),
@@ -153,7 +155,9 @@ async def honest_view(node):
     """What each project reader makes of the run's records (the planner's reads need its node, run and announcer:
     a peer reads the run's records at the bucket counts its announcer knows)."""
     announcer = PeerAnnouncer(node, RUN, "honest", Capabilities(ram_gb=1.0, gflops=1.0, bandwidth_mbps=10.0))
-    rounds = SimpleNamespace(node=node, run=RUN, names={}, announcer=announcer)
+    # rounds of 600 s, as the honest proposal's deadline is: the planner reads no deadline further ahead
+    rounds = SimpleNamespace(node=node, run=RUN, names={}, announcer=announcer,
+                             options=SimpleNamespace(round_seconds=600.0))
     spec = await read_spec(node, RunAddress(RUN, OWNER_FINGERPRINT))
     return dict(
         peers=await read_peers(node, RUN),

@@ -30,9 +30,9 @@ async def connect_members(node: DHTNode, run: str, rings: Sequence[Ring],
     # only our partners' buckets in a large run
     for record in await read_peers(node, run, peer_ids=wanted, bucket_counts=bucket_counts):
         if record.get("peer_id") in wanted and record.get("maddrs"):
-            peer_id = PeerID.from_base58(record["peer_id"])
-            maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
-            try:
+            try:  # one partner's record, however it came to be, fails the dial of its own ring at most
+                peer_id = PeerID.from_base58(record["peer_id"])
+                maddrs = maddrs_without_peer_id(record["maddrs"], peer_id)
                 await node.routes.connect(peer_id, maddrs, record.get("reachability"))
             except Exception as e:  # the ring's own timeout reports a partner we cannot reach
                 logger.warning(f"could not connect to ring partner {record['peer_id'][-8:]}: {e}")

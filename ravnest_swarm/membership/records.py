@@ -38,6 +38,14 @@ from ravnest_swarm.membership.tickets import MAX_REVOKED, MAX_TICKET_CHARS, TICK
 from ravnest_swarm.net.identity import open_identity
 from ravnest_swarm.net.node import SwarmNode, start_node
 
+def _multiaddr(text: str) -> str:
+    try:
+        Multiaddr(text)
+    except Exception as e:  # the parser's errors are ValueErrors, the pydantic check's only kind, but not only those
+        raise ValueError(f"not a multiaddr: {e}") from None
+    return text
+
+
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
@@ -115,6 +123,9 @@ class PeerRecord(pydantic.BaseModel):
     gflops: _bounded_float(0.0, 1e6)
     reachability: pydantic.constr(strict=True, regex="^(" + "|".join(REACHABILITY) + ")$")
     maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16)
+
+    # each a multiaddr: one that does not parse failed the dial of every ring its writer was in, not just its own
+    _multiaddrs = pydantic.validator("maddrs", each_item=True, allow_reuse=True)(lambda cls, text: _multiaddr(text))
     version: _shown_text(0, 32)
     time: _bounded_float(0.0, 1e11)
     cluster: Optional[pydantic.conint(strict=True, ge=-1, le=100_000)] = None
@@ -191,6 +202,9 @@ class StageEndpoint(pydantic.BaseModel):
 
     peer_id: pydantic.constr(strict=True, min_length=1, max_length=128)
     maddrs: pydantic.conlist(pydantic.constr(strict=True, max_length=256), max_items=16)
+
+    # each a multiaddr: one that does not parse failed the dial of every ring its writer was in, not just its own
+    _multiaddrs = pydantic.validator("maddrs", each_item=True, allow_reuse=True)(lambda cls, text: _multiaddr(text))
     model: pydantic.constr(strict=True, min_length=1, max_length=MAX_MODEL_NAME_LEN)
     layers: pydantic.conlist(pydantic.conint(strict=True, ge=0, le=100_000), min_items=2, max_items=2)
     version: pydantic.conint(strict=True, ge=0, le=2**53)
