@@ -10,7 +10,7 @@ from hivemind.compression import serialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType
 
 from ravnest_swarm.codecs import blockwise
-from ravnest_swarm.codecs.codec import CODECS, INTEGERS, RAW, BlockwiseCodec, CodecError, codec
+from ravnest_swarm.codecs.codec import CODECS, INTEGERS, RAW, BlockwiseCodec, CodecError, codec, raw_tensor
 from ravnest_swarm.pipeline.link_codec import LinkCodec
 
 BLOCKWISE = [name for name, each in CODECS.items() if isinstance(each, BlockwiseCodec)]
@@ -223,3 +223,25 @@ async def read_back(frames):
         reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
     reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
     return await wire.read_message(reader, wire.DEFAULT_MAX_MESSAGE_BYTES)
+
+
+def test_a_raw_tensor_is_refused_by_its_header_before_it_is_decoded(monkeypatch):
+    """A holder's layer or optimizer state: 17 MB of float16 declared complex128 decoded to 136 MB before a check of
+    its shape refused it. The header is checked first: only uncompressed tensors, of the expected shape and dtype."""
+    from hivemind.proto import runtime_pb2
+
+    import ravnest_swarm.codecs.codec as codecs_module
+
+    decoded = []
+    monkeypatch.setattr(codecs_module, "deserialize_torch_tensor",
+                        lambda serialized: decoded.append(serialized) or torch.zeros(0))
+    bomb = runtime_pb2.Tensor(buffer=b"\x00" * 64, size=[32], dtype="complex128", compression=CompressionType.FLOAT16)
+    for shape, dtype in ((None, None), ([32], None), ([4, 4], torch.float32)):
+        with pytest.raises(CodecError, match="uncompressed"):
+            raw_tensor(bomb, "weight", shape, dtype)
+    with pytest.raises(CodecError, match=r"expected \[4, 4\] float32"):
+        raw_tensor(serialize_torch_tensor(torch.zeros(4, 4, dtype=torch.float64)), "weight", [4, 4], torch.float32)
+    assert decoded == []
+    monkeypatch.undo()
+    for tensor in (torch.ones(4, 4), torch.tensor(7), torch.ones(3, dtype=torch.bfloat16)):
+        assert torch.equal(raw_tensor(serialize_torch_tensor(tensor), "t", tensor.shape, tensor.dtype), tensor)

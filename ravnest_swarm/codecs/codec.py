@@ -163,6 +163,19 @@ def _codecs() -> Dict[str, Codec]:
     return codecs
 
 
+def raw_tensor(serialized: runtime_pb2.Tensor, what: str, shape: Optional[Sequence[int]] = None,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A tensor sent as it is (``serialize_torch_tensor`` without compression: a layer's or an optimizer's state),
+    of ``shape`` and ``dtype`` where given, refused by its header before it is decoded: a compressed one decodes to
+    more than its bytes (a holder's 17 MB of float16 declared complex128 took 136 MB before it was refused), an
+    uncompressed one to at most its bytes. A :class:`CodecError` otherwise."""
+    if serialized.compression != CompressionType.NONE or (shape is not None and list(serialized.size) != list(shape)) \
+            or (dtype is not None and serialized.dtype != _dtype_name(dtype)):
+        expected = f"{list(shape) if shape is not None else 'any shape'} {_dtype_name(dtype) if dtype else ''}"
+        raise RAW._refuse_header(serialized, what, f"{expected.strip()} uncompressed")
+    return Codec._deserialize(serialized, what)
+
+
 CODECS: Dict[str, Codec] = _codecs()
 RAW = CODECS["none"]
 INTEGERS = NarrowIntegers("integers", 8.0)  # what integer tensors (targets) go in, whatever the floats' codec

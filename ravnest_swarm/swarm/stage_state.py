@@ -32,13 +32,14 @@ from dataclasses import dataclass
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import Field
 
 from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, optimizer_like, optimizer_tensors, take_optimizer_state,
                                       take_outer_state)
+from ravnest_swarm.codecs.codec import CodecError, raw_tensor
 from ravnest_swarm.membership.records import MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
@@ -71,7 +72,7 @@ class StageStateReply(Message):
     names: List[StateName] = Field(max_length=MAX_STATE_TENSORS)
     scalars: Dict[Annotated[str, Field(pattern=r"^\d{1,6}$")], Dict[ScalarName, float]] = Field(
         max_length=MAX_LAYOUT_TENSORS)
-    step: Annotated[int, Field(ge=0)]
+    step: Annotated[int, Field(ge=0, le=2**53)]
 
 
 register_handler(Handler(STAGE_STATE, StageStateRequest, StageStateReply, MAX_REQUEST_BYTES,
@@ -212,7 +213,10 @@ async def fetch_stage_state(routes: Routes, run: str, holder: PeerID, layers: Tu
         raise ValueError(f"a malformed reply: {e}") from None
     if len(reply.names) != len(response.tensors):
         raise ValueError(f"{len(reply.names)} names for {len(response.tensors)} tensors")
-    tensors = {name: deserialize_torch_tensor(serialized) for name, serialized in zip(reply.names, response.tensors)}
+    try:  # each refused by its header, not once decoded: the reply's cap is of its bytes on the wire
+        tensors = {name: raw_tensor(serialized, name) for name, serialized in zip(reply.names, response.tensors)}
+    except CodecError as e:
+        raise ValueError(str(e)) from None
     inner: Dict[int, Dict] = {}
     if any(name.startswith("optim.") for name in tensors):
         # an optimizer of our kind on our own parameters takes the state (and checks it), leaving ours as it is;

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from typing import Annotated, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
@@ -59,6 +59,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from pydantic import Field
 
 from ravnest_swarm.checkpoint import first_non_finite
+from ravnest_swarm.codecs.codec import CodecError, raw_tensor
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_LAYOUT_LAYERS, MAX_LAYOUT_TENSORS, RUN_NAME_RE
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.routes import Routes
@@ -86,7 +87,7 @@ KEPT_ROUNDS = 4
 RunNameText = Annotated[str, Field(pattern=RUN_NAME_RE.pattern)]
 LayerIndex = Annotated[int, Field(ge=0, lt=MAX_LAYOUT_LAYERS)]
 TensorNameText = Annotated[str, Field(min_length=1, max_length=256)]  # as in the run spec's layout
-Step = Annotated[int, Field(ge=0)]
+Step = Annotated[int, Field(ge=0, le=2**53)]  # as every message's step: a holder's 2**64 - 1 became a stage's
 
 
 class LayerStateRequest(Message):
@@ -297,8 +298,8 @@ async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expe
                                              f"({len(parts)} part(s) of {part_bytes} bytes, announced {header.parts}; "
                                              f"at most {limit} bytes)")
                 if len(parts) == header.parts:
-                    tensor = deserialize_torch_tensor(combine_from_streaming(parts))
-                    received[header.name] = _checked(holder, layer, header.name, tensor, expected)
+                    received[header.name] = _decoded(holder, layer, header.name, combine_from_streaming(parts),
+                                                     expected)
                     step = max(step, header.step)
                     parts = []
         return _complete(holder, layer, received, expected), step
@@ -324,7 +325,7 @@ async def fetch_layer_message(routes: Routes, run: str, holder: PeerID, layer: i
     for name, serialized in zip(reply.names, response.tensors):
         if name not in expected:
             raise StateTransferError(f"{holder} sent an unexpected tensor {name!r} of layer {layer}")
-        received[name] = _checked(holder, layer, name, deserialize_torch_tensor(serialized), expected)
+        received[name] = _decoded(holder, layer, name, serialized, expected)
     return _complete(holder, layer, received, expected), reply.step
 
 
@@ -340,9 +341,15 @@ def _reply(schema: Type[MessageT], raw: bytes, handler: str, holder: PeerID) -> 
         raise StateTransferError(f"{holder} sent a malformed reply: {e}") from None
 
 
-def _checked(holder: PeerID, layer: int, name: str, tensor: torch.Tensor, expected: Dict[str, torch.Tensor]):
-    """``tensor`` if it fits ``expected[name]`` in shape and dtype and holds only finite numbers."""
+def _decoded(holder: PeerID, layer: int, name: str, serialized: runtime_pb2.Tensor,
+             expected: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor ``serialized`` if it fits ``expected[name]`` in shape and dtype (its header checked before it is
+    decoded: ``codecs.raw_tensor``) and holds only finite numbers."""
     reference = expected[name]
+    try:
+        tensor = raw_tensor(serialized, f"{name} of layer {layer} from {holder}", reference.shape, reference.dtype)
+    except CodecError as e:
+        raise StateTransferError(str(e)) from None
     if tensor.shape != reference.shape or tensor.dtype != reference.dtype:
         raise StateTransferError(f"{holder} sent {name} of layer {layer} with shape "
                                  f"{tuple(tensor.shape)} {tensor.dtype}, expected {tuple(reference.shape)}")
