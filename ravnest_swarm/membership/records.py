@@ -49,8 +49,11 @@ def _multiaddr(text: str) -> str:
 PEER_STATES = ("joining", "standby", "training", "averaging", "done", "leaving")
 REACHABILITY = ("direct", "relay", "unknown")
 MAX_NAME_LEN = 64
+MAX_ROUND_PEERS = 256  # a distributed planning round covers at most this many peers (one proposal stays small)
+# a round's plan places each of its peers once; 4,096 stages of 128-character ids were 600 KB a record, and eight of
+# them, one per round number under one writer's key, took the plan key past p2pd's 4 MiB reply: nobody read a plan
+MAX_PLAN_STAGES = MAX_ROUND_PEERS
 MAX_NOTE_LEN = 200
-MAX_PLAN_STAGES = 4096
 MAX_MODEL_NAME_LEN = 200  # a user's entry point: package.module:function
 MAX_LAYOUT_LAYERS = 4096
 MAX_LAYOUT_TENSORS = 16384  # tensors of all layers: a 96-block GPT has about 1,200 (a spec of about 40 KB)
@@ -240,7 +243,6 @@ class PlanRecord(pydantic.BaseModel):
         return clusters
 
 
-MAX_ROUND_PEERS = 256  # a distributed planning round covers at most this many peers (one proposal stays small)
 
 
 class RoundProposal(pydantic.BaseModel):
@@ -264,6 +266,13 @@ class RoundProposal(pydantic.BaseModel):
         pydantic.conlist(_shown_text(1, 128), min_items=1, max_items=64),
         max_items=MAX_ROUND_PEERS)
     time: _bounded_float(0.0, 1e11)
+
+    @pydantic.validator("clusters")
+    def _one_round_of_peers(cls, clusters):
+        # 256 clusters of 64 ids were 2 MB a proposal: a few filled the round key past what a reply carries
+        if sum(len(cluster) for cluster in clusters) > MAX_ROUND_PEERS:
+            raise ValueError(f"a proposal places at most {MAX_ROUND_PEERS} peers in all")
+        return clusters
 
 
 class RunSpecRecord(pydantic.BaseModel):
