@@ -98,7 +98,6 @@ def malformed_values():
         (round_key(RUN), OWN, dict(PROPOSAL, fitness=-1.0), "round: out of range"),
         (round_key(RUN), OWN, dict(PROPOSAL, clusters=[["p"]] * 1000), "round: huge list"),
         (round_key(RUN), OWN, dict(PROPOSAL, clusters=[["p"] * 64] * 5), "round: more peers than a round has"),
-        (round_key(RUN), OWN, dict(PROPOSAL, clusters=[["p"] * 64] * 5), "round: more peers than a round has"),
         (round_key(RUN), OWN, dict(PROPOSAL, deadline=1e11), "round: a deadline ages away"),
         (round_key(RUN), OWN, "a proposal", "round: not a dict"),
         (plan_key(RUN), b"1.", PLAN, "plan: unsigned subkey"),
