@@ -1170,14 +1170,18 @@ def main() -> None:
     """Entry point: click's usage errors become one line too, like our own :class:`UserError`."""
     survive_a_closed_terminal()
     try:
-        app(standalone_mode=False)
+        # typer returns (not raises) its exit code in this mode: a Ctrl-C before a verb's own handling (its imports,
+        # its checks) is a 130 returned, which a dropped return value made an exit 0
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except click_exceptions.NoArgsIsHelpError:
         sys.exit(0)
     except click_exceptions.UsageError as e:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
         print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         sys.exit(2)
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):  # the latter while typer builds the commands, before click's main
         sys.exit(130)
     except UserError as e:  # a command's check of its options before it runs (`bench diloco --configurations`)
         print(f"error: {e}", file=sys.stderr, flush=True)
