@@ -5,6 +5,7 @@ user's model (a module outside the package) and of a sized GPT; `sample` writes 
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -189,6 +190,37 @@ def test_weights_that_hold_a_nan_are_neither_exported_nor_evaluated(tmp_path):
     assert_one_line_error(ravnest("evaluate", str(tmp_path / "e")), "non-finite values", "export it again", code=1)
 
 
+def test_sample_writes_a_prompt_that_is_no_utf8_as_it_was_typed(tmp_path):
+    """`sample --prompt $'\\xff\\xfe'` was an unexpected UnicodeEncodeError (surrogates not allowed)."""
+    model = get_model("gpt-tiny")
+    spec = dataclasses.asdict(RunSpec("gpt-tiny"))
+    spec["layout"] = [list(layer) for layer in model_layout(model)]
+    writer = ExportWriter(str(tmp_path / "gpt"), spec, "unit@0123456789abcdef", "swarm")
+    for index in range(len(model.layers)):
+        writer.add(index, model.build_layer(index).state_dict(), 1, ["QmHolder"])
+    writer.finish()
+    result = subprocess.run([sys.executable, "-m", "ravnest_swarm", "sample", str(tmp_path / "gpt"), "--prompt",
+                             b"\xff\xfe", "--tokens", "5"], capture_output=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith(b"\xff\xfe"), result
+    assert 1 <= len(result.stdout.rstrip(b"\n")[2:].decode()) <= 5  # five bytes written, as UTF-8 text
+
+
+def test_a_manifest_whose_model_is_no_text_is_one_line_and_plot_names_its_formats(tmp_path):
+    """A model.json whose spec's model was missing, a number or a dict's settings was an unexpected KeyError or
+    TypeError; `plot --out x.txt` an unexpected ValueError of matplotlib's."""
+    for damage in (dict(model=3), dict(model_config={"layers": 2}), dict(model=None)):
+        write_export(tmp_path / "e")
+        manifest = json.loads((tmp_path / "e" / "model.json").read_text())
+        manifest["spec"].update(damage)
+        (tmp_path / "e" / "model.json").write_text(json.dumps(manifest))
+        assert_one_line_error(ravnest("evaluate", str(tmp_path / "e")), "is corrupt or not a ravnest export", code=1)
+    history = tmp_path / "history"
+    history.mkdir()
+    (history / "metrics.jsonl").write_text(json.dumps(dict(time=1.0, loss=2.0, samples_per_s=1.0)) + "\n")
+    assert_one_line_error(ravnest("plot", str(history), "--out", str(tmp_path / "x.txt")),
+                          "a plot is written as .pdf, .png, .svg, not .txt", code=2)
+
+
 def test_sample_of_a_model_that_is_no_byte_level_gpt_is_one_line(tmp_path):
     write_export(tmp_path / "e")
     assert_one_line_error(ravnest("sample", str(tmp_path / "e")), "byte-level", "mlp-digits is not one", code=1)
@@ -201,6 +233,7 @@ def test_sampling_counts_each_byte_for_its_progress_bar():
     counted = []
     text = sample_text(model, 16, b"def ", 30, 0.0, 0, lambda: counted.append(1))
     assert len(text) == 30 and len(counted) == 30
+    assert len(sample_text(model, 16, b"", 1, 0.0, 0)) == 1  # the line end it starts from is not its output
 
 
 @pytest.mark.timeout(400)

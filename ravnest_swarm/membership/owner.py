@@ -86,7 +86,7 @@ def load_or_create_owner_key(path: str) -> RSAPrivateKey:
     key = load_owner_key(path)
     if key is not None:
         return key
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # a bare file name is in the current directory
     fresh = RSAPrivateKey()
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -126,6 +127,8 @@ def read_export(path: str, data: Optional[str] = None) -> Export:
         layout = spec["layout"]
         if manifest.get("format") != FORMAT or not isinstance(layout, list) or len(layers) != len(layout):
             raise ValueError("not an export of this format")
+        if not isinstance(spec["model"], str) or not isinstance(spec.get("model_config", ""), str):
+            raise ValueError("its model and model_config are not text")
         entries = weight_entries(layout)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise UserError(f"{manifest_path} is corrupt or not a ravnest export ({type(e).__name__}: {e})", 1)
@@ -210,7 +213,8 @@ def sample_text(module: torch.nn.Module, context: int, prompt: bytes, tokens: in
     position out) that sees at most ``context`` tokens; ``temperature`` 0 takes the likeliest byte each time;
     ``generated()`` is called after each byte."""
     generator = torch.Generator().manual_seed(seed)
-    ids = list(prompt) or [ord("\n")]
+    ids = list(prompt) or [ord("\n")]  # no prompt: it writes as after a line's end (which is not its output)
+    start = len(ids)
     with torch.no_grad():
         for _ in range(tokens):
             logits = module(torch.tensor([ids[-context:]], dtype=torch.long))[0, -1].float()
@@ -220,7 +224,7 @@ def sample_text(module: torch.nn.Module, context: int, prompt: bytes, tokens: in
                 probabilities = torch.softmax(logits / temperature, dim=-1)
                 ids.append(int(torch.multinomial(probabilities, 1, generator=generator)))
             generated()
-    return bytes(ids[len(prompt):])
+    return bytes(ids[start:])
 
 
 def sample_export(path: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
@@ -235,7 +239,12 @@ def sample_export(path: str, prompt: str, tokens: int, temperature: float, seed:
     with Progress(TextColumn("sampling"), BarColumn(), TextColumn("{task.completed}/{task.total} bytes"),
                   console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("sampling", total=tokens)
-        text = sample_text(module, first.input_shape[0], prompt.encode(), tokens, temperature, seed,
+        # the prompt's bytes as they were typed: a terminal's bytes that are no UTF-8 reach us as surrogates
+        written = os.fsencode(prompt)
+        text = sample_text(module, first.input_shape[0], written, tokens, temperature, seed,
                            lambda: progress.advance(task))
-    print(prompt + text.decode("utf-8", errors="replace"), flush=True)
+    sys.stdout.flush()
+    # the prompt as typed; the model's bytes as UTF-8, a byte that is none shown as U+FFFD
+    sys.stdout.buffer.write(written + text.decode("utf-8", errors="replace").encode() + b"\n")
+    sys.stdout.buffer.flush()
     return 0
