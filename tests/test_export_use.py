@@ -279,6 +279,11 @@ def test_plot_says_the_file_it_wrote_and_export_refuses_an_empty_out(tmp_path):
         result = ravnest("export", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
                          "--run", "demo@0123456789abcdef", "--out", str(out))
         assert_one_line_error(result, f"--out {out}: cannot make the directory ({why})", code=1)
+    # refused later (nobody answers): nothing left behind, not even the directory it tried
+    result = ravnest("export", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXZQ6jtyt8oZHGuNPBiJ4HFBGsm2bkdh9fNCnWu5A8RZt",
+                     "--run", "demo@0123456789abcdef", "--out", str(tmp_path / "new" / "model"))
+    assert_one_line_error(result, "could not reach any initial peer", code=1)
+    assert not (tmp_path / "new").exists()
 
 
 def test_an_export_replaces_an_export_and_never_a_users_file(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -63,11 +64,20 @@ def check_export_dir(out: str, flag: str) -> Optional[str]:
         raise UserError(f"{flag} is empty: name the directory the export goes to", 2)
     if os.path.exists(out) and not os.path.isdir(out):
         raise UserError(f"{flag} {out} is a file, not a directory", 1)
-    try:  # made now, not after the download or training whose result it would keep
+    # tried now, not after the download or training whose result it would keep; and undone, so an export refused
+    # later (a run nobody serves) leaves nothing behind: the writer makes it
+    missing = os.path.abspath(out)
+    while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+        missing = os.path.dirname(missing)
+    made = not os.path.exists(missing)
+    try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise UserError(f"{flag} {out}: cannot make the directory ({e.strerror or e})", 1)
-    if not os.access(out, os.W_OK | os.X_OK):
+    writable = os.access(out, os.W_OK | os.X_OK)
+    if made:
+        shutil.rmtree(missing, ignore_errors=True)
+    if not writable:
         raise UserError(f"{flag} {out}: this user cannot write there", 1)
     manifest_path, weights_path = os.path.join(out, MANIFEST), os.path.join(out, WEIGHTS)
     if not (os.path.lexists(manifest_path) or os.path.lexists(weights_path)):
