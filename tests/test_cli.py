@@ -114,6 +114,13 @@ def test_empty_or_clashing_outputs_are_one_line_before_anything_starts(tmp_path)
     result = cli("join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--name", "a", "--checkpoint-dir",
                  str(tmp_path), "--resume")
     assert_one_line_error(result, f"--resume: no checkpoint at {tmp_path / 'r-a.safetensors'}", code=1)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "local-peer2.safetensors").write_bytes(b"an earlier run's")
+    # its checkpoints were overwritten, and a layer of the earlier run at its step went into this run's export
+    result = cli("local", "--peers", "2", "--steps", "20", "--no-dashboard", "--checkpoint-dir", str(earlier))
+    assert_one_line_error(result, f"--checkpoint-dir {earlier} holds an earlier local run's checkpoints "
+                                  "(local-peer2.safetensors): --resume continues it", code=1)
     result = cli("status", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r", "--json", "--watch")
     assert_one_line_error(result, "--json prints one document and exits, --watch draws until Ctrl-C", code=2)
 

@@ -179,6 +179,14 @@ class LocalSwarm:
             unfinished = remove_unfinished_writes(options.checkpoint_dir)  # no peer writes there yet
             console.print(f"resuming {', '.join(f'{n} from step {s}' for n, s in self.checkpoint_steps.items())}"
                           + (f"; removed {len(unfinished)} unfinished write(s)" if unfinished else ""), highlight=False)
+        elif options.checkpoint_dir is not None and os.path.isdir(options.checkpoint_dir):
+            # a run's checkpoints there would be overwritten, and the others taken into this run's summary and
+            # export: layers of another run beside ours, at its steps, or of another model, "in no checkpoint"
+            earlier = sorted(name for name in os.listdir(options.checkpoint_dir) if CHECKPOINT_NAME.match(name))
+            if earlier:
+                raise UserError(f"--checkpoint-dir {options.checkpoint_dir} holds an earlier local run's checkpoints "
+                                f"({', '.join(earlier)}): --resume continues it; a new run needs a directory of "
+                                f"its own", exit_code=1)
         self.group = ProcessGroup()
         self.checkpoint_dir = options.checkpoint_dir or tempfile.mkdtemp(prefix="ravnest-local-ckpt-")
         os.makedirs(self.checkpoint_dir, exist_ok=True)
@@ -551,8 +559,15 @@ async def run_local(options: LocalOptions, as_json: bool) -> int:
     console = Console(stderr=True)
     swarm = LocalSwarm(options, console)
     result = await swarm.run()
-    for line in describe(result, swarm.spec.model):
+    lines = describe(result, swarm.spec.model)
+    unexported = options.export is not None and not result["export"]
+    if unexported:  # asked for, and an exit 0 without it let a script go on to a model that is not there
+        lines.append(f"The model was NOT exported to {options.export}: some layer was in no peer's checkpoint "
+                     f"(checkpoints are in {swarm.checkpoint_dir}).")
+    for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps(result), flush=True)
-    return 1 if result["clusters"] == 0 and result["stopped"] != "stopped by signal" else 0  # nothing trained
+    if result["stopped"] == "stopped by signal":
+        return 0
+    return 1 if result["clusters"] == 0 or unexported else 0  # nothing trained, or no model where it was asked
