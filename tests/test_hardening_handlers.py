@@ -676,3 +676,35 @@ def test_a_stage_takes_messages_only_from_the_neighbours_its_plan_names(peer):
     assert f"takes gradients only from {peer.peer_id.to_base58()} (stage 2)" in replies["gradient"]
     assert unchanged and status["rejected"] == 2 and not stage.scheduler.finish_received
     assert replies["as neighbour"] == "ok" and stage.version == 1
+
+
+def frames_then_a_promised_giant(*frames: runtime_pb2.ExpertRequest) -> asyncio.StreamReader:
+    """A stream of ``frames`` and then the header of a 100 MiB frame whose bytes never come: a reader that waits
+    for them (to hold them) hangs; one that refuses by what came before, or by the header, answers at once."""
+    reader = asyncio.StreamReader()
+    for frame in frames:
+        data = frame.SerializeToString()
+        reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
+    reader.feed_data(P2P.MESSAGE_MARKER + (100 << 20).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    return reader
+
+
+def test_a_message_is_refused_by_its_metadata_and_frame_headers_before_its_bytes_are_read():
+    """A stranger's forward of 64 MiB was read whole before its sender was checked, and a ring frame of up to
+    512 MiB before its metadata was looked at (a review held 1 GiB a stream): the pipeline vets a message's
+    metadata before its tensors, and a ring frame is at most a part."""
+    async def scenario():
+        def vet(metadata):
+            raise wire.MessageError(f"the sender {NOT_A_NEIGHBOUR}")
+
+        first = make_request(dict(run="r", cluster=0, stage=1))
+        with pytest.raises(wire.MessageError, match=NOT_A_NEIGHBOUR):
+            await asyncio.wait_for(wire.read_message(frames_then_a_promised_giant(first), 200 << 20, vet=vet), 5)
+
+        averager = MultiRingAverager.__new__(MultiRingAverager)  # only what reading a message needs
+        averager.part_bytes, averager.max_message_bytes = 512 * 1024, 512 << 20
+        averager._decode = lambda metadata: None
+        with pytest.raises(ValueError, match="over the .* a frame takes"):
+            await asyncio.wait_for(averager._read_message(frames_then_a_promised_giant(), "QmStranger", []), 5)
+
+    asyncio.run(scenario())

@@ -48,7 +48,8 @@ from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, MAX_MESSAGE_BYTES, PA
 from ravnest_swarm.codecs.codec import CODECS, RAW, Codec
 from ravnest_swarm.net.messages import MessageError
 from ravnest_swarm.net.routes import Routes
-from ravnest_swarm.net.transport import INCOMPLETE, iterate_frames, make_response, message_reply, send_reply
+from ravnest_swarm.net.transport import (INCOMPLETE, MAX_METADATA_BYTES, iterate_frames, make_response, message_reply,
+                                         send_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -241,16 +242,20 @@ class MultiRingAverager:
                             filling: List[Inbox]) -> runtime_pb2.ExpertResponse:
         """Read frames up to the end of stream; the first one's metadata says where the parts go."""
         message, inbox, index = None, None, 0
-        async for frame in iterate_frames(reader, self.max_message_bytes):
+        # a frame is the metadata, or one part of at most part_bytes (a sender's default too): a stranger's one
+        # frame of 512 MiB was read whole before the metadata of the first was even looked at
+        largest_frame = max(self.part_bytes, PART_BYTES) + MAX_METADATA_BYTES
+        async for frame in iterate_frames(reader, self.max_message_bytes, max_frame_bytes=largest_frame):
             if message is None:
                 message = self._decode(frame.metadata)
                 if isinstance(message, RingPart):
-                    inbox = self.mailbox.inbox_for(message, sender)
+                    inbox = self.mailbox.inbox_for(message, sender)  # refused here if the sender is in no ring
                     if inbox is not None:
                         inbox.join(message.stripes, CODECS[message.codec])
                         filling.append(inbox)
+                continue
             if not isinstance(message, RingPart):
-                continue  # a note carries no tensor
+                raise ValueError("a ring note or probe is one frame, its metadata: this one goes on")
             for part in frame.tensors:
                 if inbox is not None:
                     self.mailbox.file(inbox, message.stripe, index, part)

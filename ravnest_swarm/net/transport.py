@@ -196,10 +196,17 @@ async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int, first_mar
 
 
 async def read_frames(reader: asyncio.StreamReader, max_bytes: int, first_marker: Optional[bytes] = None,
-                      max_frames: Optional[int] = None,
-                      max_frame_bytes: Optional[int] = None) -> List[runtime_pb2.ExpertRequest]:
-    """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused."""
-    frames = [frame async for frame in iterate_frames(reader, max_bytes, first_marker, max_frames, max_frame_bytes)]
+                      max_frames: Optional[int] = None, max_frame_bytes: Optional[int] = None,
+                      vet_first: Optional[Callable[[runtime_pb2.ExpertRequest], None]] = None
+                      ) -> List[runtime_pb2.ExpertRequest]:
+    """All frames of one streamed message (see :func:`iterate_frames`); a message with none is refused.
+    ``vet_first(frame)``: raises a ValueError for a message refused by its first frame (who sent it, to whom), so
+    the rest is never read and held (a stranger's 64 MiB were, to be refused once whole)."""
+    frames = []
+    async for frame in iterate_frames(reader, max_bytes, first_marker, max_frames, max_frame_bytes):
+        if not frames and vet_first is not None:
+            vet_first(frame)
+        frames.append(frame)
     if not frames:
         raise ValueError("empty message: no frames before end of stream")
     return frames

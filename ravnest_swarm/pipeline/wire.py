@@ -19,7 +19,7 @@ handlers parse it with ``parse_message`` and read nothing else from the raw map.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, AsyncIterator, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Annotated, AsyncIterator, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -155,18 +155,21 @@ async def as_stream(frames: Sequence[runtime_pb2.ExpertRequest]) -> AsyncIterato
         yield frame
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int,
-                       first_marker: Optional[bytes] = None) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
+async def read_message(reader: asyncio.StreamReader, max_bytes: int, first_marker: Optional[bytes] = None,
+                       vet: Optional[Callable[[Dict], None]] = None) -> Tuple[Dict, List[runtime_pb2.Tensor]]:
     """Read one message's frames up to the end-of-stream marker; refuse oversize or malformed input.
     ``first_marker``: its first byte, if the caller already read it (see ``transport.iterate_frames``).
+    ``vet(metadata)``: raises a ValueError for a message refused by its metadata, read first, before its tensors.
 
     Every frame is held until the message is whole, so what :func:`encode` sends bounds them: one chunk a frame,
     and the chunks of at most ``max_bytes`` of tensors (a stranger's million empty frames, or one frame of 30
     million empty tensors, held gigabytes before the message was even read as someone's)."""
+    vet_first = None if vet is None else lambda frame: vet(unpack_metadata(frame.metadata))
     try:
         frames = await read_frames(reader, max_bytes, first_marker,
                                    max_frames=max_bytes // CHUNK_BYTES + MAX_TENSORS + 1,
-                                   max_frame_bytes=CHUNK_BYTES + MAX_METADATA_BYTES + FRAME_SLACK_BYTES)
+                                   max_frame_bytes=CHUNK_BYTES + MAX_METADATA_BYTES + FRAME_SLACK_BYTES,
+                                   vet_first=vet_first)
         metadata = unpack_metadata(frames[0].metadata)
     except ValueError as e:
         raise MessageError(str(e))
