@@ -112,3 +112,45 @@ def test_the_run_spec_carries_the_aggregation_signed_and_refuses_another():
         RunSpecRecord.parse_obj(dict(record, aggregation=aggregation))
     with pytest.raises(pydantic.ValidationError, match="aggregation"):
         RunSpecRecord.parse_obj(dict(record, aggregation="median"))
+
+
+def test_a_member_left_out_of_an_attempt_is_no_prober_of_it():
+    """A ring member left out of an attempt probed its owner and counted as one of its checks: the owner finished
+    and dropped its answers before a member of the attempt had checked it, whose ring then failed (a review)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ravnest_swarm.averaging.mailbox import NOT_IN_ATTEMPT, Expected, Mailbox
+    from ravnest_swarm.averaging.robust import trimmed_mean
+    from ravnest_swarm.averaging.robust_ring import RobustRingAttempt
+    from ravnest_swarm.averaging.segments import Ring
+    from ravnest_swarm.averaging.wire import RingProbe
+    from ravnest_swarm.codecs.codec import RAW
+
+    me, b, c, e = "QmMe" + "a" * 40, "QmB" + "b" * 41, "QmC" + "c" * 41, "QmE" + "e" * 41
+
+    async def scenario():
+        ring = Ring(0, 0, 40, (me, b, c, e))
+        box = Mailbox(2 ** 30, RAW)
+        expected = Expected([ring], me, 5, 5)
+        box.expecting = lambda: expected
+        state = box.ring_state(5, 0)
+        peer = SimpleNamespace(peer_id=me, part_bytes=512 * 1024, mailbox=box)
+        ring_round = SimpleNamespace(peer=peer, segment=torch.zeros(40), codec=RAW, ring=ring, state=state, step=5)
+        attempt = RobustRingAttempt(ring_round, [me, b, c], deadline=0.0, aggregate=trimmed_mean, checked=True)
+        assert attempt.excluded_before == [e]
+        state.probes[(e,)] = attempt._answer  # as run() registers it
+        owned = attempt.chunks[attempt.owned]
+        attempt.handled[attempt.first_gather - 1].advance(owned.stop - owned.start)  # our chunk is aggregated
+
+        def probe(sender):
+            return box.probe(RingProbe(run="r", step=5, ring=0, position=0, attempt=[e], coordinates=[owned.start]),
+                             sender)
+
+        with pytest.raises(ValueError, match=NOT_IN_ATTEMPT):
+            probe(e)
+        probe(b)
+        return attempt.all_probed.is_set(), attempt.probed_by
+
+    all_probed, probed_by = asyncio.run(scenario())
+    assert not all_probed and probed_by == {b}  # c, a member of the attempt, is still to check us

@@ -47,7 +47,7 @@ from typing import Callable, Coroutine, Dict, List, Set
 import torch
 from hivemind.p2p import P2PHandlerError
 
-from ravnest_swarm.averaging.mailbox import MessageKey
+from ravnest_swarm.averaging.mailbox import NOT_IN_ATTEMPT, MessageKey
 from ravnest_swarm.averaging.ring import (ContributionRejected, Progress, RingAttempt, RingDisagreement, RingRound,
                                           RingStep, past_round_or)
 from ravnest_swarm.averaging.robust import AGGREGATIONS, MEAN, PER_COORDINATE, ROBUST_AGGREGATES
@@ -124,6 +124,9 @@ class RobustRingAttempt(RingAttempt):
     def _answer(self, coordinates: List[int], sender: str) -> RingReply:
         """A member's probe: our own values at ``coordinates``, and the rows we aggregated at those in our chunk
         (every part of it is aggregated before it is gathered, and a member probes once its gather is done)."""
+        if sender not in self.others:  # a ring member left out of this attempt: it would count as a prober, and
+            # we would stop answering before a member of the attempt checked us (its ring failed)
+            raise ValueError(f"this peer {NOT_IN_ATTEMPT} with {sender[-8:]}, which is not one of its members")
         if any(coordinate >= self.segment.numel() for coordinate in coordinates):
             raise ValueError(f"probe of coordinates beyond the segment's {self.segment.numel()}")
         owned = self.chunks[self.owned]
