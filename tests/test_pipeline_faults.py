@@ -454,6 +454,21 @@ def test_a_forward_that_comes_again_after_its_microbatch_was_dropped_is_trained_
         worker.compute.close()
 
 
+def test_a_step_past_the_runs_length_from_the_stage_before_is_not_followed():
+    """The stage before us named 2**53 in its first forward: we counted our steps from it, and our averaging rounds
+    went past our partners' window (a review). A run of 500 steps counts from a step of it, never past it."""
+    for named, counted, final in ((2 ** 53, 0, None), (120, 120, 120)):
+        worker = StageWorker(StageConfig(run=RUN, stage=1, stages=2, model="mlp-digits", layers=(5, 9),
+                                         microbatches=500), node=None)
+        try:
+            worker.scheduler.queue_forward(1, [0, 1, 2, 3], torch.randn(4, 64), torch.zeros(4, dtype=torch.long),
+                                           named)
+            worker.scheduler.receive_finish(named)
+            assert (worker.compute.version, worker.scheduler.final_step) == (counted, final)
+        finally:
+            worker.compute.close()
+
+
 def test_a_replaced_neighbour_drops_what_only_the_old_one_could_answer(tmp_path):
     """A middle stage whose previous neighbour a new plan replaces drops the old sender's queued and pending
     microbatches (their gradients would go to a stage 0 that never sent them, or that sends the same ids anew)

@@ -110,7 +110,8 @@ class Scheduler:
         return len(self.backward_queue)
 
     def receive_finish(self, final_step: int) -> None:
-        self.finish_received, self.final_step = True, final_step
+        self.finish_received = True
+        self.final_step = None if 0 < self.config.microbatches < final_step else final_step  # as follow_sender_steps
         self.wakeup.set()
 
     def follow_sender_steps(self, version: int) -> None:
@@ -121,6 +122,11 @@ class Scheduler:
         run's steps, so a stage counting from elsewhere would end short of them (or past them), and
         checkpoint and average under step numbers its cluster does not use. Runs before our first compute.
         """
+        if 0 < self.config.microbatches < version:  # past the run's length: no stage 0 counts there (a hostile
+            # neighbour's 2**53 put our rounds beyond our partners' window, and we averaged no more)
+            logger.warning(f"stage {self.config.stage}: stage {self.config.stage - 1} counts from step {version}, "
+                           f"past the run's {self.config.microbatches}: counting from our own")
+            return
         if version != self.compute.version:
             logger.info(f"stage {self.config.stage}: counting steps from {version}, as stage "
                         f"{self.config.stage - 1} does (this stage's weights came from step {self.compute.version})")
