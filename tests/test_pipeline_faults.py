@@ -123,8 +123,10 @@ def test_bad_input_gets_a_clear_error_and_the_stage_keeps_serving(processes, bac
             end_of_stream = P2P.ERROR_MARKER + (0).to_bytes(8, "big")
             errors["garbage metadata"] = await raw_call(
                 node, peer, wire.FORWARD, b"\x00" + len(bad_msgpack).to_bytes(8, "big") + bad_msgpack + end_of_stream)
-            # a message that never ends is refused after the stage's timeout, not waited on forever
-            errors["no end"] = await raw_call(node, peer, wire.FORWARD, b"\x00" + len(bad_msgpack).to_bytes(8, "big") + bad_msgpack)
+            # a message that never ends is refused after the stage's timeout, not waited on forever (its metadata
+            # passes: one that does not is refused as it arrives, before the rest is read)
+            opening = make_request(forward_metadata(microbatch=6)).SerializeToString()
+            errors["no end"] = await raw_call(node, peer, wire.FORWARD, b"\x00" + len(opening).to_bytes(8, "big") + opening)
 
             assert "activations has shape [4, 7]" in errors["shape"]
             assert "float64" in errors["dtype"] and "expected [4, 64] float32" in errors["dtype"]
