@@ -983,6 +983,7 @@ class Volunteer:
         server like anyone's (a node cannot call itself), and a holder serves this download a fresh copy (a holder
         keeps one copy per requester for a whole download, ``state_transfer._held_copy``)."""
         out = os.path.join(self.options.snapshot_dir, f"snapshot-{step:010d}")
+        ours = not os.path.exists(out)  # one of an earlier session at this step is never removed for our failure
         try:
             node = await start_node(self.membership.options.initial_peers, client_mode=True,
                                     record_validators=make_validators(self.run, self.owner))
@@ -992,7 +993,8 @@ class Volunteer:
             finally:
                 await stop_node(node)
         except Exception as e:  # a holder that left mid-download: the next multiple tries again
-            shutil.rmtree(out, ignore_errors=True)
+            if ours:
+                shutil.rmtree(out, ignore_errors=True)
             self.say(f"{self.name}: no snapshot at step {step}: {e if isinstance(e, UserError) else repr(e)}")
             return
         steps = sorted({layer["step"] for layer in manifest["layers"]})
