@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 # 2: ring members say they reached a round (`arrive` notes) and a ring starts once all have; a peer of 1 never says so
 # 3: a spec signs its run and origin, records' subkeys have one shape each, replies are read bounded: a peer of 2
 #    refuses our specs as malformed, and we refuse its
-PROTOCOL_VERSION = 3
+# 4: a robust ring's probe reply carries the owner's aggregate: a peer of 3 answers without it, refused as an owner
+PROTOCOL_VERSION = 4
 
 
 def _install_light_hivemind_package() -> None:

@@ -154,3 +154,69 @@ def test_a_member_left_out_of_an_attempt_is_no_prober_of_it():
 
     all_probed, probed_by = asyncio.run(scenario())
     assert not all_probed and probed_by == {b}  # c, a member of the attempt, is still to check us
+
+
+def test_a_member_that_alters_a_chunk_it_passes_on_frames_no_honest_owner():
+    """trimmed_mean, four members on real P2P: member 1 adds 50 to the chunk it passes on in the gather (member 0's).
+    Members 2 and 3 blamed member 0, which had aggregated honestly, and averaged without it (a review). The probe's
+    reply now carries the owner's aggregate: it matches its rows, so the chunk was altered on its way, and they keep
+    their own values for it; nobody is refused."""
+    import asyncio
+    import dataclasses
+    import functools
+
+    from hivemind.p2p import PeerID
+
+    from ravnest_swarm.averaging.averager import MultiRingAverager
+    from ravnest_swarm.averaging.robust_ring import RobustRingAttempt
+    from ravnest_swarm.averaging.segments import Ring, chunk_bounds
+    from ravnest_swarm.averaging.wire import serialize_part
+    from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
+
+    size = 4000
+
+    class PassesOnAltered(RobustRingAttempt):
+        def _take(self, index, elements, received, as_sent):
+            step = self.steps[index]
+            if step.phase == "gather" and step.position == 0 and not self.excluded_before and \
+                    index + 1 < len(self.steps):
+                self.work[elements].copy_(received)  # the true values for itself, altered ones for the next member
+                self.outboxes[index + 1].put(serialize_part(received + 50.0, self.codec))
+                return
+            super()._take(index, elements, received, as_sent)
+
+    async def scenario():
+        nodes = [await start_node((), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(4)]
+        averagers = [MultiRingAverager(node.routes, "forwarder", timeout=20.0, aggregation=TRIMMED_MEAN)
+                     for node in nodes]
+        try:
+            for averager in averagers:
+                await averager.start()
+            ids = [node.peer_id.to_base58() for node in nodes]
+            for i, node in enumerate(nodes):
+                for j in range(i + 1, 4):
+                    peer = PeerID.from_base58(ids[j])
+                    maddrs = [str(m) for m in await nodes[j].p2p.get_visible_maddrs()]
+                    await node.routes.connect(peer, maddrs_without_peer_id(maddrs, peer), "direct")
+            averagers[1].ring_peer = dataclasses.replace(averagers[1].ring_peer, attempt=functools.partial(
+                PassesOnAltered, aggregate=ROBUST_AGGREGATES[TRIMMED_MEAN], checked=True))
+            ring = Ring(0, 0, size, tuple(ids))
+            for averager in averagers:
+                averager.expect([ring], 5)
+            generator = torch.Generator().manual_seed(0)
+            values = [torch.full((size,), float(k)) + 0.01 * torch.randn(size, generator=generator) for k in range(4)]
+            originals = [v.clone() for v in values]
+            results = await asyncio.gather(*(a.average(5, v, 0, [ring]) for a, v in zip(averagers, values)))
+            return ids, originals, values, results
+        finally:
+            for averager in averagers:
+                await averager.shutdown()
+            for node in nodes:
+                await stop_node(node)
+
+    ids, originals, values, results = asyncio.run(scenario())
+    assert not [rejected for result in results for rejected in result.rejected], [r.rejected for r in results]
+    passed_on = slice(*chunk_bounds(size, 4)[1])  # member 0's chunk, passed on by member 1 to 2, then to 3
+    for member in (2, 3):
+        assert torch.equal(values[member][passed_on], originals[member][passed_on])  # their own, not + 50
+    assert values[0][passed_on].max().item() < 3.1  # the owner's aggregate, within the honest values

@@ -138,7 +138,8 @@ class RobustRingAttempt(RingAttempt):
         self.probed_by.add(sender)
         if len(self.probed_by) == len(self.others):
             self.all_probed.set()
-        return RingReply(values=self.segment[coordinates].tolist(), rows=rows)
+        return RingReply(values=self.segment[coordinates].tolist(), rows=rows,
+                         aggregated=self.work[owned.start:owned.stop][ours].tolist())
 
     async def _check_owners(self, work: torch.Tensor) -> None:
         """Probe every other member at random coordinates of each chunk we do not own; an owner caught lying
@@ -169,10 +170,23 @@ class RobustRingAttempt(RingAttempt):
             if rows[me] != self.segment[where].tolist():
                 raise ContributionRejected(owner, f"misreports our values in its chunk {chunk}")
             expected = self.aggregate(torch.tensor(rows, dtype=torch.float32))
-            got = work[where]
-            if not all(map(math.isfinite, expected.tolist())) or not torch.allclose(expected, got, rtol=1e-5, atol=1e-6):
+            aggregated = replies[owner].aggregated
+            if aggregated is None or len(aggregated) != len(where):
+                raise ContributionRejected(owner, f"answered a probe of its chunk {chunk} without its aggregate")
+            claimed = torch.tensor(aggregated, dtype=torch.float32)
+            if not all(map(math.isfinite, expected.tolist())) or not torch.allclose(expected, claimed, rtol=1e-5,
+                                                                                     atol=1e-6):
                 raise ContributionRejected(owner, f"altered its aggregate of chunk {chunk}: it is not the "
                                                   f"{self.aggregate.__name__} of the values it reports")
+            if not torch.allclose(claimed, work[where], rtol=1e-5, atol=1e-6):
+                # the owner aggregated as it says, and what reached us differs: a member that passed the chunk on
+                # in the gather altered it (which one, our values cannot tell). The owner was blamed for it, and
+                # refused by every member after that one (a review): we keep our own values for the chunk
+                logger.warning(f"ring {self.round.ring.index}: chunk {chunk} reached us altered on its way from "
+                               f"{owner[-8:]}, which aggregated it as it reports: keeping our own values for it")
+                bounds = self.chunks[chunk]
+                work[bounds] = self.segment[bounds]
+                continue
             first = coordinates.index(where[0])
             for index, member in enumerate(self.members):
                 if member not in (owner, self.peer.peer_id) and rows[index] != replies[member].values[first:first + len(where)]:

@@ -150,7 +150,7 @@ class RingReply(Message):
     the receiver has reached that round too (``arrived``, and then its ``anchor`` digest, as its own note says):
     a note of its own may have come before we expected messages of that round, and been refused; a probe with the receiver's own values at its coordinates
     (``values``) and, at those in the chunk it owns, one row per member of the attempt, in ring order, of the
-    values it aggregated (``rows``); every other message with empty metadata. A vote (an abort note's
+    values it aggregated (``rows``) and its aggregate (``aggregated``); every other message with empty metadata. A vote (an abort note's
     ``excluded``) is answered with those of its names that the receiver's own rings already leave out (``left_out``:
     a cluster it found gone, which the voter has not yet): that is the receiver's vote too."""
 
@@ -160,6 +160,8 @@ class RingReply(Message):
     values: Optional[Annotated[List[float], Field(max_length=MAX_PROBED)]] = None
     rows: Optional[Annotated[List[Annotated[List[float], Field(max_length=MAX_PROBED)]],
                              Field(max_length=MAX_LISTED_PEERS)]] = None
+    # at those coordinates in the chunk the receiver owns, its aggregate of them (what it passed on to the gather)
+    aggregated: Optional[Annotated[List[float], Field(max_length=MAX_PROBED)]] = None
 
     def as_metadata(self) -> dict:
         return self.model_dump(exclude_none=True)
