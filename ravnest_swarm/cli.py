@@ -95,7 +95,7 @@ def join(
     max_ram_gb: Optional[float] = typer.Option(None, "--max-ram-gb", min=0.0, help="Cap on RAM offered (GB)."),
     gflops: Optional[float] = typer.Option(None, "--gflops", min=0.0, help="Override measured GFLOP/s."),
     bandwidth_mbps: Optional[float] = typer.Option(None, "--bandwidth-mbps", min=0.0, help="Override measured Mbit/s."),
-    heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, help="Seconds between record "
+    heartbeat: float = typer.Option(5.0, "--heartbeat", min=0.5, max=600.0, help="Seconds between record "
                                    "renewals; records expire after three (slower beyond 500 peers)."),
     timeout: float = typer.Option(15.0, "--timeout", min=1.0, help="Seconds to wait for initial peers, per attempt."),
     patience: float = typer.Option(300.0, "--patience", min=0.0, help="Seconds to keep trying while no initial "

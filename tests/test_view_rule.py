@@ -4,7 +4,7 @@
 from ravnest_swarm.membership.buckets import (
     MAX_BUCKETS, PEERS_PER_BUCKET, add_up, bucket_count_for, bucket_field, bucket_of, confirmed, counts_named,
     next_bucket_count, summarize, totals, writes_summary)
-from ravnest_swarm.membership.view import LIFETIME_HEARTBEATS, PeerView, timing_for
+from ravnest_swarm.membership.view import LIFETIME_HEARTBEATS, MAX_RECORD_LIFETIME_S, PeerView, timing_for
 
 
 def record(peer_id, time, state="training", name=None):
@@ -125,3 +125,13 @@ def test_a_summary_counts_only_where_its_writers_own_record_is_in_the_bucket_it_
     counted = totals(members, 2, now=70.0)
     assert counted["peers"] == 2 and counted["buckets"] == counted["buckets_summarized"] == 2
     assert counted["samples_per_s"] == 3.0 and counted["states"] == {"training": 2}
+
+
+def test_a_record_counts_an_hour_after_its_time_at_most_and_never_while_dated_ahead():
+    """A peer's record stored to expire in a year kept it in every view and plan after it had gone; one dated far
+    ahead would have outlived any cap that counts from its time (a review)."""
+    view = PeerView()
+    view.merge([("key-a", record("a", time=100.0), 100.0 + 365 * 86400), ("key-b", record("b", time=1e9), 2e9)])
+    assert [r["peer_id"] for r in view.members(now=120.0)] == ["a"]  # b: dated ahead of the reader's clock
+    assert [r["peer_id"] for r in view.members(now=100.0 + MAX_RECORD_LIFETIME_S - 1)] == ["a"]
+    assert view.members(now=100.0 + MAX_RECORD_LIFETIME_S + 1) == []

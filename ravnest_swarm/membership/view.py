@@ -31,6 +31,13 @@ PEERS_AT_BASE_HEARTBEAT = 500
 # A record outlives its renewal by three heartbeats: one renewal lost or late (seconds of DHT latency on the
 # internet) and the next still arrives before the record expires.
 LIFETIME_HEARTBEATS = 3.0
+# How long after its own ``time`` a record counts at most, whatever expiration its writer stored it with: a renewal
+# lives three heartbeats (a heartbeat of 20 minutes takes a swarm of 120,000 peers at join's 5 s), and one stored
+# to expire in a year kept its writer alive in every view and plan after it had gone (a review).
+MAX_RECORD_LIFETIME_S = 3600.0
+# How far ahead of the reader's clock a record's ``time`` may be: a later one is a clock gone wrong, or a record
+# dated ahead to outlive the cap above
+MAX_CLOCK_LEAD_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class PeerView:
         """Take what a read found: ``(writer, record, expiration)``, records as the schema validated them (the
         writer: the subkey a record was signed under)."""
         for writer, record, expiration in found:
+            expiration = min(expiration, record["time"] + MAX_RECORD_LIFETIME_S)
             slot = (record["peer_id"], writer)
             known = self._seen.get(slot)
             if known is None or record["time"] > known.record["time"] or (
@@ -83,7 +91,7 @@ class PeerView:
         cutoff = now if alive_at is None else max(now, alive_at)
         shown: Dict[str, _Seen] = {}
         for (peer_id, _), seen in self._seen.items():
-            if seen.expiration <= cutoff:
+            if seen.expiration <= cutoff or seen.record["time"] > now + MAX_CLOCK_LEAD_S:
                 continue
             known = shown.get(peer_id)
             rank = (seen.record["state"] != "leaving", seen.record["time"])
