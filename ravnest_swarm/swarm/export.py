@@ -188,7 +188,7 @@ async def export_run(options: ExportOptions, console: Console) -> Dict:
     replaced = check_export_dir(options.out, "--out")
     if replaced is not None:
         console.print(f"{escape(options.out)} holds an export of run {escape(replaced)}: this one replaces it once "
-                      f"it is whole", highlight=False)
+                      f"it is whole", highlight=False, soft_wrap=True)
     node = await start_node(parse_maddrs(options.initial_peers),
                             record_validators=make_validators(address.name, address.owner),
                             client_mode=True, timeout=options.timeout, rpc_timeout=options.timeout)

@@ -154,7 +154,7 @@ class LocalSwarm:
             replaced = check_export_dir(options.export, "--export")
             if replaced is not None:
                 console.print(f"--export {escape(options.export)} holds an export of run {escape(replaced)}: this "
-                              f"run's replaces it at the end", highlight=False)
+                              f"run's replaces it at the end", highlight=False, soft_wrap=True)
         if options.checkpoint_dir is not None and os.path.exists(options.checkpoint_dir) and \
                 not os.path.isdir(options.checkpoint_dir):
             raise UserError(f"--checkpoint-dir {options.checkpoint_dir} is a file, not a directory", 1)
