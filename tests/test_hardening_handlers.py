@@ -708,3 +708,17 @@ def test_a_message_is_refused_by_its_metadata_and_frame_headers_before_its_bytes
             await asyncio.wait_for(averager._read_message(frames_then_a_promised_giant(), "QmStranger", []), 5)
 
     asyncio.run(scenario())
+
+
+def test_an_end_of_stream_frame_is_bounded_before_it_is_read():
+    """A frame header marked end-of-stream declared up to the message's limit and was read whole (512 MiB on the
+    ring) before anything was checked; an end of stream is empty, or one line of error."""
+    from ravnest_swarm.net.transport import SMALL_REPLY_BYTES, read_frames
+
+    async def scenario():
+        reader = asyncio.StreamReader()
+        reader.feed_data(P2P.ERROR_MARKER + (100 << 20).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        with pytest.raises(ValueError, match=f"at most {SMALL_REPLY_BYTES}"):
+            await asyncio.wait_for(read_frames(reader, 512 << 20), 5)
+
+    asyncio.run(scenario())

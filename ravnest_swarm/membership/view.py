@@ -31,13 +31,13 @@ PEERS_AT_BASE_HEARTBEAT = 500
 # A record outlives its renewal by three heartbeats: one renewal lost or late (seconds of DHT latency on the
 # internet) and the next still arrives before the record expires.
 LIFETIME_HEARTBEATS = 3.0
-# How long after its own ``time`` a record counts at most, whatever expiration its writer stored it with: a renewal
-# lives three heartbeats (a heartbeat of 20 minutes takes a swarm of 120,000 peers at join's 5 s), and one stored
-# to expire in a year kept its writer alive in every view and plan after it had gone (a review).
-MAX_RECORD_LIFETIME_S = 3600.0
-# How far ahead of the reader's clock a record's ``time`` may be: a later one is a clock gone wrong, or a record
-# dated ahead to outlive the cap above
-MAX_CLOCK_LEAD_S = 30.0
+# How long after its own ``time`` a record counts at most, whatever expiration its writer stored it with: one stored
+# to expire in a year kept its writer alive in every view and plan after it had gone (a review). An honest renewal
+# lives three heartbeats: six hours is a heartbeat of two hours (720,000 peers at join's 5 s, 6,000 at its most).
+MAX_RECORD_LIFETIME_S = 6 * 3600.0
+# How far ahead of the reader's clock a record's ``time`` may be (a clock an hour fast still counts): a record dated
+# further ahead would outlive the cap above
+MAX_CLOCK_LEAD_S = 3600.0
 
 
 @dataclass(frozen=True)

@@ -180,6 +180,8 @@ async def iterate_frames(reader: asyncio.StreamReader, max_bytes: int, first_mar
             raise ValueError(f"message exceeds the {max_bytes}-byte limit (at least {total} bytes)")
         if marker == P2P.MESSAGE_MARKER and max_frame_bytes is not None and length > max_frame_bytes:
             raise ValueError(f"frame {count} of {length} bytes is over the {max_frame_bytes} a frame takes")
+        if marker == P2P.ERROR_MARKER and length > SMALL_REPLY_BYTES:  # an end of stream, or one line of error
+            raise ValueError(f"an end-of-stream frame of {length} bytes (at most {SMALL_REPLY_BYTES})")
         if marker == P2P.MESSAGE_MARKER and max_frames is not None and count >= max_frames:
             raise ValueError(f"message of more than {max_frames} frames")
         data = await reader.readexactly(length)

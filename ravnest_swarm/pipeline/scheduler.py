@@ -10,6 +10,9 @@ raising: bad targets, a loss that fails, anything): never silently, and the loop
 A loss the divergence guard judges diverged (``pipeline/guard.py``) restores the last stage's layers, and a backward
 message with a zero gradient and ``diverged`` set makes every stage before it restore its own in turn; a microbatch
 a later stage drops (a skipped step, a failed compute) goes back as ``dropped``, so stage 0 need not wait for it.
+
+Over 400 lines because the rule, each microbatch's books and what a neighbour may change of them (the steps it
+names, a finish, a drop) are one state that the compute thread and the message handlers share.
 """
 
 from __future__ import annotations
@@ -110,8 +113,10 @@ class Scheduler:
         return len(self.backward_queue)
 
     def receive_finish(self, final_step: int) -> None:
+        # past the run's length and our own count (a length cut below it by its owner): followed as no step is
         self.finish_received = True
-        self.final_step = None if 0 < self.config.microbatches < final_step else final_step  # as follow_sender_steps
+        limit = max(self.config.microbatches, self.compute.version + self.config.max_in_flight)
+        self.final_step = None if 0 < self.config.microbatches and final_step > limit else final_step
         self.wakeup.set()
 
     def follow_sender_steps(self, version: int) -> None:
@@ -120,10 +125,10 @@ class Scheduler:
         Stages checkpoint separately, so after a resume (or when this stage replaces one) our own step can
         differ from the rest of the cluster's; stage 0 injects microbatches until its count reaches the
         run's steps, so a stage counting from elsewhere would end short of them (or past them), and
-        checkpoint and average under step numbers its cluster does not use. Runs before our first compute.
+        checkpoint and average under step numbers its cluster does not use. Runs before our first compute. Not
+        past the run's length: a hostile neighbour's 2**53 put our rounds beyond our partners' window.
         """
-        if 0 < self.config.microbatches < version:  # past the run's length: no stage 0 counts there (a hostile
-            # neighbour's 2**53 put our rounds beyond our partners' window, and we averaged no more)
+        if 0 < self.config.microbatches < version:
             logger.warning(f"stage {self.config.stage}: stage {self.config.stage - 1} counts from step {version}, "
                            f"past the run's {self.config.microbatches}: counting from our own")
             return
