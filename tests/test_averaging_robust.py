@@ -156,11 +156,13 @@ def test_a_member_left_out_of_an_attempt_is_no_prober_of_it():
     assert not all_probed and probed_by == {b}  # c, a member of the attempt, is still to check us
 
 
-def test_a_member_that_alters_a_chunk_it_passes_on_frames_no_honest_owner():
+@pytest.mark.parametrize("hostile", ["forwarder", "owner"])
+def test_a_member_that_alters_a_chunk_it_passes_on_frames_no_honest_owner(hostile):
     """trimmed_mean, four members on real P2P: member 1 adds 50 to the chunk it passes on in the gather (member 0's).
     Members 2 and 3 blamed member 0, which had aggregated honestly, and averaged without it (a review). The probe's
     reply now carries the owner's aggregate: it matches its rows, so the chunk was altered on its way, and they keep
-    their own values for it; nobody is refused."""
+    their own values for it; nobody is refused. Where member 0 itself sends its chunk altered and reports the true
+    aggregate, member 1, which had the chunk from it, refuses it; 2 and 3 cannot tell, and keep their own values."""
     import asyncio
     import dataclasses
     import functools
@@ -185,6 +187,19 @@ def test_a_member_that_alters_a_chunk_it_passes_on_frames_no_honest_owner():
                 return
             super()._take(index, elements, received, as_sent)
 
+    class SendsAltered(RobustRingAttempt):
+        async def _aggregate_owned(self):  # as the ring's, but what goes to the gather is altered
+            owned, mark = self.chunks[self.owned], self.handled[self.first_gather - 1]
+            length = owned.stop - owned.start
+            for progress in self.arrived:
+                await progress.reach(length)
+            values = self.work[owned.start:owned.stop]
+            values.copy_(self.aggregate(torch.cat([self.segment[owned.start:owned.stop].unsqueeze(0),
+                                                   self.received[:, :length]])))
+            self.outboxes[self.first_gather].put(serialize_part(values + 50.0, self.codec))
+            self.outboxes[self.first_gather].close()
+            mark.advance(length, done=True)
+
     async def scenario():
         nodes = [await start_node((), host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(4)]
         averagers = [MultiRingAverager(node.routes, "forwarder", timeout=20.0, aggregation=TRIMMED_MEAN)
@@ -198,8 +213,9 @@ def test_a_member_that_alters_a_chunk_it_passes_on_frames_no_honest_owner():
                     peer = PeerID.from_base58(ids[j])
                     maddrs = [str(m) for m in await nodes[j].p2p.get_visible_maddrs()]
                     await node.routes.connect(peer, maddrs_without_peer_id(maddrs, peer), "direct")
-            averagers[1].ring_peer = dataclasses.replace(averagers[1].ring_peer, attempt=functools.partial(
-                PassesOnAltered, aggregate=ROBUST_AGGREGATES[TRIMMED_MEAN], checked=True))
+            altering, attempt = (1, PassesOnAltered) if hostile == "forwarder" else (0, SendsAltered)
+            averagers[altering].ring_peer = dataclasses.replace(averagers[altering].ring_peer, attempt=functools.partial(
+                attempt, aggregate=ROBUST_AGGREGATES[TRIMMED_MEAN], checked=True))
             ring = Ring(0, 0, size, tuple(ids))
             for averager in averagers:
                 averager.expect([ring], 5)
@@ -215,8 +231,12 @@ def test_a_member_that_alters_a_chunk_it_passes_on_frames_no_honest_owner():
                 await stop_node(node)
 
     ids, originals, values, results = asyncio.run(scenario())
-    assert not [rejected for result in results for rejected in result.rejected], [r.rejected for r in results]
+    refused = [(member, rejected["peer"], rejected["reason"]) for member, result in enumerate(results)
+               for rejected in result.rejected]
+    if hostile == "forwarder":
+        assert refused == [] and values[0][slice(*chunk_bounds(size, 4)[1])].max().item() < 3.1, refused
+    else:
+        assert refused == [(1, ids[0], "sent chunk 1 other than the aggregate it reports")], refused
     passed_on = slice(*chunk_bounds(size, 4)[1])  # member 0's chunk, passed on by member 1 to 2, then to 3
     for member in (2, 3):
         assert torch.equal(values[member][passed_on], originals[member][passed_on])  # their own, not + 50
-    assert values[0][passed_on].max().item() < 3.1  # the owner's aggregate, within the honest values

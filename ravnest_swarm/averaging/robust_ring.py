@@ -179,9 +179,13 @@ class RobustRingAttempt(RingAttempt):
                 raise ContributionRejected(owner, f"altered its aggregate of chunk {chunk}: it is not the "
                                                   f"{self.aggregate.__name__} of the values it reports")
             if not torch.allclose(claimed, work[where], rtol=1e-5, atol=1e-6):
-                # the owner aggregated as it says, and what reached us differs: a member that passed the chunk on
-                # in the gather altered it (which one, our values cannot tell). The owner was blamed for it, and
-                # refused by every member after that one (a review): we keep our own values for the chunk
+                # what reached us is not the aggregate the owner reports. From the owner itself (we follow it in the
+                # ring), the owner sent what it denies: refused. Through other members, one of them altered it, or
+                # the owner sent one thing and reports another: which, our values cannot tell. Blaming the owner
+                # let a member that altered what it passed on get an honest owner refused by every member after it
+                # (a review); we keep our own values for the chunk and blame nobody
+                if self.members[(self.members.index(owner) + 1) % self.count] == self.peer.peer_id:
+                    raise ContributionRejected(owner, f"sent chunk {chunk} other than the aggregate it reports")
                 logger.warning(f"ring {self.round.ring.index}: chunk {chunk} reached us altered on its way from "
                                f"{owner[-8:]}, which aggregated it as it reports: keeping our own values for it")
                 bounds = self.chunks[chunk]
