@@ -169,8 +169,7 @@ def test_a_backbone_says_it_stopped_on_ctrl_c(processes):
     backbone.maddrs()
     backbone.signal(signal.SIGINT)
     assert backbone.wait(20) == 0
-    assert backbone.stderr().rstrip().endswith("backbone stopped") and "Traceback" not in backbone.stderr(), \
-        backbone.stderr()
+    assert "backbone stopped" in backbone.stderr() and "Traceback" not in backbone.stderr(), backbone.stderr()
 
 
 @pytest.mark.timeout(60)

@@ -218,7 +218,7 @@ def test_a_manifest_whose_model_is_no_text_is_one_line_and_plot_names_its_format
     history.mkdir()
     (history / "metrics.jsonl").write_text(json.dumps(dict(time=1.0, loss=2.0, samples_per_s=1.0)) + "\n")
     assert_one_line_error(ravnest("plot", str(history), "--out", str(tmp_path / "x.txt")),
-                          "a plot is written as .pdf, .png, .svg, not .txt", code=2)
+                          f"--out {tmp_path / 'x.txt'}: Format 'txt' is not supported", code=2)
 
 
 def test_sample_of_a_model_that_is_no_byte_level_gpt_is_one_line(tmp_path):

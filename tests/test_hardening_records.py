@@ -106,8 +106,6 @@ def malformed_values():
         (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="p", layers=[0, 1])] * 64] * 100), "plan: oversize"),
         (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="p", layers=[0, 1])] * 64] * 5),
          "plan: more stages than a round places"),
-        (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="p", layers=[0, 1])] * 64] * 5),
-         "plan: more stages than a round places"),
         (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="p", layers=[-1, 1])]]), "plan: negative layer"),
         (plan_key(RUN), OWN_PLAN, dict(PLAN, clusters=[[dict(peer_id="id\u202egnol", layers=[0, 1])]]), "plan: bidi override"),
         (plan_key(RUN), OWN_PLAN, GARBAGE, "plan: raw bytes"),

@@ -18,6 +18,7 @@ from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
+from ravnest_swarm.membership.reader import read_proposals
 from ravnest_swarm.planning.round import (GONE_POLLS, MAX_CLOCK_AHEAD_S, deadline_in_reach, PlanningRounds, RoundOptions, RoundTriggers,
                                          _fresh, canonical, decided_by_most, followed_deadline, standby_reason)
 
@@ -466,6 +467,8 @@ def test_a_strangers_far_future_deadline_opens_no_round_for_anyone():
                                                                           bandwidth_mbps=100.0))
             rounds = PlanningRounds(joiner, run, announcer, RoundOptions(WORKLOAD, round_seconds=3.0, settle=1.5),
                                     Console(record=True, width=300))
+            # the stranger's proposal is there to read: what follows is the planner's choice, not a missed read
+            assert [p["peer_id"] for p in await read_proposals(joiner, run)] == [peer_id]
             return await asyncio.wait_for(rounds._joined_open_round(1, None), 20)
         finally:
             for node in nodes + [server]:

@@ -1,6 +1,7 @@
 """Records a node's validators accepted are checked once (net.node.ValidRecords): the cache must never let through
 a record that differs in any signed part from one it accepted, nor remember a refusal."""
 
+import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
@@ -63,3 +64,30 @@ def test_the_run_validators_remembered_still_refuse_what_the_schema_refuses():
     validator = RememberingValidator(make_validators("cached", signing_key=key), ValidRecords())
     signer = RSASignatureValidator(key)
     assert not validator.validate(signed_record(signer, {"not": "a peer record"}, 1e9))
+
+
+def test_the_schema_refuses_addresses_that_do_not_parse_and_plans_or_proposals_past_a_rounds_peers():
+    """Bounds a review asked for, on the records themselves (test_hardening_records writes them as a stranger,
+    whose identity check refuses them first): an address that is no multiaddr failed every ring of its writer; a
+    plan of 4,096 stages was 600 KB and eight emptied the plan key; a proposal placed 16,384 peers (2 MB)."""
+    import time
+
+    import pydantic.v1 as pydantic
+
+    from ravnest_swarm.membership.records import MAX_ROUND_PEERS, PeerRecord, PlanRecord, RoundProposal
+
+    peer = dict(peer_id="QmPeer", name="p", state="training", ram_gb=1.0, bandwidth_mbps=1.0, gflops=1.0,
+                reachability="direct", version="0.1.0", time=time.time())
+    assert PeerRecord(**peer, maddrs=["/ip4/127.0.0.1/tcp/4001"])
+    for garbage in ("/ip4/1.2.3.4/tcp/x", "/garbage", "not a multiaddr"):
+        with pytest.raises(pydantic.ValidationError, match="not a multiaddr"):
+            PeerRecord(**peer, maddrs=[garbage])
+    stage = dict(peer_id="QmPeer", layers=[0, 1])
+    assert PlanRecord(round=1, time=1.0, clusters=[[stage] * 64] * 4)  # 256: a round's peers
+    with pytest.raises(pydantic.ValidationError, match="at most 256 stages"):
+        PlanRecord(round=1, time=1.0, clusters=[[stage] * 64] * 4 + [[stage]])
+    proposal = dict(round=1, deadline=1.0, peer_id="QmPeer", ram_gb=1.0, gflops=1.0, bandwidth_mbps=1.0, fitness=1.0,
+                    time=1.0)
+    assert RoundProposal(**proposal, clusters=[["QmPeer"] * 64] * (MAX_ROUND_PEERS // 64))
+    with pytest.raises(pydantic.ValidationError, match="at most 256 peers"):
+        RoundProposal(**proposal, clusters=[["QmPeer"] * 64] * (MAX_ROUND_PEERS // 64) + [["QmPeer"]])

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -75,8 +74,16 @@ def check_export_dir(out: str, flag: str) -> Optional[str]:
     except OSError as e:
         raise UserError(f"{flag} {out}: cannot make the directory ({e.strerror or e})", 1)
     writable = os.access(out, os.W_OK | os.X_OK)
-    if made:
-        shutil.rmtree(missing, ignore_errors=True)
+    if made:  # the directories just made, deepest first, each only while empty (another process may write there)
+        made_dir = os.path.abspath(out)
+        while True:
+            try:
+                os.rmdir(made_dir)
+            except OSError:
+                break
+            if made_dir == missing:
+                break
+            made_dir = os.path.dirname(made_dir)
     if not writable:
         raise UserError(f"{flag} {out}: this user cannot write there", 1)
     manifest_path, weights_path = os.path.join(out, MANIFEST), os.path.join(out, WEIGHTS)
@@ -99,7 +106,7 @@ def check_export_dir(out: str, flag: str) -> Optional[str]:
     if any(found != FORMAT for found in formats):
         raise UserError(f"{flag} {out} holds a {MANIFEST} or {WEIGHTS} that is not a ravnest export: choose "
                         f"another directory (it is never overwritten)", 1)
-    return str(run)
+    return str(run or "of no name")
 
 
 class ExportWriter:

@@ -22,7 +22,6 @@ from ravnest_swarm.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
-PLOT_SUFFIXES = {".png", ".pdf", ".svg"}
 
 
 def run_figures(state: SwarmState, own: Optional[Dict] = None) -> Dict:
@@ -87,9 +86,6 @@ def plot_run(directory: str, out: Optional[str] = None) -> Dict:
         out = os.path.join(out, PLOT_FILE)
     elif not os.path.splitext(out)[1]:
         out += ".png"  # what matplotlib writes for a name without one: we say the path it wrote
-    elif os.path.splitext(out)[1].lower() not in PLOT_SUFFIXES:  # matplotlib's ValueError was an unexpected error
-        raise UserError(f"--out {out}: a plot is written as {', '.join(sorted(PLOT_SUFFIXES))}, not "
-                        f"{os.path.splitext(out)[1]}", 2)
     if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
         raise UserError(f"--out {out}: no such directory {os.path.dirname(os.path.abspath(out))}", 1)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
@@ -103,7 +99,10 @@ def plot_run(directory: str, out: Optional[str] = None) -> Dict:
         bottom.set_xlabel("seconds since the first look")
         bottom.grid(alpha=0.3)
         figure.tight_layout()
-        figure.savefig(out, dpi=100)
+        try:
+            figure.savefig(out, dpi=100)
+        except ValueError as e:  # a suffix matplotlib writes no format for (.txt): its words, one line
+            raise UserError(f"--out {out}: {e}", 2)
     finally:
         plt.close(figure)
     return dict(png=out, seconds=round(lines[-1]["time"] - start, 3), loss=loss, samples_per_s=rate)
