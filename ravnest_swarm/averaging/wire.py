@@ -148,10 +148,10 @@ class RingRequest(RootModel[Annotated[
 class RingReply(Message):
     """A ring message was filed (or was a resend of one already here). An arrive note is answered with whether
     the receiver has reached that round too (``arrived``, and then its ``anchor`` digest, as its own note says):
-    a note of its own may have come before we expected messages of that round, and been refused; a probe with the receiver's own values at its coordinates
-    (``values``) and, at those in the chunk it owns, one row per member of the attempt, in ring order, of the
-    values it aggregated (``rows``) and its aggregate (``aggregated``); every other message with empty metadata. A vote (an abort note's
-    ``excluded``) is answered with those of its names that the receiver's own rings already leave out (``left_out``:
+    a note of its own may have come before we expected messages of that round, and been refused; a probe with the
+    receiver's own values at its coordinates (``values``) and, at those in the chunk it owns, one row per member of
+    the attempt, in ring order, of the values it aggregated (``rows``) and its aggregate (``aggregated``); every
+    other message with empty metadata. A vote (an abort note's ``excluded``) is answered with those of its names that the receiver's own rings already leave out (``left_out``:
     a cluster it found gone, which the voter has not yet): that is the receiver's vote too."""
 
     arrived: Optional[bool] = None

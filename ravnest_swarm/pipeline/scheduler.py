@@ -113,7 +113,8 @@ class Scheduler:
         return len(self.backward_queue)
 
     def receive_finish(self, final_step: int) -> None:
-        # past the run's length and our own count (a length cut below it by its owner): followed as no step is
+        # a final step past the run's length is no stage 0's (a hostile neighbour's 2**53), unless it is within our
+        # own count, which an owner who cut the length below it leaves past the length: that one is followed
         self.finish_received = True
         limit = max(self.config.microbatches, self.compute.version + self.config.max_in_flight)
         self.final_step = None if 0 < self.config.microbatches and final_step > limit else final_step
