@@ -38,6 +38,7 @@ from ravnest_swarm.membership.tickets import MAX_REVOKED, MAX_TICKET_CHARS, TICK
 from ravnest_swarm.net.identity import open_identity
 from ravnest_swarm.net.node import SwarmNode, start_node
 
+
 def _multiaddr(text: str) -> str:
     try:
         Multiaddr(text)
