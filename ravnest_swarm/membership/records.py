@@ -244,8 +244,6 @@ class PlanRecord(pydantic.BaseModel):
         return clusters
 
 
-
-
 class RoundProposal(pydantic.BaseModel):
     """A peer's best plan in a planning round, under ``{run}_round`` with its signed public key as subkey.
 
