@@ -10,6 +10,7 @@ import io
 import json
 import re
 import sys
+import time
 
 import pytest
 from hivemind.utils.crypto import RSAPrivateKey
@@ -76,7 +77,7 @@ async def write_records(maddr: str):
     control character. The joiner's node refuses the control character, the backbone (no --run) stores everything."""
     keys = [RSAPrivateKey() for _ in range(3)]
     honest = PeerRecord(peer_id="QmStock", name="stock", state="standby", ram_gb=4.0, bandwidth_mbps=100.0,
-                        gflops=100.0, reachability="direct", maddrs=[], version="0.1.0", time=1.0).dict()
+                        gflops=100.0, reachability="direct", maddrs=[], version="0.1.0", time=time.time()).dict()
     await store_as_signers(maddr, [
         (peers_key(RUN), dict(honest, peer_id=peer_id_of_owner(key.get_public_key().to_bytes()), name=name), b"", key)
         for key, name in zip(keys, (MARKUP, WIDE, CONTROL))], lifetime=300)
