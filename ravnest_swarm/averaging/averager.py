@@ -248,13 +248,13 @@ class MultiRingAverager:
         async for frame in iterate_frames(reader, self.max_message_bytes, max_frame_bytes=largest_frame):
             if message is None:
                 message = self._decode(frame.metadata)
-                if isinstance(message, RingPart):
-                    inbox = self.mailbox.inbox_for(message, sender)  # refused here if the sender is in no ring
-                    if inbox is not None:
-                        inbox.join(message.stripes, CODECS[message.codec])
-                        filling.append(inbox)
-                continue
-            if not isinstance(message, RingPart):
+                if not isinstance(message, RingPart):
+                    continue  # a note carries no tensor
+                inbox = self.mailbox.inbox_for(message, sender)  # refused here if the sender is in no ring
+                if inbox is not None:
+                    inbox.join(message.stripes, CODECS[message.codec])
+                    filling.append(inbox)
+            elif not isinstance(message, RingPart):
                 raise ValueError("a ring note or probe is one frame, its metadata: this one goes on")
             for part in frame.tensors:
                 if inbox is not None:
