@@ -119,19 +119,22 @@ class Inbox:
             first_marker: Optional[bytes] = None
             arrived = time.monotonic()  # the message's first byte
 
-            def vet(metadata: Dict) -> None:
-                """By its metadata, before its tensors are read (a stranger's 64 MiB were held to be refused)."""
-                self._check_address(parse(metadata))  # first: a former neighbour of a slot we left is turned away
-                self._check_sender(name, peer_id)
-
             async def respond() -> runtime_pb2.ExpertResponse:
-                metadata, tensors = await wire.read_message(reader, self.config.max_message_bytes, first_marker, vet)
+                vetted: List[Request] = []
+
+                def vet(metadata: Dict) -> None:
+                    """By its metadata, before its tensors are read (a stranger's 64 MiB were held to be refused)."""
+                    request = parse(metadata)
+                    self._check_address(request)  # first: a former neighbour of a slot we left is turned away
+                    self._check_sender(name, peer_id)
+                    vetted.append(request)
+
+                _, tensors = await wire.read_message(reader, self.config.max_message_bytes, first_marker, vet)
                 # its bytes' time on the link, first to last, which the sender's LinkCodec weighs (link_codec.py)
                 read_ms = round((time.monotonic() - arrived) * 1000)
                 if self.stopped:  # shutdown's cancel can be lost (asyncio.wait_for returns a result it raced)
                     raise ConnectionError("this stage worker stopped")  # no reply: the sender resends elsewhere
-                request = parse(metadata)  # vetted: to us, from our neighbour
-                reply = (await handle(request, tensors)).as_metadata()
+                reply = (await handle(vetted[0], tensors)).as_metadata()
                 return make_response(dict(reply, read_ms=read_ms) if tensors else reply)
 
             task = asyncio.current_task()  # this stream's own: p2pd hands each stream to a new task
