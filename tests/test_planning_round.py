@@ -405,6 +405,14 @@ def test_a_peer_that_sees_a_round_after_its_proposals_froze_says_that_the_round_
     assert "--round-seconds" in said and "none of 0 proposal(s) is valid" in said, said
 
 
+async def storage_and_peer_nodes(run: str, count: int):
+    """A storage node with the run's validators and ``count`` peers' client nodes on it, each its own identity."""
+    server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    maddrs = await server.get_visible_maddrs()
+    return server, [await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+                    for _ in range(count)]
+
+
 def test_a_peer_that_joins_a_round_at_a_strangers_near_deadline_adopts_nothing():
     """The join path of the hostile deadline: a peer that finds round 2 open joins it at the earliest deadline any
     proposal names, here a stranger's a moment away beside two honest proposals of a later one. It never publishes
@@ -414,10 +422,7 @@ def test_a_peer_that_joins_a_round_at_a_strangers_near_deadline_adopts_nothing()
     run = "near-deadline"
 
     async def scenario():
-        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = await server.get_visible_maddrs()
-        nodes = [await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-                 for _ in range(4)]
+        server, nodes = await storage_and_peer_nodes(run, 4)
         try:
             *honest, stranger, joiner = nodes
             now = get_dht_time()
@@ -452,10 +457,7 @@ def test_a_strangers_far_future_deadline_opens_no_round_for_anyone():
                                                                                              3.0)
 
     async def scenario():
-        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = await server.get_visible_maddrs()
-        nodes = [await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-                 for _ in range(2)]
+        server, nodes = await storage_and_peer_nodes(run, 2)
         try:
             stranger, joiner = nodes
             peer_id = stranger.peer_id.to_base58()
