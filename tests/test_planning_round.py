@@ -19,7 +19,7 @@ from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.membership.reader import read_proposals
-from ravnest_swarm.planning.round import (GONE_POLLS, MAX_CLOCK_AHEAD_S, deadline_in_reach, PlanningRounds, RoundOptions, RoundTriggers,
+from ravnest_swarm.planning.round import (GONE_POLLS, HANDOVER_WAIT_S, MAX_CLOCK_AHEAD_S, deadline_in_reach, PlanningRounds, RoundOptions, RoundTriggers,
                                          _fresh, canonical, decided_by_most, followed_deadline, standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
@@ -189,6 +189,35 @@ def test_a_gone_peer_beside_a_whole_cluster_waits_for_a_joiner_and_one_round_put
     assert triggers.reason(plan, without_w3) == "1 planned peer(s) gone"
     triggers.adopted()
     assert triggers.hole_since is None
+
+
+def test_the_wait_for_a_joiner_counts_from_the_end_of_a_leavers_hand_over():
+    """A soak's Ctrl-C handed its layers over for 51 s; the 30 s wait for a joiner ran out meanwhile, and a round
+    re-planned without its cluster (5 moves) just before the joiner came, whose round then moved them back: two plans
+    for one event. While the gone peer's record says ``leaving`` its place is no hole yet, up to HANDOVER_WAIT_S."""
+    options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
+    peers, plan = two_clusters_of_two(options)
+    without_w3 = {name: peers[name] for name in ("w0", "w1", "w2")}
+    triggers = RoundTriggers(options, "w0")
+    looks = [triggers.reason(plan, without_w3, leaving=frozenset({"w3"})) for _ in range(GONE_POLLS + 3)]
+    assert looks == [None] * (GONE_POLLS + 3)
+    assert triggers.hole_since is None and triggers.handover_since is not None
+    triggers.handover_since -= 60  # past the 30 s wait, but w3 still hands over
+    assert triggers.reason(plan, without_w3, leaving=frozenset({"w3"})) is None and triggers.hole_since is None
+    # its hand-over over (no leaving record), the 30 s for a joiner count from now
+    assert triggers.reason(plan, without_w3) is None and triggers.hole_since is not None
+    triggers.hole_since -= 31
+    assert triggers.reason(plan, without_w3) == "1 planned peer(s) gone"
+    triggers.adopted()
+    assert triggers.hole_since is None and triggers.handover_since is None
+
+    # a leaving record that stays for ever keeps the place at most HANDOVER_WAIT_S, then the usual wait
+    stuck = RoundTriggers(options, "w0")
+    [stuck.reason(plan, without_w3, leaving=frozenset({"w3"})) for _ in range(GONE_POLLS)]
+    stuck.handover_since -= HANDOVER_WAIT_S + 1
+    assert stuck.reason(plan, without_w3, leaving=frozenset({"w3"})) is None and stuck.hole_since is not None
+    stuck.hole_since -= 31
+    assert stuck.reason(plan, without_w3, leaving=frozenset({"w3"})) == "1 planned peer(s) gone"
 
 
 def test_a_joiner_in_a_gone_first_stage_takes_that_stage_and_the_survivor_keeps_its_own():

@@ -79,7 +79,8 @@ class RoundOptions:
         one, waits for that plan's record before it opens a first round of its own
     :param hole_wait: seconds a placed peer waits, once planned peers are gone, for a standby or joiner to open
         the round that fills their places before it opens one itself (with no standby in sight, only where one
-        cluster is broken and another whole); 0: at once
+        cluster is broken and another whole); 0: at once. It counts from when a gone peer stopped handing its
+        layers over (its record says ``leaving`` until then), or :data:`HANDOVER_WAIT_S` after it began
     """
 
     workload: Workload
@@ -102,6 +103,11 @@ class RoundOptions:
         profile = self.layer_profile or uniform_layers(max(self.num_layers, self.workload.max_stages), self.workload)
         return Pricing(self.workload, profile, MovePrice(tuple(self.layer_download_gb or profile[0]),
                                                          self.move_horizon_s))
+
+
+# at most this long a placed peer counts a planned peer's graceful leave as no hole yet (``join --handover-timeout``'s
+# default): a leaving record that stays for ever must not keep its cluster broken for ever
+HANDOVER_WAIT_S = 90.0
 
 
 def counting_peers(alive: Dict[str, Peer], joining: FrozenSet[str]) -> int:
@@ -146,6 +152,8 @@ class RoundTriggers:
         self.unread_plan_since: Optional[float] = None
         # since when a planned peer is gone and we wait for a standby to open the round that fills its place
         self.hole_since: Optional[float] = None
+        # since when a gone planned peer still hands its layers over (the hole wait counts from its end)
+        self.handover_since: Optional[float] = None
 
     def gone(self) -> FrozenSet[str]:
         """Planned peers whose records we missed :data:`GONE_POLLS` looks in a row."""
@@ -154,20 +162,21 @@ class RoundTriggers:
     def adopted(self) -> None:
         """A round adopted a plan: every standby is weighed against it anew (one that missed the round too)."""
         self.considered = set()
-        self.hole_since = None
+        self.hole_since = self.handover_since = None
 
     def declined(self) -> None:
         """A round kept the plan in force (nothing paid back its moves)."""
         self.declined_at = time.time()
 
     def reason(self, plan: Optional[dict], alive: Dict[str, Peer], followed: Optional[Dict[str, int]] = None,
-               joining: FrozenSet[str] = frozenset()) -> Optional[str]:
+               joining: FrozenSet[str] = frozenset(), leaving: FrozenSet[str] = frozenset()) -> Optional[str]:
         """Why a new round should open now, or None.
 
         :param followed: the plan round each live placed peer's record names (``PlanningRounds.followed``)
         :param joining: live peers whose records say ``joining``: their planning rounds have not started (they
             still prepare their model), so they count for no round's opening; one opened for them went by before
             they looked, and they were placed a round later (``PlanningRounds.run_forever``)
+        :param leaving: peers whose valid records say ``leaving``: they still hand their layers over
         """
         if plan is None:
             # peers follow a plan we cannot read (yet): a round 1 of our own would start a second swarm beside
@@ -197,8 +206,8 @@ class RoundTriggers:
         alive = {peer: capabilities for peer, capabilities in alive.items() if peer not in elsewhere}
         standbys = set(alive) - members - joining
         if gone:
-            return self._gone_reason(plan, alive, gone, standbys)
-        self.hole_since = None
+            return self._gone_reason(plan, alive, gone, standbys, leaving)
+        self.hole_since = self.handover_since = None
         if standbys - self.considered and members <= set(alive):
             # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
             self.considered |= standbys
@@ -213,21 +222,29 @@ class RoundTriggers:
             return "round period elapsed"
         return None
 
-    def _gone_reason(self, plan: dict, alive: Dict[str, Peer], gone: List[str], standbys: set) -> Optional[str]:
+    def _gone_reason(self, plan: dict, alive: Dict[str, Peer], gone: List[str], standbys: set,
+                     leaving: FrozenSet[str]) -> Optional[str]:
         """Open a round for gone planned peers now, or wait for a joiner to take their place. Under churn a leave
         is followed by a join: re-planning without the gone peer, then again with the joiner, adopted two plans
         per churn event and moved peers twice (issue 33's soak); while another cluster is whole the swarm trains
         on, and one round that puts the joiner in the hole moves only the joiner (``moves.candidate_plans``).
         The standby opens that round: it surely takes part in it. A round a placed peer opened as soon as it saw
-        a joiner's record came before the joiner's planner ran, and placed nobody in the hole (a soak)."""
+        a joiner's record came before the joiner's planner ran, and placed nobody in the hole (a soak). The wait counts
+        from the end of a leaver's hand-over: a soak's Ctrl-C handed over for 51 s, the wait ran out meanwhile, and a
+        round re-planned without its cluster (moving 5 peers) a few seconds before the joiner came."""
         if self.peer_id in standbys:
             return f"{len(gone)} planned peer(s) gone, {len(standbys)} standby peer(s) to take their place"
         whole = sum(all(stage["peer_id"] in alive for stage in cluster) for cluster in plan["clusters"])
         # one broken cluster is a churn event; more at once (a network split, a crash of several) re-plan now
         churn = whole == len(plan["clusters"]) - 1 and whole > 0
         if (standbys or churn) and self.options.hole_wait > 0:
-            self.hole_since = self.hole_since or time.time()
-            if time.time() - self.hole_since < self.options.hole_wait:
+            now = time.time()
+            if set(gone) & leaving and now - (self.handover_since or now) < HANDOVER_WAIT_S:
+                self.handover_since = self.handover_since or now
+                self.hole_since = None  # its layers are still served: its place is no hole yet
+                return None
+            self.hole_since = self.hole_since or now
+            if now - self.hole_since < self.options.hole_wait:
                 return None
         return f"{len(gone)} planned peer(s) gone"
 
@@ -269,6 +286,7 @@ class PlanningRounds:
         self.seen: Optional[dict] = None  # the newest plan we saw its peers follow (a standby adopts none)
         self.followed: Dict[str, int] = {}  # live placed peer id -> the plan round its record names
         self.joining: FrozenSet[str] = frozenset()  # live peers whose planning rounds have not begun (read_alive)
+        self.leaving: FrozenSet[str] = frozenset()  # peers whose valid records say leaving (read_alive)
         self.rewritten_at = 0.0  # when we last wrote again a copy of the plan in force that no read found
 
     def say(self, text: str) -> None:
@@ -295,16 +313,18 @@ class PlanningRounds:
     async def read_alive(self, at: float) -> Dict[str, Peer]:
         """Peers whose records are still valid at DHT time ``at`` and not leaving, by peer id; ``joining`` says which
         of them have not begun their planning rounds yet."""
-        alive, joining = {}, set()
+        alive, joining, leaving = {}, set(), set()
         for record in await self.announcer.read_peers(alive_at=at):
             if record["state"] == "joining":
                 joining.add(record["peer_id"])
+            if record["state"] == "leaving":
+                leaving.add(record["peer_id"])
             if record["state"] != "leaving":
                 self.names[record["peer_id"]] = record["name"]
                 # stages are sized by the memory of the device that holds them: a GPU peer's is its GPU's
                 alive[record["peer_id"]] = Peer(record["peer_id"], planning_memory_gb(record), record["gflops"],
                                                 record["bandwidth_mbps"])
-        self.joining = frozenset(joining)
+        self.joining, self.leaving = frozenset(joining), frozenset(leaving)
         return alive
 
     async def read_proposals(self, round_number: int, deadline_after: float = 0.0) -> List[dict]:
@@ -351,16 +371,18 @@ class PlanningRounds:
         if await self._joined_open_round(round_number, plan):
             return
         alive = await self.read_alive(now)
-        waiting, hole = self.triggers.unread_plan_since, self.triggers.hole_since
-        reason = self.triggers.reason(plan, alive, self.followed, self.joining)
+        triggers = self.triggers
+        waiting, hole, handover = triggers.unread_plan_since, triggers.hole_since, triggers.handover_since
+        reason = self.triggers.reason(plan, alive, self.followed, self.joining, self.leaving)
         if waiting is None and self.triggers.unread_plan_since is not None:
             rounds = ",".join(str(r) for r in sorted(set(self.followed.values())))
             self.say(f"no plan in force is readable, but {len(self.followed)} live peer(s) follow plan round "
                      f"{rounds}: waiting up to {self.options.plan_wait:g}s for it before opening a round of our own")
+        if handover is None and self.triggers.handover_since is not None:
+            self.say(f"planned peer(s) {self._gone_names()} hand their layers over: their places wait until they are "
+                     f"gone (at most {HANDOVER_WAIT_S:g}s), then up to {self.options.hole_wait:g}s for a joiner")
         if hole is None and self.triggers.hole_since is not None:
-            gone = ",".join(sorted(self.names.get(i, i) for i, polls in self.triggers.missing.items()
-                                   if polls >= GONE_POLLS))
-            self.say(f"planned peer(s) {gone} gone: the other clusters train on; waiting up to "
+            self.say(f"planned peer(s) {self._gone_names()} gone: the other clusters train on; waiting up to "
                      f"{self.options.hole_wait:g}s for a joiner to take their place before re-planning without them")
         if self.triggers.unpaid is not None:
             self._say_unpaid(*self.triggers.unpaid)
@@ -386,6 +408,9 @@ class PlanningRounds:
         await self.take_part(round_number, min(p["deadline"] for p in proposals), "joined", plan,
                              seen={p["peer_id"] for p in proposals})
         return True
+
+    def _gone_names(self) -> str:
+        return ",".join(sorted(self.names.get(i, i) for i in self.triggers.gone()))
 
     def _say_unpaid(self, standbys: set, current: float, possible: PricedPlan) -> None:
         names = ",".join(sorted(self.names.get(i, i) for i in standbys))
