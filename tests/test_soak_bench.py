@@ -8,7 +8,8 @@ import pytest
 
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
-from ravnest_swarm.bench.soak import LogScan, placed_now, round_figures, stage_use, use_lines
+from ravnest_swarm.bench.soak import (LogScan, Soak, held_elsewhere, last_averaged_step, placed_now, round_figures,
+                                      stage_use, use_lines)
 from ravnest_swarm.checkpoint import read_stage
 
 
@@ -54,6 +55,30 @@ def test_the_report_adds_up_the_stages_time_by_seconds_and_counts_rounds_and_mov
                         "after the first")
     assert stage_use(volunteers[2:]) is None
 
+    kills = [dict(kind="ctrl-c"), dict(kind="sigkill", unaveraged_steps=7, layers_held_elsewhere=True),
+             dict(kind="sigkill", unaveraged_steps=None, layers_held_elsewhere=None)]
+    assert use_lines(dict(use=use, rounds=rounds, churn_events=kills)).splitlines()[2] == (
+        "SIGKILLs: 2; the killed stage's steps since its last averaged round (lost with it): 7, ?; its layers trained "
+        "by another cluster then: yes, ?")
+
+
+def test_what_a_sigkill_lost_comes_from_the_look_before_it_and_the_victims_log():
+    log = ("12:00:01 INFO ravnest_swarm.averaging.averager: averaging step 50: 2/2 segments averaged in 0.3s, "
+           "1 MB sent\n"
+           "12:00:06 WARNING ravnest_swarm.averaging.averager: averaging step 75: 1/2 segments averaged in 20s; kept "
+           "local 1:timeout\n"
+           "12:00:07 INFO ravnest_swarm.averaging.averager: averaging step 60: 0/0 segments averaged in 0.0s\n")
+    assert last_averaged_step(log) == 50 and last_averaged_step("no rounds") is None
+    peers = {"peer0": dict(state="training", cluster=0, layers=[0, 4], step=83),
+             "peer1": dict(state="training", cluster=0, layers=[4, 9]),
+             "peer2": dict(state="training", cluster=1, layers=[0, 5]),
+             "peer3": dict(state="leaving", cluster=-1, layers=[5, 9])}
+    assert held_elsewhere(peers, "peer0") is True
+    assert held_elsewhere(peers, "peer1") is False  # layers 5:9 only by a leaving peer
+    assert held_elsewhere(peers, "peer9") is None
+    assert Soak._crash_loss("peer0", peers, log) == dict(step_at_kill=83, averaged_at_kill=50, unaveraged_steps=33,
+                                                         layers_held_elsewhere=True)
+
 
 @pytest.mark.timeout(240)
 @pytest.mark.netns
@@ -72,6 +97,9 @@ def test_bench_soak_survives_a_ctrl_c_and_a_sigkill_and_leaves_nothing_running(p
     ctrl_c, sigkill = events
     assert ctrl_c["exit_code"] == 0 and not ctrl_c.get("timed_out"), ctrl_c  # it handed over and left by itself
     assert sigkill["exit_code"] == -9 and sigkill["time_s"] - ctrl_c["time_s"] >= 24, events
+    # what the kill lost was looked at right before it: the victim was placed then, on layers another cluster trains
+    assert sigkill["step_at_kill"] is not None and sigkill["layers_held_elsewhere"] is not None, sigkill
+    assert "SIGKILLs: 1; " in bench.stdout()
     joins = {join["peer"]: join for join in report["joins"]}
     assert len(joins) == 6 and [join["replaces"] for join in report["joins"]][:4] == [None] * 4
     volunteers = {peer["name"]: peer for peer in report["volunteers"]}

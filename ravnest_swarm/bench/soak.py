@@ -63,8 +63,10 @@ EXIT_BOUND = HANDOVER_S + 30.0  # then it must have exited
 MAX_ERRORS, MAX_LINE = 200, 500  # error lines kept in the report (all are counted), and their length
 KINDS = ("ctrl-c", "sigkill")
 RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds", "averaging_failures", "utilisation",
-                 "time_shares", "window_s", "moved_bytes", "bytes_up_per_s", "bytes_down_per_s")
+                 "time_shares", "window_s", "moved_bytes", "bytes_up_per_s", "bytes_down_per_s", "layers")
 STEP_RE = re.compile(r"\bstep (\d+)")
+# the averager's line for each round (``averaging.averager``): its step, and how many of its segments averaged
+AVERAGED_RE = re.compile(r"\baveraging step (\d+): (\d+)/(\d+) segments averaged\b")
 OPENED_RE, ADOPTED_RE = re.compile(r"\bround (\d+) opened\b"), re.compile(r"\badopted plan round (\d+) ")
 
 
@@ -101,6 +103,23 @@ def log_figures(log: str, name: str) -> Dict:
                 placements=sum(line.startswith(f"{name}: training cluster ") for line in own),
                 averaging_failures=sum(line.startswith(f"{name}: averaging at step ") and " failed: " in line
                                        for line in own))
+
+
+def last_averaged_step(log: str) -> Optional[int]:
+    """The step of the newest averaging round in which every segment of the volunteer's stage averaged, by its log:
+    its layers' state as of that step is in every member of its rings."""
+    return max((int(step) for step, done, total in AVERAGED_RE.findall(log) if done == total != "0"), default=None)
+
+
+def held_elsewhere(peers: Dict[str, Dict], victim: str) -> Optional[bool]:
+    """Whether, in one look's records (by name), every layer ``victim`` trains is also trained by another placed
+    peer (another cluster's copy, which a replacement downloads); None where the look did not see ``victim`` placed."""
+    layers = (peers.get(victim) or {}).get("layers")
+    if not layers:
+        return None
+    others = [p["layers"] for name, p in peers.items() if name != victim and p.get("layers")
+              and p.get("state") in ("training", "averaging") and (p.get("cluster") or 0) >= 0]
+    return all(any(first <= layer < last for first, last in others) for layer in range(*layers))
 
 
 def round_figures(logs: Dict[str, str]) -> Dict:
@@ -296,8 +315,12 @@ class Soak:
                 os.killpg(process.pid, signal.SIGINT)
             self.pending = (event, process, since)
             return True
+        # what a crash loses: looked at right before it (a look takes seconds; the victim trains on meanwhile)
+        peers = self._look_now()
+        since, event["time_s"] = time.monotonic(), self.now()
         process.kill_group()  # its whole session: the peer and its p2pd
         event.update(exit_code=process.popen.poll(), exit_s=round(time.monotonic() - since, 1))
+        event.update(self._crash_loss(victim, peers, process.stderr()))
         self._end(victim, kind, event["exit_code"])
         event["replacement"] = self._join(self.free_hosts.popleft(), replaces=victim).name
         return True
@@ -324,6 +347,23 @@ class Soak:
         args = ["status", "--initial-peers", self.initial, "--run", self.address, "--json", "--timeout", "15"]
         process = self.group.start(args, f"status-{self.looks:03d}", lab_host=self.lab.lab_host(OBSERVER_HOST))
         self.look = (process, time.monotonic(), self.now())
+
+    def _look_now(self) -> Dict[str, Dict]:
+        """The peers' records (by name) as a look started now reads them; the look joins the timeline."""
+        self._collect_look(wait=True)
+        self._start_look()
+        self._collect_look(wait=True)
+        return self.timeline[-1].get("peers") or {}
+
+    @staticmethod
+    def _crash_loss(victim: str, peers: Dict[str, Dict], log: str) -> Dict:
+        """What a SIGKILL of ``victim`` lost, from the look right before it (``peers``) and its log: its step then,
+        the newest round its stage averaged, the steps between (its cluster's work since that round, which no
+        other peer has), and whether another cluster trains its layers (the run's state of them lives on)."""
+        step, averaged = (peers.get(victim) or {}).get("step"), last_averaged_step(log)
+        unaveraged = None if step is None or averaged is None else max(0, step - averaged)
+        return dict(step_at_kill=step, averaged_at_kill=averaged, unaveraged_steps=unaveraged,
+                    layers_held_elsewhere=held_elsewhere(peers, victim))
 
     def _collect_look(self, wait: bool = False) -> None:
         """Put the finished look into the timeline (``wait``: wait for it, within STATUS_LIMIT)."""
@@ -463,6 +503,14 @@ def use_lines(report: Dict) -> str:
                  f"sending {shares['sending']:.1%}, so {use['utilisation']:.1%} busy outside layer downloads; idle: "
                  f"{idle}; {use['moved_bytes'] / 1e6:.1f} MB of layers downloaded for moves")
     per_round = rounds["moves_per_adopted_round"]
-    return (f"{where}\nplanning rounds: {rounds['rounds_opened']} opened, {rounds['rounds_adopted']} adopted; "
-            f"{rounds['moves']} move(s) of placed volunteers"
-            f"{'' if per_round is None else f', {per_round} per adopted round after the first'}")
+    lines = (f"{where}\nplanning rounds: {rounds['rounds_opened']} opened, {rounds['rounds_adopted']} adopted; "
+             f"{rounds['moves']} move(s) of placed volunteers"
+             f"{'' if per_round is None else f', {per_round} per adopted round after the first'}")
+    kills = [event for event in report.get("churn_events", []) if event["kind"] == "sigkill"]
+    if kills:
+        said = lambda value: "?" if value is None else str(value)  # noqa: E731
+        held = {True: "yes", False: "NO", None: "?"}
+        lines += (f"\nSIGKILLs: {len(kills)}; the killed stage's steps since its last averaged round (lost with it): "
+                  f"{', '.join(said(event.get('unaveraged_steps')) for event in kills)}; its layers trained by "
+                  f"another cluster then: {', '.join(held[event.get('layers_held_elsewhere')] for event in kills)}")
+    return lines
