@@ -1,5 +1,8 @@
 """The one error type a user sees: a single clear line, never a traceback."""
 
+import re
+from typing import Callable
+
 
 class UserError(Exception):
     """Bad input or an environment problem the user can fix; the CLI prints ``error: <message>``.
@@ -11,3 +14,22 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = 2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+# a value quoted in an error longer than this is cut: a 5,000-character --run or multiaddr filled a terminal; an
+# unquoted word (click's "No such option: --...") only when longer than a path is likely to be
+MAX_QUOTED_CHARS, MAX_WORD_CHARS = 120, 300
+QUOTED_RE = re.compile(r"'([^'\n]{%d,})'" % (MAX_QUOTED_CHARS + 1))
+WORD_RE = re.compile(r"(\S{%d,})" % (MAX_WORD_CHARS + 1))
+
+
+def error_line(message: str) -> str:
+    """``message`` as the one line a user reads: a quoted value over :data:`MAX_QUOTED_CHARS` characters (a word
+    over :data:`MAX_WORD_CHARS`) shown by its start, end and length, and line breaks (a name or path with one in
+    it) written as ``\\n``."""
+    def shortened(quote: str) -> Callable[[re.Match], str]:
+        return lambda match: (f"{quote}{match.group(1)[:80]}...{match.group(1)[-20:]}{quote} "
+                              f"({len(match.group(1))} characters)")
+
+    message = WORD_RE.sub(shortened(""), QUOTED_RE.sub(shortened("'"), message))
+    return message.replace("\r", "\\r").replace("\n", "\\n")

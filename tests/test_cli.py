@@ -289,6 +289,24 @@ def test_name_too_long():
     assert_one_line_error(result, "--name", code=2)
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["join", "--initial-peers", "/ip4/" + "x" * 5000, "--run", "r", "--name", "n"], "(5005 characters)"),
+    (["join", "--initial-peers", DEAD_PEER.format(port=1), "--run", "r" * 5000, "--name", "n"], "(5000 characters)"),
+    (["plan", "--nonsense-" + "q" * 5000], "(5011 characters)"),
+])
+def test_a_huge_value_in_an_error_is_shown_by_its_ends_and_length(args, fragment):
+    """A 5,000-character --run or multiaddr was echoed whole: a screenful for one mistake."""
+    result = cli(*args)
+    assert_one_line_error(result, fragment, code=2)
+    assert len(result.stderr.strip()) < 400, result.stderr
+
+
+def test_a_line_break_in_a_value_stays_in_the_one_line_of_its_error(tmp_path):
+    result = cli("sample", str(tmp_path / "a\nb"))
+    assert_one_line_error(result, "a\\nb")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
 @pytest.mark.timeout(120)
 def test_backbone_identity_is_created_once_and_reused(processes, tmp_path):
     identity = str(tmp_path / "backbone.key")
