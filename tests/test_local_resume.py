@@ -179,10 +179,10 @@ def test_kill_every_process_of_a_local_run_then_resume_loses_nothing(tmp_path):
             resumed.stop()
 
 
-def write_checkpoint(path, model="mlp-digits"):
+def write_checkpoint(path, model="mlp-digits", **info):
     module = torch.nn.Linear(2, 2)
     save_stage(str(path), module, torch.optim.SGD(module.parameters(), lr=0.1),
-               {"step": 20, "layers": [0, 1], "model": model})
+               {"step": 20, "layers": [0, 1], "model": model, **info})
 
 
 def damage(directory, how):
@@ -194,6 +194,10 @@ def damage(directory, how):
         (directory / "notes.txt").write_text("not a checkpoint")
     elif how == "other model":
         write_checkpoint(directory / "local-peer0.safetensors", model="gpt-tiny")
+    elif how == "other model config":
+        write_checkpoint(directory / "local-peer0.safetensors", model_config="hidden=32", data_hash="")
+    elif how == "other data":
+        write_checkpoint(directory / "local-peer0.safetensors", model_config="", data_hash="ab" * 32)
     elif how == "peer not started":
         write_checkpoint(directory / "local-peer0.safetensors")
         write_checkpoint(directory / "local-peer5.safetensors")
@@ -206,6 +210,12 @@ def damage(directory, how):
     ("corrupt", "local-peer0.safetensors is corrupt or not a ravnest checkpoint"),
     ("other model", "local-peer0.safetensors is of model 'gpt-tiny', not 'mlp-digits'"),
     ("peer not started", "holds checkpoints of peer5, which --peers 2 does not start"),
+    # a user's review: another --model-config stood silent for the whole time limit, every peer dead; other --data
+    # went on without a word
+    ("other model config", "local-peer0.safetensors is of --model-config 'hidden=32', not '': pass --model-config "
+                           "hidden=32 to continue it"),
+    ("other data", "local-peer0.safetensors trained on other data (sha256 abababababab) than this run's (the "
+                   "model's own data)"),
 ])
 def test_resume_without_usable_checkpoints_is_one_line_error(tmp_path, how, expected):
     directory = tmp_path / "checkpoints"

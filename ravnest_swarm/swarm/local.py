@@ -106,11 +106,14 @@ class LocalOptions:
     snapshot_dir: Optional[str] = None
 
 
-def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
+def checkpoint_steps(directory: str, model: str, model_config: str = "", data_hash: str = "") -> Dict[str, int]:
     """The step of each checkpoint a ``local`` run's peers left in ``directory``, by peer name.
 
-    Every file is read in full, so a corrupt one, or one of another model, is a one-line
-    :class:`UserError` before any process starts rather than a peer dying later.
+    Every file is read in full, so a corrupt one, or one of another model, model config or data (``data_hash``:
+    the sha256 of ``--data``; empty: the model's own), is a one-line :class:`UserError` before any process starts rather than a peer dying later
+    (a resume with another ``--model-config`` stood silent for the whole time limit while every peer had died)
+    or a run that goes on, without a word, on data its layers never saw. A checkpoint from before the config and
+    data were written in it is checked for its model only.
     """
     steps = {}
     for file in sorted(os.listdir(directory)):
@@ -122,6 +125,14 @@ def checkpoint_steps(directory: str, model: str) -> Dict[str, int]:
         if info.get("model") != model:
             raise UserError(f"checkpoint {path} is of model {info.get('model')!r}, not {model!r}: "
                             f"pass --model {info.get('model')} to continue it", exit_code=1)
+        if info.get("model_config", model_config) != model_config:
+            raise UserError(f"checkpoint {path} is of --model-config {info['model_config']!r}, not "
+                            f"{model_config!r}: pass --model-config {shlex.quote(info['model_config'] or '')} "
+                            f"to continue it", exit_code=1)
+        if info.get("data_hash", data_hash) != data_hash:
+            said = lambda digest: f"sha256 {digest[:12]}" if digest else "the model's own data"  # noqa: E731
+            raise UserError(f"checkpoint {path} trained on other data ({said(info['data_hash'])}) than this run's "
+                            f"({said(data_hash)}): pass the --data it trained on to continue it", exit_code=1)
         steps[match.group(1)] = int(info["step"])
     return steps
 
@@ -167,7 +178,11 @@ class LocalSwarm:
                 raise UserError("--resume needs --checkpoint-dir: the directory of the run to continue")
             if not os.path.isdir(options.checkpoint_dir):
                 raise UserError(f"--checkpoint-dir {options.checkpoint_dir} does not exist: nothing to resume", 1)
-            self.checkpoint_steps = checkpoint_steps(options.checkpoint_dir, self.spec.model)
+            from ravnest_swarm.models.user_data import scan_data
+
+            data_hash = scan_data(options.data).digest if options.data is not None else ""
+            self.checkpoint_steps = checkpoint_steps(options.checkpoint_dir, self.spec.model, self.spec.model_config,
+                                                     data_hash)
             if not self.checkpoint_steps:
                 raise UserError(f"{options.checkpoint_dir} holds no checkpoints of a local run "
                                 f"({RUN}-peerN.safetensors): nothing to resume", exit_code=1)

@@ -1135,7 +1135,8 @@ class Volunteer:
         try:
             save_stage(path, worker.module, worker.optimizer,
                        {"step": worker.version, "layers": [worker.start_layer, worker.end_layer], "run": self.run,
-                        "model": self.spec.model}, outer=self.averaging.outer_state(worker))
+                        "model": self.spec.model, "model_config": self.spec.model_config,
+                        "data_hash": self.spec.data_hash}, outer=self.averaging.outer_state(worker))
         except OSError as e:
             # a full disk or an unwritable --checkpoint-dir must not stop training, nor a leave's hand-over (which
             # needs no disk); the last whole checkpoint stays (writes are atomic). Said once per cause
