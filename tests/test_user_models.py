@@ -1,11 +1,13 @@
 """Sized, configured and user models, and user data: built from local code, fingerprinted, checked (no network)."""
 
 import os
+import re
 import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.models import PRESETS, first_difference, load_model, model_layout
@@ -244,6 +246,39 @@ def test_targets_the_models_output_cannot_be_scored_against_are_one_line(tmp_pat
     with pytest.raises(ValueError, match=r"float targets of shape \[\] a sample, but model tabular outputs \[4\]"):
         load_model("tabular:build", "", floats)
 
+
+
+
+@pytest.mark.parametrize("labels, problem", [
+    (lambda n: np.arange(n) % 10, "class labels run from 0 to 9, but model tabular outputs 4 classes: labels must "
+                                  "lie in 0-3"),
+    (lambda n: np.arange(n) % 4 - 1, "class labels run from -1 to 2"),
+    (lambda n: np.arange(n) % 2 == 0, "targets.npy holds true/false values: give class labels as integers"),
+])
+def test_labels_the_model_cannot_score_are_one_line_before_any_training(tmp_path, user_models_on_path, labels,
+                                                                        problem):
+    """A user's review: labels 0-9 for a 4-class model were taken, and the run dropped every microbatch for its whole
+    time limit before an unexpected IndexError; true/false labels were called "float targets"."""
+    path = features_dir(tmp_path / "labels")
+    np.save(os.path.join(path, "targets.npy"), labels(1200))
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        load_model("tabular:build", "", path)
+
+
+@pytest.mark.parametrize("loss, problem", [
+    ("cross_entropy", "loss fails on outputs [2, 4] and the targets of --data"),
+    (lambda outputs, targets: F.cross_entropy(outputs, targets, reduction="none"),
+     "loss returns a tensor of shape [2]: it must return one number, the mean over the microbatch"),
+    (lambda outputs, targets: float(F.cross_entropy(outputs, targets)), "loss returns a float: it must return one"),
+])
+def test_a_loss_that_cannot_train_is_one_line_before_any_training(tmp_path, loss, problem):
+    """A user's review: a loss given as a string spun in a busy loop of dropped microbatches (15,000 in 40 s)."""
+    from ravnest_swarm.models import sequential_model
+    from ravnest_swarm.models.user_data import bind_data
+
+    spec = sequential_model("lossy", [("head", lambda: torch.nn.Linear(16, 4))], input_shape=(16,), loss=loss)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        bind_data(spec, features_dir(tmp_path / "data"))
 
 
 class Pair(torch.nn.Module):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ravnest_swarm.models.data import HELDOUT_EVERY, Dataset
-from ravnest_swarm.models.zoo import ModelSpec
+from ravnest_swarm.models.zoo import IGNORED_TARGET, ModelSpec, class_dim
 
 FEATURE_FILES = ("inputs.npy", "targets.npy")
 MIN_SAMPLES = 2 * HELDOUT_EVERY  # fewer, and the held-out split or the training split is nearly empty
@@ -166,6 +166,9 @@ def _samples(source: DataSource, spec: ModelSpec) -> Tuple[torch.Tensor, torch.T
                              f"{spec.name} takes {list(first.input_shape)}")
         # a copy, as for token ids, in this machine's byte order (torch takes no big-endian array)
         inputs = torch.as_tensor(np.array(inputs, dtype=inputs.dtype.newbyteorder("=")), dtype=first.input_dtype)
+        if targets.dtype == np.bool_:  # else taken as floats 0.0 and 1.0: "float targets" a user never gave
+            raise ValueError(f"--data {source.path}: targets.npy holds true/false values: give class labels as "
+                             f"integers (0 and 1) or regression targets as floats")
         # integer labels are classes (cross entropy takes them as int64), anything else regression targets
         targets = torch.as_tensor(np.array(targets, dtype=np.int64 if np.issubdtype(targets.dtype, np.integer)
                                              else np.float32))
@@ -212,3 +215,29 @@ def _check_targets_fit(source: DataSource, spec: ModelSpec, targets: torch.Tenso
         kind = "float targets" if targets.is_floating_point() else "class labels"
         raise ValueError(f"--data {source.path}: {kind} of shape {per_sample} a sample, but model {spec.name} outputs "
                          f"{out} a sample: they must be of shape {wanted}")
+    if not targets.is_floating_point() and len(targets):
+        # a label past the classes failed every microbatch it was in, and the run, minutes later, with an IndexError
+        classes = out[class_dim(torch.empty((1, *out), device="meta"), targets[:1])]
+        counted = targets[targets != IGNORED_TARGET]
+        low, high = (int(counted.min()), int(counted.max())) if counted.numel() else (0, 0)
+        if low < 0 or high >= classes:
+            raise ValueError(f"--data {source.path}: class labels run from {low} to {high}, but model {spec.name} "
+                             f"outputs {classes} classes: labels must lie in 0-{classes - 1}")
+    _check_loss(source, spec, output, targets)
+
+
+def _check_loss(source: DataSource, spec: ModelSpec, output: torch.Tensor, targets: torch.Tensor) -> None:
+    """The model's loss, tried once on made-up outputs of the right shape and two samples' targets: one that is no
+    function, or does not give one number (the microbatch's mean), failed every microbatch of a run in a busy loop
+    (a user's review: 15,000 dropped in 40 s) and ended it with an unexpected TypeError."""
+    outputs = torch.randn((min(2, len(targets)), *output.shape[1:]), requires_grad=True)
+    try:
+        value = spec.loss(outputs, targets[: len(outputs)])
+    except Exception as e:  # a user's loss may raise anything
+        raise ValueError(f"model {spec.name}'s loss fails on outputs {list(outputs.shape)} and the targets of --data "
+                         f"{source.path}: {type(e).__name__}: {e}")
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+        what = (f"a tensor of shape {list(value.shape)}{'' if value.requires_grad else ' that needs no gradient'}"
+                if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+        raise ValueError(f"model {spec.name}'s loss returns {what}: it must return one number, the mean over the "
+                         f"microbatch, that gradients flow back from")
