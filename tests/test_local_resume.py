@@ -243,3 +243,24 @@ def test_resume_without_checkpoint_dir_is_one_line_error(tmp_path):
         assert code == 2 and stderr == "error: --resume needs --checkpoint-dir: the directory of the run to continue"
     finally:
         run.stop()
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_before_any_plan_says_so_and_exits_130(tmp_path):
+    """A user's review: a Ctrl-C in a local run's first seconds said "No plan placed any peer: the peers' logs say
+    why" (they said nothing of a plan) and exited 0, which the README gives to a run that trained."""
+    run = LocalRun(["--peers", "2", "--no-dashboard", "--steps", "500"], tmp_path, "local")
+    try:
+        deadline = time.monotonic() + 60
+        while len(run.seen) < 3 and time.monotonic() < deadline:  # its backbone and a peer started: it is running
+            run.look()
+            time.sleep(0.2)
+        assert len(run.seen) >= 3, run.stderr()
+        os.killpg(run.popen.pid, signal.SIGINT)  # as a terminal sends it
+        code = run.wait(90)
+        stderr = run.stderr()
+        assert code == 130, stderr
+        assert "You stopped it before any plan placed a peer." in stderr and "No plan placed" not in stderr, stderr
+        assert "Traceback" not in stderr
+    finally:
+        run.stop()

@@ -531,7 +531,9 @@ def describe(summary: dict, model: str) -> List[str]:
                  f"{summary['peak_peer_memory_mb']:.0f} MB.")
     records = summary["peer_records"]
     rounds, failed = summary["averaging_rounds"], summary["averaging_failed"]
-    if clusters == 0:
+    if clusters == 0 and summary["stopped"] == "stopped by signal":
+        lines.append("You stopped it before any plan placed a peer.")  # not the planner's fault (a user's review)
+    elif clusters == 0:
         lines.append(f"No plan placed any peer{unplaced_reason(summary['log_dir'])}.")
     elif clusters < 2:
         lines.append("No averaging: one cluster held the whole model.")
@@ -584,5 +586,5 @@ async def run_local(options: LocalOptions, as_json: bool) -> int:
     if as_json:
         print(json.dumps(result), flush=True)
     if result["stopped"] == "stopped by signal":
-        return 0
+        return 130 if result["clusters"] == 0 else 0  # a stop before anything trained: a script must not go on
     return 1 if result["clusters"] == 0 or unexported else 0  # nothing trained, or no model where it was asked
