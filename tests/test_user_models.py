@@ -82,11 +82,16 @@ def test_a_user_entry_point_builds_shapes_and_flops_on_meta_and_trains_on_user_d
 
 @pytest.mark.parametrize("name, fragment", [
     ("tabular:missing", "has no function 'missing'"),
-    ("no_such_module:build", "cannot import 'no_such_module'"),
+    ("no_such_module:build", "cannot import 'no_such_module' for --model no_such_module:build: ModuleNotFoundError: "
+                             "No module named 'no_such_module' (run from its directory, or put that directory on "
+                             "PYTHONPATH)"),
     ("os:getcwd", "returned str, not a ModelSpec"),
+    # a user's review: a file's name or path was Python's "'tabular' is not a package" or a relative-import error
+    ("tabular.py:build", "--model tabular.py:build: give the module's name, not its file (tabular:build)"),
+    ("./models/tabular:build", "give the module's name, not its file (tabular:build), from its directory"),
 ])
 def test_a_broken_entry_point_is_one_line(name, fragment, user_models_on_path):
-    with pytest.raises(ValueError, match=fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
         load_model(name)
 
 
@@ -279,6 +284,23 @@ def test_a_loss_that_cannot_train_is_one_line_before_any_training(tmp_path, loss
     spec = sequential_model("lossy", [("head", lambda: torch.nn.Linear(16, 4))], input_shape=(16,), loss=loss)
     with pytest.raises(ValueError, match=re.escape(problem)):
         bind_data(spec, features_dir(tmp_path / "data"))
+
+
+
+def test_a_layer_given_as_a_module_or_that_fails_on_its_input_is_named():
+    """A user's review: layers given as modules (not builders) said "forward() missing 1 required positional
+    argument", and a shape mismatch torch's "a and b must have same reduction dim", naming no layer."""
+    from ravnest_swarm.models import sequential_model
+
+    with pytest.raises(ValueError, match=re.escape("layer 'a' of model m is a Linear, not a function that builds it: "
+                                                   "give (name, lambda: nn.Linear(...))")):
+        sequential_model("m", [("a", torch.nn.Linear(16, 4))], input_shape=(16,))
+    with pytest.raises(ValueError, match=re.escape("layer 'a' of model m builds a int, not a torch.nn.Module")):
+        sequential_model("m", [("a", lambda: 3)], input_shape=(16,))
+    with pytest.raises(ValueError, match=re.escape("layer 'b' of model m fails on its input, of shape [64] a sample "
+                                                   "(float32): RuntimeError: ")):
+        sequential_model("m", [("a", lambda: torch.nn.Linear(16, 64)), ("b", lambda: torch.nn.Linear(32, 4))],
+                         input_shape=(16,))
 
 
 class Pair(torch.nn.Module):

@@ -54,13 +54,19 @@ def is_entry_point(name: str) -> bool:
 
 def _import_entry_point(name: str) -> Callable[..., ModelSpec]:
     module_name, _, function_name = name.partition(":")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:  # a path, not a module's name
+        module = os.path.splitext(os.path.basename(module_name))[0] or "module"
+        raise ValueError(f"--model {name}: give the module's name, not its file ({module}:{function_name or 'build'}), "
+                         f"from its directory or with that directory on PYTHONPATH")
     # like uvicorn's --app-dir default: a user's module beside them imports without installing it
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # the user's module may raise anything while it imports
-        raise ValueError(f"cannot import {module_name!r} for --model {name}: {type(e).__name__}: {e}")
+        where = " (run from its directory, or put that directory on PYTHONPATH)" \
+            if isinstance(e, ModuleNotFoundError) and e.name == module_name.split(".")[0] else ""
+        raise ValueError(f"cannot import {module_name!r} for --model {name}: {type(e).__name__}: {e}{where}")
     function = getattr(module, function_name, None)
     if not callable(function):
         raise ValueError(f"{module_name} has no function {function_name!r} for --model {name}")
@@ -148,7 +154,15 @@ def sequential_model(name: str, layers: Sequence[Tuple[str, Callable[[], nn.Modu
     with torch.device("meta"):
         # a batch of two, counted per sample: batch norm in training mode refuses a batch of one
         x = torch.zeros((2, *input_shape), dtype=input_dtype)
+        for layer_name, build in layers:
+            if isinstance(build, nn.Module) or not callable(build):  # else "forward() missing ... 'input'"
+                raise ValueError(f"layer {layer_name!r} of model {name} is a {type(build).__name__}, not a function "
+                                 f"that builds it: give (name, lambda: nn.Linear(...)), so each stage builds its own")
         modules = [build() for _, build in layers]
+        for (layer_name, _), module in zip(layers, modules):
+            if not isinstance(module, nn.Module):
+                raise ValueError(f"layer {layer_name!r} of model {name} builds a {type(module).__name__}, not a "
+                                 f"torch.nn.Module")
         owners: Dict[int, int] = {}  # id of each parameter built -> the index of the layer that holds it
         for index, module in enumerate(modules):
             for parameter in module.parameters():
@@ -160,8 +174,13 @@ def sequential_model(name: str, layers: Sequence[Tuple[str, Callable[[], nn.Modu
                                      f"give each layer its own")
         for (layer_name, build), module in zip(layers, modules):
             counter = FlopCounterMode(display=False)
-            with counter:
-                y = module(x)
+            try:
+                with counter:
+                    y = module(x)
+            except Exception as e:  # torch's own words name no layer ("a and b must have same reduction dim")
+                raise ValueError(f"layer {layer_name!r} of model {name} fails on its input, of shape "
+                                 f"{list(x.shape[1:])} a sample ({str(x.dtype).replace('torch.', '')}): "
+                                 f"{type(e).__name__}: {e}")
             if not isinstance(y, torch.Tensor):  # else the next line's error names no layer and no rule
                 raise ValueError(f"layer {layer_name!r} of model {name} returns a {type(y).__name__}: a layer takes "
                                  f"one tensor and returns one")
