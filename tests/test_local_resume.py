@@ -264,3 +264,25 @@ def test_ctrl_c_before_any_plan_says_so_and_exits_130(tmp_path):
         assert "Traceback" not in stderr
     finally:
         run.stop()
+
+
+@pytest.mark.timeout(200)
+def test_a_run_whose_every_peer_exited_says_the_first_ones_error_and_exits_1_at_once(tmp_path):
+    """A user's review: a resume whose every peer died at its start (checkpoints of other layers) stood silent for
+    the whole time limit (900 s by default), then said only what the planners saw."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for name in ("peer0", "peer1"):
+        write_checkpoint(directory / f"local-{name}.safetensors")  # mlp-digits' name, other layers' tensors
+    run = LocalRun(["--peers", "2", "--checkpoint-dir", str(directory), "--resume", "--no-dashboard",
+                    "--time-limit", "600"], tmp_path, "local")
+    try:
+        started = time.monotonic()
+        code = run.wait(150)
+        stderr = run.stderr()
+        assert code == 1 and time.monotonic() - started < 150, stderr
+        assert re.search(r"every peer exited before every stage trained its \d+ steps \(the first said: peer0: "
+                         r"checkpoint .*local-peer0.safetensors holds other layers than this stage", stderr), stderr
+        assert "No plan placed" not in stderr and "No averaging" not in stderr and "Traceback" not in stderr
+    finally:
+        run.stop()

@@ -221,6 +221,7 @@ class LocalSwarm:
         self.peer_ids: Dict[str, str] = {}  # name -> peer id, as seen
         self.finished = False  # every placed peer trained its steps before the time limit or a stop
         self.timed_out = False  # the time limit ended the run (else it finished, or a signal stopped it)
+        self.peers_exited: Optional[str] = None  # every peer exited before the run finished: the first one's error
         self.sources: Dict[int, Tuple[str, int, int]] = {}  # layer -> its freshest checkpoint (evaluate)
 
     def _join(self, maddr: str, index: int) -> None:
@@ -293,11 +294,24 @@ class LocalSwarm:
             if not round_open and self._finished(peers, plan):
                 self.finished = True
                 break
+            self.peers_exited = self._every_peer_exited()
+            if self.peers_exited is not None:
+                break  # nothing can train on: waiting out the time limit said nothing for minutes (a user's review)
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
                 pass
-        self.timed_out = not self.finished and not stop.is_set()
+        self.timed_out = not self.finished and not stop.is_set() and self.peers_exited is None
+
+    def _every_peer_exited(self) -> Optional[str]:
+        """Where every volunteer has exited (the one --chaos killed aside) before the run finished: the first one's
+        last error line, or its exit code; else None."""
+        started = {name: process for name, process in self.volunteers.items() if name != self.chaos_victim}
+        if not started or any(process.popen.poll() is None for process in started.values()):
+            return None
+        name, process = sorted(started.items())[0]
+        said = [line for line in process.stderr().splitlines() if line.startswith(f"{name}: ") or "error: " in line]
+        return f"{name}: {said[-1].split('error: ', 1)[-1]}" if said else f"{name} exited with {process.popen.poll()}"
 
     def _sample(self, peers: List[dict]) -> None:
         # training peers only: a finished one keeps its last loss in its record
@@ -408,7 +422,9 @@ class LocalSwarm:
             "finished": self.finished,
             "resumed_from": self.resumed_from(),
             "training_from": self.training_from(),
-            "stopped": "finished" if self.finished else "time limit" if self.timed_out else "stopped by signal",
+            "stopped": "finished" if self.finished else "time limit" if self.timed_out else
+            "peers exited" if self.peers_exited is not None else "stopped by signal",
+            "peers_exited": self.peers_exited,
             "averaging_failed": totals.averaging_failures,
             "rejected": sum(p.get("rejected") or 0 for p in self.state.peers),
             "peer_records": {p["name"]: {field: p.get(field) for field in PEER_RECORD_FIELDS} for p in self.state.peers},
@@ -514,7 +530,9 @@ def describe(summary: dict, model: str) -> List[str]:
     steps, clusters = summary["steps"], summary["clusters"]
     ended = {"finished": f"every stage trained its {steps} steps",
              "time limit": f"the time limit stopped it before every stage trained its {steps} steps",
-             "stopped by signal": f"you stopped it before every stage trained its {steps} steps"}[summary["stopped"]]
+             "stopped by signal": f"you stopped it before every stage trained its {steps} steps",
+             "peers exited": f"every peer exited before every stage trained its {steps} steps (the first said: "
+                             f"{summary['peers_exited']})"}[summary["stopped"]]
     lines = [f"Trained {model} with {summary['peers']} peers in {clusters} cluster(s) for "
              f"{_duration(summary['seconds'])}: {ended}."]
     if summary["heldout_loss"] is None:
@@ -531,10 +549,11 @@ def describe(summary: dict, model: str) -> List[str]:
                  f"{summary['peak_peer_memory_mb']:.0f} MB.")
     records = summary["peer_records"]
     rounds, failed = summary["averaging_rounds"], summary["averaging_failed"]
-    if clusters == 0 and summary["stopped"] == "stopped by signal":
-        lines.append("You stopped it before any plan placed a peer.")  # not the planner's fault (a user's review)
-    elif clusters == 0:
-        lines.append(f"No plan placed any peer{unplaced_reason(summary['log_dir'])}.")
+    if clusters == 0:
+        if summary["stopped"] == "stopped by signal":  # not the planner's fault (a user's review)
+            lines.append("You stopped it before any plan placed a peer.")
+        elif summary["stopped"] != "peers exited":  # they said why, above
+            lines.append(f"No plan placed any peer{unplaced_reason(summary['log_dir'])}.")
     elif clusters < 2:
         lines.append("No averaging: one cluster held the whole model.")
     elif not failed:
@@ -587,4 +606,6 @@ async def run_local(options: LocalOptions, as_json: bool) -> int:
         print(json.dumps(result), flush=True)
     if result["stopped"] == "stopped by signal":
         return 130 if result["clusters"] == 0 else 0  # a stop before anything trained: a script must not go on
+    if result["stopped"] == "peers exited":
+        return 1
     return 1 if result["clusters"] == 0 or unexported else 0  # nothing trained, or no model where it was asked
