@@ -303,6 +303,27 @@ def test_a_layer_given_as_a_module_or_that_fails_on_its_input_is_named():
                          input_shape=(16,))
 
 
+
+def test_a_token_model_that_names_no_vocabulary_is_checked_against_its_embedding_and_an_empty_layer_is_refused(
+        tmp_path):
+    """A user's review: a token model without ``vocab=`` took ids past its embedding (every microbatch then failed
+    on an IndexError), and ``--model-config hidden=0`` started a swarm that trained a model of no width."""
+    from ravnest_swarm.models import sequential_model
+    from ravnest_swarm.models.user_data import bind_data
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    np.save(tokens / "ids.npy", np.arange(3000) % 200)
+    spec = sequential_model("words", [("embed", lambda: torch.nn.Embedding(16, 8)),
+                                      ("head", lambda: torch.nn.Linear(8, 16))], input_shape=(8,), input_dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape("token ids run from 0 to 199, model words takes 0-15")):
+        bind_data(spec, str(tokens))
+    with pytest.raises(ValueError, match=re.escape("layer 'inner' of model empty returns an empty tensor (shape [0] a "
+                                                   "sample): check the model's settings")):
+        sequential_model("empty", [("inner", lambda: torch.nn.Linear(16, 0)), ("head", lambda: torch.nn.Linear(0, 4))],
+                         input_shape=(16,))
+
+
 class Pair(torch.nn.Module):
     def forward(self, x):
         return x, x

@@ -184,6 +184,9 @@ def sequential_model(name: str, layers: Sequence[Tuple[str, Callable[[], nn.Modu
             if not isinstance(y, torch.Tensor):  # else the next line's error names no layer and no rule
                 raise ValueError(f"layer {layer_name!r} of model {name} returns a {type(y).__name__}: a layer takes "
                                  f"one tensor and returns one")
+            if y.numel() == 0:  # --model-config hidden=0 started a swarm that trained a model of no width
+                raise ValueError(f"layer {layer_name!r} of model {name} returns an empty tensor (shape "
+                                 f"{list(y.shape[1:])} a sample): check the model's settings")
             # FLOPs rank layers for the planner; a layer that counts none (an embedding lookup) still moves
             # its output through memory once
             flops = max(counter.get_total_flops(), y.numel()) // 2

@@ -139,12 +139,21 @@ def _token_windows(source: DataSource, spec: ModelSpec) -> torch.Tensor:
             raise ValueError(f"--data {source.path}: {source.files[0]} must be a 1-D array of integer token ids, "
                              f"not {array.ndim}-D {array.dtype}")
         tokens = np.array(array, dtype=np.int64)  # a copy: torch takes no read-only (memory-mapped) arrays
-    if len(tokens) and (tokens.min() < 0 or (spec.vocab is not None and tokens.max() >= spec.vocab)):
+    vocab = spec.vocab or _embedding_rows(spec)
+    if len(tokens) and (tokens.min() < 0 or (vocab is not None and tokens.max() >= vocab)):
         raise ValueError(f"--data {source.path}: token ids run from {tokens.min()} to {tokens.max()}, model "
-                         f"{spec.name} takes 0-{(spec.vocab or 1) - 1}")
+                         f"{spec.name} takes 0-{(vocab or 1) - 1}")
     width = first.input_shape[0] + 1
     windows = len(tokens) // width
     return torch.as_tensor(tokens[: windows * width]).view(windows, width)
+
+
+def _embedding_rows(spec: ModelSpec):
+    """How many token ids the first layer's first embedding takes, for a model that names no ``vocab`` (a user's
+    review: ids past it were taken, and every microbatch then failed on an IndexError); None without one."""
+    with torch.device("meta"):
+        first = spec.layers[0].build()
+    return next((module.num_embeddings for module in first.modules() if isinstance(module, torch.nn.Embedding)), None)
 
 
 def _split(inputs: torch.Tensor, targets: torch.Tensor, split: str) -> Dataset:
