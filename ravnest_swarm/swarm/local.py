@@ -248,6 +248,13 @@ class LocalSwarm:
         self.volunteers[name] = self.group.start_library(run_join, options, name)
 
     async def run(self) -> dict:
+        try:
+            return await self._run()
+        finally:  # a checkpoint directory nobody asked for goes, also where the run or its summary failed
+            if self.options.checkpoint_dir is None:
+                shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
+
+    async def _run(self) -> dict:
         stop = install_stop_signals()
         started = time.monotonic()
         observer = None
@@ -431,8 +438,6 @@ class LocalSwarm:
             "events": [asdict(event) for event in self.state.events],
             "log_dir": self.group.log_dir,
         }
-        if self.options.checkpoint_dir is None:
-            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
         return result
 
     def training_rate(self) -> float:
@@ -598,8 +603,8 @@ async def run_local(options: LocalOptions, as_json: bool) -> int:
     lines = describe(result, swarm.spec.model)
     unexported = options.export is not None and not result["export"]
     if unexported:  # asked for, and an exit 0 without it let a script go on to a model that is not there
-        lines.append(f"The model was NOT exported to {options.export}: some layer was in no peer's checkpoint "
-                     f"(checkpoints are in {swarm.checkpoint_dir}).")
+        kept = f" (checkpoints are in {options.checkpoint_dir})" if options.checkpoint_dir is not None else ""
+        lines.append(f"The model was NOT exported to {options.export}: some layer was in no peer's checkpoint{kept}.")
     for line in lines:
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if as_json:
