@@ -149,11 +149,13 @@ def _token_windows(source: DataSource, spec: ModelSpec) -> torch.Tensor:
 
 
 def _embedding_rows(spec: ModelSpec):
-    """How many token ids the first layer's first embedding takes, for a model that names no ``vocab`` (a user's
-    review: ids past it were taken, and every microbatch then failed on an IndexError); None without one."""
+    """How many token ids the first layer's largest embedding takes, for a model that names no ``vocab`` (a user's
+    review: ids past it were taken, and every microbatch then failed on an IndexError); None without one. The
+    largest: a positional embedding beside the tokens' has fewer rows, and no id past every one fits any."""
     with torch.device("meta"):
         first = spec.layers[0].build()
-    return next((module.num_embeddings for module in first.modules() if isinstance(module, torch.nn.Embedding)), None)
+    return max((module.num_embeddings for module in first.modules() if isinstance(module, torch.nn.Embedding)),
+               default=None)
 
 
 def _split(inputs: torch.Tensor, targets: torch.Tensor, split: str) -> Dataset:
@@ -226,7 +228,8 @@ def _check_targets_fit(source: DataSource, spec: ModelSpec, targets: torch.Tenso
                          f"{out} a sample: they must be of shape {wanted}")
     if not targets.is_floating_point() and len(targets):
         # a label past the classes failed every microbatch it was in, and the run, minutes later, with an IndexError
-        classes = out[class_dim(torch.empty((1, *out), device="meta"), targets[:1])]
+        dim = class_dim(torch.empty((1, *out), device="meta"), targets[:1])  # of the outputs with their batch
+        classes = out[dim - 1 if dim > 0 else dim]
         counted = targets[targets != IGNORED_TARGET]
         low, high = (int(counted.min()), int(counted.max())) if counted.numel() else (0, 0)
         if low < 0 or high >= classes:
@@ -236,15 +239,21 @@ def _check_targets_fit(source: DataSource, spec: ModelSpec, targets: torch.Tenso
 
 
 def _check_loss(source: DataSource, spec: ModelSpec, output: torch.Tensor, targets: torch.Tensor) -> None:
-    """The model's loss, tried once on made-up outputs of the right shape and two samples' targets: one that is no
-    function, or does not give one number (the microbatch's mean), failed every microbatch of a run in a busy loop
-    (a user's review: 15,000 dropped in 40 s) and ended it with an unexpected TypeError."""
-    outputs = torch.randn((min(2, len(targets)), *output.shape[1:]), requires_grad=True)
+    """The model's loss, tried once on made-up outputs of the right shape (seeded, in (0, 1): what a sigmoid or a
+    softmax gives, and logits too) and two samples' targets: one that is no function, or that returns anything but
+    one number with a gradient (the microbatch's mean), failed every microbatch of a run in a busy loop (a user's
+    review: 15,000 dropped in 40 s) and ended it with an unexpected TypeError. A loss that raises on made-up
+    outputs (one that wants a positive scale, say) is not judged: real outputs may suit it."""
+    if not callable(spec.loss):
+        raise ValueError(f"model {spec.name}'s loss is a {type(spec.loss).__name__}, not a function: give "
+                         f"loss(outputs, targets), such as torch.nn.functional.cross_entropy")
+    generator = torch.Generator().manual_seed(0)
+    shape = (min(2, len(targets)), *output.shape[1:])
+    outputs = (0.01 + 0.98 * torch.rand(shape, generator=generator)).requires_grad_()
     try:
         value = spec.loss(outputs, targets[: len(outputs)])
-    except Exception as e:  # a user's loss may raise anything
-        raise ValueError(f"model {spec.name}'s loss fails on outputs {list(outputs.shape)} and the targets of --data "
-                         f"{source.path}: {type(e).__name__}: {e}")
+    except Exception:  # a user's loss may raise anything on outputs no model of theirs would give
+        return
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
         what = (f"a tensor of shape {list(value.shape)}{'' if value.requires_grad else ' that needs no gradient'}"
                 if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
