@@ -19,7 +19,8 @@ class UserError(Exception):
 # a value quoted in an error longer than this is cut: a 5,000-character --run or multiaddr filled a terminal; an
 # unquoted word (click's "No such option: --...") only when longer than a path is likely to be
 MAX_QUOTED_CHARS, MAX_WORD_CHARS = 120, 300
-QUOTED_RE = re.compile(r"'([^'\n]{%d,})'" % (MAX_QUOTED_CHARS + 1))
+# a quote opens after no letter and closes before none: the apostrophe of "model lossy's loss" is no quote
+QUOTED_RE = re.compile(r"(?<!\w)'([^'\n]{%d,})'(?!\w)" % (MAX_QUOTED_CHARS + 1))
 WORD_RE = re.compile(r"(\S{%d,})" % (MAX_WORD_CHARS + 1))
 
 

@@ -301,6 +301,15 @@ def test_a_huge_value_in_an_error_is_shown_by_its_ends_and_length(args, fragment
     assert len(result.stderr.strip()) < 400, result.stderr
 
 
+def test_an_apostrophe_in_the_text_of_an_error_is_no_quote_to_cut():
+    """A review: the apostrophe of "lossy's" opened a "quoted value" that ran to the next quote and was cut."""
+    from ravnest_swarm.errors import error_line
+
+    text = ("error: model lossy's loss fails on the targets of --data /home/alice/projects/churn-prediction/data/"
+            "train-2024/with/a/long/path: TypeError: 'str' object is not callable")
+    assert error_line(text) == text
+
+
 def test_a_line_break_in_a_value_stays_in_the_one_line_of_its_error(tmp_path):
     result = cli("sample", str(tmp_path / "a\nb"))
     assert_one_line_error(result, "a\\nb")
