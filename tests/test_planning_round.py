@@ -19,8 +19,9 @@ from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
 from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_cluster_numbers, price_plan
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.membership.reader import read_proposals
-from ravnest_swarm.planning.round import (GONE_POLLS, HANDOVER_WAIT_S, MAX_CLOCK_AHEAD_S, deadline_in_reach, PlanningRounds, RoundOptions, RoundTriggers,
-                                         _fresh, canonical, decided_by_most, followed_deadline, standby_reason)
+from ravnest_swarm.planning.round import (GONE_POLLS, HANDOVER_WAIT_S, MAX_CLOCK_AHEAD_S, deadline_in_reach,
+                                         PlanningRounds, RoundOptions, RoundTriggers, _fresh, canonical, decided_by_most,
+                                         followed_deadline, standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -218,6 +219,15 @@ def test_the_wait_for_a_joiner_counts_from_the_end_of_a_leavers_hand_over():
     assert stuck.reason(plan, without_w3, leaving=frozenset({"w3"})) is None and stuck.hole_since is not None
     stuck.hole_since -= 31
     assert stuck.reason(plan, without_w3, leaving=frozenset({"w3"})) == "1 planned peer(s) gone"
+
+    # a second leaver of the same broken cluster has a hand-over wait of its own (a review)
+    both = RoundTriggers(options, "w0")
+    without_w2_w3 = {name: peers[name] for name in ("w0", "w1")}
+    [both.reason(plan, without_w3, leaving=frozenset({"w3"})) for _ in range(GONE_POLLS)]
+    both.handover_since -= HANDOVER_WAIT_S + 1
+    assert [both.reason(plan, without_w2_w3, leaving=frozenset({"w2", "w3"})) for _ in range(GONE_POLLS)] == \
+        [None] * GONE_POLLS
+    assert both.handing_over == {"w2", "w3"} and both.hole_since is None
 
 
 def test_a_joiner_in_a_gone_first_stage_takes_that_stage_and_the_survivor_keeps_its_own():

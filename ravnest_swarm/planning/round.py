@@ -80,7 +80,8 @@ class RoundOptions:
     :param hole_wait: seconds a placed peer waits, once planned peers are gone, for a standby or joiner to open
         the round that fills their places before it opens one itself (with no standby in sight, only where one
         cluster is broken and another whole); 0: at once. It counts from when a gone peer stopped handing its
-        layers over (its record says ``leaving`` until then), or :data:`HANDOVER_WAIT_S` after it began
+        layers over (its record says ``leaving`` until then, and for one record lifetime after it exits), or
+        :data:`HANDOVER_WAIT_S` after it began
     """
 
     workload: Workload
@@ -152,8 +153,9 @@ class RoundTriggers:
         self.unread_plan_since: Optional[float] = None
         # since when a planned peer is gone and we wait for a standby to open the round that fills its place
         self.hole_since: Optional[float] = None
-        # since when a gone planned peer still hands its layers over (the hole wait counts from its end)
+        # since when gone planned peers still hand their layers over (the hole wait counts from its end), and which
         self.handover_since: Optional[float] = None
+        self.handing_over: FrozenSet[str] = frozenset()
 
     def gone(self) -> FrozenSet[str]:
         """Planned peers whose records we missed :data:`GONE_POLLS` looks in a row."""
@@ -163,6 +165,7 @@ class RoundTriggers:
         """A round adopted a plan: every standby is weighed against it anew (one that missed the round too)."""
         self.considered = set()
         self.hole_since = self.handover_since = None
+        self.handing_over = frozenset()
 
     def declined(self) -> None:
         """A round kept the plan in force (nothing paid back its moves)."""
@@ -208,6 +211,7 @@ class RoundTriggers:
         if gone:
             return self._gone_reason(plan, alive, gone, standbys, leaving)
         self.hole_since = self.handover_since = None
+        self.handing_over = frozenset()
         if standbys - self.considered and members <= set(alive):
             # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
             self.considered |= standbys
@@ -239,7 +243,10 @@ class RoundTriggers:
         churn = whole == len(plan["clusters"]) - 1 and whole > 0
         if (standbys or churn) and self.options.hole_wait > 0:
             now = time.time()
-            if set(gone) & leaving and now - (self.handover_since or now) < HANDOVER_WAIT_S:
+            handing_over = frozenset(gone) & leaving
+            if handing_over != self.handing_over:  # another leaver's hand-over has a wait of its own
+                self.handing_over, self.handover_since = handing_over, None
+            if handing_over and now - (self.handover_since or now) < HANDOVER_WAIT_S:
                 self.handover_since = self.handover_since or now
                 self.hole_since = None  # its layers are still served: its place is no hole yet
                 return None
@@ -379,8 +386,9 @@ class PlanningRounds:
             self.say(f"no plan in force is readable, but {len(self.followed)} live peer(s) follow plan round "
                      f"{rounds}: waiting up to {self.options.plan_wait:g}s for it before opening a round of our own")
         if handover is None and self.triggers.handover_since is not None:
-            self.say(f"planned peer(s) {self._gone_names()} hand their layers over: their places wait until they are "
-                     f"gone (at most {HANDOVER_WAIT_S:g}s), then up to {self.options.hole_wait:g}s for a joiner")
+            leavers = ",".join(sorted(self.names.get(i, i) for i in triggers.handing_over))
+            self.say(f"planned peer(s) {leavers} hand their layers over: their places wait until they are gone (at "
+                     f"most {HANDOVER_WAIT_S:g}s), then up to {self.options.hole_wait:g}s for a joiner")
         if hole is None and self.triggers.hole_since is not None:
             self.say(f"planned peer(s) {self._gone_names()} gone: the other clusters train on; waiting up to "
                      f"{self.options.hole_wait:g}s for a joiner to take their place before re-planning without them")
