@@ -286,3 +286,12 @@ def test_a_run_whose_every_peer_exited_says_the_first_ones_error_and_exits_1_at_
         assert "No plan placed" not in stderr and "No averaging" not in stderr and "Traceback" not in stderr
     finally:
         run.stop()
+
+
+def test_model_configs_that_set_the_same_values_are_the_same():
+    """A review: a resume compared the texts, so ``hidden = 128`` or another order refused the same model."""
+    from ravnest_swarm.swarm.local import same_model_config
+
+    assert same_model_config("hidden=128,depth=2", "depth=2, hidden = 128")
+    assert not same_model_config("hidden=128", "hidden=64") and not same_model_config("hidden=128", "")
+    assert not same_model_config("not a config", "hidden=1")

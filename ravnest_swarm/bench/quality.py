@@ -62,8 +62,9 @@ async def bench_quality(peers: int, steps: int, model: str, as_json: bool, repea
                       highlight=False)
         swarm_result = await swarm.run()
         if not swarm_result["finished"]:
-            raise UserError(f"the swarm stopped before its {steps} steps (a stop signal, or its time limit): its "
-                            f"accuracy would not compare with the baseline's, so nothing is reported", exit_code=1)
+            why = swarm_result["peers_exited"] or "a stop signal, or its time limit"
+            raise UserError(f"the swarm stopped before its {steps} steps ({why}): its accuracy would not compare "
+                            f"with the baseline's, so nothing is reported", exit_code=1)
         clusters = swarm_result["clusters"] or 1
         microbatches = steps * clusters
         scaled = dataclasses.replace(spec, lr=cluster_lr(spec.lr, clusters, spec.lr_scaling, steps))

@@ -46,6 +46,7 @@ from ravnest_swarm.membership.reader import read_proposals, read_snapshot
 from ravnest_swarm.membership.records import make_validators
 from ravnest_swarm.membership.backbone import BackboneOptions, run_backbone_process
 from ravnest_swarm.models import load_model, model_layout
+from ravnest_swarm.models.loading import parse_model_config
 from ravnest_swarm.processes import PeerProcess, ProcessGroup
 from ravnest_swarm.swarm.export import (check_export_dir, checkpoint_layer_state, export_checkpoints,
                                         freshest_checkpoint_layers)
@@ -110,10 +111,10 @@ def checkpoint_steps(directory: str, model: str, model_config: str = "", data_ha
     """The step of each checkpoint a ``local`` run's peers left in ``directory``, by peer name.
 
     Every file is read in full, so a corrupt one, or one of another model, model config or data (``data_hash``:
-    the sha256 of ``--data``; empty: the model's own), is a one-line :class:`UserError` before any process starts rather than a peer dying later
-    (a resume with another ``--model-config`` stood silent for the whole time limit while every peer had died)
-    or a run that goes on, without a word, on data its layers never saw. A checkpoint from before the config and
-    data were written in it is checked for its model only.
+    the sha256 of ``--data``; empty: the model's own), is a one-line :class:`UserError` before any process starts,
+    not a peer dying later (a resume with another ``--model-config`` stood silent for the whole time limit while
+    every peer had died) or a run that goes on, without a word, on data its layers never saw. A checkpoint from
+    before the config and data were written in it is checked for its model only.
     """
     steps = {}
     for file in sorted(os.listdir(directory)):
@@ -125,7 +126,7 @@ def checkpoint_steps(directory: str, model: str, model_config: str = "", data_ha
         if info.get("model") != model:
             raise UserError(f"checkpoint {path} is of model {info.get('model')!r}, not {model!r}: "
                             f"pass --model {info.get('model')} to continue it", exit_code=1)
-        if info.get("model_config", model_config) != model_config:
+        if not same_model_config(info.get("model_config", model_config), model_config):
             raise UserError(f"checkpoint {path} is of --model-config {info['model_config']!r}, not "
                             f"{model_config!r}: pass --model-config {shlex.quote(info['model_config'] or '')} "
                             f"to continue it", exit_code=1)
@@ -135,6 +136,15 @@ def checkpoint_steps(directory: str, model: str, model_config: str = "", data_ha
                             f"({said(data_hash)}): pass the --data it trained on to continue it", exit_code=1)
         steps[match.group(1)] = int(info["step"])
     return steps
+
+
+def same_model_config(saved: str, given: str) -> bool:
+    """Whether two ``--model-config`` texts set the same values: ``hidden = 128`` is ``hidden=128``, and the order of
+    the settings does not matter (a review); one that does not parse is no match."""
+    try:
+        return saved == given or parse_model_config(saved) == parse_model_config(given)
+    except ValueError:
+        return False
 
 
 def capability_overrides(index: int, model_gb: float, peers: int = 3, largest_layer_gb: float = 0.0) -> Dict[str, float]:
@@ -222,6 +232,7 @@ class LocalSwarm:
         self.finished = False  # every placed peer trained its steps before the time limit or a stop
         self.timed_out = False  # the time limit ended the run (else it finished, or a signal stopped it)
         self.peers_exited: Optional[str] = None  # every peer exited before the run finished: the first one's error
+        self.exit_order: List[str] = []  # volunteers by the look that first saw them exited
         self.sources: Dict[int, Tuple[str, int, int]] = {}  # layer -> its freshest checkpoint (evaluate)
 
     def _join(self, maddr: str, index: int) -> None:
@@ -311,14 +322,22 @@ class LocalSwarm:
         self.timed_out = not self.finished and not stop.is_set() and self.peers_exited is None
 
     def _every_peer_exited(self) -> Optional[str]:
-        """Where every volunteer has exited (the one --chaos killed aside) before the run finished: the first one's
-        last error line, or its exit code; else None."""
-        started = {name: process for name, process in self.volunteers.items() if name != self.chaos_victim}
-        if not started or any(process.popen.poll() is None for process in started.values()):
+        """Where every volunteer has exited (the one --chaos killed aside) before the run finished, and one of them
+        failed: the last error line of the first to exit that said one, or the first's exit code; else None. All
+        gone with exit 0 is a run its peers saw end: the finished check, or the time limit, decides."""
+        for name, process in self.volunteers.items():
+            if name not in self.exit_order and process.popen.poll() is not None:
+                self.exit_order.append(name)
+        started = [name for name in self.volunteers if name != self.chaos_victim]
+        if not started or set(started) - set(self.exit_order) or \
+                all(self.volunteers[name].popen.poll() == 0 for name in started):
             return None
-        name, process = sorted(started.items())[0]
-        said = [line for line in process.stderr().splitlines() if line.startswith(f"{name}: ") or "error: " in line]
-        return f"{name}: {said[-1].split('error: ', 1)[-1]}" if said else f"{name} exited with {process.popen.poll()}"
+        exited = [name for name in self.exit_order if name in started]
+        for name in exited:
+            said = [line for line in self.volunteers[name].stderr().splitlines() if line.startswith("error: ")]
+            if said:
+                return f"{name}: {said[-1][len('error: '):]}"
+        return f"{exited[0]} exited with {self.volunteers[exited[0]].popen.poll()}"
 
     def _sample(self, peers: List[dict]) -> None:
         # training peers only: a finished one keeps its last loss in its record
