@@ -20,8 +20,8 @@ from ravnest_swarm.planning.moves import candidate_plans, improvement, kept_clus
 from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.membership.reader import read_proposals
 from ravnest_swarm.planning.round import (GONE_POLLS, HANDOVER_WAIT_S, MAX_CLOCK_AHEAD_S, deadline_in_reach,
-                                         PlanningRounds, RoundOptions, RoundTriggers, _fresh, canonical, decided_by_most,
-                                         followed_deadline, standby_reason)
+                                         PlanningRounds, RoundOptions, RoundTriggers, _fresh, canonical,
+                                         decided_by_most, followed_deadline, standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
 

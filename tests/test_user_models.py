@@ -352,7 +352,8 @@ def test_a_token_model_that_names_no_vocabulary_is_checked_against_its_embedding
     tokens.mkdir()
     np.save(tokens / "ids.npy", np.arange(3000) % 200)
     spec = sequential_model("words", [("embed", lambda: torch.nn.Embedding(16, 8)),
-                                      ("head", lambda: torch.nn.Linear(8, 16))], input_shape=(8,), input_dtype=torch.long)
+                                      ("head", lambda: torch.nn.Linear(8, 16))],
+                            input_shape=(8,), input_dtype=torch.long)
     with pytest.raises(ValueError, match=re.escape("token ids run from 0 to 199, model words takes 0-15")):
         bind_data(spec, str(tokens))
     with pytest.raises(ValueError, match=re.escape("layer 'inner' of model empty returns an empty tensor (shape [0] a "

@@ -106,9 +106,9 @@ def log_figures(log: str, name: str) -> Dict:
 
 
 def last_averaged_step(log: str) -> Optional[int]:
-    """The step of the newest averaging round in which every segment of the volunteer's stage averaged, by its log:
+    """The step of the last averaging round in the volunteer's log in which every segment of its stage averaged:
     its layers' state as of that step is in every member of its rings."""
-    return max((int(step) for step, done, total in AVERAGED_RE.findall(log) if done == total != "0"), default=None)
+    return next((int(step) for step, done, total in reversed(AVERAGED_RE.findall(log)) if done == total != "0"), None)
 
 
 def held_elsewhere(peers: Dict[str, Dict], victim: str) -> Optional[bool]:
@@ -315,12 +315,14 @@ class Soak:
                 os.killpg(process.pid, signal.SIGINT)
             self.pending = (event, process, since)
             return True
-        # what a crash loses: looked at right before it (a look takes seconds; the victim trains on meanwhile)
+        # what a crash loses: looked at right before it (a look takes seconds; the victim trains on meanwhile, so
+        # its log is read as the look ends, where the record's step is from)
         peers = self._look_now()
+        log = process.stderr()
         since, event["time_s"] = time.monotonic(), self.now()
         process.kill_group()  # its whole session: the peer and its p2pd
         event.update(exit_code=process.popen.poll(), exit_s=round(time.monotonic() - since, 1))
-        event.update(self._crash_loss(victim, peers, process.stderr()))
+        event.update(self._crash_loss(victim, peers, log))
         self._end(victim, kind, event["exit_code"])
         event["replacement"] = self._join(self.free_hosts.popleft(), replaces=victim).name
         return True
@@ -492,7 +494,8 @@ def summary_table(report: Dict) -> Table:
 
 
 def use_lines(report: Dict) -> str:
-    """Where the placed stages' time went (the peers' own counts) and the planning rounds, in two lines."""
+    """Where the placed stages' time went (the peers' own counts) and the planning rounds, in two lines, and a third
+    on what each SIGKILL lost where there was one."""
     use, rounds = report["use"], report["rounds"]
     if use is None:
         where = "placed stages: no peer record said where their time went"
