@@ -9,7 +9,7 @@ import pytest
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
 from ravnest_swarm.bench.soak import (LogScan, Soak, held_elsewhere, last_averaged_step, placed_now, round_figures,
-                                      stage_use, use_lines)
+                                      stage_use, unaveraged_steps, use_lines)
 from ravnest_swarm.checkpoint import read_stage
 
 
@@ -69,15 +69,18 @@ def test_what_a_sigkill_lost_comes_from_the_look_before_it_and_the_victims_log()
            "local 1:timeout\n"
            "12:00:07 INFO ravnest_swarm.averaging.averager: averaging step 60: 0/0 segments averaged in 0.0s\n")
     assert last_averaged_step(log) == 50 and last_averaged_step("no rounds") is None
-    peers = {"peer0": dict(state="training", cluster=0, layers=[0, 4], step=83),
+    peers = {"peer0": dict(state="training", cluster=0, layers=[0, 4], step=83, round_offset=-20),
              "peer1": dict(state="training", cluster=0, layers=[4, 9]),
              "peer2": dict(state="training", cluster=1, layers=[0, 5]),
              "peer3": dict(state="leaving", cluster=-1, layers=[5, 9])}
     assert held_elsewhere(peers, "peer0") is True
     assert held_elsewhere(peers, "peer1") is False  # layers 5:9 only by a leaving peer
     assert held_elsewhere(peers, "peer9") is None
-    assert Soak._crash_loss("peer0", peers, log) == dict(step_at_kill=83, averaged_at_kill=50, unaveraged_steps=33,
-                                                         layers_held_elsewhere=True)
+    loss = Soak._crash_loss("peer0", peers, log)
+    assert loss == dict(step_at_kill=83, round_offset=-20, averaged_at_kill=50, layers_held_elsewhere=True)
+    # its final step (a checkpoint written after the look: 86) on the run's count is 106: 56 steps since round 50
+    assert unaveraged_steps(loss, 86) == 56 and unaveraged_steps(loss, None) is None
+    assert unaveraged_steps(dict(loss, round_offset=None), 40) == 0
 
 
 @pytest.mark.timeout(240)

@@ -63,7 +63,8 @@ EXIT_BOUND = HANDOVER_S + 30.0  # then it must have exited
 MAX_ERRORS, MAX_LINE = 200, 500  # error lines kept in the report (all are counted), and their length
 KINDS = ("ctrl-c", "sigkill")
 RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds", "averaging_failures", "utilisation",
-                 "time_shares", "window_s", "moved_bytes", "bytes_up_per_s", "bytes_down_per_s", "layers")
+                 "time_shares", "window_s", "moved_bytes", "bytes_up_per_s", "bytes_down_per_s", "layers",
+                 "round_offset")
 STEP_RE = re.compile(r"\bstep (\d+)")
 # the averager's line for each round (``averaging.averager``): its step, and how many of its segments averaged
 AVERAGED_RE = re.compile(r"\baveraging step (\d+): (\d+)/(\d+) segments averaged\b")
@@ -120,6 +121,15 @@ def held_elsewhere(peers: Dict[str, Dict], victim: str) -> Optional[bool]:
     others = [p["layers"] for name, p in peers.items() if name != victim and p.get("layers")
               and p.get("state") in ("training", "averaging") and (p.get("cluster") or 0) >= 0]
     return all(any(first <= layer < last for first, last in others) for layer in range(*layers))
+
+
+def unaveraged_steps(event: Dict, final_step: Optional[int]) -> Optional[int]:
+    """A SIGKILLed stage's steps since the last round it averaged (its cluster's work that no other peer has, lost
+    with it): its final step (the highest its log, its last record and its checkpoint say) on the run's count of
+    rounds, less that round; None where either is unknown."""
+    if final_step is None or event.get("averaged_at_kill") is None:
+        return None
+    return max(0, final_step - (event.get("round_offset") or 0) - event["averaged_at_kill"])
 
 
 def round_figures(logs: Dict[str, str]) -> Dict:
@@ -359,13 +369,14 @@ class Soak:
 
     @staticmethod
     def _crash_loss(victim: str, peers: Dict[str, Dict], log: str) -> Dict:
-        """What a SIGKILL of ``victim`` lost, from the look right before it (``peers``) and its log: its step then,
-        the newest round its stage averaged, the steps between (its cluster's work since that round, which no
-        other peer has), and whether another cluster trains its layers (the run's state of them lives on)."""
-        step, averaged = (peers.get(victim) or {}).get("step"), last_averaged_step(log)
-        unaveraged = None if step is None or averaged is None else max(0, step - averaged)
-        return dict(step_at_kill=step, averaged_at_kill=averaged, unaveraged_steps=unaveraged,
-                    layers_held_elsewhere=held_elsewhere(peers, victim))
+        """What a SIGKILL of ``victim`` loses, from the look right before it (``peers``) and its log then: its step
+        in its record, its step less the run's round count (``round_offset``: a cluster's steps run apart from the
+        run's count of rounds, 325 steps in a soak), the last round its stage averaged, on the run's count, and
+        whether another cluster trains its layers (the run's state of them lives on). The steps lost with it are
+        counted at the end, from its final step (:func:`unaveraged_steps`)."""
+        record = peers.get(victim) or {}
+        return dict(step_at_kill=record.get("step"), round_offset=record.get("round_offset"),
+                    averaged_at_kill=last_averaged_step(log), layers_held_elsewhere=held_elsewhere(peers, victim))
 
     def _collect_look(self, wait: bool = False) -> None:
         """Put the finished look into the timeline (``wait``: wait for it, within STATUS_LIMIT)."""
@@ -421,6 +432,10 @@ class Soak:
     def report(self) -> Dict:
         errors = self.scan.found
         volunteers = [self._volunteer(name) for name in self.processes]
+        final = {volunteer["name"]: volunteer["final_step"] for volunteer in volunteers}
+        for event in self.churn:
+            if event["kind"] == "sigkill":
+                event["unaveraged_steps"] = unaveraged_steps(event, final.get(event["peer"]))
         return dict(
             benchmark="soak", model=self.options.model, stages=self.options.stages, minutes=self.options.minutes,
             minutes_run=round(min(self.soaked(), self.total) / 60, 2), startup_s=self.soak_from, seconds=self.now(),
