@@ -226,8 +226,9 @@ def _check_targets_fit(source: DataSource, spec: ModelSpec, targets: torch.Tenso
         kind = "float targets" if targets.is_floating_point() else "class labels"
         raise ValueError(f"--data {source.path}: {kind} of shape {per_sample} a sample, but model {spec.name} outputs "
                          f"{out} a sample: they must be of shape {wanted}")
-    if not targets.is_floating_point() and len(targets):
+    if source.kind == "features" and not targets.is_floating_point() and len(targets):
         # a label past the classes failed every microbatch it was in, and the run, minutes later, with an IndexError
+        # (token ids are checked against the vocabulary as they are read, without a copy of every window here)
         dim = class_dim(torch.empty((1, *out), device="meta"), targets[:1])  # of the outputs with their batch
         classes = out[dim - 1 if dim > 0 else dim]
         counted = targets[targets != IGNORED_TARGET]
