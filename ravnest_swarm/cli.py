@@ -16,7 +16,7 @@ import typer
 from typer._click import exceptions as click_exceptions
 from rich.console import Console
 
-from ravnest_swarm.errors import UserError, error_line
+from ravnest_swarm.errors import UserError, print_error
 from ravnest_swarm.lifecycle import (configure_logging, log_to_file, run_async, run_blocking, survive_a_closed_terminal,
                                      unexpected_error_as_one_line)
 
@@ -1179,12 +1179,12 @@ def main() -> None:
         sys.exit(0)
     except click_exceptions.UsageError as e:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
-        print(error_line(f"error: {e.format_message()}{hint}"), file=sys.stderr)
+        print_error(f"{e.format_message()}{hint}")
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):  # the latter while typer builds the commands, before click's main
         sys.exit(130)
     except UserError as e:  # a command's check of its options before it runs (`bench diloco --configurations`)
-        print(error_line(f"error: {e}"), file=sys.stderr, flush=True)
+        print_error(str(e))
         sys.exit(e.exit_code)
     except Exception as e:
         sys.exit(unexpected_error_as_one_line(e))

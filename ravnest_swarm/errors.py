@@ -1,6 +1,7 @@
 """The one error type a user sees: a single clear line, never a traceback."""
 
 import re
+import sys
 from typing import Callable
 
 
@@ -34,3 +35,8 @@ def error_line(message: str) -> str:
 
     message = WORD_RE.sub(shortened(""), QUOTED_RE.sub(shortened("'"), message))
     return message.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def print_error(message: str) -> None:
+    """``error: message`` on stderr, as the one line :func:`error_line` makes of it."""
+    print(error_line(f"error: {message}"), file=sys.stderr, flush=True)

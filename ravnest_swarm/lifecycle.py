@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Awaitable, Callable, Optional
 
-from ravnest_swarm.errors import UserError, error_line
+from ravnest_swarm.errors import UserError, print_error
 
 
 def install_stop_signals(on_stop: Optional[Callable[[], None]] = None,
@@ -183,7 +183,7 @@ def _exit_code(verb: Callable[[], Optional[int]]) -> int:
     try:
         result = verb()
     except UserError as e:
-        print(error_line(f"error: {e}"), file=sys.stderr, flush=True)
+        print_error(str(e))
         return e.exit_code
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
@@ -195,8 +195,7 @@ def unexpected_error_as_one_line(error: Exception) -> int:
     ``RAVNEST_DEBUG=1`` the traceback instead (re-raised)."""
     if os.environ.get("RAVNEST_DEBUG"):
         raise error
-    print(error_line(f"error: unexpected {type(error).__name__}: {error} (set RAVNEST_DEBUG=1 for the traceback)"),
-          file=sys.stderr, flush=True)
+    print_error(f"unexpected {type(error).__name__}: {error} (set RAVNEST_DEBUG=1 for the traceback)")
     return 1
 
 

@@ -154,14 +154,14 @@ def sequential_model(name: str, layers: Sequence[Tuple[str, Callable[[], nn.Modu
     with torch.device("meta"):
         # a batch of two, counted per sample: batch norm in training mode refuses a batch of one
         x = torch.zeros((2, *input_shape), dtype=input_dtype)
+        modules = []
         for layer_name, build in layers:
             if isinstance(build, nn.Module) or not callable(build):  # else "forward() missing ... 'input'"
                 raise ValueError(f"layer {layer_name!r} of model {name} is a {type(build).__name__}, not a function "
                                  f"that builds it: give (name, lambda: nn.Linear(...)), so each stage builds its own")
-        modules = [build() for _, build in layers]
-        for (layer_name, _), module in zip(layers, modules):
-            if not isinstance(module, nn.Module):
-                raise ValueError(f"layer {layer_name!r} of model {name} builds a {type(module).__name__}, not a "
+            modules.append(build())
+            if not isinstance(modules[-1], nn.Module):
+                raise ValueError(f"layer {layer_name!r} of model {name} builds a {type(modules[-1]).__name__}, not a "
                                  f"torch.nn.Module")
         owners: Dict[int, int] = {}  # id of each parameter built -> the index of the layer that holds it
         for index, module in enumerate(modules):
