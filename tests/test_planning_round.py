@@ -562,6 +562,32 @@ def test_two_plans_of_one_round_every_reader_names_the_same_and_the_other_sides_
     assert reason is not None and reason.startswith(f"{len(others)} standby peer(s) can raise"), reason
 
 
+def test_a_plan_whose_placed_peers_all_hand_over_stays_in_force_for_a_joiner():
+    """A walkthrough's joiner came while the only placed peer handed its layers over: that peer's record said
+    ``leaving`` (no cluster), so the joiner read no plan in force, opened a round 1 of its own and trained a second
+    lineage beside the run's, never averaging with it. While most of its leaving peers' records still name it, the
+    plan is in force: the joiner is its standby, and the round it opens at once re-places the gone peers' layers.
+    A stranger's plan naming the leaver in another round is not; a plan its live peers confirm ranks above it."""
+    options = RoundOptions(WORKLOAD, round_period=0.0, hole_wait=30.0)
+    plan = planned(("v1", "v2"), options, round_number=2)
+    leaving = [dict(record, state="leaving", cluster=-1, stage=None) for record in placed_records(plan)]
+    joiner = [dict(peer_id="v4", state="standby", plan_round=None, cluster=-1, stage=None, layers=None)]
+    assert adopted_plan([plan], joiner) is None  # the leaver's record expired: no plan anyone follows
+    assert adopted_plan([plan], leaving + joiner) == plan
+    stranger = dict(plan, round=7)
+    assert adopted_plan([stranger], leaving + joiner) is None
+    assert adopted_plan([stranger, plan], leaving + joiner) == plan
+    other_layers = dict(plan, clusters=[[dict(entry, layers=[0, 1]) for entry in plan["clusters"][0]]])
+    assert adopted_plan([other_layers], leaving + joiner) is None
+    followed = dict(planned(("v0", "v3"), options, round_number=2), time=plan["time"])
+    assert adopted_plan([plan, followed], leaving + joiner + placed_records(followed)) == followed
+    # the joiner, a standby of that plan, opens the round that re-places the leaver once it is gone
+    alive = {"v4": Peer("v4", *map(float, CAPABILITIES["v4"]))}
+    triggers = RoundTriggers(options, "v4")
+    looks = [triggers.reason(plan, alive, leaving=frozenset({"v1", "v2"})) for _ in range(GONE_POLLS)]
+    assert looks[-1] == "2 planned peer(s) gone, 1 standby peer(s) to take their place", looks
+
+
 def test_two_sides_a_round_apart_merge_in_the_next_round():
     """The NAT lab run's split, on a real DHT: two joiners adopted a round 1 of their own beside the first peers'
     round 1, and the first side went on to a round 2 among themselves. So v0, v1 follow a plan of round 2 and v2,

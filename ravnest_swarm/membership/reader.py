@@ -109,6 +109,7 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
     still the plan its other half follows, and a standby that joined after the round must see it as its peers do
     (it once saw no plan at all, opened a round 1 of its own while the others opened round 2, and they never met).
     A stranger's plan gains nothing from this: the live peers it places follow their own plan, not the stranger's.
+    A plan whose every placed peer is gone or leaving counts while most of the leaving ones' records still name it.
 
     :param peers: the live peer records (:func:`read_peers`)
     :param live_round: the round the caller adopted itself, if any: plans more than one round ahead of it are
@@ -116,6 +117,7 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
     """
     # a leaving peer is gone already: its record says cluster -1 while it hands its layers over
     placed, live = {}, {record["peer_id"] for record in peers if record.get("state") != "leaving"}
+    leaving = {record["peer_id"]: record for record in peers if record.get("state") == "leaving"}
     for record in peers:
         if record.get("plan_round") is not None:
             placed.setdefault(record["peer_id"], []).append(record)
@@ -124,6 +126,12 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         return any(r["plan_round"] == plan["round"] and r.get("cluster") == cluster and r.get("stage") == stage
                    and r.get("layers") == entry["layers"] for r in placed.get(entry["peer_id"], ()))
 
+    def handed_over_by(plan: Dict, entry: Dict) -> bool:
+        # a leaving record names no cluster or stage any more, but still its plan round and its layers
+        record = leaving.get(entry["peer_id"])
+        return (record is not None and record.get("plan_round") == plan["round"]
+                and record.get("layers") == entry["layers"])
+
     best = None
     for plan in plans:
         if live_round is not None and plan["round"] > live_round + 1:
@@ -131,7 +139,16 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
                   if entry["peer_id"] in live]
         confirming = sum(confirmed(plan, c, s, entry) for c, s, entry in stages)
-        if 2 * confirming > len(stages):
+        if stages:
+            in_force = 2 * confirming > len(stages)
+        else:
+            # every peer it places is gone or leaving: while they hand their layers over the plan is still the run's,
+            # and its next round re-places them (a walkthrough's joiner came while the only placed peer handed over,
+            # read no plan in force, opened a round 1 of its own and trained a second lineage that never averaged
+            # with the run). It ranks below a plan of its round that live peers confirm (``confirming`` is 0)
+            leavers = [entry for cluster in plan["clusters"] for entry in cluster if entry["peer_id"] in leaving]
+            in_force = 2 * sum(handed_over_by(plan, entry) for entry in leavers) > len(leavers)
+        if in_force:
             # two plans of one round can both be followed: peers that read no plan opened a round 1 of their own
             # (a NAT lab run). Every reader must name the same one in force, or each side counts the other's peers
             # as placed elsewhere and the two never meet. The more confirmed stages win, then the fewer places of
