@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from typing import List, Optional
 
@@ -1166,6 +1167,23 @@ def stage(
     sys.exit(run_async(main()))
 
 
+def _not_a_number(error: click_exceptions.UsageError) -> Optional[str]:
+    """The message for a float option given nan or inf, which its range check called "should be less than or equal to
+    10" (``--temperature nan``): the value given, read back from the command line, is what is wrong."""
+    opts = getattr(getattr(error, "param", None), "opts", None) or []
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        name, _, attached = arg.partition("=")
+        if name in opts:
+            value = attached if attached or "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                if not math.isfinite(float(value)):
+                    return f"Invalid value for '{name}': '{value}' is not a finite number"
+            except ValueError:
+                return None
+    return None
+
+
 def main() -> None:
     """Entry point: click's usage errors become one line too, like our own :class:`UserError`."""
     survive_a_closed_terminal()
@@ -1179,7 +1197,7 @@ def main() -> None:
         sys.exit(0)
     except click_exceptions.UsageError as e:
         hint = f" (see `{e.ctx.command_path} --help`)" if e.ctx is not None else ""
-        print_error(f"{e.format_message()}{hint}")
+        print_error(f"{_not_a_number(e) or e.format_message()}{hint}")
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):  # the latter while typer builds the commands, before click's main
         sys.exit(130)

@@ -93,6 +93,16 @@ def test_a_commands_own_check_of_its_options_is_one_line(args, said):
     assert "unexpected" not in result.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    (("sample", "nowhere", "--temperature", "nan"), "Invalid value for '--temperature': 'nan' is not a finite number"),
+    (("local", "--lr=inf"), "Invalid value for '--lr': 'inf' is not a finite number"),
+    (("local", "--lr", "20"), "Invalid value for '--lr': Input should be less than or equal to 10")])
+def test_a_float_option_given_nan_or_inf_says_so(args, said):
+    """`--temperature nan` said "should be less than or equal to 10": its range check's words for a value no range
+    holds. A value out of range still gets the range's words."""
+    assert_one_line_error(cli(*args), said, code=2)
+
+
 def test_empty_or_clashing_outputs_are_one_line_before_anything_starts(tmp_path):
     """Found by a review as a new user: `local --export FILE` trained, then failed naming an `--out` it does not have,
     its summary lost; `invite --peer ""` (an unset variable) signed a ticket for any peer; `status --json --watch`

@@ -288,6 +288,40 @@ def test_a_run_whose_every_peer_exited_says_the_first_ones_error_and_exits_1_at_
         run.stop()
 
 
+@pytest.mark.timeout(240)
+def test_a_run_whose_peers_were_all_stopped_from_outside_ends_at_once(tmp_path):
+    """A volunteer that trained its steps stays to serve its layers, so peers that all exited with 0 were stopped
+    from outside (a Ctrl-C each): `local` waited out its time limit (here 600 s) with nothing left to train."""
+    run = LocalRun(["--peers", "2", "--steps", "100000", "--no-dashboard", "--time-limit", "600"], tmp_path, "local")
+    try:
+        deadline, volunteers = time.monotonic() + 120, []
+        while len(volunteers) < 2 and run.popen.poll() is None and time.monotonic() < deadline:
+            run.look()
+            # the volunteers are forks of the launcher (``launcher.py``), known by the log their stderr goes to
+            volunteers = [p for pid, p in run.seen.items() if re.search(r"/peer\d+\.err$", _stderr_path(pid))]
+            time.sleep(1.0)
+        assert len(volunteers) == 2, run.stderr()
+        time.sleep(5.0)  # their signal handlers are set once they run
+        for volunteer in volunteers:
+            volunteer.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        code = run.wait(150)
+        stderr = run.stderr()
+        assert code == 1 and time.monotonic() - started < 150, stderr
+        assert re.search(r"every peer exited before every stage trained its 100000 steps \(the first said: "
+                         r"peer\d exited with 0\)", stderr), stderr
+        assert "Traceback" not in stderr and "unexpected" not in stderr
+    finally:
+        run.stop()
+
+
+def _stderr_path(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return ""
+
+
 def test_model_configs_that_set_the_same_values_are_the_same():
     """A review: a resume compared the texts, so ``hidden = 128`` or another order refused the same model."""
     from ravnest_swarm.swarm.local import same_model_config

@@ -322,15 +322,15 @@ class LocalSwarm:
         self.timed_out = not self.finished and not stop.is_set() and self.peers_exited is None
 
     def _every_peer_exited(self) -> Optional[str]:
-        """Where every volunteer has exited (the one --chaos killed aside) before the run finished, and one of them
-        failed: the last error line of the first to exit that said one, or the first's exit code; else None. All
-        gone with exit 0 is a run its peers saw end: the finished check, or the time limit, decides."""
+        """Where every volunteer has exited (the one --chaos killed aside) before the run finished: the last error
+        line of the first to exit that said one, or the first's exit code; else None. A peer that trained its steps
+        stays to serve its layers, so even all of them gone with exit 0 (stopped from outside) is a run that cannot
+        finish: waiting out the time limit said nothing for as long."""
         for name, process in self.volunteers.items():
             if name not in self.exit_order and process.popen.poll() is not None:
                 self.exit_order.append(name)
         started = [name for name in self.volunteers if name != self.chaos_victim]
-        if not started or set(started) - set(self.exit_order) or \
-                all(self.volunteers[name].popen.poll() == 0 for name in started):
+        if not started or set(started) - set(self.exit_order):
             return None
         exited = [name for name in self.exit_order if name in started]
         for name in exited:
