@@ -341,6 +341,16 @@ def test_a_layer_given_as_a_module_or_that_fails_on_its_input_is_named():
 
 
 
+class TokensAndPositions(torch.nn.Module):
+    def __init__(self, vocab, context, width):
+        super().__init__()
+        self.positions = torch.nn.Embedding(context, width)  # registered first, and the larger
+        self.tokens = torch.nn.Embedding(vocab, width)
+
+    def forward(self, ids):
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+
+
 def test_a_token_model_that_names_no_vocabulary_is_checked_against_its_embedding_and_an_empty_layer_is_refused(
         tmp_path):
     """A user's review: a token model without ``vocab=`` took ids past its embedding (every microbatch then failed
@@ -356,6 +366,13 @@ def test_a_token_model_that_names_no_vocabulary_is_checked_against_its_embedding
                             input_shape=(8,), input_dtype=torch.long)
     with pytest.raises(ValueError, match=re.escape("token ids run from 0 to 199, model words takes 0-15")):
         bind_data(spec, str(tokens))
+    # a byte model's positional embedding (512 rows) is larger than its tokens' (16): the tokens' is the one that
+    # looks the input up, and ids past it are refused still
+    positioned = sequential_model("positioned", [("embed", lambda: TokensAndPositions(16, 512, 8)),
+                                                 ("head", lambda: torch.nn.Linear(8, 16))],
+                                  input_shape=(8,), input_dtype=torch.long)
+    with pytest.raises(ValueError, match=re.escape("token ids run from 0 to 199, model positioned takes 0-15")):
+        bind_data(positioned, str(tokens))
     with pytest.raises(ValueError, match=re.escape("layer 'inner' of model empty returns an empty tensor (shape [0] a "
                                                    "sample): check the model's settings")):
         sequential_model("empty", [("inner", lambda: torch.nn.Linear(16, 0)), ("head", lambda: torch.nn.Linear(0, 4))],

@@ -149,13 +149,27 @@ def _token_windows(source: DataSource, spec: ModelSpec) -> torch.Tensor:
 
 
 def _embedding_rows(spec: ModelSpec):
-    """How many token ids the first layer's largest embedding takes, for a model that names no ``vocab`` (a user's
-    review: ids past it were taken, and every microbatch then failed on an IndexError); None without one. The
-    largest: a positional embedding beside the tokens' has fewer rows, and no id past every one fits any."""
+    """How many token ids the first layer takes, for a model that names no ``vocab`` (a user's review: ids past it
+    were taken, and every microbatch then failed on an IndexError); None without an embedding. The embedding that
+    looks the layer's input up is the tokens' (a positional one looks positions up, and a byte model's can be the
+    larger); where none takes the input as it is, the largest, which refuses no id any embedding could take."""
     with torch.device("meta"):
         first = spec.layers[0].build()
-    return max((module.num_embeddings for module in first.modules() if isinstance(module, torch.nn.Embedding)),
-               default=None)
+        embeddings = [module for module in first.modules() if isinstance(module, torch.nn.Embedding)]
+        if not embeddings:
+            return None
+        probe, looked_up = torch.zeros((2, *spec.layers[0].input_shape), dtype=torch.int64), []
+        hooks = [embedding.register_forward_pre_hook(
+            lambda module, inputs: looked_up.append(module) if inputs and inputs[0] is probe else None)
+            for embedding in embeddings]
+        try:
+            first(probe)
+        except Exception:  # a layer meta tensors cannot run: the largest embedding's rows, as said
+            looked_up.clear()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return (looked_up[0] if looked_up else max(embeddings, key=lambda e: e.num_embeddings)).num_embeddings
 
 
 def _split(inputs: torch.Tensor, targets: torch.Tensor, split: str) -> Dataset:
