@@ -479,8 +479,11 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
         fill = None if copies else await _first_live_copy(routes, run, layer_module, layer, ordered, expected, timeout,
                                                           reach, errors)
         if fill is not None:
-            return replace(fill, problem=CONTROL_CHARACTER_RE.sub(
-                " ", f"layer {layer}: {disagreement}: took the live weights of {fill.holders[0]} at step {fill.step}"))
+            # at the holders' agreed step, not the one this holder served them at: of several, none alone moves the
+            # step (one served 2**53, and our stage would have counted from there)
+            return replace(fill, step=step, problem=CONTROL_CHARACTER_RE.sub(
+                " ", f"layer {layer}: {disagreement}: took the live weights of {fill.holders[0]} (served at step "
+                     f"{fill.step}) at the holders' step {step}"))
         errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
     return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"),
