@@ -35,7 +35,8 @@ from ravnest_swarm.swarm.stage_state import STAGE_STATE, StageStateServer, Stopp
 from ravnest_swarm.swarm.state_transfer import LAYER_STATE, LAYER_STATE_MESSAGE, LayerStateServer, offered_layers
 from ravnest_swarm.net.node import stop_node
 from ravnest_swarm.net.relay import RelayServices
-from ravnest_swarm.net.routes import DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, PROBE, REVERSE_CONNECT, start_routes
+from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, PROBE, PROBE_CHUNK_BYTES,
+                                      REVERSE_CONNECT, start_routes)
 from ravnest_swarm.net.transport import make_request, unpack_metadata
 
 RUN = "fuzz"
@@ -480,6 +481,11 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
         replies["ring parts kept"] = [len(inbox.parts) for key, inbox in peer.averager.mailbox.inboxes.items()
                                       if key[0] == 5]
         flood = [await send(peer, wire.FORWARD, forward_metadata(100 + i), [x, targets]) for i in range(12)]
+        # a probe is counted frame by frame and held by none: a frame takes at most a few of the senders' parts
+        part = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES))])
+        replies["probe of 40 parts"] = await peer.raw_reply(PROBE, frames_bytes([part] * 40) + END_OF_STREAM)
+        giant = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(8 * PROBE_CHUNK_BYTES))])
+        replies["probe frame of 2 MiB"] = await peer.raw(PROBE, frames_bytes([giant]) + END_OF_STREAM)
         return replies, flood
 
     replies, flood = peer.run(attack(), timeout=90)
@@ -495,6 +501,8 @@ def test_oversize_replayed_unknown_and_flooding_messages_are_refused_with_bounde
     # stage 0 keeps at most max_in_flight=4 in the pipeline; this stage holds twice that, then refuses
     assert flood.count("ok") <= 8 and all(r == "ok" or "too many microbatches" in r for r in flood)
     assert any("too many microbatches" in r for r in flood)
+    assert replies["probe of 40 parts"] == ("ok", {"bytes": 40 * PROBE_CHUNK_BYTES})
+    assert f"over the {4 * PROBE_CHUNK_BYTES} a frame takes" in replies["probe frame of 2 MiB"]
     peer.run(peer.still_serving())
     assert rss() - before < MAX_RSS_GROWTH
 

@@ -16,9 +16,8 @@ from pydantic import Field
 
 from ravnest_swarm.net.messages import Handler, Message, decode_message, register_handler
 from ravnest_swarm.net.relay import RelayServices
-from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_counter, send_probe
-from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, bounded_stream_handler, call_handler, make_request,
-                                         make_response, reply_lost)
+from ravnest_swarm.net.routes import ProbeFrame, ProbeReply, Routes, probe_handler, send_probe
+from ravnest_swarm.net.transport import UNARY_MAX_BYTES, call_handler, make_request, make_response, reply_lost
 
 PING = "ravnest.ping"
 BANDWIDTH_PROBE = "ravnest.bandwidth_probe"
@@ -93,9 +92,8 @@ class BackboneServices:
     async def add_handlers(self) -> None:
         await self.p2p.add_protobuf_handler(PING, self.rpc_ping, runtime_pb2.ExpertRequest)
         # frame headers are checked before reading: a probe cannot make us buffer more than MAX_PROBE_BYTES
-        await self.p2p.add_binary_stream_handler(BANDWIDTH_PROBE, bounded_stream_handler(
-            BANDWIDTH_PROBE, self.p2p.peer_id, probe_counter(BANDWIDTH_PROBE), MAX_PROBE_BYTES + 64 * 1024,
-            self.probe_timeout))
+        await self.p2p.add_binary_stream_handler(BANDWIDTH_PROBE, probe_handler(
+            BANDWIDTH_PROBE, self.p2p.peer_id, MAX_PROBE_BYTES + 64 * 1024, self.probe_timeout))
         await self.p2p.add_protobuf_handler(DIAL_BACK, self.rpc_dial_back, runtime_pb2.ExpertRequest)
         await self.relay.add_handlers()
 

@@ -42,8 +42,8 @@ from pydantic import AfterValidator, ConfigDict, Field
 
 from ravnest_swarm.net.messages import Handler, Message, MessageError, MessageT, decode_message, register_handler
 from ravnest_swarm.net.traffic import Traffic
-from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, FrameHandler, bounded_stream_handler, call_handler,
-                                         call_stream, make_request, make_response, send_reply)
+from ravnest_swarm.net.transport import (UNARY_MAX_BYTES, call_handler, call_stream, iterate_frames, make_request,
+                                         make_response, message_reply, send_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_DIAL_MADDRS = 8
 MAX_ERROR_CHARS = 300
 PROBE_CHUNK_BYTES = 256 * 1024
+MAX_PROBE_FRAME_BYTES = 4 * PROBE_CHUNK_BYTES  # a part, its protobuf's framing, and room for another sender's parts
 MAX_PROBE_BYTES = 64 * 1024 * 1024 + 1024 * 1024  # 64 MiB of payload plus framing
 PROBE_TIMEOUT = 120.0
 # A backbone's forwarding caps (relay.RelayServices' defaults): streams it pipes at once, in all and for one caller.
@@ -233,8 +234,8 @@ class Routes:
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
         await self.p2p.add_binary_stream_handler(FORWARDED, self._serve_forwarded)
-        await self.add_forwardable_handler(PROBE, bounded_stream_handler(
-            PROBE, self.p2p.peer_id, probe_counter(PROBE), MAX_PROBE_BYTES, PROBE_TIMEOUT, linger=True))
+        await self.add_forwardable_handler(PROBE, probe_handler(PROBE, self.p2p.peer_id, MAX_PROBE_BYTES, PROBE_TIMEOUT,
+                                                                linger=True))
 
     async def add_forwardable_handler(self, name: str, serve: StreamHandler) -> None:
         """Register a binary stream handler that peers may also reach through a forwarding backbone, behind the
@@ -441,17 +442,30 @@ def error_text(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
 
 
-def probe_counter(handler: str) -> FrameHandler:
-    """A probe handler (``probe``, and a backbone's ``bandwidth_probe``): the bytes of the tensors that arrived."""
+def probe_handler(name: str, local_id: PeerID, max_bytes: int, timeout: float, linger: bool = False) -> StreamHandler:
+    """A probe handler (``probe``, and a backbone's ``bandwidth_probe``): one message of at most ``max_bytes`` within
+    ``timeout`` seconds, answered with the bytes of the tensors that arrived. Each frame is counted as it arrives and
+    dropped, and one frame takes at most a few of the 256 KiB parts senders send: every probe stream held its whole
+    message only to add up its length (64 MiB each, many streams at once, a hostile review)."""
 
-    async def count(frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
-        for frame in frames:
-            if frame.metadata:  # senders leave it empty; whatever else comes must still fit the schema
-                decode_message(ProbeFrame, frame.metadata, handler)
-        counted = sum(len(tensor.buffer) for frame in frames for tensor in frame.tensors)
-        return make_response(ProbeReply(bytes=counted).as_metadata())
+    async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async def count() -> runtime_pb2.ExpertResponse:
+            counted, frames = 0, 0
+            async for frame in iterate_frames(reader, max_bytes, max_frame_bytes=MAX_PROBE_FRAME_BYTES):
+                if frame.metadata:  # senders leave it empty; whatever else comes must still fit the schema
+                    decode_message(ProbeFrame, frame.metadata, name)
+                counted += sum(len(tensor.buffer) for tensor in frame.tensors)
+                frames += 1
+            if not frames:
+                raise ValueError("empty message: no frames before end of stream")
+            return make_response(ProbeReply(bytes=counted).as_metadata())
 
-    return count
+        with closing(writer):
+            reply = await message_reply(name, stream_info.peer_id, count, timeout)
+            if reply is not None:
+                await send_reply(reply, reader, writer, linger=linger)
+
+    return serve
 
 
 ProbeCall = Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[runtime_pb2.ExpertResponse]]
@@ -460,7 +474,7 @@ ProbeCall = Callable[[AsyncIterator[runtime_pb2.ExpertRequest]], Awaitable[runti
 async def send_probe(call: ProbeCall, handler: str, total_bytes: int, timeout: float,
                      on_progress: Optional[Callable[[int, int], None]] = None) -> Tuple[int, float]:
     """Stream ``total_bytes`` (one uint8 tensor in 256 KiB parts) through ``call`` to a probe handler
-    (:func:`probe_counter` named ``handler``); return the bytes it counted and the seconds from the first byte
+    (:func:`probe_handler` named ``handler``); return the bytes it counted and the seconds from the first byte
     to its reply. ``on_progress(parts sent, parts)`` follows the stream. The one sender of both probes:
     :func:`probe_peer` and the bandwidth a volunteer measures to a backbone (``membership.services``)."""
     payload = runtime_pb2.Tensor(buffer=bytes(PROBE_CHUNK_BYTES), dtype="uint8", size=[PROBE_CHUNK_BYTES])
