@@ -103,9 +103,10 @@ def test_a_standby_that_joined_after_the_round_replaces_a_leaver_in_the_next_rou
 
 # ---- the leaver's rule, without a network ---------------------------------------------------------------------
 
-def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), timeout=2.5):
+def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), timeout=2.5, planned=None):
     """Run ``hand_over`` for a stage of layers 0:4 at step 10 against fixed peer records, our state server having
-    served each layer whole as ``served_over_time`` says, one dict per second; what it said and saved."""
+    served each layer whole as ``served_over_time`` says, one dict per second (layer -> times, to "taker"; or
+    (requester, layer) -> times), the plans placing ``planned`` (anyone where None); what it said and saved."""
     import asyncio
     import io
     from types import SimpleNamespace
@@ -124,7 +125,11 @@ def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), tim
 
     def served():
         elapsed = asyncio.get_running_loop().time() - started[0]
-        return served_over_time[min(int(elapsed), len(served_over_time) - 1)]
+        counts = served_over_time[min(int(elapsed), len(served_over_time) - 1)]
+        return {key if isinstance(key, tuple) else ("taker", key): count for key, count in counts.items()}
+
+    async def placed():
+        return set(planned)
 
     announcer = SimpleNamespace(peer_id="me", run=RUN, update=lambda **fields: None, renew=no_renewal,
                                 read_peers=read_peers)
@@ -135,7 +140,7 @@ def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), tim
         started.append(asyncio.get_running_loop().time())
         await hand_over(announcer, worker, "leaver", Console(file=output), timeout, asyncio.Event(),
                         str(tmp_path / "stage.safetensors"), lambda w, path: saved.append(path) or True, RUN,
-                        served=served, ours_alone=ours_alone)
+                        served=served, ours_alone=ours_alone, planned=None if planned is None else placed)
 
     asyncio.run(scenario())
     return output.getvalue(), saved
@@ -155,6 +160,21 @@ def test_a_leaver_that_alone_held_its_layers_goes_only_once_a_copy_of_each_went_
     assert "handed over at step 10 to taker" in said, said
     said, _ = leave(taker, [{}, {0: 1, 1: 1, 2: 1}], tmp_path)  # layer 3 never went out
     assert "nobody took layers 0:4" in said, said
+
+
+def test_a_strangers_record_and_download_take_no_leave_over(tmp_path):
+    """A hostile review: a stranger published its own record claiming every layer at step 2**53 and downloaded each
+    of the leaver's layers whole; the leaver said it handed over to the stranger and went with the run's only copy.
+    Only a peer a plan places takes a leave over, and only its downloads count."""
+    stranger = record("stranger", [0, 100000], 2**53, state="standby")
+    said, saved = leave([stranger], [{("stranger", layer): 1 for layer in range(4)}], tmp_path, planned={"me"})
+    assert "nobody took layers 0:4" in said and saved == [], said
+    taker = record("taker", [0, 4], 10)
+    said, _ = leave([stranger, taker], [{}, {("stranger", layer): 1 for layer in range(4)}], tmp_path,
+                    planned={"me", "taker"})
+    assert "nobody took layers 0:4" in said, said  # the taker's record, but only the stranger's download went out
+    said, _ = leave([stranger, taker], [{}, {0: 1, 1: 1, 2: 1, 3: 1}], tmp_path, planned={"me", "taker"})
+    assert "handed over at step 10 to taker" in said and "stranger" not in said, said
 
 
 def test_a_leaver_whose_layers_another_cluster_holds_goes_once_the_taker_holds_them(tmp_path):

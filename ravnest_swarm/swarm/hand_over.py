@@ -56,7 +56,8 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
                     save: Callable[[StageWorker, str], bool], address: str,
                     state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None,
-                    served: Optional[Callable[[], Dict[int, int]]] = None, ours_alone: Set[int] = frozenset()) -> None:
+                    served: Optional[Callable[[], Dict[Tuple[str, int], int]]] = None, ours_alone: Set[int] = frozenset(),
+                    planned: Optional[Callable[[], Awaitable[Set[str]]]] = None) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None
     where that write failed), or write one with ``save`` (whether it could) under :data:`LEAVE_CHECKPOINT_DIR`, and
@@ -64,8 +65,11 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     ``name@owner``, as a joiner gives it). ``await state_awaited(peers)``: whether to wait on, the layers held, for
     a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
     several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
-    with us). ``served()``: how many times each layer went out whole from our state server; ``ours_alone``: the
-    layers nobody else held (:func:`only_held_here`), taken only once each went out whole."""
+    with us). ``served()``: how many times each layer went out whole from our state server, by (requester, layer);
+    ``ours_alone``: the layers nobody else held (:func:`only_held_here`), taken only once each went out whole.
+    ``await planned()``: the peers a plan places (the one we left, the one in force): only they take our layers, and
+    only their downloads count. A stranger's own record can claim any layers at any step, and its download goes
+    out whole like anyone's: one took a leave over, and the leaver went with the run's only copy (a hostile review)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
@@ -89,10 +93,18 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
             except Exception as e:  # a DHT hiccup: look again, the timeout still bounds the wait
                 logger.warning(f"reading the peer records while handing over failed: {e}")
                 peers = None
+            placed = None
+            if peers is not None and planned is not None:
+                try:
+                    placed = await planned()
+                except Exception as e:  # no plan read: look again
+                    logger.warning(f"reading the plan while handing over failed: {e}")
+                    peers = None
             if peers is not None:
-                taker = holders_of(peers, start, end, step)
+                taker = holders_of([p for p in peers if placed is None or p["peer_id"] in placed], start, end, step)
                 if taker is not None and served is not None and any(
-                        served().get(layer, 0) <= served_before.get(layer, 0) for layer in ours_alone):
+                        _went_out(served(), layer, placed) <= _went_out(served_before, layer, placed)
+                        for layer in ours_alone):
                     taker = None  # their records say they hold our layers, but none of ours alone went out whole
                 awaited = taker is not None and state_awaited is not None and await state_awaited(peers)
                 if (taker is not None and not awaited) or not any(p["state"] != "leaving" for p in peers):
@@ -110,3 +122,9 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     say(f"{name}: nobody took layers {start}:{end} (step {step}); they are saved in {path}: bring them back with "
         f"`ravnest-swarm join ... --run {address} --name {shlex.quote(name)} --checkpoint-dir "
         f"{shlex.quote(os.path.dirname(path))} --resume`")
+
+
+def _went_out(served: Dict[Tuple[str, int], int], layer: int, placed: Optional[Set[str]]) -> int:
+    """How many times ``layer`` went out whole to the peers in ``placed`` (to anyone where None)."""
+    return sum(count for (requester, served_layer), count in served.items()
+               if served_layer == layer and (placed is None or requester in placed))

@@ -160,7 +160,8 @@ class LayerStateServer:
         # the layers as our last KEPT_ROUNDS averaging rounds left them, by the round's step (keep_averaged)
         self.averaged_rounds: Dict[int, LayerStates] = {}
         self._copies: Dict[PeerID, Tuple[float, LayerStates]] = {}  # each requester's: (when, what) (_held_copy)
-        # how many times each layer went out whole: a leaver that alone held a layer goes only once it did
+        # how many times each layer went out whole, by (requester, layer): a leaver that alone held a layer goes only
+        # once it did, to a peer a plan places (``hand_over.py``)
         self.served: Counter = Counter()
 
     def keep_averaged(self, layers: LayerStates) -> None:
@@ -228,7 +229,7 @@ class LayerStateServer:
         names = list(tensors)
         reply = LayerStateMessageReply(layer=layer, names=names, step=int(step))
         response = make_response(reply.as_metadata(), [serialize_torch_tensor(tensors[name]) for name in names])
-        self.served[layer] += 1
+        self.served[context.remote_id.to_base58(), layer] += 1
         return response
 
     async def _serve_layer_state(self, info: StreamInfo, reader: asyncio.StreamReader,
@@ -264,7 +265,7 @@ class LayerStateServer:
                 header = LayerStateTensorHeader(layer=layer, name=name, parts=len(parts), step=int(step))
                 for index, part in enumerate(parts):
                     yield make_response(header.as_metadata() if index == 0 else {}, [part])
-            self.served[layer] += 1  # resumed once its last part was written
+            self.served[context.remote_id.to_base58(), layer] += 1  # resumed once its last part was written
 
 
 async def fetch_layer(routes: Routes, run: str, holder: PeerID, layer: int, expected: Dict[str, torch.Tensor],

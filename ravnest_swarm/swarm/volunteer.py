@@ -525,7 +525,9 @@ class Volunteer:
         stage = self.stopped_stage
         if stage is None or not (stage.optimizer.state or stage.outer):
             return False
-        if any((layers, step) == (stage.layers, stage.step) for _, layers, step in self.stage_state_server.served):
+        taken_by = {taker for taker, layers, step in self.stage_state_server.served
+                    if (layers, step) == (stage.layers, stage.step)}
+        if taken_by and taken_by & await self._planned_peers():  # a stranger's fetch takes nothing over
             return False
         if not any(p["state"] in ("standby", "joining") for p in peers):
             return False
@@ -1125,7 +1127,14 @@ class Volunteer:
                         self.checkpoint_path if self._checkpoint_problem is None else None, self._save_checkpoint,
                         str(RunAddress(self.run, self.owner)),
                         self._state_awaited, lambda: self.state_server.served,
-                        only_held_here(self.plan, worker.start_layer, worker.end_layer, self.peer_id))
+                        only_held_here(self.plan, worker.start_layer, worker.end_layer, self.peer_id),
+                        self._planned_peers)
+
+    async def _planned_peers(self) -> Set[str]:
+        """The peers that the plan we left or the plan in force places: who may take our layers at a leave."""
+        plans = [self.plan, None if self.rounds is None else await self.rounds.current_plan()]
+        return {stage["peer_id"] for plan in plans if plan is not None for cluster in plan["clusters"]
+                for stage in cluster}
 
     def _save_checkpoint(self, worker: Optional[StageWorker], path: Optional[str] = None) -> bool:
         """Write ``worker``'s checkpoint (to ``path``, else our --checkpoint-dir's); whether it was written."""
