@@ -400,3 +400,29 @@ def test_with_no_other_holder_the_layers_keep_their_weights_after_a_bounded_numb
     assert all(not f.loaded and f.step == 30 for f in last.values()), last
     assert looks == 3  # for all three layers together, not three a layer
     assert same_weights(get_model("mlp-digits").build_stage(0, 3), fresh)
+
+
+def test_asks_for_layers_we_do_not_hold_copy_nothing_and_copies_are_few():
+    """A hostile review: each ask for a layer we do not hold made a copy of all we hold (kept a minute) before it was
+    refused, one per requester, and peer ids cost nothing to make: a stage's memory per made-up id. The ask is refused
+    before anything is copied, and at most MAX_HELD_COPIES requesters hold a copy (the oldest goes)."""
+    from ravnest_swarm.net.transport import make_request
+    from ravnest_swarm.swarm.state_transfer import MAX_HELD_COPIES, LayerStateRequest
+
+    provided = {0: ({"weight": torch.ones(4)}, 5), 1: ({"weight": torch.zeros(4)}, 5)}
+    server = LayerStateServer(SimpleNamespace(p2p=None), "r", lambda: provided)
+    requesters = [PeerID(bytes([0x12, 0x20]) + bytes([i]) * 32) for i in range(10)]
+    for requester in requesters:
+        request = make_request(LayerStateRequest(run="r", layers=[4095]).as_metadata())
+        try:
+            server._snapshot(request, LayerStateRequest, "layer_state", requester)
+            raise AssertionError("a layer we do not hold was served")
+        except ValueError as e:
+            assert "does not hold layers [4095]" in str(e)
+    assert server._copies == {}
+    for requester in requesters:
+        request = make_request(LayerStateRequest(run="r", layers=[1]).as_metadata())
+        ((layer, tensors, step),) = server._snapshot(request, LayerStateRequest, "layer_state", requester)
+        assert (layer, step) == (1, 5) and torch.equal(tensors["weight"], torch.zeros(4))
+        assert tensors["weight"].data_ptr() != provided[1][0]["weight"].data_ptr()  # a copy: training goes on
+    assert set(server._copies) == set(requesters[-MAX_HELD_COPIES:])

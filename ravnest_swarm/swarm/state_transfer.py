@@ -73,6 +73,9 @@ LAYER_STATE = "ravnest.layer_state"
 LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, for forwarded calls
 PART_BYTES = 1 << 20
 HELD_COPY_SECONDS = 60.0  # how long a copy of our layers serves one requester (a stage's download: _held_copy)
+# requesters with a copy at once: a new cluster's stages each download theirs; more, and the oldest copy goes (its
+# requester's next layer comes from a fresh copy), so peer ids made up by the hundred hold no more than this
+MAX_HELD_COPIES = 4
 MAX_PARTS = 1 << 16  # of one tensor: 64 GiB in parts of PART_BYTES
 # what a reply may carry beyond the raw bytes of the tensors asked for (protobuf and msgpack framing, names, a step):
 # a holder never makes us read more than that for a layer of known size (a hostile one streamed 256 MiB for 96 bytes)
@@ -216,8 +219,14 @@ class LayerStateServer:
         now = time.monotonic()
         self._copies = {peer: copy for peer, copy in self._copies.items() if now - copy[0] <= HELD_COPY_SECONDS}
         if (copy := self._copies.get(requester)) is None or any(i not in copy[1] for i in layers):
+            held = self.provider()
+            if any(i not in held for i in layers):
+                return held  # refused by the caller before anything is copied (a stranger's asks for layers we do
+                # not hold each made a copy of all we hold, kept for a minute, one per peer id it made up)
+            if requester not in self._copies and len(self._copies) >= MAX_HELD_COPIES:
+                del self._copies[min(self._copies, key=lambda peer: self._copies[peer][0])]  # the oldest goes
             copy = self._copies[requester] = (now, {i: ({n: t.detach().to("cpu", copy=True) for n, t in state.items()},
-                                                        step) for i, (state, step) in self.provider().items()})
+                                                        step) for i, (state, step) in held.items()})
         return copy[1]
 
     async def _rpc_layer_state_message(self, frames: List[runtime_pb2.ExpertRequest],
