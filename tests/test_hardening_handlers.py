@@ -12,6 +12,7 @@ test process's memory must not have grown past a bound.
 
 import asyncio
 import math
+from types import SimpleNamespace
 
 import msgpack
 import psutil
@@ -730,3 +731,48 @@ def test_an_end_of_stream_frame_is_bounded_before_it_is_read():
             await asyncio.wait_for(read_frames(reader, 512 << 20), 5)
 
     asyncio.run(scenario())
+
+
+def test_a_large_reply_nobody_reads_holds_its_slot_only_until_its_write_deadline():
+    """A hostile review: a ~100-byte stage_state request made a reply of twice the stage's parameters, and a caller
+    that never read it kept it in memory for good (the write had no deadline), as many times as it asked. Such
+    replies are made a few at a time, and each goes out within the handler's timeout or is dropped."""
+    from hivemind.p2p import PeerID
+
+    from ravnest_swarm.net.transport import bounded_stream_handler, make_request, make_response
+
+    class NeverRead:  # a writer whose peer reads nothing: its buffer never drains
+        def write(self, data):
+            pass
+
+        async def drain(self):
+            await asyncio.Event().wait()
+
+        def close(self):
+            pass
+
+    async def scenario():
+        made = []
+
+        async def handle(frames, context):
+            made.append(asyncio.get_running_loop().time())
+            return make_response({"ok": True})
+
+        serve = bounded_stream_handler("big", PeerID(b"\x12\x20" + bytes(32)), handle, 1 << 16, 2.0,
+                                       replies=asyncio.Semaphore(1))
+
+        def stream():
+            reader = asyncio.StreamReader()
+            reader.feed_data(frames_bytes([make_request({})]) + END_OF_STREAM)
+            reader.feed_eof()
+            return asyncio.create_task(serve(SimpleNamespace(peer_id=PeerID(b"\x12\x20" + bytes(32))), reader,
+                                             NeverRead()))
+
+        first = stream()
+        await asyncio.sleep(1.0)
+        second = stream()  # its reply waits for the first's slot, given up at the first's write deadline
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        return made
+
+    made = asyncio.run(scenario())
+    assert len(made) == 2 and made[1] - made[0] >= 1.8, made

@@ -252,14 +252,15 @@ async def message_reply(name: str, peer_id: PeerID, respond: Callable[[], Awaita
 
 
 async def send_reply(reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     linger: bool = False) -> None:
+                     linger: bool = False, write_timeout: Optional[float] = None) -> None:
     """Send a handler's reply; after an error, drop what the sender still writes for a moment, since closing
     with unread input resets the stream before the sender reads our reason. ``linger``: after any reply, wait
     as long for the sender to close first, as a sender using :func:`call_stream` does once it has the reply
     (our closing first could lose the reply on its way, see there); one using hivemind's
-    ``call_protobuf_handler`` waits for us to close, so it would wait that long for nothing."""
+    ``call_protobuf_handler`` waits for us to close, so it would wait that long for nothing. ``write_timeout``:
+    seconds the reply may take to go out (a sender that stops reading keeps it in memory until then)."""
     try:
-        await P2P.send_protobuf(reply, writer)
+        await asyncio.wait_for(P2P.send_protobuf(reply, writer), write_timeout)
         if linger or isinstance(reply, RPCError):
             await asyncio.wait_for(_discard(reader), DISCARD_SECONDS)
     except (ConnectionError, asyncio.TimeoutError):
@@ -270,24 +271,36 @@ FrameHandler = Callable[[List[runtime_pb2.ExpertRequest], P2PContext], Awaitable
 
 
 def bounded_stream_handler(name: str, local_id: PeerID, handle: FrameHandler, max_bytes: int, timeout: float,
-                           linger: bool = False):
+                           linger: bool = False, replies: Optional[asyncio.Semaphore] = None):
     """A binary stream handler that reads one message of at most ``max_bytes`` within ``timeout`` seconds.
 
     ``handle`` gets the frames and returns the response; what goes back otherwise is :func:`message_reply`'s.
     Register it with ``P2P.add_binary_stream_handler``. ``linger``: its callers close first once they have the
     reply (:func:`call_stream`, as ``Routes.call`` does), so the handler waits for that (:func:`send_reply`).
+    ``replies``: for a handler whose replies are large (a stage's optimizer state), how many are made and sent at
+    once; each is then written within ``timeout`` too, as a caller that never reads held its copies for good.
     """
 
     async def serve(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=local_id, remote_id=stream_info.peer_id)
+        slot = []
 
         async def respond() -> runtime_pb2.ExpertResponse:
-            return await handle(await read_frames(reader, max_bytes), context)
+            frames = await read_frames(reader, max_bytes)
+            if replies is not None:  # taken once the request is read: a silent caller holds no slot
+                await replies.acquire()
+                slot.append(replies)
+            return await handle(frames, context)
 
         with closing(writer):
-            reply = await message_reply(name, stream_info.peer_id, respond, timeout)
-            if reply is not None:
-                await send_reply(reply, reader, writer, linger=linger)
+            try:
+                reply = await message_reply(name, stream_info.peer_id, respond, timeout)
+                if reply is not None:
+                    await send_reply(reply, reader, writer, linger=linger,
+                                     write_timeout=None if replies is None else timeout)
+            finally:
+                for taken in slot:
+                    taken.release()
 
     return serve
 

@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 STAGE_STATE = "ravnest.stage_state"
 MAX_REQUEST_BYTES = 64 * 1024
+STAGE_STATE_REPLIES = 2  # made and sent at once: a leaver's takers ask one after another, a new cluster's stages each
 # per parameter tensor of a stage: AdamW's two moments (or one momentum buffer); the outer state's three vectors
 MAX_STATE_TENSORS = 2 * MAX_LAYOUT_TENSORS + 3
 
@@ -123,8 +124,11 @@ class StageStateServer:
         self.served: Set[Tuple[str, Tuple[int, int], int]] = set()
 
     async def start(self) -> None:
+        # a reply is twice the stage's parameters (AdamW's moments), copied four or five times on its way out: a
+        # few requests of a stranger that never read their replies held gigabytes (a hostile review)
         await self.routes.add_forwardable_handler(STAGE_STATE, bounded_stream_handler(
-            STAGE_STATE, self.routes.p2p.peer_id, self._reply, MAX_REQUEST_BYTES, self.request_timeout, linger=True))
+            STAGE_STATE, self.routes.p2p.peer_id, self._reply, MAX_REQUEST_BYTES, self.request_timeout, linger=True,
+            replies=asyncio.Semaphore(STAGE_STATE_REPLIES)))
 
     async def _reply(self, frames: List[runtime_pb2.ExpertRequest], context: P2PContext) -> runtime_pb2.ExpertResponse:
         if len(frames) != 1:
