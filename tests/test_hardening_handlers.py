@@ -423,6 +423,43 @@ def test_one_caller_cannot_take_every_forwarding_slot(peer):
     peer.run(peer.still_serving())
 
 
+def test_a_forwarded_reply_is_capped_as_the_request_is(peer):
+    """Attack (a hostile review): two peers in league, the target answering without end; the backbone's cap held
+    only towards the target, and it relayed unlimited bytes back to the caller for the forward timeout. The reply
+    is cut at the same cap, and the refusal counted against the target."""
+
+    async def attack():
+        endless = await P2P.create(initial_peers=await peer.node.p2p.get_visible_maddrs(), host_maddrs=LOCAL)
+
+        async def answer_without_end(info, reader, writer):
+            try:
+                while True:
+                    writer.write(bytes(1 << 16))
+                    await writer.drain()
+            except ConnectionError:
+                pass
+
+        await endless.add_binary_stream_handler(FORWARDED, answer_without_end)
+        refused, got = peer.relay.stats["refused"], 0
+        try:
+            _, reader, writer = await peer.attacker.call_binary_stream_handler(peer.peer_id, FORWARD)
+            writer.write(frames_bytes([make_request({"to": endless.peer_id.to_base58(), "handler": PROBE})]))
+            await writer.drain()
+            try:
+                while data := await asyncio.wait_for(reader.read(1 << 16), 20):
+                    got += len(data)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+                pass
+            writer.close()
+            return got, peer.relay.stats["refused"] - refused
+        finally:
+            await endless.shutdown()
+
+    got, refusals = peer.run(attack(), timeout=60)
+    assert 0 < got <= LIMIT + (1 << 16) and refusals == 1, (got, refusals)
+    peer.run(peer.still_serving())
+
+
 @pytest.mark.timeout(120)
 def test_a_silent_caller_holds_no_forwarding_slot_past_the_header_timeout(peer):
     """Attack: a slowloris caller opens streams to the relay's forward and to forwarded and never writes a

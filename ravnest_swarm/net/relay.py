@@ -146,7 +146,8 @@ class RelayServices:
                 await refuse_stream(reader, writer, f"cannot forward: the stream to {target} closed ({error_text(e)})")
                 return
             upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
-            downstream = asyncio.create_task(self._pipe(target_reader, writer, None))
+            # the reply is capped too: two peers in league, one answering without end, relayed unlimited bytes
+            downstream = asyncio.create_task(self._pipe(target_reader, writer, self.max_forward_bytes))
             try:
                 # the reply ends the exchange: the target closes its side once it has answered. The caller's side
                 # ending first means the caller went away (p2pd closes a stream both ways; a caller reads the
@@ -159,6 +160,8 @@ class RelayServices:
                     downstream.cancel()  # our refusal is the caller's answer: no bytes of the target's may mix in
                     self._refuse(info.peer_id, str(upstream.exception()))
                     await refuse_stream(reader, writer, str(upstream.exception()))
+                elif downstream in done and isinstance(downstream.exception(), ValueError):
+                    self._refuse(target, f"its reply: {downstream.exception()}")  # the caller's stream just ends
             except (asyncio.TimeoutError, ConnectionError):
                 pass
             finally:
