@@ -588,6 +588,24 @@ def test_a_plan_whose_placed_peers_all_hand_over_stays_in_force_for_a_joiner():
     assert looks[-1] == "2 planned peer(s) gone, 1 standby peer(s) to take their place", looks
 
 
+def test_a_plan_one_key_confirms_itself_far_ahead_of_the_rounds_peers_follow_is_not_the_runs():
+    """A hostile review: a stranger wrote a plan of round 2**53 placing itself alone, and its own record confirming
+    it; joiners, observers and exports (no round of their own) took it for the run's, a joiner's next round failed
+    validation for good, and an export took the stranger's weights. A plan more than one round past the median
+    round the peers' records follow is ignored; the next honest round is not."""
+    options = RoundOptions(WORKLOAD, round_period=0.0)
+    honest = planned(("v1", "v2"), options, round_number=4)
+    mine = {"round": 2**53, "time": time.time(), "clusters": [[{"peer_id": "v0", "layers": [0, 8]}]]}
+    peers = placed_records(honest) + placed_records(mine)
+    assert adopted_plan([honest, mine], peers) == honest
+    assert adopted_plan([mine, honest], peers + [dict(peer_id="v3", state="standby", plan_round=4)]) == honest
+    leaving = [dict(record, state="leaving", cluster=-1, stage=None) for record in placed_records(mine)]
+    assert adopted_plan([honest, mine], placed_records(honest) + leaving) == honest
+    following = dict(planned(("v1", "v2"), options, round_number=5), time=honest["time"] + 1)
+    behind = [dict(peer_id=name, state="standby", plan_round=4) for name in ("v3", "v4")]  # not renewed yet
+    assert adopted_plan([honest, following], placed_records(following) + behind) == following
+
+
 def test_two_sides_a_round_apart_merge_in_the_next_round():
     """The NAT lab run's split, on a real DHT: two joiners adopted a round 1 of their own beside the first peers'
     round 1, and the first side went on to a round 2 among themselves. So v0, v1 follow a plan of round 2 and v2,

@@ -113,7 +113,8 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
 
     :param peers: the live peer records (:func:`read_peers`)
     :param live_round: the round the caller adopted itself, if any: plans more than one round ahead of it are
-        ignored (a real round opens only after the previous one was adopted)
+        ignored (a real round opens only after the previous one was adopted), as are plans more than one round
+        ahead of the median round the peers' records follow
     """
     # a leaving peer is gone already: its record says cluster -1 while it hands its layers over
     placed, live = {}, {record["peer_id"] for record in peers if record.get("state") != "leaving"}
@@ -132,9 +133,14 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         return (record is not None and record.get("plan_round") == plan["round"]
                 and record.get("layers") == entry["layers"])
 
+    # one key can confirm a plan with its own record: its plan of round 2**53 placing itself alone was the run's for
+    # joiners, observers and exports (a hostile review). A plan more than one round past the (lower) median of the
+    # rounds the peers' records follow is ignored: a round opens only after most adopted the one before
+    followed = sorted(record["plan_round"] for record in peers if record.get("plan_round") is not None)
+    ceiling = followed[(len(followed) - 1) // 2] + 1 if followed else None
     best = None
     for plan in plans:
-        if live_round is not None and plan["round"] > live_round + 1:
+        if live_round is not None and plan["round"] > live_round + 1 or ceiling is not None and plan["round"] > ceiling:
             continue
         stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
                   if entry["peer_id"] in live]
