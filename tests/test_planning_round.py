@@ -311,6 +311,13 @@ def test_one_new_standby_opens_a_round_only_when_its_gain_pays_back_the_moves():
 
     slow = dict(four, v5=Peer("v5", 1.0, 1.0, 10.0))  # too little RAM for a cluster of its own
     assert triggers.reason(plan, slow) is None
+    # a placed peer whose record came to offer no RAM (a hostile review): building the plan in force with the
+    # standby added raised an IndexError in every peer's poll, and the standby's round was lost; it is no candidate
+    emptied = dict(everyone, **{name: Peer(name, 0.0 if name == "v0" else 2.0, *map(float, CAPABILITIES[name][1:]))
+                                for name in four})  # the other three cannot hold the model without it
+    current, possible = improvement(plan, emptied, hour.pricing())
+    assert possible is not None and possible.throughput > current, (current, possible)
+    assert RoundTriggers(hour).reason(plan, emptied).startswith("1 standby peer(s) can raise the swarm's throughput")
     assert standby_reason(plan, slow, WORKLOAD) == ("the 1 cluster(s) are full and the standbys offer 1.00 GB "
                                                    "together, 9.00 GB short of a new cluster's 10.00 GB")
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ravnest_swarm.membership.records import MAX_ROUND_PEERS
-from ravnest_swarm.planning.cost import MoveCost, MovePrice, Peer, Workload, horizon_throughput, move_cost, swarm_throughput
+from ravnest_swarm.planning.cost import (MoveCost, MovePrice, Peer, Workload, cluster_throughput, horizon_throughput,
+                                        move_cost, swarm_throughput)
 from ravnest_swarm.planning.ga import SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
 from ravnest_swarm.planning.plan import Plan, assignment_clusters, build_plan
@@ -137,10 +138,14 @@ def candidate_plans(plan: dict, alive: Dict[str, Peer], workload: Workload) -> L
     return [everyone, kept + added]
 
 
-def improvement(plan: dict, alive: Dict[str, Peer], pricing: Pricing) -> Tuple[float, PricedPlan]:
+def improvement(plan: dict, alive: Dict[str, Peer], pricing: Pricing) -> Tuple[float, Optional[PricedPlan]]:
     """The plan in force's throughput and the best of :func:`candidate_plans` priced by its moves: a lower bound
-    of what a round would adopt, so a round is worth opening when the second pays back (``cost.pays_back``).
-    Every peer of ``plan`` must be in ``alive`` (the plan in force is then among the candidates)."""
+    of what a round would adopt, so a round is worth opening when the second pays back (``cost.pays_back``);
+    None where no candidate can train. Every peer of ``plan`` must be in ``alive`` (the plan in force is then among
+    the candidates). A candidate with a cluster that cannot hold the model is none: a placed peer whose record came
+    to offer no RAM made building it fail, and the round for the standbys was lost on every peer (a review)."""
     current = in_force_throughput(plan, alive, pricing.workload)
-    priced = [price_plan(c, alive, plan, pricing) for c in candidate_plans(plan, alive, pricing.workload) if c]
-    return current or 0.0, max(priced, key=lambda p: p.value)
+    trainable = [c for c in candidate_plans(plan, alive, pricing.workload)
+                 if c and all(cluster_throughput([alive[i] for i in cluster], pricing.workload) > 0 for cluster in c)]
+    priced = [price_plan(c, alive, plan, pricing) for c in trainable]
+    return current or 0.0, max(priced, key=lambda p: p.value, default=None)

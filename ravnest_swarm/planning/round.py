@@ -216,11 +216,13 @@ class RoundTriggers:
             # weigh each set once: a joiner that cannot pay back the moves opens no round, now or next poll
             self.considered |= standbys
             current, possible = improvement(plan, alive, self.options.pricing())
-            if pays_back(current, possible.throughput, possible.cost.seconds, self.options.move_horizon_s):
+            if possible is not None and pays_back(current, possible.throughput, possible.cost.seconds,
+                                                  self.options.move_horizon_s):
                 return (f"{len(standbys)} standby peer(s) can raise the swarm's throughput from {current:.3g} to "
                         f"{possible.throughput:.3g} samples/s, moving {possible.cost.moved} peer(s) in "
                         f"{possible.cost.seconds:.0f}s")
-            self.unpaid = (standbys, current, possible)
+            if possible is not None:
+                self.unpaid = (standbys, current, possible)
         period = self.options.round_period
         if period > 0 and time.time() - max(plan["time"], self.declined_at) >= period:
             return "round period elapsed"
