@@ -356,6 +356,11 @@ def test_a_volunteer_waits_for_a_member_while_its_record_shows_it_coming():
         assert arrival_wait(100, ["a"], gone, 32, 4.0) == 0.0, gone
     # a stage that just started has no pace yet: a heartbeat for its next record, doubled, plus the heartbeat
     assert arrival_wait(100, ["a"], {"a": record(rate=None)}, 32, 4.0) == pytest.approx(12.0)
+    # a member that by its own pace cannot come within the round's limit is not waited for (a hostile record's
+    # pace of 1e-300 samples/s held every round of its rings to the limit); one that can still is
+    assert arrival_wait(100, ["a"], {"a": record(rate=1e-300)}, 32, 4.0, limit=120.0) == 0.0
+    assert arrival_wait(100, ["a", "b"], members, 32, 4.0, limit=19.0) == 0.0
+    assert arrival_wait(100, ["a", "b"], members, 32, 4.0, limit=120.0) == pytest.approx(20.0)
 
 
 def test_a_member_ahead_on_its_own_steps_is_waited_for_on_the_run_count_of_rounds():

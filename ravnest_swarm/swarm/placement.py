@@ -4,6 +4,8 @@ and how long a ring waits."""
 
 from __future__ import annotations
 
+import math
+
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -168,7 +170,7 @@ def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]
 
 
 def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microbatch_size: int,
-                 heartbeat: float, period: Optional[int] = None) -> float:
+                 heartbeat: float, period: Optional[int] = None, limit: float = math.inf) -> float:
     """Seconds to keep waiting for ring members that have not reached averaging round ``step``: what the
     slowest of them still has to train to reach it at its recent pace, doubled (paces vary, more so on a busy
     machine), plus a heartbeat (its record is that old at most). A member whose stage just started has no pace
@@ -176,7 +178,9 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
     gone, not training, already at or past the round without arriving (it moved on without us, or its round
     before still runs: the ring's own ``timeout`` waited for it already), or not moving.
     Steps count on the run's round count (:func:`round_step_of`); with ``period``, a record's ``next_round``
-    says whether it is past the round."""
+    says whether it is past the round. 0 too where the wait would pass ``limit`` (the round's): a member that by its
+    own pace cannot come in time is left out now (a record claiming a pace of 1e-300 samples/s held every round
+    of its rings to its limit, a hostile review)."""
     wait = 0.0
     for member in missing:
         record = records.get(member)
@@ -189,7 +193,7 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
             return 0.0
         # a cluster formed mid-run starts its stage a moment after the others passed where it counts from
         wait = max(wait, heartbeat if rate is None else behind * microbatch_size / rate)
-    return 2 * wait + heartbeat
+    return 2 * wait + heartbeat if 2 * wait + heartbeat <= limit else 0.0
 
 
 def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:

@@ -151,9 +151,9 @@ class StageAveraging:
         self.averager = MultiRingAverager(self.node.routes, self.run, timeout=timeout, compression=self.codec,
                                           aggregation=aggregation)
         self.averager.follow(self._expected)
-        self.patience = RecordPatience(announcer, microbatch_size, heartbeat, period)
         self.averager.on_rejected = self._rejected
         self.round_limit = max(ROUND_LIMIT_TIMEOUTS * timeout, ROUND_LIMIT_MIN_S)  # before a round is given up
+        self.patience = RecordPatience(announcer, microbatch_size, heartbeat, period, self.round_limit)
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
@@ -536,9 +536,10 @@ class RecordPatience:
     reach the round (:func:`arrival_wait`), and whether one of them finished the run or left its stage (its record
     says ``done`` or ``leaving``). One read serves every ring of the round that asks within ``NEVER_COMING_LOOK_S``."""
 
-    def __init__(self, announcer: PeerAnnouncer, microbatch_size: int, heartbeat: float, period: int):
+    def __init__(self, announcer: PeerAnnouncer, microbatch_size: int, heartbeat: float, period: int,
+                 limit: float = math.inf):
         self.announcer, self.microbatch_size = announcer, microbatch_size
-        self.heartbeat, self.period = heartbeat, period
+        self.heartbeat, self.period, self.limit = heartbeat, period, limit  # limit: a round's, in seconds
         self._reading = asyncio.Lock()
         self._records: Dict[str, Dict] = {}
         self._read_at = -math.inf
@@ -565,7 +566,7 @@ class RecordPatience:
 
     async def more(self, step: int, missing: List[str]) -> float:
         return arrival_wait(step, missing, await self._read(step, missing, 0.0), self.microbatch_size,
-                            self.heartbeat, self.period)
+                            self.heartbeat, self.period, self.limit)
 
     async def never_coming(self, step: int, missing: List[str]) -> List[str]:
         records = await self._read(step, missing, NEVER_COMING_LOOK_S / 2)
