@@ -107,6 +107,9 @@ def test_a_buckets_smallest_peer_writes_its_summary_and_the_run_adds_them_up():
     assert totals["buckets"] == 2 and totals["peers"] == 6 and totals["clusters"] == 2
     assert totals["peers_by_cluster"] == {"0": 3, "1": 3} and totals["samples_per_s"] == 5.0
     assert add_up([]) is None
+    # a summary dated far ahead (1e11: a stranger's of its own bucket) would stay the newest for good: not read
+    ahead = dict(second, peers=1000, time=1e11)
+    assert add_up([first, second, ahead], now=60.0)["peers"] == 6
 
 
 def test_a_summary_counts_only_where_its_writers_own_record_is_in_the_bucket_it_summarizes():

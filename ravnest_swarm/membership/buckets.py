@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+import time
 from typing import Dict, Iterable, List, Optional, Tuple
+
+from ravnest_swarm.membership.view import MAX_CLOCK_LEAD_S
 
 PEERS_PER_BUCKET = 64
 MAX_BUCKETS = 256  # 16,384 peers at PEERS_PER_BUCKET; a bucket holds more beyond that, the values grow
@@ -123,14 +126,19 @@ def totals(records: Iterable[Dict], buckets: int, now: float) -> Dict:
                 peers_by_cluster=dict(clusters), samples_per_s=run_samples_per_s(members), time=now)
 
 
-def add_up(summaries: Iterable[Dict]) -> Optional[Dict]:
+def add_up(summaries: Iterable[Dict], now: Optional[float] = None) -> Optional[Dict]:
     """The run's totals from its buckets' summaries, or None without any.
 
     Summaries of several bucket counts coexist while a swarm moves between them; the count whose buckets are all
-    summarized wins (the largest such), else the one that covers the most of its buckets. Per bucket, the newest.
+    summarized wins (the largest such), else the one that covers the most of its buckets. Per bucket, the newest,
+    of those not dated more than MAX_CLOCK_LEAD_S past ``now`` (DHT time, the clock's): a stranger's summary of its own bucket
+    dated 1e11 would have stayed the newest for good (a hostile review), as for peer records (``view.py``).
     """
+    now = time.time() if now is None else now
     newest: Dict[Tuple[int, int], Dict] = {}
     for summary in summaries:
+        if summary["time"] > now + MAX_CLOCK_LEAD_S:
+            continue
         slot = (summary["buckets"], summary["bucket"])
         if slot not in newest or summary["time"] > newest[slot]["time"]:
             newest[slot] = summary
