@@ -493,3 +493,7 @@ def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():
     assert round_to_join(100, 20, (720, None), [partner(3690, 3000, 700)]) == (720, 100 - 700)
     # behind its partners (a failed round, another side's plan): it jumps to theirs
     assert round_to_join(5000, 20, (660, 4350), [partner(3690, 3000, 700)]) == (700, 5000 - 690)
+    # one partner of three claiming a round far ahead (a hostile review: 2**53, and every partner's rounds stopped
+    # for good) moves nobody: the upper median of the claims
+    honest = [partner(3690, 3000, 700), partner(3695, 3000, 700)]
+    assert round_to_join(5000, 20, None, honest + [partner(2**53, 0, 2**53)]) == (700, 5000 - 695)

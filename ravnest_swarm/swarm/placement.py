@@ -143,8 +143,9 @@ def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]
 
     Rounds are named on one count for the whole run, not by each cluster's own step, so a cluster that runs ahead
     (a faster one, one that did not wait for a round still running) still meets the others at the next round. A
-    stage aligns when it starts or follows a new plan, and after a failed round: to the furthest round its ring
-    partners (their peer ``records``: training ones that count rounds) say they take next, at their round step; or,
+    stage aligns when it starts or follows a new plan, and after a failed round: to the round its ring partners
+    (their peer ``records``: training ones that count rounds) say they take next, at their round step (the upper
+    median of their claims: the furthest of one or two); or,
     where it is
     already there (``own``: its next round and, for the same worker, its offset), it keeps its own count. Never
     back: a round this stage took part in is over for it. Without partners' word, rounds fall on the step's
@@ -154,7 +155,10 @@ def round_to_join(step: int, period: int, own: Optional[Tuple[int, Optional[int]
     # that is aligning too, or still downloading, whose step is not yet the one it trains from
     counting = [r for r in partners if r.get("state") in ("training", "averaging") and r.get("step") is not None
                 and r.get("next_round") is not None]
-    best = max(((r["next_round"], round_step_of(r)) for r in counting), default=None)
+    # the upper median, not the furthest: of three partners or more, one record alone (a stranger's next_round of
+    # 2**53, a hostile review) moves nobody's count; of one or two, the furthest, as a record can be a round behind
+    claims = sorted((r["next_round"], round_step_of(r)) for r in counting)
+    best = claims[len(claims) // 2] if claims else None
     by_step = (step // period + 1) * period  # the next round where our step is the round step (offset 0)
     if own is not None and (best is None or own[0] >= best[0]):
         own_next, own_offset = own
