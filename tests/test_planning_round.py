@@ -581,7 +581,7 @@ def test_a_plan_whose_placed_peers_all_hand_over_stays_in_force_for_a_joiner():
     joiner = [dict(peer_id="v4", state="standby", plan_round=None, cluster=-1, stage=None, layers=None)]
     assert adopted_plan([plan], joiner) is None  # the leaver's record expired: no plan anyone follows
     assert adopted_plan([plan], leaving + joiner) == plan
-    stranger = dict(plan, round=7)
+    stranger = dict(plan, round=3)  # the round after: only the leavers' records naming round 2 keep it out
     assert adopted_plan([stranger], leaving + joiner) is None
     assert adopted_plan([stranger, plan], leaving + joiner) == plan
     other_layers = dict(plan, clusters=[[dict(entry, layers=[0, 1]) for entry in plan["clusters"][0]]])
@@ -598,8 +598,8 @@ def test_a_plan_whose_placed_peers_all_hand_over_stays_in_force_for_a_joiner():
 def test_a_plan_one_key_confirms_itself_far_ahead_of_the_rounds_peers_follow_is_not_the_runs():
     """A hostile review: a stranger wrote a plan of round 2**53 placing itself alone, and its own record confirming
     it; joiners, observers and exports (no round of their own) took it for the run's, a joiner's next round failed
-    validation for good, and an export took the stranger's weights. A plan more than one round past the median
-    round the peers' records follow is ignored; the next honest round is not."""
+    validation for good, and an export took the stranger's weights. A plan more than one round past the plan the
+    most peers confirm is ignored; the next honest round is not, nor is the plan hidden by records of standbys."""
     options = RoundOptions(WORKLOAD, round_period=0.0)
     honest = planned(("v1", "v2"), options, round_number=4)
     mine = {"round": 2**53, "time": time.time(), "clusters": [[{"peer_id": "v0", "layers": [0, 8]}]]}
@@ -611,6 +611,8 @@ def test_a_plan_one_key_confirms_itself_far_ahead_of_the_rounds_peers_follow_is_
     following = dict(planned(("v1", "v2"), options, round_number=5), time=honest["time"] + 1)
     behind = [dict(peer_id=name, state="standby", plan_round=4) for name in ("v3", "v4")]  # not renewed yet
     assert adopted_plan([honest, following], placed_records(following) + behind) == following
+    made_up = [dict(peer_id=f"sybil{i}", state="standby", plan_round=0) for i in range(5)]
+    assert adopted_plan([honest, mine], peers + made_up) == honest
 
 
 def test_two_sides_a_round_apart_merge_in_the_next_round():

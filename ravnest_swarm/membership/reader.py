@@ -110,11 +110,12 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
     (it once saw no plan at all, opened a round 1 of its own while the others opened round 2, and they never met).
     A stranger's plan gains nothing from this: the live peers it places follow their own plan, not the stranger's.
     A plan whose every placed peer is gone or leaving counts while most of the leaving ones' records still name it.
+    Of the plans that count, one more than a round past the one the most peers confirm is ignored.
 
     :param peers: the live peer records (:func:`read_peers`)
     :param live_round: the round the caller adopted itself, if any: plans more than one round ahead of it are
         ignored (a real round opens only after the previous one was adopted), as are plans more than one round
-        ahead of the median round the peers' records follow
+        past the plan in force that the most peers confirm
     """
     # a leaving peer is gone already: its record says cluster -1 while it hands its layers over
     placed, live = {}, {record["peer_id"] for record in peers if record.get("state") != "leaving"}
@@ -133,14 +134,9 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         return (record is not None and record.get("plan_round") == plan["round"]
                 and record.get("layers") == entry["layers"])
 
-    # one key can confirm a plan with its own record: its plan of round 2**53 placing itself alone was the run's for
-    # joiners, observers and exports (a hostile review). A plan more than one round past the (lower) median of the
-    # rounds the peers' records follow is ignored: a round opens only after most adopted the one before
-    followed = sorted(record["plan_round"] for record in peers if record.get("plan_round") is not None)
-    ceiling = followed[(len(followed) - 1) // 2] + 1 if followed else None
-    best = None
+    counted = []  # (plan, its confirming stages, its stages whose peers are live), of the plans in force
     for plan in plans:
-        if live_round is not None and plan["round"] > live_round + 1 or ceiling is not None and plan["round"] > ceiling:
+        if live_round is not None and plan["round"] > live_round + 1:
             continue
         stages = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
                   if entry["peer_id"] in live]
@@ -155,13 +151,23 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
             leavers = [entry for cluster in plan["clusters"] for entry in cluster if entry["peer_id"] in leaving]
             in_force = 2 * sum(handed_over_by(plan, entry) for entry in leavers) > len(leavers)
         if in_force:
+            counted.append((plan, confirming, len(stages)))
+    if not counted:
+        return None
+    # one key can confirm a plan with its own record: its plan of round 2**53 placing itself alone was the run's for
+    # joiners, observers and exports (a hostile review). The plan the most peers confirm (of those, the oldest)
+    # anchors the rounds: one more than one round past it is ignored, as a round opens only after one is adopted
+    anchor = max(counted, key=lambda item: (item[1], -item[0]["round"]))[0]["round"]
+    best = None
+    for plan, confirming, live_stages in counted:
+        if plan["round"] <= anchor + 1:
             # two plans of one round can both be followed: peers that read no plan opened a round 1 of their own
             # (a NAT lab run). Every reader must name the same one in force, or each side counts the other's peers
             # as placed elsewhere and the two never meet. The more confirmed stages win, then the fewer places of
             # peers not live (a stranger's copy of the honest plan plus made-up peers ties on the first), then the
             # canonical form
             places = sum(len(cluster) for cluster in plan["clusters"])
-            key = (plan["round"], confirming, len(stages) - places,
+            key = (plan["round"], confirming, live_stages - places,
                    json.dumps(sorted(sorted(entry["peer_id"] for entry in cluster) for cluster in plan["clusters"])))
             if best is None or key > best[0]:
                 best = (key, plan)

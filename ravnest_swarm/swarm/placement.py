@@ -197,7 +197,8 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
             return 0.0
         # a cluster formed mid-run starts its stage a moment after the others passed where it counts from
         wait = max(wait, heartbeat if rate is None else behind * microbatch_size / rate)
-    return 2 * wait + heartbeat if 2 * wait + heartbeat <= limit else 0.0
+    # the estimate itself past the limit: it cannot come in time. The doubling is only a margin, cut at the limit
+    return min(2 * wait + heartbeat, limit) if wait + heartbeat <= limit else 0.0
 
 
 def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:

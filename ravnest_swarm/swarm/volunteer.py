@@ -527,8 +527,12 @@ class Volunteer:
             return False
         taken_by = {taker for taker, layers, step in self.stage_state_server.served
                     if (layers, step) == (stage.layers, stage.step)}
-        if taken_by and taken_by & await self._planned_peers():  # a stranger's fetch takes nothing over
-            return False
+        if taken_by:
+            try:
+                if taken_by & await self._planned_peers():  # a stranger's fetch takes nothing over
+                    return False
+            except Exception as e:  # no plan read: wait on, the timeout still bounds it
+                logger.warning(f"reading the plan in force while handing over failed: {e}")
         if not any(p["state"] in ("standby", "joining") for p in peers):
             return False
         return not await self._placed_nobody_on(stage.layers, peers)
