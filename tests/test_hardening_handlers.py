@@ -426,7 +426,9 @@ def test_one_caller_cannot_take_every_forwarding_slot(peer):
 def test_a_forwarded_reply_is_capped_as_the_request_is(peer):
     """Attack (a hostile review): two peers in league, the target answering without end; the backbone's cap held
     only towards the target, and it relayed unlimited bytes back to the caller for the forward timeout. The reply
-    is cut at the same cap, and the refusal counted against the target."""
+    is cut at a cap of its own (1 GiB by default: a stage's optimizer state comes back in one reply), and the
+    refusal counted against the target."""
+    peer.relay.max_forward_reply_bytes = LIMIT
 
     async def attack():
         endless = await P2P.create(initial_peers=await peer.node.p2p.get_visible_maddrs(), host_maddrs=LOCAL)

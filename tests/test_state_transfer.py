@@ -266,13 +266,13 @@ def test_holders_without_an_averaged_copy_give_the_live_weights_of_the_one_at_th
 def test_a_holder_that_serves_its_live_weights_at_a_made_up_step_does_not_move_ours():
     """A hostile review: of holders with no averaged copy, the first asked (its record claims the agreed step) served
     its live weights saying step 2**53, and the joiner's stage counted from there (its averaging windows and the
-    run's length with it). The step is the holders' agreed one; the served step is only said."""
+    run's length with it). The served step counts only within the holders' claims."""
     first = trained_stage(1.0)
     holders = [dict(live=(first, HUGE_STEP), step=5), dict(live=(trained_stage(2.0), 6), step=6)]
     fresh = get_model("mlp-digits").build_stage(0, 3)
     filled, _ = fill(holders, fresh)
-    assert all(f.loaded and f.step == 5 for f in filled), filled
-    assert f"(served at step {HUGE_STEP}) at the holders' step 5" in filled[0].problem, filled[0]
+    assert all(f.loaded and f.step == 6 for f in filled), filled  # the highest claim of the two holders
+    assert f"(served at step {HUGE_STEP}) at step 6, within the holders' claims" in filled[0].problem, filled[0]
 
 
 def test_two_holders_a_round_apart_agree_on_the_round_both_keep():

@@ -131,8 +131,8 @@ def add_up(summaries: Iterable[Dict], now: Optional[float] = None) -> Optional[D
 
     Summaries of several bucket counts coexist while a swarm moves between them; the count whose buckets are all
     summarized wins (the largest such), else the one that covers the most of its buckets. Per bucket, the newest,
-    of those not dated more than MAX_CLOCK_LEAD_S past ``now`` (DHT time, the clock's): a stranger's summary of its own bucket
-    dated 1e11 would have stayed the newest for good (a hostile review), as for peer records (``view.py``).
+    of those not dated more than MAX_CLOCK_LEAD_S past ``now`` (DHT time, the clock's): a stranger's summary of its
+    own bucket dated 1e11 would have stayed the newest for good (a hostile review), as for peer records (``view.py``).
     """
     now = time.time() if now is None else now
     newest: Dict[Tuple[int, int], Dict] = {}

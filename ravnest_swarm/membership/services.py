@@ -93,7 +93,7 @@ class BackboneServices:
         await self.p2p.add_protobuf_handler(PING, self.rpc_ping, runtime_pb2.ExpertRequest)
         # frame headers are checked before reading: a probe cannot make us buffer more than MAX_PROBE_BYTES
         await self.p2p.add_binary_stream_handler(BANDWIDTH_PROBE, probe_handler(
-            BANDWIDTH_PROBE, self.p2p.peer_id, MAX_PROBE_BYTES + 64 * 1024, self.probe_timeout))
+            BANDWIDTH_PROBE, MAX_PROBE_BYTES + 64 * 1024, self.probe_timeout))
         await self.p2p.add_protobuf_handler(DIAL_BACK, self.rpc_dial_back, runtime_pb2.ExpertRequest)
         await self.relay.add_handlers()
 

@@ -24,6 +24,10 @@ from ravnest_swarm.net.transport import UNARY_MAX_BYTES, make_request, make_resp
 logger = logging.getLogger(__name__)
 
 MAX_FORWARD_BYTES = 256 * 1024**2
+# a reply is capped too, higher: a stage's optimizer state comes back in one message (AdamW's moments and the
+# outer state: five copies of the stage's parameters, 860 MB for a stage of gpt-85m in two), and two peers in
+# league, one answering without end, relayed 1.5 GB in 20 s through a backbone before there was a cap
+MAX_FORWARD_REPLY_BYTES = 1024**3
 # the caps on streams (MAX_FORWARD_STREAMS, MAX_FORWARD_STREAMS_PER_CALLER) are in routes.py: an honest caller
 # (Routes.call) keeps within the one for a caller, which leaves the other half of the slots to everyone else
 
@@ -39,6 +43,7 @@ class RelayServices:
 
     :param p2p: the backbone's P2P instance
     :param max_forward_bytes: a forwarded stream that sends more than this towards the target is cut off
+    :param max_forward_reply_bytes: ... and one whose target answers with more than this
     :param max_forward_streams: forwarded streams served at once; more are refused (the backbone carries
         every forwarded byte twice, in and out)
     :param max_forward_streams_per_caller: forwarded streams served at once for one caller (by its
@@ -48,9 +53,11 @@ class RelayServices:
 
     def __init__(self, p2p: P2P, max_forward_bytes: int = MAX_FORWARD_BYTES,
                  max_forward_streams: int = MAX_FORWARD_STREAMS,
-                 max_forward_streams_per_caller: int = MAX_FORWARD_STREAMS_PER_CALLER, forward_timeout: float = 300.0):
+                 max_forward_streams_per_caller: int = MAX_FORWARD_STREAMS_PER_CALLER, forward_timeout: float = 300.0,
+                 max_forward_reply_bytes: int = MAX_FORWARD_REPLY_BYTES):
         self.p2p = p2p
         self.max_forward_bytes, self.max_forward_streams = max_forward_bytes, max_forward_streams
+        self.max_forward_reply_bytes = max_forward_reply_bytes
         self.max_forward_streams_per_caller = max_forward_streams_per_caller
         self.forward_timeout = forward_timeout
         self.stats: Counter = Counter()  # reversals, forwarded_streams, forwarded_bytes, refused
@@ -146,8 +153,7 @@ class RelayServices:
                 await refuse_stream(reader, writer, f"cannot forward: the stream to {target} closed ({error_text(e)})")
                 return
             upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
-            # the reply is capped too: two peers in league, one answering without end, relayed unlimited bytes
-            downstream = asyncio.create_task(self._pipe(target_reader, writer, self.max_forward_bytes))
+            downstream = asyncio.create_task(self._pipe(target_reader, writer, self.max_forward_reply_bytes))
             try:
                 # the reply ends the exchange: the target closes its side once it has answered. The caller's side
                 # ending first means the caller went away (p2pd closes a stream both ways; a caller reads the
@@ -161,7 +167,8 @@ class RelayServices:
                     self._refuse(info.peer_id, str(upstream.exception()))
                     await refuse_stream(reader, writer, str(upstream.exception()))
                 elif downstream in done and isinstance(downstream.exception(), ValueError):
-                    self._refuse(target, f"its reply: {downstream.exception()}")  # the caller's stream just ends
+                    # the caller's stream just ends; the log names the target that answered too much
+                    self._refuse(target, f"its reply to {info.peer_id}: {downstream.exception()}")
             except (asyncio.TimeoutError, ConnectionError):
                 pass
             finally:

@@ -234,8 +234,7 @@ class Routes:
     async def start(self) -> None:
         await self.p2p.add_protobuf_handler(DIAL_ME, self._rpc_dial_me, runtime_pb2.ExpertRequest)
         await self.p2p.add_binary_stream_handler(FORWARDED, self._serve_forwarded)
-        await self.add_forwardable_handler(PROBE, probe_handler(PROBE, self.p2p.peer_id, MAX_PROBE_BYTES, PROBE_TIMEOUT,
-                                                                linger=True))
+        await self.add_forwardable_handler(PROBE, probe_handler(PROBE, MAX_PROBE_BYTES, PROBE_TIMEOUT, linger=True))
 
     async def add_forwardable_handler(self, name: str, serve: StreamHandler) -> None:
         """Register a binary stream handler that peers may also reach through a forwarding backbone, behind the
@@ -442,7 +441,7 @@ def error_text(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"[:MAX_ERROR_CHARS]
 
 
-def probe_handler(name: str, local_id: PeerID, max_bytes: int, timeout: float, linger: bool = False) -> StreamHandler:
+def probe_handler(name: str, max_bytes: int, timeout: float, linger: bool = False) -> StreamHandler:
     """A probe handler (``probe``, and a backbone's ``bandwidth_probe``): one message of at most ``max_bytes`` within
     ``timeout`` seconds, answered with the bytes of the tensors that arrived. Each frame is counted as it arrives and
     dropped, and one frame takes at most a few of the 256 KiB parts senders send: every probe stream held its whole

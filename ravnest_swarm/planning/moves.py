@@ -142,10 +142,11 @@ def improvement(plan: dict, alive: Dict[str, Peer], pricing: Pricing) -> Tuple[f
     """The plan in force's throughput and the best of :func:`candidate_plans` priced by its moves: a lower bound
     of what a round would adopt, so a round is worth opening when the second pays back (``cost.pays_back``);
     None where no candidate can train. Every peer of ``plan`` must be in ``alive`` (the plan in force is then among
-    the candidates). A candidate with a cluster that cannot hold the model is none: a placed peer whose record came
-    to offer no RAM made building it fail, and the round for the standbys was lost on every peer (a review)."""
+    the candidates). A cluster that cannot hold the model is left out of its candidate, its peers standbys: a placed
+    peer whose record came to offer no RAM made building it fail, and the round for the standbys was lost on every
+    peer (a review)."""
     current = in_force_throughput(plan, alive, pricing.workload)
-    trainable = [c for c in candidate_plans(plan, alive, pricing.workload)
-                 if c and all(cluster_throughput([alive[i] for i in cluster], pricing.workload) > 0 for cluster in c)]
-    priced = [price_plan(c, alive, plan, pricing) for c in trainable]
+    trainable = [[cluster for cluster in c if cluster_throughput([alive[i] for i in cluster], pricing.workload) > 0]
+                 for c in candidate_plans(plan, alive, pricing.workload)]
+    priced = [price_plan(c, alive, plan, pricing) for c in trainable if c]
     return current or 0.0, max(priced, key=lambda p: p.value, default=None)

@@ -56,7 +56,8 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
                     save: Callable[[StageWorker, str], bool], address: str,
                     state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None,
-                    served: Optional[Callable[[], Dict[Tuple[str, int], int]]] = None, ours_alone: Set[int] = frozenset(),
+                    served: Optional[Callable[[], Dict[Tuple[str, int], int]]] = None,
+                    ours_alone: Set[int] = frozenset(),
                     planned: Optional[Callable[[], Awaitable[Set[str]]]] = None) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None

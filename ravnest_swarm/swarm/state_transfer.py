@@ -73,8 +73,8 @@ LAYER_STATE = "ravnest.layer_state"
 LAYER_STATE_MESSAGE = "ravnest.layer_state_message"  # one layer in one reply, for forwarded calls
 PART_BYTES = 1 << 20
 HELD_COPY_SECONDS = 60.0  # how long a copy of our layers serves one requester (a stage's download: _held_copy)
-# requesters with a copy at once: a new cluster's stages each download theirs; more, and the oldest copy goes (its
-# requester's next layer comes from a fresh copy), so peer ids made up by the hundred hold no more than this
+# requesters with a copy at once: a new cluster's stages each download theirs; more, and the least recently asked
+# goes (its requester's next layer comes from a fresh copy), so peer ids made up by the hundred hold no more than this
 MAX_HELD_COPIES = 4
 MAX_PARTS = 1 << 16  # of one tensor: 64 GiB in parts of PART_BYTES
 # what a reply may carry beyond the raw bytes of the tensors asked for (protobuf and msgpack framing, names, a step):
@@ -163,6 +163,7 @@ class LayerStateServer:
         # the layers as our last KEPT_ROUNDS averaging rounds left them, by the round's step (keep_averaged)
         self.averaged_rounds: Dict[int, LayerStates] = {}
         self._copies: Dict[PeerID, Tuple[float, LayerStates]] = {}  # each requester's: (when, what) (_held_copy)
+        self._used: Dict[PeerID, float] = {}  # when each requester with a copy last asked
         # how many times each layer went out whole, by (requester, layer): a leaver that alone held a layer goes only
         # once it did, to a peer a plan places (``hand_over.py``)
         self.served: Counter = Counter()
@@ -224,9 +225,12 @@ class LayerStateServer:
                 return held  # refused by the caller before anything is copied (a stranger's asks for layers we do
                 # not hold each made a copy of all we hold, kept for a minute, one per peer id it made up)
             if requester not in self._copies and len(self._copies) >= MAX_HELD_COPIES:
-                del self._copies[min(self._copies, key=lambda peer: self._copies[peer][0])]  # the oldest goes
+                # the least recently asked goes: a download under way asks layer after layer and keeps its copy
+                del self._copies[min(self._copies, key=lambda peer: self._used.get(peer, 0.0))]
             copy = self._copies[requester] = (now, {i: ({n: t.detach().to("cpu", copy=True) for n, t in state.items()},
                                                         step) for i, (state, step) in held.items()})
+        self._used = {peer: used for peer, used in self._used.items() if peer in self._copies}
+        self._used[requester] = now
         return copy[1]
 
     async def _rpc_layer_state_message(self, frames: List[runtime_pb2.ExpertRequest],
@@ -489,11 +493,13 @@ async def fill_layer(routes: Routes, run: str, layer_module: torch.nn.Module, la
         fill = None if copies else await _first_live_copy(routes, run, layer_module, layer, ordered, expected, timeout,
                                                           reach, errors)
         if fill is not None:
-            # at the holders' agreed step, not the one this holder served them at: of several, none alone moves the
-            # step (one served 2**53, and our stage would have counted from there)
-            return replace(fill, step=step, problem=CONTROL_CHARACTER_RE.sub(
+            # at the step it served them at, within the holders' claims: of several, none alone moves the step
+            # (one served 2**53, and our stage would have counted from there); a live step a heartbeat past its
+            # record's claim is the weights' own
+            taken = min(max(fill.step, step), max(offer.step for offer in counted))
+            return replace(fill, step=taken, problem=CONTROL_CHARACTER_RE.sub(
                 " ", f"layer {layer}: {disagreement}: took the live weights of {fill.holders[0]} (served at step "
-                     f"{fill.step}) at the holders' step {step}"))
+                     f"{fill.step}) at step {taken}, within the holders' claims"))
         errors.insert(0, disagreement)
     # the errors quote what holders sent back: no control characters reach our terminal or note
     return LayerFill(step, False, CONTROL_CHARACTER_RE.sub(" ", f"layer {layer}: {'; '.join(errors)}"),
