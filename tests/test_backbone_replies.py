@@ -13,9 +13,9 @@ import pytest
 
 from ravnest_swarm.membership.services import BANDWIDTH_PROBE, MAX_PROBE_BYTES, measure_bandwidth, retried
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
-from ravnest_swarm.net.routes import probe_counter
-from ravnest_swarm.net.transport import (DISCARD_SECONDS, ReplyLost, bounded_stream_handler, make_request,
-                                         make_response, read_frames, send_reply, unpack_metadata)
+from ravnest_swarm.net.routes import probe_handler
+from ravnest_swarm.net.transport import (DISCARD_SECONDS, ReplyLost, make_request, make_response, read_frames,
+                                         send_reply, unpack_metadata)
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -23,8 +23,7 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 def probe_handler_losing_replies(node, lost: int):
     """A bandwidth-probe handler that reads each of the first ``lost`` probes whole and closes without a reply,
     then answers as a backbone does; ``calls`` counts the probes."""
-    answer = bounded_stream_handler(BANDWIDTH_PROBE, node.p2p.peer_id, probe_counter(BANDWIDTH_PROBE),
-                                    MAX_PROBE_BYTES + 64 * 1024, 30.0)
+    answer = probe_handler(BANDWIDTH_PROBE, MAX_PROBE_BYTES + 64 * 1024, 30.0)
     calls = []
 
     async def serve(stream_info, reader, writer):

@@ -8,16 +8,18 @@ import asyncio
 import importlib
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.bench.transfer import TransferProbeRequest
 from ravnest_swarm.membership.services import DialBackReply, DialBackRequest, PingReply, PingRequest
 from ravnest_swarm.net.messages import HANDLERS, MessageError, decode_message
 from ravnest_swarm.net.routes import (DialMeReply, DialRequest, ForwardedHeader, ForwardHeader, ProbeFrame, ProbeReply,
-                                      Relayed, ReverseConnectReply, probe_counter)
+                                      Relayed, ReverseConnectReply, probe_handler)
 from ravnest_swarm.swarm.state_transfer import (LayerStateMessageReply, LayerStateMessageRequest, LayerStateRequest,
                                                 LayerStateTensorHeader)
 
@@ -145,10 +147,29 @@ def test_messages_go_on_the_wire_with_the_field_names_peers_read():
 
 
 def test_a_probe_counts_tensor_bytes_and_refuses_a_frame_whose_metadata_is_not_empty():
-    count = probe_counter("ravnest.probe")
+    serve = probe_handler("ravnest.probe", 1 << 20, 10.0)
     tensor = runtime_pb2.Tensor(buffer=bytes(1000), dtype="uint8", size=[1000])
-    reply = asyncio.run(count([runtime_pb2.ExpertRequest(tensors=[tensor])] * 3, None))
-    assert decode_message(ProbeReply, reply.metadata).bytes == 3000
+
+    def probe(*frames):
+        """What the handler answers to ``frames`` and hivemind's end of stream: its reply, or its error."""
+        async def exchange():
+            reader, written = asyncio.StreamReader(), []
+            for frame in frames:
+                data = frame.SerializeToString()
+                reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
+            reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            reader.feed_eof()
+            writer = SimpleNamespace(write=written.append, drain=lambda: asyncio.sleep(0), close=lambda: None)
+            await serve(SimpleNamespace(peer_id=PeerID(b"\x12\x20" + bytes(32))), reader, writer)
+            reply = asyncio.StreamReader()
+            reply.feed_data(b"".join(written))
+            reply.feed_eof()
+            return await P2P.receive_protobuf(runtime_pb2.ExpertResponse, reply)
+
+        return asyncio.run(exchange())
+
+    response, error = probe(*[runtime_pb2.ExpertRequest(tensors=[tensor])] * 3)
+    assert error is None and decode_message(ProbeReply, response.metadata).bytes == 3000
     bad = runtime_pb2.ExpertRequest(metadata=packed({"bytes": 1}), tensors=[tensor])
-    with pytest.raises(MessageError, match="^ravnest.probe: field 'bytes': Extra inputs are not permitted$"):
-        asyncio.run(count([bad], None))
+    _, error = probe(bad)
+    assert error.message == "ravnest.probe: field 'bytes': Extra inputs are not permitted", error

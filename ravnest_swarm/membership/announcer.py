@@ -106,7 +106,7 @@ class PeerAnnouncer:
     async def find_bucket_count(self) -> None:
         """Start at the bucket count the run's summary names (a joiner of a large run must not write to the
         one-bucket key that nobody reads)."""
-        summary = await read_summary(self.node, self.run)
+        summary = await read_summary(self.node, self.run, self.clock())
         if summary is not None:
             # a summary that misses a bucket (its writer just died; another takes over within a heartbeat or so)
             # counts only part of the run: scaled up, and never below the bucket count the run uses, or a joiner

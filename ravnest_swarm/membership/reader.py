@@ -53,10 +53,11 @@ async def read_bucket_counts(node: DHTNode, run: str, wanted: Dict[int, Optional
     return summaries, [entry for key in keys for entry in _entries(found.get(key))]
 
 
-async def read_summary(node: DHTNode, run: str) -> Optional[Dict]:
+async def read_summary(node: DHTNode, run: str, now: Optional[float] = None) -> Optional[Dict]:
     """The run's totals, added up from its buckets' summaries (``membership.buckets.add_up``), or None: anyone's
-    summaries, so a guess (a joiner's first bucket count), never a count to show (:func:`read_summaries`)."""
-    return add_up(await read_summaries(node, run))
+    summaries, so a guess (a joiner's first bucket count), never a count to show (:func:`read_summaries`).
+    ``now``: the DHT time the summaries are dated against (the reader's clock; a simulation's runs ahead)."""
+    return add_up(await read_summaries(node, run), now)
 
 
 async def read_summaries(node: DHTNode, run: str) -> List[Dict]:
