@@ -443,6 +443,8 @@ def local(
     precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 or fp16 autocast of the stages' forward."),
     backward: str = typer.Option("stash", "--backward", help="stash, or recompute: less memory, more compute."),
     microbatch_size: int = typer.Option(32, "--microbatch-size", min=1, max=4096, help="Samples per microbatch."),
+    max_in_flight: int = typer.Option(2, "--max-in-flight", min=1, max=1024, help="Microbatches in flight per "
+                                      "cluster: the planner forms clusters of at most about this many stages."),
     lr: float = typer.Option(0.002, "--lr", min=0.0, max=10.0, help="Learning rate."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="The stages' inner optimizer: sgd, momentum or adamw."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, max=10.0, help="Its weight decay."),
@@ -490,7 +492,7 @@ def local(
                                             link_bound_compression=link_bound_compression,
                                             averaging_compression=averaging_compression, precision=precision,
                                             backward=backward, microbatch_size=microbatch_size, lr=lr,
-                                            optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
+                                            max_in_flight=max_in_flight, optimizer=optimizer, weight_decay=weight_decay, lr_schedule=lr_schedule,
                                             warmup_steps=warmup_steps, outer_optimizer=outer_optimizer,
                                             outer_lr=outer_lr),
                                max_ram_gb=max_ram_gb, export=export_dir, snapshot_dir=snapshot_dir,
@@ -554,6 +556,10 @@ def plan(
     activation_mb: float = typer.Option(..., "--activation-mb", help="Activations sent between stages per sample, MB."),
     seed: int = typer.Option(0, "--seed", help="GA seed: the same seed gives the same plan."),
     max_stages: int = typer.Option(8, "--max-stages", min=1, max=64, help="Most peers per cluster."),
+    max_in_flight: Optional[int] = typer.Option(
+        None, "--max-in-flight", min=1, max=1024,
+        help="Microbatches in flight per cluster (a run's spec has 2): a deeper cluster keeps only that many stages "
+             "busy. Unset: every stage busy."),
     time_limit: float = typer.Option(10.0, "--time-limit", min=0.0, help="Seconds the GA may run."),
     num_layers: int = typer.Option(32, "--num-layers", min=1, help="Identical layers to split into stages."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
@@ -570,7 +576,7 @@ def plan(
         from ravnest_swarm.planning.plan import load_peers, make_workload, plan_swarm
         from ravnest_swarm.planning.report import print_plan, progress_bar
 
-        workload = make_workload(model_gb, gflop_per_sample, activation_mb, max_stages)
+        workload = make_workload(model_gb, gflop_per_sample, activation_mb, max_stages, max_in_flight)
         peers = load_peers(peers_file)
         with progress_bar(time_limit) as on_generation:
             result = plan_swarm(peers, workload, seed=seed, time_limit=time_limit, num_layers=num_layers,

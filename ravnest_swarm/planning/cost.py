@@ -9,7 +9,11 @@ A cluster is a set of peers that holds one copy of the model as a pipeline. Peer
 - feasible: 1..D peers and sum c_i >= 1;
 - fractions x_i (0 <= x_i <= c_i, sum x_i = 1) minimise max_i x_i F / f_i; the optimum is the
   smallest t with sum_i min(c_i, t f_i / F) >= 1 (water-filling), and x_i = min(c_i, t f_i / F);
-- time per sample t_k = max(t, 8 A / min_i b_i), the second term only with two or more peers;
+- time per sample t_k = max(t, 8 A / min_i b_i, R / W), the last two terms only with two or more peers: with at
+  most W microbatches in flight (the run's ``max_in_flight``, the pipeline's bounded staleness) at most W stages
+  compute at once, and one microbatch's round trip R per sample is every stage's forward and backward,
+  sum_i x_i F / f_i, plus its 2 (S - 1) transfers, 8 A / min_i b_i each (Little's law: a 3-stage cluster with 2
+  in flight keeps at most 2 of its 3 peers busy, as measured);
 - the swarm's throughput is K x min_k (1 / t_k) over its K feasible clusters.
 
 These functions are the reference: the genetic algorithm's vectorised evaluation must agree with them,
@@ -37,6 +41,7 @@ class Workload:
     :param max_stages: most peers (pipeline stages) in one cluster, D
     :param max_stage_share: q, the most a stage may hold relative to an even split (1.2: 20 % over
         1 / stages); None for no limit beyond RAM
+    :param max_in_flight: W, the most microbatches in flight in a cluster; None for no bound (every stage busy)
     """
 
     model_gb: float
@@ -44,6 +49,7 @@ class Workload:
     activation_mb: float
     max_stages: int = 8
     max_stage_share: Optional[float] = None
+    max_in_flight: Optional[int] = None
 
     def __post_init__(self):
         for name in ("model_gb", "gflop_per_sample"):
@@ -56,6 +62,8 @@ class Workload:
             raise ValueError(f"max_stages must be 1..64, got {self.max_stages}")
         if self.max_stage_share is not None and not (math.isfinite(self.max_stage_share) and self.max_stage_share >= 1):
             raise ValueError(f"max_stage_share must be a finite number >= 1, got {self.max_stage_share}")
+        if self.max_in_flight is not None and not (isinstance(self.max_in_flight, int) and self.max_in_flight >= 1):
+            raise ValueError(f"max_in_flight must be a whole number >= 1, got {self.max_in_flight}")
 
     def stage_cap(self, stages: int) -> float:
         """The largest fraction of the model one stage of a ``stages``-peer cluster may hold (RAM aside)."""
@@ -111,14 +119,17 @@ def water_fill(peers: Sequence[Peer], workload: Workload) -> Tuple[float, List[f
 
 
 def cluster_time(peers: Sequence[Peer], workload: Workload) -> float:
-    """Seconds per sample of a cluster (inf when infeasible): max(water-filled stage time, 8 A / min b)."""
+    """Seconds per sample of a cluster (inf when infeasible): max(water-filled stage time, 8 A / min b, R / W)."""
     if not 1 <= len(peers) <= workload.max_stages:
         return math.inf
-    stage_time, _ = water_fill(peers, workload)
-    if len(peers) >= 2:
+    stage_time, fractions = water_fill(peers, workload)
+    if len(peers) >= 2 and stage_time < math.inf:
         slowest_link = min(p.bandwidth_mbps for p in peers)
         transfer = 8 * workload.activation_mb / slowest_link if slowest_link > 0 else math.inf
         stage_time = max(stage_time, transfer)
+        if workload.max_in_flight is not None:
+            compute = sum(x * workload.gflop_per_sample / p.gflops for x, p in zip(fractions, peers) if x > 0)
+            stage_time = max(stage_time, (compute + 2 * (len(peers) - 1) * transfer) / workload.max_in_flight)
     return stage_time
 
 
@@ -135,7 +146,8 @@ def swarm_throughput(clusters: Sequence[Sequence[Peer]], workload: Workload) -> 
 
 
 def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequence[float],
-                layer_memory_gb: Sequence[float], layer_gflop: Sequence[float]) -> Tuple[List[int], List[Tuple[int, int]]]:
+                layer_memory_gb: Sequence[float], layer_gflop: Sequence[float],
+                ram_alone_gb: Optional[Sequence[float]] = None) -> Tuple[List[int], List[Tuple[int, int]]]:
     """A cluster's stage order (indices into its peers) and each stage's contiguous half-open layer range.
 
     A layer's weight is the mean of its share of the model's memory and of its FLOPs, so a stage's
@@ -149,7 +161,9 @@ def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequen
     close whole layers come to the fractions and whether they fit each peer's RAM, so clusters of up to
     :data:`REORDERED_STAGES` peers try every order and take the fitting one closest to the fractions,
     ``order`` first among equals. With fine layers, ``order`` is kept unless it does not fit, then the
-    same search. If no order fits, ``order`` with its nearest cut all the same.
+    same search. If no order fits, the same with ``ram_alone_gb`` (each peer's RAM without the stage share limit
+    that ``ram_gb`` adds: whole layers can make that limit unreachable, RAM is what must hold), and failing that
+    too, ``order`` with its nearest cut all the same.
     """
     profile = _LayerProfile(layer_memory_gb, layer_gflop, len(order))
 
@@ -168,6 +182,8 @@ def stage_split(order: Sequence[int], fractions: Sequence[float], ram_gb: Sequen
             return list(candidate), ranges
     if found is not None:
         return list(order), found[1]
+    if ram_alone_gb is not None:
+        return stage_split(order, fractions, ram_alone_gb, layer_memory_gb, layer_gflop)
     return list(order), profile.cuts([fractions[j] for j in order], None)[1]
 
 

@@ -112,6 +112,10 @@ class SwarmArrays:
         with np.errstate(divide="ignore"):
             transfer = np.where(count >= 2, 8 * workload.activation_mb / slowest_link, 0.0)
             seconds = np.maximum(stage_time, transfer)
+        if workload.max_in_flight is not None:
+            seconds = np.maximum(seconds, _round_trip(caps, speeds, limit, stage_time, starts, segment_of, count,
+                                                      transfer) / workload.max_in_flight)
+        with np.errstate(divide="ignore"):
             throughput = np.where(np.isfinite(seconds) & (seconds > 0), 1.0 / seconds, 0.0)
         segment_ids = sorted_ids[starts]
         feasible = (segment_ids >= 0) & (ram >= 1 - FEASIBILITY_SLACK) & (throughput > 0)
@@ -187,6 +191,17 @@ def _segment_stage_times(caps, speeds, starts, segment_of, limit):
         if not reached.any():
             return stage_time, ram
         pinned |= reached
+
+
+def _round_trip(caps, speeds, limit, stage_time, starts, segment_of, count, transfer):
+    """Per segment (cluster), one microbatch's round trip per sample as ``cost.cluster_time`` counts it: every
+    stage's forward and backward of its water-filled fraction, plus 2 (S - 1) transfers; 0 for one stage."""
+    capped = caps if limit is None else np.minimum(caps, limit)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        fraction = np.where(speeds > 0, np.minimum(capped, stage_time[segment_of] * speeds), 0.0)
+        compute = (np.add.reduceat(np.where(fraction > 0, fraction / speeds, 0.0), starts) /
+                   np.add.reduceat(fraction, starts))
+        return np.where(count >= 2, compute + 2 * (count - 1) * transfer, 0.0)
 
 
 def _water_level(caps, speeds, starts, segment_of, target):

@@ -61,10 +61,11 @@ class Plan:
         }
 
 
-def make_workload(model_gb: float, gflop_per_sample: float, activation_mb: float, max_stages: int = 8) -> Workload:
+def make_workload(model_gb: float, gflop_per_sample: float, activation_mb: float, max_stages: int = 8,
+                  max_in_flight: Optional[int] = None) -> Workload:
     """A :class:`Workload` from CLI flags; a bad value becomes one :class:`UserError` line."""
     try:
-        return Workload(model_gb, gflop_per_sample, activation_mb, max_stages)
+        return Workload(model_gb, gflop_per_sample, activation_mb, max_stages, max_in_flight=max_in_flight)
     except ValueError as e:
         raise UserError(f"bad model figures: {e}")
 
@@ -180,7 +181,8 @@ def build_plan(peers: Sequence[Peer], clusters: Sequence[Sequence[int]], workloa
         if held:
             falling = keeping_held_stages(falling, fractions, [p.peer_id for p in group], held)
         limit_gb = workload.stage_cap(len(group)) * workload.model_gb
-        order, ranges = stage_split(falling, fractions, [min(p.ram_gb, limit_gb) for p in group], *layer_profile)
+        order, ranges = stage_split(falling, fractions, [min(p.ram_gb, limit_gb) for p in group], *layer_profile,
+                                    ram_alone_gb=[p.ram_gb for p in group])
         stages = [PlacedPeer(group[j].peer_id, fractions[j], stage, ranges[stage]) for stage, j in enumerate(order)]
         placed.append((cluster_throughput(group, workload), stages))
         clustered.update(members)

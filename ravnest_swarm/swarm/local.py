@@ -147,13 +147,14 @@ def same_model_config(saved: str, given: str) -> bool:
         return False
 
 
-def capability_overrides(index: int, model_gb: float, peers: int = 3, largest_layer_gb: float = 0.0) -> Dict[str, float]:
-    """Varied, deterministic capabilities: RAM 0.4-0.7 of the model (2+ stages per cluster), mixed compute,
-    and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace. Two peers
-    offer 0.55 each, so that together they hold the model (0.4 and 0.5 would leave it unplaced for good). Each
+def capability_overrides(index: int, model_gb: float, largest_layer_gb: float = 0.0) -> Dict[str, float]:
+    """Varied, deterministic capabilities: RAM 0.55-0.7 of the model (2+ stages per cluster), mixed compute,
+    and links fast enough (1-1.4 Gbit/s) that compute, not a slow link, sets each cluster's pace. Any two peers
+    hold ``mlp-digits`` in whole layers within its stage share limit (4 of its 9 layers are 0.49 of it, 5 are
+    0.61: a peer offering less than 0.51 beside one offering 0.6 holds the model only in fractions). Each
     offers a little more than the model's largest layer (``largest_layer_gb``): a model of one layer, or of one
     big one, was never placed."""
-    return dict(ram_gb=max(model_gb * max(0.4 + 0.1 * (index % 4), 1.1 / peers), 1.05 * largest_layer_gb),
+    return dict(ram_gb=max(model_gb * (0.55 + 0.05 * (index % 4)), 1.05 * largest_layer_gb),
                 gflops=20.0 + 10 * (index % 3), bandwidth_mbps=1000.0 + 100 * (index % 5))
 
 
@@ -237,7 +238,7 @@ class LocalSwarm:
 
     def _join(self, maddr: str, index: int) -> None:
         name = f"peer{index}"
-        offer = capability_overrides(index, self.workload.model_gb, self.options.peers, max(self.layer_memory_gb))
+        offer = capability_overrides(index, self.workload.model_gb, max(self.layer_memory_gb))
         if device_kind(self.options.device) == "cuda":
             # the peers share this machine's GPU: each offers what it offers of RAM, not the whole GPU, so the plan
             # splits the model into stages as it does on the CPU (where the RAM offer is the device's memory)

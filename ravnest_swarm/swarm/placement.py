@@ -25,7 +25,7 @@ MAX_STAGE_SHARE = 1.2
 
 def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple[Workload, Tuple[List[float], List[float]]]:
     """The planner's view of a model: memory M, FLOPs F (forward + backward = 3x forward) and activations A (the
-    largest layer input, what crosses a link), per layer and total.
+    largest layer input, what crosses a link), per layer and total, and the run's microbatches in flight W.
 
     M is what a stage holds per layer: parameters, gradients, its inner optimizer's state, its outer optimizer's
     state (``optimizers.outer.state_copies``), and with ``stash`` a copy of the weights in flight;
@@ -42,7 +42,7 @@ def model_workload(spec: ModelSpec, run_spec: RunSpec, max_stages: int) -> Tuple
     layer_gflop = [3 * layer.flops_per_sample / 1e9 for layer in spec.layers]
     activation_mb = max(4 * int(torch.tensor(layer.input_shape).prod()) for layer in spec.layers) / 1e6
     workload = Workload(sum(layer_memory_gb), sum(layer_gflop), activation_mb, min(max_stages, len(spec.layers)),
-                        max_stage_share=MAX_STAGE_SHARE)
+                        max_stage_share=MAX_STAGE_SHARE, max_in_flight=run_spec.max_in_flight)
     return workload, (layer_memory_gb, layer_gflop)
 
 
