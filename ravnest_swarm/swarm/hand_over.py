@@ -55,7 +55,7 @@ def new_takers(plan: dict, layers: Tuple[int, int], peers: List[Dict], own_id: s
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
                     save: Callable[[StageWorker, str], bool], address: str,
-                    state_awaited: Optional[Callable[[List[Dict]], Awaitable[bool]]] = None,
+                    state_awaited: Optional[Callable[[List[Dict], Optional[Set[str]]], Awaitable[bool]]] = None,
                     served: Optional[Callable[[], Dict[Tuple[str, int], int]]] = None,
                     ours_alone: Set[int] = frozenset(),
                     planned: Optional[Callable[[], Awaitable[Set[str]]]] = None) -> None:
@@ -63,13 +63,13 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None
     where that write failed), or write one with ``save`` (whether it could) under :data:`LEAVE_CHECKPOINT_DIR`, and
     say how to resume (``address``: the run's,
-    ``name@owner``, as a joiner gives it). ``await state_awaited(peers)``: whether to wait on, the layers held, for
+    ``name@owner``, as a joiner gives it). ``await state_awaited(peers, placed)``: whether to wait on, the layers held, for
     a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
     several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
     with us). ``served()``: how many times each layer went out whole from our state server, by (requester, layer);
     ``ours_alone``: the layers nobody else held (:func:`only_held_here`), taken only once each went out whole.
     ``await planned()``: the peers a plan places (the one we left, the one in force): only they take our layers, and
-    only their downloads count. A stranger's own record can claim any layers at any step, and its download goes
+    only their downloads and fetches of the optimizer state count (``placed``, read once a look). A stranger's own record can claim any layers at any step, and its download goes
     out whole like anyone's: one took a leave over, and the leaver went with the run's only copy (a hostile review)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
@@ -107,7 +107,7 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                         _went_out(served(), layer, placed) <= _went_out(served_before, layer, placed)
                         for layer in ours_alone):
                     taker = None  # their records say they hold our layers, but none of ours alone went out whole
-                awaited = taker is not None and state_awaited is not None and await state_awaited(peers)
+                awaited = taker is not None and state_awaited is not None and await state_awaited(peers, placed)
                 if (taker is not None and not awaited) or not any(p["state"] != "leaving" for p in peers):
                     break  # handed over, or nobody is left who could take them
             await until_set(leave_now.wait(), leave_now, timeout=1.0)

@@ -517,22 +517,18 @@ class Volunteer:
         return None if worker is None else TrainingStage(worker.start_layer, worker.module, worker.optimizer,
                                                          worker.version)
 
-    async def _state_awaited(self, peers: List[Dict]) -> bool:
+    async def _state_awaited(self, peers: List[Dict], placed: Optional[Set[str]]) -> bool:
         """Whether our graceful leave waits on for the stage's optimizer state to be taken (``hand_over``): we have
-        some, nobody took it, and a standby is there that a new plan may put in our place, unless the plan adopted
+        some, no peer in ``placed`` (``_planned_peers``, as the hand-over read it; a stranger's fetch takes nothing
+        over; None: any peer) took it, and a standby is there that a new plan may put in our place, unless the plan adopted
         since we left puts none there (a walkthrough's Ctrl-C waited out the whole hand-over timeout, 90 s, for a
         standby that the plan made for our leave had left where it was, too slow to be worth a place)."""
         stage = self.stopped_stage
         if stage is None or not (stage.optimizer.state or stage.outer):
             return False
-        taken_by = {taker for taker, layers, step in self.stage_state_server.served
-                    if (layers, step) == (stage.layers, stage.step)}
-        if taken_by:
-            try:
-                if taken_by & await self._planned_peers():  # a stranger's fetch takes nothing over
-                    return False
-            except Exception as e:  # no plan read: wait on, the timeout still bounds it
-                logger.warning(f"reading the plan in force while handing over failed: {e}")
+        if any(placed is None or taker in placed for taker, layers, step in self.stage_state_server.served
+               if (layers, step) == (stage.layers, stage.step)):
+            return False
         if not any(p["state"] in ("standby", "joining") for p in peers):
             return False
         return not await self._placed_nobody_on(stage.layers, peers)
