@@ -444,7 +444,7 @@ def local(
     backward: str = typer.Option("stash", "--backward", help="stash, or recompute: less memory, more compute."),
     microbatch_size: int = typer.Option(32, "--microbatch-size", min=1, max=4096, help="Samples per microbatch."),
     max_in_flight: int = typer.Option(2, "--max-in-flight", min=1, max=1024, help="Microbatches in flight per "
-                                      "cluster: the planner forms clusters of at most about this many stages."),
+                                      "cluster: the planner counts at most this many of a cluster's stages busy."),
     lr: float = typer.Option(0.002, "--lr", min=0.0, max=10.0, help="Learning rate."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="The stages' inner optimizer: sgd, momentum or adamw."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", min=0.0, max=10.0, help="Its weight decay."),

@@ -299,10 +299,21 @@ def test_a_cluster_deeper_than_its_microbatches_in_flight_keeps_only_that_many_s
     assert sorted(len(stages) for _, stages in split.clusters) == [1, 2]
 
 
+def test_a_member_pinned_at_the_share_limit_sets_the_stage_time_where_the_others_are_all_capped():
+    """Caps that sum to exactly the model and a 4e4 speed ratio: every peer takes its whole capped share, so the
+    slow one's time sets the cluster's. The GA took the level of the unpinned members alone, which fell to their
+    breakpoint, and scored the cluster 300x too fast (a helper's review; older than the in-flight term)."""
+    peers = [Peer("slow", 8, 0.351805757042686, 0.7122561676810079), Peer("gpu", 2, 14791.772541491442, 727.35),
+             Peer("mid", 30, 66.4949249491352, 7.86689112681151)]
+    for workload in (Workload(10.0, 30.0, 0.01, 4, 1.2), Workload(10.0, 30.0, 0.01, 4, 1.2, 8)):
+        fitness, _, _ = SwarmArrays(peers, workload).evaluate(np.zeros((1, 3), dtype=np.int32))
+        assert fitness[0] == pytest.approx(cluster_throughput(peers, workload), rel=1e-9)
+
+
 def test_whole_layers_that_cannot_keep_the_share_limit_still_keep_each_peers_ram():
     """Two stages of ``mlp-digits``-like layers (eight of 0.121, one of 0.03) on peers offering 0.7 and 0.4 of the
     model: the limit of 0.6 a stage and the 0.4 peer's RAM leave no whole-layer cut (5 layers are 0.61, 4 and the
-    last 0.51), so the cut keeps each peer within its RAM and passes the limit by the least it can, not
+    last 0.51), so the cut keeps each peer within its RAM (the nearest to the fractions of those that do), not
     the nearest cut regardless of RAM."""
     memory = [0.121] * 8 + [0.032]
     order, ranges = stage_split([0, 1], [0.6, 0.4], [0.6, 0.4], memory, memory, ram_alone_gb=[0.7, 0.4])
@@ -314,9 +325,9 @@ def test_whole_layers_that_cannot_keep_the_share_limit_still_keep_each_peers_ram
 
 def test_local_swarms_keep_every_stage_within_the_share_limit_of_whole_layers():
     """The memory target of issue 6: in the plans of ``local``'s swarms of 3-12 peers (mixed RAM 0.4-0.7 of
-    mlp-digits and mixed compute), every stage's whole layers hold at most its peer's RAM, and at most 1.2 x an
-    even split wherever some whole-layer cut of its cluster allows that (with 2 in flight the planner forms
-    2-stage clusters, and a peer offering 0.4 beside one offering 0.7 has none: 5 of the 9 layers are 0.61)."""
+    mlp-digits and mixed compute), every stage's whole layers hold at most 1.2 x an even split, and at most its
+    peer's RAM. With 2 in flight the planner forms 2-stage clusters, which offers of 0.4-0.7 did not always allow
+    (a peer offering 0.4 beside one offering 0.7: 5 of the 9 layers are 0.61); ``local`` offers 0.55-0.7."""
     spec = get_model("mlp-digits")
     workload, profile = model_workload(spec, RunSpec("mlp-digits"), 8)
     memory = profile[0]
@@ -329,14 +340,10 @@ def test_local_swarms_keep_every_stage_within_the_share_limit_of_whole_layers():
         plan = plan_swarm(peers, workload, seed=size, time_limit=2, layer_profile=profile)
         assert plan.clusters, size
         for _, stages in plan.clusters:
-            limit = [min(ram[stage.peer_id], 1.2 * workload.model_gb / len(stages)) for stage in stages]
-            order, ranges = stage_split(list(range(len(stages))), [stage.fraction for stage in stages], limit, *profile)
-            limit_reachable = all(sum(memory[a:b]) <= limit[j] * (1 + 1e-9) for j, (a, b) in zip(order, ranges))
             for stage in stages:
                 held = sum(memory[stage.layers[0]:stage.layers[1]])
+                assert held <= 1.2 * workload.model_gb / len(stages) * (1 + 1e-9), (size, stages)
                 assert held <= ram[stage.peer_id] * (1 + 1e-9), (size, stages)
-                if limit_reachable:
-                    assert held <= 1.2 * workload.model_gb / len(stages) * (1 + 1e-9), (size, stages)
 
 
 def test_a_swarm_that_holds_the_model_only_beyond_the_share_limit_is_one_clear_error():

@@ -254,7 +254,8 @@ def planning_options(options: JoinOptions):
     from ravnest_swarm.planning.plan import make_workload
     from ravnest_swarm.planning.round import RoundOptions
 
-    workload = make_workload(options.model_gb, options.gflop_per_sample, options.activation_mb, options.max_stages)
+    workload = make_workload(options.model_gb, options.gflop_per_sample, options.activation_mb, options.max_stages,
+                             options.max_in_flight)  # as `plan` does: None (not given) counts every stage busy
     return RoundOptions(workload, options.min_peers, options.round_period, options.round_seconds, options.num_layers,
                         move_horizon_s=options.move_horizon_s or DEFAULT_MOVE_HORIZON_S)
 
