@@ -63,14 +63,14 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None
     where that write failed), or write one with ``save`` (whether it could) under :data:`LEAVE_CHECKPOINT_DIR`, and
     say how to resume (``address``: the run's,
-    ``name@owner``, as a joiner gives it). ``await state_awaited(peers, placed)``: whether to wait on, the layers held, for
-    a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
+    ``name@owner``, as a joiner gives it). ``await state_awaited(peers, placed)``: whether to wait on, the layers
+    held, for a peer to take the stage's optimizer state (a standby that the next plan may put in our place; in a run of
     several clusters another cluster holds our layers at once, and our AdamW moments and outer state would go
     with us). ``served()``: how many times each layer went out whole from our state server, by (requester, layer);
     ``ours_alone``: the layers nobody else held (:func:`only_held_here`), taken only once each went out whole.
     ``await planned()``: the peers a plan places (the one we left, the one in force): only they take our layers, and
-    only their downloads and fetches of the optimizer state count (``placed``, read once a look). A stranger's own record can claim any layers at any step, and its download goes
-    out whole like anyone's: one took a leave over, and the leaver went with the run's only copy (a hostile review)."""
+    only their downloads and fetches of the optimizer state count (``placed``, read once a look). A stranger's own
+    record can claim any layers at any step, and its download goes out whole like anyone's: one took a leave over, and the leaver went with the run's only copy (a hostile review)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
