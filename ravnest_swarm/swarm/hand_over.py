@@ -70,7 +70,8 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     ``ours_alone``: the layers nobody else held (:func:`only_held_here`), taken only once each went out whole.
     ``await planned()``: the peers a plan places (the one we left, the one in force): only they take our layers, and
     only their downloads and fetches of the optimizer state count (``placed``, read once a look). A stranger's own
-    record can claim any layers at any step, and its download goes out whole like anyone's: one took a leave over, and the leaver went with the run's only copy (a hostile review)."""
+    record can claim any layers at any step, and its download goes out whole like anyone's: one took a leave over,
+    and the leaver went with the run's only copy (a hostile review)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)

@@ -521,8 +521,8 @@ class Volunteer:
         """Whether our graceful leave waits on for the stage's optimizer state to be taken (``hand_over``): we have
         some, no peer in ``placed`` (``_planned_peers``, as the hand-over read it; a stranger's fetch takes nothing
         over; None: any peer) took it, and a standby is there that a new plan may put in our place, unless the plan
-        adopted since we left puts none there (a walkthrough's Ctrl-C waited out the whole hand-over timeout, 90 s, for a
-        standby that the plan made for our leave had left where it was, too slow to be worth a place)."""
+        adopted since we left puts none there (a walkthrough's Ctrl-C waited out the whole hand-over timeout, 90 s,
+        for a standby that the plan made for our leave had left where it was, too slow to be worth a place)."""
         stage = self.stopped_stage
         if stage is None or not (stage.optimizer.state or stage.outer):
             return False
