@@ -12,6 +12,7 @@ from hivemind.proto.runtime_pb2 import CompressionType
 from ravnest_swarm.codecs import blockwise
 from ravnest_swarm.codecs.codec import CODECS, INTEGERS, RAW, BlockwiseCodec, CodecError, codec, raw_tensor
 from ravnest_swarm.pipeline.link_codec import LinkCodec
+from stream_helpers import END_OF_STREAM, frames_bytes
 
 BLOCKWISE = [name for name, each in CODECS.items() if isinstance(each, BlockwiseCodec)]
 
@@ -213,15 +214,10 @@ def test_targets_go_exactly_whatever_the_activations_codec():
 
 
 async def read_back(frames):
-    from hivemind.p2p import P2P
-
     from ravnest_swarm.pipeline import wire
 
     reader = asyncio.StreamReader()
-    for frame in frames:
-        data = frame.SerializeToString()
-        reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
-    reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+    reader.feed_data(frames_bytes(frames) + END_OF_STREAM)
     return await wire.read_message(reader, wire.DEFAULT_MAX_MESSAGE_BYTES)
 
 

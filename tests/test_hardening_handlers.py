@@ -39,6 +39,7 @@ from ravnest_swarm.net.relay import RelayServices
 from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARDED, HEADER_TIMEOUT, PROBE, PROBE_CHUNK_BYTES,
                                       REVERSE_CONNECT, start_routes)
 from ravnest_swarm.net.transport import make_request, unpack_metadata
+from stream_helpers import END_OF_STREAM, frames_bytes
 
 RUN = "fuzz"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -47,7 +48,6 @@ RING_BUFFER = 8 * LIMIT  # ring chunks the averager holds for rounds it has not 
 TIMEOUT = 4.0  # ... and streams that stay silent this long
 MAX_RSS_GROWTH = 300 * 1024**2
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-END_OF_STREAM = P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER)
 STREAM_HANDLERS = (wire.FORWARD, wire.BACKWARD, RING_HANDLER, BANDWIDTH_PROBE, LAYER_STATE_MESSAGE, STAGE_STATE)
 UNARY_HANDLERS = (PING, DIAL_BACK, wire.STATUS)
 # the probe is fuzzed as the backbone's bandwidth probe (the same handler with a shorter timeout): its own 120 s
@@ -210,15 +210,6 @@ def peer():
         yield victim
     finally:
         victim.close()
-
-
-def frames_bytes(frames) -> bytes:
-    """hivemind's framing of data frames (marker, 8-byte length, protobuf)."""
-    out = b""
-    for frame in frames:
-        data = frame if isinstance(frame, bytes) else frame.SerializeToString()
-        out += P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
-    return out
 
 
 def rss() -> int:

@@ -22,6 +22,7 @@ from ravnest_swarm.net.routes import (DialMeReply, DialRequest, ForwardedHeader,
                                       Relayed, ReverseConnectReply, probe_handler)
 from ravnest_swarm.swarm.state_transfer import (LayerStateMessageReply, LayerStateMessageRequest, LayerStateRequest,
                                                 LayerStateTensorHeader)
+from stream_helpers import END_OF_STREAM, frames_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "ravnest_swarm"
@@ -154,10 +155,7 @@ def test_a_probe_counts_tensor_bytes_and_refuses_a_frame_whose_metadata_is_not_e
         """What the handler answers to ``frames`` and hivemind's end of stream: its reply, or its error."""
         async def exchange():
             reader, written = asyncio.StreamReader(), []
-            for frame in frames:
-                data = frame.SerializeToString()
-                reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
-            reader.feed_data(P2P.ERROR_MARKER + (0).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+            reader.feed_data(frames_bytes(frames) + END_OF_STREAM)
             reader.feed_eof()
             writer = SimpleNamespace(write=written.append, drain=lambda: asyncio.sleep(0), close=lambda: None)
             await serve(SimpleNamespace(peer_id=PeerID(b"\x12\x20" + bytes(32))), reader, writer)
