@@ -101,9 +101,38 @@ def test_a_standby_that_joined_after_the_round_replaces_a_leaver_in_the_next_rou
     assert after and adopted_rounds(standby) == after, (followed, adopted_rounds(stayer), adopted_rounds(standby))
 
 
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_in_a_run_of_two_clusters_averages_the_leavers_work_into_the_run_before_it_goes(swarm):
+    """Two clusters of one stage. The leaver trains on to its stage's next round and takes it with the other cluster
+    before it stops: that round's average, which the stayer took, holds every step the leaver trained, and the
+    stayer holds its layers (nothing of them is the leaver's alone), so it hands over at once and exits 0.
+    Before, it stopped at once: what it trained since its last round went nowhere but its checkpoint."""
+    extra = ("--min-peers", "2", "--max-stages", "1", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", ram_fraction=1.2, steps=100_000, extra=extra) for i in range(2)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
+                           all((p.get("averaging_rounds") or 0) >= 2 for p in placed(peers).values()),
+                           200, "two clusters of one stage that averaged twice")
+    os.killpg(volunteers["p1"].pid, signal.SIGINT)
+    last = volunteers["p1"].wait_for_output(r"^p1: our last averaging round \(round (\d+), our step (\d+)\) averaged: "
+                                            r"the run's average holds what we trained$", 60, stream="stderr")
+    label, step = int(last.group(1)), int(last.group(2))
+    volunteers["p1"].wait_for_output(rf"^p1: layers 0:\d+ handed over at step {step} to p0$", 30, stream="stderr")
+    assert volunteers["p1"].wait(30) == 0
+    # the stayer took the same round: every segment of it averaged, with the leaver's values in it
+    volunteers["p0"].wait_for_output(rf"averaging step {label}: 1/1 segments averaged", 10, stream="stderr")
+    said = volunteers["p1"].stderr()
+    assert "nobody took" not in said and "without a last averaging round" not in said, said[-2000:]
+    assert said.index("leaving after our stage's next averaging round") < said.index("handing over layers")
+    left, left_step = checkpoint_layers(swarm.checkpoints / f"{RUN}-p1.safetensors")
+    assert left_step == step  # the checkpoint it kept is of the round's step, as the state it handed over
+    for name in volunteers:
+        assert "Traceback" not in volunteers[name].stderr() and "unexpected" not in volunteers[name].stderr(), name
+
+
 # ---- the leaver's rule, without a network ---------------------------------------------------------------------
 
-def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), timeout=2.5, planned=None):
+def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), timeout=2.5, planned=None,
+          averaged_into=frozenset()):
     """Run ``hand_over`` for a stage of layers 0:4 at step 10 against fixed peer records, our state server having
     served each layer whole as ``served_over_time`` says, one dict per second (layer -> times, to "taker"; or
     (requester, layer) -> times), the plans placing ``planned`` (anyone where None); what it said and saved."""
@@ -140,7 +169,8 @@ def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), tim
         started.append(asyncio.get_running_loop().time())
         await hand_over(announcer, worker, "leaver", Console(file=output), timeout, asyncio.Event(),
                         str(tmp_path / "stage.safetensors"), lambda w, path: saved.append(path) or True, RUN,
-                        served=served, ours_alone=ours_alone, planned=None if planned is None else placed)
+                        served=served, ours_alone=ours_alone, planned=None if planned is None else placed,
+                        averaged_into=averaged_into)
 
     asyncio.run(scenario())
     return output.getvalue(), saved
@@ -182,6 +212,23 @@ def test_a_leaver_whose_layers_another_cluster_holds_goes_once_the_taker_holds_t
     said, _ = leave([record("other-cluster", [0, 4], 9), record("taker", [0, 4], 10)], [{}], tmp_path,
                     ours_alone=frozenset())
     assert "handed over at step 10 to" in said, said
+
+
+def test_the_partners_of_a_leavers_last_round_hold_its_work_whatever_their_own_step(tmp_path):
+    """Another cluster counts its own steps: behind ours, its record once never held our layers "at our step", and a
+    soak's Ctrl-C waited its whole hand-over timeout. The partners of our last round took our work in its average."""
+    behind = [record("other-cluster", [0, 4], 7)]
+    said, _ = leave(behind, [{}], tmp_path, ours_alone=frozenset())
+    assert "nobody took layers 0:4" in said, said
+    said, _ = leave(behind, [{}], tmp_path, ours_alone=frozenset(), averaged_into=frozenset({"other-cluster"}))
+    assert "handed over at step 10 to other-cluster" in said, said
+    # a layer nobody else trains still waits for a whole copy of it to go out: the round averaged none of it
+    said, _ = leave(behind + [record("taker", [4, 5], 10)], [{}], tmp_path, ours_alone=frozenset(),
+                    averaged_into=frozenset({"other-cluster"}))
+    assert "handed over at step 10 to other-cluster" in said, said
+    said, _ = leave([record("other-cluster", [0, 3], 7)], [{}], tmp_path, ours_alone=frozenset({3}),
+                    averaged_into=frozenset({"other-cluster"}))
+    assert "nobody took layers 0:4" in said, said
 
 
 def test_the_layers_a_leaver_alone_holds_are_those_no_other_peer_of_its_plan_trains():

@@ -9,7 +9,7 @@ import pytest
 from process_tree import exits_leaving_nothing
 from ravnest_swarm.bench.netlab import LAB_PREFIX
 from ravnest_swarm.bench.soak import (LogScan, Soak, held_elsewhere, last_averaged_step, placed_now, round_figures,
-                                      stage_use, unaveraged_steps, use_lines)
+                                      stage_use, steps_lost, unaveraged_steps, use_lines)
 from ravnest_swarm.checkpoint import read_stage
 
 
@@ -60,6 +60,12 @@ def test_the_report_adds_up_the_stages_time_by_seconds_and_counts_rounds_and_mov
     assert use_lines(dict(use=use, rounds=rounds, churn_events=kills)).splitlines()[2] == (
         "SIGKILLs: 2; the killed stage's steps since its last averaged round (lost with it): 7, ?; its layers trained "
         "by another cluster then: yes, ?")
+    leaves = [dict(kind="ctrl-c", handed_over=True, last_round_averaged=True, unaveraged_steps=1),
+              dict(kind="ctrl-c", handed_over=False, last_round_averaged=False, unaveraged_steps=12)]
+    for event in leaves:
+        event["steps_lost"] = steps_lost(event)
+    assert use_lines(dict(use=use, rounds=rounds, churn_events=leaves)).splitlines()[2] == (
+        "Ctrl-Cs: 2; steps lost (0 where it handed over): 0, 12; its last round averaged: yes, no")
 
 
 def test_what_a_sigkill_lost_comes_from_the_look_before_it_and_the_victims_log():
@@ -81,6 +87,11 @@ def test_what_a_sigkill_lost_comes_from_the_look_before_it_and_the_victims_log()
     # its final step (a checkpoint written after the look: 86) on the run's count is 106: 56 steps since round 50
     assert unaveraged_steps(loss, 86) == 56 and unaveraged_steps(loss, None) is None
     assert unaveraged_steps(dict(loss, round_offset=None), 40) == 0
+    # a Ctrl-C: what it had not averaged is lost only where nobody took it (it stays in its checkpoint)
+    leave = dict(kind="ctrl-c", round_offset=-20, averaged_at_exit=50, handed_over=False)
+    assert unaveraged_steps(leave, 86) == 56 and steps_lost(dict(leave, unaveraged_steps=56)) == 56
+    assert steps_lost(dict(leave, handed_over=True, unaveraged_steps=56)) == 0
+    assert steps_lost(dict(loss, kind="sigkill", unaveraged_steps=56)) == 56
 
 
 @pytest.mark.timeout(240)
@@ -99,6 +110,9 @@ def test_bench_soak_survives_a_ctrl_c_and_a_sigkill_and_leaves_nothing_running(p
     assert [event["kind"] for event in events] == ["ctrl-c", "sigkill"], events
     ctrl_c, sigkill = events
     assert ctrl_c["exit_code"] == 0 and not ctrl_c.get("timed_out"), ctrl_c  # it handed over and left by itself
+    assert isinstance(ctrl_c["handed_over"], bool) and isinstance(ctrl_c["last_round_averaged"], bool), ctrl_c
+    assert ctrl_c["steps_lost"] == 0 or not ctrl_c["handed_over"], ctrl_c
+    assert "Ctrl-Cs: 1; steps lost" in bench.stdout()
     assert sigkill["exit_code"] == -9 and sigkill["time_s"] - ctrl_c["time_s"] >= 24, events
     # what the kill lost was looked at right before it: the victim was placed then, on layers another cluster trains
     assert sigkill["step_at_kill"] is not None and sigkill["layers_held_elsewhere"] is not None, sigkill

@@ -68,6 +68,9 @@ RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds"
 STEP_RE = re.compile(r"\bstep (\d+)")
 # the averager's line for each round (``averaging.averager``): its step, and how many of its segments averaged
 AVERAGED_RE = re.compile(r"\baveraging step (\d+): (\d+)/(\d+) segments averaged\b")
+# a graceful leave's lines (``swarm.hand_over``, ``Volunteer._train_to_round``): its layers taken, its work averaged
+HANDED_OVER_RE = re.compile(r"^\S+: layers \d+:\d+ handed over at step \d+ to ", re.MULTILINE)
+LAST_ROUND_RE = re.compile(r"^\S+: our last averaging round \(round \d+, our step \d+\) averaged\b", re.MULTILINE)
 OPENED_RE, ADOPTED_RE = re.compile(r"\bround (\d+) opened\b"), re.compile(r"\badopted plan round (\d+) ")
 
 
@@ -124,12 +127,22 @@ def held_elsewhere(peers: Dict[str, Dict], victim: str) -> Optional[bool]:
 
 
 def unaveraged_steps(event: Dict, final_step: Optional[int]) -> Optional[int]:
-    """A SIGKILLed stage's steps since the last round it averaged (its cluster's work that no other peer has, lost
-    with it): its final step (the highest its log, its last record and its checkpoint say) on the run's count of
-    rounds, less that round; None where either is unknown."""
-    if final_step is None or event.get("averaged_at_kill") is None:
+    """A SIGKILLed or Ctrl-C'd stage's steps since the last round it averaged (its cluster's work that no other peer
+    has, lost with it unless a taker downloaded its layers): its final step (the highest its log, its last record and
+    its checkpoint say) on the run's count of rounds, less that round; None where either is unknown."""
+    averaged = event.get("averaged_at_kill", event.get("averaged_at_exit"))
+    if final_step is None or averaged is None:
         return None
-    return max(0, final_step - (event.get("round_offset") or 0) - event["averaged_at_kill"])
+    return max(0, final_step - (event.get("round_offset") or 0) - averaged)
+
+
+def steps_lost(event: Dict) -> Optional[int]:
+    """What a churn event lost of the run's work: a SIGKILL its stage's unaveraged steps; a Ctrl-C none where it
+    handed over (a taker holds its layers at its step, or its last round put its work in the run's average), else
+    its unaveraged steps (kept in its checkpoint, not in the run)."""
+    if event["kind"] == "ctrl-c" and event.get("handed_over"):
+        return 0
+    return event.get("unaveraged_steps")
 
 
 def round_figures(logs: Dict[str, str]) -> Dict:
@@ -321,6 +334,7 @@ class Soak:
         event = dict(time_s=self.now(), kind=kind, peer=victim, exit_code=None, exit_s=None, replacement=None)
         self.churn.append(event)
         if kind == "ctrl-c":
+            event["round_offset"] = (self.records.get(victim) or {}).get("round_offset")  # the last look's
             with contextlib.suppress(ProcessLookupError):  # a terminal's Ctrl-C: the peer's group (p2pd has its own)
                 os.killpg(process.pid, signal.SIGINT)
             self.pending = (event, process, since)
@@ -348,7 +362,10 @@ class Soak:
             event["timed_out"] = True
             process.kill_group()
             code = process.popen.poll()
-        event.update(exit_code=code, exit_s=round(waited, 1))
+        log = process.stderr()
+        event.update(exit_code=code, exit_s=round(waited, 1), averaged_at_exit=last_averaged_step(log),
+                     handed_over=HANDED_OVER_RE.search(log) is not None,
+                     last_round_averaged=LAST_ROUND_RE.search(log) is not None)
         self._end(event["peer"], event["kind"], code)
         self.pending = None
         if replace:
@@ -434,8 +451,8 @@ class Soak:
         volunteers = [self._volunteer(name) for name in self.processes]
         final = {volunteer["name"]: volunteer["final_step"] for volunteer in volunteers}
         for event in self.churn:
-            if event["kind"] == "sigkill":
-                event["unaveraged_steps"] = unaveraged_steps(event, final.get(event["peer"]))
+            event["unaveraged_steps"] = unaveraged_steps(event, final.get(event["peer"]))
+            event["steps_lost"] = steps_lost(event)
         return dict(
             benchmark="soak", model=self.options.model, stages=self.options.stages, minutes=self.options.minutes,
             minutes_run=round(min(self.soaked(), self.total) / 60, 2), startup_s=self.soak_from, seconds=self.now(),
@@ -524,11 +541,16 @@ def use_lines(report: Dict) -> str:
     lines = (f"{where}\nplanning rounds: {rounds['rounds_opened']} opened, {rounds['rounds_adopted']} adopted; "
              f"{rounds['moves']} move(s) of placed volunteers"
              f"{'' if per_round is None else f', {per_round} per adopted round after the first'}")
+    said = lambda value: "?" if value is None else str(value)  # noqa: E731
     kills = [event for event in report.get("churn_events", []) if event["kind"] == "sigkill"]
     if kills:
-        said = lambda value: "?" if value is None else str(value)  # noqa: E731
         held = {True: "yes", False: "NO", None: "?"}
         lines += (f"\nSIGKILLs: {len(kills)}; the killed stage's steps since its last averaged round (lost with it): "
                   f"{', '.join(said(event.get('unaveraged_steps')) for event in kills)}; its layers trained by "
                   f"another cluster then: {', '.join(held[event.get('layers_held_elsewhere')] for event in kills)}")
+    leaves = [event for event in report.get("churn_events", []) if event["kind"] == "ctrl-c"]
+    if leaves:
+        lines += (f"\nCtrl-Cs: {len(leaves)}; steps lost (0 where it handed over): "
+                  f"{', '.join(said(event.get('steps_lost')) for event in leaves)}; its last round averaged: "
+                  f"{', '.join('yes' if event.get('last_round_averaged') else 'no' for event in leaves)}")
     return lines

@@ -9,6 +9,8 @@ the plan made since we left is in force and puts nobody new on our layers (:func
 A layer that no other cluster of the plan we left trains (:func:`only_held_here`) counts as taken only once a copy of
 it went out whole from us: a taker whose download failed trains on from its own weights and still says it
 holds the layers at our step (it keeps in step with its cluster), and we would have gone with the run's only copy.
+A stage that averages with other clusters took one last round before it stopped (``Volunteer._train_to_round``):
+the partners of that round hold our work whatever their own step.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import os
 import shlex
 import time
-from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -58,7 +60,8 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                     state_awaited: Optional[Callable[[List[Dict], Optional[Set[str]]], Awaitable[bool]]] = None,
                     served: Optional[Callable[[], Dict[Tuple[str, int], int]]] = None,
                     ours_alone: Set[int] = frozenset(),
-                    planned: Optional[Callable[[], Awaitable[Set[str]]]] = None) -> None:
+                    planned: Optional[Callable[[], Awaitable[Set[str]]]] = None,
+                    averaged_into: FrozenSet[str] = frozenset()) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None
     where that write failed), or write one with ``save`` (whether it could) under :data:`LEAVE_CHECKPOINT_DIR`, and
@@ -71,7 +74,9 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     ``await planned()``: the peers a plan places (the one we left, the one in force): only they take our layers, and
     only their downloads and fetches of the optimizer state count (``placed``, read once a look). A stranger's own
     record can claim any layers at any step, and its download goes out whole like anyone's: one took a leave over,
-    and the leaver went with the run's only copy (a hostile review)."""
+    and the leaver went with the run's only copy (a hostile review). ``averaged_into``: the peers our last round
+    averaged with (``Volunteer._train_to_round``): the run's average they took holds our work, so their records hold
+    our layers whatever their own step (another cluster's count of steps is not ours)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
@@ -103,7 +108,9 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                     logger.warning(f"reading the plan while handing over failed: {e}")
                     peers = None
             if peers is not None:
-                taker = holders_of([p for p in peers if placed is None or p["peer_id"] in placed], start, end, step)
+                taker = holders_of([dict(p, step=max(p.get("step") or 0, step)) if p["peer_id"] in averaged_into
+                                    else p for p in peers if placed is None or p["peer_id"] in placed],
+                                   start, end, step)
                 if taker is not None and served is not None and any(
                         _went_out(served(), layer, placed) <= _went_out(served_before, layer, placed)
                         for layer in ours_alone):

@@ -307,6 +307,22 @@ class StageAveraging:
         self.in_flight = InFlightRound(worker, label, sent, plan, rings, partners, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
 
+    async def leave_round(self, worker: StageWorker, plan: dict,
+                          step: int) -> Optional[Tuple[int, bool, FrozenSet[str]]]:
+        """A graceful leave's last round (``Volunteer._train_to_round``), at a step boundary of ``worker``: once our
+        next round is due, the round in flight beside training (``averaging_overlap``) is waited for and applied,
+        then the due one taken standing still, so the values it sends hold every step we trained. None before it is
+        due; else the round's name, whether every ring of ours averaged, and with whom."""
+        if self.in_flight is not None:
+            if self.next_round is None or step - self.offset < self.next_round:
+                return None
+            await self.finish_in_flight(worker)
+        label = self.due(worker, plan, step)
+        if label is None:
+            return None
+        partners = self.partners(plan)
+        return label, await self.average(worker, plan, step, label), partners
+
     def holds_up(self, worker: StageWorker, step: int) -> bool:
         """Whether ``worker`` waits at this boundary for the round still in flight: our next round is due, and
         every member of every ring of that round arrived, so it is moving its parts, not waiting for a partner

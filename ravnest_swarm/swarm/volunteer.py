@@ -218,6 +218,9 @@ class Volunteer:
         self.moved_bytes = 0  # of the layers we downloaded to take our places
         self.layers_came_from = ""  # of the layers we downloaded last: their step(s), averaged or live (_download)
         self.layer_holders: Dict[int, List[Dict]] = {}  # the records of who served each layer we downloaded last
+        # a graceful leave's last round (_train_to_round): set while we train on to it, then (round, averaged, partners)
+        self._last_round: Optional[asyncio.Future] = None
+        self._in_last_round = False  # inside it: the stage stands still for the rings, it has not stalled
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -289,9 +292,12 @@ class Volunteer:
             graceful = True
         finally:
             planner.cancel()
+            leave_now = leave_now or asyncio.Event()
+            started = time.monotonic()
+            averaged_into = await self._train_to_round(leave_now) if graceful else frozenset()
             await self._stop_worker()
             if graceful:
-                await self._hand_over(leave_now or asyncio.Event())
+                await self._hand_over(leave_now, averaged_into, time.monotonic() - started)
             await self.averaging.shutdown()
 
     async def _follow_spec(self) -> None:
@@ -841,7 +847,16 @@ class Volunteer:
         if worker is None:
             return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
         self._set_lr(worker)  # the schedule moves with the step
-        if not self.spec.averaging_period:
+        if self._last_round is not None and not self._last_round.done():
+            self._in_last_round = True
+            try:
+                with self.wall_time.using("averaging"):
+                    taken = await self.averaging.leave_round(worker, self.plan, step)
+            finally:
+                self._in_last_round = False
+            if taken is not None and not self._last_round.done():
+                self._last_round.set_result(taken)
+        elif not self.spec.averaging_period:
             pass
         elif self.spec.averaging_overlap:
             averaged = self.averaging.take_finished(worker)  # a round beside training ended: applied at this boundary
@@ -1116,19 +1131,59 @@ class Volunteer:
             self.say(f"{self.name}: could not sign the end of run {self.run} into its spec: {e}")
 
     # ------------------------------------------------------------------ leaving
-    async def _hand_over(self, leave_now: asyncio.Event) -> None:
+    async def _train_to_round(self, leave_now: asyncio.Event) -> FrozenSet[str]:
+        """A graceful leave of a stage that averages with other clusters trains on to the stage's next round and
+        takes it standing still (``StageAveraging.leave_round``), so that the run's average holds what we trained
+        since the round before: the partners of that round, where it averaged, hold our work, and take our layers
+        (``hand_over``). Without it a Ctrl-C whose layers nobody took at our step lost the cluster's 9-36 steps since
+        its last round (a soak, docs/benchmarks.md). Bounded by the hand-over timeout, a second Ctrl-C, and a stage
+        that stands still (its cluster lost a peer) for :data:`STALL_SECONDS`."""
+        worker, timeout = self.worker, self.options.handover_timeout
+        if worker is None or self._finished or timeout <= 0 or not self.spec.averaging_period \
+                or not self._averages_now():
+            return frozenset()
+        self._last_round = asyncio.get_running_loop().create_future()
+        self.say(f"{self.name}: leaving after our stage's next averaging round, so that the run's average holds what "
+                 f"it trained since the last one (Ctrl-C again to leave now)")
+        started = seen = time.monotonic()
+        step = worker.version
+        while not self._last_round.done() and not leave_now.is_set() and worker.failure is None:
+            now = time.monotonic()
+            if worker.version != step or self._in_last_round:
+                seen, step = now, worker.version
+            if now - started >= timeout or now - seen >= STALL_SECONDS:
+                break
+            await until_set(asyncio.shield(self._last_round), leave_now, timeout=1.0)
+        if not self._last_round.done():
+            self._last_round.cancel()
+            why = "a second Ctrl-C" if leave_now.is_set() else f"none within {time.monotonic() - started:.0f}s"
+            self.say(f"{self.name}: leaving without a last averaging round ({why})")
+            return frozenset()
+        label, averaged, partners = self._last_round.result()
+        if not averaged:
+            self.say(f"{self.name}: our last averaging round (round {label}) did not average (said above): what we "
+                     f"trained since the round before is in our layers alone")
+            return frozenset()
+        self.say(f"{self.name}: our last averaging round (round {label}, our step {worker.version}) averaged: the "
+                 f"run's average holds what we trained")
+        return partners
+
+    async def _hand_over(self, leave_now: asyncio.Event, averaged_into: FrozenSet[str], spent: float) -> None:
         """Serve the layers we trained until another peer holds them (``hand_over.py``), unless we trained nothing
-        since we started (a resumed checkpoint stays on disk) or the run is finished (nothing to keep)."""
+        since we started (a resumed checkpoint stays on disk) or the run is finished (nothing to keep).
+        ``averaged_into``: the partners of our last round (:meth:`_train_to_round`), which hold our work at their
+        own step; ``spent``: seconds of the hand-over timeout that it took."""
         worker = self.stopped_worker
         if worker is None or self._finished:
             return
         # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
-        await hand_over(self.announcer, worker, self.name, self.console, self.options.handover_timeout, leave_now,
+        await hand_over(self.announcer, worker, self.name, self.console,
+                        max(self.options.handover_timeout - spent, 0.0), leave_now,
                         self.checkpoint_path if self._checkpoint_problem is None else None, self._save_checkpoint,
                         str(RunAddress(self.run, self.owner)),
                         self._state_awaited, lambda: self.state_server.served,
                         only_held_here(self.plan, worker.start_layer, worker.end_layer, self.peer_id),
-                        self._planned_peers)
+                        self._planned_peers, averaged_into)
 
     async def _planned_peers(self) -> Set[str]:
         """The peers that the plan we left or the plan in force places: who may take our layers at a leave."""
