@@ -132,7 +132,7 @@ def test_a_ctrl_c_in_a_run_of_two_clusters_averages_the_leavers_work_into_the_ru
 # ---- the leaver's rule, without a network ---------------------------------------------------------------------
 
 def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), timeout=2.5, planned=None,
-          averaged_into=frozenset()):
+          last_round=None):
     """Run ``hand_over`` for a stage of layers 0:4 at step 10 against fixed peer records, our state server having
     served each layer whole as ``served_over_time`` says, one dict per second (layer -> times, to "taker"; or
     (requester, layer) -> times), the plans placing ``planned`` (anyone where None); what it said and saved."""
@@ -170,7 +170,7 @@ def leave(peers, served_over_time, tmp_path, ours_alone=frozenset(range(4)), tim
         await hand_over(announcer, worker, "leaver", Console(file=output), timeout, asyncio.Event(),
                         str(tmp_path / "stage.safetensors"), lambda w, path: saved.append(path) or True, RUN,
                         served=served, ours_alone=ours_alone, planned=None if planned is None else placed,
-                        averaged_into=averaged_into)
+                        last_round=last_round)
 
     asyncio.run(scenario())
     return output.getvalue(), saved
@@ -214,21 +214,32 @@ def test_a_leaver_whose_layers_another_cluster_holds_goes_once_the_taker_holds_t
     assert "handed over at step 10 to" in said, said
 
 
-def test_the_partners_of_a_leavers_last_round_hold_its_work_whatever_their_own_step(tmp_path):
+def test_the_partners_that_kept_a_leavers_last_round_hold_its_work_whatever_their_own_step(tmp_path):
     """Another cluster counts its own steps: behind ours, its record once never held our layers "at our step", and a
-    soak's Ctrl-C waited its whole hand-over timeout. The partners of our last round took our work in its average."""
-    behind = [record("other-cluster", [0, 4], 7)]
-    said, _ = leave(behind, [{}], tmp_path, ours_alone=frozenset())
-    assert "nobody took layers 0:4" in said, said
-    said, _ = leave(behind, [{}], tmp_path, ours_alone=frozenset(), averaged_into=frozenset({"other-cluster"}))
+    soak's Ctrl-C kept its work in its checkpoint. A partner of our last round holds our work in its average, once
+    its record keeps that round on the layers the round's plan gave it, and it is not leaving after it too."""
+    from ravnest_swarm.swarm.stage_averaging import LastRound
+
+    last = LastRound(label=100, step=10, averaged=True, partners={"other-cluster": (0, 4)})
+
+    def partner(layers=(0, 4), kept=(75, 100), **more):
+        return dict(record("other-cluster", list(layers), 7), kept_rounds=list(kept), **more)
+
+    said, _ = leave([partner()], [{}], tmp_path, ours_alone=frozenset())
+    assert "nobody took layers 0:4" in said, said  # behind our step, and no last round of ours
+    said, _ = leave([partner()], [{}], tmp_path, ours_alone=frozenset(), last_round=last)
     assert "handed over at step 10 to other-cluster" in said, said
-    # a layer nobody else trains still waits for a whole copy of it to go out: the round averaged none of it
-    said, _ = leave(behind + [record("taker", [4, 5], 10)], [{}], tmp_path, ours_alone=frozenset(),
-                    averaged_into=frozenset({"other-cluster"}))
-    assert "handed over at step 10 to other-cluster" in said, said
-    said, _ = leave([record("other-cluster", [0, 3], 7)], [{}], tmp_path, ours_alone=frozenset({3}),
-                    averaged_into=frozenset({"other-cluster"}))
+    for taken_no_part in (partner(kept=(75,)),  # its rings did not all average in round 100
+                          partner(leaving_after_round=100),  # it leaves after the same round: nobody keeps ours
+                          partner(layers=(0, 2))):  # moved since: the round's average was of other layers
+        said, _ = leave([taken_no_part], [{}], tmp_path, ours_alone=frozenset(), last_round=last)
+        assert "nobody took layers 0:4" in said, (taken_no_part, said)
+    # a layer nobody else trains still waits for a whole copy of it to go out: no round averaged it
+    wider = LastRound(label=100, step=10, averaged=True, partners={"other-cluster": (0, 4)})
+    said, _ = leave([partner()], [{}], tmp_path, ours_alone=frozenset({3}), last_round=wider)
     assert "nobody took layers 0:4" in said, said
+    said, _ = leave([partner()], [{}, {3: 1}], tmp_path, ours_alone=frozenset({3}), last_round=wider)
+    assert "handed over at step 10 to other-cluster" in said, said
 
 
 def test_the_layers_a_leaver_alone_holds_are_those_no_other_peer_of_its_plan_trains():

@@ -60,7 +60,7 @@ def test_the_report_adds_up_the_stages_time_by_seconds_and_counts_rounds_and_mov
     assert use_lines(dict(use=use, rounds=rounds, churn_events=kills)).splitlines()[2] == (
         "SIGKILLs: 2; the killed stage's steps since its last averaged round (lost with it): 7, ?; its layers trained "
         "by another cluster then: yes, ?")
-    leaves = [dict(kind="ctrl-c", handed_over=True, last_round_averaged=True, unaveraged_steps=1),
+    leaves = [dict(kind="ctrl-c", handed_over=True, last_round_averaged=True, last_round_step=80, unaveraged_steps=0),
               dict(kind="ctrl-c", handed_over=False, last_round_averaged=False, unaveraged_steps=12)]
     for event in leaves:
         event["steps_lost"] = steps_lost(event)
@@ -90,7 +90,11 @@ def test_what_a_sigkill_lost_comes_from_the_look_before_it_and_the_victims_log()
     # a Ctrl-C: what it had not averaged is lost only where nobody took it (it stays in its checkpoint)
     leave = dict(kind="ctrl-c", round_offset=-20, averaged_at_exit=50, handed_over=False)
     assert unaveraged_steps(leave, 86) == 56 and steps_lost(dict(leave, unaveraged_steps=56)) == 56
-    assert steps_lost(dict(leave, handed_over=True, unaveraged_steps=56)) == 0
+    assert steps_lost(dict(leave, handed_over=True, unaveraged_steps=56)) == 0  # a taker downloaded them
+    # a leave that took its last round at step 84 and stood still there lost nothing; a step after it, one
+    took = dict(leave, handed_over=True, last_round_step=84)
+    assert unaveraged_steps(took, 84) == 0 and unaveraged_steps(took, 85) == 1
+    assert steps_lost(dict(took, unaveraged_steps=1)) == 1
     assert steps_lost(dict(loss, kind="sigkill", unaveraged_steps=56)) == 56
 
 

@@ -70,7 +70,7 @@ STEP_RE = re.compile(r"\bstep (\d+)")
 AVERAGED_RE = re.compile(r"\baveraging step (\d+): (\d+)/(\d+) segments averaged\b")
 # a graceful leave's lines (``swarm.hand_over``, ``Volunteer._train_to_round``): its layers taken, its work averaged
 HANDED_OVER_RE = re.compile(r"^\S+: layers \d+:\d+ handed over at step \d+ to ", re.MULTILINE)
-LAST_ROUND_RE = re.compile(r"^\S+: our last averaging round \(round \d+, our step \d+\) averaged\b", re.MULTILINE)
+LAST_ROUND_RE = re.compile(r"^\S+: our last averaging round \(round \d+, our step (\d+)\) averaged\b", re.MULTILINE)
 OPENED_RE, ADOPTED_RE = re.compile(r"\bround (\d+) opened\b"), re.compile(r"\badopted plan round (\d+) ")
 
 
@@ -129,18 +129,23 @@ def held_elsewhere(peers: Dict[str, Dict], victim: str) -> Optional[bool]:
 def unaveraged_steps(event: Dict, final_step: Optional[int]) -> Optional[int]:
     """A SIGKILLed or Ctrl-C'd stage's steps since the last round it averaged (its cluster's work that no other peer
     has, lost with it unless a taker downloaded its layers): its final step (the highest its log, its last record and
-    its checkpoint say) on the run's count of rounds, less that round; None where either is unknown."""
+    its checkpoint say) less its step at a leave's last round; else, on the run's count of rounds, less the last round
+    it averaged; None where either is unknown."""
+    if final_step is None:
+        return None
+    if event.get("last_round_step") is not None:
+        return max(0, final_step - event["last_round_step"])
     averaged = event.get("averaged_at_kill", event.get("averaged_at_exit"))
-    if final_step is None or averaged is None:
+    if averaged is None:
         return None
     return max(0, final_step - (event.get("round_offset") or 0) - averaged)
 
 
 def steps_lost(event: Dict) -> Optional[int]:
-    """What a churn event lost of the run's work: a SIGKILL its stage's unaveraged steps; a Ctrl-C none where it
-    handed over (a taker holds its layers at its step, or its last round put its work in the run's average), else
-    its unaveraged steps (kept in its checkpoint, not in the run)."""
-    if event["kind"] == "ctrl-c" and event.get("handed_over"):
+    """What a churn event lost of the run's work: a SIGKILL its stage's unaveraged steps; a Ctrl-C whose last round
+    averaged, its steps after that round (none: it stands still from there); one that handed over without one, none
+    (a taker holds its layers at its step); else its unaveraged steps (kept in its checkpoint, not in the run)."""
+    if event["kind"] == "ctrl-c" and event.get("handed_over") and event.get("last_round_step") is None:
         return 0
     return event.get("unaveraged_steps")
 
@@ -363,9 +368,10 @@ class Soak:
             process.kill_group()
             code = process.popen.poll()
         log = process.stderr()
+        last_round = LAST_ROUND_RE.search(log)
         event.update(exit_code=code, exit_s=round(waited, 1), averaged_at_exit=last_averaged_step(log),
-                     handed_over=HANDED_OVER_RE.search(log) is not None,
-                     last_round_averaged=LAST_ROUND_RE.search(log) is not None)
+                     handed_over=HANDED_OVER_RE.search(log) is not None, last_round_averaged=last_round is not None,
+                     last_round_step=None if last_round is None else int(last_round.group(1)))
         self._end(event["peer"], event["kind"], code)
         self.pending = None
         if replace:

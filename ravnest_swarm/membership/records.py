@@ -152,6 +152,9 @@ class PeerRecord(pydantic.BaseModel):
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    # a graceful leave trains on to this averaging round, then leaves (``Volunteer._train_to_round``): no holder
+    # of its layers for another leaver
+    leaving_after_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_rounds: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     averaging_failures: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
     # bytes our averaging rounds put on ring streams, counted as sent (``swarm/stage_averaging.py``)

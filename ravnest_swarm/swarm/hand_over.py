@@ -10,7 +10,7 @@ A layer that no other cluster of the plan we left trains (:func:`only_held_here`
 it went out whole from us: a taker whose download failed trains on from its own weights and still says it
 holds the layers at our step (it keeps in step with its cluster), and we would have gone with the run's only copy.
 A stage that averages with other clusters took one last round before it stopped (``Volunteer._train_to_round``):
-the partners of that round hold our work whatever their own step.
+the partners that kept that round hold our work whatever their own step (:func:`took_last_round`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import os
 import shlex
 import time
-from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from rich.console import Console
 from rich.markup import escape
@@ -30,6 +30,7 @@ from ravnest_swarm.lifecycle import until_set
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.pipeline.stage import StageWorker
 from ravnest_swarm.swarm.placement import holders_of
+from ravnest_swarm.swarm.stage_averaging import LastRound
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,16 @@ def new_takers(plan: dict, layers: Tuple[int, int], peers: List[Dict], own_id: s
             if tuple(stage["layers"]) == tuple(layers) and stage["peer_id"] not in trained | {own_id}]
 
 
+def took_last_round(record: Dict, last_round: Optional[LastRound]) -> bool:
+    """Whether a partner's ``record`` took a leaver's ``last_round`` into its stage: it keeps that round's average
+    (said only where every ring of its own averaged) of the layers the round's plan gave it, and is not leaving
+    after that round itself (two partners that left together each counted the other, and both went)."""
+    if last_round is None or record["peer_id"] not in last_round.partners:
+        return False
+    return (last_round.label in (record.get("kept_rounds") or []) and record.get("leaving_after_round") is None
+            and tuple(record.get("layers") or ()) == last_round.partners[record["peer_id"]])
+
+
 async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, console: Console, timeout: float,
                     leave_now: asyncio.Event, checkpoint_path: Optional[str],
                     save: Callable[[StageWorker, str], bool], address: str,
@@ -61,7 +72,7 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                     served: Optional[Callable[[], Dict[Tuple[str, int], int]]] = None,
                     ours_alone: Set[int] = frozenset(),
                     planned: Optional[Callable[[], Awaitable[Set[str]]]] = None,
-                    averaged_into: FrozenSet[str] = frozenset()) -> None:
+                    last_round: Optional[LastRound] = None) -> None:
     """Keep serving ``worker``'s layers until another peer's record holds them at its step, for up to ``timeout``
     seconds or until ``leave_now``; else keep them in ``checkpoint_path`` (already written by the volunteer; None
     where that write failed), or write one with ``save`` (whether it could) under :data:`LEAVE_CHECKPOINT_DIR`, and
@@ -74,9 +85,10 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
     ``await planned()``: the peers a plan places (the one we left, the one in force): only they take our layers, and
     only their downloads and fetches of the optimizer state count (``placed``, read once a look). A stranger's own
     record can claim any layers at any step, and its download goes out whole like anyone's: one took a leave over,
-    and the leaver went with the run's only copy (a hostile review). ``averaged_into``: the peers our last round
-    averaged with (``Volunteer._train_to_round``): the run's average they took holds our work, so their records hold
-    our layers whatever their own step (another cluster's count of steps is not ours)."""
+    and the leaver went with the run's only copy (a hostile review). ``last_round``: the round our leave took
+    (``Volunteer._train_to_round``), where it averaged: a partner of it whose record keeps that round on the layers
+    the plan gave it (:func:`took_last_round`) holds our work in its average, whatever its own step (another
+    cluster counts its own steps)."""
     say = lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     start, end, step = worker.start_layer, worker.end_layer, worker.version
     announcer.update(state="leaving", cluster=-1, stage=None, layers=[start, end], step=step, samples_per_s=None)
@@ -108,7 +120,7 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                     logger.warning(f"reading the plan while handing over failed: {e}")
                     peers = None
             if peers is not None:
-                taker = holders_of([dict(p, step=max(p.get("step") or 0, step)) if p["peer_id"] in averaged_into
+                taker = holders_of([dict(p, step=max(p.get("step") or 0, step)) if took_last_round(p, last_round)
                                     else p for p in peers if placed is None or p["peer_id"] in placed],
                                    start, end, step)
                 if taker is not None and served is not None and any(

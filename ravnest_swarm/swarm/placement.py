@@ -202,11 +202,13 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
 
 
 def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:
-    """Names of peers (not leaving) whose records together hold every layer of ``start:end`` at ``step`` or
-    later, or None while some layer has no such holder: then a leaving peer's work would be lost."""
+    """Names of peers (not leaving, nor about to: ``leaving_after_round``) whose records together hold every layer
+    of ``start:end`` at ``step`` or later, or None while some layer has no such holder: then a leaving peer's work
+    would be lost."""
     names = set()
     for layer in range(start, end):
-        holders = [p["name"] for p in peers if p["state"] != "leaving" and p.get("layers")
+        holders = [p["name"] for p in peers if p["state"] != "leaving" and p.get("leaving_after_round") is None
+                   and p.get("layers")
                    and p["layers"][0] <= layer < p["layers"][1] and (p.get("step") or 0) >= step]
         if not holders:
             return None

@@ -114,6 +114,18 @@ class AppliedRound:
                 f"beside {self.trained:.3g} trained during it, to a norm of {self.parameters:.3g}")
 
 
+@dataclass(frozen=True)
+class LastRound:
+    """A graceful leave's last round (:meth:`StageAveraging.leave_round`): its name on the run's count, our step at
+    it, whether every ring of ours averaged, and its partners with the layers the plan gave each: those whose
+    records keep the round (``kept_rounds``) on those layers took our work in its average (``hand_over``)."""
+
+    label: int
+    step: int
+    averaged: bool
+    partners: Dict[str, Tuple[int, int]]
+
+
 class StageAveraging:
     """The averager of one volunteer, and what its rounds counted.
 
@@ -307,21 +319,23 @@ class StageAveraging:
         self.in_flight = InFlightRound(worker, label, sent, plan, rings, partners, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
 
-    async def leave_round(self, worker: StageWorker, plan: dict,
-                          step: int) -> Optional[Tuple[int, bool, FrozenSet[str]]]:
-        """A graceful leave's last round (``Volunteer._train_to_round``), at a step boundary of ``worker``: once our
-        next round is due, the round in flight beside training (``averaging_overlap``) is waited for and applied,
-        then the due one taken standing still, so the values it sends hold every step we trained. None before it is
-        due; else the round's name, whether every ring of ours averaged, and with whom."""
+    async def leave_round(self, worker: StageWorker, plan: dict, step: int) -> Optional[LastRound]:
+        """A graceful leave's last round (``Volunteer._train_to_round``), at a step boundary of ``worker``: a round
+        beside training (``averaging_overlap``) that ended is applied; once our next round is due, the one still in
+        flight is waited for, then the due one taken standing still, so the values it sends hold every step we
+        trained. None before it is due."""
         if self.in_flight is not None:
             if self.next_round is None or step - self.offset < self.next_round:
+                self.take_finished(worker)
                 return None
             await self.finish_in_flight(worker)
         label = self.due(worker, plan, step)
         if label is None:
             return None
         partners = self.partners(plan)
-        return label, await self.average(worker, plan, step, label), partners
+        layers = {stage["peer_id"]: (stage["layers"][0], stage["layers"][1]) for cluster in plan["clusters"]
+                  for stage in cluster if stage["peer_id"] in partners}
+        return LastRound(label, step, await self.average(worker, plan, step, label), layers)
 
     def holds_up(self, worker: StageWorker, step: int) -> bool:
         """Whether ``worker`` waits at this boundary for the round still in flight: our next round is due, and

@@ -71,7 +71,7 @@ from ravnest_swarm.swarm.spec import (FOLLOWED, SPEC_RENEW_BEFORE, RunSpec, choo
                                       read_specs, run_length)
 from ravnest_swarm.swarm.spec_versions import publish_spec_version
 from ravnest_swarm.membership.owner import fingerprint, load_owner_key, owner_key_path
-from ravnest_swarm.swarm.stage_averaging import Following, StageAveraging
+from ravnest_swarm.swarm.stage_averaging import Following, LastRound, StageAveraging
 from ravnest_swarm.swarm.stage_state import (StageStateServer, StoppedStage, TrainingStage, carry_layer_states,
                                              fetch_stage_state, stage_giver)
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerFill,
@@ -218,9 +218,8 @@ class Volunteer:
         self.moved_bytes = 0  # of the layers we downloaded to take our places
         self.layers_came_from = ""  # of the layers we downloaded last: their step(s), averaged or live (_download)
         self.layer_holders: Dict[int, List[Dict]] = {}  # the records of who served each layer we downloaded last
-        # a graceful leave's last round (_train_to_round): set while we train on to it, then (round, averaged, partners)
+        # a graceful leave's last round (_train_to_round): set while we train on to it, then the round
         self._last_round: Optional[asyncio.Future] = None
-        self._in_last_round = False  # inside it: the stage stands still for the rings, it has not stalled
 
     @property
     def checkpoint_path(self) -> Optional[str]:
@@ -293,11 +292,14 @@ class Volunteer:
         finally:
             planner.cancel()
             leave_now = leave_now or asyncio.Event()
-            started = time.monotonic()
-            averaged_into = await self._train_to_round(leave_now) if graceful else frozenset()
-            await self._stop_worker()
+            last_round = None
+            try:
+                if graceful:
+                    last_round = await self._train_to_round(leave_now)
+            finally:
+                await self._stop_worker()
             if graceful:
-                await self._hand_over(leave_now, averaged_into, time.monotonic() - started)
+                await self._hand_over(leave_now, last_round)
             await self.averaging.shutdown()
 
     async def _follow_spec(self) -> None:
@@ -848,14 +850,13 @@ class Volunteer:
             return  # our worker is stopping (a new plan, a leave): nothing of it to average, keep or save
         self._set_lr(worker)  # the schedule moves with the step
         if self._last_round is not None and not self._last_round.done():
-            self._in_last_round = True
-            try:
-                with self.wall_time.using("averaging"):
-                    taken = await self.averaging.leave_round(worker, self.plan, step)
-            finally:
-                self._in_last_round = False
+            with self.wall_time.using("averaging"):
+                taken = await self.averaging.leave_round(worker, self.plan, step)
             if taken is not None and not self._last_round.done():
                 self._last_round.set_result(taken)
+                # the stage stands still at the round's step until it stops: a step more would be work that the
+                # round's average lacks, and the checkpoint and the hand-over would hold it alone
+                await asyncio.get_running_loop().create_future()
         elif not self.spec.averaging_period:
             pass
         elif self.spec.averaging_overlap:
@@ -1131,59 +1132,72 @@ class Volunteer:
             self.say(f"{self.name}: could not sign the end of run {self.run} into its spec: {e}")
 
     # ------------------------------------------------------------------ leaving
-    async def _train_to_round(self, leave_now: asyncio.Event) -> FrozenSet[str]:
+    async def _train_to_round(self, leave_now: asyncio.Event) -> Optional[LastRound]:
         """A graceful leave of a stage that averages with other clusters trains on to the stage's next round and
-        takes it standing still (``StageAveraging.leave_round``), so that the run's average holds what we trained
-        since the round before: the partners of that round, where it averaged, hold our work, and take our layers
-        (``hand_over``). Without it a Ctrl-C whose layers nobody took at our step lost the cluster's 9-36 steps since
-        its last round (a soak, docs/benchmarks.md). Bounded by the hand-over timeout, a second Ctrl-C, and a stage
-        that stands still (its cluster lost a peer) for :data:`STALL_SECONDS`."""
-        worker, timeout = self.worker, self.options.handover_timeout
+        takes it standing still (``StageAveraging.leave_round``), then stands still at that step until it stops, so
+        that the run's average holds every step we trained: the partners of that round that kept its average
+        hold our work whatever their own step, and take our layers (``hand_over``). Without it a Ctrl-C stopped at
+        once, and where no peer held its layers at its own step (another cluster behind it, counting its own steps)
+        what it trained since its last round stayed in its checkpoint (a soak: two of five Ctrl-Cs). Our record
+        says ``leaving_after_round`` meanwhile: a partner leaving in the same round is no holder of our layers, nor
+        we of its. Bounded by half the hand-over timeout (the rest is the hand-over's), a second Ctrl-C, the run's
+        end, and a stage that has not stepped for :data:`STALL_SECONDS` outside its step hook (its cluster lost a
+        peer). The round, or None where none averaged."""
+        worker, timeout = self.worker, self.options.handover_timeout / 2
         if worker is None or self._finished or timeout <= 0 or not self.spec.averaging_period \
                 or not self._averages_now():
-            return frozenset()
+            return None
+        self._save_checkpoint(worker)  # a supervisor's SIGKILL during the wait finds our work of now on disk
         self._last_round = asyncio.get_running_loop().create_future()
+        self.announcer.update(leaving_after_round=self.averaging.next_round or 0)
+        await self.announcer.renew()
         self.say(f"{self.name}: leaving after our stage's next averaging round, so that the run's average holds what "
                  f"it trained since the last one (Ctrl-C again to leave now)")
         started = seen = time.monotonic()
         step = worker.version
-        while not self._last_round.done() and not leave_now.is_set() and worker.failure is None:
+        while not self._last_round.done() and not leave_now.is_set():
             now = time.monotonic()
-            if worker.version != step or self._in_last_round:
+            if worker.failure is not None or worker.finished.is_set():
+                break
+            if worker.version != step or worker.scheduler.paused_since is not None:  # in its hook: a round
                 seen, step = now, worker.version
             if now - started >= timeout or now - seen >= STALL_SECONDS:
                 break
+            self._publish_progress()  # partners gauge from our step how long we take to reach the round
             await until_set(asyncio.shield(self._last_round), leave_now, timeout=1.0)
         if not self._last_round.done():
             self._last_round.cancel()
-            why = "a second Ctrl-C" if leave_now.is_set() else f"none within {time.monotonic() - started:.0f}s"
+            why = ("a second Ctrl-C" if leave_now.is_set() else "its stage failed" if worker.failure is not None
+                   else "its stage reached the run's length" if worker.finished.is_set()
+                   else f"none within {time.monotonic() - started:.0f}s")
             self.say(f"{self.name}: leaving without a last averaging round ({why})")
-            return frozenset()
-        label, averaged, partners = self._last_round.result()
-        if not averaged:
-            self.say(f"{self.name}: our last averaging round (round {label}) did not average (said above): what we "
-                     f"trained since the round before is in our layers alone")
-            return frozenset()
-        self.say(f"{self.name}: our last averaging round (round {label}, our step {worker.version}) averaged: the "
+            return None
+        last = self._last_round.result()
+        if not last.averaged:
+            self.say(f"{self.name}: our last averaging round (round {last.label}) did not average (where a ring "
+                     f"failed, said above): what we trained since the round before is in our layers alone")
+            return None
+        self.say(f"{self.name}: our last averaging round (round {last.label}, our step {last.step}) averaged: the "
                  f"run's average holds what we trained")
-        return partners
+        return last
 
-    async def _hand_over(self, leave_now: asyncio.Event, averaged_into: FrozenSet[str], spent: float) -> None:
+    async def _hand_over(self, leave_now: asyncio.Event, last_round: Optional[LastRound]) -> None:
         """Serve the layers we trained until another peer holds them (``hand_over.py``), unless we trained nothing
         since we started (a resumed checkpoint stays on disk) or the run is finished (nothing to keep).
-        ``averaged_into``: the partners of our last round (:meth:`_train_to_round`), which hold our work at their
-        own step; ``spent``: seconds of the hand-over timeout that it took."""
+        ``last_round``: the round our leave took (:meth:`_train_to_round`), whose partners that kept it hold our
+        work at their own step."""
         worker = self.stopped_worker
         if worker is None or self._finished:
             return
         # _stop_worker wrote our checkpoint where we have a --checkpoint-dir
-        await hand_over(self.announcer, worker, self.name, self.console,
-                        max(self.options.handover_timeout - spent, 0.0), leave_now,
+        # where a last round was waited for, it had half the timeout
+        timeout = self.options.handover_timeout / (1 if self._last_round is None else 2)
+        await hand_over(self.announcer, worker, self.name, self.console, timeout, leave_now,
                         self.checkpoint_path if self._checkpoint_problem is None else None, self._save_checkpoint,
                         str(RunAddress(self.run, self.owner)),
                         self._state_awaited, lambda: self.state_server.served,
                         only_held_here(self.plan, worker.start_layer, worker.end_layer, self.peer_id),
-                        self._planned_peers, averaged_into)
+                        self._planned_peers, last_round)
 
     async def _planned_peers(self) -> Set[str]:
         """The peers that the plan we left or the plan in force places: who may take our layers at a leave."""
