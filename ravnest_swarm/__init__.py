@@ -16,7 +16,9 @@ __version__ = "0.1.0"
 # 3: a spec signs its run and origin, records' subkeys have one shape each, replies are read bounded: a peer of 2
 #    refuses our specs as malformed, and we refuse its
 # 4: a robust ring's probe reply carries the owner's aggregate: a peer of 3 answers without it, refused as an owner
-PROTOCOL_VERSION = 4
+# 5: peer records carry fields a peer of 4 does not know (`kept_rounds`, `leaving_after_round`, ...): its schema
+#    validator, which compares a record with what it parsed, refuses them, and our records would vanish from its view
+PROTOCOL_VERSION = 5
 
 
 def _install_light_hivemind_package() -> None:

@@ -65,6 +65,9 @@ RUN = "local"
 PEER_RECORD_FIELDS = ("state", "cluster", "stage", "step", "averaging_rounds", "averaging_failures", "rejected", "note",
                       "device", "device_memory_gb", "peak_memory_gb", "device_peak_gb", "codecs", "averaging_bytes_sent")
 CHECKPOINT_NAME = re.compile(rf"^{RUN}-(peer\d+)\.safetensors$")
+# at the end every peer stops at once, each taking its stage's last averaging round and then handing over (to
+# nobody: all are leaving) within LEAVE_S, before the SIGKILL at STOP_GRACE_S; its checkpoint is written then
+LEAVE_S, STOP_GRACE_S = 16.0, 20.0
 
 
 @dataclass
@@ -250,7 +253,7 @@ class LocalSwarm:
         spec = {name: getattr(self.spec, name) for name in JoinOptions.SPEC_FIELDS if name != "steps"}
         options = JoinOptions(
             initial_peers=[maddr], run=RUN, name=name, dashboard=False, steps=self.options.steps, **spec,
-            device=self.options.device, heartbeat=4.0,
+            device=self.options.device, heartbeat=4.0, handover_timeout=LEAVE_S,
             min_peers=self.options.peers, checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.options.checkpoint_every,
             identity=os.path.join(self.checkpoint_dir, f"{RUN}-{name}.key"), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -288,7 +291,7 @@ class LocalSwarm:
         finally:
             if observer is not None:
                 await stop_node(observer)
-            self.group.stop_all(grace=20)
+            self.group.stop_all(grace=STOP_GRACE_S)
         return self.summary(time.monotonic() - started)
 
     async def _watch(self, observer, maddr: str, stop: asyncio.Event, started: float, redraw) -> None:

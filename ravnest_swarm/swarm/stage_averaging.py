@@ -268,6 +268,10 @@ class StageAveraging:
         if count["next_round"] == self._said_next_round:
             return  # the heartbeat says the rest
         self._said_next_round = count["next_round"]
+        self._renew_soon()
+
+    def _renew_soon(self) -> None:
+        """Renew our record now (once more where it changes during a renewal), not at the next heartbeat."""
         self._count_changed = True
         if self._saying_count is None or self._saying_count.done():
             self._saying_count = asyncio.create_task(self._renew_while_changed())
@@ -421,6 +425,10 @@ class StageAveraging:
             parameters = list(worker.module.parameters())
             trained = flatten([p.detach().cpu() for p in parameters]) - finished.sent
             self._write(worker, finished.step, applied, values)
+            if applied:
+                # the round's kept state said now: a leaver that averaged with us counts us once it reads it, and
+                # our round's own renewal came before this step boundary
+                self._renew_soon()
             taken = values + trained
             with torch.no_grad():
                 unflatten_into(taken, parameters)

@@ -296,6 +296,8 @@ class Volunteer:
             try:
                 if graceful:
                     last_round = await self._train_to_round(leave_now)
+            except Exception as e:  # the leave goes on: our layers are handed over as without a last round
+                self.say(f"{self.name}: leaving without a last averaging round ({type(e).__name__}: {e})")
             finally:
                 await self._stop_worker()
             if graceful:
@@ -854,6 +856,7 @@ class Volunteer:
                 taken = await self.averaging.leave_round(worker, self.plan, step)
             if taken is not None and not self._last_round.done():
                 self._last_round.set_result(taken)
+                self.announcer.update(leaving_after_round=taken.label)
                 # the stage stands still at the round's step until it stops: a step more would be work that the
                 # round's average lacks, and the checkpoint and the hand-over would hold it alone
                 await asyncio.get_running_loop().create_future()
@@ -1142,18 +1145,19 @@ class Volunteer:
         says ``leaving_after_round`` meanwhile: a partner leaving in the same round is no holder of our layers, nor
         we of its. Bounded by half the hand-over timeout (the rest is the hand-over's), a second Ctrl-C, the run's
         end, and a stage that has not stepped for :data:`STALL_SECONDS` outside its step hook (its cluster lost a
-        peer). The round, or None where none averaged."""
+        peer); an error here leaves as without a last round (:meth:`run_until`). The round, or None where none
+        averaged."""
         worker, timeout = self.worker, self.options.handover_timeout / 2
         if worker is None or self._finished or timeout <= 0 or not self.spec.averaging_period \
                 or not self._averages_now():
             return None
-        self._save_checkpoint(worker)  # a supervisor's SIGKILL during the wait finds our work of now on disk
+        started = seen = time.monotonic()
         self._last_round = asyncio.get_running_loop().create_future()
+        # the round we expect; only its presence counts (the round taken is said once it is)
         self.announcer.update(leaving_after_round=self.averaging.next_round or 0)
-        await self.announcer.renew()
         self.say(f"{self.name}: leaving after our stage's next averaging round, so that the run's average holds what "
                  f"it trained since the last one (Ctrl-C again to leave now)")
-        started = seen = time.monotonic()
+        await until_set(self.announcer.renew(), leave_now, timeout=timeout)
         step = worker.version
         while not self._last_round.done() and not leave_now.is_set():
             now = time.monotonic()
@@ -1167,7 +1171,7 @@ class Volunteer:
             await until_set(asyncio.shield(self._last_round), leave_now, timeout=1.0)
         if not self._last_round.done():
             self._last_round.cancel()
-            why = ("a second Ctrl-C" if leave_now.is_set() else "its stage failed" if worker.failure is not None
+            why = ("a second Ctrl-C" if leave_now.is_set() else f"{worker.failure}" if worker.failure is not None
                    else "its stage reached the run's length" if worker.finished.is_set()
                    else f"none within {time.monotonic() - started:.0f}s")
             self.say(f"{self.name}: leaving without a last averaging round ({why})")
