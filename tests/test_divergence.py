@@ -226,9 +226,24 @@ def test_a_round_taken_beside_training_keeps_the_training_on_top_and_says_what_i
     averaging = StageAveraging.__new__(StageAveraging)
     averaging.period, averaging._last_applied = 25, None
     averaging.state_server = SimpleNamespace(keep_averaged=lambda layers: None, kept_rounds=lambda start, end: [100])
-    averaging.announcer = SimpleNamespace(update=lambda **fields: None)
+    renewed = []
+
+    async def renew():
+        renewed.append(True)
+        return True
+
+    averaging.announcer = SimpleNamespace(update=lambda **fields: None, renew=renew)
+    averaging._saying_count, averaging._count_changed = None, False
     averaging.in_flight = InFlightRound(worker, 100, sent, {}, [], frozenset(), finished, 0.0)
-    assert averaging.take_finished(worker) is True and averaging.in_flight is None
+
+    async def at_the_boundary():
+        taken = averaging.take_finished(worker)
+        await averaging._saying_count
+        return taken
+
+    assert asyncio.run(at_the_boundary()) is True and averaging.in_flight is None
+    # the round's kept state is said at once: a leaver that took it with us counts us then (hand_over)
+    assert renewed == [True]
     now = flatten([p.detach() for p in worker.module.parameters()])
     assert torch.allclose(now, values + trained)
     applied = averaging.taken_within_period(worker)
