@@ -229,7 +229,7 @@ class StageAveraging:
             if self._aligning is None or self._aligning.done():
                 self._aligning = asyncio.create_task(self._align(worker, plan))
             return None
-        if self.in_flight is not None or self.next_round is None or step - self.offset < self.next_round:
+        if self.in_flight is not None or not self._reached(step):
             return None
         return self.next_round
 
@@ -323,13 +323,17 @@ class StageAveraging:
         self.in_flight = InFlightRound(worker, label, sent, plan, rings, partners, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
 
+    def _reached(self, step: int) -> bool:
+        """Whether our ``step``, on the run's count of rounds, has reached our next round."""
+        return self.next_round is not None and step - self.offset >= self.next_round
+
     async def leave_round(self, worker: StageWorker, plan: dict, step: int) -> Optional[LastRound]:
         """A graceful leave's last round (``Volunteer._train_to_round``), at a step boundary of ``worker``: a round
         beside training (``averaging_overlap``) that ended is applied; once our next round is due, the one still in
         flight is waited for, then the due one taken standing still, so the values it sends hold every step we
         trained. None before it is due."""
         if self.in_flight is not None:
-            if self.next_round is None or step - self.offset < self.next_round:
+            if not self._reached(step):
                 self.take_finished(worker)
                 return None
             await self.finish_in_flight(worker)
@@ -348,8 +352,7 @@ class StageAveraging:
         stages alike), as before the run's count; a cluster ahead, whose round waits for a slower one, trains on
         instead and meets it at the next round's name."""
         in_flight = self.in_flight
-        if in_flight is None or in_flight.task.done() or in_flight.worker is not worker or self.next_round is None \
-                or step - self.offset < self.next_round:
+        if in_flight is None or in_flight.task.done() or in_flight.worker is not worker or not self._reached(step):
             return False
         for ring in in_flight.rings:  # the round's ring states exist while it runs
             state = self.averager.mailbox.ring_state(in_flight.step, ring.index)
