@@ -85,6 +85,9 @@ HOLDER_LOOKUPS = 5
 SNAPSHOTS_KEPT = 3  # --snapshot-every: the newest snapshots kept in --snapshot-dir
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
+# a leave that has not stepped this long looks whether a peer of its cluster leaves too (``_mate_leaving``): a pipeline
+# waits a step's time for its neighbours, and a leaving neighbour's last round some seconds
+MATE_LEAVING_STALL_SECONDS = 3.0
 SPEC_RENEW_CHECK_SECONDS = 600.0  # how often a peer looks whether the spec it follows needs storing again
 DIVERGING_REPEATS, DIVERGING_STEPS = 3, 500  # this many restores within so many steps: a cluster that keeps diverging
 
@@ -1152,6 +1155,7 @@ class Volunteer:
                 or not self._averages_now():
             return None
         started = seen = time.monotonic()
+        why = None
         self._last_round = asyncio.get_running_loop().create_future()
         # the round we expect; only its presence counts (the round taken is said once it is)
         self.announcer.update(leaving_after_round=self.averaging.next_round or 0)
@@ -1167,11 +1171,16 @@ class Volunteer:
                 seen, step = now, worker.version
             if now - started >= timeout or now - seen >= STALL_SECONDS:
                 break
+            if now - seen >= MATE_LEAVING_STALL_SECONDS:
+                why = await self._mate_leaving()
+                if why is not None:
+                    break
             self._publish_progress()  # partners gauge from our step how long we take to reach the round
             await until_set(asyncio.shield(self._last_round), leave_now, timeout=1.0)
         if not self._last_round.done():
             self._last_round.cancel()
-            why = ("a second Ctrl-C" if leave_now.is_set() else f"{worker.failure}" if worker.failure is not None
+            why = (why if why is not None else "a second Ctrl-C" if leave_now.is_set()
+                   else f"{worker.failure}" if worker.failure is not None
                    else "its stage reached the run's length" if worker.finished.is_set()
                    else f"none within {time.monotonic() - started:.0f}s")
             self.say(f"{self.name}: leaving without a last averaging round ({why})")
@@ -1184,6 +1193,26 @@ class Volunteer:
         self.say(f"{self.name}: our last averaging round (round {last.label}, our step {last.step}) averaged: the "
                  f"run's average holds what we trained")
         return last
+
+    async def _mate_leaving(self) -> Optional[str]:
+        """Why we cannot reach our last round, if a peer of our cluster leaves too (its record says
+        ``leaving_after_round``, or it is leaving) or is gone: once it stands still at its own last round our stage
+        never steps again, and where its count's offset differs from ours we never reach our round (every peer
+        stopped at once: a soak's or ``local``'s end). None where every one trains, or the records could not be
+        read (the other bounds still hold)."""
+        if self.plan is None or self.placement is None:
+            return None
+        mates = {stage["peer_id"] for stage in self.plan["clusters"][self.placement[0]]} - {self.peer_id}
+        try:
+            records = {record["peer_id"]: record for record in await self.announcer.read_peers(peer_ids=mates)
+                       if record["peer_id"] in mates} if mates else {}
+        except Exception as e:  # a DHT hiccup: the stall bound still ends the wait
+            logger.warning(f"reading our cluster's records while leaving failed: {type(e).__name__}: {e}")
+            return None
+        if len(records) < len(mates):
+            return "a peer of our cluster is gone"
+        return next((f"{record['name']} of our cluster leaves too" for record in records.values()
+                     if record["state"] == "leaving" or record.get("leaving_after_round") is not None), None)
 
     async def _hand_over(self, leave_now: asyncio.Event, last_round: Optional[LastRound]) -> None:
         """Serve the layers we trained until another peer holds them (``hand_over.py``), unless we trained nothing
