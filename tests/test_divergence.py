@@ -233,12 +233,12 @@ def test_a_round_taken_beside_training_keeps_the_training_on_top_and_says_what_i
         return True
 
     averaging.announcer = SimpleNamespace(update=lambda **fields: None, renew=renew)
-    averaging._saying_count, averaging._count_changed = None, False
+    averaging._renewing, averaging._record_changed = None, False
     averaging.in_flight = InFlightRound(worker, 100, sent, {}, [], frozenset(), finished, 0.0)
 
     async def at_the_boundary():
         taken = averaging.take_finished(worker)
-        await averaging._saying_count
+        await averaging._renewing
         return taken
 
     assert asyncio.run(at_the_boundary()) is True and averaging.in_flight is None

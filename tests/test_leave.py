@@ -268,6 +268,22 @@ def test_the_partners_that_kept_a_leavers_last_round_hold_its_work_whatever_thei
     assert "handed over at step 10 to other-cluster" in said, said
 
 
+def test_a_leaver_among_peers_that_all_leave_goes_at_once_with_its_layers_in_a_checkpoint(tmp_path):
+    """A whole swarm stopped at once (a soak's end): peers that train on to their last round before they leave
+    (``leaving_after_round``) take nothing over, as leaving peers do not. Counted as staying, they kept each
+    hand-over waiting, and the soak's end once killed a volunteer past its grace."""
+    import time as clock
+
+    others = [dict(record("mate", [4, 8], 12), leaving_after_round=100), record("partner", [0, 4], 9, "leaving")]
+    started = clock.monotonic()
+    said, _ = leave(others, [{}], tmp_path, timeout=30.0)
+    assert f"nobody took layers 0:4 (step 10); they are saved in {tmp_path / 'stage.safetensors'}" in said, said
+    assert clock.monotonic() - started < 10  # its first look, not the 30 s timeout
+    # one peer that stays is one that may yet take them: the leaver waits for it
+    said, _ = leave(others + [record("stayer", [0, 2], 3)], [{}], tmp_path, timeout=2.5)
+    assert "nobody took layers 0:4" in said, said
+
+
 def test_the_layers_a_leaver_alone_holds_are_those_no_other_peer_of_its_plan_trains():
     from ravnest_swarm.swarm.hand_over import only_held_here
 

@@ -255,7 +255,7 @@ class Soak:
                     on_progress(self.soaked(), "stopping every process")
                     self._scan_logs(after_stop=False)
                 finally:
-                    self.group.stop_all(grace=30)
+                    self.group.stop_all(grace=EXIT_BOUND)  # as a Ctrl-C of the churn: its whole hand-over
         self._scan_logs(after_stop=True, to_end=True)
         return self.report()
 

@@ -128,7 +128,10 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                         for layer in ours_alone):
                     taker = None  # their records say they hold our layers, but none of ours alone went out whole
                 awaited = taker is not None and state_awaited is not None and await state_awaited(peers, placed)
-                if (taker is not None and not awaited) or not any(p["state"] != "leaving" for p in peers):
+                # a peer training on to its last round before it leaves (``leaving_after_round``) takes nothing
+                # either: counted as staying, it kept every hand-over of a whole swarm stopped at once waiting
+                if (taker is not None and not awaited) or not any(
+                        p["state"] != "leaving" and p.get("leaving_after_round") is None for p in peers):
                     break  # handed over, or nobody is left who could take them
             await until_set(leave_now.wait(), leave_now, timeout=1.0)
     if taker is not None:

@@ -180,13 +180,13 @@ class StageAveraging:
         self.offset = 0
         self._aligned: Optional[Tuple[StageWorker, Optional[dict]]] = None
         self._aligning: Optional[asyncio.Task] = None
-        # our count said in our record at once, not at the next heartbeat (:meth:`_say_count`)
+        # our count said in our record at once, not at the next heartbeat (:meth:`_say_count`); a kept round too
         self._said_next_round: Optional[int] = None
         # a round already due when our alignment ended (the read took a while as we trained on): it starts late at
         # our next boundary without moving our count (``_started``)
         self._due_at_alignment: Optional[int] = None
-        self._count_changed = False
-        self._saying_count: Optional[asyncio.Task] = None
+        self._record_changed = False
+        self._renewing: Optional[asyncio.Task] = None
 
     async def start(self) -> None:
         await self.averager.start()
@@ -195,7 +195,7 @@ class StageAveraging:
         cancelled = self.cancel()
         if cancelled is not None:
             await asyncio.gather(cancelled, return_exceptions=True)
-        for task in (self._aligning, self._saying_count):
+        for task in (self._aligning, self._renewing):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -272,13 +272,13 @@ class StageAveraging:
 
     def _renew_soon(self) -> None:
         """Renew our record now (once more where it changes during a renewal), not at the next heartbeat."""
-        self._count_changed = True
-        if self._saying_count is None or self._saying_count.done():
-            self._saying_count = asyncio.create_task(self._renew_while_changed())
+        self._record_changed = True
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.create_task(self._renew_while_changed())
 
     async def _renew_while_changed(self) -> None:
-        while self._count_changed:  # a change during a renewal is renewed after it
-            self._count_changed = False
+        while self._record_changed:  # a change during a renewal is renewed after it
+            self._record_changed = False
             await self.announcer.renew()
 
     def _started(self, label: int, step: int) -> None:
