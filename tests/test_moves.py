@@ -44,11 +44,12 @@ def test_a_peer_downloads_only_the_layers_its_old_range_lacked_over_its_own_link
     assert cost.seconds == pytest.approx(MOVE_PAUSE_S + 8000 * 1.25 / 400)
 
 
-def test_the_plan_in_force_costs_nothing_and_dropping_a_cluster_only_pauses():
+def test_the_plan_in_force_and_one_that_only_drops_a_cluster_cost_nothing():
     in_force = [[("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))]]
     links = {name: 400.0 for name in "abcd"}
     assert move_cost(in_force, in_force, links, PRICE) == MoveCost(0.0, 0.0, 0)
-    assert move_cost(in_force, in_force[:1], links, PRICE) == MoveCost(MOVE_PAUSE_S, 0.0, 0)
+    # the cluster kept trains on, and the dropped one's peers go to standby: nobody stops to move
+    assert move_cost(in_force, in_force[:1], links, PRICE) == MoveCost(0.0, 0.0, 0)
     # the same layers in a cluster of other stages is another place: its neighbours change
     swapped = [[("a", (0, 16)), ("d", (16, 32))], [("c", (0, 16)), ("b", (16, 32))]]
     assert move_cost(in_force, swapped, links, PRICE) == MoveCost(MOVE_PAUSE_S, 0.0, 4)

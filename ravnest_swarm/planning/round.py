@@ -424,6 +424,10 @@ class PlanningRounds:
 
     def _say_unpaid(self, standbys: set, current: float, possible: PricedPlan) -> None:
         names = ",".join(sorted(self.names.get(i, i) for i in standbys))
+        if possible.throughput <= current:
+            self.say(f"standby {names} opened no round: their best plan ({possible.throughput:.9e} samples/s) is no "
+                     f"faster than the plan in force ({current:.9e})")
+            return
         self.say(f"standby {names} opened no round: their best plan ({possible.throughput:.9e} samples/s) would move "
                  f"{possible.cost.moved} peer(s) for {possible.cost.seconds:.1f}s and not pay that back within "
                  f"{self.options.move_horizon_s:g}s over the plan in force ({current:.9e})")
