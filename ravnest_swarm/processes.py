@@ -215,12 +215,16 @@ class ProcessGroup:
             if process.popen.poll() is None:
                 process.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for process in self.processes:
-            try:
-                process.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            process.kill_group()
+        try:
+            for process in self.processes:
+                try:
+                    process.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                process.kill_group()
+        finally:  # a second Ctrl-C during the grace: nothing we started outlives us
+            for process in self.processes:
+                process.kill_group()
         if self.owns_launcher and self.launcher is not None:
             self.launcher.close()
             self.launcher = None

@@ -498,3 +498,27 @@ def test_a_stage_joins_the_round_its_partners_take_next_and_never_goes_back():
     # for good) moves nobody: the upper median of the claims
     honest = [partner(3690, 3000, 700), partner(3695, 3000, 700)]
     assert round_to_join(5000, 20, None, honest + [partner(2**53, 0, 2**53)]) == (700, 5000 - 695)
+
+
+def test_a_ring_waits_no_longer_for_a_member_that_finished_left_or_leaves_after_an_earlier_round():
+    """A graceful leave takes one last round and then stands still (``Volunteer._train_to_round``); its record says
+    the round (``leaving_after_round``). Its partners, which did not know yet, waited for it in the round after and
+    failed it (a walkthrough: one failed round at each partner per Ctrl-C). 0 is a leaver that did not know its
+    next round: it takes the first one due, so it is still awaited."""
+    from types import SimpleNamespace
+
+    from ravnest_swarm.swarm.stage_averaging import RecordPatience
+
+    records = [dict(peer_id="done", state="done"), dict(peer_id="gone-on", state="leaving"),
+               dict(peer_id="left-at-100", state="training", leaving_after_round=100),
+               dict(peer_id="leaves-at-125", state="training", leaving_after_round=125),
+               dict(peer_id="leaves-next", state="training", leaving_after_round=0),
+               dict(peer_id="stays", state="training")]
+
+    async def read_peers(peer_ids=None):
+        return [r for r in records if peer_ids is None or r["peer_id"] in peer_ids]
+
+    patience = RecordPatience(SimpleNamespace(read_peers=read_peers), 8, 2.0, 25)
+    missing = [r["peer_id"] for r in records] + ["unread"]
+    ended = asyncio.run(patience.never_coming(125, missing))
+    assert sorted(ended) == ["done", "gone-on", "left-at-100"] and patience.finished == {"done"}

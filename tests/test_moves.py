@@ -44,12 +44,11 @@ def test_a_peer_downloads_only_the_layers_its_old_range_lacked_over_its_own_link
     assert cost.seconds == pytest.approx(MOVE_PAUSE_S + 8000 * 1.25 / 400)
 
 
-def test_the_plan_in_force_and_one_that_only_drops_a_cluster_cost_nothing():
+def test_the_plan_in_force_costs_nothing_and_dropping_a_cluster_only_pauses():
     in_force = [[("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))]]
     links = {name: 400.0 for name in "abcd"}
     assert move_cost(in_force, in_force, links, PRICE) == MoveCost(0.0, 0.0, 0)
-    # the cluster kept trains on, and the dropped one's peers go to standby: nobody stops to move
-    assert move_cost(in_force, in_force[:1], links, PRICE) == MoveCost(0.0, 0.0, 0)
+    assert move_cost(in_force, in_force[:1], links, PRICE) == MoveCost(MOVE_PAUSE_S, 0.0, 0)
     # the same layers in a cluster of other stages is another place: its neighbours change
     swapped = [[("a", (0, 16)), ("d", (16, 32))], [("c", (0, 16)), ("b", (16, 32))]]
     assert move_cost(in_force, swapped, links, PRICE) == MoveCost(MOVE_PAUSE_S, 0.0, 4)
@@ -205,3 +204,19 @@ def test_a_joiner_that_cannot_pay_back_its_moves_opens_no_round_and_moves_nobody
     after = placements(backbone, run)
     assert {name: after[name] for name in before} == before
     assert after["v4"][0] is None and after["v4"][3] == ()  # placed by no plan: a standby with no layers
+
+
+def test_a_drop_restarts_only_the_kept_clusters_whose_number_changes():
+    """A plan that drops a cluster moves nobody. The clusters it keeps train on where they keep their number; one
+    whose number changes restarts its stages (``same_slot``). The round says which, not a pause for every drop (a
+    walkthrough's round that dropped the last cluster said '10.0s without training' while both others trained on)."""
+    from ravnest_swarm.planning.round import restarted_in_place
+
+    def plan(*clusters):
+        return {"round": 1, "clusters": [[{"peer_id": p, "layers": list(layers)} for p, layers in c] for c in clusters]}
+
+    ab, cd = [("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))]
+    assert restarted_in_place(plan(ab, cd), plan(ab)) == []  # the last cluster dropped: cluster 0 trains on
+    assert restarted_in_place(plan(ab, cd), plan(cd)) == ["c", "d"]  # cluster 1 becomes cluster 0
+    # a peer on other layers is a move (``move_cost``), not a restart in place
+    assert restarted_in_place(plan(ab), plan([("a", (0, 12)), ("b", (12, 32))])) == []

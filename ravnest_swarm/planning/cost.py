@@ -279,7 +279,7 @@ Stages = Sequence[Tuple[str, Tuple[int, int]]]  # a cluster: (peer id, half-open
 class MoveCost:
     """What adopting a plan instead of the one in force costs.
 
-    :param seconds: how long training stops: the slowest download plus :data:`MOVE_PAUSE_S`, 0 if no peer moves
+    :param seconds: how long training stops: the slowest download plus :data:`MOVE_PAUSE_S`, 0 if no place changes
     :param download_gb: layer bytes all moved peers download together, GB
     :param moved: peers whose place (cluster, stage neighbours or layers) changes; a peer sent to standby is not one
     """
@@ -299,9 +299,8 @@ def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_
     old range lacked (all of them if it was standby), over its advertised link (``bandwidth_mbps``; a peer without
     one never finishes: inf).
     The swarm waits for the slowest download plus ``price.pause_s``: every cluster averages with the others,
-    and a moved stage's cluster cannot train without it. A plan that moves nobody (it only drops clusters, whose
-    peers go to standby) stops no stage: the clusters it keeps train on through the change (a walkthrough's round
-    that dropped a gone peer's cluster said "10.0s without training" while both others trained on).
+    and a moved stage's cluster cannot train without it. A plan that only drops clusters moves nobody but
+    still pauses.
     """
     def places(clusters: Sequence[Stages]) -> Dict[str, Tuple[Tuple[str, ...], Tuple[int, int]]]:
         return {peer: (tuple(p for p, _ in cluster), tuple(layers)) for cluster in clusters for peer, layers in cluster}
@@ -327,7 +326,8 @@ def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_
         total += gb
         link = bandwidth_mbps.get(peer, 0.0)
         slowest = max(slowest, 8000 * gb / link if link > 0 else (math.inf if gb > 0 else 0.0))
-    return MoveCost(price.pause_s + slowest if moved else 0.0, total, moved)
+    changed = moved > 0 or bool(set(before) - set(after))
+    return MoveCost(price.pause_s + slowest if changed else 0.0, total, moved)
 
 
 def horizon_throughput(throughput: float, move_seconds: float, horizon_s: float) -> float:

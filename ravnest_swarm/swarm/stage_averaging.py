@@ -611,10 +611,15 @@ class RecordPatience:
 
     async def never_coming(self, step: int, missing: List[str]) -> List[str]:
         records = await self._read(step, missing, NEVER_COMING_LOOK_S / 2)
-        ended = {m: records[m]["state"] for m in missing if m in records and records[m]["state"] in ("done", "leaving")}
-        self.finished.update(m for m, state in ended.items() if state == "done")
+        ended = {m: f"is {records[m]['state']}" for m in missing
+                 if m in records and records[m]["state"] in ("done", "leaving")}
+        self.finished.update(m for m in ended if records[m]["state"] == "done")
+        # a graceful leave stands still after its last round (``Volunteer._train_to_round``): a round after it never
+        # sees it. 0 is a leaver that did not know its next round yet, and takes the first one due
+        ended.update({m: f"leaves after round {records[m]['leaving_after_round']}" for m in missing
+                      if m in records and m not in ended and 0 < (records[m].get("leaving_after_round") or 0) < step})
         if ended:
-            logger.info(f"averaging round {step}: {', '.join(f'{m[-8:]} is {state}' for m, state in ended.items())} "
+            logger.info(f"averaging round {step}: {', '.join(f'{m[-8:]} {why}' for m, why in ended.items())} "
                         f"(its record): the ring waits for it no longer")
         return list(ended)
 

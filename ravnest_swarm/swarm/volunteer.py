@@ -85,8 +85,8 @@ HOLDER_LOOKUPS = 5
 SNAPSHOTS_KEPT = 3  # --snapshot-every: the newest snapshots kept in --snapshot-dir
 RATE_WINDOW = 30.0  # a published samples/s is the mean over this many seconds: a 2 s look flickers to 0 and back
 STALL_SECONDS = 15.0  # a stage that has not stepped this long says what its cluster waits for
-# a leave that has not stepped this long looks whether a peer of its cluster leaves too (``_mate_leaving``): a pipeline
-# waits a step's time for its neighbours, and a leaving neighbour's last round some seconds
+# a leave that has not stepped this long looks whether a peer of its cluster stops first (``_mate_stops_first``): a
+# pipeline waits a step's time for its neighbours, and a leaving neighbour's last round some seconds
 MATE_LEAVING_STALL_SECONDS = 3.0
 SPEC_RENEW_CHECK_SECONDS = 600.0  # how often a peer looks whether the spec it follows needs storing again
 DIVERGING_REPEATS, DIVERGING_STEPS = 3, 500  # this many restores within so many steps: a cluster that keeps diverging
@@ -1154,15 +1154,16 @@ class Volunteer:
         if worker is None or self._finished or timeout <= 0 or not self.spec.averaging_period \
                 or not self._averages_now():
             return None
-        started = seen = time.monotonic()
+        started = time.monotonic()
         why = None
         self._last_round = asyncio.get_running_loop().create_future()
-        # the round we expect; only its presence counts (the round taken is said once it is)
+        # the round we expect (0 where we do not know it yet), then the one taken: a partner's ring waits for us in
+        # no round after it (``RecordPatience.never_coming``), and no leaver counts us as a holder
         self.announcer.update(leaving_after_round=self.averaging.next_round or 0)
         self.say(f"{self.name}: leaving after our stage's next averaging round, so that the run's average holds what "
                  f"it trained since the last one (Ctrl-C again to leave now)")
         await until_set(self.announcer.renew(), leave_now, timeout=timeout)
-        step = worker.version
+        step, seen, looked = worker.version, time.monotonic(), 0.0  # the renewal may have taken seconds
         while not self._last_round.done() and not leave_now.is_set():
             now = time.monotonic()
             if worker.failure is not None or worker.finished.is_set():
@@ -1171,10 +1172,13 @@ class Volunteer:
                 seen, step = now, worker.version
             if now - started >= timeout or now - seen >= STALL_SECONDS:
                 break
-            if now - seen >= MATE_LEAVING_STALL_SECONDS:
-                why = await self._mate_leaving()
-                if why is not None:
+            if now - seen >= MATE_LEAVING_STALL_SECONDS and now - looked >= MATE_LEAVING_STALL_SECONDS:
+                looked = now
+                why = await self._mate_stops_first()
+                # a step or our round that began during the read: the wait goes on
+                if why is not None and worker.version == step and worker.scheduler.paused_since is None:
                     break
+                why = None
             self._publish_progress()  # partners gauge from our step how long we take to reach the round
             await until_set(asyncio.shield(self._last_round), leave_now, timeout=1.0)
         if not self._last_round.done():
@@ -1194,25 +1198,36 @@ class Volunteer:
                  f"run's average holds what we trained")
         return last
 
-    async def _mate_leaving(self) -> Optional[str]:
-        """Why we cannot reach our last round, if a peer of our cluster leaves too (its record says
-        ``leaving_after_round``, or it is leaving) or is gone: once it stands still at its own last round our stage
-        never steps again, and where its count's offset differs from ours we never reach our round (every peer
-        stopped at once: a soak's or ``local``'s end). None where every one trains, or the records could not be
-        read (the other bounds still hold)."""
-        if self.plan is None or self.placement is None:
+    async def _mate_stops_first(self) -> Optional[str]:
+        """Why our stage cannot reach our last round, if a peer of our cluster stops before it: one that is leaving
+        (it stopped its stage), that our planning rounds found gone, or that leaves after its own last round at a
+        step before our round's (its ``leaving_after_round`` plus its ``round_offset``, against ours: a count's
+        offset can differ by a few steps within a cluster, and every peer stopped at once at a soak's or
+        ``local``'s end waited for a round it never reached). None where none does, or its record is not read
+        within :data:`MATE_LEAVING_STALL_SECONDS` (the other bounds still hold)."""
+        averaging = self.averaging
+        if self.plan is None or self.placement is None or averaging.next_round is None:
             return None
         mates = {stage["peer_id"] for stage in self.plan["clusters"][self.placement[0]]} - {self.peer_id}
+        gone = mates & self._gone()
+        if gone:
+            return f"a peer of our cluster is gone ({', '.join(sorted(p[-8:] for p in gone))})"
         try:
-            records = {record["peer_id"]: record for record in await self.announcer.read_peers(peer_ids=mates)
-                       if record["peer_id"] in mates} if mates else {}
-        except Exception as e:  # a DHT hiccup: the stall bound still ends the wait
-            logger.warning(f"reading our cluster's records while leaving failed: {type(e).__name__}: {e}")
+            records = await asyncio.wait_for(self.announcer.read_peers(peer_ids=mates), MATE_LEAVING_STALL_SECONDS) \
+                if mates else []
+        except Exception as e:  # a DHT hiccup or a slow read: the stall bound still ends the wait
+            logger.info(f"reading our cluster's records while leaving failed: {type(e).__name__}: {e}")
             return None
-        if len(records) < len(mates):
-            return "a peer of our cluster is gone"
-        return next((f"{record['name']} of our cluster leaves too" for record in records.values()
-                     if record["state"] == "leaving" or record.get("leaving_after_round") is not None), None)
+        ours = averaging.next_round + averaging.offset
+        for record in records:
+            if record["peer_id"] not in mates:
+                continue
+            if record["state"] == "leaving":
+                return f"{record['name']} of our cluster stopped its stage"
+            last = record.get("leaving_after_round") or 0
+            if last and last + (record.get("round_offset") or 0) < ours:
+                return f"{record['name']} of our cluster stands still at its own last round, before ours"
+        return None
 
     async def _hand_over(self, leave_now: asyncio.Event, last_round: Optional[LastRound]) -> None:
         """Serve the layers we trained until another peer holds them (``hand_over.py``), unless we trained nothing
