@@ -221,8 +221,7 @@ class ProcessGroup:
                     process.popen.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
-                process.kill_group()
-        finally:  # a second Ctrl-C during the grace: nothing we started outlives us
+        finally:  # then, or at a second Ctrl-C during the grace: nothing we started outlives us
             for process in self.processes:
                 process.kill_group()
         if self.owns_launcher and self.launcher is not None:

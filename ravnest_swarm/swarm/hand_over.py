@@ -29,7 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from ravnest_swarm.lifecycle import until_set
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.pipeline.stage import StageWorker
-from ravnest_swarm.swarm.placement import holders_of
+from ravnest_swarm.swarm.placement import holders_of, staying
 from ravnest_swarm.swarm.stage_averaging import LastRound
 
 logger = logging.getLogger(__name__)
@@ -128,10 +128,9 @@ async def hand_over(announcer: PeerAnnouncer, worker: StageWorker, name: str, co
                         for layer in ours_alone):
                     taker = None  # their records say they hold our layers, but none of ours alone went out whole
                 awaited = taker is not None and state_awaited is not None and await state_awaited(peers, placed)
-                # a peer training on to its last round before it leaves (``leaving_after_round``) takes nothing
-                # either: counted as staying, it kept every hand-over of a whole swarm stopped at once waiting
-                if (taker is not None and not awaited) or not any(
-                        p["state"] != "leaving" and p.get("leaving_after_round") is None for p in peers):
+                # a peer training on to its last round before it leaves takes nothing either: counted as staying,
+                # it kept every hand-over of a whole swarm stopped at once waiting
+                if (taker is not None and not awaited) or not any(staying(p) for p in peers):
                     break  # handed over, or nobody is left who could take them
             await until_set(leave_now.wait(), leave_now, timeout=1.0)
     if taker is not None:

@@ -201,14 +201,18 @@ def arrival_wait(step: int, missing: List[str], records: Dict[str, Dict], microb
     return min(2 * wait + heartbeat, limit) if wait + heartbeat <= limit else 0.0
 
 
+def staying(record: Dict) -> bool:
+    """Whether a peer's record says it stays: not leaving, nor about to (``leaving_after_round``: it trains on to
+    its last averaging round, then leaves). Only such a peer can take a leaver's layers."""
+    return record["state"] != "leaving" and record.get("leaving_after_round") is None
+
+
 def holders_of(peers: List[Dict], start: int, end: int, step: int) -> Optional[List[str]]:
-    """Names of peers (not leaving, nor about to: ``leaving_after_round``) whose records together hold every layer
-    of ``start:end`` at ``step`` or later, or None while some layer has no such holder: then a leaving peer's work
-    would be lost."""
+    """Names of peers that stay (:func:`staying`) whose records together hold every layer of ``start:end`` at
+    ``step`` or later, or None while some layer has no such holder: then a leaving peer's work would be lost."""
     names = set()
     for layer in range(start, end):
-        holders = [p["name"] for p in peers if p["state"] != "leaving" and p.get("leaving_after_round") is None
-                   and p.get("layers")
+        holders = [p["name"] for p in peers if staying(p) and p.get("layers")
                    and p["layers"][0] <= layer < p["layers"][1] and (p.get("step") or 0) >= step]
         if not holders:
             return None

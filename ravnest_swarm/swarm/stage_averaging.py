@@ -180,11 +180,12 @@ class StageAveraging:
         self.offset = 0
         self._aligned: Optional[Tuple[StageWorker, Optional[dict]]] = None
         self._aligning: Optional[asyncio.Task] = None
-        # our count said in our record at once, not at the next heartbeat (:meth:`_say_count`); a kept round too
+        # our count said in our record at once, not at the next heartbeat (:meth:`_say_count`)
         self._said_next_round: Optional[int] = None
         # a round already due when our alignment ended (the read took a while as we trained on): it starts late at
         # our next boundary without moving our count (``_started``)
         self._due_at_alignment: Optional[int] = None
+        # our record renewed now, not at the next heartbeat (:meth:`_renew_soon`): a new count, a kept round
         self._record_changed = False
         self._renewing: Optional[asyncio.Task] = None
 
