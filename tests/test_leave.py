@@ -130,6 +130,49 @@ def test_a_ctrl_c_in_a_run_of_two_clusters_averages_the_leavers_work_into_the_ru
         assert "Traceback" not in volunteers[name].stderr() and "unexpected" not in volunteers[name].stderr(), name
 
 
+FAILED_ROUND = re.compile(r"averaging at step \d+ failed: (.*)$", re.M)
+
+
+@pytest.mark.timeout(300)
+def test_the_partners_of_a_graceful_leaver_lose_no_averaging_round_to_its_leave(swarm):
+    """Three clusters of one stage, rounds beside training. A Ctrl-C of cluster 0's peer: after its last round, the
+    others begin the next with it still in their rings; once it has gone, their rings go on without it (its record
+    says it leaves), and no round fails. Before, planning's finding it gone gave up that round at each of them: one
+    failed round per partner per leave (both walkthroughs, and every soak's Ctrl-C). The plan that drops its cluster
+    renumbers cluster 2 into the gap, and that one trains on under its new number: before, it restarted its stage,
+    and a partner's round failed against it meanwhile."""
+    extra = ("--min-peers", "3", "--max-stages", "1", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", ram_fraction=1.2, steps=100_000, extra=extra) for i in range(3)}
+    peers = swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 3 and
+                                   all((p.get("averaging_rounds") or 0) >= 3 for p in placed(peers).values()),
+                                   200, "three clusters of one stage that averaged three times")
+    (leaver,) = [name for name, peer in placed(peers).items() if peer["cluster"] == 0]
+    (last,) = [name for name, peer in placed(peers).items() if peer["cluster"] == 2]
+    stayers = sorted(set(volunteers) - {leaver})
+    plan_before = peers[last]["plan_round"]
+    failed_before = {name: len(FAILED_ROUND.findall(volunteers[name].stderr())) for name in stayers}
+    os.killpg(volunteers[leaver].pid, signal.SIGINT)
+    volunteers[leaver].wait_for_output(rf"^{leaver}: our last averaging round \(round \d+, our step \d+\) averaged", 60,
+                                       stream="stderr")
+    assert volunteers[leaver].wait(30) == 0
+    # planning finds the leaver gone within a few polls, while a round beside training is in flight at nearly every
+    # moment; then a plan round drops its cluster, the others train on: ten rounds each after that cover both
+    volunteers[last].wait_for_output(rf"^{last}: plan round {plan_before + 1} keeps us in place: cluster 0 \(cluster 2 "
+                                     r"before\) stage 0/1 layers 0:\d+ trains on; 3 -> 2 clusters", 90, stream="stderr")
+    averaged_then = {name: volunteers[name].stderr().count("segments averaged") for name in stayers}
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and any(volunteers[name].stderr().count("segments averaged") <
+                                              averaged_then[name] + 10 for name in stayers):
+        time.sleep(0.5)
+    for name in stayers:
+        said = volunteers[name].stderr()
+        assert said.count("segments averaged") >= averaged_then[name] + 10, (name, said[-3000:])
+        assert FAILED_ROUND.findall(said)[failed_before[name]:] == [], (name, said[-3000:])
+        assert f"round {plan_before + 1} moves nobody: the clusters it keeps train on" in said, name
+        assert "Traceback" not in said and "unexpected" not in said, name
+    assert f"{last}: training cluster" not in volunteers[last].stderr().split("keeps us in place")[-1]
+
+
 @pytest.mark.timeout(300)
 def test_a_leave_whose_cluster_mate_already_stands_still_at_its_last_round_stops_waiting_for_its_own(swarm):
     """Two clusters of two stages. A Ctrl-C of one cluster's first stage: it takes its last round and stands still,

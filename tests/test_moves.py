@@ -13,7 +13,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from commands import ravnest
 from ravnest_swarm.membership.records import RunSpecRecord
 from ravnest_swarm.planning.cost import (
-    MOVE_PAUSE_S, MoveCost, MovePrice, Peer, Workload, horizon_throughput, move_cost, pays_back, swarm_throughput,
+    MOVE_PAUSE_S, MoveCost, MovePrice, Peer, Workload, horizon_throughput, kept_places, move_cost, pays_back,
+    swarm_throughput,
 )
 from ravnest_swarm.planning.ga import GAConfig, IslandGA, SwarmArrays
 from ravnest_swarm.planning.greedy import greedy_plan
@@ -44,11 +45,13 @@ def test_a_peer_downloads_only_the_layers_its_old_range_lacked_over_its_own_link
     assert cost.seconds == pytest.approx(MOVE_PAUSE_S + 8000 * 1.25 / 400)
 
 
-def test_the_plan_in_force_costs_nothing_and_dropping_a_cluster_only_pauses():
+def test_the_plan_in_force_costs_nothing_and_so_does_dropping_a_cluster():
     in_force = [[("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))]]
     links = {name: 400.0 for name in "abcd"}
     assert move_cost(in_force, in_force, links, PRICE) == MoveCost(0.0, 0.0, 0)
-    assert move_cost(in_force, in_force[:1], links, PRICE) == MoveCost(MOVE_PAUSE_S, 0.0, 0)
+    # the kept cluster trains on, the last one or renumbered into the dropped one's gap (``follow_clusters``)
+    assert move_cost(in_force, in_force[:1], links, PRICE) == MoveCost(0.0, 0.0, 0)
+    assert move_cost(in_force, in_force[1:], links, PRICE) == MoveCost(0.0, 0.0, 0)
     # the same layers in a cluster of other stages is another place: its neighbours change
     swapped = [[("a", (0, 16)), ("d", (16, 32))], [("c", (0, 16)), ("b", (16, 32))]]
     assert move_cost(in_force, swapped, links, PRICE) == MoveCost(MOVE_PAUSE_S, 0.0, 4)
@@ -118,7 +121,7 @@ def test_the_ga_objective_counts_moves_so_keeping_placed_peers_wins_a_tie():
     weighed, _, _ = arrays.evaluate(population.copy())
     assert weighed[0] == pytest.approx(raw[0])
     assert weighed[1] == pytest.approx(raw[1] * (600.0 - MOVE_PAUSE_S - 100.0) / 600.0)
-    assert weighed[2] == pytest.approx(raw[2] * (600.0 - MOVE_PAUSE_S) / 600.0)  # dropping a cluster pauses
+    assert weighed[2] == pytest.approx(raw[2])  # dropping a cluster stops nobody
 
     pricing = Pricing(WORKLOAD, uniform_layers(32, WORKLOAD), PRICE)
     record = {"round": 1, "time": 0.0, "clusters": [
@@ -206,17 +209,16 @@ def test_a_joiner_that_cannot_pay_back_its_moves_opens_no_round_and_moves_nobody
     assert after["v4"][0] is None and after["v4"][3] == ()  # placed by no plan: a standby with no layers
 
 
-def test_a_drop_restarts_only_the_kept_clusters_whose_number_changes():
-    """A plan that drops a cluster moves nobody. The clusters it keeps train on where they keep their number; one
-    whose number changes restarts its stages (``same_slot``). The round says which, not a pause for every drop (a
-    walkthrough's round that dropped the last cluster said '10.0s without training' while both others trained on)."""
-    from ravnest_swarm.planning.round import restarted_in_place
-
-    def plan(*clusters):
-        return {"round": 1, "clusters": [[{"peer_id": p, "layers": list(layers)} for p, layers in c] for c in clusters]}
-
-    ab, cd = [("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))]
-    assert restarted_in_place(plan(ab, cd), plan(ab)) == []  # the last cluster dropped: cluster 0 trains on
-    assert restarted_in_place(plan(ab, cd), plan(cd)) == ["c", "d"]  # cluster 1 becomes cluster 0
-    # a peer on other layers is a move (``move_cost``), not a restart in place
-    assert restarted_in_place(plan(ab), plan([("a", (0, 12)), ("b", (12, 32))])) == []
+def test_the_peers_a_plan_keeps_in_place_are_those_of_kept_clusters_whatever_their_number():
+    """A plan that drops a cluster keeps every other where it is, the one renumbered into its gap too: its stages
+    follow the new number in place (``StageWorker.follow_clusters``). Before, a renumbered cluster restarted its
+    stages, and a walkthrough's drop said '10.0s without training'. The volunteer (``placement.kept_in_place``),
+    the round's price (``move_cost``) and the GA's estimate agree on it."""
+    ab, cd, ef = [("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))], [("e", (0, 32))]
+    assert kept_places([ab, cd], [ab]) == {"a", "b"}
+    assert kept_places([ab, cd, ef], [ab, ef]) == {"a", "b", "e"}  # e: cluster 2 is cluster 1 now
+    # a joiner in a gone peer's place: the others keep theirs
+    assert kept_places([ab, cd], [ab, [("c", (0, 16)), ("x", (16, 32))]]) == {"a", "b", "c"}
+    # mates swapped, or other layers: those stages move (restart, or download), they do not train on
+    assert kept_places([ab, cd], [[("a", (0, 16)), ("d", (16, 32))], [("c", (0, 16)), ("b", (16, 32))]]) == set()
+    assert kept_places([ab], [[("a", (0, 12)), ("b", (12, 32))]]) == set()

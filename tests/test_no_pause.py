@@ -2,15 +2,18 @@
 leaves its stage worker running. Before, a placed peer stopped and restarted its worker whenever the adopted plan
 changed anything about it, such as the number of clusters when a joiner formed one more."""
 
+import asyncio
 import re
 import time
+from types import SimpleNamespace as Request
 import pytest
 
 from ravnest_swarm.models.data import ShardedSampler
 from ravnest_swarm.pipeline.config import StageConfig
+from ravnest_swarm.pipeline.messaging import MessageError
 from ravnest_swarm.pipeline.worker import StageWorker
 from ravnest_swarm.planning.moves import kept_cluster_numbers
-from ravnest_swarm.swarm.placement import same_slot
+from ravnest_swarm.swarm.placement import kept_in_place
 from ravnest_swarm.swarm.spec import cluster_lr
 from test_swarm import placed, swarm  # noqa: F401 (a fixture)
 
@@ -18,27 +21,45 @@ KEPT = ("p0", "p1")
 ROUND_SECONDS = 6  # test_swarm's join
 
 
-def test_a_placement_of_the_same_stage_among_more_clusters_is_the_same_slot():
-    assert same_slot((0, 1, 2, (2, 4), 2), (0, 1, 2, (2, 4), 3))
-    assert not same_slot((0, 1, 2, (2, 4), 2), (1, 1, 2, (2, 4), 2))  # another cluster
-    assert not same_slot((0, 1, 2, (2, 4), 2), (0, 1, 3, (2, 4), 2))  # a cluster of other stages
-    assert not same_slot((0, 1, 2, (2, 4), 2), (0, 1, 2, (1, 4), 2))  # other layers
-    assert not same_slot(None, (0, 1, 2, (2, 4), 2)) and not same_slot((0, 1, 2, (2, 4), 2), None)
+def test_a_stage_is_kept_in_place_by_a_plan_of_more_or_fewer_clusters_whatever_its_number():
+    def plan(*clusters):
+        return dict(round=1, clusters=stages(*clusters))
+
+    ab, c, d = [("a", 0, 4), ("b", 4, 9)], [("c", 0, 9)], [("d", 0, 9)]
+    assert kept_in_place(plan(ab), plan(ab, c), "a")  # one cluster more
+    assert kept_in_place(plan(c, ab), plan(ab), "b")  # cluster 1 is cluster 0 now: it trains on
+    assert kept_in_place(plan(ab, c), plan([("a", 0, 4), ("d", 4, 9)], c), "a")  # d takes gone b's place
+    assert kept_in_place(plan(ab, c), plan([("a", 0, 4), ("c", 4, 9)]), "a")  # c took gone b's place
+    assert not kept_in_place(plan(ab, c), plan([("a", 0, 4), ("c", 4, 9)], [("b", 0, 9)]), "a")  # mates swapped
+    assert not kept_in_place(plan(ab), plan([("a", 0, 5), ("b", 5, 9)]), "a")  # other layers
+    assert not kept_in_place(plan(ab), plan(c, d), "a") and not kept_in_place(None, plan(ab), "a")
 
 
-def test_a_running_worker_follows_a_new_number_of_clusters_from_its_next_step():
+def test_a_running_worker_follows_a_new_number_of_clusters_and_its_own_new_number_from_its_next_step():
     # not started: following the clusters touches neither the network nor the compute thread
     worker = StageWorker(StageConfig(run="r", stage=0, stages=1, model="mlp-digits", layers=(0, 1), cluster=1,
                                      clusters=2), node=None)
     try:
         worker.resume_at(50)
         worker.compute.version = 70  # it trained 20 steps among 2 clusters
-        worker.follow_clusters(3)
+        asyncio.run(worker.follow_clusters(1, 3))
         assert worker.config.clusters == 3 and worker.clusters_since == 70  # warmup's lr rule counts from here
         # stage 0 draws cluster 1's share among 3 from its next microbatch
         assert worker.scheduler.sampler.sample_ids(71) == ShardedSampler(worker.scheduler.sampler.size, 1, 3,
                                                                          16).sample_ids(71)
         assert cluster_lr(0.1, 3, "warmup", worker.version - worker.clusters_since) == 0.1  # the ramp starts again
+        # cluster 0 dropped: ours is cluster 0 of 2 now, its share of the data that one, its sends name it, and a
+        # neighbour's message that still names cluster 1 is taken
+        worker.compute.version = 90
+        asyncio.run(worker.follow_clusters(0, 2))
+        assert (worker.config.cluster, worker.config.clusters, worker.clusters_since) == (0, 2, 90)
+        assert worker.outbox.resolver.cluster == 0
+        assert worker.scheduler.sampler.sample_ids(91) == ShardedSampler(worker.scheduler.sampler.size, 0, 2,
+                                                                         16).sample_ids(91)
+        for cluster in (0, 1):
+            worker.inbox._check_address(Request(run="r", cluster=cluster, stage=0))
+        with pytest.raises(MessageError, match="cluster 2 stage 0, but this is run 'r' cluster 0 stage 0"):
+            worker.inbox._check_address(Request(run="r", cluster=2, stage=0))
     finally:
         worker.compute.close()
 

@@ -72,17 +72,25 @@ class Expected:
     :param left_out: members of the plan's rings (all of them may be given: those in ``rings`` are not left out);
         the others, the clusters of peers this peer found gone, may be named in a vote, which is answered with
         our own (``Mailbox.left_out_of``)
+    :param held: the round this peer is in and its rings, where they are not ``rings``: a round goes on in the rings
+        it began in (a partner that left gracefully is left out by the ring itself, not by new rings of the others)
     """
 
     def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int,
-                 left_out: Sequence[str] = ()):
+                 left_out: Sequence[str] = (), held: Optional[Tuple[int, Sequence[Ring]]] = None):
         self.first_step, self.last_step = first_step, last_step
         # our rings' members by ring index; everyone the plan puts in a ring (a sender in none is a stranger)
         self.rings: Dict[int, FrozenSet[str]] = {ring.index: frozenset(ring.members) for ring in rings
                                                  if peer_id in ring.members}
-        self.planned: FrozenSet[str] = frozenset(member for ring in rings for member in ring.members)
-        self.partners = len(set().union(*self.rings.values()) - {peer_id})
+        self.held_step, held_rings = held if held is not None else (None, [])
+        self.held_rings = {ring.index: frozenset(ring.members) for ring in held_rings}
+        self.planned: FrozenSet[str] = frozenset(member for ring in (*rings, *held_rings) for member in ring.members)
+        self.partners = len(set().union(*self.rings.values(), *self.held_rings.values()) - {peer_id})
         self.left_out: FrozenSet[str] = frozenset(left_out) - self.planned
+
+    def members(self, step: int, ring: int) -> Optional[FrozenSet[str]]:
+        """The members of our ring ``ring`` in round ``step``; None: we have no such ring."""
+        return (self.held_rings if step == self.held_step else self.rings).get(ring)
 
 
 class Inbox:
@@ -261,7 +269,7 @@ class Mailbox:
         expected = self.expecting()
         if expected is None:
             raise ValueError(NOT_EXPECTING)
-        members = expected.rings.get(message.ring)
+        members = expected.members(message.step, message.ring)
         if members is None or sender not in members:
             if sender in expected.planned:  # a partner in another ring: one of us follows another plan
                 raise ValueError(f"{sender[-8:]} {OTHER_RING} {message.ring} with this peer in the plan it follows")

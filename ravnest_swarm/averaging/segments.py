@@ -26,7 +26,9 @@ class Ring:
     :param index: segment number, in vector order
     :param start: first element of the segment in the flat vector
     :param end: one past its last element
-    :param members: the segment's owner in each cluster, in cluster order (the ring order)
+    :param members: the segment's owner in each cluster, ordered by peer id (the ring order): a plan that
+        renumbers clusters (one dropped, another moved into its gap) keeps every ring as it was, so a round in
+        flight goes on through it
     """
 
     index: int
@@ -89,7 +91,7 @@ def build_rings(clusters: Sequence[Sequence[OwnedRange]], total: int) -> List[Ri
     rings = []
     for index, (start, end) in enumerate(zip(cuts, cuts[1:])):
         # a segment lies inside one range of each cluster, because no cluster cuts inside it
-        members = tuple(next(owner for owner, lo, hi in cluster if lo <= start < hi) for cluster in clusters)
+        members = tuple(sorted(next(owner for owner, lo, hi in cluster if lo <= start < hi) for cluster in clusters))
         rings.append(Ring(index, start, end, members))
     return rings
 

@@ -44,6 +44,8 @@ class StageConfig:
     :param run: run name (prefix of the DHT keys)
     :param cluster: this stage's cluster; it only talks to stages of the same cluster
     :param clusters: number of clusters (for sharding the data by sample id)
+    :param previous_cluster: the number this stage's cluster had before a plan renumbered it in place
+        (``StageWorker.follow_clusters``): messages that name it are still taken from its neighbours
     :param stage: this stage's index in the pipeline
     :param stages: number of stages
     :param model: the run's model (``models.load_model``: a zoo name or a user's ``module:function``)
@@ -93,6 +95,7 @@ class StageConfig:
     data: Optional[str] = None
     cluster: int = 0
     clusters: int = 1
+    previous_cluster: Optional[int] = None
     microbatch_size: int = 16
     microbatches: int = 0
     max_in_flight: int = 4

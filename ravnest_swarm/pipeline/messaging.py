@@ -188,7 +188,8 @@ class Inbox:
 
     def _check_address(self, request: Request) -> None:
         config = self.config
-        if (request.run, request.cluster, request.stage) != (config.run, config.cluster, config.stage):
+        cluster = config.previous_cluster if request.cluster == config.previous_cluster else config.cluster
+        if (request.run, request.cluster, request.stage) != (config.run, cluster, config.stage):
             raise MessageError(
                 f"addressed to run {request.run!r} cluster {request.cluster!r} stage {request.stage!r}"
                 f"{MISADDRESSED} {config.run!r} cluster {config.cluster} stage {config.stage}")

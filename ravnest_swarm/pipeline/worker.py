@@ -126,16 +126,30 @@ class StageWorker:
         if neighbours.next != before.next:
             self.scheduler.receiver_replaced()
 
-    def follow_clusters(self, clusters: int) -> None:
-        """Draw this cluster's share of the data among ``clusters`` from the next microbatch stage 0 injects (a new
-        plan added or dropped a cluster and kept this stage in place); the volunteer's lr rule reads
-        ``config.clusters`` at the next optimizer step."""
-        if clusters == self.config.clusters:
-            return
-        self.config.clusters, self.clusters_since = clusters, self.version
-        sampler = self.scheduler.sampler
-        self.scheduler.sampler = ShardedSampler(sampler.size, self.config.cluster, clusters, sampler.microbatch_size,
-                                                sampler.seed)
+    async def follow_clusters(self, cluster: int, clusters: int) -> None:
+        """Go on as cluster ``cluster`` of ``clusters`` (a new plan added, dropped or renumbered clusters and kept
+        this stage in place): stage 0 draws that cluster's share of the data from the next microbatch it injects,
+        and the volunteer's lr rule reads ``config.clusters`` at the next optimizer step. A new number is our
+        endpoint's key from now on, published at once; messages naming the old one are still taken (a neighbour
+        adopts the plan a moment later, and its messages in flight name it), and ours name the new one (one that
+        has not adopted it yet refuses them, and our sends retry)."""
+        config = self.config
+        if clusters != config.clusters:
+            self.clusters_since = self.version
+        renumbered = cluster != config.cluster
+        if renumbered:
+            logger.info(f"stage {config.stage}: cluster {config.cluster} is cluster {cluster} now")
+            config.previous_cluster, config.cluster = config.cluster, cluster
+            self.outbox.resolver.cluster = cluster
+        if renumbered or clusters != config.clusters:
+            config.clusters, sampler = clusters, self.scheduler.sampler
+            self.scheduler.sampler = ShardedSampler(sampler.size, cluster, clusters, sampler.microbatch_size,
+                                                    sampler.seed)
+        if renumbered and self._tasks:  # started: neighbours that resolve us again find us under the new number
+            try:
+                await self._publish()
+            except Exception as e:  # the heartbeat publishes it again
+                logger.warning(f"publishing the stage endpoint under cluster {cluster} failed: {e}")
 
     async def shutdown(self) -> None:
         # inbound streams outlive their handler's removal: left open, a sender's long-lived stream would go

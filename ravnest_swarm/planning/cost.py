@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 # sums of fractions are compared with 1 with this slack, so a cluster whose RAM is exactly M stays feasible
 FEASIBILITY_SLACK = 1e-12
@@ -289,19 +289,12 @@ class MoveCost:
     moved: int
 
 
-def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_mbps: Dict[str, float],
-              price: MovePrice) -> MoveCost:
-    """The cost of going from the plan ``in_force`` to ``proposed`` (both as clusters of :data:`Stages`).
-
-    A peer keeps its place when it holds the same layers in a cluster of the same stages as before, or of the same
-    stages but for peers ``proposed`` no longer places (a joiner taking a gone peer's place: the others train on,
-    ``swarm.placement.same_slot``); any other placed peer moves and downloads the layers of its new range that its
-    old range lacked (all of them if it was standby), over its advertised link (``bandwidth_mbps``; a peer without
-    one never finishes: inf).
-    The swarm waits for the slowest download plus ``price.pause_s``: every cluster averages with the others,
-    and a moved stage's cluster cannot train without it. A plan that only drops clusters moves nobody but
-    still pauses.
-    """
+def kept_places(in_force: Sequence[Stages], proposed: Sequence[Stages]) -> FrozenSet[str]:
+    """The peers ``proposed`` keeps where ``in_force`` placed them: on the same layers in a cluster of as many stages,
+    with the same peer at each of its stages but for peers ``proposed`` no longer places (a joiner taking a gone
+    peer's place). Their stages train on through the change (``swarm.placement.kept_in_place``), whatever number
+    their cluster has now and however many clusters there are: a plan that drops a cluster renumbers the one it moves
+    into the gap, and that one trains on too (``StageWorker.follow_clusters``)."""
     def places(clusters: Sequence[Stages]) -> Dict[str, Tuple[Tuple[str, ...], Tuple[int, int]]]:
         return {peer: (tuple(p for p, _ in cluster), tuple(layers)) for cluster in clusters for peer, layers in cluster}
 
@@ -312,22 +305,36 @@ def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_
             return False
         return all(old == new or old not in after for old, new in zip(before[peer][0], stages))
 
+    return frozenset(peer for peer, (stages, layers) in after.items() if kept(peer, stages, layers))
+
+
+def move_cost(in_force: Sequence[Stages], proposed: Sequence[Stages], bandwidth_mbps: Dict[str, float],
+              price: MovePrice) -> MoveCost:
+    """The cost of going from the plan ``in_force`` to ``proposed`` (both as clusters of :data:`Stages`).
+
+    A peer :func:`kept_places` keeps trains on; any other placed peer moves and downloads the layers of its new
+    range that its old range lacked (all of them if it was standby), over its advertised link (``bandwidth_mbps``; a
+    peer without one never finishes: inf). The swarm waits for the slowest download plus ``price.pause_s``: every
+    cluster averages with the others, and a moved stage's cluster cannot train without it. A plan that only drops
+    clusters moves nobody and costs nothing: the clusters it keeps train on, renumbered or not.
+    """
+    held = {peer: tuple(layers) for cluster in in_force for peer, layers in cluster}
+    kept = kept_places(in_force, proposed)
     prefix = [0.0]
     for gb in price.layer_download_gb:
         prefix.append(prefix[-1] + gb)
     moved, slowest, total = 0, 0.0, 0.0
-    for peer, (stages, (first, last)) in after.items():
-        if kept(peer, stages, (first, last)):
+    for peer, (first, last) in ((peer, tuple(layers)) for cluster in proposed for peer, layers in cluster):
+        if peer in kept:
             continue
         moved += 1
-        held_first, held_last = before[peer][1] if peer in before else (0, 0)
+        held_first, held_last = held.get(peer, (0, 0))
         kept_first, kept_last = max(first, held_first), min(last, held_last)  # layers it holds already
         gb = prefix[last] - prefix[first] - (prefix[kept_last] - prefix[kept_first] if kept_last > kept_first else 0)
         total += gb
         link = bandwidth_mbps.get(peer, 0.0)
         slowest = max(slowest, 8000 * gb / link if link > 0 else (math.inf if gb > 0 else 0.0))
-    changed = moved > 0 or bool(set(before) - set(after))
-    return MoveCost(price.pause_s + slowest if changed else 0.0, total, moved)
+    return MoveCost(price.pause_s + slowest if moved else 0.0, total, moved)
 
 
 def horizon_throughput(throughput: float, move_seconds: float, horizon_s: float) -> float:

@@ -65,7 +65,8 @@ class SwarmArrays:
         ``in_force`` lists that plan's clusters as (columns of their live members, their size in the plan): a
         cluster that lost a member can never be kept. A cluster is kept when a plan has exactly its members;
         every member of any other cluster moves and, as an estimate, downloads an even share of the model's
-        bytes over its link; any change pauses the swarm for the slowest download plus ``price.pause_s``
+        bytes over its link; any move pauses the swarm for the slowest download plus ``price.pause_s``, and a plan
+        that only drops clusters costs nothing (the kept ones train on, renumbered or not)
         (``cost.move_cost`` is the exact figure the round adopts by; this is its vectorised estimate).
         """
         self.held = np.full(self.size, STANDBY, dtype=np.int64)
@@ -160,9 +161,8 @@ class SwarmArrays:
         with np.errstate(divide="ignore"):
             download = np.where(moved, 8000 * price.download_gb / count[segment_of] / self.bandwidth[peer], 0.0)
         slowest = download.reshape(individuals, self.size).max(axis=1)
-        kept = np.bincount(rows[starts][in_plan & unchanged], minlength=individuals)
         changed = moved.reshape(individuals, self.size).any(axis=1)
-        seconds = np.where(changed | (kept < len(self.held_sizes)), price.pause_s + slowest, 0.0)
+        seconds = np.where(changed, price.pause_s + slowest, 0.0)
         return np.maximum(0.0, price.horizon_s - seconds) / price.horizon_s
 
 

@@ -74,9 +74,9 @@ def in_force_throughput(plan: Optional[dict], peers: Dict[str, Peer], workload: 
 def kept_cluster_numbers(clusters: List[List[dict]], in_force: Optional[dict]) -> List[List[dict]]:
     """A new plan record's ``clusters`` (stages as ``dict(peer_id, layers)``) in the order that lets a cluster of
     the plan ``in_force`` (the same peers in the same order, but for gone peers' places) keep its number where the
-    new plan has that many: its stages on the same layers then keep their place and train on
-    (``swarm.placement.same_slot``), where a cluster renumbered would restart every stage. The other clusters take
-    the numbers left, in their order. Every adopter orders the same, having the same plan in force."""
+    new plan has that many: its stages keep their endpoints' keys and their shares of the data. A kept cluster whose
+    number is gone takes one left free, and trains on under it (``StageWorker.follow_clusters``); the other clusters
+    take the numbers left, in their order. Every adopter orders the same, having the same plan in force."""
     if in_force is None:
         return clusters
     placed = {stage["peer_id"] for cluster in clusters for stage in cluster}

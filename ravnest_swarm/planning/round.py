@@ -56,17 +56,6 @@ PLAN_COPIES = 3  # adopters that write a copy of each round's plan; the others o
 ROUND_GA = GAConfig(islands=2, population=16, max_generations=10**9, stall_generations=1000)
 
 
-def restarted_in_place(in_force: dict, adopted: dict) -> List[str]:
-    """Peers placed by both plans on the same layers whose stage changes all the same (another cluster number,
-    stage or cluster length): their stages restart (``swarm.placement.same_slot``), with nothing to download."""
-    def slots(plan: dict) -> Dict[str, Tuple[int, int, int, Tuple[int, ...]]]:
-        return {stage["peer_id"]: (number, index, len(cluster), tuple(stage["layers"]))
-                for number, cluster in enumerate(plan["clusters"]) for index, stage in enumerate(cluster)}
-    before, after = slots(in_force), slots(adopted)
-    return sorted(peer for peer, slot in after.items() if peer in before and before[peer] != slot
-                  and before[peer][3] == slot[3])
-
-
 @dataclass
 class RoundOptions:
     """How a volunteer takes part in planning rounds.
@@ -614,8 +603,7 @@ class PlanningRounds:
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {plan.swarm_throughput:.9e} hash {digest} "
                  f"clusters {len(clusters)} members {member_names}")
-        if in_force is not None and cost.moved == 0 and not restarted_in_place(in_force, record):
-            # the estimate's pause for a dropped cluster (``cost.move_cost``) applies to no stage here
+        if in_force is not None and cost.moved == 0:
             self.say(f"round {round_number} moves nobody: the clusters it keeps train on")
         elif in_force is not None:
             self.say(f"round {round_number} moves {cost.moved} peer(s): {memory(cost.download_gb)} to download, "

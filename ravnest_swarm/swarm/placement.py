@@ -14,7 +14,8 @@ from ravnest_swarm.models import ModelSpec
 from ravnest_swarm.optimizers.inner import STATE_COPIES
 from ravnest_swarm.optimizers.outer import state_copies as outer_state_copies
 from ravnest_swarm.pipeline.config import Neighbours
-from ravnest_swarm.planning.cost import Workload
+from ravnest_swarm.planning.cost import Workload, kept_places
+from ravnest_swarm.planning.moves import in_force_stages
 from ravnest_swarm.swarm.spec import RunSpec
 
 Placement = Tuple[int, int, int, Tuple[int, int], int]  # cluster, stage, stages, layers, clusters
@@ -71,11 +72,13 @@ def placement_in(plan: dict, peer_id: str) -> Optional[Placement]:
     return None
 
 
-def same_slot(placement: Optional[Placement], other: Optional[Placement]) -> bool:
-    """Whether two placements give a peer the same stage: the same cluster, stage, stages and layers. The number of
-    clusters may differ: a running stage worker follows it in place (its lr rule and its share of the data), so a
-    plan that adds or drops a cluster stops none of the stages it keeps."""
-    return placement is not None and other is not None and placement[:4] == other[:4]
+def kept_in_place(before: Optional[dict], after: dict, peer_id: str) -> bool:
+    """Whether plan ``after`` keeps the stage ``peer_id`` trains in plan ``before`` where it is (``cost.kept_places``:
+    the same layers, in a cluster of the same peers but for ones ``after`` no longer places). The cluster's number and
+    the number of clusters may differ: a running stage worker follows both in place (its share of the data, its lr
+    rule, its endpoint's key: ``StageWorker.follow_clusters``), so a plan that adds or drops a cluster stops none of
+    the stages it keeps, the cluster it renumbers into a dropped one's gap neither; the round prices it so."""
+    return before is not None and peer_id in kept_places(in_force_stages(before), in_force_stages(after))
 
 
 def neighbours_in(plan: dict, cluster: int, stage: int) -> Neighbours:

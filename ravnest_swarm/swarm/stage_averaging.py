@@ -75,12 +75,14 @@ class RoundStalled(Exception):
 
 @dataclass
 class Following:
-    """What the volunteer trains now: its running worker (None: none), the plan it follows (None: none yet), and
-    the peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``)."""
+    """What the volunteer trains now: its running worker (None: none), the plan it follows (None: none yet), the
+    peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``), and those of
+    them whose records, still valid, say they left gracefully (a ring reads that itself: ``RecordPatience``)."""
 
     worker: Optional[StageWorker]
     plan: Optional[dict]
     gone: FrozenSet[str] = frozenset()
+    left: FrozenSet[str] = frozenset()
 
 
 @dataclass
@@ -173,6 +175,9 @@ class StageAveraging:
         self._plan_rings: Tuple[Optional[dict], FrozenSet[str], List[Ring], FrozenSet[str]] = \
             (None, frozenset(), [], frozenset())
         self.in_flight: Optional[InFlightRound] = None  # averaging_overlap: the round running beside training
+        # the round that runs (beside training or not) and its rings: their members' messages are taken for it
+        # though gone peers change the rings of the plan since (a leaver's ring goes on without it)
+        self._round_rings: Optional[Tuple[int, List[Ring]]] = None
         self._last_applied: Optional[Tuple[StageWorker, AppliedRound]] = None  # the last such round, and whose
         # the run's count of rounds (round_to_join): the next round we take part in, our step less the round step,
         # and the worker and plan they were aligned for (None: align at the next step boundary)
@@ -372,12 +377,15 @@ class StageAveraging:
 
     def _give_up_why(self, in_flight: InFlightRound) -> Optional[str]:
         """Why the round in flight is given up now, not at its rings' timeout, or None: a partner of it our planning
-        rounds found gone, or a plan adopted since that changed our rings (peers that begin the round after adopting
+        rounds found gone (not one that left gracefully), or a plan adopted since that changed our rings (peers that begin the round after adopting
         it look for us in the new rings, while ours wait in the old ones: in the NAT lab, 2 -> 4 clusters made one
         cluster fail the round in its old ring of two and the three others wait the ring's 20 s for it in the new).
         Given up, it is over here: a member of the new rings that waits for us in it is told so at once."""
         now = self.following()
-        gone = in_flight.partners & now.gone
+        # a partner that left gracefully is not waited for: the ring reads its record, which says so, within
+        # NEVER_COMING_LOOK_S and averages without it. Given up here, that round failed at every partner of each
+        # graceful leave (planning finds a leaver gone before the ring's first look)
+        gone = in_flight.partners & (now.gone - now.left)
         if gone:
             return f"partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone"
         if now.plan is not None and now.plan is not in_flight.plan and self._rings(now.plan) != in_flight.rings:
@@ -473,6 +481,7 @@ class StageAveraging:
             await connect_members(self.node, self.run, rings, self.announcer.bucket_counts_in_use())
             return await outer_round(self.averager, self.outer, step, local, local_start, rings, self.patience)
 
+        held = self._round_rings = (step, rings)  # its messages keep these rings while it runs (``_expected``)
         try:
             result, local = await within_limit(rings_and_outer_step(), self.round_limit, step)
         except RoundStalled:  # its outer state is left to it: the next round starts ours anew, as after any failure
@@ -486,6 +495,8 @@ class StageAveraging:
             self.announcer.update(state="training")
             return None
         finally:
+            if self._round_rings is held:  # not a later round's (one given up may end after the next began)
+                self._round_rings = None
             self.times.append((started, time.time()))  # a failed round costs its time too
             self._say_count(next_round=self.next_round)  # this one is over: partners align to the next
             self.bytes_sent_last_round = self.averager.sender.bytes_sent - sent_before
@@ -555,7 +566,7 @@ class StageAveraging:
         elif self._aligned is not None and self._aligned[0] is now.worker and self.next_round is not None:
             first = max(first, self.next_round)
         return Expected(self._plan_rings[2], self.peer_id, first, max(at, self.next_round or 0) + 2 * self.period,
-                        left_out=self._plan_rings[3])
+                        left_out=self._plan_rings[3], held=self._round_rings)
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""

@@ -59,8 +59,8 @@ from ravnest_swarm.pipeline.stage import StageConfig, StageWorker
 from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
-from ravnest_swarm.swarm.placement import (Placement, holders_before_round, layer_offers, model_workload,
-                                           neighbours_in, offered_step, placement_in, round_for_cluster, same_slot)
+from ravnest_swarm.swarm.placement import (Placement, holders_before_round, kept_in_place, layer_offers,
+                                           model_workload, neighbours_in, offered_step, placement_in, round_for_cluster)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over, new_takers, only_held_here
@@ -188,7 +188,7 @@ class Volunteer:
         self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage,
                                                    training=self._training_stage)
         self.averaging = StageAveraging(self.announcer, self.state_server,
-                                        lambda: Following(self.worker, self.plan, self._gone()),
+                                        lambda: Following(self.worker, self.plan, *self._gone_and_left()),
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
@@ -357,17 +357,20 @@ class Volunteer:
     async def _follow_plan(self, plan: dict) -> None:
         placement = placement_in(plan, self.peer_id)
         self.announcer.update(plan_round=plan["round"])
-        if same_slot(placement, self.placement) and self.worker is not None:
-            # same slot: the worker goes on without a pause, taking messages from (and sending to) whoever the plan
+        if self.worker is not None and kept_in_place(self.plan, plan, self.peer_id):
+            # kept in place: the worker goes on without a pause, taking messages from (and sending to) whoever the plan
             # now puts beside it, such as a standby that replaced a dead neighbour, averaging in the new plan's
-            # rings, and with the lr rule and data share of its number of clusters from its next step
+            # rings, and with the lr rule and data share of its cluster's number and number of clusters from its
+            # next step (a plan that drops a cluster renumbers the one it moves into the gap: it trains on)
             before, self.plan, self.placement = self.placement, plan, placement
-            self.worker.follow_neighbours(neighbours_in(plan, placement[0], placement[1]))
-            self.worker.follow_clusters(placement[4])
             cluster, stage, stages, layers, clusters = placement
+            self.worker.follow_neighbours(neighbours_in(plan, cluster, stage))
+            await self.worker.follow_clusters(cluster, clusters)
             changed = f"; {before[4]} -> {clusters} clusters from its next step" if clusters != before[4] else ""
-            self.say(f"{self.name}: plan round {plan['round']} keeps us in place: cluster {cluster} stage "
+            renumbered = f" (cluster {before[0]} before)" if cluster != before[0] else ""
+            self.say(f"{self.name}: plan round {plan['round']} keeps us in place: cluster {cluster}{renumbered} stage "
                      f"{stage}/{stages} layers {layers[0]}:{layers[1]} trains on{changed}")
+            self.announcer.update(cluster=cluster)
             await self.announcer.renew()
             return
         # a new place: the averaging round our layers come from is said anew (:meth:`_download`)
@@ -894,7 +897,7 @@ class Volunteer:
         if self.plan is None or not self.averaging.partners(self.plan):
             return False
         # the plan just adopted moves us: this worker stops next, and its partners moved too
-        return self.adopted is self.plan or same_slot(placement_in(self.adopted, self.peer_id), self.placement)
+        return self.adopted is self.plan or kept_in_place(self.plan, self.adopted, self.peer_id)
 
     def _count_rejected(self, count: int) -> None:
         self.rejected_before += count
@@ -920,6 +923,11 @@ class Volunteer:
     def _gone(self) -> FrozenSet[str]:
         """Peers of the plan we follow that our planning rounds found gone (none before the rounds start)."""
         return self.rounds.triggers.gone() if self.rounds is not None else frozenset()
+
+    def _gone_and_left(self) -> Tuple[FrozenSet[str], FrozenSet[str]]:
+        """The gone peers (:meth:`_gone`), and those of them whose records, still valid, say they left gracefully."""
+        gone = self._gone()
+        return gone, gone & self.rounds.leaving if self.rounds is not None else frozenset()
 
     def _note(self, text: str) -> None:
         """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
