@@ -123,3 +123,32 @@ def test_training_goes_on_during_a_round_that_keeps_the_placed_peers(swarm):
         assert re.search(rf"{name}: plan round \d+ keeps us in place: cluster \d+ stage 0/1 layers \S+ trains on; "
                          rf"2 -> 3 clusters from its next step", log), log[-3000:]
         assert "Traceback" not in log
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_of_two_stages_renumbered_by_a_drop_trains_on_under_its_new_number(swarm):
+    """Three clusters of two stages; SIGKILL of a stage of cluster 0. The plan that drops that cluster moves cluster
+    2 into its gap: both of its stages follow the new number in place (one adopts it a moment before the other:
+    messages naming either number get through) and train on, neither restarting nor losing a step. Before, both
+    restarted (a renumbered cluster was another slot)."""
+    extra = ("--min-peers", "6", "--max-stages", "2", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra) for i in range(6)}
+    peers = swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 6 and
+                                   all((p.get("step") or 0) >= 30 for p in placed(peers).values()),
+                                   200, "three clusters of two stages past step 30")
+    assert sorted(p["cluster"] for p in placed(peers).values()) == [0, 0, 1, 1, 2, 2], peers
+    killed = next(name for name, peer in placed(peers).items() if peer["cluster"] == 0)
+    renumbered = sorted(name for name, peer in placed(peers).items() if peer["cluster"] == 2)
+    plan_before = peers[renumbered[0]]["plan_round"]
+    volunteers[killed].kill_group()
+    for name in renumbered:
+        volunteers[name].wait_for_output(rf"^{name}: plan round {plan_before + 1} keeps us in place: cluster 0 "
+                                         rf"\(cluster 2 before\) stage [01]/2 layers \d+:\d+ trains on; 3 -> 2 clusters",
+                                         120, stream="stderr")
+    steps_then = {name: swarm.watcher.peers()[name]["step"] for name in renumbered}
+    swarm.watcher.wait_for(lambda peers: all(peers[name]["cluster"] == 0 and peers[name]["step"] > steps_then[name] + 50
+                                             for name in renumbered), 90, "the renumbered cluster trains on")
+    for name in renumbered:
+        log = volunteers[name].stderr()
+        assert len(re.findall(rf"{name}: training cluster", log)) == 1, log[-3000:]  # its first start, no other
+        assert "Traceback" not in log and "unexpected" not in log, name
