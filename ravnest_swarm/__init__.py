@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 # 4: a robust ring's probe reply carries the owner's aggregate: a peer of 3 answers without it, refused as an owner
 # 5: peer records carry fields a peer of 4 does not know (`kept_rounds`, `leaving_after_round`, ...): its schema
 #    validator, which compares a record with what it parsed, refuses them, and our records would vanish from its view
-PROTOCOL_VERSION = 5
+# 6: ring members are ordered by peer id, not by cluster (a renumbered cluster keeps its rings), and a stage takes
+#    messages naming its cluster's number before a renumbering: a peer of 5 owns other chunks of the same ring
+PROTOCOL_VERSION = 6
 
 
 def _install_light_hivemind_package() -> None:

@@ -217,8 +217,9 @@ def test_the_peers_a_plan_keeps_in_place_are_those_of_kept_clusters_whatever_the
     ab, cd, ef = [("a", (0, 16)), ("b", (16, 32))], [("c", (0, 16)), ("d", (16, 32))], [("e", (0, 32))]
     assert kept_places([ab, cd], [ab]) == {"a", "b"}
     assert kept_places([ab, cd, ef], [ab, ef]) == {"a", "b", "e"}  # e: cluster 2 is cluster 1 now
-    # a joiner in a gone peer's place: the others keep theirs
+    # a joiner in a gone peer's place: the others keep theirs; a peer moved in from another cluster: they restart
     assert kept_places([ab, cd], [ab, [("c", (0, 16)), ("x", (16, 32))]]) == {"a", "b", "c"}
+    assert kept_places([ab, cd], [[("c", (0, 16)), ("b", (16, 32))]]) == set()
     # mates swapped, or other layers: those stages move (restart, or download), they do not train on
     assert kept_places([ab, cd], [[("a", (0, 16)), ("d", (16, 32))], [("c", (0, 16)), ("b", (16, 32))]]) == set()
     assert kept_places([ab], [[("a", (0, 12)), ("b", (12, 32))]]) == set()

@@ -326,7 +326,7 @@ class MultiRingAverager:
             if not (local_start <= ring.start and ring.end <= local_start + local.numel()):
                 raise ValueError(f"ring {ring.index} [{ring.start}, {ring.end}) is not inside this peer's range")
             if expected is None or not expected.first_step <= step <= expected.last_step \
-                    or expected.rings.get(ring.index) != frozenset(ring.members):
+                    or expected.members(step, ring.index) != frozenset(ring.members):
                 raise RingsChanged(f"ring {ring.index} of round {step} is not among those this peer takes messages for "
                                    f"now: a plan adopted as the round began changed its rings")
         if pseudo_gradient is not None and pseudo_gradient.shape != local.shape:

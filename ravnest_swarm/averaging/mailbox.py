@@ -84,9 +84,12 @@ class Expected:
                                                  if peer_id in ring.members}
         self.held_step, held_rings = held if held is not None else (None, [])
         self.held_rings = {ring.index: frozenset(ring.members) for ring in held_rings}
-        self.planned: FrozenSet[str] = frozenset(member for ring in (*rings, *held_rings) for member in ring.members)
+        in_plan = frozenset(member for ring in rings for member in ring.members)
+        # the held round's members too: a sender in no ring at all is a stranger
+        self.planned: FrozenSet[str] = in_plan | frozenset(member for ring in held_rings for member in ring.members)
         self.partners = len(set().union(*self.rings.values(), *self.held_rings.values()) - {peer_id})
-        self.left_out: FrozenSet[str] = frozenset(left_out) - self.planned
+        # a gone peer of the held round is still left out of the plan's other rounds (votes against it agree)
+        self.left_out: FrozenSet[str] = frozenset(left_out) - in_plan
 
     def members(self, step: int, ring: int) -> Optional[FrozenSet[str]]:
         """The members of our ring ``ring`` in round ``step``; None: we have no such ring."""

@@ -147,9 +147,9 @@ async def _hivemind_phase(options, plan: dict, local: torch.Tensor, start: int, 
                 other = json.load(f)
             if other["peer_id"] != dht.peer_id.to_base58():
                 await p2p._client.connect(PeerID.from_base58(other["peer_id"]), [Multiaddr(other["maddr"])])
-    # our rings by our position in the plan: this DHT has an identity of its own
+    # our rings by our place in the plan: this DHT has an identity of its own
     me = _my_multiring_id(plan, options)
-    rings = [ring for ring in plan_rings(plan, options.layer_sizes) if ring.members[options.cluster] == me]
+    rings = [ring for ring in plan_rings(plan, options.layer_sizes) if me in ring.members]
     averagers = [
         DecentralizedAverager(
             [local[ring.start - start:ring.end - start].clone()], dht, start=True,

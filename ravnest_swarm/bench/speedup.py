@@ -60,6 +60,9 @@ from ravnest_swarm.swarm.spec import RunSpec
 
 RUN = "speedup"
 PLACED_RE = re.compile(r"^(peer\d+): training cluster (\d+) stage (\d+)/(\d+) layers (\d+):(\d+)", re.MULTILINE)
+# a plan that dropped a cluster renumbered this one in place: a later plan all the same
+RENUMBERED_RE = re.compile(r"^peer\d+: plan round \d+ keeps us in place: cluster \d+ \(cluster \d+ before\)",
+                           re.MULTILINE)
 GFLOPS = 20.0  # every peer claims the same compute: the plan must not favour one
 POLL_S = 0.5
 
@@ -232,7 +235,8 @@ class SpeedupRun:
                     self.throttled[name].append((now, periods[1]))
             self.machine_samples.append((now, *machine_busy_seconds()))
             found = [match for process in peers.values() for match in PLACED_RE.finditer(process.stderr())]
-            replans = max(replans, len(found) - len(self.names))
+            renumbered = sum(len(RENUMBERED_RE.findall(process.stderr())) for process in peers.values())
+            replans = max(replans, len(found) - len(self.names) + renumbered)
             for name, cluster, stage, stages, first, last in (match.groups() for match in found):
                 placements[name] = (int(cluster), int(stage), (int(first), int(last)))
                 if int(stages) != self.stages:

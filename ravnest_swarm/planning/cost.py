@@ -291,10 +291,12 @@ class MoveCost:
 
 def kept_places(in_force: Sequence[Stages], proposed: Sequence[Stages]) -> FrozenSet[str]:
     """The peers ``proposed`` keeps where ``in_force`` placed them: on the same layers in a cluster of as many stages,
-    with the same peer at each of its stages but for peers ``proposed`` no longer places (a joiner taking a gone
-    peer's place). Their stages train on through the change (``swarm.placement.kept_in_place``), whatever number
-    their cluster has now and however many clusters there are: a plan that drops a cluster renumbers the one it moves
-    into the gap, and that one trains on too (``StageWorker.follow_clusters``)."""
+    with the same peer at each of its stages but for peers ``proposed`` no longer places, whose places a peer
+    ``in_force`` placed nowhere may take (a joiner, or a standby, taking a gone peer's place: it downloads its layers
+    at its neighbours' step; a peer moved in from another cluster would bring a step of its own). Their stages train
+    on through the change (``swarm.placement.kept_in_place``), whatever number their cluster has now and however
+    many clusters there are: a plan that drops a cluster renumbers the one it moves into the gap, and that one
+    trains on too (``StageWorker.follow_clusters``)."""
     def places(clusters: Sequence[Stages]) -> Dict[str, Tuple[Tuple[str, ...], Tuple[int, int]]]:
         return {peer: (tuple(p for p, _ in cluster), tuple(layers)) for cluster in clusters for peer, layers in cluster}
 
@@ -303,7 +305,8 @@ def kept_places(in_force: Sequence[Stages], proposed: Sequence[Stages]) -> Froze
     def kept(peer: str, stages: Tuple[str, ...], layers: Tuple[int, int]) -> bool:
         if peer not in before or before[peer][1] != layers or len(before[peer][0]) != len(stages):
             return False
-        return all(old == new or old not in after for old, new in zip(before[peer][0], stages))
+        return all(old == new or (old not in after and new not in before)
+                   for old, new in zip(before[peer][0], stages))
 
     return frozenset(peer for peer, (stages, layers) in after.items() if kept(peer, stages, layers))
 

@@ -76,8 +76,8 @@ class RoundStalled(Exception):
 @dataclass
 class Following:
     """What the volunteer trains now: its running worker (None: none), the plan it follows (None: none yet), the
-    peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``), and those of
-    them whose records, still valid, say they left gracefully (a ring reads that itself: ``RecordPatience``)."""
+    peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``), and the peers
+    whose records, still valid, say they left gracefully (a ring reads that itself: ``RecordPatience``)."""
 
     worker: Optional[StageWorker]
     plan: Optional[dict]
@@ -377,18 +377,20 @@ class StageAveraging:
 
     def _give_up_why(self, in_flight: InFlightRound) -> Optional[str]:
         """Why the round in flight is given up now, not at its rings' timeout, or None: a partner of it our planning
-        rounds found gone (not one that left gracefully), or a plan adopted since that changed our rings (peers that begin the round after adopting
-        it look for us in the new rings, while ours wait in the old ones: in the NAT lab, 2 -> 4 clusters made one
-        cluster fail the round in its old ring of two and the three others wait the ring's 20 s for it in the new).
-        Given up, it is over here: a member of the new rings that waits for us in it is told so at once."""
+        rounds found gone, or a plan adopted since that changed our rings (peers that begin the round after
+        adopting it look for us in the new rings, while ours wait in the old ones: in the NAT lab, 2 -> 4 clusters
+        made one cluster fail the round in its old ring of two and the three others wait the ring's 20 s for it in
+        the new). Given up, it is over here: a member of the new rings that waits for us in it is told so at once.
+        A partner that left gracefully is neither: the ring reads its record, which says so, within
+        NEVER_COMING_LOOK_S and averages without it. Given up here, that round failed at every partner of each
+        graceful leave (planning finds a leaver gone before the ring's first look, and the plan that drops its
+        cluster comes a round's length later)."""
         now = self.following()
-        # a partner that left gracefully is not waited for: the ring reads its record, which says so, within
-        # NEVER_COMING_LOOK_S and averages without it. Given up here, that round failed at every partner of each
-        # graceful leave (planning finds a leaver gone before the ring's first look)
         gone = in_flight.partners & (now.gone - now.left)
         if gone:
             return f"partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone"
-        if now.plan is not None and now.plan is not in_flight.plan and self._rings(now.plan) != in_flight.rings:
+        if now.plan is not None and now.plan is not in_flight.plan and \
+                without(self._rings(now.plan), now.left) != without(in_flight.rings, now.left):
             return f"plan round {now.plan.get('round')} changed its rings"
         return None
 
@@ -634,6 +636,11 @@ class RecordPatience:
             logger.info(f"averaging round {step}: {', '.join(f'{m[-8:]} {why}' for m, why in ended.items())} "
                         f"(its record): the ring waits for it no longer")
         return list(ended)
+
+
+def without(rings: Sequence[Ring], peers: FrozenSet[str]) -> List[Tuple[int, int, int, Tuple[str, ...]]]:
+    """``rings`` with ``peers`` left out of their members: what a ring that withdrew them averages."""
+    return [(ring.index, ring.start, ring.end, tuple(m for m in ring.members if m not in peers)) for ring in rings]
 
 
 async def outer_round(averager: MultiRingAverager, outer: OuterOptimizer, step: int, local: torch.Tensor,

@@ -365,12 +365,12 @@ class Volunteer:
             before, self.plan, self.placement = self.placement, plan, placement
             cluster, stage, stages, layers, clusters = placement
             self.worker.follow_neighbours(neighbours_in(plan, cluster, stage))
+            self.announcer.update(cluster=cluster)  # with the plan round above, before the endpoint's publish
             await self.worker.follow_clusters(cluster, clusters)
             changed = f"; {before[4]} -> {clusters} clusters from its next step" if clusters != before[4] else ""
             renumbered = f" (cluster {before[0]} before)" if cluster != before[0] else ""
             self.say(f"{self.name}: plan round {plan['round']} keeps us in place: cluster {cluster}{renumbered} stage "
                      f"{stage}/{stages} layers {layers[0]}:{layers[1]} trains on{changed}")
-            self.announcer.update(cluster=cluster)
             await self.announcer.renew()
             return
         # a new place: the averaging round our layers come from is said anew (:meth:`_download`)
@@ -925,9 +925,8 @@ class Volunteer:
         return self.rounds.triggers.gone() if self.rounds is not None else frozenset()
 
     def _gone_and_left(self) -> Tuple[FrozenSet[str], FrozenSet[str]]:
-        """The gone peers (:meth:`_gone`), and those of them whose records, still valid, say they left gracefully."""
-        gone = self._gone()
-        return gone, gone & self.rounds.leaving if self.rounds is not None else frozenset()
+        """The gone peers (:meth:`_gone`), and the peers whose records, still valid, say they left gracefully."""
+        return self._gone(), self.rounds.leaving if self.rounds is not None else frozenset()
 
     def _note(self, text: str) -> None:
         """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
