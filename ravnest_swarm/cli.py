@@ -807,6 +807,7 @@ def averaging_peer(
     host_maddrs: List[str] = typer.Option(["/ip4/127.0.0.1/tcp/0"], "--host-maddrs", help="Where to listen."),
     announce_maddrs: Optional[List[str]] = typer.Option(None, "--announce-maddrs", help="Addresses to announce."),
     bench_config: Optional[str] = typer.Option(None, "--bench-config", help="Run the timed phases of `bench averaging` (config file it wrote)."),
+    identity: Optional[str] = typer.Option(None, "--identity", help="Private key file (created if missing): our peer id, which orders the ring."),
     verbose: bool = Verbose,
 ):
     """Test and benchmark peer: a synthetic model range, one multi-ring averaging round, a JSON line."""
@@ -828,6 +829,7 @@ def averaging_peer(
             publish_plan=publish_plan,
             plan_timeout=plan_timeout, delay_start=delay_start, part_bytes=part_bytes, lose_replies=lose_replies,
             cut_streams=cut_streams, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs, bench_config=bench_config,
+            identity=identity,
         )
         return await run_averaging_peer(options)
 

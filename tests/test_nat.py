@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from pipeline_helpers import losses, read_report
 from test_swarm import MODEL_GB, checkpoint_layers
 from ravnest_swarm.bench.synthetic import synthetic_layer
+from ravnest_swarm.net.identity import load_identity
 from ravnest_swarm.models import get_model
 from ravnest_swarm.bench.natlab import NatLab
 from ravnest_swarm.bench.netlab import LAB_PREFIX
@@ -167,12 +168,16 @@ def test_two_stage_pipeline_with_a_stage_behind_nat_trains(processes, make_lab, 
 
 def average_in_a_ring(processes, lab, backbone, places, tmp_path, sizes, seed=11, part_bytes=None, timeout=120):
     """One averaging round of ``averaging-peer``s, cluster k at ``places[k]`` (maddr, lab host), so the ring runs
-    in the order of ``places``; checks every peer holds the exact mean and returns their results."""
+    in the order of ``places`` (a ring orders its members by peer id: cluster k gets the k-th lowest of identities
+    made here); checks every peer holds the exact mean and returns their results."""
+    identities = [load_identity(str(tmp_path / f"identity{k}.key")) for k in range(len(places))]
+    identities.sort(key=lambda identity: identity.peer_id)
     peers = []
     for cluster, (maddr, lab_host) in enumerate(places):
         args = ["averaging-peer", "--initial-peers", backbone, "--run", RUN, "--cluster", str(cluster), "--stage", "0",
                 "--layer-sizes", ",".join(map(str, sizes)), "--layers", f"0,{len(sizes)}", "--seed", str(seed),
-                "--step", "1", "--host-maddrs", maddr, "--out", str(tmp_path / f"c{cluster}.safetensors")]
+                "--step", "1", "--host-maddrs", maddr, "--out", str(tmp_path / f"c{cluster}.safetensors"),
+                "--identity", identities[cluster].path]
         if part_bytes is not None:
             args += ["--part-bytes", str(part_bytes)]
         if cluster == 0:

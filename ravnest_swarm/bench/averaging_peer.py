@@ -90,6 +90,7 @@ class AveragingPeerOptions:
     host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)
     announce_maddrs: Optional[Sequence[str]] = None
     bench_config: Optional[str] = None
+    identity: Optional[str] = None  # a key file: a test that needs a ring order (by peer id) picks its peers' ids
 
 
 async def publish_placement(node: DHTNode, options: AveragingPeerOptions, note: Optional[str] = None,
@@ -266,8 +267,8 @@ async def run_averaging_peer(options: AveragingPeerOptions) -> int:
     except ValueError as e:
         raise UserError(f"--layers: {e}")
     # our record names our peer id: signed by our identity's key
-    node = await start_peer_node(options.initial_peers, options.run, host_maddrs=options.host_maddrs,
-                                 announce_maddrs=options.announce_maddrs)
+    node = await start_peer_node(options.initial_peers, options.run, identity_path=options.identity,
+                                 host_maddrs=options.host_maddrs, announce_maddrs=options.announce_maddrs)
     if options.initial_peers:
         # our record says whether partners can dial us; a peer behind NAT is then reached through the backbone.
         # Tried again on a lost reply: a bench starts every peer at once against one backbone
