@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from ravnest_swarm.averaging.averager import RingsChanged
 from ravnest_swarm.bench.synthetic import synthetic_layer
+from ravnest_swarm.net.identity import load_identity
 from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, cancel_until_ended
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_for_cluster, round_to_join
@@ -26,16 +27,20 @@ SEED = 7
 
 
 def start_swarm(processes, backbone, layouts, run, tmp_path, timeout=20.0, extra=None):
-    """One peer per stage; ``layouts[k]`` are cluster k's layer boundaries, e.g. ``[0, 2, 6]``."""
+    """One peer per stage; ``layouts[k]`` are cluster k's layer boundaries, e.g. ``[0, 2, 6]``. Every ring runs in
+    cluster order (a ring orders its members by peer id: cluster k's peers get lower ids than cluster k + 1's), so
+    a test knows who owns which chunk."""
     peers = {}
     expected = sum(len(cuts) - 1 for cuts in layouts)
+    identities = sorted((load_identity(str(tmp_path / f"identity{i}.key")) for i in range(expected)),
+                        key=lambda identity: identity.peer_id)
     for k, cuts in enumerate(layouts):
         for s, (first, last) in enumerate(zip(cuts, cuts[1:])):
             name = f"c{k}s{s}"
             args = ["averaging-peer", "--initial-peers", backbone, "--run", run, "--cluster", str(k), "--stage", str(s),
                     "--layer-sizes", ",".join(map(str, LAYER_SIZES)), "--layers", f"{first},{last}",
                     "--seed", str(SEED), "--step", "3", "--timeout", str(timeout),
-                    "--out", str(tmp_path / f"{name}.safetensors")]
+                    "--out", str(tmp_path / f"{name}.safetensors"), "--identity", identities[len(peers)].path]
             if not peers:
                 args += ["--publish-plan", str(expected)]
             args += (extra or {}).get(name, [])
