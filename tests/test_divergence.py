@@ -265,7 +265,7 @@ def test_a_round_given_up_beside_training_leaves_its_outer_state_to_it():
     averaging = StageAveraging.__new__(StageAveraging)
     given_to_the_round = object()
     averaging._outer_worker, averaging.outer = worker, given_to_the_round
-    averaging.following = lambda: SimpleNamespace(gone=frozenset({"partner"}), plan=None)
+    averaging.following = lambda: SimpleNamespace(gone=frozenset({"partner"}), left=frozenset(), plan=None)
     failed = []
     averaging._failed = lambda step, why: failed.append((step, why))
     sent = flatten([p.detach().clone() for p in worker.module.parameters()])
