@@ -6,7 +6,15 @@ from typing import AsyncIterator, List, Tuple
 from hivemind.p2p import PeerID
 
 from ravnest_swarm.averaging.averager import MultiRingAverager
+from ravnest_swarm.net.identity import PeerIdentity, load_identity
 from ravnest_swarm.net.node import parse_maddrs, start_node, stop_node
+
+
+def identities_in_ring_order(directory, count: int) -> List[PeerIdentity]:
+    """``count`` identity files made in ``directory``, by rising peer id: a ring orders its members by peer id, so
+    peers given them in this order run every ring they share in that order (``averaging-peer --identity``)."""
+    identities = [load_identity(str(directory / f"identity{i}.key")) for i in range(count)]
+    return sorted(identities, key=lambda identity: identity.peer_id)
 
 
 @asynccontextmanager

@@ -15,12 +15,11 @@ from safetensors.torch import load_file
 
 from ravnest_swarm.averaging.averager import RingsChanged
 from ravnest_swarm.bench.synthetic import synthetic_layer
-from ravnest_swarm.net.identity import load_identity
 from ravnest_swarm.averaging.ring import NEVER_COMING_LOOK_S, cancel_until_ended
 from ravnest_swarm.averaging.segments import Ring
 from ravnest_swarm.swarm.placement import arrival_wait, holders_before_round, round_for_cluster, round_to_join
 from ravnest_swarm.swarm.stage_averaging import RoundStalled, StageAveraging, within_limit
-from ring_helpers import connected_averagers
+from ring_helpers import connected_averagers, identities_in_ring_order
 
 LAYER_SIZES = [300, 500, 200, 700, 400, 600]
 SEED = 7
@@ -32,8 +31,7 @@ def start_swarm(processes, backbone, layouts, run, tmp_path, timeout=20.0, extra
     a test knows who owns which chunk."""
     peers = {}
     expected = sum(len(cuts) - 1 for cuts in layouts)
-    identities = sorted((load_identity(str(tmp_path / f"identity{i}.key")) for i in range(expected)),
-                        key=lambda identity: identity.peer_id)
+    identities = identities_in_ring_order(tmp_path, expected)
     for k, cuts in enumerate(layouts):
         for s, (first, last) in enumerate(zip(cuts, cuts[1:])):
             name = f"c{k}s{s}"

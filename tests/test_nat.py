@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline_helpers import losses, read_report
+from ring_helpers import identities_in_ring_order
 from test_swarm import MODEL_GB, checkpoint_layers
 from ravnest_swarm.bench.synthetic import synthetic_layer
-from ravnest_swarm.net.identity import load_identity
 from ravnest_swarm.models import get_model
 from ravnest_swarm.bench.natlab import NatLab
 from ravnest_swarm.bench.netlab import LAB_PREFIX
@@ -170,8 +170,7 @@ def average_in_a_ring(processes, lab, backbone, places, tmp_path, sizes, seed=11
     """One averaging round of ``averaging-peer``s, cluster k at ``places[k]`` (maddr, lab host), so the ring runs
     in the order of ``places`` (a ring orders its members by peer id: cluster k gets the k-th lowest of identities
     made here); checks every peer holds the exact mean and returns their results."""
-    identities = [load_identity(str(tmp_path / f"identity{k}.key")) for k in range(len(places))]
-    identities.sort(key=lambda identity: identity.peer_id)
+    identities = identities_in_ring_order(tmp_path, len(places))
     peers = []
     for cluster, (maddr, lab_host) in enumerate(places):
         args = ["averaging-peer", "--initial-peers", backbone, "--run", RUN, "--cluster", str(cluster), "--stage", "0",

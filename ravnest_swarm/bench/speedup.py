@@ -234,8 +234,9 @@ class SpeedupRun:
                     self.periods[name].append((now, periods[0]))
                     self.throttled[name].append((now, periods[1]))
             self.machine_samples.append((now, *machine_busy_seconds()))
-            found = [match for process in peers.values() for match in PLACED_RE.finditer(process.stderr())]
-            renumbered = sum(len(RENUMBERED_RE.findall(process.stderr())) for process in peers.values())
+            logs = [process.stderr() for process in peers.values()]  # each read once a look
+            found = [match for log in logs for match in PLACED_RE.finditer(log)]
+            renumbered = sum(len(RENUMBERED_RE.findall(log)) for log in logs)
             replans = max(replans, len(found) - len(self.names) + renumbered)
             for name, cluster, stage, stages, first, last in (match.groups() for match in found):
                 placements[name] = (int(cluster), int(stage), (int(first), int(last)))
