@@ -174,6 +174,34 @@ def test_the_partners_of_a_graceful_leaver_lose_no_averaging_round_to_its_leave(
 
 
 @pytest.mark.timeout(300)
+def test_standbys_placed_when_the_only_cluster_leaves_go_on_from_its_step_not_from_their_old_copies(swarm):
+    """Two clusters of one stage; a third peer whose claimed compute makes it the only cluster, so the two stand by
+    with copies of the step they stopped at. A Ctrl-C of it: the next plan places the two again, and both take the
+    leaver's layers at its step. Before, they took their own copies (the plans vouched for them, and not for the
+    leaver, which the new plan no longer names): a walkthrough lost 17,000 steps so, and the leaver said nobody
+    took its layers."""
+    extra = ("--min-peers", "2", "--max-stages", "1", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", ram_fraction=1.2, steps=100_000, extra=extra) for i in range(2)}
+    swarm.watcher.wait_for(lambda peers: len(placed(peers)) == 2 and
+                           all((p.get("step") or 0) >= 30 for p in placed(peers).values()), 200, "two clusters")
+    volunteers["p2"] = swarm("p2", ram_fraction=1.2, steps=100_000, extra=extra, gflops=2000)
+    peers = swarm.watcher.wait_for(lambda peers: set(placed(peers)) == {"p2"} and all(
+        peers[name].get("state") == "standby" for name in ("p0", "p1")) and (peers["p2"].get("step") or 0) >= max(
+        peers[name].get("step") or 0 for name in ("p0", "p1")) + 300, 200, "p2 alone 300 steps past the standbys")
+    stale = max(peers[name]["step"] for name in ("p0", "p1"))
+    os.killpg(volunteers["p2"].pid, signal.SIGINT)
+    handed = volunteers["p2"].wait_for_output(r"p2: layers \d+:\d+ handed over at step (\d+) to (.+)$", 150,
+                                              stream="stderr")
+    assert volunteers["p2"].wait(30) == 0
+    step = int(handed.group(1))
+    assert step >= stale + 300 and set(handed.group(2).split(", ")) <= {"p0", "p1"}, handed.group(0)
+    assert "nobody took" not in volunteers["p2"].stderr()
+    for name in set(handed.group(2).split(", ")):
+        volunteers[name].wait_for_output(rf"{name}: training cluster \d+ stage 0/1 layers 0:\d+ from step {step}\b",
+                                         5, stream="stderr")
+
+
+@pytest.mark.timeout(300)
 def test_a_leave_whose_cluster_mate_already_stands_still_at_its_last_round_stops_waiting_for_its_own(swarm):
     """Two clusters of two stages. A Ctrl-C of one cluster's first stage: it takes its last round and stands still,
     so its cluster-mate never steps again. Ctrl-C of the mate then: its next round is out of reach, and its records

@@ -382,11 +382,14 @@ def _complete(holder: PeerID, layer: int, received: Dict[str, torch.Tensor], exp
 
 @dataclass(frozen=True)
 class LayerOffer:
-    """A peer whose record offers a layer: the step it claims, and whether the adopted plan names it."""
+    """A peer whose record offers a layer: the step it claims, whether the plans vouch for it (the adopted plan names
+    it, or it leaves the layer the plan before placed it on), and whether it trained the layer under the plan before
+    (its copy is the layer's latest, unlike a standby's copy of an older place)."""
 
     holder: PeerID
     step: int
     planned: bool
+    trained: bool = False
 
 
 @dataclass(frozen=True)
@@ -405,19 +408,34 @@ class LayerFill:
     unanswered: Tuple[str, ...] = ()
 
 
-def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int) -> List[LayerOffer]:
-    """Who offers ``layer`` by their peer records (``layers`` and ``held``), each marked with whether ``plan``
-    (the adopted plan, if any) names it."""
+def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int,
+              before: Optional[dict] = None) -> List[LayerOffer]:
+    """Who offers ``layer`` by their peer records (``layers`` and ``held``), each marked with whether the plans vouch
+    for it: ``plan`` (the adopted plan, if any) names it, or its record says it is leaving the place on ``layer`` that
+    ``before`` (the plan followed before ``plan``) gave it; and whether ``before`` placed it on ``layer``."""
     planned = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster} if plan else set()
-    return [LayerOffer(PeerID.from_base58(record["peer_id"]), offered_step(record, layer), record["peer_id"] in planned)
-            for record in records if offered_step(record, layer) is not None]
+    trainers = {stage["peer_id"] for cluster in before["clusters"] for stage in cluster
+                if stage["layers"][0] <= layer < stage["layers"][1]} if before else set()
+    offers = []
+    for record in records:
+        step = offered_step(record, layer)
+        if step is None:
+            continue
+        vouched = record["peer_id"] in planned or (record.get("state") == "leaving" and record["peer_id"] in trainers)
+        offers.append(LayerOffer(PeerID.from_base58(record["peer_id"]), step, vouched,
+                                 vouched and record["peer_id"] in trainers))
+    return offers
 
 
 def counted_offers(offers: Sequence[LayerOffer]) -> List[LayerOffer]:
-    """The offers that count: those of holders the plan names, or all of them where the plan names none; one
-    per holder (its lowest claim, should two records name one peer: it is one witness)."""
+    """The offers that count: those of the layer's trainers under the plan before (a standby's copy of a place it
+    left long ago is no witness of the layer's step while they serve it: a walkthrough's standbys, placed when the
+    only cluster left, took their own copies 17,000 steps old and the leaver's work was lost), else those of holders
+    the plan names, else all of them; one per holder (its lowest claim, should two records name one peer: it is one
+    witness)."""
     counted: Dict[PeerID, LayerOffer] = {}
-    for offer in [offer for offer in offers if offer.planned] or offers:
+    trained = [offer for offer in offers if offer.trained]
+    for offer in trained or [offer for offer in offers if offer.planned] or offers:
         if offer.holder not in counted or offer.step < counted[offer.holder].step:
             counted[offer.holder] = offer
     return list(counted.values())

@@ -176,6 +176,8 @@ class Volunteer:
         # together with our placement, a newer plan of fewer clusters than ours was an IndexError (issue 29)
         self.plan: Optional[dict] = None
         self.adopted: Optional[dict] = None
+        # the plan followed before ``plan``: the peers it placed on a layer hold its latest copy (``offers_of``)
+        self.plan_before: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
@@ -357,6 +359,8 @@ class Volunteer:
     async def _follow_plan(self, plan: dict) -> None:
         placement = placement_in(plan, self.peer_id)
         self.announcer.update(plan_round=plan["round"])
+        if self.plan is not None and self.plan["round"] != plan["round"]:
+            self.plan_before = self.plan
         if self.worker is not None and kept_in_place(self.plan, plan, self.peer_id):
             # kept in place: the worker goes on without a pause, taking messages from (and sending to) whoever the plan
             # now puts beside it, such as a standby that replaced a dead neighbour, averaging in the new plan's
@@ -660,7 +664,7 @@ class Volunteer:
         snapshot = []  # the layers nobody serves and we never held, filled from --init-from
         init = False  # looked up only for such a layer
         for layer in range(start, end):
-            offers = offers_of(peers, self.plan, layer)
+            offers = offers_of(peers, self.plan, layer, self.plan_before)
             cached = self.cache.get(layer)
             if offers and (cached is None or agreed_step(counted_offers(offers)) > cached[1]):
                 remote[layer] = offers
@@ -681,19 +685,21 @@ class Volunteer:
         if remote:
             first_stage = plan["clusters"][cluster][0] if plan is not None and stage > 0 else None
             records = {p["peer_id"]: p for p in peers}
-            cluster_round = self._round_for_cluster(peers, records, plan, cluster) \
+            cluster_round = self._round_for_cluster(peers, records, plan, cluster, self.plan_before) \
                 if plan is not None and stage == 0 else None
             step = max(step, await self._download(module, start, remote, records, first_stage,
                                                   plan["round"] if plan is not None else None, cluster_round))
         return step, bool(remote)
 
     @staticmethod
-    def _round_for_cluster(peers: List[Dict], records: Dict[str, Dict], plan: dict, cluster: int) -> Optional[int]:
+    def _round_for_cluster(peers: List[Dict], records: Dict[str, Dict], plan: dict, cluster: int,
+                           before: Optional[dict]) -> Optional[int]:
         """The averaging round whose state every layer of ``cluster`` in ``plan`` can be had of, as its holders'
-        records (``peers``, by peer id in ``records``) say (``placement.round_for_cluster``), or None."""
+        records (``peers``, by peer id in ``records``; ``before``: the plan followed before) say
+        (``placement.round_for_cluster``), or None."""
         stages = plan["clusters"][cluster]
         return round_for_cluster({layer: [records[offer.holder.to_base58()]
-                                          for offer in counted_offers(offers_of(peers, plan, layer))]
+                                          for offer in counted_offers(offers_of(peers, plan, layer, before))]
                                   for layer in range(stages[0]["layers"][0], stages[-1]["layers"][1])})
 
     async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[LayerOffer]],
@@ -752,7 +758,7 @@ class Volunteer:
             async def read_offers() -> Callable[[int], List[LayerOffer]]:
                 peers = [p for p in await self.announcer.read_peers() if p["peer_id"] != self.peer_id]
                 records.update({p["peer_id"]: p for p in peers})  # the route to a new holder: reach reads it
-                return lambda layer: offers_of(peers, self.plan, layer)
+                return lambda layer: offers_of(peers, self.plan, layer, self.plan_before)
 
             refilled = await fill_again(links, self.run, module, start, failed, read_offers,
                                         self.options.transfer_timeout, reach, round_step, HOLDER_LOOKUPS)
