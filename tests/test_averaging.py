@@ -231,6 +231,9 @@ def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbo
                 async def more(self, step, missing):
                     raise AssertionError("asked for more before the timeout")
 
+                def gone(self, missing):
+                    return []
+
                 async def never_coming(self, step, missing):
                     asked.append((step, list(missing)))
                     return list(missing) if time.monotonic() - started >= 4.0 else []
@@ -251,6 +254,88 @@ def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbo
     assert {step for step, _ in asked} == {5} and all(missing == [ids[1]] for _, missing in asked)
     assert 2 <= len(asked) <= 3, asked
     assert torch.equal(value, torch.zeros(1000))
+
+
+@pytest.mark.timeout(90)
+def test_a_member_found_gone_is_voted_out_at_the_next_look_not_waited_for_to_the_timeout(backbone):
+    """Averagers over real P2P, one ring with a 20 s timeout, and a member that never reaches round 5: it crashed,
+    and from 3 s on the caller's planning finds it gone (its record, which said it trained on, expired). Those that
+    came ask every ``NEVER_COMING_LOOK_S`` and vote it out as they learn it: in a ring of three the two average
+    without it, within a look; in a ring of two nobody is left to vote, and the one that came fails the ring at once
+    (a crash is a failure, unlike a member that finished the run), keeping its values. Before, the ring waited for
+    it, and the caller gave the whole round up: one failed round at every partner of each crash."""
+    async def scenario(members: int):
+        async with connected_averagers(backbone, members, f"gone{members}", timeout=20.0) as (averagers, ids):
+            ring = Ring(0, 0, 1000, tuple(ids))
+            came = averagers[:-1]
+            for averager in came:
+                averager.expect([ring], 5)
+            values = [torch.full((1000,), float(k)) for k in range(len(came))]
+            started = time.monotonic()
+
+            class GoneAfterThree:
+                async def more(self, step, missing):
+                    raise AssertionError("asked for more before the timeout")
+
+                def gone(self, missing):
+                    return [m for m in missing if m == ids[-1]] if time.monotonic() - started >= 3.0 else []
+
+                async def never_coming(self, step, missing):
+                    return []
+
+            results = await asyncio.gather(*(averager.average(5, value, 0, [ring], GoneAfterThree())
+                                             for averager, value in zip(came, values)))
+            return results, values
+
+    results, values = asyncio.run(scenario(3))
+    assert all(result.ok for result in results), [result.summary() for result in results]
+    assert all(torch.equal(value, torch.full((1000,), 0.5)) for value in values)
+    assert all(3.0 <= result.seconds < 3.0 + NEVER_COMING_LOOK_S + 1.5 for result in results)
+
+    (result,), (value,) = asyncio.run(scenario(2))
+    assert not result.ok and result.segments[0].status == "timeout", result.summary()
+    assert "did not reach round 5" in result.segments[0].detail
+    assert 3.0 <= result.seconds < 3.0 + NEVER_COMING_LOOK_S + 1.5, result.summary()
+    assert torch.equal(value, torch.zeros(1000))
+
+
+@pytest.mark.timeout(90)
+def test_a_member_found_gone_before_the_others_came_is_voted_out_once_they_do(backbone):
+    """A ring of three: one member crashed, the caller finds it gone 1 s in, and the second member comes 4 s late.
+    Too few are here to vote at first, but enough may still come: the first waits, not fails the ring (a review:
+    it failed at once, and so did the latecomer, finding it gone), and both vote it out and average once the
+    second is here."""
+    late_by = 4.0
+
+    async def scenario():
+        async with connected_averagers(backbone, 3, "gone-late", timeout=20.0) as (averagers, ids):
+            ring = Ring(0, 0, 1000, tuple(ids))
+            for averager in averagers[:2]:
+                averager.expect([ring], 5)
+            values = [torch.full((1000,), float(k)) for k in range(2)]
+            started = time.monotonic()
+
+            class GoneAfterOne:
+                async def more(self, step, missing):
+                    raise AssertionError("asked for more before the timeout")
+
+                def gone(self, missing):
+                    return [m for m in missing if m == ids[2]] if time.monotonic() - started >= 1.0 else []
+
+                async def never_coming(self, step, missing):
+                    return []
+
+            async def late():
+                await asyncio.sleep(late_by)
+                return await averagers[1].average(5, values[1], 0, [ring], GoneAfterOne())
+
+            return await asyncio.gather(averagers[0].average(5, values[0], 0, [ring], GoneAfterOne()), late()), values
+
+    results, values = asyncio.run(scenario())
+    assert all(result.ok for result in results), [result.summary() for result in results]
+    assert all(torch.equal(value, torch.full((1000,), 0.5)) for value in values)
+    # within two looks of the latecomer's coming (a loaded machine took 8 s), far from the ring's 20 s timeout
+    assert results[0].seconds < late_by + 2 * NEVER_COMING_LOOK_S + 3.0, results[0].summary()
 
 
 @pytest.mark.timeout(60)
@@ -290,6 +375,9 @@ def test_a_late_member_is_waited_for_while_it_is_on_its_way_and_only_then(backbo
                 async def more(self, step, missing):
                     asked.append(list(missing))
                     return 1.0 if time.monotonic() - started < late_by + 5 else 0.0
+
+                def gone(self, missing):
+                    return []
 
                 async def never_coming(self, step, missing):
                     return []

@@ -75,30 +75,36 @@ def test_a_leaving_trainer_outweighs_the_stale_copies_of_standbys_the_new_plan_p
     """A walkthrough: one cluster trained while standbys kept copies of an old place; its peer left (Ctrl-C) and the
     next plan placed the standbys, which took their own copies, 17,000 steps old. The leaver's record says it is
     leaving the layers the plan before gave it: it counts, and alone, while it serves them."""
-    leaver, standby, stranger = (p.to_base58() for p in PEERS)
+    leaver, standby, other = (p.to_base58() for p in PEERS)
     before = {"clusters": [[{"peer_id": leaver, "layers": [0, 4]}]]}
     after = {"clusters": [[{"peer_id": standby, "layers": [0, 4]}]]}
     records = [dict(peer_id=leaver, state="leaving", layers=[0, 4], step=18_000, held=None),
                dict(peer_id=standby, state="standby", layers=[0, 4], step=1_000, held=None)]
     offers = offers_of(records, after, 2, before)
-    assert offers == [LayerOffer(PEERS[0], 18_000, True, True), LayerOffer(PEERS[1], 1_000, True, False)]
+    assert offers == [LayerOffer(PEERS[0], 18_000, True, True, True), LayerOffer(PEERS[1], 1_000, True)]
     assert counted_offers(offers) == [offers[0]] and agreed_step(counted_offers(offers)) == 18_000
-    # without the plan before (a joiner that followed none), the plans vouch for the standby only, as before
-    assert counted_offers(offers_of(records, after, 2)) == [LayerOffer(PEERS[1], 1_000, True)]
+    stale = [LayerOffer(PEERS[1], 1_000, True)]
+    # without the plan before (nothing to tell trainers by), the plans vouch for the standby only, as before
+    assert counted_offers(offers_of(records, after, 2)) == stale
     # a record that says leaving is not enough: the plan before must have placed it on the layer
-    liar = dict(peer_id=stranger, state="leaving", layers=[0, 4], step=HUGE_STEP, held=None)
-    assert counted_offers(offers_of(records[1:] + [liar], after, 2, before)) == [LayerOffer(PEERS[1], 1_000, True)]
+    liar = dict(peer_id=other, state="leaving", layers=[0, 4], step=HUGE_STEP, held=None)
+    assert counted_offers(offers_of(records[1:] + [liar], after, 2, before)) == stale
     # nor is having been placed: a trainer the new plan drops whose record still says training (it was killed, its
     # record not yet expired) is no witness, nor are layers the plan before gave it elsewhere
     killed = dict(records[0], state="training")
-    assert counted_offers(offers_of([killed, records[1]], after, 2, before)) == [LayerOffer(PEERS[1], 1_000, True)]
+    assert counted_offers(offers_of([killed, records[1]], after, 2, before)) == stale
     elsewhere = {"clusters": [[{"peer_id": leaver, "layers": [4, 8]}]]}
-    assert counted_offers(offers_of(records, after, 2, elsewhere)) == [LayerOffer(PEERS[1], 1_000, True)]
-    # a trainer the new plan keeps (another cluster) counts beside the leaver; the stale standby does not
-    kept = dict(peer_id=stranger, state="training", layers=[0, 4], step=18_010, held=None)
-    both = {"clusters": before["clusters"] + [[{"peer_id": stranger, "layers": [0, 4]}]]}
-    again = {"clusters": after["clusters"] + [[{"peer_id": stranger, "layers": [0, 4]}]]}
-    assert agreed_step(counted_offers(offers_of(records + [kept], again, 2, both))) == 18_000
+    assert counted_offers(offers_of(records, after, 2, elsewhere)) == stale
+    # a trainer the new plan keeps (another cluster) counts, the leaver then not (it may be gone already, and the
+    # kept one holds its last round), nor the stale standby
+    kept = dict(peer_id=other, state="training", layers=[0, 4], step=18_010, held=None)
+    both = {"clusters": before["clusters"] + [[{"peer_id": other, "layers": [0, 4]}]]}
+    again = {"clusters": after["clusters"] + [[{"peer_id": other, "layers": [0, 4]}]]}
+    assert counted_offers(offers_of(records + [kept], again, 2, both)) == [LayerOffer(PEERS[2], 18_010, True, True)]
+    # a peer the plan before placed on the layer that never started (its record still a standby's, a copy of an
+    # older place) is no trainer: the leaver counts
+    unstarted = dict(kept, state="standby", step=500)
+    assert counted_offers(offers_of(records + [unstarted], again, 2, both)) == [offers[0]]
 
 
 def test_the_content_digest_changes_with_any_value_name_or_dtype():

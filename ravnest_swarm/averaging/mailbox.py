@@ -185,6 +185,7 @@ class RingState:
         # the running robust attempt's answer to a member's probe, keyed by the attempt (its left-out members)
         self.probes: Dict[Tuple[str, ...], Callable[[List[int], str], RingReply]] = {}
         self.here = False  # this peer reached the round: a member's arrive note is answered so
+        self.settled = False  # our ring ended, whatever its result: its members no longer wait on each other here
         self.anchor: Optional[str] = None  # our outer state's digest over the ring's segment, told with ``here``
         self.anchors: Dict[str, Optional[str]] = {}  # each arrived member's, as its note or its answer to ours said
         self.changed = asyncio.Event()  # votes, withdrawals or our end: a running attempt must start over or end

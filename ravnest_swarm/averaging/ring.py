@@ -44,7 +44,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Coroutine, Dict, List, NamedTuple, Optional, Protocol, Set, Tuple
+from typing import AsyncIterator, Callable, Coroutine, Dict, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from hivemind.p2p import P2PHandlerError
@@ -73,6 +73,11 @@ class Patience(Protocol):
     async def never_coming(self, step: int, missing: List[str]) -> List[str]:
         """Asked every ``NEVER_COMING_LOOK_S`` before that: those of them that will never reach round ``step`` (they
         trained the run's length, or left their stage)."""
+
+    def gone(self, missing: List[str]) -> List[str]:
+        """Asked with ``never_coming``: those of them the caller found gone (its planning missed their records: a
+        crash). Unlike those that will never come by their own word, they are voted out where the ring can, and
+        fail the ring where it cannot (a ring of two)."""
 
 
 ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused: still in the round?
@@ -193,9 +198,16 @@ class RingRound:
     async def run(self, started: float, patience: Optional[Patience]) -> SegmentResult:
         """Wait for every member (``timeout``, then as long as ``patience`` says), then run the ring until an
         attempt completes, fails, or leaves us alone; the segment is written only when it completes."""
+        try:
+            return await self._run(started, patience)
+        finally:
+            self.state.settled = True  # the round's owner no longer counts this ring's members (``StageAveraging``)
+
+    async def _run(self, started: float, patience: Optional[Patience]) -> SegmentResult:
         self._say_arrived(started + self.peer.timeout)
         waiting_until: Optional[float] = started + self.peer.timeout  # for members not in the round yet
         deadline: Optional[float] = None  # the ring's own, from the moment every member is here
+        voted_until = False  # ``deadline`` is a vote's wait for the others' votes, not yet an attempt's
         while True:
             self.state.changed.clear()  # before looking: a note that comes while we look wakes the waits below
             self.state.arrival.clear()
@@ -214,17 +226,25 @@ class RingRound:
                 continue
             missing = [member for member in members if member != self.peer.peer_id and member not in self.state.arrived]
             if missing:
-                waiting_until, ended = await self._wait_for(missing, waiting_until, patience)
+                waiting_until, ended, gone = await self._wait_for(missing, waiting_until, patience)
                 if ended and set(ended) >= set(members) - {self.peer.peer_id}:
                     # nobody is left to average with, and nobody failed: the end of a run for a cluster behind
                     return self._result("finished", len(members), f"every other member will never reach round "
                                                                   f"{self.step} ({', '.join(m[-8:] for m in ended)})")
-                if ended:
-                    for member in ended:
-                        # its own signed record says so: it left the ring, as by a note of its own, and no vote is
-                        # needed (a majority of a ring of four is three: two clusters behind two that finished the
-                        # run could never vote them out)
-                        self.state.withdraw(member, f"{member[-8:]} will never reach round {self.step} (its record)")
+                for member in ended:
+                    # its own signed record says so: it left the ring, as by a note of its own, and no vote is
+                    # needed (a majority of a ring of four is three: two clusters behind two that finished the
+                    # run could never vote them out)
+                    self.state.withdraw(member, f"{member[-8:]} will never reach round {self.step} (its record)")
+                if gone:
+                    # a crashed member: we vote now, as at the end of the wait (a killed peer's record said it trained
+                    # on until it expired, so each of its rings waited, and every partner's round failed), once
+                    # enough members are here to; where too few are left to ever vote, the ring fails now
+                    if self._leave_out(gone, view):
+                        deadline, voted_until = time.monotonic() + self.peer.timeout, True
+                    elif len(self._could_come(view, gone)) < self._votes_needed():
+                        return self._never_came(members, gone, started)
+                if ended or gone:
                     continue
                 if waiting_until is None:
                     if not self._leave_out(missing, view):
@@ -232,8 +252,8 @@ class RingRound:
                     # we wait out, as any member that refused one, until the others' votes leave them out too
                     deadline = waiting_until = time.monotonic() + self.peer.timeout
                 continue
-            if deadline is None:
-                deadline = time.monotonic() + self.peer.timeout
+            if deadline is None or voted_until:
+                deadline, voted_until = time.monotonic() + self.peer.timeout, False
             result = await self._attempt(members, deadline)
             if result is not None:
                 return result
@@ -279,23 +299,24 @@ class RingRound:
         return self._result("refused", len(view.members), reason)
 
     async def _wait_for(self, missing: List[str], until: float,
-                        patience: Optional[Patience]) -> Tuple[Optional[float], List[str]]:
-        """Wait for news until ``until``, then ask ``patience`` for more: until when to wait on (None: give up), and
-        the missing members that will never come. Those ``patience`` is asked for every ``NEVER_COMING_LOOK_S`` while
-        we wait, and the wait ends as it names one: a partner whose cluster finished the run made the others wait
-        the whole ring timeout (20 s) at the end of every run."""
+                        patience: Optional[Patience]) -> Tuple[Optional[float], List[str], List[str]]:
+        """Wait for news until ``until``, then ask ``patience`` for more: until when to wait on (None: give up), the
+        missing members that will never come, and those found gone. Those two ``patience`` is asked for every
+        ``NEVER_COMING_LOOK_S`` while we wait, and the wait ends as it names one: a partner whose cluster finished
+        the run made the others wait the whole ring timeout (20 s) at the end of every run."""
         while True:
             left = until - time.monotonic()
             look = patience is not None and left > NEVER_COMING_LOOK_S
             if await self.state.news(max(0.0, NEVER_COMING_LOOK_S if look else left)):
-                return until, []
+                return until, [], []
             if not look:
                 break
             ended = await patience.never_coming(self.step, missing)
-            if ended:
-                return until, ended
+            gone = [member for member in patience.gone(missing) if member not in ended and member not in self.absent]
+            if ended or gone:
+                return until, ended, gone
         more = await patience.more(self.step, missing) if patience is not None else 0.0
-        return (time.monotonic() + more if more > 0 else None), []
+        return (time.monotonic() + more if more > 0 else None), [], []
 
     def _leave_out(self, missing: List[str], view: RingView) -> bool:
         """The wait for ``missing`` ran out: vote them out of the ring, where the members here can (a majority of
@@ -305,9 +326,9 @@ class RingRound:
         on what it saw itself (the absent one never reached it), and a majority's votes exclude it, as for a
         refused contribution (``mailbox.RingState.view``): the others average without it, under one attempt name.
         One that arrives after all gets the votes and ends ``excluded``, keeping its own values."""
-        here = [member for member in self.ring.members if member not in view.excluded and member not in view.withdrawn
-                and (member == self.peer.peer_id or member in self.state.arrived)]
-        if len(here) < max(2, majority(len(self.ring.members))):
+        here = [member for member in self._could_come(view, ())
+                if member == self.peer.peer_id or member in self.state.arrived]
+        if len(here) < self._votes_needed():
             return False
         logger.info(f"ring {self.ring.index} at round {self.step}: {', '.join(m[-8:] for m in missing)} did not "
                     f"come; voting to average without {'them' if len(missing) > 1 else 'it'}")
@@ -315,6 +336,15 @@ class RingRound:
         self.state.vote(self.peer.peer_id, missing)
         self._tell_ring(excluded=sorted(self.state.refusals[self.peer.peer_id]))
         return True
+
+    def _could_come(self, view: RingView, gone: Sequence[str]) -> List[str]:
+        """The ring's members neither excluded, withdrawn, nor in ``gone``: those that may still average."""
+        return [member for member in self.ring.members
+                if member not in view.excluded and member not in view.withdrawn and member not in gone]
+
+    def _votes_needed(self) -> int:
+        """Members that must be here to vote absent ones out: a majority of the ring, two at least."""
+        return max(2, majority(len(self.ring.members)))
 
     def _never_came(self, members: List[str], missing: List[str], started: float) -> SegmentResult:
         reason = (f"{', '.join(member[-8:] for member in missing)} did not reach round {self.step} within "

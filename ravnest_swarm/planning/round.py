@@ -277,11 +277,12 @@ class PlanningRounds:
     :param announcer: this peer's record publisher; the adopted placement is written into its record
     :param options: round options
     :param console: where the one-line round events go
-    :param on_adopt: called with the plan record each time this peer adopts a plan
+    :param on_adopt: called with the plan record each time this peer adopts a plan, and the plan in force that the
+        round priced it against (None: the run's first)
     """
 
     def __init__(self, node: DHTNode, run: str, announcer: PeerAnnouncer, options: RoundOptions, console: Console,
-                 on_adopt: Optional[Callable[[dict], None]] = None):
+                 on_adopt: Optional[Callable[[dict, Optional[dict]], None]] = None):
         self.node, self.run, self.announcer, self.options, self.console = node, run, announcer, options, console
         self.on_adopt = on_adopt
         self.peer_id = node.peer_id.to_base58()
@@ -595,7 +596,7 @@ class PlanningRounds:
                 if stage["peer_id"] == self.peer_id:
                     placement = dict(cluster=number, stage=index, layers=list(stage["layers"]))
         if self.on_adopt is not None:
-            self.on_adopt(record)  # a training volunteer places itself: it knows what layers it still holds
+            self.on_adopt(record, in_force)  # a training volunteer places itself: it knows what layers it holds
         else:
             self.announcer.update(plan_round=round_number, **placement)
             await self.announcer.renew()

@@ -167,7 +167,9 @@ class StageAveraging:
         self.averager.follow(self._expected)
         self.averager.on_rejected = self._rejected
         self.round_limit = max(ROUND_LIMIT_TIMEOUTS * timeout, ROUND_LIMIT_MIN_S)  # before a round is given up
-        self.patience = RecordPatience(announcer, microbatch_size, heartbeat, period, self.round_limit)
+        self.patience = RecordPatience(announcer, microbatch_size, heartbeat, period, self.round_limit,
+                                       gone=lambda: (now := self.following()).gone - now.left)
+        self._gone_since: Dict[str, float] = {}  # a gone partner -> when we first saw it so (``_give_up_why``)
         self.outer_spec = outer  # (name, lr, momentum): the run's outer optimizer (optimizers.outer)
         self.outer: Optional[OuterOptimizer] = None
         self._outer_worker: Optional[StageWorker] = None  # whose flat vector ``outer`` holds
@@ -325,6 +327,7 @@ class StageAveraging:
         if not partners:
             return
         self._started(label, step)
+        self._gone_since = {}  # a partner gone in an earlier round and back since is given this one's grace anew
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
         self.in_flight = InFlightRound(worker, label, sent, plan, rings, partners, asyncio.create_task(
             self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
@@ -360,11 +363,8 @@ class StageAveraging:
         in_flight = self.in_flight
         if in_flight is None or in_flight.task.done() or in_flight.worker is not worker or not self._reached(step):
             return False
-        for ring in in_flight.rings:  # the round's ring states exist while it runs
-            state = self.averager.mailbox.ring_state(in_flight.step, ring.index)
-            if any(m != self.peer_id and m not in state.arrived and m not in state.withdrawn for m in ring.members):
-                return False
-        return True
+        counted = self._counted_in(in_flight)
+        return all(arrived for member, arrived in counted.items() if member != self.peer_id)
 
     async def finish_in_flight(self, worker: StageWorker) -> Optional[bool]:
         """Wait for the round in flight to end, and apply it (:meth:`take_finished`); a round given up meanwhile
@@ -376,23 +376,52 @@ class StageAveraging:
         return self.take_finished(worker)
 
     def _give_up_why(self, in_flight: InFlightRound) -> Optional[str]:
-        """Why the round in flight is given up now, not at its rings' timeout, or None: a partner of it our planning
-        rounds found gone, or a plan adopted since that changed our rings (peers that begin the round after
-        adopting it look for us in the new rings, while ours wait in the old ones: in the NAT lab, 2 -> 4 clusters
-        made one cluster fail the round in its old ring of two and the three others wait the ring's 20 s for it in
-        the new). Given up, it is over here: a member of the new rings that waits for us in it is told so at once.
-        A partner that left gracefully is neither: the ring reads its record, which says so, within
-        NEVER_COMING_LOOK_S and averages without it. Given up here, that round failed at every partner of each
-        graceful leave (planning finds a leaver gone before the ring's first look, and the plan that drops its
-        cluster comes a round's length later)."""
-        now = self.following()
-        gone = in_flight.partners & (now.gone - now.left)
+        """Why the round in flight is given up now, not at its rings' timeout, or None.
+
+        A partner our planning rounds found gone, while a ring of ours that has not ended still counts it: at once
+        where it reached that ring (it crashed amid an attempt, whose parts of it never come), else a while after
+        (``gone_grace``: the ring votes it out at its next look, ``RecordPatience.gone``, and goes on without it once
+        the other members found it gone too; a ring of two fails). Given up at once, a crash that came before the
+        round failed it at every partner. A partner that left gracefully is no reason either: the ring reads its
+        record, which says so, within NEVER_COMING_LOOK_S and averages without it (given up, that round failed at
+        every partner of each graceful leave: planning finds a leaver gone before the ring's first look, and the plan
+        that drops its cluster comes a round's length later).
+
+        A plan adopted since that changed our rings: peers that begin the round after adopting it look for us in the
+        new rings, while ours wait in the old ones (in the NAT lab, 2 -> 4 clusters made one cluster fail the round
+        in its old ring of two and the three others wait the ring's 20 s for it in the new). Given up, it is over
+        here: a member of the new rings that waits for us in it is told so at once."""
+        now, at = self.following(), time.monotonic()
+        self._gone_since = {peer: self._gone_since.get(peer, at) for peer in now.gone - now.left}
+        counted = self._counted_in(in_flight)
+        gone = [peer for peer in in_flight.partners & self._gone_since.keys() if peer in counted
+                and (counted[peer] or at - self._gone_since[peer] >= self.gone_grace)]
         if gone:
             return f"partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone"
         if now.plan is not None and now.plan is not in_flight.plan and \
                 without(self._rings(now.plan), now.left) != without(in_flight.rings, now.left):
             return f"plan round {now.plan.get('round')} changed its rings"
         return None
+
+    def _counted_in(self, in_flight: InFlightRound) -> Dict[str, bool]:
+        """The members that a ring of the round in flight, not ended yet, still counts (not voted out, nor
+        withdrawn), each with whether it reached such a ring."""
+        counted: Dict[str, bool] = {}
+        for ring in in_flight.rings:  # the round's ring states exist while it runs
+            state = self.averager.mailbox.ring_state(in_flight.step, ring.index)
+            if state.settled:
+                continue
+            view = state.view(ring.members)
+            for member in ring.members:
+                if member not in view.excluded and member not in view.withdrawn:
+                    counted[member] = counted.get(member, False) or member in state.arrived
+        return counted
+
+    @property
+    def gone_grace(self) -> float:
+        """Seconds a round in flight goes on after our planning found a partner of it gone: its rings' next look,
+        and the other members' planning polls to find it gone too and vote."""
+        return 2 * NEVER_COMING_LOOK_S + 2 * self.heartbeat
 
     def partners(self, plan: dict) -> FrozenSet[str]:
         """The other members of our rings in ``plan``, its clusters with a gone peer left out (``plan_rings``)."""
@@ -592,8 +621,8 @@ class RecordPatience:
     says ``done`` or ``leaving``). One read serves every ring of the round that asks within ``NEVER_COMING_LOOK_S``."""
 
     def __init__(self, announcer: PeerAnnouncer, microbatch_size: int, heartbeat: float, period: int,
-                 limit: float = math.inf):
-        self.announcer, self.microbatch_size = announcer, microbatch_size
+                 limit: float = math.inf, gone: Callable[[], FrozenSet[str]] = frozenset):
+        self.announcer, self.microbatch_size, self._gone = announcer, microbatch_size, gone
         self.heartbeat, self.period, self.limit = heartbeat, period, limit  # limit: a round's, in seconds
         self._reading = asyncio.Lock()
         self._records: Dict[str, Dict] = {}
@@ -622,6 +651,11 @@ class RecordPatience:
     async def more(self, step: int, missing: List[str]) -> float:
         return arrival_wait(step, missing, await self._read(step, missing, 0.0), self.microbatch_size,
                             self.heartbeat, self.period, self.limit)
+
+    def gone(self, missing: List[str]) -> List[str]:
+        """Those of ``missing`` our planning rounds found gone (their records expired and stayed away)."""
+        found = self._gone()
+        return [member for member in missing if member in found]
 
     async def never_coming(self, step: int, missing: List[str]) -> List[str]:
         records = await self._read(step, missing, NEVER_COMING_LOOK_S / 2)

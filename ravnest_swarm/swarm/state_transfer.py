@@ -7,10 +7,12 @@ restate the other's schemas and limits.
 A late joiner, a standby that replaces a dead stage, and a peer whose layer range changed with a new
 plan all do the same thing: for every layer they now own, ask the peers whose records say they hold
 that layer for its tensors (:func:`fill_layer`). Records are self-declared, so a holder is not believed
-alone where others can be asked:
+alone where others like it can be asked:
 
-* the holders that count are those the adopted plan names (any stage of any cluster); holders outside
-  the plan (a peer leaving, a stranger) count only when the plan names none that offers the layer;
+* the holders that count are the layer's trainers under the plan in force before the adopted one: those the
+  adopted plan keeps, else those that leave (a peer that trained the layer alone: a standby's older copy does not
+  outvote it); where none offers the layer, those the adopted plan names (any stage of any cluster); others (a
+  stranger) count only when the plan names none that offers the layer (:func:`counted_offers`);
 * the layer's step is the median of their claims (the lower of the middle two): only a majority of
   them can move it, never the highest claim alone;
 * where two or more count, two of them must serve the same content (sha256 of every tensor): each
@@ -390,6 +392,7 @@ class LayerOffer:
     step: int
     planned: bool
     trained: bool = False
+    leaving: bool = False  # a trainer whose record says it is leaving (it goes once another holds its layers)
 
 
 @dataclass(frozen=True)
@@ -411,8 +414,10 @@ class LayerFill:
 def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int,
               before: Optional[dict] = None) -> List[LayerOffer]:
     """Who offers ``layer`` by their peer records (``layers`` and ``held``), each marked with whether the plans vouch
-    for it: ``plan`` (the adopted plan, if any) names it, or its record says it is leaving the place on ``layer`` that
-    ``before`` (the plan followed before ``plan``) gave it; and whether ``before`` placed it on ``layer``."""
+    for it (``plan``, the adopted plan if any, names it, or it leaves a place on ``layer`` that ``before``, the plan
+    in force before ``plan``, gave it) and whether it trained ``layer`` under ``before``: placed on it there, and its
+    record says it trains (kept by ``plan``) or leaves. A peer placed there that never started (still a standby, its
+    copy of an older place) is not a trainer."""
     planned = {stage["peer_id"] for cluster in plan["clusters"] for stage in cluster} if plan else set()
     trainers = {stage["peer_id"] for cluster in before["clusters"] for stage in cluster
                 if stage["layers"][0] <= layer < stage["layers"][1]} if before else set()
@@ -421,21 +426,24 @@ def offers_of(records: Sequence[Dict], plan: Optional[dict], layer: int,
         step = offered_step(record, layer)
         if step is None:
             continue
-        vouched = record["peer_id"] in planned or (record.get("state") == "leaving" and record["peer_id"] in trainers)
-        offers.append(LayerOffer(PeerID.from_base58(record["peer_id"]), step, vouched,
-                                 vouched and record["peer_id"] in trainers))
+        peer, state = record["peer_id"], record.get("state")
+        leaving = peer in trainers and state == "leaving"
+        kept = peer in trainers and peer in planned and state in ("training", "averaging", "done")
+        offers.append(LayerOffer(PeerID.from_base58(peer), step, peer in planned or leaving, kept or leaving, leaving))
     return offers
 
 
 def counted_offers(offers: Sequence[LayerOffer]) -> List[LayerOffer]:
-    """The offers that count: those of the layer's trainers under the plan before (a standby's copy of a place it
-    left long ago is no witness of the layer's step while they serve it: a walkthrough's standbys, placed when the
-    only cluster left, took their own copies 17,000 steps old and the leaver's work was lost), else those of holders
-    the plan names, else all of them; one per holder (its lowest claim, should two records name one peer: it is one
-    witness)."""
+    """The offers that count: those of the layer's trainers under the plan before that the plan keeps, else those of
+    its trainers that leave (a standby's copy of a place it left long ago is no witness of the layer's step while
+    they serve it: a walkthrough's standbys, placed when the only cluster left, took their own copies 17,000 steps
+    old and the leaver's work was lost; a leaver beside kept trainers may be gone already, and they hold its last
+    round), else those of holders the plan names, else all of them; one per holder (its lowest claim, should two
+    records name one peer: it is one witness)."""
     counted: Dict[PeerID, LayerOffer] = {}
-    trained = [offer for offer in offers if offer.trained]
-    for offer in trained or [offer for offer in offers if offer.planned] or offers:
+    kept = [offer for offer in offers if offer.trained and not offer.leaving]
+    for offer in kept or [offer for offer in offers if offer.trained] or [offer for offer in offers if offer.planned] \
+            or offers:
         if offer.holder not in counted or offer.step < counted[offer.holder].step:
             counted[offer.holder] = offer
     return list(counted.values())

@@ -176,8 +176,10 @@ class Volunteer:
         # together with our placement, a newer plan of fewer clusters than ours was an IndexError (issue 29)
         self.plan: Optional[dict] = None
         self.adopted: Optional[dict] = None
-        # the plan followed before ``plan``: the peers it placed on a layer hold its latest copy (``offers_of``)
+        # the plan in force before ``plan`` (that its round replaced, else the one we followed): the peers it placed
+        # on a layer hold the layer's latest copy (``offers_of``); and the one ``adopted`` replaced
         self.plan_before: Optional[dict] = None
+        self.adopted_over: Optional[dict] = None
         self.cache: Dict[int, Tuple[Dict[str, torch.Tensor], int]] = {}  # layer -> (state_dict, step)
         # poisoned or malformed input refused: by averaging, and by stage workers already stopped
         self.rejected_before = 0
@@ -352,14 +354,17 @@ class Volunteer:
                                           self.spec.precision)
         return model_workload(self.model, self.spec, self.options.max_stages) + (gflops,)
 
-    def _on_adopt(self, plan: dict) -> None:
-        self.adopted = plan
+    def _on_adopt(self, plan: dict, replaced: Optional[dict]) -> None:
+        self.adopted, self.adopted_over = plan, replaced
         self._adopted.set()
 
     async def _follow_plan(self, plan: dict) -> None:
         placement = placement_in(plan, self.peer_id)
         self.announcer.update(plan_round=plan["round"])
-        if self.plan is not None and self.plan["round"] != plan["round"]:
+        if plan is self.adopted and self.adopted_over is not None:
+            # the round's own: a peer that skipped plans (it followed only the latest) or joined since agrees on it
+            self.plan_before = self.adopted_over
+        elif self.plan is not None and self.plan["round"] != plan["round"]:
             self.plan_before = self.plan
         if self.worker is not None and kept_in_place(self.plan, plan, self.peer_id):
             # kept in place: the worker goes on without a pause, taking messages from (and sending to) whoever the plan
