@@ -61,7 +61,8 @@ def resuming_volunteer(path: str, outer: str = "average") -> SimpleNamespace:
 
     announcer = SimpleNamespace(update=lambda **fields: None, read_peers=no_peers)
     said = []
-    return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, node=None, checkpoint_path=path,
+    return SimpleNamespace(name="peer", run=RUN, peer_id="me", plan=None, plan_before=None, node=None,
+                           checkpoint_path=path,
                            spec=SimpleNamespace(model="mlp-digits", model_config="", data_hash="", optimizer="sgd",
                                                 lr=0.05, outer_optimizer=outer),
                            model=get_model("mlp-digits"), cache={}, averaging=stage_averaging(outer),

@@ -42,3 +42,54 @@ def test_the_partners_of_a_peer_killed_between_rounds_vote_it_out_and_average_wi
         assert said.count("segments averaged") >= averaged_then[name] + 3, (name, said[-3000:])
         assert FAILED_ROUND.findall(said)[failed_before[name]:] == [], (name, said[-3000:])
         assert "Traceback" not in said, name
+
+
+def test_a_round_in_flight_is_given_up_for_a_gone_partner_only_while_a_running_ring_still_counts_it():
+    """``StageAveraging._give_up_why``, pure: a gone partner that reached a running ring of ours (it died amid an
+    attempt) gives the round up at once; one that never came, only after ``gone_grace`` (its ring votes it out
+    first); one the ring voted out or withdrew, or a round whose rings ended, never."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ravnest_swarm.averaging.mailbox import RingState
+    from ravnest_swarm.averaging.segments import Ring
+    from ravnest_swarm.swarm.stage_averaging import InFlightRound, StageAveraging
+
+    def averaging_with(state, last_finished=99):
+        averaging = StageAveraging.__new__(StageAveraging)
+        averaging.following = lambda: SimpleNamespace(gone=frozenset({"dead"}), left=frozenset(), plan=None)
+        averaging.averager = SimpleNamespace(last_finished_step=last_finished, mailbox=SimpleNamespace(
+            ring_state_if_any=lambda step, index: state if (step, index) == (100, 0) else None))
+        averaging.peer_id, averaging.heartbeat, averaging._gone_since = "me", 2.0, {}
+        return averaging
+
+    loop = asyncio.new_event_loop()
+    try:
+        in_flight = InFlightRound(None, 100, None, {}, [Ring(0, 0, 10, ("me", "other", "dead"))],
+                                  frozenset({"other", "dead"}), loop.create_future(), time.monotonic())
+        died_amid = RingState()
+        died_amid.arrive("dead")
+        assert "dead"[-8:] in averaging_with(died_amid)._give_up_why(in_flight)
+        never_came = averaging_with(RingState())
+        assert never_came._give_up_why(in_flight) is None  # left to the ring's vote for now
+        never_came._gone_since["dead"] -= never_came.gone_grace
+        assert "gone" in never_came._give_up_why(in_flight)  # the vote did not end the ring in time
+        not_started = averaging_with(None)
+        assert not_started._give_up_why(in_flight) is None
+        voted_out = RingState()
+        voted_out.arrive("dead")
+        voted_out.vote("me", ["dead"])
+        voted_out.vote("other", ["dead"])
+        late = averaging_with(voted_out)
+        late._gone_since["dead"] = time.monotonic() - 10 * late.gone_grace
+        assert late._give_up_why(in_flight) is None
+        withdrawn = RingState()
+        withdrawn.withdraw("dead", "dead will never reach round 100 (its record)")
+        assert averaging_with(withdrawn)._give_up_why(in_flight) is None
+        ended = RingState()
+        ended.arrive("dead")
+        ended.settled = True
+        assert averaging_with(ended)._give_up_why(in_flight) is None
+        assert averaging_with(died_amid, last_finished=100)._give_up_why(in_flight) is None
+    finally:
+        loop.close()

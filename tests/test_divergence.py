@@ -14,7 +14,8 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
-from ravnest_swarm.averaging.segments import flatten
+from ravnest_swarm.averaging.mailbox import RingState
+from ravnest_swarm.averaging.segments import Ring, flatten
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
 from ravnest_swarm.membership.own_record import RecordError, publishable
@@ -256,9 +257,10 @@ def test_a_round_taken_beside_training_keeps_the_training_on_top_and_says_what_i
 
 
 def test_a_round_given_up_beside_training_leaves_its_outer_state_to_it():
-    """A round given up at a step boundary (a partner gone) is cancelled and left to end by itself; should it outlast
-    the cancel, its outer step would move the anchor under our next round. So the outer state it was given is its
-    own, and our next round starts ours anew, as after a stalled round."""
+    """A round given up at a step boundary (a partner gone, which had reached our running ring: it died amid an
+    attempt) is cancelled and left to end by itself; should it outlast the cancel, its outer step would move the
+    anchor under our next round. So the outer state it was given is its own, and our next round starts ours anew,
+    as after a stalled round."""
     worker = stage_worker()
     loop = asyncio.new_event_loop()
     running = loop.create_future()  # still running
@@ -266,10 +268,16 @@ def test_a_round_given_up_beside_training_leaves_its_outer_state_to_it():
     given_to_the_round = object()
     averaging._outer_worker, averaging.outer = worker, given_to_the_round
     averaging.following = lambda: SimpleNamespace(gone=frozenset({"partner"}), left=frozenset(), plan=None)
+    ring, state = Ring(0, 0, 10, ("me", "partner")), RingState()
+    state.arrive("partner")
+    averaging.averager = SimpleNamespace(last_finished_step=99, mailbox=SimpleNamespace(
+        ring_state_if_any=lambda step, index: state if (step, index) == (100, 0) else None))
+    averaging.peer_id, averaging.heartbeat, averaging._gone_since = "me", 2.0, {}
     failed = []
     averaging._failed = lambda step, why: failed.append((step, why))
     sent = flatten([p.detach().clone() for p in worker.module.parameters()])
-    averaging.in_flight = InFlightRound(worker, 100, sent, {}, [], frozenset({"partner"}), running, time.monotonic())
+    averaging.in_flight = InFlightRound(worker, 100, sent, {}, [ring], frozenset({"partner"}), running,
+                                        time.monotonic())
     assert averaging.take_finished(worker) is False and averaging.in_flight is None
     assert running.cancelled() and averaging.outer is None and averaging._outer_worker is None
     assert failed and failed[0][0] == 100 and "gone" in failed[0][1]

@@ -376,6 +376,11 @@ class Mailbox:
     def ring_state(self, step: int, ring: int) -> RingState:
         return self._rings.setdefault((step, ring), RingState())
 
+    def ring_state_if_any(self, step: int, ring: int) -> Optional[RingState]:
+        """The ring's state where one exists: a round's owner that only looks creates none (a round just finished
+        had its states dropped, and a look must not bring them back)."""
+        return self._rings.get((step, ring))
+
     async def receive(self, key: MessageKey, deadline: float,
                       codec: Codec) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
         """The parts of one expected message, in order, as they arrive (values, and the part as sent); in

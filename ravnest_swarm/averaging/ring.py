@@ -12,8 +12,9 @@ refuse a poisoned chunk) are one protocol, read top to bottom.
 Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
 in time ends that ring for whoever waited on it, the segment keeps its local value, and the other members are
 told that the ring ended for that one. A member that never arrives (the wait for it, and the patience its caller
-gives it, ran out) is voted out by each member that waited for it, where those that came are a majority of the
-ring: the others average without it (``RingRound._leave_out``). A received chunk with NaN or Inf, a part that does
+gives it, ran out; or, sooner, the caller found it gone: ``Patience.gone``, a crash) is voted out by each member
+that waited for it, where those that came are a majority of the ring: the others average without it
+(``RingRound._leave_out``). A received chunk with NaN or Inf, a part that does
 not decode in its codec, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
@@ -236,6 +237,7 @@ class RingRound:
                     # needed (a majority of a ring of four is three: two clusters behind two that finished the
                     # run could never vote them out)
                     self.state.withdraw(member, f"{member[-8:]} will never reach round {self.step} (its record)")
+                view = self.state.view(self.ring.members) if ended else view
                 if gone:
                     # a crashed member: we vote now, as at the end of the wait (a killed peer's record said it trained
                     # on until it expired, so each of its rings waited, and every partner's round failed), once
@@ -251,6 +253,7 @@ class RingRound:
                         return self._never_came(members, missing, started)
                     # we wait out, as any member that refused one, until the others' votes leave them out too
                     deadline = waiting_until = time.monotonic() + self.peer.timeout
+                    voted_until = True
                 continue
             if deadline is None or voted_until:
                 deadline, voted_until = time.monotonic() + self.peer.timeout, False

@@ -330,7 +330,7 @@ class StageAveraging:
         self._gone_since = {}  # a partner gone in an earlier round and back since is given this one's grace anew
         sent = flatten([p.detach().cpu() for p in worker.module.parameters()])
         self.in_flight = InFlightRound(worker, label, sent, plan, rings, partners, asyncio.create_task(
-            self._round(worker, plan, label, sent.clone(), beside_training=True)), time.monotonic())
+            self._round(worker, plan, label, sent.clone(), beside_training=True, rings=rings)), time.monotonic())
 
     def _reached(self, step: int) -> bool:
         """Whether our ``step``, on the run's count of rounds, has reached our next round."""
@@ -390,7 +390,11 @@ class StageAveraging:
         A plan adopted since that changed our rings: peers that begin the round after adopting it look for us in the
         new rings, while ours wait in the old ones (in the NAT lab, 2 -> 4 clusters made one cluster fail the round
         in its old ring of two and the three others wait the ring's 20 s for it in the new). Given up, it is over
-        here: a member of the new rings that waits for us in it is told so at once."""
+        here: a member of the new rings that waits for us in it is told so at once.
+
+        None once its rings ended (the task then applies the outer step): nothing is left to give up."""
+        if in_flight.step <= self.averager.last_finished_step:
+            return None
         now, at = self.following(), time.monotonic()
         self._gone_since = {peer: self._gone_since.get(peer, at) for peer in now.gone - now.left}
         counted = self._counted_in(in_flight)
@@ -405,10 +409,17 @@ class StageAveraging:
 
     def _counted_in(self, in_flight: InFlightRound) -> Dict[str, bool]:
         """The members that a ring of the round in flight, not ended yet, still counts (not voted out, nor
-        withdrawn), each with whether it reached such a ring."""
+        withdrawn), each with whether it reached such a ring. Reads ring states, never creates one: a look just after
+        the round finished (its task still applying the outer step) brought its states back, unsettled, and gave up
+        the round its rings had averaged (a review)."""
         counted: Dict[str, bool] = {}
-        for ring in in_flight.rings:  # the round's ring states exist while it runs
-            state = self.averager.mailbox.ring_state(in_flight.step, ring.index)
+        if in_flight.step <= self.averager.last_finished_step:
+            return counted  # its rings ended and their states went; the task applies its outer step
+        for ring in in_flight.rings:
+            state = self.averager.mailbox.ring_state_if_any(in_flight.step, ring.index)
+            if state is None:  # the ring has not started: every member counts, none arrived
+                counted.update({member: counted.get(member, False) for member in ring.members})
+                continue
             if state.settled:
                 continue
             view = state.view(ring.members)
@@ -488,12 +499,14 @@ class StageAveraging:
         return applied if 0 <= worker.version - applied.at <= self.period else None
 
     async def _round(self, worker: StageWorker, plan: dict, step: int, local: torch.Tensor,
-                     beside_training: bool = False) -> Optional[Tuple[bool, torch.Tensor]]:
+                     beside_training: bool = False,
+                     rings: Optional[List[Ring]] = None) -> Optional[Tuple[bool, torch.Tensor]]:
         """The rings of one round over ``local`` (our flat values, written in place), then the outer step: whether
         every ring of ours averaged, and the values the stage takes. None: no ring of ours in this round. Our
-        record's state says ``averaging`` while the stage stands still for it, not ``beside_training``."""
+        record's state says ``averaging`` while the stage stands still for it, not ``beside_training``. ``rings``:
+        those the round in flight was begun with (what ``_give_up_why`` reads), else ours in ``plan`` now."""
         state = "training" if beside_training else "averaging"
-        rings = self._rings(plan)
+        rings = self._rings(plan) if rings is None else rings
         if not rings or step <= self.averager.last_finished_step or self._partners_in(rings) <= self.patience.finished:
             # a peer moved to a slot that is behind the rounds it already took part in skips ahead; a cluster behind
             # the others at the run's end has nobody left to average with
