@@ -209,6 +209,21 @@ def test_lost_replies_and_broken_streams_are_resent_and_counted_once(processes, 
         assert error <= 1e-5, (name, error)
 
 
+async def average_without_the_last(backbone, members: int, name: str, patience_for):
+    """One ring of ``members`` averagers over real P2P (20 s ring timeout) whose last never reaches round 5; the
+    others average 0, 1, ... with the patience ``patience_for(ids, started)`` gives: their results, values, ids."""
+    async with connected_averagers(backbone, members, name, timeout=20.0) as (averagers, ids):
+        ring = Ring(0, 0, 1000, tuple(ids))
+        came = averagers[:-1]
+        for averager in came:
+            averager.expect([ring], 5)
+        values = [torch.full((1000,), float(k)) for k in range(len(came))]
+        patience = patience_for(ids, time.monotonic())
+        results = await asyncio.gather(*(averager.average(5, value, 0, [ring], patience)
+                                         for averager, value in zip(came, values)))
+        return results, values, ids
+
+
 @pytest.mark.timeout(90)
 def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbone):
     """Averagers over real P2P, one ring with a 20 s timeout, and a member that never reaches round 5: its cluster
@@ -219,14 +234,9 @@ def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbo
     left to average with, nobody failed, and it keeps its values. A ring whose wait is shorter than a look is asked
     nothing of the sort (the test below)."""
     async def scenario(members: int):
-        async with connected_averagers(backbone, members, f"finished{members}", timeout=20.0) as (averagers, ids):
-            ring = Ring(0, 0, 1000, tuple(ids))
-            came = averagers[:-1]
-            for averager in came:
-                averager.expect([ring], 5)
-            values = [torch.full((1000,), float(k)) for k in range(len(came))]
-            started, asked = time.monotonic(), []
+        asked = []
 
+        def finished_after_four(ids, started):
             class FinishedAfterFour:
                 async def more(self, step, missing):
                     raise AssertionError("asked for more before the timeout")
@@ -237,10 +247,11 @@ def test_a_member_whose_record_says_it_finished_the_run_is_not_waited_for(backbo
                 async def never_coming(self, step, missing):
                     asked.append((step, list(missing)))
                     return list(missing) if time.monotonic() - started >= 4.0 else []
+            return FinishedAfterFour()
 
-            results = await asyncio.gather(*(averager.average(5, value, 0, [ring], FinishedAfterFour())
-                                             for averager, value in zip(came, values)))
-            return results, values, asked, ids
+        results, values, ids = await average_without_the_last(backbone, members, f"finished{members}",
+                                                               finished_after_four)
+        return results, values, asked, ids
 
     results, values, asked, ids = asyncio.run(scenario(3))
     assert all(result.ok for result in results), [result.summary() for result in results]
@@ -265,14 +276,7 @@ def test_a_member_found_gone_is_voted_out_at_the_next_look_not_waited_for_to_the
     (a crash is a failure, unlike a member that finished the run), keeping its values. Before, the ring waited for
     it, and the caller gave the whole round up: one failed round at every partner of each crash."""
     async def scenario(members: int):
-        async with connected_averagers(backbone, members, f"gone{members}", timeout=20.0) as (averagers, ids):
-            ring = Ring(0, 0, 1000, tuple(ids))
-            came = averagers[:-1]
-            for averager in came:
-                averager.expect([ring], 5)
-            values = [torch.full((1000,), float(k)) for k in range(len(came))]
-            started = time.monotonic()
-
+        def gone_after_three(ids, started):
             class GoneAfterThree:
                 async def more(self, step, missing):
                     raise AssertionError("asked for more before the timeout")
@@ -282,10 +286,10 @@ def test_a_member_found_gone_is_voted_out_at_the_next_look_not_waited_for_to_the
 
                 async def never_coming(self, step, missing):
                     return []
+            return GoneAfterThree()
 
-            results = await asyncio.gather(*(averager.average(5, value, 0, [ring], GoneAfterThree())
-                                             for averager, value in zip(came, values)))
-            return results, values
+        results, values, _ = await average_without_the_last(backbone, members, f"gone{members}", gone_after_three)
+        return results, values
 
     results, values = asyncio.run(scenario(3))
     assert all(result.ok for result in results), [result.summary() for result in results]
