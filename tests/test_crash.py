@@ -45,9 +45,10 @@ def test_the_partners_of_a_peer_killed_between_rounds_vote_it_out_and_average_wi
 
 
 def test_a_round_in_flight_is_given_up_for_a_gone_partner_only_while_a_running_ring_still_counts_it():
-    """``StageAveraging._give_up_why``, pure: a gone partner that reached a running ring of ours (it died amid an
-    attempt) gives the round up at once; one that never came, only after ``gone_grace`` (its ring votes it out
-    first); one the ring voted out or withdrew, or a round whose rings ended, never."""
+    """``StageAveraging._give_up_why``, pure: a gone partner that never came gives the round up only after
+    ``gone_grace`` (its ring votes it out first); one that reached a running ring of ours (it died amid an attempt)
+    a ring timeout later still (its ring votes once its attempt fails); one the ring voted out or withdrew, or a round
+    whose rings ended, never."""
     import asyncio
     from types import SimpleNamespace
 
@@ -58,7 +59,7 @@ def test_a_round_in_flight_is_given_up_for_a_gone_partner_only_while_a_running_r
     def averaging_with(state, last_finished=99):
         averaging = StageAveraging.__new__(StageAveraging)
         averaging.following = lambda: SimpleNamespace(gone=frozenset({"dead"}), left=frozenset(), plan=None)
-        averaging.averager = SimpleNamespace(last_finished_step=last_finished, mailbox=SimpleNamespace(
+        averaging.averager = SimpleNamespace(last_finished_step=last_finished, timeout=20.0, mailbox=SimpleNamespace(
             ring_state_if_any=lambda step, index: state if (step, index) == (100, 0) else None))
         averaging.peer_id, averaging.heartbeat, averaging._gone_since = "me", 2.0, {}
         return averaging
@@ -69,7 +70,12 @@ def test_a_round_in_flight_is_given_up_for_a_gone_partner_only_while_a_running_r
                                   frozenset({"other", "dead"}), loop.create_future(), time.monotonic())
         died_amid = RingState()
         died_amid.arrive("dead")
-        assert "dead"[-8:] in averaging_with(died_amid)._give_up_why(in_flight)
+        amid = averaging_with(died_amid)
+        assert amid._give_up_why(in_flight) is None  # left to the ring's vote once its attempt fails
+        amid._gone_since["dead"] -= amid.gone_grace
+        assert amid._give_up_why(in_flight) is None
+        amid._gone_since["dead"] -= 20.0
+        assert "gone" in amid._give_up_why(in_flight)  # the vote did not end the ring in time
         never_came = averaging_with(RingState())
         assert never_came._give_up_why(in_flight) is None  # left to the ring's vote for now
         never_came._gone_since["dead"] -= never_came.gone_grace

@@ -11,10 +11,12 @@ refuse a poisoned chunk) are one protocol, read top to bottom.
 
 Faults. Each ring has its own deadline, from the moment every member arrived: a member that does not answer
 in time ends that ring for whoever waited on it, the segment keeps its local value, and the other members are
-told that the ring ended for that one. A member that never arrives (the wait for it, and the patience its caller
-gives it, ran out; or, sooner, the caller found it gone: ``Patience.gone``, a crash) is voted out by each member
-that waited for it, where those that came are a majority of the ring: the others average without it
-(``RingRound._leave_out``). A received chunk with NaN or Inf, a part that does
+told that the ring ended for that one (with a caller's ``Patience``, once every member of the attempt answers a
+note: one that does not may have crashed, below). A member that never arrives (the wait for it, and the patience
+its caller gives it, ran out; or, sooner, the caller found it gone: ``Patience.gone``, a crash) is voted out by each
+member that waited for it, where those that came are a majority of the ring: the others average without it
+(``RingRound._leave_out``); so is one that crashed amid an attempt, by each member whose attempt failed and whose
+caller found it gone (``RingRound._gone_amid``). A received chunk with NaN or Inf, a part that does
 not decode in its codec, or absurdly scaled (its largest magnitude above ``max_scale`` times
 what that many contributions of our own size could sum to), is refused: in a ring every forwarded partial
 sum was checked by its receiver, so such a chunk can only come from the sender's own contribution. The
@@ -56,6 +58,7 @@ from ravnest_swarm.averaging.segments import Ring, chunk_bounds
 from ravnest_swarm.averaging.wire import (CONTROL_TIMEOUT, FAILURE_CHARS, GATHER, REDUCE, ROUND_OVER, Outbox, RingAbort,
                                           RingArrive, RingPart, RingSender, decode_part, serialize_part)
 from ravnest_swarm.codecs.codec import RAW, Codec
+from ravnest_swarm.net.routes import FORWARD_REFUSED
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +79,9 @@ class Patience(Protocol):
         trained the run's length, or left their stage)."""
 
     def gone(self, missing: List[str]) -> List[str]:
-        """Asked with ``never_coming``: those of them the caller found gone (its planning missed their records: a
-        crash). Unlike those that will never come by their own word, they are voted out where the ring can, and
-        fail the ring where it cannot (a ring of two)."""
+        """Asked with ``never_coming``, and by a member whose attempt failed about the attempt's members: those of
+        them the caller found gone (its planning missed their records: a crash). Unlike those that will never come by
+        their own word, they are voted out where the ring can, and fail the ring where it cannot (a ring of two)."""
 
 
 ACCUSED_ASKED_EVERY = 1.0  # seconds between a refusing member's questions to the accused: still in the round?
@@ -194,7 +197,9 @@ class RingRound:
         # what the next attempt averages, and in which codec (``_choose``)
         self.segment, self.codec, self.mode = segment, peer.compression, PARAMETERS
         self.state = peer.mailbox.ring_state(step, ring.index)
-        self.absent: Set[str] = set()  # members we voted out for not coming (``_leave_out``)
+        self.absent: Set[str] = set()  # members we voted out for not coming or going amid an attempt (``_leave_out``)
+        self.renew_deadline = False  # our last attempt ended in a vote or failed, and the ring went on (``_gone_amid``)
+        self.gone_until: Optional[float] = None  # how long failed attempts wait for a silent member to be found gone
 
     async def run(self, started: float, patience: Optional[Patience]) -> SegmentResult:
         """Wait for every member (``timeout``, then as long as ``patience`` says), then run the ring until an
@@ -257,9 +262,12 @@ class RingRound:
                 continue
             if deadline is None or voted_until:
                 deadline, voted_until = time.monotonic() + self.peer.timeout, False
-            result = await self._attempt(members, deadline)
+            self.renew_deadline = False
+            result = await self._attempt(members, deadline, patience)
             if result is not None:
                 return result
+            if self.renew_deadline:  # we voted out a member gone amid the attempt, or our attempt failed and the ring
+                deadline, voted_until = time.monotonic() + self.peer.timeout, True  # went on: a whole timeout again
 
     def _result(self, status: str, members: int, detail: str = "") -> SegmentResult:
         return SegmentResult(self.ring.index, self.ring.start, self.ring.end, status, members, detail, self.mode)
@@ -292,9 +300,9 @@ class RingRound:
     def _refused(self, view: RingView) -> SegmentResult:
         refused = sorted(self.state.refusals.get(self.peer.peer_id, set()) - view.excluded)
         absent = [member for member in refused if member in self.absent]
-        if absent:  # our votes were against members that had not come (``_leave_out``)
+        if absent:  # our votes were against members that had not come, or went amid an attempt (``_leave_out``)
             return self._timed_out(len(view.members), f"{', '.join(member[-8:] for member in absent)} did not reach "
-                                   f"round {self.step}, and no majority of the ring left "
+                                   f"round {self.step} or went amid it, and no majority of the ring left "
                                    f"{'them' if len(absent) > 1 else 'it'} out within the ring timeout")
         reason = (f"we refused {', '.join(member[-8:] for member in refused)} and no majority of the ring did "
                   f"within the ring timeout")
@@ -321,20 +329,21 @@ class RingRound:
         more = await patience.more(self.step, missing) if patience is not None else 0.0
         return (time.monotonic() + more if more > 0 else None), [], []
 
-    def _leave_out(self, missing: List[str], view: RingView) -> bool:
-        """The wait for ``missing`` ran out: vote them out of the ring, where the members here can (a majority of
-        the ring's members arrived, two at least), and tell the ring; whether we did. A ring used to fail for all
+    def _leave_out(self, missing: List[str], view: RingView, why: str = "did not come") -> bool:
+        """The wait for ``missing`` ran out (or they went amid an attempt: ``_gone_amid``): vote them out of the
+        ring, where the members here can (a majority of the ring's members arrived, two at least, not counting
+        ``missing``), and tell the ring; whether we did. A ring used to fail for all
         when one member did not come (its cluster waited for a stage a churned peer left, or counted its rounds
         apart): in a 30-minute soak on the GPT most of the 22 % of rounds that failed ended so. Every member votes
         on what it saw itself (the absent one never reached it), and a majority's votes exclude it, as for a
         refused contribution (``mailbox.RingState.view``): the others average without it, under one attempt name.
         One that arrives after all gets the votes and ends ``excluded``, keeping its own values."""
-        here = [member for member in self._could_come(view, ())
+        here = [member for member in self._could_come(view, missing)
                 if member == self.peer.peer_id or member in self.state.arrived]
         if len(here) < self._votes_needed():
             return False
-        logger.info(f"ring {self.ring.index} at round {self.step}: {', '.join(m[-8:] for m in missing)} did not "
-                    f"come; voting to average without {'them' if len(missing) > 1 else 'it'}")
+        logger.info(f"ring {self.ring.index} at round {self.step}: {', '.join(m[-8:] for m in missing)} {why}; "
+                    f"voting to average without {'them' if len(missing) > 1 else 'it'}")
         self.absent.update(missing)
         self.state.vote(self.peer.peer_id, missing)
         self._tell_ring(excluded=sorted(self.state.refusals[self.peer.peer_id]))
@@ -359,7 +368,8 @@ class RingRound:
         logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) timeout: {reason}")
         return self._result("timeout", members, reason[:300])
 
-    async def _attempt(self, members: List[str], deadline: float) -> Optional[SegmentResult]:
+    async def _attempt(self, members: List[str], deadline: float,
+                       patience: Optional[Patience]) -> Optional[SegmentResult]:
         """One attempt with ``members``, unless a note changes the ring first; None: decide again."""
         self._choose(members)  # before the attempt is made: it reads what the round averages, and in which codec
         if logger.isEnabledFor(logging.DEBUG):  # the text walks the ring's state: built only when it is shown
@@ -385,6 +395,9 @@ class RingRound:
                                        return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     interrupted.cancel()
+                if not attempt.done() and not running.checking and \
+                        await self._vote_with_others(accused & set(members), patience):
+                    break  # a member that others voted out went amid this attempt: our planning says so too
                 if not attempt.done() and not self.state.changed.is_set():
                     continue  # a second without news: the accused are asked again
                 if not attempt.done() and running.checking:
@@ -424,8 +437,16 @@ class RingRound:
                 self.state.withdraw(e.member, f"{e.member[-8:]} is past round {self.step}")
             return None
         except (asyncio.TimeoutError, Exception) as e:
+            gone: Optional[List[str]] = []
+            if not isinstance(e, RingDisagreement) and not (isinstance(e, P2PHandlerError) and member_answered(e)):
+                gone = await self._gone_amid(members, patience)
+                if gone is None or (gone and self._leave_out(gone, self.state.view(self.ring.members),
+                                                             "went amid an attempt")):
+                    self.renew_deadline = True
+                    return None  # the ring's notes changed it, or we voted out those gone: decide again
             status = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
             reason = str(e) or type(e).__name__
+            reason = f"{reason} ({', '.join(m[-8:] for m in gone)} gone)" if gone else reason
             logger.warning(f"ring {self.ring.index} (elements {self.ring.start}-{self.ring.end}) {status}: {reason}")
             self._tell_ring(failure=reason)
             return self._result(status, len(members), reason[:300])
@@ -435,6 +456,67 @@ class RingRound:
             return self._result("excluded", len(members), "our own values are not finite")
         self.segment.copy_(averaged)
         return self._result("ok", len(members))
+
+    async def _gone_amid(self, members: List[str], patience: Optional[Patience]) -> Optional[List[str]]:
+        """Our attempt with ``members`` failed (a member we could not reach, a chunk that never came): did one of them
+        crash amid it? Its parts never come, and every member's attempt fails: the ring failed at every partner of a
+        peer killed amid a round. Where enough members would be left to vote one out, we ask the others whether they
+        are there (a note, ``_silent``); where all answer, nobody crashed and the ring fails for us at once, as before
+        (the others go on without us). Else ``patience`` is asked every NEVER_COMING_LOOK_S which of the silent our
+        planning found gone, until one ring timeout after our first failed attempt of the round (a killed peer's
+        record says it trains on until it expires: about 16 s in the soak), and they are voted out (``_leave_out``);
+        the others vote as their own attempts fail, and the ring goes on without them. None: notes changed the
+        attempt meanwhile. A ring of two fails at once: nobody would be left to vote. A member that answers is never
+        voted out so: one whose record expired while it still sends (its writes to the DHT failed) is alive."""
+        if patience is None or len(self._could_come(self.state.view(self.ring.members), ())) <= self._votes_needed():
+            return []
+        silent = await self._silent([member for member in members if member != self.peer.peer_id])
+        if not silent:
+            return []
+        if self.gone_until is None:  # one wait per ring and round: a second failed attempt does not start it anew
+            self.gone_until = time.monotonic() + self.peer.timeout
+        while True:
+            self.state.changed.clear()  # before looking, as in ``_run``
+            self.state.arrival.clear()
+            if self._changes_attempt(members):
+                return None
+            gone = [member for member in patience.gone(silent) if member not in self.absent]
+            if gone or time.monotonic() >= self.gone_until:
+                return gone
+            await self.state.news(max(0.0, min(NEVER_COMING_LOOK_S, self.gone_until - time.monotonic())))
+
+    async def _vote_with_others(self, accused: Set[str], patience: Optional[Patience]) -> bool:
+        """Members of our running attempt that others voted against, that our planning found gone, and that do not
+        answer a note (``_silent``): they went amid an earlier attempt (``_gone_amid``), and this one, which the first
+        votes made without their voters, waits for them in vain until its timeout; vote them out now
+        (``_leave_out``), as the voters did. Whether we did. One that answers is alive (its record may have expired
+        while its writes to the DHT failed) and is never voted out of an attempt that goes on."""
+        gone = [] if patience is None else [member for member in patience.gone(sorted(accused))
+                                            if member not in self.absent]
+        gone = await self._silent(gone) if gone else gone
+        if gone and self._leave_out(gone, self.state.view(self.ring.members), "went amid an attempt"):
+            self.renew_deadline = True
+            return True
+        return False
+
+    async def _silent(self, others: List[str]) -> List[str]:
+        """Those of ``others`` that do not answer a note within CONTROL_TIMEOUT: a crashed member never does. Any
+        answer of its own counts, a refusal too (the round is over for it): its peer is alive; a backbone's refusal
+        to forward to it does not."""
+        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
+                          anchor=self.anchor)
+
+        async def answers(member: str) -> bool:
+            try:
+                await self.peer.sender.send_note(member, note, time.monotonic() + CONTROL_TIMEOUT)
+            except P2PHandlerError as e:
+                return member_answered(e)
+            except Exception:
+                return False
+            return True
+
+        answered = await asyncio.gather(*(answers(member) for member in others))
+        return [member for member, answer in zip(others, answered) if not answer]
 
     def _ask_whether_in_round(self, accused: Set[str], deadline: float) -> None:
         """Ask each of ``accused`` (members whose contribution was refused), in the background, whether it is
@@ -727,6 +809,12 @@ async def cancel_until_ended(tasks: List[asyncio.Task]) -> None:
         _, still = await asyncio.wait(pending, timeout=CANCEL_AGAIN_AFTER)
         pending = list(still)
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def member_answered(error: P2PHandlerError) -> bool:
+    """Whether a handler error came from the member itself (alive), not from a backbone that could not forward to
+    it (a member behind NAT that crashed)."""
+    return FORWARD_REFUSED not in str(error)
 
 
 def largest(values: torch.Tensor) -> float:

@@ -199,6 +199,8 @@ class HostileAttempt:
     contribution (``exclude``: an honest member) or that the ring failed (``fail``); then it stays silent until
     the ring's deadline and keeps its local values."""
 
+    checking = False  # an attempt's interface (``ring.RingAttempt``): it never checks chunk owners
+
     def __init__(self, ring_round: RingRound, members: List[str], deadline: float, kind: str):
         self.round, self.members, self.deadline, self.kind = ring_round, members, deadline, kind
 

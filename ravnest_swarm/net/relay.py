@@ -15,10 +15,10 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.net.messages import Handler, MessageError, decode_message, register_handler
-from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARD_BUSY, FORWARDED, MAX_FORWARD_STREAMS,
-                                      MAX_FORWARD_STREAMS_PER_CALLER, REVERSE_CONNECT, REVERSE_TIMEOUT, DialMeReply,
-                                      DialRequest, ForwardedHeader, ForwardHeader, Relayed, ReverseConnectReply,
-                                      error_text, read_header, refuse_stream)
+from ravnest_swarm.net.routes import (DIAL_ME, FORWARD, FORWARD_BUSY, FORWARD_REFUSED, FORWARDED,
+                                      MAX_FORWARD_STREAMS, MAX_FORWARD_STREAMS_PER_CALLER, REVERSE_CONNECT,
+                                      REVERSE_TIMEOUT, DialMeReply, DialRequest, ForwardedHeader, ForwardHeader,
+                                      Relayed, ReverseConnectReply, error_text, read_header, refuse_stream)
 from ravnest_swarm.net.transport import UNARY_MAX_BYTES, make_request, make_response
 
 logger = logging.getLogger(__name__)
@@ -137,10 +137,10 @@ class RelayServices:
             header = await read_header(reader, ForwardHeader, FORWARD)
             target, name = PeerID.from_base58(header.to), header.handler
             if not await self._observed_hosts(target):
-                raise ValueError(f"cannot forward to {target}: it is not connected to this backbone")
+                raise ValueError(f"{FORWARD_REFUSED} to {target}: it is not connected to this backbone")
             _, target_reader, target_writer = await self.p2p.call_binary_stream_handler(target, FORWARDED)
         except Exception as e:  # a ValueError says what is wrong; anything else is a stream or target that broke off
-            reason = str(e) if isinstance(e, ValueError) else f"cannot forward: {error_text(e)}"
+            reason = str(e) if isinstance(e, ValueError) else f"{FORWARD_REFUSED}: {error_text(e)}"
             self._refuse(info.peer_id, reason)
             await refuse_stream(reader, writer, reason)
             return
@@ -150,7 +150,8 @@ class RelayServices:
             try:
                 await P2P.send_protobuf(make_request(piped.as_metadata()), target_writer)
             except ConnectionError as e:  # the target went away: its fault, not the caller's, so not counted
-                await refuse_stream(reader, writer, f"cannot forward: the stream to {target} closed ({error_text(e)})")
+                await refuse_stream(reader, writer,
+                                    f"{FORWARD_REFUSED}: the stream to {target} closed ({error_text(e)})")
                 return
             upstream = asyncio.create_task(self._pipe(reader, target_writer, self.max_forward_bytes))
             downstream = asyncio.create_task(self._pipe(target_reader, writer, self.max_forward_reply_bytes))

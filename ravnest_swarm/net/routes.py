@@ -68,6 +68,9 @@ PROBE_TIMEOUT = 120.0
 MAX_FORWARD_STREAMS = 16
 MAX_FORWARD_STREAMS_PER_CALLER = MAX_FORWARD_STREAMS // 2
 FORWARD_BUSY = "this backbone forwards at most"
+# A backbone that cannot reach the target (it is not connected there, or its stream broke off) refuses with a reason
+# that starts with FORWARD_REFUSED: the backbone's answer, not the target's (a ring asks whether a member crashed)
+FORWARD_REFUSED = "cannot forward"
 # A sender keeps its streams through one backbone within that backbone's share for one caller, less one: the
 # backbone frees a slot a moment after our call returned (when the target's side of the stream closes), so a
 # stream opened at once must not need it. SMALL_FORWARD_SLOTS of them are kept for small messages (a ring's

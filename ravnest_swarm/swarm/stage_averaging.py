@@ -378,14 +378,14 @@ class StageAveraging:
     def _give_up_why(self, in_flight: InFlightRound) -> Optional[str]:
         """Why the round in flight is given up now, not at its rings' timeout, or None.
 
-        A partner our planning rounds found gone, while a ring of ours that has not ended still counts it: at once
-        where it reached that ring (it crashed amid an attempt, whose parts of it never come), else a while after
-        (``gone_grace``: the ring votes it out at its next look, ``RecordPatience.gone``, and goes on without it once
-        the other members found it gone too; a ring of two fails). Given up at once, a crash that came before the
-        round failed it at every partner. A partner that left gracefully is no reason either: the ring reads its
-        record, which says so, within NEVER_COMING_LOOK_S and averages without it (given up, that round failed at
-        every partner of each graceful leave: planning finds a leaver gone before the ring's first look, and the plan
-        that drops its cluster comes a round's length later).
+        A partner our planning rounds found gone, while a ring of ours that has not ended still counts it, a while
+        after (``gone_grace``): the ring votes it out (``RecordPatience.gone``) at its next look where it never came,
+        and once its attempt failed, within a ring timeout more, where it reached the ring and crashed amid the round
+        (``RingRound._gone_amid``); it goes on without it once the other members found it gone too, and a ring of two
+        fails. Given up at once, a crash before the round failed it at every partner, and one amid it too. A partner
+        that left gracefully is no reason either: the ring reads its record, which says so, within NEVER_COMING_LOOK_S
+        and averages without it (given up, that round failed at every partner of each graceful leave: planning finds a
+        leaver gone before the ring's first look, and the plan that drops its cluster comes a round's length later).
 
         A plan adopted since that changed our rings: peers that begin the round after adopting it look for us in the
         new rings, while ours wait in the old ones (in the NAT lab, 2 -> 4 clusters made one cluster fail the round
@@ -398,8 +398,8 @@ class StageAveraging:
         now, at = self.following(), time.monotonic()
         self._gone_since = {peer: self._gone_since.get(peer, at) for peer in now.gone - now.left}
         counted = self._counted_in(in_flight)
-        gone = [peer for peer in in_flight.partners & self._gone_since.keys() if peer in counted
-                and (counted[peer] or at - self._gone_since[peer] >= self.gone_grace)]
+        gone = [peer for peer in in_flight.partners & self._gone_since.keys() if peer in counted and
+                at - self._gone_since[peer] >= self.gone_grace + (self.averager.timeout if counted[peer] else 0.0)]
         if gone:
             return f"partner(s) {', '.join(sorted(p[-8:] for p in gone))} gone"
         if now.plan is not None and now.plan is not in_flight.plan and \
