@@ -680,6 +680,70 @@ def test_two_sides_a_round_apart_merge_in_the_next_round():
     asyncio.run(scenario())
 
 
+def test_a_peer_placed_by_the_plan_in_force_follows_it_over_its_own_sides_plan_of_the_same_round():
+    """A 30-minute soak's split: a joiner adopted a plan of round 7 that only it followed, while the seven others
+    adopted another plan of round 7 that placed the joiner too. Every reader named theirs in force, so nobody took the
+    joiner for a standby and no round opened to merge the two; the joiner stood still for three minutes, never fed by
+    its stage 0. On a real DHT: v0 and v1 follow plan P of round 2, which places v2 as well; v2 follows a plan of
+    round 2 of its own. v2 follows P within a few polls, its record names P's slot, and no round opens."""
+    run = "sides"
+    options = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, round_seconds=4.0, poll=0.5, hole_wait=0.0,
+                           move_horizon_s=10**6)
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await server.get_visible_maddrs()
+        nodes, stop, tasks = [], asyncio.Event(), []
+        try:
+            peers = []
+            for name in ("v0", "v1", "v2"):
+                nodes.append(await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+                ram, gflops, mbps = map(float, CAPABILITIES[name])
+                announcer = PeerAnnouncer(nodes[-1], run, name, Capabilities(ram_gb=ram, gflops=gflops,
+                                                                             bandwidth_mbps=mbps), heartbeat=1.0)
+                peers.append(PlanningRounds(nodes[-1], run, announcer, options, Console(quiet=True)))
+            alive = {p.peer_id: Peer(p.peer_id, *map(float, CAPABILITIES[p.announcer.record["name"]])) for p in peers}
+            priced = price_plan([sorted(alive)], alive, None, options.pricing())
+            theirs = PlanRecord(round=2, time=time.time(), clusters=[
+                [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages]
+                for _, stages in priced.plan.clusters]).dict()
+            own = PlanRecord(round=2, time=time.time(),
+                             clusters=[[dict(peer_id=peers[2].peer_id, layers=[0, 8])]]).dict()
+            for rounds, plan in ((peers[0], theirs), (peers[1], theirs), (peers[2], own)):
+                rounds.adopted = plan
+                stage = next(i for i, s in enumerate(plan["clusters"][0]) if s["peer_id"] == rounds.peer_id)
+                rounds.announcer.update(state="training", plan_round=2, cluster=0, stage=stage,
+                                        layers=plan["clusters"][0][stage]["layers"])
+                assert await rounds.announcer.renew()
+            assert await peers[0].store_plan_copy(theirs) and await peers[2].store_plan_copy(own)
+
+            async def keep_renewing(rounds):
+                while not stop.is_set():
+                    await rounds.announcer.renew()
+                    await asyncio.sleep(1.0)
+
+            tasks += [asyncio.create_task(rounds.run_forever(stop)) for rounds in peers]
+            tasks += [asyncio.create_task(keep_renewing(rounds)) for rounds in peers]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and peers[2].adopted["clusters"] != theirs["clusters"]:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(3.0)  # a few more polls: nothing opens a round
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert peers[2].adopted["clusters"] == theirs["clusters"], peers[2].adopted
+            assert [r.adopted["round"] for r in peers] == [2, 2, 2]
+            slot = next(s for s in theirs["clusters"][0] if s["peer_id"] == peers[2].peer_id)
+            record = peers[2].announcer.record
+            assert (record["plan_round"], record["cluster"], record["layers"]) == (2, 0, slot["layers"]), record
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for node in nodes + [server]:
+                await stop_node(node)
+
+    asyncio.run(scenario())
+
+
 def test_a_strangers_round_deadline_a_moment_away_or_renewal_dated_ahead_decides_nothing():
     """A hostile peer of the run opened round r+1 with a deadline a moment away and a proposal dated 1e11: every
     participant lowered its deadline to it, stopped renewing before it could publish with it, and adopted from the
