@@ -349,7 +349,7 @@ def test_a_member_found_gone_before_the_others_came_is_voted_out_once_they_do(ba
 def test_a_member_killed_amid_an_attempt_is_voted_out_once_the_attempt_fails(backbone, members):
     """A ring of ``members`` averagers over real P2P (6 s ring timeout). The last reaches round 5 and starts the
     attempt like the others, then its p2pd is killed (SIGKILL) before it sends a part: a crash amid the round. The
-    others' planning finds it gone 2, 4, 9 and 12 s after the kill, each at its own moment. Their attempts fail (a
+    others' planning finds it gone 2, 4, 8 and 14 s after the kill, each at its own moment. Their attempts fail (a
     member they could not reach, a chunk that never came); each asks the others whether they are there, and
     whether the one that does not answer is gone, and votes it out; the last, whose planning is slowest, is
     outvoted first and joins the others' next attempt with a whole timeout of its own. The four average without it.
@@ -396,7 +396,7 @@ def test_a_member_killed_amid_an_attempt_is_voted_out_once_the_attempt_fails(bac
                 averagers.remove(victim)  # nothing of it is left to shut down; its node is stopped on the way out
 
             survivors = [averager.average(5, value, 0, [ring], GoneAfterTheKill(after))
-                         for averager, value, after in zip(averagers[:-1], values, (2.0, 4.0, 9.0, 12.0))]
+                         for averager, value, after in zip(averagers[:-1], values, (2.0, 4.0, 8.0, 14.0))]
             victim_round = asyncio.create_task(victim.average(5, values[-1], 0, [ring]))
             results = await asyncio.gather(*survivors, kill_amid())
             await cancel_until_ended([victim_round])
@@ -416,8 +416,8 @@ def test_a_member_killed_amid_an_attempt_is_voted_out_once_the_attempt_fails(bac
         [result.summary() for result in results]
     mean = sum(range(members - 1)) / (members - 1)
     assert all(torch.equal(value, torch.full((1000,), mean)) for value in values)
-    # the failed attempt's timeout, the question, and the third vote at 9 s; not the slowest planning's 12 s
-    assert since_the_kill < 12.0, since_the_kill
+    # the third vote: planning at 8 s and its question to the silent member (2 s); not the slowest planning's 14 s
+    assert since_the_kill < 13.0, since_the_kill
 
 
 @pytest.mark.timeout(60)

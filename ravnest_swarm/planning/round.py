@@ -376,8 +376,6 @@ class PlanningRounds:
 
     async def poll_once(self) -> None:
         plan = await self.current_plan()
-        if await self._followed_the_other_side(plan):
-            return
         round_number = plan["round"] + 1 if plan is not None else 1
         now = get_dht_time()
         if await self._joined_open_round(round_number, plan):
@@ -591,19 +589,6 @@ class PlanningRounds:
         record = PlanRecord(round=round_number, time=time.time(), clusters=kept_cluster_numbers([
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
         ], in_force)).dict()
-        await self._follow(record, in_force)
-        member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
-        self.say(f"adopted plan round {round_number} fitness {plan.swarm_throughput:.9e} hash {digest} "
-                 f"clusters {len(clusters)} members {member_names}")
-        if in_force is not None and cost.moved == 0:
-            self.say(f"round {round_number} moves nobody: the clusters it keeps train on")
-        elif in_force is not None:
-            self.say(f"round {round_number} moves {cost.moved} peer(s): {memory(cost.download_gb)} to download, "
-                     f"{cost.seconds:.1f}s without training")
-        await self.keep_plan_copy(record, sorted(alive))
-
-    async def _follow(self, record: dict, in_force: Optional[dict]) -> None:
-        """Take ``record`` as the plan we follow, replacing ``in_force``: place ourselves by it and say so."""
         self.adopted = record
         placement = dict(cluster=-1, stage=None, layers=None)
         for number, stages in enumerate(record["clusters"]):
@@ -613,25 +598,18 @@ class PlanningRounds:
         if self.on_adopt is not None:
             self.on_adopt(record, in_force)  # a training volunteer places itself: it knows what layers it holds
         else:
-            self.announcer.update(plan_round=record["round"], **placement)
+            self.announcer.update(plan_round=round_number, **placement)
             await self.announcer.renew()
         self.triggers.adopted()
-
-    async def _followed_the_other_side(self, plan: Optional[dict]) -> bool:
-        """Two sides of one round (docs/planning.md): where the plan in force is another plan of the round we adopted,
-        every reader names it, not ours, so where it places us we follow it too; whether we did. A 30-minute soak's
-        joiner adopted a plan of round 7 that only it followed and stood still for three minutes, never fed by its
-        stage 0, which followed the other: the plan in force placed the joiner as well, so nobody weighed it as a
-        standby, and no round opened to merge the two."""
-        mine = self.adopted
-        if plan is None or mine is None or plan["round"] != mine["round"] or plan["clusters"] == mine["clusters"]:
-            return False
-        if not any(stage["peer_id"] == self.peer_id for cluster in plan["clusters"] for stage in cluster):
-            return False  # we are its standby: we open the round that merges the two sides (``RoundTriggers.reason``)
-        self.say(f"plan round {plan['round']} in force is not the one we adopted (two sides of one round): "
-                 f"following it")
-        await self._follow(plan, mine)
-        return True
+        member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
+        self.say(f"adopted plan round {round_number} fitness {plan.swarm_throughput:.9e} hash {digest} "
+                 f"clusters {len(clusters)} members {member_names}")
+        if in_force is not None and cost.moved == 0:
+            self.say(f"round {round_number} moves nobody: the clusters it keeps train on")
+        elif in_force is not None:
+            self.say(f"round {round_number} moves {cost.moved} peer(s): {memory(cost.download_gb)} to download, "
+                     f"{cost.seconds:.1f}s without training")
+        await self.keep_plan_copy(record, sorted(alive))
 
     async def keep_plan_copy(self, record: dict, participants: List[str]) -> None:
         """Write our copy of the plan (own signed subkey) if we are one of the first :data:`PLAN_COPIES` participants,
