@@ -257,10 +257,10 @@ def test_a_round_taken_beside_training_keeps_the_training_on_top_and_says_what_i
 
 
 def test_a_round_given_up_beside_training_leaves_its_outer_state_to_it():
-    """A round given up at a step boundary (a partner gone, which had reached our running ring: it died amid an
-    attempt) is cancelled and left to end by itself; should it outlast the cancel, its outer step would move the
-    anchor under our next round. So the outer state it was given is its own, and our next round starts ours anew,
-    as after a stalled round."""
+    """A round given up at a step boundary (a partner gone past its grace, which had reached our running ring: it
+    died amid an attempt that its ring could not vote it out of) is cancelled and left to end by itself; should it
+    outlast the cancel, its outer step would move the anchor under our next round. So the outer state it was given
+    is its own, and our next round starts ours anew, as after a stalled round."""
     worker = stage_worker()
     loop = asyncio.new_event_loop()
     running = loop.create_future()  # still running
@@ -270,9 +270,10 @@ def test_a_round_given_up_beside_training_leaves_its_outer_state_to_it():
     averaging.following = lambda: SimpleNamespace(gone=frozenset({"partner"}), left=frozenset(), plan=None)
     ring, state = Ring(0, 0, 10, ("me", "partner")), RingState()
     state.arrive("partner")
-    averaging.averager = SimpleNamespace(last_finished_step=99, mailbox=SimpleNamespace(
+    averaging.averager = SimpleNamespace(last_finished_step=99, timeout=20.0, mailbox=SimpleNamespace(
         ring_state_if_any=lambda step, index: state if (step, index) == (100, 0) else None))
-    averaging.peer_id, averaging.heartbeat, averaging._gone_since = "me", 2.0, {}
+    averaging.peer_id, averaging.heartbeat = "me", 2.0
+    averaging._gone_since = {"partner": time.monotonic() - 1000.0}  # found gone long ago: past gone_grace and a timeout
     failed = []
     averaging._failed = lambda step, why: failed.append((step, why))
     sent = flatten([p.detach().clone() for p in worker.module.parameters()])
