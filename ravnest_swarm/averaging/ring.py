@@ -503,8 +503,7 @@ class RingRound:
         """Those of ``others`` that do not answer a note within CONTROL_TIMEOUT: a crashed member never does. Any
         answer of its own counts, a refusal too (the round is over for it): its peer is alive; a backbone's refusal
         to forward to it does not."""
-        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
-                          anchor=self.anchor)
+        note = self._arrive_note()
 
         async def answers(member: str) -> bool:
             try:
@@ -565,11 +564,15 @@ class RingRound:
             if member != self.peer.peer_id:
                 self.peer.background(self._tell_arrived(member, deadline))
 
-    async def _tell_arrived(self, member: str, deadline: float) -> None:
-        note = RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
+    def _arrive_note(self) -> RingArrive:
+        """That we reached this ring's round, with our anchor's digest: told as we arrive, and asked again of a member
+        that may have left or crashed (``_ask_whether_in_round``, ``_silent``)."""
+        return RingArrive(run=self.peer.sender.run, step=self.step, ring=self.ring.index, position=0, attempt=[],
                           anchor=self.anchor)
+
+    async def _tell_arrived(self, member: str, deadline: float) -> None:
         try:
-            reply = await self.peer.sender.send_note(member, note, deadline)
+            reply = await self.peer.sender.send_note(member, self._arrive_note(), deadline)
             if reply.arrived:
                 self.state.arrive(member, reply.anchor)
         except P2PHandlerError as e:
