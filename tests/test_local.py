@@ -139,7 +139,9 @@ def test_local_beside_a_cpu_hog_averages_and_reports_only_what_happened(processe
     assert summary["rejected"] == 0 and all(r["rejected"] == 0 or (r["cluster"] == -1 and r["rejected"] is None)
                                             for r in records.values()), records
     events = [f"{event['kind']}: {event['text']}" for event in summary["events"]]
-    assert not [e for e in events if e.startswith(("left", "rejected"))], events
+    # the standby (the run's owner) leaves once every stage is done, and may be seen to before `local` stops
+    assert not [e for e in events if e.startswith(("left", "rejected")) and not e.endswith("(the run is finished)")], \
+        events
     assert len([e for e in events if e.startswith("joined")]) == 5, events
     sentences = local.stderr().strip().splitlines()[-6:]
     assert sentences[0].startswith("Trained mlp-digits with 5 peers in") and "Nothing else failed." in sentences

@@ -219,7 +219,8 @@ class LocalSwarm:
         self.group = ProcessGroup()
         self.checkpoint_dir = options.checkpoint_dir or tempfile.mkdtemp(prefix="ravnest-local-ckpt-")
         os.makedirs(self.checkpoint_dir, exist_ok=True)
-        self.state = SwarmState(RUN)
+        # the run's length lets the events tell a standby leaving at the run's end from one leaving mid-run
+        self.state = SwarmState(RUN, steps=options.steps)
         self.volunteers: Dict[str, PeerProcess] = {}
         self.loss_history: List[float] = []
         # the highest peak RSS any peer's record reported (GB, each peer's own high-water mark): the figure the
