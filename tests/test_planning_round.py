@@ -12,7 +12,8 @@ from rich.console import Console
 from commands import ravnest
 from ravnest_swarm.membership.announcer import PeerAnnouncer
 from ravnest_swarm.membership.capabilities import Capabilities
-from ravnest_swarm.membership.reader import adopted_plan, read_adopted_plan, read_plans
+from ravnest_swarm.membership.reader import (adopted_plan, followed_by_its_peers, plan_digest, read_adopted_plan,
+                                            read_plans)
 from ravnest_swarm.membership.records import PlanRecord, make_validators, signing_validator, start_peer_node
 from ravnest_swarm.net.node import start_node, stop_node
 from ravnest_swarm.planning.cost import MoveCost, Peer, Workload
@@ -21,7 +22,7 @@ from ravnest_swarm.planning.plan import plan_swarm
 from ravnest_swarm.membership.reader import read_proposals
 from ravnest_swarm.planning.round import (GONE_POLLS, HANDOVER_WAIT_S, MAX_CLOCK_AHEAD_S, deadline_in_reach,
                                          PlanningRounds, RoundOptions, RoundTriggers, _fresh, canonical,
-                                         decided_by_most, followed_deadline, standby_reason)
+                                         decided_by_most, followed_deadline, plan_shape_problem, standby_reason)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -678,6 +679,122 @@ def test_two_sides_a_round_apart_merge_in_the_next_round():
                 await stop_node(node)
 
     asyncio.run(scenario())
+
+
+def test_a_peer_placed_by_the_plan_in_force_follows_it_over_its_own_sides_plan_of_the_same_round():
+    """An 8-volunteer soak's split: three joiners each adopted a plan of their round that only they followed, while
+    the others adopted another plan of that round that placed the joiners too. Every reader named theirs in force,
+    so nobody took a joiner for a standby and no round opened to merge the two; each stood still for two to three
+    minutes, never fed by its stage 0. On a real DHT: v0 and v1 follow plan P of round 2 (their records name its
+    digest), which places v2 as well; v2 follows a plan of round 2 of its own. v2 follows P within a few polls, its
+    record names P's slot and digest, and no round opens."""
+    run = "sides"
+    options = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, round_seconds=4.0, poll=0.5, hole_wait=0.0,
+                           move_horizon_s=10**6)
+
+    async def scenario():
+        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        maddrs = await server.get_visible_maddrs()
+        nodes, stop, tasks = [], asyncio.Event(), []
+        try:
+            peers = []
+            for name in ("v0", "v1", "v2"):
+                nodes.append(await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+                ram, gflops, mbps = map(float, CAPABILITIES[name])
+                announcer = PeerAnnouncer(nodes[-1], run, name, Capabilities(ram_gb=ram, gflops=gflops,
+                                                                             bandwidth_mbps=mbps), heartbeat=1.0)
+                peers.append(PlanningRounds(nodes[-1], run, announcer, options, Console(quiet=True)))
+            alive = {p.peer_id: Peer(p.peer_id, *map(float, CAPABILITIES[p.announcer.record["name"]])) for p in peers}
+            priced = price_plan([sorted(alive)], alive, None, options.pricing())
+            theirs = PlanRecord(round=2, time=time.time(), clusters=[
+                [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages]
+                for _, stages in priced.plan.clusters]).dict()
+            own = PlanRecord(round=2, time=time.time(),
+                             clusters=[[dict(peer_id=peers[2].peer_id, layers=[0, 8])]]).dict()
+            for rounds, plan in ((peers[0], theirs), (peers[1], theirs), (peers[2], own)):
+                rounds.adopted = plan
+                stage = next(i for i, s in enumerate(plan["clusters"][0]) if s["peer_id"] == rounds.peer_id)
+                rounds.announcer.update(state="training", plan_round=2, plan_digest=plan_digest(plan), cluster=0,
+                                        stage=stage, layers=plan["clusters"][0][stage]["layers"])
+                assert await rounds.announcer.renew()
+            assert await peers[0].store_plan_copy(theirs) and await peers[2].store_plan_copy(own)
+
+            async def keep_renewing(rounds):
+                while not stop.is_set():
+                    await rounds.announcer.renew()
+                    await asyncio.sleep(1.0)
+
+            tasks += [asyncio.create_task(rounds.run_forever(stop)) for rounds in peers]
+            tasks += [asyncio.create_task(keep_renewing(rounds)) for rounds in peers]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and peers[2].adopted["clusters"] != theirs["clusters"]:
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(3.0)  # a few more polls: nothing opens a round
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert peers[2].adopted["clusters"] == theirs["clusters"], peers[2].adopted
+            assert [r.adopted["round"] for r in peers] == [2, 2, 2]
+            assert [r.adopted["clusters"] for r in peers[:2]] == [theirs["clusters"]] * 2
+            slot = next(s for s in theirs["clusters"][0] if s["peer_id"] == peers[2].peer_id)
+            record = peers[2].announcer.record
+            assert (record["plan_round"], record["plan_digest"], record["cluster"], record["layers"]) == \
+                (2, plan_digest(theirs), 0, slot["layers"]), record
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for node in nodes + [server]:
+                await stop_node(node)
+
+    asyncio.run(scenario())
+
+
+def test_a_plan_counts_as_followed_only_where_its_peers_name_that_very_plan():
+    """The rule that lets a peer stranded on the losing side of a split round follow the other side's plan, and
+    what it refuses: a stranger's copy of the honest plan with a cluster of its own identities added (which
+    outranks the honest plan in ``adopted_plan``: more confirmed stages) or with our layers changed, records that
+    name the round and the place but no digest (a client from before digests), and peers still moving."""
+    def entry(peer, layers):
+        return dict(peer_id=peer, layers=layers)
+
+    honest = dict(round=2, time=1.0, clusters=[[entry("a", [0, 4]), entry("b", [4, 8])],
+                                               [entry("c", [0, 4]), entry("d", [4, 8])]])
+
+    def follower(peer, plan, **changes):
+        place = next((c, s, e["layers"]) for c, cluster in enumerate(plan["clusters"])
+                     for s, e in enumerate(cluster) if e["peer_id"] == peer)
+        return dict(dict(peer_id=peer, state="training", plan_round=plan["round"], plan_digest=plan_digest(plan),
+                         cluster=place[0], stage=place[1], layers=list(place[2])), **changes)
+
+    peers = [follower(p, honest) for p in "abc"] + [dict(peer_id="d", state="training", plan_round=2)]
+    assert followed_by_its_peers(honest, peers, "d")
+    assert followed_by_its_peers(honest, peers[:2] + [dict(peers[2], plan_digest=None)], "d")  # 2 of 3 follow
+    # a stranger's copy with a cluster of its identities x and y, whose records confirm that copy
+    padded = dict(honest, clusters=honest["clusters"] + [[entry("x", [0, 4]), entry("y", [4, 8])]])
+    strangers = [follower("x", padded), follower("y", padded)]
+    records = peers[:3] + strangers + [follower("d", honest)]
+    assert adopted_plan([honest, padded], records) == honest
+    # where the records name no digest (clients from before digests) the padded copy outranks the honest plan
+    assert adopted_plan([honest, padded], [dict(r, plan_digest=None) for r in records]) == padded
+    assert not followed_by_its_peers(padded, peers + strangers, "d")
+    # ... or with our layers changed: no honest peer names it
+    shifted = dict(honest, clusters=[honest["clusters"][0], [entry("c", [0, 4]), entry("d", [4, 9])]])
+    assert not followed_by_its_peers(shifted, peers, "d")
+    # records without a digest say nothing about which plan of the round they follow
+    assert not followed_by_its_peers(honest, [dict(p, plan_digest=None) for p in peers], "d")
+    # two of the three others still name their old place while they move: one of three follows
+    moving = [dict(peers[0], stage=None, cluster=-1), dict(peers[1], layers=[0, 2]), peers[2], peers[3]]
+    assert not followed_by_its_peers(honest, moving, "d")
+    # a leaving peer counts for neither side; a plan that places nobody else is followed by nobody
+    assert followed_by_its_peers(honest, [dict(peers[0], state="leaving")] + peers[1:], "d")
+    assert not followed_by_its_peers(dict(honest, clusters=[[entry("d", [0, 8])]]), peers, "d")
+    # a plan that enough identities follow is still followed only if an adoption could have written it
+    assert plan_shape_problem(honest, 8, 2) is None
+    assert plan_shape_problem(shifted, 8, 2) == "its cluster 1's layers are not the model's 8 in order"
+    assert plan_shape_problem(dict(honest, clusters=[[entry("a", [0, 4]), entry("b", [4, 4]), entry("c", [4, 8])]]),
+                              8, 4) == "its cluster 0's layers are not the model's 8 in order"
+    assert plan_shape_problem(padded, 8, 1) == "its cluster 0 has 2 stages, more than 1"
+    assert plan_shape_problem(dict(honest, clusters=honest["clusters"] + [[entry("a", [0, 8])]]), 8, 2) == \
+        "it places a peer twice"
 
 
 def test_a_strangers_round_deadline_a_moment_away_or_renewal_dated_ahead_decides_nothing():

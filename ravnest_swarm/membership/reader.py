@@ -11,6 +11,7 @@ recording the dashboard test replays (docs/dashboard.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -100,6 +101,14 @@ async def read_peers(node: DHTNode, run: str, alive_at: Optional[float] = None,
     return admitted(node, view.records(get_dht_time(), alive_at))  # an invite-only run counts ticket holders only
 
 
+def plan_digest(plan: Dict) -> str:
+    """A short hash of a plan record's round and placement (each cluster's peers and layers, in order). A peer
+    record names it beside ``plan_round``: two plans of one round can place a peer alike, and only its digest says
+    which of them the peer follows."""
+    placement = [[[entry["peer_id"], list(entry["layers"])] for entry in cluster] for cluster in plan["clusters"]]
+    return hashlib.sha256(json.dumps([plan["round"], placement]).encode()).hexdigest()[:16]
+
+
 def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int] = None) -> Optional[Dict]:
     """The newest of ``plans`` that the peers it places follow, or None.
 
@@ -111,6 +120,7 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
     (it once saw no plan at all, opened a round 1 of its own while the others opened round 2, and they never met).
     A stranger's plan gains nothing from this: the live peers it places follow their own plan, not the stranger's.
     A plan whose every placed peer is gone or leaving counts while most of the leaving ones' records still name it.
+    A record that names the digest of the plan it follows (:func:`plan_digest`) confirms that plan only.
     Of the plans that count, one more than a round past the one the most peers confirm is ignored.
 
     :param peers: the live peer records (:func:`read_peers`)
@@ -125,15 +135,26 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         if record.get("plan_round") is not None:
             placed.setdefault(record["peer_id"], []).append(record)
 
+    # a record that names the digest of the plan it follows confirms that plan alone, not another of its round that
+    # places it alike (a stranger's copy of the honest plan with clusters of its own added outranked the honest one)
+    digests: Dict[int, str] = {}
+
+    def names(record: Dict, plan: Dict) -> bool:
+        if record.get("plan_digest") is None:
+            return True
+        if id(plan) not in digests:  # once per plan: a reader's look at 256 stages hashed each one's plan again
+            digests[id(plan)] = plan_digest(plan)
+        return record["plan_digest"] == digests[id(plan)]
+
     def confirmed(plan: Dict, cluster: int, stage: int, entry: Dict) -> bool:
         return any(r["plan_round"] == plan["round"] and r.get("cluster") == cluster and r.get("stage") == stage
-                   and r.get("layers") == entry["layers"] for r in placed.get(entry["peer_id"], ()))
+                   and r.get("layers") == entry["layers"] and names(r, plan) for r in placed.get(entry["peer_id"], ()))
 
     def handed_over_by(plan: Dict, entry: Dict) -> bool:
         # a leaving record names no cluster or stage any more, but still its plan round and its layers
         record = leaving.get(entry["peer_id"])
         return (record is not None and record.get("plan_round") == plan["round"]
-                and record.get("layers") == entry["layers"])
+                and record.get("layers") == entry["layers"] and names(record, plan))
 
     counted = []  # (plan, its confirming stages, its stages whose peers are live), of the plans in force
     for plan in plans:
@@ -173,6 +194,25 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
             if best is None or key > best[0]:
                 best = (key, plan)
     return None if best is None else best[1]
+
+
+def followed_by_its_peers(plan: Dict, peers: List[Dict], me: str) -> bool:
+    """Whether more than half of the live peers that ``plan`` places, ``me`` aside, follow this very plan: their
+    records name its round and digest (:func:`plan_digest`) and the cluster, stage and layers it gives them.
+
+    What lets a peer on the losing side of a split round (docs/planning.md) follow the other side's plan, which
+    places it too. Counting by digest keeps a stranger's copy out: one that adds clusters of its own identities to
+    the honest plan (outranking it in :func:`adopted_plan`) or gives us other layers is named by none of the honest
+    peers it places, so it counts only where the stranger's identities outnumber them. A mover's record names its
+    new round while it still names its old place: it counts for neither side until it has moved."""
+    digest = plan_digest(plan)
+    records = {r["peer_id"]: r for r in peers if r.get("state") != "leaving"}
+    others = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
+              if entry["peer_id"] != me and entry["peer_id"] in records]
+    fields = ("plan_digest", "plan_round", "cluster", "stage", "layers")
+    following = sum(tuple(records[entry["peer_id"]].get(field) for field in fields)
+                    == (digest, plan["round"], c, s, list(entry["layers"])) for c, s, entry in others)
+    return 2 * following > len(others)
 
 
 async def read_plans(node: DHTNode, run: str) -> List[Dict]:

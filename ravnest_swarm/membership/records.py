@@ -152,6 +152,9 @@ class PeerRecord(pydantic.BaseModel):
     loss: Optional[_bounded_float(0.0, 1e6)] = None
     samples_per_s: Optional[_bounded_float(0.0, 1e9)] = None
     plan_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None
+    # which plan of that round it follows (``reader.plan_digest``): two plans of one round can place it alike, and a
+    # peer stranded on the losing side of a split round follows the other only where its peers name that very plan
+    plan_digest: Optional[pydantic.constr(strict=True, regex=r"^[0-9a-f]{16}\Z")] = None
     # a graceful leave trains on to this averaging round, then leaves (``Volunteer._train_to_round``): no holder
     # of its layers for another leaver
     leaving_after_round: Optional[pydantic.conint(strict=True, ge=0, le=2**53)] = None

@@ -34,7 +34,8 @@ from rich.console import Console
 
 from ravnest_swarm.errors import UserError
 from ravnest_swarm.membership.announcer import PeerAnnouncer
-from ravnest_swarm.membership.reader import adopted_plan, read_plans, read_proposals
+from ravnest_swarm.membership.reader import (adopted_plan, followed_by_its_peers, plan_digest, read_plans,
+                                            read_proposals)
 from ravnest_swarm.membership.records import (
     MAX_ROUND_PEERS, PlanRecord, RoundProposal, plan_key, plan_subkey_prefix, planning_memory_gb, round_key,
     signing_validator,
@@ -120,6 +121,22 @@ def plan_hash(clusters: Sequence[Sequence[str]]) -> str:
     """Hash of a plan's canonical form (clusters as sorted id lists, sorted): the same plan, the same hash."""
     canonical = sorted(sorted(c) for c in clusters)
     return hashlib.sha256(json.dumps(canonical).encode()).hexdigest()[:16]
+
+
+def plan_shape_problem(record: dict, num_layers: int, max_stages: int) -> Optional[str]:
+    """What no adopter's plan record has, or None: a peer placed twice, a cluster of more than ``max_stages`` stages,
+    or one whose stages' layers are not contiguous ranges that cover ``[0, num_layers)`` in order."""
+    members = [stage["peer_id"] for cluster in record["clusters"] for stage in cluster]
+    if len(set(members)) != len(members):
+        return "it places a peer twice"
+    for number, cluster in enumerate(record["clusters"]):
+        if len(cluster) > max_stages:
+            return f"its cluster {number} has {len(cluster)} stages, more than {max_stages}"
+        bounds = [0] + [stage["layers"][1] for stage in cluster]
+        if [stage["layers"][0] for stage in cluster] != bounds[:-1] or bounds[-1] != num_layers or \
+                any(low >= high for low, high in zip(bounds, bounds[1:])):
+            return f"its cluster {number}'s layers are not the model's {num_layers} in order"
+    return None
 
 
 def canonical(clusters: Sequence[Sequence[str]]) -> List[List[str]]:
@@ -295,6 +312,10 @@ class PlanningRounds:
         self.adopted: Optional[dict] = None  # the plan we adopted last: we trust our own adoption over any record
         self.seen: Optional[dict] = None  # the newest plan we saw its peers follow (a standby adopts none)
         self.followed: Dict[str, int] = {}  # live placed peer id -> the plan round its record names
+        # the live peer records and the plan copies the last look at the plan in force read
+        self.peers_read: List[dict] = []
+        self.plans_read: List[dict] = []
+        self.replaced: Optional[dict] = None  # the plan in force that the plan we follow replaced
         self.joining: FrozenSet[str] = frozenset()  # live peers whose planning rounds have not begun (read_alive)
         self.leaving: FrozenSet[str] = frozenset()  # peers whose valid records say leaving (read_alive)
         self.rewritten_at = 0.0  # when we last wrote again a copy of the plan in force that no read found
@@ -350,6 +371,7 @@ class PlanningRounds:
         wrote, for any round, does not count by itself), or the one we adopted or last saw in force if newer."""
         live_round = None if self.adopted is None else self.adopted["round"]
         peers, plans = await self.announcer.read_peers(), await read_plans(self.node, self.run)
+        self.peers_read, self.plans_read = peers, plans
         plan = adopted_plan(plans, peers, live_round)
         self.followed = {record["peer_id"]: record["plan_round"] for record in peers
                          if record.get("plan_round") is not None and isinstance(record.get("cluster"), int)
@@ -376,6 +398,8 @@ class PlanningRounds:
 
     async def poll_once(self) -> None:
         plan = await self.current_plan()
+        if await self._followed_the_other_side(plan):
+            return
         round_number = plan["round"] + 1 if plan is not None else 1
         now = get_dht_time()
         if await self._joined_open_round(round_number, plan):
@@ -589,18 +613,7 @@ class PlanningRounds:
         record = PlanRecord(round=round_number, time=time.time(), clusters=kept_cluster_numbers([
             [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in plan.clusters
         ], in_force)).dict()
-        self.adopted = record
-        placement = dict(cluster=-1, stage=None, layers=None)
-        for number, stages in enumerate(record["clusters"]):
-            for index, stage in enumerate(stages):
-                if stage["peer_id"] == self.peer_id:
-                    placement = dict(cluster=number, stage=index, layers=list(stage["layers"]))
-        if self.on_adopt is not None:
-            self.on_adopt(record, in_force)  # a training volunteer places itself: it knows what layers it holds
-        else:
-            self.announcer.update(plan_round=round_number, **placement)
-            await self.announcer.renew()
-        self.triggers.adopted()
+        await self._follow(record, in_force)
         member_names = ",".join(sorted(self.names.get(i, i) for c in clusters for i in c))
         self.say(f"adopted plan round {round_number} fitness {plan.swarm_throughput:.9e} hash {digest} "
                  f"clusters {len(clusters)} members {member_names}")
@@ -610,6 +623,49 @@ class PlanningRounds:
             self.say(f"round {round_number} moves {cost.moved} peer(s): {memory(cost.download_gb)} to download, "
                      f"{cost.seconds:.1f}s without training")
         await self.keep_plan_copy(record, sorted(alive))
+
+    async def _follow(self, record: dict, in_force: Optional[dict]) -> None:
+        """Take ``record`` as the plan we follow, replacing ``in_force``: place ourselves by it."""
+        self.adopted, self.replaced = record, in_force
+        placement = dict(cluster=-1, stage=None, layers=None)
+        for number, stages in enumerate(record["clusters"]):
+            for index, stage in enumerate(stages):
+                if stage["peer_id"] == self.peer_id:
+                    placement = dict(cluster=number, stage=index, layers=list(stage["layers"]))
+        if self.on_adopt is not None:
+            self.on_adopt(record, in_force)  # a training volunteer places itself: it knows what layers it holds
+        else:
+            self.announcer.update(plan_round=record["round"], plan_digest=plan_digest(record), **placement)
+            await self.announcer.renew()
+        self.triggers.adopted()
+
+    async def _followed_the_other_side(self, plan: Optional[dict]) -> bool:
+        """Two sides of one round (docs/planning.md): where the plan in force is another plan of the round we
+        adopted, places us too, and most of the other peers it places follow that very plan (their records name its
+        digest: ``reader.followed_by_its_peers``), we follow it; whether we did. An 8-volunteer soak's joiners each
+        adopted a plan of their round that only they followed and stood still for two to three minutes: the plan in
+        force placed them as well, so nobody weighed them as standbys, and no round opened to merge the two."""
+        mine = self.adopted
+        if plan is None or mine is None or plan["round"] != mine["round"] or plan["clusters"] == mine["clusters"]:
+            return False
+        if not any(stage["peer_id"] == self.peer_id for cluster in plan["clusters"] for stage in cluster):
+            return False  # we are its standby: we open the round that merges the two sides (``RoundTriggers.reason``)
+        if not followed_by_its_peers(plan, self.peers_read, self.peer_id):
+            return False
+        # where no copy of ours was read, ours would still be in force over it: its peers have not left it
+        weighed = adopted_plan(self.plans_read + [mine], self.peers_read, mine["round"])
+        if weighed is None or weighed["clusters"] != plan["clusters"]:
+            return False
+        pricing = self.options.pricing()
+        problem = plan_shape_problem(plan, len(pricing.layer_profile[0]), pricing.workload.max_stages)
+        if problem is not None:  # nobody's adoption writes such a plan: a majority of identities made it up
+            self.say(f"plan round {plan['round']} in force is not the one we adopted, and its peers follow it, but "
+                     f"{problem}: keeping ours")
+            return False
+        self.say(f"plan round {plan['round']} in force is not the one we adopted (two sides of one round), and the "
+                 f"peers it places follow it: following it")
+        await self._follow(plan, self.replaced)  # both sides' plans replaced the same plan in force
+        return True
 
     async def keep_plan_copy(self, record: dict, participants: List[str]) -> None:
         """Write our copy of the plan (own signed subkey) if we are one of the first :data:`PLAN_COPIES` participants,

@@ -25,8 +25,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from ravnest_swarm.dashboard.focus import FULL_READ_BUCKETS  # as the peers' own views (announcer.FULL_VIEW_BUCKETS)
 from ravnest_swarm.membership.buckets import add_up, bucket_of, confirmed, counts_named, totals
 from ravnest_swarm.membership.identity import node_refusals
-from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, read_bucket_counts, read_buckets,
-                                             read_plans, read_summaries)
+from ravnest_swarm.membership.reader import (RECORD_SNAPSHOTS_ENV, adopted_plan, plan_digest, read_bucket_counts,
+                                             read_buckets, read_plans, read_summaries)
 from ravnest_swarm.membership.view import PeerView
 
 # beyond, each redraw also reads this many buckets in turn: 256 buckets are all met within 32 redraws (160 s at
@@ -123,7 +123,8 @@ class SnapshotReader:
         for plan in plans:
             clusters = plan["clusters"]
             if plan["round"] == own["plan_round"] and 0 <= cluster < len(clusters) and \
-                    0 <= stage < len(clusters[cluster]) and clusters[cluster][stage]["peer_id"] == self.viewer:
+                    0 <= stage < len(clusters[cluster]) and clusters[cluster][stage]["peer_id"] == self.viewer and \
+                    own.get("plan_digest") in (None, plan_digest(plan)):  # not a stranger's copy that places it alike
                 return plan
         return None
 

@@ -50,6 +50,7 @@ from ravnest_swarm.checkpoint import (OUTER_STATE_KEYS, load_optimizer_state, lo
                                      remove_unfinished_writes, save_stage, write_atomically)
 from ravnest_swarm.dashboard.state import DIVERGED_NOTE, REFUSAL_NOTE, SwarmState
 from ravnest_swarm.membership.progress import run_finished
+from ravnest_swarm.membership.reader import plan_digest
 from ravnest_swarm.membership.capabilities import measure_layer_gflops
 from ravnest_swarm.membership.records import CONTROL_CHARACTER_RE, MAX_NOTE_LEN, RunAddress, make_validators
 from ravnest_swarm.membership.volunteer import Membership
@@ -360,7 +361,7 @@ class Volunteer:
 
     async def _follow_plan(self, plan: dict) -> None:
         placement = placement_in(plan, self.peer_id)
-        self.announcer.update(plan_round=plan["round"])
+        self.announcer.update(plan_round=plan["round"], plan_digest=plan_digest(plan))
         if plan is self.adopted and self.adopted_over is not None:
             # the round's own: a peer that skipped plans (it followed only the latest) or joined since agrees on it
             self.plan_before = self.adopted_over
@@ -692,8 +693,7 @@ class Volunteer:
             records = {p["peer_id"]: p for p in peers}
             cluster_round = self._round_for_cluster(peers, records, plan, cluster, self.plan_before) \
                 if plan is not None and stage == 0 else None
-            step = max(step, await self._download(module, start, remote, records, first_stage,
-                                                  plan["round"] if plan is not None else None, cluster_round))
+            step = max(step, await self._download(module, start, remote, records, first_stage, plan, cluster_round))
         return step, bool(remote)
 
     @staticmethod
@@ -709,7 +709,7 @@ class Volunteer:
 
     async def _download(self, module: torch.nn.Sequential, start: int, remote: Dict[int, List[LayerOffer]],
                         records: Dict[str, Dict], first_stage: Optional[Dict] = None,
-                        plan_round: Optional[int] = None, cluster_round: Optional[int] = None) -> int:
+                        plan: Optional[dict] = None, cluster_round: Optional[int] = None) -> int:
         """Fetch the layers in ``remote`` from the holders that offer them (``fill_layer``), with a progress bar.
 
         All from one step: the state of one averaging round, the same on every cluster. The first stage of a
@@ -733,7 +733,8 @@ class Volunteer:
         with self.wall_time.using("download"), \
                 Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                          console=self.console, transient=False) as progress:
-            round_step = None if first_stage is None else await self._start_round_of(first_stage, plan_round)
+            round_step = None if first_stage is None or plan is None else \
+                await self._start_round_of(first_stage, plan)
             if first_stage is None and cluster_round is not None:
                 round_step = cluster_round  # said before the download: the later stages need not wait for it
                 self.announcer.update(start_round=round_step)
@@ -806,10 +807,12 @@ class Volunteer:
             logger.info(f"waiting for {', '.join(sorted(behind))} to take the round of step {round_step}")
             await asyncio.sleep(0.5)
 
-    async def _start_round_of(self, first_stage: Dict, plan_round: Optional[int]) -> Optional[int]:
+    async def _start_round_of(self, first_stage: Dict, plan: dict) -> Optional[int]:
         """The averaging round (its step) whose state our cluster's first stage took its layers from, as its record
-        says under ``plan_round``; None when it started without one (it kept its layers, or took live ones),
-        follows another plan, or says nothing within ``transfer_timeout``."""
+        says under ``plan``; None when it started without one (it kept its layers, or took live ones), follows
+        another plan (a newer one, or another of the same round: ``plan_digest``), or says nothing within
+        ``transfer_timeout``."""
+        plan_round, digest = plan["round"], plan_digest(plan)
         deadline = time.monotonic() + self.options.transfer_timeout
         while time.monotonic() < deadline:
             try:
@@ -822,6 +825,8 @@ class Volunteer:
                     continue
                 if record["plan_round"] > plan_round:
                     return None  # a newer plan: the one we follow is over
+                if record["plan_round"] == plan_round and record.get("plan_digest") not in (None, digest):
+                    return None  # the other side of a split round (docs/planning.md): not our cluster's first stage
                 start_round = record.get("start_round")
                 if record["plan_round"] == plan_round and start_round is not None:
                     # a first stage that kept its place took its round long ago, which holders no longer keep. Its
