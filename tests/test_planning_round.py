@@ -752,7 +752,7 @@ def test_a_plan_counts_as_followed_only_where_its_peers_name_that_very_plan():
     """The rule that lets a peer stranded on the losing side of a split round follow the other side's plan, and
     what it refuses: a stranger's copy of the honest plan with a cluster of its own identities added (which
     outranks the honest plan in ``adopted_plan``: more confirmed stages) or with our layers changed, records that
-    name the round and the place but no digest (a client from before digests), and peers still moving."""
+    name the round and the place but no digest (written before records named one), and peers still moving."""
     def entry(peer, layers):
         return dict(peer_id=peer, layers=layers)
 
@@ -773,7 +773,7 @@ def test_a_plan_counts_as_followed_only_where_its_peers_name_that_very_plan():
     strangers = [follower("x", padded), follower("y", padded)]
     records = peers[:3] + strangers + [follower("d", honest)]
     assert adopted_plan([honest, padded], records) == honest
-    # where the records name no digest (clients from before digests) the padded copy outranks the honest plan
+    # where the records name no digest (as before digests) the padded copy outranks the honest plan
     assert adopted_plan([honest, padded], [dict(r, plan_digest=None) for r in records]) == padded
     assert not followed_by_its_peers(padded, peers + strangers, "d")
     # ... or with our layers changed: no honest peer names it
