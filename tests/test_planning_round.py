@@ -616,6 +616,62 @@ def test_a_plan_one_key_confirms_itself_far_ahead_of_the_rounds_peers_follow_is_
     assert adopted_plan([honest, mine], peers + made_up) == honest
 
 
+# the split tests' rounds: short, never revised by time, no wait for a joiner, and moves that always pay back
+SIDES_OPTIONS = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, round_seconds=4.0, poll=0.5, hole_wait=0.0,
+                             move_horizon_s=10**6)
+
+
+def planning_rounds(nodes, run: str, names) -> list:
+    """Each node's planning rounds as ``join`` runs them, its announcer offering ``CAPABILITIES[name]``."""
+    peers = []
+    for node, name in zip(nodes, names):
+        ram, gflops, mbps = map(float, CAPABILITIES[name])
+        announcer = PeerAnnouncer(node, run, name, Capabilities(ram_gb=ram, gflops=gflops, bandwidth_mbps=mbps),
+                                  heartbeat=1.0)
+        peers.append(PlanningRounds(node, run, announcer, SIDES_OPTIONS, Console(quiet=True)))
+    return peers
+
+
+def plan_of(peers, round_number: int) -> dict:
+    """The plan record of round ``round_number`` that puts ``peers`` in one cluster, as an adoption writes it."""
+    alive = {p.peer_id: Peer(p.peer_id, *map(float, CAPABILITIES[p.announcer.record["name"]])) for p in peers}
+    priced = price_plan([sorted(alive)], alive, None, SIDES_OPTIONS.pricing())
+    return PlanRecord(round=round_number, time=time.time(), clusters=[
+        [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages] for _, stages in priced.plan.clusters]).dict()
+
+
+async def follow(rounds, plan: dict, **digest) -> None:
+    """``rounds`` adopted ``plan`` (of one cluster) and its record names its slot; ``digest``: the plan's digest
+    where the record names it (``plan_digest=...``)."""
+    rounds.adopted = plan
+    stage = next(i for i, s in enumerate(plan["clusters"][0]) if s["peer_id"] == rounds.peer_id)
+    rounds.announcer.update(state="training", plan_round=plan["round"], cluster=0, stage=stage,
+                            layers=plan["clusters"][0][stage]["layers"], **digest)
+    assert await rounds.announcer.renew()
+
+
+async def plan_until(peers, done, seconds: float, then: float = 0.0) -> None:
+    """Run every peer's planning rounds, renewing its record each second, until ``done()`` or ``seconds`` pass,
+    and ``then`` seconds more."""
+    stop = asyncio.Event()
+
+    async def keep_renewing(rounds):
+        while not stop.is_set():
+            await rounds.announcer.renew()
+            await asyncio.sleep(1.0)
+
+    tasks = [asyncio.create_task(rounds.run_forever(stop)) for rounds in peers]
+    tasks += [asyncio.create_task(keep_renewing(rounds)) for rounds in peers]
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not done():
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(then)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def test_two_sides_a_round_apart_merge_in_the_next_round():
     """The NAT lab run's split, on a real DHT: two joiners adopted a round 1 of their own beside the first peers'
     round 1, and the first side went on to a round 2 among themselves. So v0, v1 follow a plan of round 2 and v2,
@@ -624,49 +680,17 @@ def test_two_sides_a_round_apart_merge_in_the_next_round():
     Each runs its planning rounds as ``join`` does: every peer names the round-2 plan in force, to which v2 and v3
     are standbys, so a round 3 opens that all four join, and all four adopt one plan."""
     run = "split"
-    options = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, round_seconds=4.0, poll=0.5, hole_wait=0.0,
-                           move_horizon_s=10**6)
 
     async def scenario():
-        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = await server.get_visible_maddrs()
-        nodes, stop = [], asyncio.Event()
+        server, nodes = await storage_and_peer_nodes(run, 4)
         try:
-            for _ in range(4):
-                nodes.append(await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-            peers = []
-            for node, name in zip(nodes, ("v0", "v1", "v2", "v3")):
-                ram, gflops, mbps = map(float, CAPABILITIES[name])
-                announcer = PeerAnnouncer(node, run, name, Capabilities(ram_gb=ram, gflops=gflops, bandwidth_mbps=mbps),
-                                          heartbeat=1.0)
-                peers.append(PlanningRounds(node, run, announcer, options, Console(quiet=True)))
+            peers = planning_rounds(nodes, run, ("v0", "v1", "v2", "v3"))
             for side, round_number in ((peers[:2], 2), (peers[2:], 1)):
-                alive = {p.peer_id: Peer(p.peer_id, *map(float, CAPABILITIES[p.announcer.record["name"]]))
-                         for p in side}
-                priced = price_plan([sorted(alive)], alive, None, options.pricing())
-                plan = PlanRecord(round=round_number, time=time.time(), clusters=[
-                    [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages]
-                    for _, stages in priced.plan.clusters]).dict()
+                plan = plan_of(side, round_number)
                 for rounds in side:
-                    rounds.adopted = plan
-                    stage = next(i for i, s in enumerate(plan["clusters"][0]) if s["peer_id"] == rounds.peer_id)
-                    rounds.announcer.update(state="training", plan_round=round_number, cluster=0, stage=stage,
-                                            layers=plan["clusters"][0][stage]["layers"])
-                    assert await rounds.announcer.renew()
+                    await follow(rounds, plan)
                 assert await side[0].store_plan_copy(plan)
-
-            async def keep_renewing(rounds):
-                while not stop.is_set():
-                    await rounds.announcer.renew()
-                    await asyncio.sleep(1.0)
-
-            tasks = [asyncio.create_task(rounds.run_forever(stop)) for rounds in peers]
-            tasks += [asyncio.create_task(keep_renewing(rounds)) for rounds in peers]
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not all(r.adopted["round"] >= 3 for r in peers):
-                await asyncio.sleep(0.5)
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await plan_until(peers, lambda: all(r.adopted["round"] >= 3 for r in peers), 60)
             adopted = [r.adopted for r in peers]
             assert all(plan["round"] == 3 for plan in adopted), [p["round"] for p in adopted]
             assert all(plan["clusters"] == adopted[0]["clusters"] for plan in adopted), adopted
@@ -674,7 +698,6 @@ def test_two_sides_a_round_apart_merge_in_the_next_round():
             # one plan for the four: both sides have a peer in it (the best plan may leave a slow one out)
             assert placed & {r.peer_id for r in peers[:2]} and placed & {r.peer_id for r in peers[2:]}, adopted[0]
         finally:
-            stop.set()
             for node in nodes + [server]:
                 await stop_node(node)
 
@@ -689,49 +712,19 @@ def test_a_peer_placed_by_the_plan_in_force_follows_it_over_its_own_sides_plan_o
     digest), which places v2 as well; v2 follows a plan of round 2 of its own. v2 follows P within a few polls, its
     record names P's slot and digest, and no round opens."""
     run = "sides"
-    options = RoundOptions(WORKLOAD, min_peers=2, round_period=0.0, round_seconds=4.0, poll=0.5, hole_wait=0.0,
-                           move_horizon_s=10**6)
 
     async def scenario():
-        server = await start_node(record_validators=make_validators(run), host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        maddrs = await server.get_visible_maddrs()
-        nodes, stop, tasks = [], asyncio.Event(), []
+        server, nodes = await storage_and_peer_nodes(run, 3)
         try:
-            peers = []
-            for name in ("v0", "v1", "v2"):
-                nodes.append(await start_peer_node(maddrs, run, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-                ram, gflops, mbps = map(float, CAPABILITIES[name])
-                announcer = PeerAnnouncer(nodes[-1], run, name, Capabilities(ram_gb=ram, gflops=gflops,
-                                                                             bandwidth_mbps=mbps), heartbeat=1.0)
-                peers.append(PlanningRounds(nodes[-1], run, announcer, options, Console(quiet=True)))
-            alive = {p.peer_id: Peer(p.peer_id, *map(float, CAPABILITIES[p.announcer.record["name"]])) for p in peers}
-            priced = price_plan([sorted(alive)], alive, None, options.pricing())
-            theirs = PlanRecord(round=2, time=time.time(), clusters=[
-                [dict(peer_id=s.peer_id, layers=list(s.layers)) for s in stages]
-                for _, stages in priced.plan.clusters]).dict()
+            peers = planning_rounds(nodes, run, ("v0", "v1", "v2"))
+            theirs = plan_of(peers, 2)
             own = PlanRecord(round=2, time=time.time(),
                              clusters=[[dict(peer_id=peers[2].peer_id, layers=[0, 8])]]).dict()
             for rounds, plan in ((peers[0], theirs), (peers[1], theirs), (peers[2], own)):
-                rounds.adopted = plan
-                stage = next(i for i, s in enumerate(plan["clusters"][0]) if s["peer_id"] == rounds.peer_id)
-                rounds.announcer.update(state="training", plan_round=2, plan_digest=plan_digest(plan), cluster=0,
-                                        stage=stage, layers=plan["clusters"][0][stage]["layers"])
-                assert await rounds.announcer.renew()
+                await follow(rounds, plan, plan_digest=plan_digest(plan))
             assert await peers[0].store_plan_copy(theirs) and await peers[2].store_plan_copy(own)
-
-            async def keep_renewing(rounds):
-                while not stop.is_set():
-                    await rounds.announcer.renew()
-                    await asyncio.sleep(1.0)
-
-            tasks += [asyncio.create_task(rounds.run_forever(stop)) for rounds in peers]
-            tasks += [asyncio.create_task(keep_renewing(rounds)) for rounds in peers]
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and peers[2].adopted["clusters"] != theirs["clusters"]:
-                await asyncio.sleep(0.5)
-            await asyncio.sleep(3.0)  # a few more polls: nothing opens a round
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # then a few more polls: nothing opens a round
+            await plan_until(peers, lambda: peers[2].adopted["clusters"] == theirs["clusters"], 30, then=3.0)
             assert peers[2].adopted["clusters"] == theirs["clusters"], peers[2].adopted
             assert [r.adopted["round"] for r in peers] == [2, 2, 2]
             assert [r.adopted["clusters"] for r in peers[:2]] == [theirs["clusters"]] * 2
@@ -740,8 +733,6 @@ def test_a_peer_placed_by_the_plan_in_force_follows_it_over_its_own_sides_plan_o
             assert (record["plan_round"], record["plan_digest"], record["cluster"], record["layers"]) == \
                 (2, plan_digest(theirs), 0, slot["layers"]), record
         finally:
-            stop.set()
-            await asyncio.gather(*tasks, return_exceptions=True)
             for node in nodes + [server]:
                 await stop_node(node)
 
