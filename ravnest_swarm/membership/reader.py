@@ -109,6 +109,13 @@ def plan_digest(plan: Dict) -> str:
     return hashlib.sha256(json.dumps([plan["round"], placement]).encode()).hexdigest()[:16]
 
 
+def holds_place(record: Dict, plan: Dict, cluster: int, stage: int, entry: Dict) -> bool:
+    """Whether a peer's ``record`` names ``plan``'s round and the place ``entry`` it gives that peer: cluster
+    ``cluster``, stage ``stage`` and the entry's layers; which plan of that round it follows, ``plan_digest`` says."""
+    return (record.get("plan_round") == plan["round"] and record.get("cluster") == cluster
+            and record.get("stage") == stage and record.get("layers") == entry["layers"])
+
+
 def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int] = None) -> Optional[Dict]:
     """The newest of ``plans`` that the peers it places follow, or None.
 
@@ -147,8 +154,8 @@ def adopted_plan(plans: List[Dict], peers: List[Dict], live_round: Optional[int]
         return record["plan_digest"] == digests[id(plan)]
 
     def confirmed(plan: Dict, cluster: int, stage: int, entry: Dict) -> bool:
-        return any(r["plan_round"] == plan["round"] and r.get("cluster") == cluster and r.get("stage") == stage
-                   and r.get("layers") == entry["layers"] and names(r, plan) for r in placed.get(entry["peer_id"], ()))
+        return any(holds_place(r, plan, cluster, stage, entry) and names(r, plan)
+                   for r in placed.get(entry["peer_id"], ()))
 
     def handed_over_by(plan: Dict, entry: Dict) -> bool:
         # a leaving record names no cluster or stage any more, but still its plan round and its layers
@@ -209,9 +216,8 @@ def followed_by_its_peers(plan: Dict, peers: List[Dict], me: str) -> bool:
     records = {r["peer_id"]: r for r in peers if r.get("state") != "leaving"}
     others = [(c, s, entry) for c, cluster in enumerate(plan["clusters"]) for s, entry in enumerate(cluster)
               if entry["peer_id"] != me and entry["peer_id"] in records]
-    fields = ("plan_digest", "plan_round", "cluster", "stage", "layers")
-    following = sum(tuple(records[entry["peer_id"]].get(field) for field in fields)
-                    == (digest, plan["round"], c, s, list(entry["layers"])) for c, s, entry in others)
+    following = sum(holds_place(records[entry["peer_id"]], plan, c, s, entry)
+                    and records[entry["peer_id"]].get("plan_digest") == digest for c, s, entry in others)
     return 2 * following > len(others)
 
 
