@@ -20,9 +20,10 @@ from hivemind.proto import runtime_pb2
 
 from ravnest_swarm.codecs.codec import CODECS, RAW
 from ravnest_swarm.averaging.averager import TURNED_AWAY
-from ravnest_swarm.averaging.mailbox import (MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING, OTHER_RING,
-                                             NOT_IN_ATTEMPT, OUTSIDE_THE_RING, OVER_SHARE, PART_OVERHEAD_BYTES,
-                                             TOO_FAR_AHEAD, Expected, Mailbox, RingState, majority)
+from ravnest_swarm.averaging.mailbox import (COUNTED_APART, MAX_MAILBOX_ENTRIES, NOT_A_MEMBER, NOT_EXPECTING,
+                                             NOT_IN_ATTEMPT, OTHER_RING, OUTSIDE_THE_RING, OVER_SHARE,
+                                             PART_OVERHEAD_BYTES, TOO_FAR_AHEAD, Expected, Mailbox, RingState,
+                                             majority)
 from ravnest_swarm.averaging.ring import (ContributionRejected, MemberPastRound, RingPeer, RingRound, RoundLog,
                                          cancel_until_ended)
 from ravnest_swarm.averaging.segments import Ring
@@ -172,6 +173,8 @@ def test_an_abort_from_a_stranger_is_refused_and_excludes_nobody():
     # a member may vote against a member (it refused that member's chunk), never a peer outside the ring
     assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)
     assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[C], attempt=[STRANGER])), B)
+    # a peer the plan places in another ring: the member counts the ring apart from us for a moment (refused too)
+    assert COUNTED_APART in refused(box.note, RingAbort(**note(excluded=[D])), B)
     box.note(RingAbort(**note(excluded=[C])), B)
     assert state.refusals == {B: {C}} and state.changed.is_set()
 
@@ -311,12 +314,21 @@ def test_what_a_part_holds_once_filed_is_what_counts_against_the_caps_not_its_wi
 
 def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected():
     """The averager counts a refusal in ``turned_away`` when an honest member can cause it (a round over here,
-    another plan for a moment), else in ``rejected``, the peer's record's count of hostile input."""
-    box = mailbox(max_buffered_bytes=0)
-    honest = [refused(box.note, RingArrive(**note()), D), refused(box.note, RingArrive(**note(step=1)), B)]
+    another plan for a moment, a member that names a joiner of a plan we have not adopted yet or a peer we found
+    gone), else in ``rejected``, the peer's record's count of hostile input (a soak counted 6 such honest refusals
+    as hostile at its churn events)."""
+    joiner = "peer-joiner"  # its record read, no plan of ours places it yet
+    box = Mailbox(0)
+    expected = Expected(RINGS, ME, ROUND - 20, ROUND + 20, left_out=["peer-gone"], known={joiner})
+    box.expecting = lambda: expected
+    honest = [refused(box.note, RingArrive(**note()), D), refused(box.note, RingArrive(**note(step=1)), B),
+              refused(box.inbox_for, part(attempt=[ME, B, C, joiner]), B),
+              refused(box.inbox_for, part(attempt=[ME, B, C, "peer-gone"]), B),
+              refused(box.note, RingAbort(**note(excluded=[joiner])), C)]
     hostile = [refused(box.note, RingAbort(**note(excluded=[B])), STRANGER),
                refused(box.note, RingArrive(**note(step=10**9)), B),
-               refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)]
+               refused(box.note, RingAbort(**note(excluded=[STRANGER])), B),
+               refused(box.inbox_for, part(attempt=[ME, B, C, joiner, STRANGER]), B)]
     inbox = box.inbox_for(part(), B)
     inbox.join(1)
     hostile.append(refused(box.file, inbox, 0, 0, tensor_part(10)))
@@ -464,7 +476,8 @@ def test_a_vote_against_a_member_our_rings_leave_out_is_taken_and_answered_with_
     assert box.left_out_of([gone, C]) == [gone]  # C is in our ring: that vote is B's own business
     # a name nobody's plan has is still refused, and a left-out member only in a vote, never in an attempt
     assert OUTSIDE_THE_RING in refused(box.note, RingAbort(**note(excluded=[STRANGER])), B)
-    assert OUTSIDE_THE_RING in refused(box.inbox_for, part(attempt=[ME, B, gone]), B)
+    # B has not found it gone yet: its attempt still names it, and counts the ring apart from ours (refused, honest)
+    assert COUNTED_APART in refused(box.inbox_for, part(attempt=[ME, B, gone]), B)
     assert RingReply(left_out=[gone]).as_metadata() == {"left_out": [gone]}
 
 

@@ -11,7 +11,9 @@ rings' states and the rounds over here are one bounded store that every check re
 Who may send what (:meth:`Mailbox.admit`, before anything is kept): what the peer's owner says it expects now
 (:class:`Expected`: its rings in the plan it follows, and a window of rounds around its training step). A
 message, note or abort counts only from a member of the ring it names, for a round in that window, and may
-name (as left out of its attempt, or as refused now) only members of that ring. Each ring partner holds at
+name (as left out of its attempt, or as refused now) only members of that ring: a member that names other peers of
+the run counts the ring apart from us for a moment (at a churn event one of us adopts the new plan or finds a peer
+gone first), one that names peers nobody told us of is hostile. Each ring partner holds at
 most its share of the mailbox (``MAX_MAILBOX_ENTRIES`` inboxes and ``max_buffered_bytes`` of parts, divided
 by the number of partners), so neither a stranger nor a member can make us hold unbounded memory or crowd the
 others out. When a round ends, everything of that step and earlier is dropped, and the keys of its messages
@@ -24,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import AsyncIterator, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import (AsyncIterator, Callable, Collection, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Set,
+                    Tuple, Union)
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -39,11 +42,12 @@ MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds n
 # to the caps, so the caps bound memory (200,000 empty parts counted 2.4 MB and held 453 MB)
 PART_OVERHEAD_BYTES = 1024
 
-# How the mailbox refuses a message for who sent it or when. An honest member can cause the first two (one of us
-# follows a plan the other has not adopted yet, or we are still fetching our layers), and a round over here
-# (wire.ROUND_OVER), so the averager counts those apart from hostile input.
+# How the mailbox refuses a message for who sent it or when. An honest member can cause the first three (one of us
+# follows a plan the other has not adopted yet or found a peer gone first, or we are still fetching our layers), and
+# a round over here (wire.ROUND_OVER), so the averager counts those apart from hostile input.
 NOT_EXPECTING = "this peer expects no ring messages now: it trains no stage of a plan yet"
 OTHER_RING = "shares no ring"
+COUNTED_APART = "counts the ring apart from this peer"
 NOT_A_MEMBER = "is in no ring of the plan this peer follows"
 TOO_FAR_AHEAD = "is too far ahead"
 OUTSIDE_THE_RING = "names peers outside ring"
@@ -74,10 +78,13 @@ class Expected:
         our own (``Mailbox.left_out_of``)
     :param held: the round this peer is in and its rings, where they are not ``rings``: a round goes on in the rings
         it began in (a partner that left gracefully is left out by the ring itself, not by new rings of the others)
+    :param known: other peers of the run this peer has read records of (a joiner that a plan we have not adopted
+        yet places): a member that names one of them in its ring counts the ring apart from us, honestly
     """
 
     def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int,
-                 left_out: Sequence[str] = (), held: Optional[Tuple[int, Sequence[Ring]]] = None):
+                 left_out: Sequence[str] = (), held: Optional[Tuple[int, Sequence[Ring]]] = None,
+                 known: Collection[str] = ()):
         self.first_step, self.last_step = first_step, last_step
         # our rings' members by ring index; everyone the plan puts in a ring (a sender in none is a stranger)
         self.rings: Dict[int, FrozenSet[str]] = {ring.index: frozenset(ring.members) for ring in rings
@@ -90,6 +97,12 @@ class Expected:
         self.partners = len(set().union(*self.rings.values(), *self.held_rings.values()) - {peer_id})
         # a gone peer of the held round is still left out of the plan's other rounds (votes against it agree)
         self.left_out: FrozenSet[str] = frozenset(left_out) - in_plan
+        self.known = known
+
+    def knows(self, peers: Set[str]) -> bool:
+        """Whether every one of ``peers`` is a peer of the run we know of: in the plan's rings, left out of
+        ours, or in a record we read."""
+        return all(peer in self.planned or peer in self.left_out or peer in self.known for peer in peers)
 
     def members(self, step: int, ring: int) -> Optional[FrozenSet[str]]:
         """The members of our ring ``ring`` in round ``step``; None: we have no such ring."""
@@ -283,7 +296,11 @@ class Mailbox:
         if message.step > expected.last_step:
             raise ValueError(f"round {message.step} {TOO_FAR_AHEAD} (this peer takes rounds up to {expected.last_step})")
         excluded = set(getattr(message, "excluded", None) or ())
-        if not set(message.attempt) | (excluded - expected.left_out) <= members:
+        outside = (set(message.attempt) | (excluded - expected.left_out)) - members
+        if outside and expected.knows(outside):
+            raise ValueError(f"{message.phase} message {COUNTED_APART} in ring {message.ring}: it names peers of the "
+                             f"run our ring leaves out (one of us follows another plan, or found them gone)")
+        if outside:
             raise ValueError(f"{message.phase} message {OUTSIDE_THE_RING} {message.ring}")
         self._share = (MAX_MAILBOX_ENTRIES // max(1, expected.partners),
                        self.max_buffered_bytes // max(1, expected.partners))

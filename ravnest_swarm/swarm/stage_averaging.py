@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar
+from typing import Awaitable, Callable, Collection, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, TypeVar
 
 import torch
 
@@ -76,13 +76,15 @@ class RoundStalled(Exception):
 @dataclass
 class Following:
     """What the volunteer trains now: its running worker (None: none), the plan it follows (None: none yet), the
-    peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``), and the peers
-    whose records, still valid, say they left gracefully (a ring reads that itself: ``RecordPatience``)."""
+    peers of that plan its planning rounds found gone (their clusters average no more: ``plan_rings``), the peers
+    whose records, still valid, say they left gracefully (a ring reads that itself: ``RecordPatience``), and every
+    peer of the run whose record it has read (``Expected``'s ``known``)."""
 
     worker: Optional[StageWorker]
     plan: Optional[dict]
     gone: FrozenSet[str] = frozenset()
     left: FrozenSet[str] = frozenset()
+    known: Collection[str] = ()
 
 
 @dataclass
@@ -610,7 +612,7 @@ class StageAveraging:
         elif self._aligned is not None and self._aligned[0] is now.worker and self.next_round is not None:
             first = max(first, self.next_round)
         return Expected(self._plan_rings[2], self.peer_id, first, max(at, self.next_round or 0) + 2 * self.period,
-                        left_out=self._plan_rings[3], held=self._round_rings)
+                        left_out=self._plan_rings[3], held=self._round_rings, known=now.known)
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""

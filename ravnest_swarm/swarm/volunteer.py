@@ -193,7 +193,7 @@ class Volunteer:
         self.stage_state_server = StageStateServer(self.node.routes, self.run, lambda: self.stopped_stage,
                                                    training=self._training_stage)
         self.averaging = StageAveraging(self.announcer, self.state_server,
-                                        lambda: Following(self.worker, self.plan, *self._gone_and_left()),
+                                        self._following,
                                         self.layer_sizes, run_spec.averaging_period, run_spec.microbatch_size,
                                         membership.options.heartbeat, options.averaging_timeout, run_spec.aggregation,
                                         say=lambda text: self.say(f"{self.name}: {text}"), note=self._note,
@@ -940,9 +940,12 @@ class Volunteer:
         """Peers of the plan we follow that our planning rounds found gone (none before the rounds start)."""
         return self.rounds.triggers.gone() if self.rounds is not None else frozenset()
 
-    def _gone_and_left(self) -> Tuple[FrozenSet[str], FrozenSet[str]]:
-        """The gone peers (:meth:`_gone`), and the peers whose records, still valid, say they left gracefully."""
-        return self._gone(), self.rounds.leaving if self.rounds is not None else frozenset()
+    def _following(self) -> Following:
+        """What the averaging of our stage follows: our worker and plan, the gone peers (:meth:`_gone`), the peers
+        whose records, still valid, say they left gracefully, and the peers of the run we have read records of."""
+        if self.rounds is None:
+            return Following(self.worker, self.plan)
+        return Following(self.worker, self.plan, self._gone(), self.rounds.leaving, self.rounds.names.keys())
 
     def _note(self, text: str) -> None:
         """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
