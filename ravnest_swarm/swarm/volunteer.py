@@ -717,7 +717,8 @@ class Volunteer:
         :meth:`_round_for_cluster`), or where none is known the last round its holders agree on, and says which
         in its record (``start_round``); a later stage (``first_stage``: where the plan puts its cluster's first
         stage) takes the round that record names, so a new or re-formed cluster does not start with stages from
-        different steps (issue 33: 1,879 and 3,100). :attr:`layers_came_from` says which step the layers came from.
+        different steps (issue 33: 1,879 and 3,100). :attr:`layers_came_from` says which round (or step) the layers
+        came from.
 
         A layer no holder gives, or whose holders disagree, keeps its local weights (said in our log and note),
         but the step still follows the holders': the rest of the cluster is there, and a stage that restarted
@@ -1370,15 +1371,19 @@ async def take_part(membership: Membership, requested: Dict, options: VolunteerO
 
 
 def _came_from(copy_steps: List[Tuple[int, bool]], wanted: Optional[int]) -> str:
-    """What a stage's start line says of the layers it downloaded: of which step(s), averaged or live, given each
-    loaded layer's ``(step, averaged)``, and whether that is the round its first stage took (``wanted``)."""
+    """What a stage's start line says of the layers it downloaded: of which round(s) of the run's count (averaged)
+    or its holders' step(s) (live), given each loaded layer's ``(step or round, averaged)``, and whether that is the
+    round its first stage took (``wanted``). The line names the stage's own step first, which is another count: a
+    cluster that joined late counts steps from where the run's first stages are, not from the rounds."""
     steps = sorted({step for step, _ in copy_steps})
     if not steps:
         return "none of its downloaded layers could be loaded"
     averaged = [kind for _, kind in copy_steps]
     kind = "the run's averaged state" if all(averaged) else "live weights" if not any(averaged) else \
         "averaged and live weights"
-    said = f"its layers are {kind} of step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+    plural = "s" if len(steps) > 1 else ""
+    unit = f"round{plural}" if all(averaged) else f"step{plural}" if not any(averaged) else "rounds and steps"
+    said = f"its layers are {kind} of {unit} {', '.join(map(str, steps))}"
     if wanted is not None and steps != [wanted]:
-        said += f", not all of the round of step {wanted} its first stage took (no longer served)"
+        said += f", not all of round {wanted} that its first stage took (no longer served)"
     return said
