@@ -332,6 +332,14 @@ def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected()
     inbox = box.inbox_for(part(), B)
     inbox.join(1)
     hostile.append(refused(box.file, inbox, 0, 0, tensor_part(10)))
+    # a part whose header spells an honest refusal's marker: the refusal does not quote it
+    roomy = mailbox()
+    inbox = roomy.inbox_for(part(), B)
+    inbox.join(1)
+    for spelled in TURNED_AWAY:
+        spoofed = tensor_part(10)
+        spoofed.dtype = spelled
+        hostile.append(refused(roomy.file, inbox, 0, 0, spoofed))
     box.expecting = lambda: None
     honest.append(refused(box.note, RingArrive(**note()), B))
     assert all(any(marker in reason for marker in TURNED_AWAY) for reason in honest), honest

@@ -241,3 +241,11 @@ def test_a_raw_tensor_is_refused_by_its_header_before_it_is_decoded(monkeypatch)
     monkeypatch.undo()
     for tensor in (torch.ones(4, 4), torch.tensor(7), torch.ones(3, dtype=torch.bfloat16)):
         assert torch.equal(raw_tensor(serialize_torch_tensor(tensor), "t", tensor.shape, tensor.dtype), tensor)
+    # a dtype the sender spelled (numpy's error quoted it; a getattr on torch could import a submodule): refused
+    # without quoting it, and without asking torch or numpy what it is
+    for spelled in ("shares no ring", "onnx", "object"):
+        spoofed = serialize_torch_tensor(torch.ones(4))
+        spoofed.dtype = spelled
+        with pytest.raises(CodecError) as refusal:
+            raw_tensor(spoofed, "weight")
+        assert spelled not in str(refusal.value), refusal.value

@@ -18,7 +18,8 @@ or the ``expecting`` its owner gives) may send, for rounds in its window (``mail
 handler reads frames itself (within ``max_message_bytes`` and the ring timeout): a message over the limit,
 metadata that fits no schema, a truncated protobuf, a sender outside the ring or a silent stream gets an error
 with a reason, a log line and a count: ``turned_away`` for what honest members cause (a round over here, a plan
-one of us has not adopted yet, a stalled stream), ``rejected`` for the rest, which only a hostile peer sends.
+one of us has not adopted yet or a peer one of us has not found gone yet, a stalled stream), ``rejected`` for the
+rest, which only a hostile peer sends.
 """
 
 from __future__ import annotations

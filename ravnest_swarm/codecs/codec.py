@@ -36,6 +36,18 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+# every dtype's name as a header says it, read from the module's own names (a getattr of a sender's text could
+# import one of torch's lazily loaded submodules)
+DTYPE_NAMES = frozenset(_dtype_name(value) for value in vars(torch).values() if isinstance(value, torch.dtype))
+
+
+def _said_dtype(serialized: runtime_pb2.Tensor) -> Optional[str]:
+    """The header's dtype where it names one of torch's, else None. The sender chooses the text, and a refusal
+    that quoted it could spell a marker of an honest refusal (a ring member's dtype "shares no ring" had its chunk
+    counted as turned away, not rejected), as could hivemind's own error for a dtype numpy does not know."""
+    return serialized.dtype if serialized.dtype in DTYPE_NAMES else None
+
+
 @dataclass(frozen=True)
 class Codec:
     """``decode``'s ``shape``: the exact shape the receiver expects, or None for a flat tensor of any length (a
@@ -54,11 +66,14 @@ class Codec:
     def _refuse_header(self, serialized: runtime_pb2.Tensor, what: str, expected: str) -> CodecError:
         named = (CompressionType.Name(serialized.compression) if serialized.compression in CompressionType.values()
                  else serialized.compression)
-        return CodecError(f"{what} has shape {list(serialized.size)} and dtype {serialized.dtype or '?'}, compressed "
-                          f"as {named}; expected {expected} (codec {self.name})")
+        dtype = _said_dtype(serialized) or "(not torch's)"
+        return CodecError(f"{what} has shape {list(serialized.size)} and dtype {dtype}, compressed as {named}; "
+                          f"expected {expected} (codec {self.name})")
 
     @staticmethod
     def _deserialize(serialized: runtime_pb2.Tensor, what: str) -> torch.Tensor:
+        if _said_dtype(serialized) is None:
+            raise CodecError(f"{what} names a dtype torch has not")
         try:
             tensor = deserialize_torch_tensor(serialized)
         except Exception as e:

@@ -224,7 +224,7 @@ class Volunteer:
         self.wall_time = WallTime()
         self._traffic_looks: Deque[Tuple[float, int, int]] = deque()
         self.moved_bytes = 0  # of the layers we downloaded to take our places
-        self.layers_came_from = ""  # of the layers we downloaded last: their step(s), averaged or live (_download)
+        self.layers_came_from = ""  # of the layers we downloaded last: their round(s) or step(s) (_download)
         self.layer_holders: Dict[int, List[Dict]] = {}  # the records of who served each layer we downloaded last
         # a graceful leave's last round (_train_to_round): set while we train on to it, then the round
         self._last_round: Optional[asyncio.Future] = None
@@ -649,7 +649,7 @@ class Volunteer:
     async def _fill_layers(self, module: torch.nn.Sequential, layers: Tuple[int, int], plan: Optional[dict] = None,
                            cluster: int = 0, stage: int = 0) -> Tuple[int, bool]:
         """Load every owned layer from the freshest source; return the step training continues from, and
-        whether any layer came from another peer (then :attr:`layers_came_from` says from which step).
+        whether any layer came from another peer (then :attr:`layers_came_from` says from which round or step).
         ``plan``, ``cluster``, ``stage``: where the plan we follow puts us (the stages of our cluster take their
         layers from one averaging round, :meth:`_download`)."""
         start, end = layers
