@@ -64,7 +64,7 @@ MAX_ERRORS, MAX_LINE = 200, 500  # error lines kept in the report (all are count
 KINDS = ("ctrl-c", "sigkill")
 RECORD_FIELDS = ("state", "cluster", "stage", "step", "loss", "averaging_rounds", "averaging_failures", "utilisation",
                  "time_shares", "window_s", "moved_bytes", "bytes_up_per_s", "bytes_down_per_s", "layers",
-                 "round_offset")
+                 "round_offset", "rejected")
 STEP_RE = re.compile(r"\bstep (\d+)")
 # the averager's line for each round (``averaging.averager``): its step, and how many of its segments averaged
 AVERAGED_RE = re.compile(r"\baveraging step (\d+): (\d+)/(\d+) segments averaged\b")
@@ -450,6 +450,8 @@ class Soak:
                     averaging_failures=max(record.get("averaging_failures") or 0, from_log["averaging_failures"]),
                     utilisation=record.get("utilisation"), time_shares=record.get("time_shares"),
                     window_s=record.get("window_s"), moved_bytes=record.get("moved_bytes"),
+                    # input it refused as hostile, as its record last said: an honest soak has none
+                    rejected=record.get("rejected") or 0,
                     unexpected_errors=sum(error["peer"] == name for error in self.scan.found))
 
     def report(self) -> Dict:
@@ -519,15 +521,16 @@ def bench_soak(options: SoakOptions) -> int:
 
 def summary_table(report: Dict) -> Table:
     verdict = "survived" if report["survived"] else f"NOT survived: {report['unexpected_error_count']} error line(s)"
-    table = Table(*("peer", "joined s", "ended", "exit", "final step", "placed", "averaging ok / failed", "last state",
-                    "busy", "errors"), title=f"bench soak: {report['model']}, {report['peers']} volunteers, "
+    columns = ("peer", "joined s", "ended", "exit", "final step", "placed", "averaging ok / failed", "last state",
+               "busy", "rejected", "errors")
+    table = Table(*columns, title=f"bench soak: {report['model']}, {report['peers']} volunteers, "
                   f"{report['minutes_run']} min, {len(report['churn_events'])} churn event(s); {verdict}")
     for peer in report["volunteers"]:
         ended = f"{peer['ended_by']} at {peer['ended_s']} s" if peer["ended_s"] is not None else peer["ended_by"]
         table.add_row(peer["name"], str(peer["joined_s"]), ended, str(peer["exit_code"]), str(peer["final_step"]),
                       str(peer["placements"]), f"{peer['averaging_rounds']} / {peer['averaging_failures']}",
                       str(peer["last_state"]), "-" if peer["utilisation"] is None else f"{peer['utilisation']:.0%}",
-                      str(peer["unexpected_errors"]))
+                      str(peer.get("rejected", 0)), str(peer["unexpected_errors"]))
     return table
 
 
