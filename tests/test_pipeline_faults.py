@@ -405,9 +405,11 @@ def peer_ids(directory, count):
 def test_a_plan_names_each_stages_neighbours_and_a_stage_takes_messages_only_from_them(tmp_path):
     """``neighbours_in`` reads a stage's two neighbours from the plan (none before stage 0 or after the last);
     the inbox refuses a forward from anyone but the previous one and a gradient from anyone but the next one,
-    in one line naming who it takes them from, and a stage that names no neighbours takes any sender."""
+    in one line naming who it takes them from, and a stage that names no neighbours takes any sender. A refused
+    peer of the run (one of us follows a plan the other has not adopted yet) is counted as turned away, a stranger
+    as hostile input."""
     from ravnest_swarm.pipeline.config import Neighbours
-    from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR
+    from ravnest_swarm.pipeline.messaging import NOT_A_NEIGHBOUR, NOT_YET
     from ravnest_swarm.pipeline.wire import MessageError
     from ravnest_swarm.swarm.placement import neighbours_in
 
@@ -418,8 +420,9 @@ def test_a_plan_names_each_stages_neighbours_and_a_stage_takes_messages_only_fro
     assert neighbours_in(plan, 0, 1) == Neighbours(previous=a.to_base58(), next=c.to_base58())
     assert neighbours_in(plan, 0, 2) == Neighbours(previous=b.to_base58(), next=None)
 
+    known = {peer.to_base58() for peer in (a, b, c)}  # the records the volunteer's planning rounds read
     worker = StageWorker(StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(3, 6),
-                                     neighbours=neighbours_in(plan, 0, 1)), node=None)
+                                     neighbours=neighbours_in(plan, 0, 1, known)), node=None)
     inbox = worker.inbox
     inbox._check_sender(wire.FORWARD, a)
     inbox._check_sender(wire.BACKWARD, c)
@@ -430,6 +433,9 @@ def test_a_plan_names_each_stages_neighbours_and_a_stage_takes_messages_only_fro
         expected = a if handler == wire.FORWARD else c
         assert NOT_A_NEIGHBOUR in str(refused.value) and expected.to_base58() in str(refused.value)
         assert "\n" not in str(refused.value)
+        assert (NOT_YET in str(refused.value)) == (sender != stranger)
+        inbox._refused(handler, sender, str(refused.value))
+    assert (worker.counters.turned_away, worker.counters.rejected) == (2, 2)
     # a new plan puts a standby at stage 2: its gradients count from now on, the old peer's no longer
     worker.follow_neighbours(Neighbours(previous=a.to_base58(), next=stranger.to_base58()))
     inbox._check_sender(wire.BACKWARD, stranger)

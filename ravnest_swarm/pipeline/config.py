@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Collection, Optional, Tuple
 
 from ravnest_swarm.codecs.codec import CODECS, is_pipeline_codec
 from ravnest_swarm.pipeline import wire
@@ -26,11 +26,15 @@ class Neighbours:
     :param next: the peer serving stage + 1 (None: nobody, as for the last stage)
     :param named: False for a stage that takes messages from any sender that addresses it: the hidden
       ``stage`` verb, which the pipeline tests start without a plan or known peer ids
+    :param known: the other peers of the run whose records the volunteer has read: one that sends before we
+      adopt the plan that makes it our neighbour (or after we adopted one that does not) is refused all the same,
+      and counted as turned away, not as hostile input
     """
 
     previous: Optional[str] = None
     next: Optional[str] = None
     named: bool = True
+    known: Collection[str] = field(default=(), compare=False, repr=False)
 
     def peer_of(self, own_stage: int, stage: int) -> Optional[str]:
         """The peer named for ``stage`` (our neighbour on either side), else None."""

@@ -49,11 +49,14 @@ logger = logging.getLogger(__name__)
 MISADDRESSED = ", but this is run"
 BUSY = "; retry later"
 NOT_A_NEIGHBOUR = "is not this stage's neighbour"
+# said beside NOT_A_NEIGHBOUR where the sender is a peer of the run we have read a record of
+NOT_YET = "one of us follows a plan the other has not adopted yet"
 UNKNOWN_MICROBATCH = "unknown microbatch id"
 # refusals for when or where a message arrived, not for what it holds: honest neighbours cause them (an endpoint
-# gone stale in a new plan, no room yet, a gradient that came after its microbatch was dropped, a stream stalled
-# on a busy machine), so they are counted apart from the malformed or poisoned input that `rejected` counts
-TURNED_AWAY = (MISADDRESSED, BUSY, UNKNOWN_MICROBATCH, INCOMPLETE)
+# gone stale in a new plan, no room yet, a neighbour in a plan one of us has not adopted yet, a gradient that came
+# after its microbatch was dropped, a stream stalled on a busy machine), so they are counted apart from the
+# malformed or poisoned input that `rejected` counts
+TURNED_AWAY = (MISADDRESSED, BUSY, NOT_YET, UNKNOWN_MICROBATCH, INCOMPLETE)
 
 register_handler(Handler(
     name=wire.FORWARD, request=wire.ForwardRequest, reply=wire.ForwardReply, max_bytes=wire.DEFAULT_MAX_MESSAGE_BYTES,
@@ -181,10 +184,12 @@ class Inbox:
             return
         neighbour_stage = stage - 1 if name == wire.FORWARD else stage + 1
         expected = neighbours.peer_of(stage, neighbour_stage)
-        if peer_id.to_base58() != expected:
+        sender = peer_id.to_base58()
+        if sender != expected:
             what = "forwards" if name == wire.FORWARD else "gradients"
+            known = f" ({NOT_YET}, or ended it)" if sender in neighbours.known else ""
             raise MessageError(f"the sender {NOT_A_NEIGHBOUR}: stage {stage} of cluster {self.config.cluster} takes "
-                               f"{what} only from {expected or 'no peer'} (stage {neighbour_stage})")
+                               f"{what} only from {expected or 'no peer'} (stage {neighbour_stage}){known}")
 
     def _check_address(self, request: Request) -> None:
         config = self.config

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,12 +81,13 @@ def kept_in_place(before: Optional[dict], after: dict, peer_id: str) -> bool:
     return before is not None and peer_id in kept_places(in_force_stages(before), in_force_stages(after))
 
 
-def neighbours_in(plan: dict, cluster: int, stage: int) -> Neighbours:
+def neighbours_in(plan: dict, cluster: int, stage: int, known: Collection[str] = ()) -> Neighbours:
     """The peers ``plan`` puts beside ``stage`` of ``cluster``: the only ones that stage takes pipeline messages
-    from, and the only ones its sends resolve those slots to."""
+    from, and the only ones its sends resolve those slots to (``known``: the other peers of the run we know of,
+    whose messages are refused as honest timing, not as hostile input)."""
     stages = plan["clusters"][cluster]
     return Neighbours(previous=stages[stage - 1]["peer_id"] if stage > 0 else None,
-                      next=stages[stage + 1]["peer_id"] if stage + 1 < len(stages) else None)
+                      next=stages[stage + 1]["peer_id"] if stage + 1 < len(stages) else None, known=known)
 
 
 def round_step_of(record: Dict) -> int:

@@ -36,7 +36,7 @@ import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Awaitable, Callable, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Awaitable, Callable, Collection, Deque, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from hivemind.p2p import PeerID
@@ -374,7 +374,7 @@ class Volunteer:
             # next step (a plan that drops a cluster renumbers the one it moves into the gap: it trains on)
             before, self.plan, self.placement = self.placement, plan, placement
             cluster, stage, stages, layers, clusters = placement
-            self.worker.follow_neighbours(neighbours_in(plan, cluster, stage))
+            self.worker.follow_neighbours(neighbours_in(plan, cluster, stage, self._known_peers()))
             self.announcer.update(cluster=cluster)  # with the plan round above, before the endpoint's publish
             await self.worker.follow_clusters(cluster, clusters)
             changed = f"; {before[4]} -> {clusters} clusters from its next step" if clusters != before[4] else ""
@@ -426,7 +426,7 @@ class Volunteer:
                              optimizer=self.spec.optimizer, weight_decay=self.spec.weight_decay,
                              divergence_factor=self.spec.divergence_factor,
                              heartbeat=self.membership.options.heartbeat,
-                             neighbours=neighbours_in(plan, cluster, stage))
+                             neighbours=neighbours_in(plan, cluster, stage, self._known_peers()))
         worker = StageWorker(config, self.node, self.wall_time)
         if worker.precision_note is not None and worker.precision_note != self._precision_said:
             self._precision_said = worker.precision_note
@@ -946,7 +946,13 @@ class Volunteer:
         whose records, still valid, say they left gracefully, and the peers of the run we have read records of."""
         if self.rounds is None:
             return Following(self.worker, self.plan)
-        return Following(self.worker, self.plan, self._gone(), self.rounds.leaving, self.rounds.names.keys())
+        return Following(self.worker, self.plan, self._gone(), self.rounds.leaving, self._known_peers())
+
+    def _known_peers(self) -> Collection[str]:
+        """Every peer of the run whose record our planning rounds have read, as they read more (a live view): a
+        ring member or pipeline neighbour that names or is one of them while we disagree on the plan is honest
+        timing, refused but not counted as hostile."""
+        return self.rounds.names.keys() if self.rounds is not None else ()
 
     def _note(self, text: str) -> None:
         """The record's note: the last failure or refusal, with its cause (``status --json``, the dashboard).
