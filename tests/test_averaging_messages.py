@@ -324,7 +324,8 @@ def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected()
     honest = [refused(box.note, RingArrive(**note()), D), refused(box.note, RingArrive(**note(step=1)), B),
               refused(box.inbox_for, part(attempt=[ME, B, C, joiner]), B),
               refused(box.inbox_for, part(attempt=[ME, B, C, "peer-gone"]), B),
-              refused(box.note, RingAbort(**note(excluded=[joiner])), C)]
+              refused(box.note, RingAbort(**note(excluded=[joiner])), C),
+              refused(box.note, RingArrive(**note()), joiner)]
     hostile = [refused(box.note, RingAbort(**note(excluded=[B])), STRANGER),
                refused(box.note, RingArrive(**note(step=10**9)), B),
                refused(box.note, RingAbort(**note(excluded=[STRANGER])), B),

@@ -288,7 +288,7 @@ class Mailbox:
             raise ValueError(NOT_EXPECTING)
         members = expected.members(message.step, message.ring)
         if members is None or sender not in members:
-            if sender in expected.planned:  # a partner in another ring: one of us follows another plan
+            if expected.knows({sender}):  # a partner in another ring, or a joiner: one of us follows another plan
                 raise ValueError(f"{sender[-8:]} {OTHER_RING} {message.ring} with this peer in the plan it follows")
             raise ValueError(f"{sender[-8:]} {NOT_A_MEMBER}")
         if message.step < expected.first_step:  # a round we passed without taking part: it ends for the sender
