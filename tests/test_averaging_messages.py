@@ -343,6 +343,10 @@ def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected()
         hostile.append(refused(roomy.file, inbox, 0, 0, spoofed))
     box.expecting = lambda: None
     honest.append(refused(box.note, RingArrive(**note()), B))
+    # the mailbox full as a whole (each partner within its share): not the sender's doing
+    full = mailbox()
+    full._rings = {(step, 0): None for step in range(-MAX_MAILBOX_ENTRIES, 0)}
+    honest.append(refused(full.note, RingArrive(**note()), B))
     assert all(any(marker in reason for marker in TURNED_AWAY) for reason in honest), honest
     assert not any(marker in reason for reason in hostile for marker in TURNED_AWAY), hostile
 

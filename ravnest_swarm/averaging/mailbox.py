@@ -54,6 +54,9 @@ OUTSIDE_THE_RING = "names peers outside ring"
 OVER_SHARE = "holds its share of this mailbox"
 # a probe for an attempt this peer is not running (not yet, or any more: a note changed the ring): honest timing
 NOT_IN_ATTEMPT = "runs no such attempt of the ring now"
+# the mailbox as a whole is full (each partner within its share, as the count of partners changed): not the
+# sender's doing, whoever it is
+MAILBOX_FULL = "retry later"
 
 # step, ring, attempt (the peers excluded before it), phase, position, sender
 MessageKey = Tuple[int, int, Tuple[str, ...], str, int, str]
@@ -320,7 +323,7 @@ class Mailbox:
             if self._held_inboxes[sender] >= self._share[0]:
                 raise ValueError(f"{sender[-8:]} {OVER_SHARE}: {self._held_inboxes[sender]} ring messages")
             if len(self.inboxes) >= MAX_MAILBOX_ENTRIES:
-                raise ValueError("too many ring messages waiting here; retry later")
+                raise ValueError(f"too many ring messages waiting here; {MAILBOX_FULL}")
         return self._inbox(key)
 
     def file(self, inbox: Inbox, stripe: int, index: int, part: runtime_pb2.Tensor) -> None:
@@ -354,14 +357,14 @@ class Mailbox:
         if self._held_bytes[sender] + size > self._share[1]:
             raise ValueError(f"{sender[-8:]} {OVER_SHARE}: {self._share[1]} bytes of ring data")
         if self._buffered_bytes + size > self.max_buffered_bytes:
-            raise ValueError("too much ring data buffered here; retry later")
+            raise ValueError(f"too much ring data buffered here; {MAILBOX_FULL}")
 
     def note(self, note: Union[RingArrive, RingAbort], sender: str) -> RingState:
         """A member arrived, refused members' contributions (its votes) or ended the ring for itself; the ring's
         state (is this peer there)."""
         self.admit(note, sender)
         if (note.step, note.ring) not in self._rings and len(self._rings) >= MAX_MAILBOX_ENTRIES:
-            raise ValueError("too many rings pending here; retry later")
+            raise ValueError(f"too many rings pending here; {MAILBOX_FULL}")
         state = self.ring_state(note.step, note.ring)
         if isinstance(note, RingArrive):
             state.arrive(sender, note.anchor)
