@@ -530,7 +530,7 @@ def summary_table(report: Dict) -> Table:
         table.add_row(peer["name"], str(peer["joined_s"]), ended, str(peer["exit_code"]), str(peer["final_step"]),
                       str(peer["placements"]), f"{peer['averaging_rounds']} / {peer['averaging_failures']}",
                       str(peer["last_state"]), "-" if peer["utilisation"] is None else f"{peer['utilisation']:.0%}",
-                      str(peer.get("rejected", 0)), str(peer["unexpected_errors"]))
+                      str(peer["rejected"]), str(peer["unexpected_errors"]))
     return table
 
 

@@ -187,9 +187,9 @@ class Inbox:
         sender = peer_id.to_base58()
         if sender != expected:
             what = "forwards" if name == wire.FORWARD else "gradients"
-            known = f" ({NOT_YET}, or ended it)" if sender in neighbours.known else ""
+            timing = f" ({NOT_YET}, or ended it)" if sender in neighbours.known else ""
             raise MessageError(f"the sender {NOT_A_NEIGHBOUR}: stage {stage} of cluster {self.config.cluster} takes "
-                               f"{what} only from {expected or 'no peer'} (stage {neighbour_stage}){known}")
+                               f"{what} only from {expected or 'no peer'} (stage {neighbour_stage}){timing}")
 
     def _check_address(self, request: Request) -> None:
         config = self.config
