@@ -25,7 +25,7 @@ from ravnest_swarm.pipeline.compute import StageCompute
 from ravnest_swarm.pipeline.config import StageConfig
 from ravnest_swarm.planning.cost import Peer
 from ravnest_swarm.planning.plan import plan_swarm
-from ravnest_swarm.swarm.placement import model_workload
+from ravnest_swarm.swarm.placement import model_workload, place_taken_over
 from ravnest_swarm.swarm.hand_over import new_takers
 from ravnest_swarm.swarm.spec import RunSpec
 from ravnest_swarm.swarm.stage_state import stage_giver
@@ -205,6 +205,43 @@ def test_the_giver_of_a_stages_optimizer_state_stopped_training_exactly_its_laye
     # a plan put the peer that trained them on standby: its record offers them as its layers, and it holds the state
     standby = {"peer_id": "s", "name": "s", "state": "standby", "layers": [0, 9], "step": 400, "held": [0, 9, 400]}
     assert stage_giver([me, trainer, standby], "me", (0, 9)) is standby
+    # of two leavers with our layers, the one whose place we take (place_taken_over)
+    other = dict(leaver, peer_id="o", name="o")
+    assert stage_giver([me, other, leaver], "me", (0, 9)) is other
+    assert stage_giver([me, other, leaver], "me", (0, 9), preferred="l") is leaver
+
+
+def _plan(*clusters):
+    return {"round": 2, "clusters": [[{"peer_id": peer, "layers": list(layers)} for peer, layers in cluster]
+                                     for cluster in clusters]}
+
+
+def test_a_taker_in_a_cluster_that_trains_on_takes_the_place_of_the_leaver_at_its_stage():
+    """A walkthrough's taker of a leaver's stage, in a cluster whose other stages trained on, downloaded the freshest
+    copy (the other cluster's live weights, 20,000 steps on) with the leaver's AdamW moments: its layers come from
+    the leaver whose place it takes. A new or re-formed cluster, or a leaver that is not leaving, names none."""
+    before = _plan([("a0", (0, 2)), ("a1", (2, 4))], [("b0", (0, 2)), ("b1", (2, 4))])
+    after = _plan([("a0", (0, 2)), ("t", (2, 4))], [("b0", (0, 2)), ("b1", (2, 4))])
+    leaving = [{"peer_id": "a1", "state": "leaving", "layers": [2, 4]},
+               {"peer_id": "b1", "state": "training", "layers": [2, 4]}]
+    assert place_taken_over(leaving, before, after, "t") == "a1"
+    # the leaver of the other cluster's stage is not the one whose place we take
+    assert place_taken_over([dict(leaving[0], peer_id="b1"), dict(leaving[1], peer_id="a1", state="training")],
+                            before, after, "t") is None
+    # a peer gone without a word (SIGKILL): no leaver to take from
+    assert place_taken_over([dict(leaving[0], state="training")], before, after, "t") is None
+    assert place_taken_over(leaving[1:], before, after, "t") is None
+    # a re-formed cluster: its first stage moved in from the other cluster, so it takes one round for all stages
+    reformed = _plan([("b0", (0, 2)), ("t", (2, 4))], [("a0", (0, 2)), ("b1", (2, 4))])
+    assert place_taken_over(leaving, before, reformed, "t") is None
+    # a cluster of one stage: the leaver of the whole model whose cluster we are now
+    alone = _plan([("a", (0, 4))], [("b", (0, 4))])
+    assert place_taken_over([{"peer_id": "b", "state": "leaving", "layers": [0, 4]}], alone,
+                            _plan([("a", (0, 4))], [("t", (0, 4))]), "t") == "b"
+    # a peer a plan moved here from another cluster brings a step of its own; a standby places nowhere; no plan before
+    assert place_taken_over(leaving, before, _plan([("a0", (0, 2)), ("b1", (2, 4))], [("b0", (0, 4))]), "b1") is None
+    assert place_taken_over(leaving, before, after, "x") is None
+    assert place_taken_over(leaving, None, after, "t") is None
 
 
 @pytest.mark.timeout(60)
@@ -577,7 +614,7 @@ def test_a_graceful_leave_hands_its_adamw_and_outer_state_to_the_standby_that_ta
     outside), and a standby that joined after them: a third cluster would not pay back its move within the run's
     25 s horizon, a replacement does. p1 leaves by Ctrl-C. The other cluster holds its layers at once, so p1 once
     left at once and its state went with it; now it waits until the standby that takes its place has its AdamW
-    moments and outer state. The standby says it took both from p1, it averages compressed pseudo-gradients with
+    moments and outer state. The standby says it took both from p1, with p1's layers at p1's step, it averages compressed pseudo-gradients with
     p0, at least 90 % of its rounds from its first on complete (a cluster re-formed by a re-plan meets the run),
     and its loss goes on from where p1's was, not from the start. (Its first round may be a float32 one: p0's
     round during the leave had no partner, and p0 starts its outer state anew after such a round.)
@@ -608,6 +645,10 @@ def test_a_graceful_leave_hands_its_adamw_and_outer_state_to_the_standby_that_ta
                                            r"(\d+)$", 120, stream="stderr")
         peers["p2"].wait_for_output(rf"^p2: outer state \(anchor, momentum, error\) resumed from p1, which stopped "
                                     rf"training them at step {took.group(1)}$", 10, stream="stderr")
+        # the layers that go with that state: p1's own, at its step, not p0's live weights at p0's
+        peers["p2"].wait_for_output(rf"^p2: training cluster \d+ stage 0/1 layers \d+:\d+ from step \d+ on cpu; its "
+                                    rf"layers are live weights of step {took.group(1)} of p1, whose place it takes$",
+                                    30, stream="stderr")
         peers["p1"].wait_for_output(r"^p1: layers \d+:\d+ handed over at step \d+ to ", 60, stream="stderr")
         assert peers["p1"].wait(30) == 0
         peers["p2"].wait_for_output(COMPRESSED_ROUND.pattern, 120, stream="stderr")

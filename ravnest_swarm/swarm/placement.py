@@ -81,6 +81,29 @@ def kept_in_place(before: Optional[dict], after: dict, peer_id: str) -> bool:
     return before is not None and peer_id in kept_places(in_force_stages(before), in_force_stages(after))
 
 
+def place_taken_over(records: Sequence[Dict], before: Optional[dict], plan: dict, peer_id: str) -> Optional[str]:
+    """The leaver whose place ``plan`` gives ``peer_id`` in a cluster that trains on, or None: a peer ``before`` placed
+    at our stage of a cluster of as many stages, on exactly our layers, whose record (among ``records``) says it is
+    leaving with them, where ``plan`` keeps every other stage of our cluster in place (``kept_in_place``). Its
+    layers are ours to take, at its step (our neighbours'), with the AdamW and outer state it hands over: the
+    freshest copy, another cluster's live weights (a walkthrough's step 29,465 for the leaver's 8,896), paired the
+    leaver's moments and anchor with parameters they do not belong to, and said the other cluster's step. A new or
+    re-formed cluster takes one averaging round for all its stages instead (``Volunteer._download``)."""
+    placement = placement_in(plan, peer_id)
+    if before is None or placement is None:
+        return None
+    cluster, stage, stages, layers, _ = placement
+    mates = {place["peer_id"] for place in plan["clusters"][cluster]} - {peer_id}
+    if not mates <= kept_places(in_force_stages(before), in_force_stages(plan)):
+        return None
+    leaving = {r["peer_id"] for r in records if r.get("state") == "leaving" and r.get("layers") == list(layers)}
+    for old in before["clusters"]:
+        if len(old) == stages and mates <= {place["peer_id"] for place in old} and \
+                old[stage]["peer_id"] in leaving and tuple(old[stage]["layers"]) == layers:
+            return old[stage]["peer_id"]
+    return None
+
+
 def neighbours_in(plan: dict, cluster: int, stage: int, known: Collection[str] = ()) -> Neighbours:
     """The peers ``plan`` puts beside ``stage`` of ``cluster``: the only ones that stage takes pipeline messages
     from, and the only ones its sends resolve those slots to (``known``: the other peers of the run we know of,

@@ -183,13 +183,15 @@ class HandedState:
     source: str
 
 
-def stage_giver(records: List[Dict], self_id: str, layers: Tuple[int, int]) -> Optional[Dict]:
+def stage_giver(records: List[Dict], self_id: str, layers: Tuple[int, int],
+                preferred: Optional[str] = None) -> Optional[Dict]:
     """The record of the peer that stopped training exactly ``layers`` and can hand its state over: one leaving
-    with them, else one whose ``held`` stage they are while it trains other layers or stands by; None when none
-    did."""
+    with them (``preferred`` first: the leaver whose place we take), else one whose ``held`` stage they are while it
+    trains other layers or stands by; None when none did."""
     wanted = list(layers)
     others = [r for r in records if r["peer_id"] != self_id]
-    leaving = [r for r in others if r["state"] == "leaving" and r.get("layers") == wanted]
+    leaving = sorted((r for r in others if r["state"] == "leaving" and r.get("layers") == wanted),
+                     key=lambda r: r["peer_id"] != preferred)
     # moved off them: training others, or a standby (whose record offers the layers it last trained as its own)
     moved = [r for r in others if r.get("held") and list(r["held"][:2]) == wanted
              and (r.get("layers") != wanted or r["state"] == "standby")]

@@ -61,7 +61,8 @@ from ravnest_swarm.planning.cost import Workload
 from ravnest_swarm.planning.plan import memory
 from ravnest_swarm.planning.round import PlanningRounds, RoundOptions, standby_reason
 from ravnest_swarm.swarm.placement import (Placement, holders_before_round, kept_in_place, layer_offers,
-                                           model_workload, neighbours_in, offered_step, placement_in, round_for_cluster)
+                                           model_workload, neighbours_in, offered_step, place_taken_over, placement_in,
+                                           round_for_cluster)
 from ravnest_swarm.optimizers.inner import make_inner_optimizer, scheduled_lr
 from ravnest_swarm.swarm.admission import enter, follow_admission
 from ravnest_swarm.swarm.hand_over import hand_over, new_takers, only_held_here
@@ -435,7 +436,7 @@ class Volunteer:
         came_from = f"; {self.layers_came_from}" if downloaded else ""
         # a checkpoint's optimizer states go with its layers at their step, also where the cluster counts on from
         # the run's step below: they belong to the parameters, not to the count
-        await self._take_handed_state(worker, tuple(layers), step)
+        await self._take_handed_state(worker, tuple(layers), step, plan)
         if downloaded:
             await self._carry_optimizer_state(worker, tuple(layers), step)
         self._take_optimizer_state(worker, tuple(layers), step)
@@ -479,16 +480,19 @@ class Volunteer:
                  and r.get("stage") == 0 and r.get("step") is not None]
         return max(steps) if steps else None
 
-    async def _take_handed_state(self, worker: StageWorker, layers: Tuple[int, int], step: int) -> None:
+    async def _take_handed_state(self, worker: StageWorker, layers: Tuple[int, int], step: int, plan: dict) -> None:
         """Where a peer stopped training our very layers (it leaves, or a plan moved it) and keeps its stage's
         optimizer state, take its inner and outer state as ours (``stage_state.py``): its place in the run is ours
-        now. Not where we keep our own for them (our cache or checkpoint, at this step); a failure is said, and
-        the state then starts afresh as before."""
+        now (of several leavers, the one whose place ``plan`` gives us, whose layers we took: ``place_taken_over``).
+        Not where we keep our own for them (our cache or checkpoint, at this step); a failure is said, and the state
+        then starts afresh as before."""
         if any(kept is not None and kept[0] == layers and kept[1] == step
                for kept in (self.kept_optimizer, self.kept_outer)):
             return
         try:
-            giver = stage_giver(await self.announcer.read_peers(), self.peer_id, layers)
+            peers = await self.announcer.read_peers()
+            giver = stage_giver(peers, self.peer_id, layers, place_taken_over(peers, self.plan_before, plan,
+                                                                              self.peer_id))
         except Exception as e:  # no news of a giver: the state starts afresh, as _take_optimizer_state says
             logger.warning(f"reading the peer records for a stage's optimizer state failed: {e}")
             return
@@ -669,8 +673,11 @@ class Volunteer:
         remote: Dict[int, List[LayerOffer]] = {}
         snapshot = []  # the layers nobody serves and we never held, filled from --init-from
         init = False  # looked up only for such a layer
+        leaver = None if plan is None else place_taken_over(peers, self.plan_before, plan, self.peer_id)
         for layer in range(start, end):
             offers = offers_of(peers, self.plan, layer, self.plan_before)
+            # the leaver whose place we take: its copy, if it still serves it (else the others', fill_again)
+            offers = [offer for offer in offers if offer.leaving and offer.holder.to_base58() == leaver] or offers
             cached = self.cache.get(layer)
             if offers and (cached is None or agreed_step(counted_offers(offers)) > cached[1]):
                 remote[layer] = offers
@@ -689,11 +696,15 @@ class Volunteer:
             self.say(f"{self.name}: layers {snapshot[0][0]}:{snapshot[-1][0] + 1} from the snapshot {init.path} (step "
                      f"{max(s for _, s in snapshot)}): nobody serves them")
         if remote:
-            first_stage = plan["clusters"][cluster][0] if plan is not None and stage > 0 else None
+            # a cluster that trains on has no round to start from: the leaver's stage goes on as it was
+            first_stage = plan["clusters"][cluster][0] if plan is not None and stage > 0 and leaver is None else None
             records = {p["peer_id"]: p for p in peers}
             cluster_round = self._round_for_cluster(peers, records, plan, cluster, self.plan_before) \
-                if plan is not None and stage == 0 else None
+                if plan is not None and stage == 0 and leaver is None else None
             step = max(step, await self._download(module, start, remote, records, first_stage, plan, cluster_round))
+            if leaver is not None and self.layer_holders and all(
+                    [r["peer_id"] for r in holders] == [leaver] for holders in self.layer_holders.values()):
+                self.layers_came_from += f" of {records[leaver]['name']}, whose place it takes"
         return step, bool(remote)
 
     @staticmethod
