@@ -48,6 +48,41 @@ def test_sigint_hands_the_layers_over_to_the_standby_at_the_leavers_step(swarm):
                            90, "the cluster trains on past the hand-over")
 
 
+@pytest.mark.timeout(330)
+def test_the_standby_in_a_leavers_place_in_a_cluster_that_trains_on_takes_the_leavers_layers_at_its_step(swarm):
+    """Two clusters of two stages and a standby (all alike: the plan then moves nobody else; with compute of 20 to
+    40 GFLOP/s, one re-formed both clusters around the standby); a later stage leaves by Ctrl-C, and the standby
+    takes its place beside a first stage that trains on. It takes the leaver's own layers at the leaver's step, bit for bit, which
+    its neighbour is at and which the leaver's optimizer state goes with. Before, it took the freshest copy: a
+    walkthrough's taker loaded the other cluster's live weights, 20,000 steps on, with the leaver's AdamW moments."""
+    extra = ("--min-peers", "5", "--max-stages", "2", "--checkpoint-every", "100000")
+    volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra) for i in range(5)}
+    peers = swarm.watcher.wait_for(lambda peers: len(peers) == 5 and len(placed(peers)) == 4 and
+                                   len({p["cluster"] for p in placed(peers).values()}) == 2 and
+                                   all((p.get("averaging_rounds") or 0) >= 2 for p in placed(peers).values()),
+                                   240, "two clusters of two that averaged twice, and a standby")
+    (standby,) = [n for n in peers if n not in placed(peers)]
+    leaver = min(n for n, p in placed(peers).items() if p["stage"] == 1)
+    os.killpg(volunteers[leaver].pid, signal.SIGINT)
+    handed = volunteers[leaver].wait_for_output(rf"{leaver}: layers \d+:\d+ handed over at step (\d+) to (.+)$", 150,
+                                                stream="stderr")
+    step = int(handed.group(1))
+    volunteers[standby].wait_for_output(rf"^{standby}: training cluster {peers[leaver]['cluster']} stage 1/2 layers "
+                                        rf"\d+:\d+ from step {step} on cpu; its layers are live weights of step {step} "
+                                        rf"of {leaver}, whose place it takes$", 60, stream="stderr")
+    assert volunteers[leaver].wait(30) == 0
+    left, left_step = checkpoint_layers(swarm.checkpoints / f"{RUN}-{leaver}.safetensors")
+    assert left_step == step
+    # the standby's checkpoint right after its download holds the leaver's weights
+    taken, taken_step = checkpoint_layers(swarm.checkpoints / f"{RUN}-{standby}.safetensors")
+    assert taken_step == step and set(taken) == set(left), (taken_step, sorted(taken), sorted(left))
+    for layer in left:
+        for key, tensor in left[layer].items():
+            assert torch.equal(tensor, taken[layer][key]), (layer, key)
+    for name in volunteers:
+        assert "Traceback" not in volunteers[name].stderr() and "unexpected" not in volunteers[name].stderr(), name
+
+
 @pytest.mark.timeout(200)
 def test_a_leaver_nobody_can_replace_keeps_its_layers_in_a_checkpoint_and_the_cluster_says_what_it_waits_for(swarm):
     extra = ("--min-peers", "2", "--max-stages", "2", "--handover-timeout", "10")
