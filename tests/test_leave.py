@@ -52,9 +52,10 @@ def test_sigint_hands_the_layers_over_to_the_standby_at_the_leavers_step(swarm):
 def test_the_standby_in_a_leavers_place_in_a_cluster_that_trains_on_takes_the_leavers_layers_at_its_step(swarm):
     """Two clusters of two stages and a standby (all alike: the plan then moves nobody else; with compute of 20 to
     40 GFLOP/s, one re-formed both clusters around the standby); a later stage leaves by Ctrl-C, and the standby
-    takes its place beside a first stage that trains on. It takes the leaver's own layers at the leaver's step, bit for bit, which
-    its neighbour is at and which the leaver's optimizer state goes with. Before, it took the freshest copy: a
-    walkthrough's taker loaded the other cluster's live weights, 20,000 steps on, with the leaver's AdamW moments."""
+    takes its place beside a first stage that trains on. It takes the leaver's own layers at the leaver's step, bit
+    for bit, which its neighbour is at and which the leaver's optimizer state goes with. Before, it took the freshest
+    copy: a walkthrough's taker loaded the other cluster's live weights, 20,000 steps on, with the leaver's AdamW
+    moments."""
     extra = ("--min-peers", "5", "--max-stages", "2", "--checkpoint-every", "100000")
     volunteers = {f"p{i}": swarm(f"p{i}", steps=100_000, extra=extra) for i in range(5)}
     peers = swarm.watcher.wait_for(lambda peers: len(peers) == 5 and len(placed(peers)) == 4 and
