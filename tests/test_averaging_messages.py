@@ -315,8 +315,8 @@ def test_what_a_part_holds_once_filed_is_what_counts_against_the_caps_not_its_wi
 def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected():
     """The averager counts a refusal in ``turned_away`` when an honest member can cause it (a round over here,
     another plan for a moment, a member that names a joiner of a plan we have not adopted yet or a peer we found
-    gone), else in ``rejected``, the peer's record's count of hostile input (a soak counted 6 such honest refusals
-    as hostile at its churn events)."""
+    gone, a round far ahead before our count is aligned), else in ``rejected``, the peer's record's count of hostile
+    input (a soak counted 6 such honest refusals as hostile at its churn events)."""
     joiner = "peer-joiner"  # its record read, no plan of ours places it yet
     box = Mailbox(0)
     expected = Expected(RINGS, ME, ROUND - 20, ROUND + 20, left_out=["peer-gone"], known={joiner})
@@ -347,6 +347,12 @@ def test_refusals_an_honest_member_can_cause_are_turned_away_the_rest_rejected()
     full = mailbox()
     full._rings = {(step, 0): None for step in range(-MAX_MAILBOX_ENTRIES, 0)}
     honest.append(refused(full.note, RingArrive(**note()), B))
+    # a round far past our window before our count is aligned: a taker counts from its layers' step, and its partners
+    # may be rounds on (a walkthrough's: 200); once aligned, such a round is counted (hostile, above)
+    unaligned = mailbox()
+    unaligned.expecting = lambda: Expected(RINGS, ME, ROUND - 20, ROUND + 20, aligned=False)
+    honest.append(refused(unaligned.note, RingArrive(**note(step=ROUND + 200)), B))
+    assert TOO_FAR_AHEAD in honest[-1]
     assert all(any(marker in reason for marker in TURNED_AWAY) for reason in honest), honest
     assert not any(marker in reason for reason in hostile for marker in TURNED_AWAY), hostile
 

@@ -38,8 +38,8 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from ravnest_swarm.averaging.mailbox import (COUNTED_APART, MAILBOX_FULL, NOT_EXPECTING, NOT_IN_ATTEMPT, OTHER_RING,
-                                             Expected, Inbox, Mailbox)
+from ravnest_swarm.averaging.mailbox import (COUNTED_APART, MAILBOX_FULL, NOT_ALIGNED, NOT_EXPECTING, NOT_IN_ATTEMPT,
+                                             OTHER_RING, Expected, Inbox, Mailbox)
 from ravnest_swarm.averaging.ring import PSEUDO_GRADIENTS, Patience, RingPeer, RingRound, RoundLog, SegmentResult
 from ravnest_swarm.averaging.robust import MEAN
 from ravnest_swarm.averaging.robust_ring import attempt_for
@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 # refusals honest members cause: a round this peer finished or passed, a plan one of us has not adopted yet (or a peer
 # one of us has not found gone yet), a stream stalled on a busy machine, a mailbox full as a whole; counted as
 # `turned_away`, apart from the hostile input `rejected` counts
-TURNED_AWAY = (ROUND_OVER, NOT_EXPECTING, OTHER_RING, COUNTED_APART, INCOMPLETE, NOT_IN_ATTEMPT, MAILBOX_FULL)
+TURNED_AWAY = (ROUND_OVER, NOT_EXPECTING, OTHER_RING, COUNTED_APART, INCOMPLETE, NOT_IN_ATTEMPT, MAILBOX_FULL,
+               NOT_ALIGNED)
 
 # a stopping peer stays this long after the last ring stream it was sent: a sender whose reply was lost sends
 # the stripe again after RESEND_BACKOFF plus a dial, and a peer that had gone would fail its complete ring

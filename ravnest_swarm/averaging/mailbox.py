@@ -43,13 +43,16 @@ MAX_MAILBOX_ENTRIES = 4096  # early messages (and ring states) held for rounds n
 PART_OVERHEAD_BYTES = 1024
 
 # How the mailbox refuses a message for who sent it or when. An honest member can cause the first three (one of us
-# follows a plan the other has not adopted yet or found a peer gone first, or we are still fetching our layers), and
-# a round over here (wire.ROUND_OVER), so the averager counts those apart from hostile input.
+# follows a plan the other has not adopted yet or found a peer gone first, or we are still fetching our layers), a
+# round over here (wire.ROUND_OVER), and a round far ahead before we aligned our count (NOT_ALIGNED), so the averager
+# counts those apart from hostile input.
 NOT_EXPECTING = "this peer expects no ring messages now: it trains no stage of a plan yet"
 OTHER_RING = "shares no ring"
 COUNTED_APART = "counts the ring apart from this peer"
 NOT_A_MEMBER = "is in no ring of the plan this peer follows"
 TOO_FAR_AHEAD = "is too far ahead"
+# a member's round past our window while we do not know the run's count yet (a new stage, or one whose round failed)
+NOT_ALIGNED = "this peer has not aligned its count of rounds with its partners yet"
 OUTSIDE_THE_RING = "names peers outside ring"
 OVER_SHARE = "holds its share of this mailbox"
 # a probe for an attempt this peer is not running (not yet, or any more: a note changed the ring): honest timing
@@ -83,12 +86,15 @@ class Expected:
         it began in (a partner that left gracefully is left out by the ring itself, not by new rings of the others)
     :param known: other peers of the run this peer has read records of (a joiner that a plan we have not adopted
         yet places): a member that names one of them in its ring counts the ring apart from us, honestly
+    :param aligned: whether our window is counted from where our partners' records said the run's rounds are; until
+        then a member's round past it is honest (a taker counts from its layers' step, a walkthrough's partner was 200
+        rounds on), refused all the same
     """
 
     def __init__(self, rings: Sequence[Ring], peer_id: str, first_step: int, last_step: int,
                  left_out: Sequence[str] = (), held: Optional[Tuple[int, Sequence[Ring]]] = None,
-                 known: Collection[str] = ()):
-        self.first_step, self.last_step = first_step, last_step
+                 known: Collection[str] = (), aligned: bool = True):
+        self.first_step, self.last_step, self.aligned = first_step, last_step, aligned
         # our rings' members by ring index; everyone the plan puts in a ring (a sender in none is a stranger)
         self.rings: Dict[int, FrozenSet[str]] = {ring.index: frozenset(ring.members) for ring in rings
                                                  if peer_id in ring.members}
@@ -297,7 +303,9 @@ class Mailbox:
         if message.step < expected.first_step:  # a round we passed without taking part: it ends for the sender
             raise ValueError(f"round {message.step} {ROUND_OVER} (this peer is at round {expected.first_step} or later)")
         if message.step > expected.last_step:
-            raise ValueError(f"round {message.step} {TOO_FAR_AHEAD} (this peer takes rounds up to {expected.last_step})")
+            unaligned = "" if expected.aligned else f"; {NOT_ALIGNED}"
+            raise ValueError(f"round {message.step} {TOO_FAR_AHEAD} (this peer takes rounds up to {expected.last_step}"
+                             f"{unaligned})")
         excluded = set(getattr(message, "excluded", None) or ())
         outside = (set(message.attempt) | (excluded - expected.left_out)) - members
         if outside and expected.knows(outside):

@@ -611,8 +611,9 @@ class StageAveraging:
             first = self.averager.mailbox.entered_step
         elif self._aligned is not None and self._aligned[0] is now.worker and self.next_round is not None:
             first = max(first, self.next_round)
+        aligned = self._aligned is not None and self._aligned[0] is now.worker and self._aligned[1] is now.plan
         return Expected(self._plan_rings[2], self.peer_id, first, max(at, self.next_round or 0) + 2 * self.period,
-                        left_out=self._plan_rings[3], held=self._round_rings, known=now.known)
+                        left_out=self._plan_rings[3], held=self._round_rings, known=now.known, aligned=aligned)
 
     def _rejected(self, reason: str) -> None:
         """The averager refused hostile input: our record counts it and its note says what it was."""
