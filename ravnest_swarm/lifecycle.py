@@ -154,7 +154,27 @@ def _ignore_stopped_handlers(loop: asyncio.AbstractEventLoop, context: dict) -> 
     if os.environ.get("RAVNEST_DEBUG"):
         loop.default_exception_handler(context)
         return
-    logger.warning(f"{context.get('message')}: {exception!r} (set RAVNEST_DEBUG=1 for the traceback)")
+    said = repr(exception) if exception is not None else _waiting_where(context.get("task"))
+    logger.warning(f"{context.get('message')}: {said} (set RAVNEST_DEBUG=1 for the traceback)")
+
+
+def _waiting_where(task: Optional[asyncio.Task]) -> str:
+    """Which coroutine a task ran (its function and where that is defined) and, where its frames still exist, where
+    its innermost await waited: asyncio's "Task was destroyed but it is pending!" names no exception (a
+    walkthrough's line said only ``None``), and a collected coroutine may be closed before its task says so."""
+    if task is None:
+        return "None"
+    coroutine = inner = task.get_coro()
+    code = getattr(coroutine, "cr_code", None)
+    said = getattr(coroutine, "__qualname__", type(coroutine).__name__)
+    if code is not None:
+        said += f" ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    while getattr(inner, "cr_await", None) is not None and hasattr(inner.cr_await, "cr_frame"):
+        inner = inner.cr_await
+    frame = getattr(inner, "cr_frame", None)
+    if frame is not None:
+        said += f" waiting at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return said
 
 
 def run_blocking(verb: Callable[[], Optional[int]]) -> int:

@@ -19,12 +19,20 @@ from ravnest_swarm.lifecycle import run_async
 async def fails(exception):
     raise exception
 
+async def waits_forever(future):
+    await future
+
 async def main():
     for exception in (asyncio.InvalidStateError("invalid state"), ValueError("something odd")):
         task = asyncio.ensure_future(fails(exception))
         await asyncio.sleep(0.05)
         del task  # never awaited: asyncio reports its exception when it is collected
         gc.collect()
+    waited_for = asyncio.get_running_loop().create_future()
+    task = asyncio.ensure_future(waits_forever(waited_for))
+    await asyncio.sleep(0.05)
+    del task, waited_for  # collected while pending: asyncio says so, with no exception to name
+    gc.collect()
     await asyncio.sleep(0.05)
 
 raise SystemExit(run_async(main()))
@@ -33,11 +41,15 @@ raise SystemExit(run_async(main()))
 
 @pytest.mark.timeout(60)
 def test_an_unretrieved_task_exception_is_one_line_and_the_p2pd_readers_invalid_state_is_not_shown():
+    """Also a task collected while pending: one line naming its coroutine."""
     result = subprocess.run([sys.executable, "-c", FAILING_TASKS], capture_output=True, text=True, timeout=50)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "invalid state" not in result.stderr
     [line] = [line for line in result.stderr.splitlines() if "something odd" in line]
     assert "RAVNEST_DEBUG=1" in line
+    # a task collected while pending names its coroutine (a walkthrough's line said only "None")
+    [line] = [line for line in result.stderr.splitlines() if "destroyed but it is pending" in line]
+    assert "waits_forever (<string>:" in line and "None" not in line, line
     debug = subprocess.run([sys.executable, "-c", FAILING_TASKS], capture_output=True, text=True, timeout=50,
                            env={**os.environ, "RAVNEST_DEBUG": "1"})
     assert "Traceback" in debug.stderr  # the traceback is there for whoever asks for it
