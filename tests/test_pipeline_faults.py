@@ -633,3 +633,49 @@ def test_stages_that_name_their_neighbours_follow_a_replacement_and_never_resolv
     assert first.completed == total and first.injected == total + first.dropped and standby.forwards >= 1
     assert first.dropped <= 2 * in_flight
     assert not any(stranger in record.message for record in caplog.records)
+
+
+@pytest.mark.timeout(90)
+def test_a_gradient_for_a_dead_stage_is_dropped_not_sent_to_the_stage_that_replaced_it(backbone, caplog):
+    """Stage 1 sends a gradient to a stage 0 that has died and retries; the plan then puts a standby at stage 0.
+    The gradient belongs to the dead peer, which sent the forward: it is dropped, said so, and never sent to the
+    standby. Before, it went there on the next retry and the standby refused an id it never sent (a walkthrough's
+    stage 1 tried 29 times, then sent it)."""
+    run = "replaced-sender"
+
+    def config(stage, neighbours):
+        return StageConfig(run=run, stage=stage, stages=2, model="mlp-digits", layers=[(0, 5), (5, 9)][stage],
+                           microbatches=100_000, microbatch_size=8, send_timeout=60, heartbeat=5,
+                           neighbours=neighbours)
+
+    async def scenario():
+        nodes, workers = [], []
+        try:
+            for _ in range(3):
+                nodes.append(await start_peer_node(parse_maddrs([backbone]), run,
+                                                   host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+            dying_id, second_id, standby_id = (node.peer_id.to_base58() for node in nodes)
+            dying = StageWorker(config(0, Neighbours(next=second_id)), nodes[0])
+            await dying.start()
+            await dying.shutdown()  # its endpoint record outlives it: sends to it fail and retry
+            second = StageWorker(config(1, Neighbours(previous=dying_id)), nodes[1])
+            workers.append(second)
+            await second.start()
+            second.scheduler._send_backward(4919, torch.zeros(8, 64))
+            await wait_until_async(lambda: second.counters.resends >= 2, 30, "the gradient was not retried")
+            standby = StageWorker(config(0, Neighbours(next=second_id)), nodes[2])
+            workers.append(standby)
+            await standby.start()
+            second.follow_neighbours(Neighbours(previous=standby_id))  # the plan that placed the standby
+            await wait_until_async(lambda: second.counters.dropped >= 1, 30, "the gradient was not dropped")
+            await asyncio.sleep(1.0)
+            return second.counters, standby.counters
+        finally:
+            await shutdown(workers, nodes)
+
+    with caplog.at_level(logging.INFO, logger="ravnest_swarm.pipeline"):
+        second, standby = asyncio.run(scenario())
+    said = [r.message for r in caplog.records if "turned away" in r.message or "dropped" in r.message]
+    assert second.dropped == 1 and standby.turned_away == 0 and standby.rejected == 0, said
+    assert any("dropped microbatch 4919: backward of microbatch 4919 to stage 0: the plan put another peer at stage 0 "
+               "than the one that sent its forward" in record.message for record in caplog.records)

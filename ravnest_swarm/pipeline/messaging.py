@@ -166,10 +166,12 @@ class Inbox:
 
     def _refused(self, name: str, peer_id: PeerID, reason: str) -> None:
         if any(marker in reason for marker in TURNED_AWAY):
+            # said as the averager says it: a walkthrough's new stage 0 warned "rejected" of a dead peer's gradient
             self.counters.turned_away += 1
-        else:
-            self.counters.rejected += 1
-            self.counters.last_rejected = f"{name.rsplit('.', 1)[-1]} from {peer_id}: {reason}"
+            logger.info(f"stage {self.config.stage}: turned away {name} from {peer_id}: {reason}")
+            return
+        self.counters.rejected += 1
+        self.counters.last_rejected = f"{name.rsplit('.', 1)[-1]} from {peer_id}: {reason}"
         logger.warning(f"stage {self.config.stage}: rejected {name} from {peer_id}: {reason}")
 
     def _broken(self, name: str, peer_id: PeerID) -> None:
@@ -307,8 +309,13 @@ class Outbox:
         size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
         attempt, said = 0, None
+        # a gradient belongs to the peer that sent the forward: one the plan replaced (it died) never gets it, and its
+        # successor refuses an id it never sent (a walkthrough's stage 1 retried 29 times, then sent it there)
+        addressee = self._named(stage)
         with self.busy.measure():
             while True:
+                if handler == wire.BACKWARD and self._named(stage) != addressee:
+                    return f"{what}: the plan put another peer at stage {stage} than the one that sent its forward"
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
                     self.counters.bytes_sent[handler.rsplit(".", 1)[-1]] += size  # what the link carries, resends too
@@ -327,7 +334,8 @@ class Outbox:
                     reason = f"refused: {str(e).split(f' at {peer_id}: ', 1)[-1]}"
                     retry = any(marker in str(e) for marker in (MISADDRESSED, BUSY, NOT_A_NEIGHBOUR))
                 except Exception as e:
-                    reason = f"{type(e).__name__}: {e}"
+                    # asyncio's timeout says nothing: "TimeoutError: " ended a walkthrough's drop line
+                    reason = f"{type(e).__name__}: {e}" if str(e) else "timed out"
                     retry = True
                 if retry:
                     self._close_channel(handler, stage)
@@ -345,6 +353,11 @@ class Outbox:
                         await asyncio.sleep(min(0.2 * attempt, 1.0))
                         continue
                 return f"{what} {reason}"
+
+    def _named(self, stage: int) -> Optional[str]:
+        """The peer the plan we follow puts at ``stage`` beside ours (None without a plan's names)."""
+        neighbours = self.config.neighbours
+        return neighbours.peer_of(self.config.stage, stage) if neighbours.named else None
 
     async def _deliver(self, handler: str, stage: int, peer_id: PeerID, frames: List[runtime_pb2.ExpertRequest]):
         """One message to ``stage``: on our long-lived stream to it, or on a stream of its own when a backbone
