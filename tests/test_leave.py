@@ -82,6 +82,8 @@ def test_the_standby_in_a_leavers_place_in_a_cluster_that_trains_on_takes_the_le
             assert torch.equal(tensor, taken[layer][key]), (layer, key)
     for name in volunteers:
         assert "Traceback" not in volunteers[name].stderr() and "unexpected" not in volunteers[name].stderr(), name
+        # the run's first stages start from the seeded weights, not from a neighbour's copy of them at step 0
+        assert "its layers are live weights of step 0" not in volunteers[name].stderr(), name
 
 
 @pytest.mark.timeout(200)

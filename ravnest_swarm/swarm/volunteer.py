@@ -679,7 +679,11 @@ class Volunteer:
             # the leaver whose place we take: its copy, if it still serves it (else the others', fill_again)
             offers = [offer for offer in offers if offer.leaving and offer.holder.to_base58() == leaver] or offers
             cached = self.cache.get(layer)
-            if offers and (cached is None or agreed_step(counted_offers(offers)) > cached[1]):
+            # holders at step 0 serve the seeded weights we have: nothing to fetch (a run's first stages once
+            # downloaded them from a neighbour that had published first, and started late)
+            untrained = cached is None and self.options.init_from is None and offers and \
+                agreed_step(counted_offers(offers)) == 0
+            if offers and not untrained and (cached is None or agreed_step(counted_offers(offers)) > cached[1]):
                 remote[layer] = offers
             elif cached is not None:
                 module[layer - start].load_state_dict(cached[0])
