@@ -242,6 +242,14 @@ def test_a_taker_in_a_cluster_that_trains_on_takes_the_place_of_the_leaver_at_it
     assert place_taken_over(leaving, before, _plan([("a0", (0, 2)), ("b1", (2, 4))], [("b0", (0, 4))]), "b1") is None
     assert place_taken_over(leaving, before, after, "x") is None
     assert place_taken_over(leaving, None, after, "t") is None
+    # a one-stage cluster's place taken by a peer the plan moved there from another cluster: its own layers and step
+    moved = _plan([("a", (0, 4))], [("b", (0, 4))], [("c", (0, 4))])
+    assert place_taken_over([{"peer_id": "b", "state": "leaving", "layers": [0, 4]}], moved,
+                            _plan([("a", (0, 4))], [("c", (0, 4))]), "c") is None
+    # two one-stage clusters whose peers both leave: each taker the leaver of its cluster's number
+    both = [{"peer_id": peer, "state": "leaving", "layers": [0, 4]} for peer in ("b", "c")]
+    replaced = _plan([("a", (0, 4))], [("t1", (0, 4))], [("t2", (0, 4))])
+    assert [place_taken_over(both, moved, replaced, taker) for taker in ("t1", "t2")] == ["b", "c"]
 
 
 @pytest.mark.timeout(60)

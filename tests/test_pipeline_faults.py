@@ -516,6 +516,39 @@ def test_a_replaced_neighbour_drops_what_only_the_old_one_could_answer(tmp_path)
 
 
 @pytest.mark.timeout(60)
+def test_a_gradient_computed_while_the_stage_before_was_replaced_is_dropped_not_sent(tmp_path):
+    """A new plan replaces the stage before us while our backward computes: the microbatch was out of ``pending``,
+    so nothing dropped it, and its gradient went to the successor, whose own microbatch of that id (it counts from
+    the same step) could take it. It is dropped when its compute ends, and nothing is sent (the compute is slowed
+    so that the plan comes during it)."""
+    from ravnest_swarm.pipeline.compute import Pending
+
+    a, b, c = (peer.to_base58() for peer in peer_ids(tmp_path, 3))
+    worker = StageWorker(StageConfig(run=RUN, stage=1, stages=3, model="mlp-digits", layers=(3, 6),
+                                     neighbours=Neighbours(previous=a, next=c)), node=None)
+    scheduler, x = worker.scheduler, torch.randn(4, 32)
+
+    async def slow_backward(function, *args):
+        await asyncio.sleep(0.3)
+        return torch.zeros(4, 32)
+
+    async def scenario():
+        worker.compute.run = slow_backward
+        scheduler.pending[5] = Pending(x, x, [4, 32], None, time.time(), 0)
+        backward = asyncio.create_task(scheduler.run_backward(5, torch.zeros(4, 32)))
+        await asyncio.sleep(0.1)
+        worker.follow_neighbours(Neighbours(previous=b, next=c))  # the plan that replaced a
+        await backward
+        return list(scheduler.sends)
+
+    try:
+        sends = asyncio.run(scenario())
+    finally:
+        worker.compute.close()
+    assert sends == [] and worker.counters.dropped == 1 and worker.counters.backwards == 1
+
+
+@pytest.mark.timeout(60)
 def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_stage_goes_on():
     """The last stage gets a microbatch with targets outside the model's 10 classes, one whose loss raises,
     and honest ones. Each bad one is dropped and counted (``failed``, ``dropped``), the last named in
@@ -528,7 +561,7 @@ def test_a_microbatch_whose_compute_fails_is_counted_named_and_dropped_and_the_s
     scheduler = worker.scheduler
     sent = []
 
-    async def send(handler, stage, message, tensors, microbatch):
+    async def send(handler, stage, message, tensors, microbatch, to=None):
         sent.append((handler, microbatch, getattr(message, "dropped", None)))
         return None
 
@@ -661,7 +694,7 @@ def test_a_gradient_for_a_dead_stage_is_dropped_not_sent_to_the_stage_that_repla
             second = StageWorker(config(1, Neighbours(previous=dying_id)), nodes[1])
             workers.append(second)
             await second.start()
-            second.scheduler._send_backward(4919, torch.zeros(8, 64))
+            second.scheduler._backward_to((second.scheduler.senders_replaced, dying_id), 4919, torch.zeros(8, 64))
             await wait_until_async(lambda: second.counters.resends >= 2, 30, "the gradient was not retried")
             standby = StageWorker(config(0, Neighbours(next=second_id)), nodes[2])
             workers.append(standby)

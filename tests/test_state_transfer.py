@@ -22,7 +22,7 @@ from ravnest_swarm.models import get_model
 from ravnest_swarm.net.routes import Routes
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LayerOffer, LayerStateServer, agreed_step,
                                                 content_digest, counted_offers, fill_again, fill_layer, offered_layers,
-                                                offers_of)
+                                                offers_of, seeded_only)
 
 RUN = "transfer"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
@@ -60,6 +60,18 @@ def test_the_step_is_the_median_of_the_planned_holders_claims_never_the_highest(
     assert counted_offers([stranger]) == [stranger]
     # two records naming one peer make one witness, at the lower claim
     assert counted_offers([honest[0], LayerOffer(PEERS[0], HUGE_STEP, True)]) == [honest[0]]
+
+
+def test_a_layer_is_not_fetched_only_where_every_holder_that_counts_offers_it_at_step_0():
+    """Holders at step 0 serve the seeded weights every peer has; one trained holder among them is fetched from,
+    though the median of two trained claims and two at 0 is 0 (a record a heartbeat old, or a lie)."""
+    untrained = [LayerOffer(PEERS[0], 0, True), LayerOffer(PEERS[1], 0, True)]
+    assert seeded_only(untrained) and not seeded_only([])
+    mixed = [LayerOffer(PEERS[0], 0, True), LayerOffer(PEERS[1], 0, True), LayerOffer(PEERS[2], 120, True)]
+    assert agreed_step(counted_offers(mixed)) == 0 and not seeded_only(mixed)
+    # a stranger's claim of step 0 beside planned holders at 0 changes nothing; its trained claim outside the plan
+    # is no witness either
+    assert seeded_only(untrained + [LayerOffer(PEERS[2], 500, False)])
 
 
 def test_offers_come_from_the_records_layers_and_held_ranges_and_are_marked_by_the_plan():

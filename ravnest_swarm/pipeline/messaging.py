@@ -296,9 +296,10 @@ class Outbox:
                     self._on_the_link[handler] += read_ms / 1000
 
     async def send(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
-                   microbatch: Optional[int]) -> Optional[str]:
+                   microbatch: Optional[int], to: Optional[str] = None) -> Optional[str]:
         """Deliver one message; on failure re-resolve the neighbour and retry. None once delivered; else what
-        failed and why, as one line (the caller drops the microbatch)."""
+        failed and why, as one line (the caller drops the microbatch). ``to``: the peer it is for, as the plan
+        named it when the message was made (None: whoever the plan names at ``stage`` now)."""
         op = getattr(message, 'op', handler.rsplit('.', 1)[-1])
         # a message of no microbatch (the run's finish) is not said to be "of microbatch None"
         what = f"{op}{'' if microbatch is None else f' of microbatch {microbatch}'} to stage {stage}"
@@ -310,14 +311,18 @@ class Outbox:
         deadline = time.monotonic() + self.config.send_timeout
         attempt, said = 0, None
         # a gradient belongs to the peer that sent the forward: one the plan replaced (it died) never gets it, and its
-        # successor refuses an id it never sent (a walkthrough's stage 1 retried 29 times, then sent it there)
-        addressee = self._named(stage)
+        # successor refuses an id it never sent (a walkthrough's stage 1 retried 29 times, then sent it there), or
+        # takes it for a microbatch of its own under the same id
+        addressee = self._named(stage) if to is None else to
+        replaced = f"{what}: the plan put another peer at stage {stage} than the one that sent its forward"
         with self.busy.measure():
             while True:
                 if handler == wire.BACKWARD and self._named(stage) != addressee:
-                    return f"{what}: the plan put another peer at stage {stage} than the one that sent its forward"
+                    return replaced
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
+                    if handler == wire.BACKWARD and addressee is not None and peer_id.to_base58() != addressee:
+                        return replaced  # the plan changed while the endpoint was looked up
                     self.counters.bytes_sent[handler.rsplit(".", 1)[-1]] += size  # what the link carries, resends too
                     with self.busy.wall_time.using("sending"):  # on its way: written, and its reply awaited
                         reply = await asyncio.wait_for(self._deliver(handler, stage, peer_id, frames),
@@ -335,7 +340,8 @@ class Outbox:
                     retry = any(marker in str(e) for marker in (MISADDRESSED, BUSY, NOT_A_NEIGHBOUR))
                 except Exception as e:
                     # asyncio's timeout says nothing: "TimeoutError: " ended a walkthrough's drop line
-                    reason = f"{type(e).__name__}: {e}" if str(e) else "timed out"
+                    timed_out = isinstance(e, (asyncio.TimeoutError, TimeoutError)) and not str(e)
+                    reason = "timed out" if timed_out else f"{type(e).__name__}: {e}"
                     retry = True
                 if retry:
                     self._close_channel(handler, stage)

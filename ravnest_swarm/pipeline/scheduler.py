@@ -39,7 +39,8 @@ PROGRESS_EVERY = 10
 
 
 # sends one message to a neighbour stage, retrying as messaging.Outbox does: None once delivered, else why not
-Send = Callable[[str, int, wire.Message, List[torch.Tensor], Optional[int]], Awaitable[Optional[str]]]
+# (handler, stage, message, tensors, microbatch, the peer it is for: None for whoever the plan names at the stage)
+Send = Callable[[str, int, wire.Message, List[torch.Tensor], Optional[int], Optional[str]], Awaitable[Optional[str]]]
 
 
 class Scheduler:
@@ -72,6 +73,7 @@ class Scheduler:
         # every microbatch id ever accepted, so a resend whose first copy arrived is acknowledged, not redone
         self.seen_forward: Set[int] = set()
         self.seen_backward: Set[int] = set()
+        self.senders_replaced = 0  # how many times a new plan put another peer before us (sender_replaced)
         self.in_flight = 0
         self.step_open = True  # sync schedule: stage 0 may still inject into the current step
         self.finish_received = False
@@ -142,6 +144,7 @@ class Scheduler:
         """A new plan put another peer before us. What the old one sent cannot complete: its gradient would go
         to a stage 0 that never sent that microbatch, or that sends the same id anew and would take a gradient
         of other activations for it. Dropped now; the new sender's first microbatch sets our step count."""
+        self.senders_replaced += 1  # a gradient being computed now is dropped once done (_backward_to)
         for microbatch in list(self.queued_forward) + list(self.pending):
             self.drop(microbatch, "the stage before us was replaced")
         self.forward_queue.clear()
@@ -234,13 +237,14 @@ class Scheduler:
         if not self.is_last:
             message = wire.FinishRequest(**self._address(self.config.stage + 1), op="finish",
                                          completed=self.counters.completed, step=self.compute.version)
-            await self._send(wire.FORWARD, self.config.stage + 1, message, [], microbatch=None)
+            await self._send(wire.FORWARD, self.config.stage + 1, message, [], None, self._named(self.config.stage + 1))
         self.finished.set()
 
     async def run_forward(self, microbatch: int, sample_ids: List[int], inputs: torch.Tensor,
                           targets: torch.Tensor) -> None:
         self.queued_forward.discard(microbatch)
         compute = self.compute
+        sender = (self.senders_replaced, self._named(self.config.stage - 1))  # whose forward it is
         self.trace("forward_started", microbatch)
         with self.busy.measure("computing"), self.counters.computing():
             try:
@@ -264,7 +268,7 @@ class Scheduler:
             if self.is_first:
                 self._complete(microbatch, compute.version - 1)
             else:
-                self._send_backward(microbatch, input_grad)
+                self._backward_to(sender, microbatch, input_grad)
             return
         self.pending[microbatch] = pending
         message = wire.ForwardRequest(**self._address(self.config.stage + 1), microbatch=microbatch,
@@ -277,6 +281,7 @@ class Scheduler:
         pending = self.pending.pop(microbatch, None)
         if pending is None:
             return  # dropped by the watchdog while queued
+        sender = (self.senders_replaced, self._named(self.config.stage - 1))  # whose forward it was: still ours
         if dropped is not None:
             self._fail(microbatch, "step at a later stage", RuntimeError(dropped))
             self._tell_previous(microbatch, pending.inputs, dropped=dropped)
@@ -298,7 +303,7 @@ class Scheduler:
         if self.is_first:
             self._complete(microbatch, pending.version)
         else:
-            self._send_backward(microbatch, input_grad)
+            self._backward_to(sender, microbatch, input_grad)
 
     def _complete(self, microbatch: int, version_at_forward: int) -> None:
         self.counters.completed += 1
@@ -309,20 +314,34 @@ class Scheduler:
             print(f"progress {self.counters.completed}/{self.config.microbatches}", flush=True)
         self._release_slot()
 
-    def _send_backward(self, microbatch: int, input_grad: torch.Tensor) -> None:
+    def _backward_to(self, sender: Tuple[int, Optional[str]], microbatch: int, input_grad: torch.Tensor) -> None:
+        """Send a gradient to the peer that sent its forward (``sender``: :attr:`senders_replaced` and the peer
+        named before us when the compute began), unless a new plan replaced it meanwhile: the stage before us
+        now may use the same id anew (it counts from the same step), and would take the gradient for its own."""
+        if self.senders_replaced != sender[0]:
+            self.drop(microbatch, "the stage before us was replaced while its gradient was computed")
+            return
         message = wire.BackwardRequest(**self._address(self.config.stage - 1), microbatch=microbatch,
                                        version=self.compute.version)
-        self.spawn(wire.BACKWARD, self.config.stage - 1, message, [input_grad], microbatch)
+        self.spawn(wire.BACKWARD, self.config.stage - 1, message, [input_grad], microbatch, sender[1])
 
     def _address(self, stage: int) -> Dict:
         return dict(run=self.config.run, cluster=self.config.cluster, stage=stage)
 
+    def _named(self, stage: int) -> Optional[str]:
+        """The peer the plan we follow puts at ``stage`` beside ours (None without a plan's names)."""
+        neighbours = self.config.neighbours
+        return neighbours.peer_of(self.config.stage, stage) if neighbours.named else None
+
     # ---------------------------------------------------------------- sends and drops
 
     def spawn(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
-              microbatch: int) -> None:
-        """Send in the background; the loop wakes when it is done (the run ends only after its last send)."""
-        task = asyncio.create_task(self._send(handler, stage, message, tensors, microbatch))
+              microbatch: int, to: Optional[str] = None) -> None:
+        """Send in the background; the loop wakes when it is done (the run ends only after its last send). ``to``: the
+        peer a gradient is for (the one that sent its forward), else whoever the plan names at ``stage`` now."""
+        if to is None:
+            to = self._named(stage)
+        task = asyncio.create_task(self._send(handler, stage, message, tensors, microbatch, to))
         self.sends.add(task)
 
         def forget(done: asyncio.Task) -> None:
@@ -332,8 +351,8 @@ class Scheduler:
         task.add_done_callback(forget)
 
     async def _send(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
-                    microbatch: Optional[int]) -> None:
-        failure = await self.send(handler, stage, message, tensors, microbatch)
+                    microbatch: Optional[int], to: Optional[str]) -> None:
+        failure = await self.send(handler, stage, message, tensors, microbatch, to)
         if failure is None:
             if handler == wire.FORWARD and microbatch in self.pending:
                 self.pending[microbatch].since = time.time()  # the wait for its gradient starts now

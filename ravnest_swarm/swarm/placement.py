@@ -84,20 +84,23 @@ def kept_in_place(before: Optional[dict], after: dict, peer_id: str) -> bool:
 def place_taken_over(records: Sequence[Dict], before: Optional[dict], plan: dict, peer_id: str) -> Optional[str]:
     """The leaver whose place ``plan`` gives ``peer_id`` in a cluster that trains on, or None: a peer ``before`` placed
     at our stage of a cluster of as many stages, on exactly our layers, whose record (among ``records``) says it is
-    leaving with them, where ``plan`` keeps every other stage of our cluster in place (``kept_in_place``). Its
+    leaving with them, where ``plan`` keeps every other stage of our cluster in place (``kept_in_place``) and we
+    were placed nowhere before (a standby or a joiner). Its
     layers are ours to take, at its step (our neighbours'), with the AdamW and outer state it hands over: the
     freshest copy, another cluster's live weights (a walkthrough's step 29,465 for the leaver's 8,896), paired the
     leaver's moments and anchor with parameters they do not belong to, and said the other cluster's step. A new or
     re-formed cluster takes one averaging round for all its stages instead (``Volunteer._download``)."""
     placement = placement_in(plan, peer_id)
-    if before is None or placement is None:
-        return None
+    if before is None or placement is None or placement_in(before, peer_id) is not None:
+        return None  # a peer the plan moved here brings layers and a step of its own (kept_places)
     cluster, stage, stages, layers, _ = placement
     mates = {place["peer_id"] for place in plan["clusters"][cluster]} - {peer_id}
     if not mates <= kept_places(in_force_stages(before), in_force_stages(plan)):
         return None
     leaving = {r["peer_id"] for r in records if r.get("state") == "leaving" and r.get("layers") == list(layers)}
-    for old in before["clusters"]:
+    # the cluster of the same number first: of two one-stage clusters whose peers both leave, each taker its own
+    ordered = sorted(enumerate(before["clusters"]), key=lambda numbered: numbered[0] != cluster)
+    for _, old in ordered:
         if len(old) == stages and mates <= {place["peer_id"] for place in old} and \
                 old[stage]["peer_id"] in leaving and tuple(old[stage]["layers"]) == layers:
             return old[stage]["peer_id"]

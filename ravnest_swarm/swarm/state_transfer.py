@@ -449,6 +449,15 @@ def counted_offers(offers: Sequence[LayerOffer]) -> List[LayerOffer]:
     return list(counted.values())
 
 
+def seeded_only(offers: Sequence[LayerOffer]) -> bool:
+    """Whether every holder that counts offers the layer at step 0: the seeded weights, which every peer has, so
+    nothing to fetch (a run's first stages once downloaded them from a neighbour that had published first, and
+    started late). Every one: the median of two trained holders and two at 0 (a record a heartbeat old, or a lie)
+    is 0 too, and the trained copy must still be fetched."""
+    counted = counted_offers(offers)
+    return bool(counted) and max(offer.step for offer in counted) == 0
+
+
 def agreed_step(offers: Sequence[LayerOffer]) -> int:
     """The median of the offers' claimed steps, the lower of the middle two: a step that only a majority of
     the holders can move (one holder claiming a huge step, or 0, among honest ones changes nothing)."""

@@ -78,7 +78,7 @@ from ravnest_swarm.swarm.stage_state import (StageStateServer, StoppedStage, Tra
                                              fetch_stage_state, stage_giver)
 from ravnest_swarm.swarm.state_transfer import (KEPT_ROUNDS, LAYER_STATE, LAYER_STATE_MESSAGE, LayerFill,
                                                 LayerOffer, LayerStateServer, agreed_step, counted_offers, fill_again,
-                                                fill_layer, offered_layers, offers_of)
+                                                fill_layer, offered_layers, offers_of, seeded_only)
 from ravnest_swarm.net.node import maddrs_without_peer_id, start_node, stop_node
 
 logger = logging.getLogger(__name__)
@@ -679,10 +679,7 @@ class Volunteer:
             # the leaver whose place we take: its copy, if it still serves it (else the others', fill_again)
             offers = [offer for offer in offers if offer.leaving and offer.holder.to_base58() == leaver] or offers
             cached = self.cache.get(layer)
-            # holders at step 0 serve the seeded weights we have: nothing to fetch (a run's first stages once
-            # downloaded them from a neighbour that had published first, and started late)
-            untrained = cached is None and self.options.init_from is None and offers and \
-                agreed_step(counted_offers(offers)) == 0
+            untrained = cached is None and self.options.init_from is None and seeded_only(offers)
             if offers and not untrained and (cached is None or agreed_step(counted_offers(offers)) > cached[1]):
                 remote[layer] = offers
             elif cached is not None:
