@@ -85,11 +85,11 @@ def place_taken_over(records: Sequence[Dict], before: Optional[dict], plan: dict
     """The leaver whose place ``plan`` gives ``peer_id`` in a cluster that trains on, or None: a peer ``before`` placed
     at our stage of a cluster of as many stages, on exactly our layers, whose record (among ``records``) says it is
     leaving with them, where ``plan`` keeps every other stage of our cluster in place (``kept_in_place``) and we
-    were placed nowhere before (a standby or a joiner). Its
-    layers are ours to take, at its step (our neighbours'), with the AdamW and outer state it hands over: the
-    freshest copy, another cluster's live weights (a walkthrough's step 29,465 for the leaver's 8,896), paired the
-    leaver's moments and anchor with parameters they do not belong to, and said the other cluster's step. A new or
-    re-formed cluster takes one averaging round for all its stages instead (``Volunteer._download``)."""
+    were placed nowhere before (a standby or a joiner). Its layers are ours to take, at its step (our
+    neighbours'), with the AdamW and outer state it hands over: the freshest copy, another cluster's live weights (a
+    walkthrough's step 29,465 for the leaver's 8,896), paired the leaver's moments and anchor with parameters they do
+    not belong to, and said the other cluster's step. A new or re-formed cluster takes one averaging round for all
+    its stages instead (``Volunteer._download``)."""
     placement = placement_in(plan, peer_id)
     if before is None or placement is None or placement_in(before, peer_id) is not None:
         return None  # a peer the plan moved here brings layers and a step of its own (kept_places)
