@@ -35,7 +35,8 @@ def worker_for(stage: int, stages: int, layers, device: str, precision: str) -> 
 
 def capture_sends(worker: StageWorker) -> list:
     sent = []
-    worker.scheduler.spawn = lambda handler, stage, message, tensors, microbatch: sent.append((handler, tensors))
+    worker.scheduler.spawn = lambda handler, stage, message, tensors, microbatch, to=None: \
+        sent.append((handler, tensors))
     return sent
 
 
