@@ -40,6 +40,11 @@ class Neighbours:
         """The peer named for ``stage`` (our neighbour on either side), else None."""
         return self.previous if stage == own_stage - 1 else self.next if stage == own_stage + 1 else None
 
+    def named_peer(self, own_stage: int, stage: int) -> Optional[str]:
+        """The peer the plan names for ``stage`` beside ``own_stage``; None where it names none (a stage that
+        names no neighbours takes whoever addresses it)."""
+        return self.peer_of(own_stage, stage) if self.named else None
+
 
 @dataclass
 class StageConfig:

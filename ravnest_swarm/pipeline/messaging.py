@@ -310,14 +310,17 @@ class Outbox:
         size = sum(frame.ByteSize() for frame in frames)
         deadline = time.monotonic() + self.config.send_timeout
         attempt, said = 0, None
+        def named() -> Optional[str]:  # read at each try: a new plan may name another peer meanwhile
+            return self.config.neighbours.named_peer(self.config.stage, stage)
+
         # a gradient belongs to the peer that sent the forward: one the plan replaced (it died) never gets it, and its
         # successor refuses an id it never sent (a walkthrough's stage 1 retried 29 times, then sent it there), or
         # takes it for a microbatch of its own under the same id
-        addressee = self._named(stage) if to is None else to
+        addressee = named() if to is None else to
         replaced = f"{what}: the plan put another peer at stage {stage} than the one that sent its forward"
         with self.busy.measure():
             while True:
-                if handler == wire.BACKWARD and self._named(stage) != addressee:
+                if handler == wire.BACKWARD and named() != addressee:
                     return replaced
                 try:
                     peer_id = await self.resolver.resolve(stage, refresh=attempt > 0)
@@ -359,11 +362,6 @@ class Outbox:
                         await asyncio.sleep(min(0.2 * attempt, 1.0))
                         continue
                 return f"{what} {reason}"
-
-    def _named(self, stage: int) -> Optional[str]:
-        """The peer the plan we follow puts at ``stage`` beside ours (None without a plan's names)."""
-        neighbours = self.config.neighbours
-        return neighbours.peer_of(self.config.stage, stage) if neighbours.named else None
 
     async def _deliver(self, handler: str, stage: int, peer_id: PeerID, frames: List[runtime_pb2.ExpertRequest]):
         """One message to ``stage``: on our long-lived stream to it, or on a stream of its own when a backbone

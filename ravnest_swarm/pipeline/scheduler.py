@@ -237,14 +237,14 @@ class Scheduler:
         if not self.is_last:
             message = wire.FinishRequest(**self._address(self.config.stage + 1), op="finish",
                                          completed=self.counters.completed, step=self.compute.version)
-            await self._send(wire.FORWARD, self.config.stage + 1, message, [], None, self._named(self.config.stage + 1))
+            await self._send(wire.FORWARD, self.config.stage + 1, message, [], None, None)
         self.finished.set()
 
     async def run_forward(self, microbatch: int, sample_ids: List[int], inputs: torch.Tensor,
                           targets: torch.Tensor) -> None:
         self.queued_forward.discard(microbatch)
         compute = self.compute
-        sender = (self.senders_replaced, self._named(self.config.stage - 1))  # whose forward it is
+        sender = self._forward_sender()
         self.trace("forward_started", microbatch)
         with self.busy.measure("computing"), self.counters.computing():
             try:
@@ -281,7 +281,7 @@ class Scheduler:
         pending = self.pending.pop(microbatch, None)
         if pending is None:
             return  # dropped by the watchdog while queued
-        sender = (self.senders_replaced, self._named(self.config.stage - 1))  # whose forward it was: still ours
+        sender = self._forward_sender()  # whose forward it was: still ours, or the replacement dropped it
         if dropped is not None:
             self._fail(microbatch, "step at a later stage", RuntimeError(dropped))
             self._tell_previous(microbatch, pending.inputs, dropped=dropped)
@@ -328,19 +328,17 @@ class Scheduler:
     def _address(self, stage: int) -> Dict:
         return dict(run=self.config.run, cluster=self.config.cluster, stage=stage)
 
-    def _named(self, stage: int) -> Optional[str]:
-        """The peer the plan we follow puts at ``stage`` beside ours (None without a plan's names)."""
-        neighbours = self.config.neighbours
-        return neighbours.peer_of(self.config.stage, stage) if neighbours.named else None
+    def _forward_sender(self) -> Tuple[int, Optional[str]]:
+        """Who sends our forwards now, as :meth:`_backward_to` checks it once the gradient is computed: the count
+        of :meth:`sender_replaced` and the peer the plan names before us."""
+        return self.senders_replaced, self.config.neighbours.named_peer(self.config.stage, self.config.stage - 1)
 
     # ---------------------------------------------------------------- sends and drops
 
     def spawn(self, handler: str, stage: int, message: wire.Message, tensors: List[torch.Tensor],
               microbatch: int, to: Optional[str] = None) -> None:
         """Send in the background; the loop wakes when it is done (the run ends only after its last send). ``to``: the
-        peer a gradient is for (the one that sent its forward), else whoever the plan names at ``stage`` now."""
-        if to is None:
-            to = self._named(stage)
+        peer a gradient is for (the one that sent its forward), else whoever the plan names at ``stage`` then."""
         task = asyncio.create_task(self._send(handler, stage, message, tensors, microbatch, to))
         self.sends.add(task)
 
@@ -416,7 +414,7 @@ class Scheduler:
             message = wire.BackwardRequest(**self._address(self.config.stage - 1), microbatch=microbatch,
                                            version=self.compute.version, **said)
             self.spawn(wire.BACKWARD, self.config.stage - 1, message, [torch.zeros(inputs.shape, dtype=inputs.dtype)],
-                       microbatch)
+                       microbatch, self._forward_sender()[1])
 
     def _release_slot(self) -> None:
         self.in_flight -= 1
